@@ -1,0 +1,61 @@
+"""An Agent: model, tools, limits, hooks. Defined in user code, addressed by reference."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from runtime.batch import ToolRecoveryPolicy
+from runtime.errors import AgentImportError
+from runtime.hooks import Hook
+from runtime.models import Model
+from runtime.tools import Tool
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    model: Model
+    tools: Sequence[Tool] = ()
+    max_steps: int = 16
+    """The Run ends ``max_steps`` after this many inferences; tools are withheld on the last."""
+    policies: Mapping[str, ToolRecoveryPolicy] = field(default_factory=dict)
+    """Per tool id, overrides the tool's default recovery policy."""
+    hooks: Sequence[Hook] = ()
+    system: str = ""
+    inference_attempts: int = 2
+    """Attempts per inference before the Run ends failed(inference)."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError("max_steps must be at least 1")
+        ids = [t.id for t in self.tools]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"agent {self.name}: duplicate tool ids {ids}")
+
+    def tool(self, tool_id: str) -> Tool | None:
+        return next((t for t in self.tools if t.id == tool_id), None)
+
+    def policy_for(self, tool: Tool) -> ToolRecoveryPolicy:
+        return self.policies.get(tool.id, tool.default_policy)
+
+
+def load_agent(ref: str) -> Agent:
+    """Resolve ``module:attr`` to an Agent (an Agent, or a zero-argument factory of one)."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise AgentImportError(f"agent reference {ref!r} must look like 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise AgentImportError(f"cannot import module {module_name!r} for {ref!r}: {exc}") from exc
+    try:
+        obj = getattr(module, attr)
+    except AttributeError as exc:
+        raise AgentImportError(f"module {module_name!r} has no attribute {attr!r}") from exc
+    if callable(obj) and not isinstance(obj, Agent):
+        obj = obj()
+    if not isinstance(obj, Agent):
+        raise AgentImportError(f"{ref!r} is a {type(obj).__name__}, not an Agent")
+    return obj

@@ -1,0 +1,423 @@
+"""The Step engine (DESIGN §3): drives one Run from its committed frontier.
+
+Every transition is committed before anything relies on it. The engine holds no
+truth of its own: it starts from ``store.load`` and after each commit folds that
+commit into its copy of the frontier with the same pure function the stores use.
+The same engine runs under the in-process runner and inside a Ray RunHost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from runtime.agent import Agent
+from runtime.batch import (
+    ActiveToolBatch,
+    CallSpec,
+    ToolRecoveryPolicy,
+    finalize,
+    open_batch,
+    seal,
+)
+from runtime.commit import Frontier, ThreadCommit, advance, stamp_facts
+from runtime.errors import InvalidTransition, StateConflict, StoreUnavailable
+from runtime.events import Delta, Fact
+from runtime.facts import derive_facts
+from runtime.faults import NO_FAULTS, FaultPlan
+from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
+from runtime.ids import CallId, RunId, ThreadId
+from runtime.lifecycle import (
+    AwaitingState,
+    Cancelled,
+    EndCause,
+    EndedState,
+    Failed,
+    MaxSteps,
+    Natural,
+    ResumeCommand,
+    RunDisposition,
+    RunningState,
+    Stopped,
+    ThreadStatus,
+    validate_resume,
+)
+from runtime.messages import AssistantMessage, Message, ToolResultMessage, ToolUse, UserMessage
+from runtime.models import InferenceRequest, ModelResponse
+from runtime.ports import CommitStore, LiveBus, ToolRunner
+from runtime.state import Command
+from runtime.toolbatch import advance_batch, apply_resume
+
+log = logging.getLogger("ratchet.engine")
+T = TypeVar("T")
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@dataclass(frozen=True)
+class StoreRetry:
+    """Backoff for StoreUnavailable: the Run pauses, it never records a guess."""
+
+    first_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+    give_up_after_s: float = 60.0
+
+
+class _Cancelled(Exception):
+    """Internal: the cancellation signal won a race."""
+
+
+class _RunOver(Exception):
+    """Internal: the Run reached a terminal or awaiting commit inside a helper."""
+
+
+@dataclass
+class RunContext:
+    """The engine's working copy of one Run (never the truth: the store is)."""
+
+    frontier: Frontier
+    epoch: int
+    execution: ExecutionState
+    pending: list[Command] = field(default_factory=list)
+    """Hook commands staged for the next commit."""
+
+    @property
+    def run_id(self) -> RunId:
+        assert self.frontier.run_id is not None
+        return self.frontier.run_id
+
+
+class Engine:
+    """Drives one Run. Create one per Run attempt; crash it by abandoning it."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        store: CommitStore,
+        tools: ToolRunner,
+        *,
+        bus: LiveBus | None = None,
+        faults: FaultPlan = NO_FAULTS,
+        owner: str | None = None,
+        prompt_path: Sequence[str] | None = None,
+        store_retry: StoreRetry = StoreRetry(),
+    ) -> None:
+        self.agent = agent
+        self.store = store
+        self.tools = tools
+        self.bus = bus
+        self.faults = faults
+        self.owner = owner or f"engine-{uuid.uuid4().hex[:8]}"
+        self.prompt_path = tuple(prompt_path or (agent.name,))
+        self.store_retry = store_retry
+        self.cancel_event = asyncio.Event()
+        self.stop_reason: str | None = None
+
+    # ---- control --------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Checked before inference, while inference and tools are awaited, between steps."""
+        self.cancel_event.set()
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        self.cancel_event.set()
+
+    # ---- entry points -----------------------------------------------------------------
+
+    async def start(
+        self, thread: ThreadId, text: str, *, run_id: RunId | None = None,
+        message_id: str | None = None,
+    ) -> Frontier:
+        """Activate a new Run with ``text`` as input and drive it. Idempotent by run id."""
+        run_id = run_id or RunId(f"run-{uuid.uuid4().hex}")
+        ctx = await self._claim(thread)
+        if ctx.frontier.run_id == run_id:
+            return await self._drive(ctx)
+        if ctx.frontier.run_state is not None and not ctx.frontier.ended:
+            raise InvalidTransition(
+                f"thread {thread} already has an active run {ctx.frontier.run_id}"
+            )
+        user = UserMessage(id=message_id or f"{run_id}:input", text=text)
+        await self._commit(ctx, "activation", RunningState(run_id=run_id), messages=(user,),
+                           run_id=run_id)
+        return await self._drive(ctx)
+
+    async def recover(self, thread: ThreadId) -> Frontier:
+        """Claim the thread (fencing the previous owner) and continue from its frontier."""
+        ctx = await self._claim(thread)
+        state = ctx.frontier.run_state
+        if isinstance(state, RunningState) and ctx.frontier.status.state != "running":
+            await self._commit(ctx, "status", state)
+        return await self._drive(ctx)
+
+    async def resume(self, command: ResumeCommand) -> Frontier:
+        """Validate ``command`` against the committed ticket, apply it, and drive on.
+
+        Raises ResumeRejected (naming the failed axis) and leaves the ticket intact.
+        """
+        ctx = await self._claim(command.thread_id)
+        state = ctx.frontier.run_state
+        ticket = state.ticket if isinstance(state, AwaitingState) else None
+        validate_resume(ticket, command, now_us())
+        assert ticket is not None
+        try:
+            await apply_resume(self, ctx, ticket, command)
+        except _Cancelled:
+            await self._end(ctx, self._control_cause())
+        return await self._drive(ctx)
+
+    async def _claim(self, thread: ThreadId) -> RunContext:
+        epoch = await self._retrying(lambda: self.store.claim(thread, self.owner))
+        frontier = await self._retrying(lambda: self.store.load(thread))
+        execution = ExecutionState(
+            RunId(frontier.run_id or ""), thread, self.prompt_path, self.cancel_event
+        )
+        return RunContext(frontier=frontier, epoch=epoch, execution=execution)
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    async def _drive(self, ctx: RunContext) -> Frontier:
+        try:
+            while True:
+                f = ctx.frontier
+                if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
+                    return f
+                if self.cancel_event.is_set() or ctx.execution.stopped:
+                    await self._end(ctx, self._control_cause())
+                elif f.batch is not None and not f.batch.all_terminal:
+                    await advance_batch(self, ctx)
+                else:
+                    await self._step(ctx)
+        except _Cancelled:
+            await self._end(ctx, self._control_cause())
+        except _RunOver:
+            pass
+        return ctx.frontier
+
+    def _control_cause(self) -> EndCause:
+        if self.stop_reason is not None:
+            return Stopped(reason=self.stop_reason)
+        return Cancelled()
+
+    async def _step(self, ctx: RunContext) -> None:
+        f = ctx.frontier
+        prior = f.batch
+        hooks = HookResults()
+        if prior is not None:
+            await self.hooks(ctx, "StepEnd", hooks, step=prior.step)
+        step = f.steps
+        results = _result_messages(prior)
+        if step >= self.agent.max_steps:
+            await self._end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
+            return
+        await self.hooks(ctx, "StepStart", hooks, step=step)
+        await self.hooks(ctx, "BeforeInference", hooks, step=step)
+        last = step == self.agent.max_steps - 1
+        response = await self._infer(ctx, step, (*f.messages, *results, *hooks.context), last)
+        if response is None:
+            return
+        await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
+        assistant = AssistantMessage(text=response.text, tool_calls=_unique(response.tool_calls))
+        messages = (*results, assistant)
+        if not assistant.tool_calls or last:
+            if not assistant.tool_calls:
+                await self.hooks(ctx, "StepEnd", hooks, step=step)
+            cause = MaxSteps() if assistant.tool_calls else Natural()
+            await self._end(ctx, cause, messages=messages, batch=prior, commands=hooks.commands)
+            return
+        batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
+        await self._commit(ctx, "inference", RunningState(run_id=ctx.run_id), messages=messages,
+                           batch=batch, commands=hooks.commands)
+
+    def _spec(self, use: ToolUse) -> CallSpec:
+        tool = self.agent.tool(use.tool)
+        policy = self.agent.policy_for(tool) if tool else ToolRecoveryPolicy()
+        return CallSpec(call_id=use.call_id, tool=use.tool, arguments=use.arguments, policy=policy)
+
+    async def _infer(
+        self, ctx: RunContext, step: int, history: tuple[Any, ...], last: bool
+    ) -> ModelResponse | None:
+        """Ask the model, streaming deltas live; None when the Run ended failed(inference)."""
+        tools = None if last else tuple(t.schema() for t in self.agent.tools)
+        error: Exception | None = None
+        for attempt in range(1, self.agent.inference_attempts + 1):
+            if self.cancel_event.is_set():
+                raise _Cancelled
+            request = InferenceRequest(
+                run_id=ctx.run_id, step=step, attempt=attempt, messages=history, tools=tools
+            )
+            try:
+                return await self.guard(self._stream(ctx, request))
+            except _Cancelled:
+                raise
+            except Exception as exc:  # a model failure of any kind is the model's, not ours
+                error = exc
+                log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
+        assert error is not None
+        await self._end(ctx, Failed(failure="inference", code=type(error).__name__,
+                                    message=str(error)[:2000]))
+        return None
+
+    async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
+        response: ModelResponse | None = None
+        async for item in self.agent.model.stream(request):
+            if isinstance(item, ModelResponse):
+                response = item
+            elif self.bus is not None:
+                delta = Delta(type=item.type, run_id=request.run_id, step=request.step,
+                              attempt=request.attempt, text=item.text)
+                await self._publish(ctx, (delta,))
+        if response is None:
+            raise RuntimeError("the model stream ended without a complete response")
+        return response
+
+    async def hooks(
+        self, ctx: RunContext, point: HookPoint, into: HookResults, *, step: int,
+        response: Any = None, call: Any = None,
+    ) -> None:
+        if not any(h.point == point for h in self.agent.hooks):
+            return
+        ctx.execution.step_count = step
+        ctx.execution.message_history = ctx.frontier.messages
+        hook_input = HookInput(point=point, run_id=ctx.run_id, thread_id=ctx.frontier.thread_id,
+                               step=step, state=ctx.frontier.state, execution=ctx.execution,
+                               response=response, call=call)
+        await run_hooks(self.agent.hooks, hook_input, into)
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the cancellation signal fires first."""
+        task = asyncio.ensure_future(work)
+        cancel = asyncio.ensure_future(self.cancel_event.wait())
+        try:
+            done, _ = await asyncio.wait({task, cancel}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancel.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise _Cancelled
+
+    # ---- commits ----------------------------------------------------------------------
+
+    async def _end(
+        self, ctx: RunContext, cause: EndCause, *, messages: tuple[Message, ...] = (),
+        batch: ActiveToolBatch | None = None, commands: Sequence[Command] = (),
+    ) -> None:
+        """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized."""
+        open_batch_ = batch or ctx.frontier.batch
+        sealed = seal(open_batch_) if open_batch_ is not None else None
+        if sealed is not None and batch is None and not messages:
+            messages = _result_messages(sealed)
+        await self._commit(ctx, "ended", EndedState(run_id=ctx.run_id, cause=cause),
+                           messages=messages, batch=sealed, commands=commands)
+
+    async def commit(
+        self, ctx: RunContext, label: Any, disposition: RunDisposition, **parts: Any
+    ) -> None:
+        await self._commit(ctx, label, disposition, **parts)
+
+    async def _commit(
+        self, ctx: RunContext, label: Any, disposition: RunDisposition, *,
+        messages: Sequence[Message] = (), batch: ActiveToolBatch | None = None,
+        commands: Sequence[Command] = (), run_id: RunId | None = None,
+        extra_facts: Sequence[Fact] = (),
+    ) -> None:
+        f = ctx.frontier
+        run = run_id or ctx.run_id
+        all_commands = (*ctx.pending, *commands)
+        status = _status_after(f.status, disposition, now_us())
+        commit = ThreadCommit(
+            thread_id=f.thread_id, run_id=run,
+            ordinal=0 if run != f.run_id else f.next_ordinal,
+            label=label, disposition=disposition, messages=tuple(messages),
+            commands=all_commands, batch=batch,
+            status=status if status != f.status else None,
+        )
+        commit = commit.model_copy(update={"events": (*derive_facts(commit, f), *extra_facts)})
+        try:
+            new_frontier = advance(f, commit)
+        except StateConflict as exc:
+            if isinstance(disposition, EndedState) and not all_commands:
+                raise
+            ctx.pending.clear()
+            await self._end(ctx, Failed(failure="state_conflict", code="state_conflict",
+                                        message=str(exc)))
+            raise _RunOver from exc
+        self.faults.hit(f"before:{label}")
+        receipt = await self._retrying(lambda: self.store.append(commit, f.version, ctx.epoch))
+        self.faults.hit(f"after:{label}")
+        ctx.pending.clear()
+        ctx.frontier = new_frontier
+        ctx.execution.run_id = run
+        await self._publish(ctx, stamp_facts(commit, receipt.seq))
+
+    async def _retrying(self, op: Any) -> Any:
+        delay, deadline = self.store_retry.first_delay_s, None
+        while True:
+            try:
+                return await op()
+            except StoreUnavailable as exc:
+                loop_time = asyncio.get_running_loop().time()
+                deadline = deadline or loop_time + self.store_retry.give_up_after_s
+                if loop_time >= deadline:
+                    raise
+                log.warning("store unavailable (%s); retrying in %.2fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.store_retry.max_delay_s)
+
+    async def _publish(self, ctx: RunContext, events: Sequence[Fact | Delta]) -> None:
+        if self.bus is None or not events:
+            return
+        try:
+            await self.bus.publish(ctx.frontier.thread_id, events)
+        except Exception as exc:  # the bus is best effort: facts are re-read from the store
+            log.warning("live bus publish failed for %s: %s", ctx.frontier.thread_id, exc)
+
+
+def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) -> ThreadStatus:
+    if isinstance(disposition, RunningState):
+        return current.moved_to("running", None, now)
+    if isinstance(disposition, AwaitingState):
+        return current.moved_to("idle", f"awaiting_{disposition.ticket.payload_kind}", now)
+    cause = disposition.cause
+    if isinstance(cause, Failed):
+        return current.moved_to("failed", cause.code, now)
+    return current.moved_to("idle", cause.kind, now)
+
+
+def _result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:
+    """Publish a terminal batch's results in the model's call order."""
+    if batch is None:
+        return ()
+    return tuple(
+        ToolResultMessage(call_id=c.call_id, tool=c.tool, content=out.content,
+                          is_error=out.is_error)
+        for c in batch.calls
+        for out in (c.to_model_output(),)
+    )
+
+
+def _unique(calls: Sequence[ToolUse]) -> tuple[ToolUse, ...]:
+    """Models sometimes repeat a call id; rename repeats so every call stays addressable."""
+    seen: set[str] = set()
+    out = []
+    for use in calls:
+        cid = use.call_id or "call"
+        n = 1
+        while cid in seen:
+            n += 1
+            cid = f"{use.call_id}#{n}"
+        seen.add(cid)
+        out.append(use if cid == use.call_id else use.model_copy(update={"call_id": CallId(cid)}))
+    return tuple(out)
+
+
+__all__ = ["Engine", "RunContext", "StoreRetry", "finalize", "now_us"]

@@ -1,0 +1,107 @@
+"""Ratchet's one error vocabulary.
+
+    RatchetError
+    ├── InvalidTransition        a state-machine rule was broken (batch, run state)
+    ├── CorruptBatch             a persisted batch failed re-validation on decode
+    ├── ResumeRejected           a ResumeCommand did not match the ticket (names the axis)
+    ├── StateConflict            state commands of one commit cannot be merged
+    ├── ToolDefinitionError      a @tool cannot be built from its signature
+    ├── ScriptExhausted          a ScriptedModel was asked for more than its script
+    ├── AgentImportError         an agent reference ``module:attr`` cannot be resolved
+    └── StoreError               raised by every store backend, never a driver error
+        ├── VersionConflict      the thread is not at the expected version
+        ├── Fenced               the writer's owner epoch is stale
+        ├── DuplicateOperation   a known operation id arrived with a different payload
+        ├── RunEnded             the Run is ended; nothing more may be committed
+        ├── StoreUnavailable     the server cannot be reached (retry with backoff)
+        ├── CorruptRecord        a stored record failed validation (names thread, seq)
+        └── PayloadTooLarge      a commit exceeds the backend's limit (names it)
+
+Backends translate driver exceptions into these at their edge; nothing above
+``storage/`` catches a driver exception.
+"""
+
+from __future__ import annotations
+
+
+class RatchetError(Exception):
+    """Base of every error Ratchet raises on purpose."""
+
+
+class InvalidTransition(RatchetError):
+    """A transition that the state machines of DESIGN §2 forbid."""
+
+
+class CorruptBatch(RatchetError):
+    """A persisted ActiveToolBatch broke an invariant when it was decoded."""
+
+
+class ResumeRejected(RatchetError):
+    """A ResumeCommand failed validation; the ticket is left intact."""
+
+    def __init__(self, axis: str, detail: str) -> None:
+        super().__init__(f"resume rejected on {axis}: {detail}")
+        self.axis = axis
+        self.detail = detail
+
+
+class StateConflict(RatchetError):
+    """Two state commands of one commit cannot be merged under their policy."""
+
+
+class ToolDefinitionError(RatchetError):
+    """A tool's declaration is unusable (bad signature, unknown recovery mode)."""
+
+
+class ScriptExhausted(RatchetError):
+    """A ScriptedModel was asked for a response beyond the end of its script."""
+
+
+class AgentImportError(RatchetError):
+    """An agent reference could not be imported or is not an Agent."""
+
+
+class StoreError(RatchetError):
+    """Base of every error a store backend raises."""
+
+
+class VersionConflict(StoreError):
+    def __init__(self, thread: str, expected: int, actual: int) -> None:
+        super().__init__(f"thread {thread!r} is at version {actual}, expected {expected}")
+        self.thread, self.expected, self.actual = thread, expected, actual
+
+
+class Fenced(StoreError):
+    def __init__(self, thread: str, epoch: int, current: int) -> None:
+        super().__init__(
+            f"writer epoch {epoch} on thread {thread!r} is stale (current owner epoch {current})"
+        )
+        self.thread, self.epoch, self.current = thread, epoch, current
+
+
+class DuplicateOperation(StoreError):
+    def __init__(self, operation_id: str) -> None:
+        super().__init__(f"operation {operation_id!r} was already committed with another payload")
+        self.operation_id = operation_id
+
+
+class RunEnded(StoreError):
+    def __init__(self, thread: str, run: str) -> None:
+        super().__init__(f"run {run!r} on thread {thread!r} has ended; nothing may be committed")
+        self.thread, self.run = thread, run
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached; the caller retries with backoff and records no guess."""
+
+
+class CorruptRecord(StoreError):
+    def __init__(self, thread: str, seq: int, detail: str) -> None:
+        super().__init__(f"corrupt record on thread {thread!r} at seq {seq}: {detail}")
+        self.thread, self.seq = thread, seq
+
+
+class PayloadTooLarge(StoreError):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"commit payload is {size} bytes; the limit is {limit} bytes")
+        self.size, self.limit = size, limit

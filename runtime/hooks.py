@@ -1,0 +1,95 @@
+"""The five hook points, the one input object each hook takes, and ExecutionState.
+
+A hook returns data (state commands, request-only context); it mutates nothing.
+Hooks run as a plain ordered list for now; plugin resolution comes later (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from runtime.batch import ToolCall
+from runtime.ids import RunId, ThreadId
+from runtime.messages import ContextMessage, Message
+from runtime.state import Command, StateView
+
+HookPoint = Literal["StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd"]
+HOOK_POINTS: tuple[HookPoint, ...] = (
+    "StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd",
+)
+
+
+class ExecutionState:
+    """What tools and hooks see of a Run while it executes (DESIGN §9)."""
+
+    def __init__(
+        self, run_id: RunId, thread_id: ThreadId, prompt_path: Sequence[str],
+        cancel: asyncio.Event,
+    ) -> None:
+        self.run_id = run_id
+        self.thread_id = thread_id
+        self.prompt_path = tuple(prompt_path)
+        self.step_count = 0
+        self.message_history: tuple[Message, ...] = ()
+        self.cancel_signal = cancel
+        self.stopped = False
+
+    def stop(self) -> None:
+        """End the loop after the current operation (the Run ends ``stopped``)."""
+        self.stopped = True
+
+
+@dataclass(frozen=True)
+class HookInput:
+    """One object per hook call, so adding a field never breaks a hook."""
+
+    point: HookPoint
+    run_id: RunId
+    thread_id: ThreadId
+    step: int
+    state: StateView
+    execution: ExecutionState
+    response: Any = None
+    """AfterInference: the ModelResponse."""
+    call: ToolCall | None = None
+    """AfterTool: the call, in its terminal phase."""
+
+
+@dataclass(frozen=True)
+class HookOutput:
+    commands: Sequence[Command] = ()
+    context: Sequence[ContextMessage] = ()
+    """Request-only context for the next inference; never committed."""
+
+
+HookFn = Callable[[HookInput], "HookOutput | None | Awaitable[HookOutput | None]"]
+
+
+@dataclass(frozen=True)
+class Hook:
+    point: HookPoint
+    fn: HookFn
+    name: str = ""
+
+
+@dataclass
+class HookResults:
+    commands: list[Command] = field(default_factory=list)
+    context: list[ContextMessage] = field(default_factory=list)
+
+
+async def run_hooks(hooks: Sequence[Hook], hook_input: HookInput, into: HookResults) -> None:
+    """Run the hooks of one point in list order, collecting what they return."""
+    for hook in hooks:
+        if hook.point != hook_input.point:
+            continue
+        out = hook.fn(hook_input)
+        if inspect.isawaitable(out):
+            out = await out
+        if out is not None:
+            into.commands.extend(out.commands)
+            into.context.extend(out.context)

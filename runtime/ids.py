@@ -1,0 +1,33 @@
+"""Typed identifiers.
+
+Every id is a plain string on the wire; ``NewType`` keeps them apart for the type
+checker so a ``CallId`` is never passed where a ``RunId`` is expected.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+RunId = NewType("RunId", str)
+ThreadId = NewType("ThreadId", str)
+CallId = NewType("CallId", str)
+OperationId = NewType("OperationId", str)
+BatchId = NewType("BatchId", str)
+ToolId = NewType("ToolId", str)
+CorrelationId = NewType("CorrelationId", str)
+
+SCHEMA_VERSION = 1
+"""Version of every persisted shape; decoding a record of another version fails closed."""
+
+
+def batch_id(run: RunId, step: int) -> BatchId:
+    return BatchId(f"tool-batch:{run}:{step}")
+
+
+def call_operation_id(batch: BatchId, call: CallId) -> OperationId:
+    """The stable id a tool receives so downstream systems can deduplicate."""
+    return OperationId(f"{batch}:{call}")
+
+
+def commit_operation_id(run: RunId, ordinal: int) -> OperationId:
+    return OperationId(f"{run}:commit:{ordinal}")

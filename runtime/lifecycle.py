@@ -1,0 +1,216 @@
+"""RunState, EndCause, ResumeTicket, ResumeCommand and ThreadStatus (DESIGN §2, §9)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from runtime.base import Frozen
+from runtime.batch import ToolOutput, WaitKind
+from runtime.errors import ResumeRejected
+from runtime.ids import CallId, CorrelationId, RunId, ThreadId
+
+# ---- end causes -----------------------------------------------------------------------
+
+
+class Natural(Frozen):
+    """The model answered without tool calls; requires committed assistant output."""
+
+    kind: Literal["natural"] = "natural"
+
+
+class MaxSteps(Frozen):
+    kind: Literal["max_steps"] = "max_steps"
+
+
+class Cancelled(Frozen):
+    kind: Literal["cancelled"] = "cancelled"
+
+
+class Stopped(Frozen):
+    kind: Literal["stopped"] = "stopped"
+    reason: str
+
+
+FailureKind = Literal["inference", "capability_bound", "state_conflict", "store"]
+
+
+class Failed(Frozen):
+    kind: Literal["failed"] = "failed"
+    failure: FailureKind
+    code: str
+    message: str
+
+
+class IndeterminateEnd(Frozen):
+    kind: Literal["indeterminate"] = "indeterminate"
+    reason: str
+
+
+EndCause = Annotated[
+    Natural | MaxSteps | Cancelled | Stopped | Failed | IndeterminateEnd,
+    Field(discriminator="kind"),
+]
+
+# ---- resume tickets -------------------------------------------------------------------
+
+
+class ToolWaitTarget(Frozen):
+    """A tool call waiting for permission, an external result, a schedule or a child."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    wait: WaitKind
+    call_id: CallId
+    tool: str
+    arguments: str
+
+
+class UserInputTarget(Frozen):
+    kind: Literal["user_input"] = "user_input"
+    prompt: str = ""
+
+
+class PauseTarget(Frozen):
+    kind: Literal["pause"] = "pause"
+    reason: Literal["manual", "rate_limit", "budget"] = "manual"
+
+
+ResumeTarget = Annotated[
+    ToolWaitTarget | UserInputTarget | PauseTarget, Field(discriminator="kind")
+]
+
+
+class ResumeTicket(Frozen):
+    """Committed with Awaiting: the one typed correlation that may resume the Run."""
+
+    correlation: CorrelationId
+    run_id: RunId
+    thread_id: ThreadId
+    deadline_us: int | None = None
+    """Microseconds since the epoch after which a resume is rejected; None: no deadline."""
+    target: ResumeTarget
+
+    @property
+    def payload_kind(self) -> str:
+        """The ResumeCommand payload kind this ticket accepts."""
+        if isinstance(self.target, ToolWaitTarget):
+            return self.target.wait
+        return self.target.kind
+
+
+class PermissionDecision(Frozen):
+    kind: Literal["permission"] = "permission"
+    approve: bool
+    note: str = ""
+
+
+class ExternalResult(Frozen):
+    kind: Literal["external_result"] = "external_result"
+    output: ToolOutput
+
+
+class ScheduledFire(Frozen):
+    kind: Literal["scheduled_action"] = "scheduled_action"
+
+
+class DelegationOutcome(Frozen):
+    kind: Literal["delegation"] = "delegation"
+    output: ToolOutput
+
+
+class UserInput(Frozen):
+    kind: Literal["user_input"] = "user_input"
+    text: str
+
+
+class Unpause(Frozen):
+    kind: Literal["pause"] = "pause"
+
+
+ResumePayload = Annotated[
+    PermissionDecision | ExternalResult | ScheduledFire | DelegationOutcome | UserInput | Unpause,
+    Field(discriminator="kind"),
+]
+
+
+class ResumeCommand(Frozen):
+    correlation: CorrelationId
+    run_id: RunId
+    thread_id: ThreadId
+    payload: ResumePayload
+    call_id: CallId | None = None
+    """Required when the ticket targets a tool call."""
+
+
+def validate_resume(ticket: ResumeTicket | None, command: ResumeCommand, now_us: int) -> None:
+    """Check a command against the committed ticket in the fixed order of DESIGN §2.
+
+    Raises ResumeRejected naming the first axis that fails; the ticket is untouched.
+    """
+    if ticket is None:
+        raise ResumeRejected("ticket", "the run is not awaiting (no committed ticket)")
+    if command.correlation != ticket.correlation:
+        raise ResumeRejected("correlation", f"expected {ticket.correlation!r}")
+    if command.run_id != ticket.run_id:
+        raise ResumeRejected("run", f"ticket belongs to run {ticket.run_id!r}")
+    if command.thread_id != ticket.thread_id:
+        raise ResumeRejected("thread", f"ticket belongs to thread {ticket.thread_id!r}")
+    if ticket.deadline_us is not None and now_us > ticket.deadline_us:
+        raise ResumeRejected("deadline", "the ticket's deadline has passed")
+    if command.payload.kind != ticket.payload_kind:
+        raise ResumeRejected(
+            "payload", f"expected a {ticket.payload_kind} payload, got {command.payload.kind}"
+        )
+    if isinstance(ticket.target, ToolWaitTarget) and command.call_id != ticket.target.call_id:
+        raise ResumeRejected("call_id", f"ticket waits on call {ticket.target.call_id!r}")
+
+
+# ---- run state (= run disposition) ----------------------------------------------------
+
+
+class RunningState(Frozen):
+    kind: Literal["running"] = "running"
+    run_id: RunId
+
+
+class AwaitingState(Frozen):
+    kind: Literal["awaiting"] = "awaiting"
+    run_id: RunId
+    ticket: ResumeTicket
+
+
+class EndedState(Frozen):
+    kind: Literal["ended"] = "ended"
+    run_id: RunId
+    cause: EndCause
+
+
+RunState = Annotated[RunningState | AwaitingState | EndedState, Field(discriminator="kind")]
+"""The only stored lifecycle value. A commit's RunDisposition has the same shape, so
+"awaiting without a ticket" and "a ticket on running/ended" cannot be built."""
+RunDisposition = RunState
+
+
+# ---- thread run status ----------------------------------------------------------------
+
+StatusState = Literal["idle", "running", "failed"]
+
+
+class ThreadStatus(Frozen):
+    """The thread seen from outside: is an execution in flight, how did the last one end."""
+
+    state: StatusState = "idle"
+    since: int = 0
+    """Microseconds since the epoch of the last change of state or reason."""
+    reason: str | None = None
+    """Raw stop reason code of the last transition out of running; opaque to clients."""
+
+    def moved_to(self, state: StatusState, reason: str | None, now_us: int) -> ThreadStatus:
+        """The next status; ``since`` changes only when state or reason change."""
+        if state == self.state and reason == self.reason:
+            return self
+        return ThreadStatus(state=state, since=now_us, reason=reason)
+
+    def frame(self) -> dict[str, object]:
+        return {"type": "thread_status", "status": self.model_dump(mode="json")}

@@ -1,0 +1,95 @@
+"""The Model port and a deterministic ScriptedModel for tests, demos and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Literal, Protocol
+
+from runtime.base import Frozen
+from runtime.errors import ScriptExhausted
+from runtime.ids import CallId, RunId
+from runtime.messages import RequestMessage, ToolUse
+
+
+class InferenceRequest(Frozen):
+    run_id: RunId
+    step: int
+    """Index of this Step within its Run (0-based)."""
+    attempt: int
+    messages: tuple[RequestMessage, ...]
+    tools: tuple[dict[str, Any], ...] | None
+    """Tool schemas, or None when tools are withheld (the last allowed step)."""
+
+
+class ModelDelta(Frozen):
+    type: Literal["text_delta", "reasoning_delta", "tool_call_delta"] = "text_delta"
+    text: str
+
+
+class ModelResponse(Frozen):
+    """The complete response: text, tool calls, or both."""
+
+    text: str = ""
+    tool_calls: tuple[ToolUse, ...] = ()
+
+
+class Model(Protocol):
+    def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        """Yield deltas, then exactly one ModelResponse last."""
+
+
+def call(tool: str, call_id: str, **arguments: Any) -> ToolUse:
+    """Shorthand for a scripted tool call."""
+    return ToolUse(call_id=CallId(call_id), tool=tool, arguments=json.dumps(arguments))
+
+
+ScriptEntry = ModelResponse | Callable[[InferenceRequest], ModelResponse]
+
+
+class ScriptedModel:
+    """Answers Step *n* of every Run with entry *n* of its script.
+
+    Choosing by step (not by call count) keeps it deterministic across crashes: a
+    recovered Run that asks again for Step *n* gets the same answer. ``consumed``
+    tells whether every entry was served at least once.
+    """
+
+    def __init__(self, script: Sequence[ScriptEntry], latency_s: float = 0.0) -> None:
+        if not script:
+            raise ValueError("a script needs at least one response")
+        self.script = tuple(script)
+        self.latency_s = latency_s
+        self.served: set[int] = set()
+
+    @property
+    def consumed(self) -> bool:
+        return len(self.served) == len(self.script)
+
+    def assert_consumed(self) -> None:
+        left = sorted(set(range(len(self.script))) - self.served)
+        if left:
+            raise AssertionError(f"script entries {left} were never served")
+
+    def respond(self, request: InferenceRequest) -> ModelResponse:
+        if request.step >= len(self.script):
+            raise ScriptExhausted(
+                f"script has {len(self.script)} responses; step {request.step} asked for more"
+            )
+        self.served.add(request.step)
+        entry = self.script[request.step]
+        return entry(request) if callable(entry) else entry
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        response = self.respond(request)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        for word in _chunks(response.text):
+            yield ModelDelta(text=word)
+        yield response
+
+
+def _chunks(text: str) -> list[str]:
+    words = text.split(" ")
+    return [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words) if text]

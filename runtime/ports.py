@@ -1,0 +1,120 @@
+"""The ports: small Protocols the engine drives; storage/ and actors/ implement them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import Field
+
+from runtime.base import Frozen
+from runtime.batch import ToolOutput
+from runtime.commit import Frontier, Receipt, ThreadCommit
+from runtime.events import AgentEvent
+from runtime.ids import CallId, OperationId, RunId, ThreadId
+from runtime.lifecycle import ThreadStatus
+from runtime.state import Command
+
+
+class CommittedRecord(Frozen):
+    seq: int
+    commit: ThreadCommit
+
+
+class RunSummary(Frozen):
+    thread_id: ThreadId
+    run_id: RunId
+    state: Literal["running", "awaiting", "ended"]
+    status: ThreadStatus
+    version: int
+    cause: str | None = None
+    """End cause kind for ended runs."""
+
+
+class CommitStore(Protocol):
+    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
+        """Append iff the thread is at ``expected_version`` and ``epoch`` is current."""
+
+    async def load(self, thread: ThreadId) -> Frontier:
+        """The committed frontier; an empty one (version 0) for an unknown thread."""
+
+    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
+        """Committed records with seq > after_seq, in order."""
+
+    async def claim(self, thread: ThreadId, owner: str) -> int:
+        """Become the thread's owner; returns the new epoch, fencing every earlier one."""
+
+    async def list_runs(
+        self, state: Literal["running", "awaiting", "ended"] | None = None
+    ) -> list[RunSummary]:
+        """The latest Run of every thread, optionally only those in ``state``."""
+
+    async def close(self) -> None: ...
+
+
+class LiveBus(Protocol):
+    async def publish(self, thread: ThreadId, events: Sequence[AgentEvent]) -> None:
+        """Best effort; a lost Delta costs nothing, facts are re-read from the store."""
+
+    def subscribe(self, thread: ThreadId, after: str | None = None) -> AsyncIterator[AgentEvent]:
+        """Events after the offset ``after`` (None: only new ones)."""
+
+
+class StreamCheckpoint(Frozen):
+    run_id: RunId
+    step: int
+    text: str = ""
+    tool_calls: tuple[dict[str, Any], ...] = ()
+
+
+class StreamCheckpointStore(Protocol):
+    async def get(self, thread: ThreadId) -> StreamCheckpoint | None: ...
+    async def put(self, thread: ThreadId, checkpoint: StreamCheckpoint) -> None: ...
+    async def delete(self, thread: ThreadId) -> None: ...
+
+
+# ---- tool execution ---------------------------------------------------------------------
+
+
+class ToolInvocation(Frozen):
+    """One call as an executor receives it: ids and validated data, never a function."""
+
+    tool: str
+    arguments: dict[str, Any]
+    call_id: CallId
+    operation_id: OperationId
+    attempt: int
+    run_id: RunId
+    thread_id: ThreadId
+    prompt_path: tuple[str, ...] = ()
+    timeout_s: float | None = None
+
+
+class Finished(Frozen):
+    """The tool returned, or raised (then ``output.is_error``): the outcome is known."""
+
+    kind: Literal["finished"] = "finished"
+    output: ToolOutput
+    commands: tuple[Command, ...] = ()
+
+
+class Unavailable(Frozen):
+    """UnavailableBeforeDispatch: nothing was dispatched, safe to retry."""
+
+    kind: Literal["unavailable"] = "unavailable"
+    message: str
+
+
+class Lost(Frozen):
+    """The executor died or timed out mid-call: the effect may have happened."""
+
+    kind: Literal["lost"] = "lost"
+    message: str
+
+
+ToolOutcome = Annotated[Finished | Unavailable | Lost, Field(discriminator="kind")]
+
+
+class ToolRunner(Protocol):
+    async def run(self, invocations: Sequence[ToolInvocation]) -> list[ToolOutcome]:
+        """Run one wave; one round trip; outcomes in the invocations' order."""

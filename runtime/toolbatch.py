@@ -1,0 +1,227 @@
+"""Carrying out an open ActiveToolBatch: gates, waves, the executor, results (DESIGN §3).
+
+The plan comes from the pure recovery decision (``plan_calls``), so a live Step
+and a recovered one take the same path: requested calls run their gates, an
+interrupted ``executing`` call follows its pinned policy, terminal calls are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from runtime.batch import (
+    ActiveToolBatch,
+    ToolOutput,
+    complete,
+    mark_awaiting,
+    mark_executing,
+    mark_indeterminate,
+)
+from runtime.events import Fact
+from runtime.hooks import HookResults
+from runtime.ids import CallId, CorrelationId
+from runtime.lifecycle import (
+    AwaitingState,
+    DelegationOutcome,
+    ExternalResult,
+    PermissionDecision,
+    ResumeCommand,
+    ResumeTicket,
+    RunningState,
+    ToolWaitTarget,
+    UserInput,
+)
+from runtime.messages import Message, UserMessage
+from runtime.ports import Finished, Lost, ToolInvocation
+from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
+from runtime.state import Command
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine, RunContext
+
+
+async def advance_batch(engine: Engine, ctx: RunContext) -> None:
+    """Bring every call of the open batch to a terminal phase, or to one committed wait."""
+    batch = ctx.frontier.batch
+    assert batch is not None
+    ready: list[CallId] = []
+    waiter: CallId | None = None
+    for action in plan_calls(batch, lambda tool, mode: _supports(engine, tool, mode)):
+        if isinstance(action, MarkIndeterminate):
+            batch = mark_indeterminate(batch, action.call_id, action.reason)
+        elif isinstance(action, Replay):
+            ready.append(action.call_id)
+        elif isinstance(action, WaitOnCall):
+            waiter = waiter or action.call_id
+        elif isinstance(action, RunGates):
+            batch, verdict = _gate(engine, batch, action.call_id)
+            if verdict == "ready":
+                ready.append(action.call_id)
+            elif verdict == "permission" and waiter is None:
+                waiter = action.call_id
+    for wave in _waves(engine, batch, ready):
+        batch = await run_wave(engine, ctx, batch, wave)
+    if waiter is not None:
+        await _await_permission(engine, ctx, batch, waiter)
+    elif batch != ctx.frontier.batch:
+        await engine.commit(ctx, "results", RunningState(run_id=ctx.run_id), batch=batch)
+
+
+def _supports(engine: Engine, tool_id: str, mode: str) -> bool:
+    tool = engine.agent.tool(tool_id)
+    return tool is not None and tool.supports(mode)  # type: ignore[arg-type]
+
+
+def _gate(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> tuple[ActiveToolBatch, str]:
+    """Validate a requested call; bad input becomes a model-visible error, never a crash."""
+    call = batch.call(call_id)
+    tool = engine.agent.tool(call.tool)
+    if tool is None:
+        known = ", ".join(t.id for t in engine.agent.tools) or "none"
+        return _fail(batch, call_id, f"unknown tool {call.tool!r}; available tools: {known}")
+    try:
+        tool.parse(call.arguments)
+    except ValueError as exc:
+        return _fail(batch, call_id, str(exc))
+    if not tool.supports(call.policy.mode):
+        return _fail(batch, call_id, f"tool {tool.id} does not support recovery mode "
+                                     f"{call.policy.mode} (it declares {list(tool.recovery)})")
+    return batch, "permission" if tool.needs_permission else "ready"
+
+
+def _fail(batch: ActiveToolBatch, call_id: CallId, text: str) -> tuple[ActiveToolBatch, str]:
+    return complete(batch, call_id, ToolOutput(content=text, is_error=True)), "done"
+
+
+def _waves(
+    engine: Engine, batch: ActiveToolBatch, ready: Sequence[CallId]
+) -> list[list[CallId]]:
+    """Consecutive parallel-safe calls share a wave; a serial call runs alone."""
+    current: list[CallId] = []
+    waves: list[list[CallId]] = []
+    for call_id in ready:
+        tool = engine.agent.tool(batch.call(call_id).tool)
+        if tool is not None and tool.concurrency == "parallel":
+            current.append(call_id)
+            continue
+        if current:
+            waves.append(current)
+            current = []
+        waves.append([call_id])
+    if current:
+        waves.append(current)
+    return waves
+
+
+async def run_wave(
+    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, wave: list[CallId],
+    *, marked: bool = False,
+) -> ActiveToolBatch:
+    """Commit executing for the wave, run it in one round trip, commit its results."""
+    commands: list[Command] = []
+    undispatched: set[CallId] = set()
+    members = list(wave)
+    while wave:
+        if not marked:
+            for call_id in wave:
+                batch = mark_executing(batch, call_id, undispatched=call_id in undispatched)
+            await engine.commit(ctx, "executing", RunningState(run_id=ctx.run_id), batch=batch)
+        marked = False
+        invocations = [_invocation(engine, ctx, batch, c) for c in wave]
+        engine.faults.hit("during:tools")
+        outcomes = await engine.guard(engine.tools.run(invocations))
+        retry: list[CallId] = []
+        undispatched = set()
+        for call_id, outcome in zip(wave, outcomes, strict=True):
+            batch = _settle(batch, call_id, outcome, retry, undispatched, commands)
+        wave = retry
+    hooks = HookResults()
+    for call_id in members:
+        await engine.hooks(ctx, "AfterTool", hooks, step=batch.step, call=batch.call(call_id))
+    await engine.commit(ctx, "results", RunningState(run_id=ctx.run_id), batch=batch,
+                        commands=(*commands, *hooks.commands))
+    return batch
+
+
+def _settle(
+    batch: ActiveToolBatch, call_id: CallId, outcome: object, retry: list[CallId],
+    undispatched: set[CallId], commands: list[Command],
+) -> ActiveToolBatch:
+    call = batch.call(call_id)
+    budget_left = call.attempts < call.policy.max_attempts
+    if isinstance(outcome, Finished):
+        commands.extend(outcome.commands)
+        return complete(batch, call_id, outcome.output)
+    if isinstance(outcome, Lost):
+        if call.policy.mode != "never_replay" and budget_left:
+            retry.append(call_id)
+            return batch
+        return mark_indeterminate(batch, call_id, f"executor lost: {outcome.message}")
+    if budget_left:  # Unavailable: nothing dispatched, safe to retry under any policy
+        retry.append(call_id)
+        undispatched.add(call_id)
+        return batch
+    text = f"tool unavailable after {call.attempts} attempts: {outcome.message}"  # type: ignore[attr-defined]
+    return complete(batch, call_id, ToolOutput(content=text, is_error=True))
+
+
+def _invocation(
+    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, call_id: CallId
+) -> ToolInvocation:
+    call = batch.call(call_id)
+    tool = engine.agent.tool(call.tool)
+    assert tool is not None
+    return ToolInvocation(
+        tool=call.tool, arguments=tool.parse(call.arguments), call_id=call_id,
+        operation_id=call.operation_id, attempt=call.attempts, run_id=ctx.run_id,
+        thread_id=ctx.frontier.thread_id, prompt_path=engine.prompt_path,
+        timeout_s=tool.timeout_s,
+    )
+
+
+async def _await_permission(
+    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, call_id: CallId
+) -> None:
+    call = batch.call(call_id)
+    correlation = CorrelationId(f"{call.operation_id}:permission")
+    if call.phase.kind != "awaiting":
+        batch = mark_awaiting(batch, call_id, "permission", correlation)
+    ticket = ResumeTicket(
+        correlation=correlation, run_id=ctx.run_id, thread_id=ctx.frontier.thread_id,
+        target=ToolWaitTarget(wait="permission", call_id=call_id, tool=call.tool,
+                              arguments=call.arguments),
+    )
+    await engine.commit(ctx, "executing", AwaitingState(run_id=ctx.run_id, ticket=ticket),
+                        batch=batch)
+
+
+async def apply_resume(
+    engine: Engine, ctx: RunContext, ticket: ResumeTicket, command: ResumeCommand
+) -> None:
+    """Commit the validated resume (Awaiting → Running) before acting on it."""
+    running = RunningState(run_id=ctx.run_id)
+    payload = command.payload
+    resumed = Fact(type="resumed", run_id=ctx.run_id,
+                   data={"correlation": ticket.correlation, **payload.model_dump(mode="json")})
+    target = ticket.target
+    if not isinstance(target, ToolWaitTarget):
+        messages: tuple[Message, ...] = ()
+        if isinstance(payload, UserInput):
+            messages = (UserMessage(id=f"{ticket.correlation}:input", text=payload.text),)
+        await engine.commit(ctx, "resume", running, messages=messages, extra_facts=(resumed,))
+        return
+    batch = ctx.frontier.batch
+    assert batch is not None
+    call_id = target.call_id
+    if isinstance(payload, PermissionDecision) and not payload.approve:
+        denied = f"blocked: permission denied{': ' + payload.note if payload.note else ''}"
+        batch = complete(batch, call_id, ToolOutput(content=denied, is_error=True))
+    elif isinstance(payload, ExternalResult | DelegationOutcome):
+        batch = complete(batch, call_id, payload.output)
+    else:  # approved permission or a scheduled action fires: run the call now
+        batch = mark_executing(batch, call_id)
+        await engine.commit(ctx, "resume", running, batch=batch, extra_facts=(resumed,))
+        await run_wave(engine, ctx, batch, [call_id], marked=True)
+        return
+    await engine.commit(ctx, "resume", running, batch=batch, extra_facts=(resumed,))

@@ -1,0 +1,219 @@
+"""Tools: the ``@tool`` decorator, argument validation, and the in-process ToolRunner.
+
+A tool is a plain function. ``@tool`` builds a pydantic model of its arguments from
+the signature; the parameter annotated ``ToolContext`` (if any) receives the call's
+operation id and attempt. A tool signals "nothing was dispatched, safe to retry"
+only by raising ``UnavailableBeforeDispatch``; any other exception is a finished
+call whose error the model sees (its effect may have happened: it is never re-run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy
+from runtime.errors import ToolDefinitionError
+from runtime.ids import CallId, OperationId, RunId, ThreadId
+from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
+from runtime.state import Command
+
+Concurrency = Literal["parallel", "serial"]
+
+
+class UnavailableBeforeDispatch(Exception):
+    """Raised by a tool before any external effect: the call may safely be retried."""
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a running tool may know about its call."""
+
+    operation_id: OperationId
+    """Stable across retries: hand it to downstream systems for deduplication."""
+    attempt: int
+    call_id: CallId
+    run_id: RunId
+    thread_id: ThreadId
+    prompt_path: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool's return value when it also stages state commands."""
+
+    content: Any
+    commands: Sequence[Command] = ()
+    is_error: bool = False
+
+
+@dataclass(frozen=True)
+class Tool:
+    id: str
+    fn: Callable[..., Any]
+    args_model: type[BaseModel]
+    context_param: str | None
+    recovery: tuple[RecoveryMode, ...]
+    concurrency: Concurrency
+    needs_permission: bool = False
+    resources: Mapping[str, float] = field(default_factory=dict)
+    timeout_s: float | None = None
+    description: str = ""
+
+    @property
+    def default_policy(self) -> ToolRecoveryPolicy:
+        return ToolRecoveryPolicy(mode=self.recovery[0])
+
+    def supports(self, mode: RecoveryMode) -> bool:
+        """never_replay is always honoured: it only ever does less."""
+        return mode == "never_replay" or mode in self.recovery
+
+    def parse(self, arguments: str) -> dict[str, Any]:
+        """Validate the model's raw JSON; raises ValueError with a model-readable message."""
+        try:
+            raw = json.loads(arguments or "{}")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"arguments are not valid JSON: {exc.msg}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("arguments must be a JSON object")
+        try:
+            return self.args_model.model_validate(raw).model_dump(mode="json")
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ValueError(f"invalid arguments for {self.id}: {problems}") from exc
+
+    def schema(self) -> dict[str, Any]:
+        return {
+            "name": self.id,
+            "description": self.description,
+            "parameters": self.args_model.model_json_schema(),
+        }
+
+    async def invoke(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+        kwargs = dict(arguments)
+        if self.context_param is not None:
+            kwargs[self.context_param] = ctx
+        result = self.fn(**kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    recovery: Sequence[RecoveryMode] = ("never_replay",),
+    concurrency: Concurrency = "parallel",
+    needs_permission: bool = False,
+    resources: Mapping[str, float] | None = None,
+    timeout_s: float | None = None,
+) -> Any:
+    """Declare a tool; usable bare (``@tool``) or with options (``@tool(recovery=...)``).
+
+    ``recovery`` lists the modes the tool supports; the first is its default policy.
+    """
+
+    def build(f: Callable[..., Any]) -> Tool:
+        return _build_tool(
+            f, name or f.__name__, tuple(recovery), concurrency, needs_permission,
+            dict(resources or {}), timeout_s,
+        )
+
+    return build(fn) if fn is not None else build
+
+
+def _build_tool(
+    fn: Callable[..., Any],
+    tool_id: str,
+    recovery: tuple[RecoveryMode, ...],
+    concurrency: Concurrency,
+    needs_permission: bool,
+    resources: dict[str, float],
+    timeout_s: float | None,
+) -> Tool:
+    unknown = [m for m in recovery if m not in RECOVERY_MODES]
+    if not recovery or unknown:
+        raise ToolDefinitionError(f"tool {tool_id}: unknown or empty recovery modes {unknown}")
+    if concurrency not in ("parallel", "serial"):
+        raise ToolDefinitionError(f"tool {tool_id}: concurrency must be parallel or serial")
+    fields, context_param = _signature_fields(fn, tool_id)
+    model = create_model(  # type: ignore[call-overload]
+        f"{tool_id}_args", __config__=ConfigDict(extra="forbid"), **fields
+    )
+    return Tool(
+        id=tool_id, fn=fn, args_model=model, context_param=context_param, recovery=recovery,
+        concurrency=concurrency, needs_permission=needs_permission, resources=resources,
+        timeout_s=timeout_s, description=inspect.getdoc(fn) or "",
+    )
+
+
+def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, Any], str | None]:
+    try:
+        hints = get_type_hints(fn)
+    except Exception as exc:
+        raise ToolDefinitionError(f"tool {tool_id}: cannot resolve annotations: {exc}") from exc
+    fields: dict[str, Any] = {}
+    context_param = None
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolDefinitionError(f"tool {tool_id}: *args and **kwargs are not supported")
+        hint = hints.get(param.name, Any)
+        if hint is ToolContext:
+            context_param = param.name
+            continue
+        default = ... if param.default is param.empty else param.default
+        fields[param.name] = (hint, default)
+    return fields, context_param
+
+
+def outcome_of(result: Any) -> Finished:
+    """Turn a tool's return value into a finished outcome."""
+    if isinstance(result, ToolResult):
+        return Finished(
+            output=ToolOutput(content=_to_text(result.content), is_error=result.is_error),
+            commands=tuple(result.commands),
+        )
+    return Finished(output=ToolOutput(content=_to_text(result)))
+
+
+def _to_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
+    """Run one invocation and classify how it ended; never raises an ordinary exception."""
+    ctx = ToolContext(
+        operation_id=inv.operation_id, attempt=inv.attempt, call_id=inv.call_id,
+        run_id=inv.run_id, thread_id=inv.thread_id, prompt_path=inv.prompt_path,
+    )
+    timeout = inv.timeout_s if inv.timeout_s is not None else t.timeout_s
+    try:
+        result = await asyncio.wait_for(t.invoke(inv.arguments, ctx), timeout)
+    except UnavailableBeforeDispatch as exc:
+        return Unavailable(message=str(exc) or "unavailable before dispatch")
+    except TimeoutError:
+        return Lost(message=f"tool {t.id} timed out after {timeout}s")
+    except Exception as exc:
+        return Finished(output=ToolOutput(content=f"{type(exc).__name__}: {exc}", is_error=True))
+    return outcome_of(result)
+
+
+class LocalToolRunner:
+    """Runs tools in this process, a wave at a time, concurrently (the in-process runner)."""
+
+    def __init__(self, tools: Sequence[Tool]) -> None:
+        self.tools = {t.id: t for t in tools}
+
+    async def run(self, invocations: Sequence[ToolInvocation]) -> list[ToolOutcome]:
+        return list(
+            await asyncio.gather(*(invoke_safely(self.tools[i.tool], i) for i in invocations))
+        )
