@@ -258,7 +258,9 @@ def mark_awaiting(
     call = batch.call(call_id)
     if call.terminal or isinstance(call.phase, Awaiting):
         raise InvalidTransition(f"call {call_id} cannot start a wait from {call.phase.kind}")
-    return _replace(batch, call.model_copy(update={"phase": Awaiting(wait=wait, correlation=correlation)}))
+    return _replace(
+        batch, call.model_copy(update={"phase": Awaiting(wait=wait, correlation=correlation)})
+    )
 
 
 def complete(batch: ActiveToolBatch, call_id: CallId, output: ToolOutput) -> ActiveToolBatch:

@@ -133,7 +133,11 @@ class Engine:
     # ---- entry points -----------------------------------------------------------------
 
     async def start(
-        self, thread: ThreadId, text: str, *, run_id: RunId | None = None,
+        self,
+        thread: ThreadId,
+        text: str,
+        *,
+        run_id: RunId | None = None,
         message_id: str | None = None,
     ) -> Frontier:
         """Activate a new Run with ``text`` as input and drive it. Idempotent by run id."""
@@ -146,8 +150,9 @@ class Engine:
                 f"thread {thread} already has an active run {ctx.frontier.run_id}"
             )
         user = UserMessage(id=message_id or f"{run_id}:input", text=text)
-        await self._commit(ctx, "activation", RunningState(run_id=run_id), messages=(user,),
-                           run_id=run_id)
+        await self._commit(
+            ctx, "activation", RunningState(run_id=run_id), messages=(user,), run_id=run_id
+        )
         return await self._drive(ctx)
 
     async def recover(self, thread: ThreadId) -> Frontier:
@@ -234,8 +239,14 @@ class Engine:
             await self._end(ctx, cause, messages=messages, batch=prior, commands=hooks.commands)
             return
         batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
-        await self._commit(ctx, "inference", RunningState(run_id=ctx.run_id), messages=messages,
-                           batch=batch, commands=hooks.commands)
+        await self._commit(
+            ctx,
+            "inference",
+            RunningState(run_id=ctx.run_id),
+            messages=messages,
+            batch=batch,
+            commands=hooks.commands,
+        )
 
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)
@@ -262,8 +273,9 @@ class Engine:
                 error = exc
                 log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
         assert error is not None
-        await self._end(ctx, Failed(failure="inference", code=type(error).__name__,
-                                    message=str(error)[:2000]))
+        await self._end(
+            ctx, Failed(failure="inference", code=type(error).__name__, message=str(error)[:2000])
+        )
         return None
 
     async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
@@ -272,24 +284,42 @@ class Engine:
             if isinstance(item, ModelResponse):
                 response = item
             elif self.bus is not None:
-                delta = Delta(type=item.type, run_id=request.run_id, step=request.step,
-                              attempt=request.attempt, text=item.text)
+                delta = Delta(
+                    type=item.type,
+                    run_id=request.run_id,
+                    step=request.step,
+                    attempt=request.attempt,
+                    text=item.text,
+                )
                 await self._publish(ctx, (delta,))
         if response is None:
             raise RuntimeError("the model stream ended without a complete response")
         return response
 
     async def hooks(
-        self, ctx: RunContext, point: HookPoint, into: HookResults, *, step: int,
-        response: Any = None, call: Any = None,
+        self,
+        ctx: RunContext,
+        point: HookPoint,
+        into: HookResults,
+        *,
+        step: int,
+        response: Any = None,
+        call: Any = None,
     ) -> None:
         if not any(h.point == point for h in self.agent.hooks):
             return
         ctx.execution.step_count = step
         ctx.execution.message_history = ctx.frontier.messages
-        hook_input = HookInput(point=point, run_id=ctx.run_id, thread_id=ctx.frontier.thread_id,
-                               step=step, state=ctx.frontier.state, execution=ctx.execution,
-                               response=response, call=call)
+        hook_input = HookInput(
+            point=point,
+            run_id=ctx.run_id,
+            thread_id=ctx.frontier.thread_id,
+            step=step,
+            state=ctx.frontier.state,
+            execution=ctx.execution,
+            response=response,
+            call=call,
+        )
         await run_hooks(self.agent.hooks, hook_input, into)
 
     async def guard(self, work: Awaitable[T]) -> T:
@@ -308,16 +338,27 @@ class Engine:
     # ---- commits ----------------------------------------------------------------------
 
     async def _end(
-        self, ctx: RunContext, cause: EndCause, *, messages: tuple[Message, ...] = (),
-        batch: ActiveToolBatch | None = None, commands: Sequence[Command] = (),
+        self,
+        ctx: RunContext,
+        cause: EndCause,
+        *,
+        messages: tuple[Message, ...] = (),
+        batch: ActiveToolBatch | None = None,
+        commands: Sequence[Command] = (),
     ) -> None:
         """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized."""
         open_batch_ = batch or ctx.frontier.batch
         sealed = seal(open_batch_) if open_batch_ is not None else None
         if sealed is not None and batch is None and not messages:
             messages = _result_messages(sealed)
-        await self._commit(ctx, "ended", EndedState(run_id=ctx.run_id, cause=cause),
-                           messages=messages, batch=sealed, commands=commands)
+        await self._commit(
+            ctx,
+            "ended",
+            EndedState(run_id=ctx.run_id, cause=cause),
+            messages=messages,
+            batch=sealed,
+            commands=commands,
+        )
 
     async def commit(
         self, ctx: RunContext, label: Any, disposition: RunDisposition, **parts: Any
@@ -325,9 +366,15 @@ class Engine:
         await self._commit(ctx, label, disposition, **parts)
 
     async def _commit(
-        self, ctx: RunContext, label: Any, disposition: RunDisposition, *,
-        messages: Sequence[Message] = (), batch: ActiveToolBatch | None = None,
-        commands: Sequence[Command] = (), run_id: RunId | None = None,
+        self,
+        ctx: RunContext,
+        label: Any,
+        disposition: RunDisposition,
+        *,
+        messages: Sequence[Message] = (),
+        batch: ActiveToolBatch | None = None,
+        commands: Sequence[Command] = (),
+        run_id: RunId | None = None,
         extra_facts: Sequence[Fact] = (),
     ) -> None:
         f = ctx.frontier
@@ -335,10 +382,14 @@ class Engine:
         all_commands = (*ctx.pending, *commands)
         status = _status_after(f.status, disposition, now_us())
         commit = ThreadCommit(
-            thread_id=f.thread_id, run_id=run,
+            thread_id=f.thread_id,
+            run_id=run,
             ordinal=0 if run != f.run_id else f.next_ordinal,
-            label=label, disposition=disposition, messages=tuple(messages),
-            commands=all_commands, batch=batch,
+            label=label,
+            disposition=disposition,
+            messages=tuple(messages),
+            commands=all_commands,
+            batch=batch,
             status=status if status != f.status else None,
         )
         commit = commit.model_copy(update={"events": (*derive_facts(commit, f), *extra_facts)})
@@ -348,8 +399,9 @@ class Engine:
             if isinstance(disposition, EndedState) and not all_commands:
                 raise
             ctx.pending.clear()
-            await self._end(ctx, Failed(failure="state_conflict", code="state_conflict",
-                                        message=str(exc)))
+            await self._end(
+                ctx, Failed(failure="state_conflict", code="state_conflict", message=str(exc))
+            )
             raise _RunOver from exc
         self.faults.hit(f"before:{label}")
         receipt = await self._retrying(lambda: self.store.append(commit, f.version, ctx.epoch))
@@ -398,8 +450,9 @@ def _result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, 
     if batch is None:
         return ()
     return tuple(
-        ToolResultMessage(call_id=c.call_id, tool=c.tool, content=out.content,
-                          is_error=out.is_error)
+        ToolResultMessage(
+            call_id=c.call_id, tool=c.tool, content=out.content, is_error=out.is_error
+        )
         for c in batch.calls
         for out in (c.to_model_output(),)
     )

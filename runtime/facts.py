@@ -18,20 +18,33 @@ def derive_facts(commit: ThreadCommit, before: Frontier) -> tuple[Fact, ...]:
         if isinstance(msg, AssistantMessage):
             facts.append(Fact(type="assistant_message", run_id=run, data={"text": msg.text}))
             facts.extend(
-                Fact(type="tool_call", run_id=run,
-                     data={"call_id": c.call_id, "tool": c.tool, "arguments": c.arguments})
+                Fact(
+                    type="tool_call",
+                    run_id=run,
+                    data={"call_id": c.call_id, "tool": c.tool, "arguments": c.arguments},
+                )
                 for c in msg.tool_calls
             )
         elif isinstance(msg, ToolResultMessage):
             facts.append(Fact(type="tool_result", run_id=run, data=msg.model_dump(mode="json")))
     disposition = commit.disposition
     if isinstance(disposition, AwaitingState):
-        facts.append(Fact(type="awaiting", run_id=run,
-                          data={"ticket": disposition.ticket.model_dump(mode="json")}))
+        facts.append(
+            Fact(
+                type="awaiting",
+                run_id=run,
+                data={"ticket": disposition.ticket.model_dump(mode="json")},
+            )
+        )
     elif isinstance(disposition, EndedState):
         failed = isinstance(disposition.cause, Failed | IndeterminateEnd)
-        facts.append(Fact(type="run_failed" if failed else "run_finished", run_id=run,
-                          data={"cause": disposition.cause.model_dump(mode="json")}))
+        facts.append(
+            Fact(
+                type="run_failed" if failed else "run_finished",
+                run_id=run,
+                data={"cause": disposition.cause.model_dump(mode="json")},
+            )
+        )
     if commit.status is not None and commit.status != before.status:
         facts.append(Fact(type="status", run_id=run, data=commit.status.frame()))
     return tuple(facts)

@@ -19,7 +19,11 @@ from runtime.state import Command, StateView
 
 HookPoint = Literal["StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd"]
 HOOK_POINTS: tuple[HookPoint, ...] = (
-    "StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd",
+    "StepStart",
+    "BeforeInference",
+    "AfterInference",
+    "AfterTool",
+    "StepEnd",
 )
 
 
@@ -27,7 +31,10 @@ class ExecutionState:
     """What tools and hooks see of a Run while it executes (DESIGN §9)."""
 
     def __init__(
-        self, run_id: RunId, thread_id: ThreadId, prompt_path: Sequence[str],
+        self,
+        run_id: RunId,
+        thread_id: ThreadId,
+        prompt_path: Sequence[str],
         cancel: asyncio.Event,
     ) -> None:
         self.run_id = run_id

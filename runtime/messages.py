@@ -47,9 +47,7 @@ class ContextMessage(Frozen):
     text: str
 
 
-Message = Annotated[
-    UserMessage | AssistantMessage | ToolResultMessage, Field(discriminator="kind")
-]
+Message = Annotated[UserMessage | AssistantMessage | ToolResultMessage, Field(discriminator="kind")]
 RequestMessage = Annotated[
     UserMessage | AssistantMessage | ToolResultMessage | ContextMessage,
     Field(discriminator="kind"),

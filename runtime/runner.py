@@ -18,7 +18,11 @@ class InProcessRunner:
     """Start, recover and resume Runs of one agent against one store, in this process."""
 
     def __init__(
-        self, agent: Agent, store: CommitStore, *, tools: ToolRunner | None = None,
+        self,
+        agent: Agent,
+        store: CommitStore,
+        *,
+        tools: ToolRunner | None = None,
         bus: LiveBus | None = None,
     ) -> None:
         self.agent = agent
@@ -30,7 +34,11 @@ class InProcessRunner:
         return Engine(self.agent, self.store, self.tools, bus=self.bus, faults=faults)
 
     async def start(
-        self, text: str, *, thread_id: str | None = None, run_id: str | None = None,
+        self,
+        text: str,
+        *,
+        thread_id: str | None = None,
+        run_id: str | None = None,
         faults: FaultPlan = NO_FAULTS,
     ) -> Frontier:
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex}")

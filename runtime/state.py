@@ -55,7 +55,9 @@ def apply_commands(state: StateView, commands: Iterable[Command]) -> StateView:
         if prior is not None and (prior.merge != cmd.merge or prior.op != cmd.op):
             raise StateConflict(f"state key {cmd.scope}:{cmd.key} written with mixed policies")
         if prior is not None and cmd.merge == "exclusive":
-            raise StateConflict(f"exclusive state key {cmd.scope}:{cmd.key} set twice in one commit")
+            raise StateConflict(
+                f"exclusive state key {cmd.scope}:{cmd.key} set twice in one commit"
+            )
         seen[slot] = cmd
         _apply_one(new[cmd.scope], cmd, first=prior is None)
     return new

@@ -85,8 +85,12 @@ def _gate(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> tuple[Acti
     except ValueError as exc:
         return _fail(batch, call_id, str(exc))
     if not tool.supports(call.policy.mode):
-        return _fail(batch, call_id, f"tool {tool.id} does not support recovery mode "
-                                     f"{call.policy.mode} (it declares {list(tool.recovery)})")
+        return _fail(
+            batch,
+            call_id,
+            f"tool {tool.id} does not support recovery mode "
+            f"{call.policy.mode} (it declares {list(tool.recovery)})",
+        )
     return batch, "permission" if tool.needs_permission else "ready"
 
 
@@ -94,9 +98,7 @@ def _fail(batch: ActiveToolBatch, call_id: CallId, text: str) -> tuple[ActiveToo
     return complete(batch, call_id, ToolOutput(content=text, is_error=True)), "done"
 
 
-def _waves(
-    engine: Engine, batch: ActiveToolBatch, ready: Sequence[CallId]
-) -> list[list[CallId]]:
+def _waves(engine: Engine, batch: ActiveToolBatch, ready: Sequence[CallId]) -> list[list[CallId]]:
     """Consecutive parallel-safe calls share a wave; a serial call runs alone."""
     current: list[CallId] = []
     waves: list[list[CallId]] = []
@@ -115,8 +117,12 @@ def _waves(
 
 
 async def run_wave(
-    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, wave: list[CallId],
-    *, marked: bool = False,
+    engine: Engine,
+    ctx: RunContext,
+    batch: ActiveToolBatch,
+    wave: list[CallId],
+    *,
+    marked: bool = False,
 ) -> ActiveToolBatch:
     """Commit executing for the wave, run it in one round trip, commit its results."""
     commands: list[Command] = []
@@ -139,14 +145,23 @@ async def run_wave(
     hooks = HookResults()
     for call_id in members:
         await engine.hooks(ctx, "AfterTool", hooks, step=batch.step, call=batch.call(call_id))
-    await engine.commit(ctx, "results", RunningState(run_id=ctx.run_id), batch=batch,
-                        commands=(*commands, *hooks.commands))
+    await engine.commit(
+        ctx,
+        "results",
+        RunningState(run_id=ctx.run_id),
+        batch=batch,
+        commands=(*commands, *hooks.commands),
+    )
     return batch
 
 
 def _settle(
-    batch: ActiveToolBatch, call_id: CallId, outcome: object, retry: list[CallId],
-    undispatched: set[CallId], commands: list[Command],
+    batch: ActiveToolBatch,
+    call_id: CallId,
+    outcome: object,
+    retry: list[CallId],
+    undispatched: set[CallId],
+    commands: list[Command],
 ) -> ActiveToolBatch:
     call = batch.call(call_id)
     budget_left = call.attempts < call.policy.max_attempts
@@ -173,9 +188,14 @@ def _invocation(
     tool = engine.agent.tool(call.tool)
     assert tool is not None
     return ToolInvocation(
-        tool=call.tool, arguments=tool.parse(call.arguments), call_id=call_id,
-        operation_id=call.operation_id, attempt=call.attempts, run_id=ctx.run_id,
-        thread_id=ctx.frontier.thread_id, prompt_path=engine.prompt_path,
+        tool=call.tool,
+        arguments=tool.parse(call.arguments),
+        call_id=call_id,
+        operation_id=call.operation_id,
+        attempt=call.attempts,
+        run_id=ctx.run_id,
+        thread_id=ctx.frontier.thread_id,
+        prompt_path=engine.prompt_path,
         timeout_s=tool.timeout_s,
     )
 
@@ -188,12 +208,16 @@ async def _await_permission(
     if call.phase.kind != "awaiting":
         batch = mark_awaiting(batch, call_id, "permission", correlation)
     ticket = ResumeTicket(
-        correlation=correlation, run_id=ctx.run_id, thread_id=ctx.frontier.thread_id,
-        target=ToolWaitTarget(wait="permission", call_id=call_id, tool=call.tool,
-                              arguments=call.arguments),
+        correlation=correlation,
+        run_id=ctx.run_id,
+        thread_id=ctx.frontier.thread_id,
+        target=ToolWaitTarget(
+            wait="permission", call_id=call_id, tool=call.tool, arguments=call.arguments
+        ),
     )
-    await engine.commit(ctx, "executing", AwaitingState(run_id=ctx.run_id, ticket=ticket),
-                        batch=batch)
+    await engine.commit(
+        ctx, "executing", AwaitingState(run_id=ctx.run_id, ticket=ticket), batch=batch
+    )
 
 
 async def apply_resume(
@@ -202,8 +226,11 @@ async def apply_resume(
     """Commit the validated resume (Awaiting → Running) before acting on it."""
     running = RunningState(run_id=ctx.run_id)
     payload = command.payload
-    resumed = Fact(type="resumed", run_id=ctx.run_id,
-                   data={"correlation": ticket.correlation, **payload.model_dump(mode="json")})
+    resumed = Fact(
+        type="resumed",
+        run_id=ctx.run_id,
+        data={"correlation": ticket.correlation, **payload.model_dump(mode="json")},
+    )
     target = ticket.target
     if not isinstance(target, ToolWaitTarget):
         messages: tuple[Message, ...] = ()

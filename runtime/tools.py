@@ -124,8 +124,13 @@ def tool(
 
     def build(f: Callable[..., Any]) -> Tool:
         return _build_tool(
-            f, name or f.__name__, tuple(recovery), concurrency, needs_permission,
-            dict(resources or {}), timeout_s,
+            f,
+            name or f.__name__,
+            tuple(recovery),
+            concurrency,
+            needs_permission,
+            dict(resources or {}),
+            timeout_s,
         )
 
     return build(fn) if fn is not None else build
@@ -150,9 +155,16 @@ def _build_tool(
         f"{tool_id}_args", __config__=ConfigDict(extra="forbid"), **fields
     )
     return Tool(
-        id=tool_id, fn=fn, args_model=model, context_param=context_param, recovery=recovery,
-        concurrency=concurrency, needs_permission=needs_permission, resources=resources,
-        timeout_s=timeout_s, description=inspect.getdoc(fn) or "",
+        id=tool_id,
+        fn=fn,
+        args_model=model,
+        context_param=context_param,
+        recovery=recovery,
+        concurrency=concurrency,
+        needs_permission=needs_permission,
+        resources=resources,
+        timeout_s=timeout_s,
+        description=inspect.getdoc(fn) or "",
     )
 
 
@@ -192,8 +204,12 @@ def _to_text(value: Any) -> str:
 async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
     """Run one invocation and classify how it ended; never raises an ordinary exception."""
     ctx = ToolContext(
-        operation_id=inv.operation_id, attempt=inv.attempt, call_id=inv.call_id,
-        run_id=inv.run_id, thread_id=inv.thread_id, prompt_path=inv.prompt_path,
+        operation_id=inv.operation_id,
+        attempt=inv.attempt,
+        call_id=inv.call_id,
+        run_id=inv.run_id,
+        thread_id=inv.thread_id,
+        prompt_path=inv.prompt_path,
     )
     timeout = inv.timeout_s if inv.timeout_s is not None else t.timeout_s
     try:

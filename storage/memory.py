@@ -55,8 +55,12 @@ class MemoryCommitStore:
             if receipt is not None:
                 return receipt
             frontier = advance(t.frontier, commit)
-            receipt = Receipt(thread_id=commit.thread_id, seq=frontier.version,
-                              operation_id=commit.operation_id, payload_hash=commit.payload_hash)
+            receipt = Receipt(
+                thread_id=commit.thread_id,
+                seq=frontier.version,
+                operation_id=commit.operation_id,
+                payload_hash=commit.payload_hash,
+            )
             t.log.append(commit.encoded)
             t.receipts[commit.operation_id] = receipt
             t.frontier = frontier

@@ -13,7 +13,10 @@ def summarize(frontier: Frontier) -> RunSummary | None:
     if state is None or frontier.run_id is None:
         return None
     return RunSummary(
-        thread_id=frontier.thread_id, run_id=frontier.run_id, state=state.kind,
-        status=frontier.status, version=frontier.version,
+        thread_id=frontier.thread_id,
+        run_id=frontier.run_id,
+        state=state.kind,
+        status=frontier.status,
+        version=frontier.version,
         cause=state.cause.kind if isinstance(state, EndedState) else None,
     )
