@@ -37,7 +37,7 @@ SEALED_REASON = "owning run ended"
 
 
 class ToolRecoveryPolicy(Frozen):
-    """Pinned into the batch when a call is requested; recovery obeys it, not the code of the day."""
+    """Pinned into the batch when a call is requested; recovery obeys it, not today's code."""
 
     mode: RecoveryMode = "never_replay"
     """never_replay: an interrupted attempt becomes indeterminate. The others may re-invoke."""
@@ -264,7 +264,7 @@ def mark_awaiting(
 
 
 def complete(batch: ActiveToolBatch, call_id: CallId, output: ToolOutput) -> ActiveToolBatch:
-    """Install a terminal result; the identical result again is a no-op, a different one an error."""
+    """Install a terminal result; the same result again is a no-op, a different one an error."""
     call = batch.call(call_id)
     if isinstance(call.phase, Completed):
         if call.phase.output == output:

@@ -144,12 +144,12 @@ def check_append(
 
     ``known`` is the receipt already stored under the commit's operation id, if any.
     """
-    if known is not None:
-        if known.payload_hash == commit.payload_hash:
-            return known
-        raise DuplicateOperation(commit.operation_id)
+    if known is not None and known.payload_hash == commit.payload_hash:
+        return known  # a retried write that already landed: harmless, even if since fenced
     if epoch != frontier.epoch:
         raise Fenced(commit.thread_id, epoch, frontier.epoch)
+    if known is not None:
+        raise DuplicateOperation(commit.operation_id)
     if frontier.ended and frontier.run_id == commit.run_id:
         raise RunEnded(commit.thread_id, commit.run_id)
     if expected_version != frontier.version:
@@ -172,7 +172,8 @@ def advance(frontier: Frontier, commit: ThreadCommit) -> Frontier:
         )
     if not new_run and commit.ordinal != frontier.next_ordinal:
         raise InvalidTransition(
-            f"run {commit.run_id}: commit ordinal {commit.ordinal}, expected {frontier.next_ordinal}"
+            f"run {commit.run_id}: commit ordinal {commit.ordinal}, "
+            f"expected {frontier.next_ordinal}"
         )
     state = frontier.state
     if new_run:

@@ -142,13 +142,12 @@ class Engine:
     ) -> Frontier:
         """Activate a new Run with ``text`` as input and drive it. Idempotent by run id."""
         run_id = run_id or RunId(f"run-{uuid.uuid4().hex}")
+        # Refuse before claiming: a claim would fence the active Run's owner.
+        _refuse_second_run(await self._retrying(lambda: self.store.load(thread)), run_id)
         ctx = await self._claim(thread)
         if ctx.frontier.run_id == run_id:
             return await self._drive(ctx)
-        if ctx.frontier.run_state is not None and not ctx.frontier.ended:
-            raise InvalidTransition(
-                f"thread {thread} already has an active run {ctx.frontier.run_id}"
-            )
+        _refuse_second_run(ctx.frontier, run_id)
         user = UserMessage(id=message_id or f"{run_id}:input", text=text)
         await self._commit(
             ctx, "activation", RunningState(run_id=run_id), messages=(user,), run_id=run_id
@@ -231,7 +230,7 @@ class Engine:
             return
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
         assistant = AssistantMessage(text=response.text, tool_calls=_unique(response.tool_calls))
-        messages = (*results, assistant)
+        messages: tuple[Message, ...] = (*results, assistant)
         if not assistant.tool_calls or last:
             if not assistant.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
@@ -432,6 +431,13 @@ class Engine:
             await self.bus.publish(ctx.frontier.thread_id, events)
         except Exception as exc:  # the bus is best effort: facts are re-read from the store
             log.warning("live bus publish failed for %s: %s", ctx.frontier.thread_id, exc)
+
+
+def _refuse_second_run(frontier: Frontier, run_id: RunId) -> None:
+    if frontier.run_id != run_id and frontier.run_state is not None and not frontier.ended:
+        raise InvalidTransition(
+            f"thread {frontier.thread_id} already has an active run {frontier.run_id}"
+        )
 
 
 def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) -> ThreadStatus:

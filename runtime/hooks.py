@@ -73,7 +73,7 @@ class HookOutput:
     """Request-only context for the next inference; never committed."""
 
 
-HookFn = Callable[[HookInput], "HookOutput | None | Awaitable[HookOutput | None]"]
+HookFn = Callable[[HookInput], "HookOutput | Awaitable[HookOutput | None] | None"]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ checker so a ``CallId`` is never passed where a ``RunId`` is expected.
 
 from __future__ import annotations
 
-from typing import NewType
+from typing import Literal, NewType
 
 RunId = NewType("RunId", str)
 ThreadId = NewType("ThreadId", str)
@@ -16,7 +16,7 @@ BatchId = NewType("BatchId", str)
 ToolId = NewType("ToolId", str)
 CorrelationId = NewType("CorrelationId", str)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 """Version of every persisted shape; decoding a record of another version fails closed."""
 
 

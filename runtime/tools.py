@@ -14,7 +14,7 @@ import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
@@ -151,9 +151,7 @@ def _build_tool(
     if concurrency not in ("parallel", "serial"):
         raise ToolDefinitionError(f"tool {tool_id}: concurrency must be parallel or serial")
     fields, context_param = _signature_fields(fn, tool_id)
-    model = create_model(  # type: ignore[call-overload]
-        f"{tool_id}_args", __config__=ConfigDict(extra="forbid"), **fields
-    )
+    model = create_model(f"{tool_id}_args", __config__=ConfigDict(extra="forbid"), **fields)
     return Tool(
         id=tool_id,
         fn=fn,
@@ -179,7 +177,7 @@ def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, A
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ToolDefinitionError(f"tool {tool_id}: *args and **kwargs are not supported")
         hint = hints.get(param.name, Any)
-        if hint is ToolContext:
+        if hint is ToolContext or ToolContext in get_args(hint):
             context_param = param.name
             continue
         default = ... if param.default is param.empty else param.default

@@ -1,0 +1,44 @@
+"""Agents and tools shared by the runtime tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from runtime import Agent, ModelResponse, ScriptedModel, ToolContext, call, tool
+
+
+class Ledger:
+    """Side-effect ledger: how often each operation id really ran."""
+
+    def __init__(self) -> None:
+        self.runs: Counter[str] = Counter()
+
+    def record(self, tool_id: str, ctx: ToolContext) -> None:
+        self.runs[f"{tool_id}|{ctx.operation_id}"] += 1
+
+    def count(self, tool_id: str) -> int:
+        return sum(n for key, n in self.runs.items() if key.startswith(f"{tool_id}|"))
+
+
+def crash_matrix_agent(ledger: Ledger, steps: int = 3) -> Agent:
+    """A run of ``steps`` tool steps, each with one never_replay and one replay_safe call."""
+
+    @tool(recovery=("never_replay",))
+    def charge(amount: int, ctx: ToolContext) -> str:
+        ledger.record("charge", ctx)
+        return f"charged {amount}"
+
+    @tool(recovery=("replay_safe",))
+    def lookup(key: str, ctx: ToolContext) -> str:
+        ledger.record("lookup", ctx)
+        return f"value of {key}"
+
+    script = [
+        ModelResponse(
+            text=f"step {i}",
+            tool_calls=(call("charge", f"c{i}a", amount=i), call("lookup", f"c{i}b", key=f"k{i}")),
+        )
+        for i in range(steps)
+    ]
+    script.append(ModelResponse(text="all done"))
+    return Agent(name="crashy", model=ScriptedModel(script), tools=[charge, lookup])
