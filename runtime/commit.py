@@ -35,7 +35,7 @@ DEFAULT_PAYLOAD_LIMIT = 1 << 20
 """Largest encoded commit, in bytes, that any backend accepts by default."""
 
 CommitLabel = Literal[
-    "activation", "inference", "executing", "results", "resume", "ended", "status"
+    "activation", "inference", "executing", "results", "awaiting", "resume", "ended", "status"
 ]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -25,13 +24,14 @@ from runtime.batch import (
     open_batch,
     seal,
 )
+from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
 from runtime.commit import Frontier, ThreadCommit, advance, stamp_facts
 from runtime.errors import InvalidTransition, StateConflict, StoreUnavailable
 from runtime.events import Delta, Fact
 from runtime.facts import derive_facts
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
-from runtime.ids import CallId, RunId, ThreadId
+from runtime.ids import CallId, CorrelationId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
@@ -40,25 +40,24 @@ from runtime.lifecycle import (
     Failed,
     MaxSteps,
     Natural,
+    PauseTarget,
     ResumeCommand,
+    ResumeTicket,
     RunDisposition,
     RunningState,
     Stopped,
     ThreadStatus,
     validate_resume,
 )
-from runtime.messages import AssistantMessage, Message, ToolResultMessage, ToolUse, UserMessage
+from runtime.messages import AssistantMessage, ContextMessage, Message, ToolUse, UserMessage
 from runtime.models import InferenceRequest, ModelResponse
-from runtime.ports import CommitStore, LiveBus, ToolRunner
+from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.state import Command
-from runtime.toolbatch import advance_batch, apply_resume
+from runtime.timeutil import now_us
+from runtime.toolbatch import advance_batch, apply_resume, result_messages
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,8 @@ class RunContext:
     execution: ExecutionState
     pending: list[Command] = field(default_factory=list)
     """Hook commands staged for the next commit."""
+    step_ended: str | None = None
+    """Batch id whose StepEnd hooks already ran (they run once per Step)."""
 
     @property
     def run_id(self) -> RunId:
@@ -108,6 +109,8 @@ class Engine:
         owner: str | None = None,
         prompt_path: Sequence[str] | None = None,
         store_retry: StoreRetry = StoreRetry(),
+        checkpoints: StreamCheckpointStore | None = None,
+        checkpoint_interval_s: float = 0.25,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -119,6 +122,11 @@ class Engine:
         self.store_retry = store_retry
         self.cancel_event = asyncio.Event()
         self.stop_reason: str | None = None
+        self.pause_requested = False
+        self.checkpoints = SafeCheckpoints(checkpoints)
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self._use_checkpoint = False
+        self._checkpointed = False
 
     # ---- control --------------------------------------------------------------------
 
@@ -127,8 +135,24 @@ class Engine:
         self.cancel_event.set()
 
     def stop(self, reason: str) -> None:
+        """Like cancel, but the Run ends ``stopped(reason)``."""
         self.stop_reason = reason
         self.cancel_event.set()
+
+    def pause(self) -> None:
+        """A manual pause: at the next Step boundary the Run commits Awaiting(pause)."""
+        self.pause_requested = True
+
+    async def terminate(self, thread: ThreadId, cause: EndCause | None = None) -> Frontier:
+        """End a Run that no engine is driving (awaiting, or orphaned) with ``cause``.
+
+        Claiming fences any previous owner; unfinished calls are sealed indeterminate and
+        the ticket is cleared, so a late resume fails closed. An ended Run is returned as is.
+        """
+        ctx = await self._claim(thread)
+        if isinstance(ctx.frontier.run_state, RunningState | AwaitingState):
+            await self._end(ctx, cause or Cancelled())
+        return ctx.frontier
 
     # ---- entry points -----------------------------------------------------------------
 
@@ -157,6 +181,7 @@ class Engine:
     async def recover(self, thread: ThreadId) -> Frontier:
         """Claim the thread (fencing the previous owner) and continue from its frontier."""
         ctx = await self._claim(thread)
+        self._use_checkpoint = True
         state = ctx.frontier.run_state
         if isinstance(state, RunningState) and ctx.frontier.status.state != "running":
             await self._commit(ctx, "status", state)
@@ -175,7 +200,7 @@ class Engine:
         try:
             await apply_resume(self, ctx, ticket, command)
         except _Cancelled:
-            await self._end(ctx, self._control_cause())
+            await self._end(ctx, self._control_cause(ctx))
         return await self._drive(ctx)
 
     async def _claim(self, thread: ThreadId) -> RunContext:
@@ -195,37 +220,60 @@ class Engine:
                 if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
                     return f
                 if self.cancel_event.is_set() or ctx.execution.stopped:
-                    await self._end(ctx, self._control_cause())
+                    await self._end(ctx, self._control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
                     await advance_batch(self, ctx)
+                elif self.pause_requested or ctx.execution.wait_request is not None:
+                    await self._await_at_boundary(ctx)
                 else:
                     await self._step(ctx)
         except _Cancelled:
-            await self._end(ctx, self._control_cause())
+            await self._end(ctx, self._control_cause(ctx))
         except _RunOver:
             pass
         return ctx.frontier
 
-    def _control_cause(self) -> EndCause:
-        if self.stop_reason is not None:
-            return Stopped(reason=self.stop_reason)
-        return Cancelled()
+    def _control_cause(self, ctx: RunContext) -> EndCause:
+        reason = self.stop_reason or ctx.execution.stop_reason
+        return Stopped(reason=reason) if reason is not None else Cancelled()
+
+    async def _await_at_boundary(self, ctx: RunContext) -> None:
+        """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing."""
+        target = ctx.execution.wait_request or PauseTarget(reason="manual")
+        ctx.execution.wait_request = None
+        self.pause_requested = False
+        ticket = ResumeTicket(
+            correlation=CorrelationId(f"{ctx.run_id}:{target.kind}:{ctx.frontier.next_ordinal}"),
+            run_id=ctx.run_id,
+            thread_id=ctx.frontier.thread_id,
+            target=target,
+        )
+        await self._commit(ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket))
 
     async def _step(self, ctx: RunContext) -> None:
         f = ctx.frontier
         prior = f.batch
         hooks = HookResults()
-        if prior is not None:
+        if prior is not None and ctx.step_ended != prior.batch_id:
+            ctx.step_ended = prior.batch_id
             await self.hooks(ctx, "StepEnd", hooks, step=prior.step)
+            if ctx.execution.wait_request is not None or ctx.execution.stopped:
+                ctx.pending.extend(hooks.commands)  # committed with the wait or the end
+                return
         step = f.steps
-        results = _result_messages(prior)
+        results = result_messages(prior)
         if step >= self.agent.max_steps:
             await self._end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
             return
         await self.hooks(ctx, "StepStart", hooks, step=step)
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
         last = step == self.agent.max_steps - 1
-        response = await self._infer(ctx, step, (*f.messages, *results, *hooks.context), last)
+        salvaged = await self._salvage(ctx, step)
+        if isinstance(salvaged, ModelResponse):
+            response: ModelResponse | None = salvaged
+        else:
+            context = (*hooks.context, *([salvaged] if salvaged else []))
+            response = await self._infer(ctx, step, (*f.messages, *results, *context), last)
         if response is None:
             return
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
@@ -246,6 +294,15 @@ class Engine:
             batch=batch,
             commands=hooks.commands,
         )
+
+    async def _salvage(self, ctx: RunContext, step: int) -> ModelResponse | ContextMessage | None:
+        """On the first Step after recovery only: what the stream checkpoint offers."""
+        if not self._use_checkpoint:
+            return None
+        self._use_checkpoint = False
+        cp = await self.checkpoints.get(ctx.frontier.thread_id)
+        self._checkpointed = cp is not None
+        return plan_from_checkpoint(cp, ctx.run_id, step)
 
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)
@@ -279,10 +336,18 @@ class Engine:
 
     async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
         response: ModelResponse | None = None
+        partial = PartialOutput(run_id=request.run_id, step=request.step)
+        last_put = asyncio.get_running_loop().time()
         async for item in self.agent.model.stream(request):
             if isinstance(item, ModelResponse):
                 response = item
-            elif self.bus is not None:
+                continue
+            partial.add(item)
+            now = asyncio.get_running_loop().time()
+            if self.checkpoints.store is not None and now - last_put >= self.checkpoint_interval_s:
+                await self.checkpoints.put(ctx.frontier.thread_id, partial.checkpoint())
+                self._checkpointed, last_put = True, now
+            if self.bus is not None:
                 delta = Delta(
                     type=item.type,
                     run_id=request.run_id,
@@ -349,7 +414,7 @@ class Engine:
         open_batch_ = batch or ctx.frontier.batch
         sealed = seal(open_batch_) if open_batch_ is not None else None
         if sealed is not None and batch is None and not messages:
-            messages = _result_messages(sealed)
+            messages = result_messages(sealed)
         await self._commit(
             ctx,
             "ended",
@@ -408,6 +473,9 @@ class Engine:
         ctx.pending.clear()
         ctx.frontier = new_frontier
         ctx.execution.run_id = run
+        if self._checkpointed and label in ("inference", "ended"):
+            self._checkpointed = False  # the Step is committed: its checkpoint is spent
+            await self.checkpoints.delete(ctx.frontier.thread_id)
         await self._publish(ctx, stamp_facts(commit, receipt.seq))
 
     async def _retrying(self, op: Any) -> Any:
@@ -449,19 +517,6 @@ def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) 
     if isinstance(cause, Failed):
         return current.moved_to("failed", cause.code, now)
     return current.moved_to("idle", cause.kind, now)
-
-
-def _result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:
-    """Publish a terminal batch's results in the model's call order."""
-    if batch is None:
-        return ()
-    return tuple(
-        ToolResultMessage(
-            call_id=c.call_id, tool=c.tool, content=out.content, is_error=out.is_error
-        )
-        for c in batch.calls
-        for out in (c.to_model_output(),)
-    )
 
 
 def _unique(calls: Sequence[ToolUse]) -> tuple[ToolUse, ...]:

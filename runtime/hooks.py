@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from runtime.batch import ToolCall
 from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import PauseReason, PauseTarget, UserInputTarget
 from runtime.messages import ContextMessage, Message
 from runtime.state import Command, StateView
 
@@ -43,11 +44,24 @@ class ExecutionState:
         self.step_count = 0
         self.message_history: tuple[Message, ...] = ()
         self.cancel_signal = cancel
-        self.stopped = False
+        self.stop_reason: str | None = None
+        self.wait_request: UserInputTarget | PauseTarget | None = None
 
-    def stop(self) -> None:
-        """End the loop after the current operation (the Run ends ``stopped``)."""
-        self.stopped = True
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def stop(self, reason: str = "stopped from inside the run") -> None:
+        """End the loop after the current operation (the Run ends ``stopped(reason)``)."""
+        self.stop_reason = reason
+
+    def request_input(self, prompt: str = "") -> None:
+        """At the next Step boundary the Run awaits remote user input."""
+        self.wait_request = UserInputTarget(prompt=prompt)
+
+    def pause(self, reason: PauseReason = "manual") -> None:
+        """At the next Step boundary the Run awaits an explicit unpause."""
+        self.wait_request = PauseTarget(reason=reason)
 
 
 @dataclass(frozen=True)

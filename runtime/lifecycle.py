@@ -71,9 +71,12 @@ class UserInputTarget(Frozen):
     prompt: str = ""
 
 
+PauseReason = Literal["manual", "rate_limit", "budget"]
+
+
 class PauseTarget(Frozen):
     kind: Literal["pause"] = "pause"
-    reason: Literal["manual", "rate_limit", "budget"] = "manual"
+    reason: PauseReason = "manual"
 
 
 ResumeTarget = Annotated[

@@ -26,6 +26,11 @@ class InferenceRequest(Frozen):
 class ModelDelta(Frozen):
     type: Literal["text_delta", "reasoning_delta", "tool_call_delta"] = "text_delta"
     text: str
+    """Text, or for ``tool_call_delta`` a fragment of the call's JSON arguments."""
+    call_id: str | None = None
+    """tool_call_delta only: the call the fragment belongs to."""
+    tool: str | None = None
+    """tool_call_delta only: the tool's name (on the call's first fragment at least)."""
 
 
 class ModelResponse(Frozen):

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 
 from runtime.batch import (
     ActiveToolBatch,
+    Awaiting,
     ToolOutput,
     complete,
+    finalize,
     mark_awaiting,
     mark_executing,
     mark_indeterminate,
@@ -32,10 +34,11 @@ from runtime.lifecycle import (
     ToolWaitTarget,
     UserInput,
 )
-from runtime.messages import Message, UserMessage
+from runtime.messages import Message, ToolResultMessage, UserMessage
 from runtime.ports import Finished, Lost, ToolInvocation
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
 from runtime.state import Command
+from runtime.timeutil import now_us
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, RunContext
@@ -58,12 +61,12 @@ async def advance_batch(engine: Engine, ctx: RunContext) -> None:
             batch, verdict = _gate(engine, batch, action.call_id)
             if verdict == "ready":
                 ready.append(action.call_id)
-            elif verdict == "permission" and waiter is None:
-                waiter = action.call_id
+            elif verdict == "wait" and waiter is None:
+                waiter = action.call_id  # one wait at a time; later ones stay requested
     for wave in _waves(engine, batch, ready):
         batch = await run_wave(engine, ctx, batch, wave)
     if waiter is not None:
-        await _await_permission(engine, ctx, batch, waiter)
+        await _await_call(engine, ctx, batch, waiter)
     elif batch != ctx.frontier.batch:
         await engine.commit(ctx, "results", RunningState(run_id=ctx.run_id), batch=batch)
 
@@ -91,7 +94,7 @@ def _gate(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> tuple[Acti
             f"tool {tool.id} does not support recovery mode "
             f"{call.policy.mode} (it declares {list(tool.recovery)})",
         )
-    return batch, "permission" if tool.needs_permission else "ready"
+    return batch, "wait" if tool.wait is not None else "ready"
 
 
 def _fail(batch: ActiveToolBatch, call_id: CallId, text: str) -> tuple[ActiveToolBatch, str]:
@@ -200,23 +203,30 @@ def _invocation(
     )
 
 
-async def _await_permission(
+async def _await_call(
     engine: Engine, ctx: RunContext, batch: ActiveToolBatch, call_id: CallId
 ) -> None:
+    """Commit the call's wait together with Awaiting(ticket): the Run then holds nothing."""
     call = batch.call(call_id)
-    correlation = CorrelationId(f"{call.operation_id}:permission")
-    if call.phase.kind != "awaiting":
-        batch = mark_awaiting(batch, call_id, "permission", correlation)
+    if isinstance(call.phase, Awaiting):
+        wait, correlation = call.phase.wait, call.phase.correlation
+    else:
+        tool = engine.agent.tool(call.tool)
+        assert tool is not None and tool.wait is not None
+        wait = tool.wait
+        correlation = CorrelationId(f"{call.operation_id}:{wait}")
+        batch = mark_awaiting(batch, call_id, wait, correlation)
+    tool = engine.agent.tool(call.tool)
+    deadline_s = tool.wait_deadline_s if tool is not None else None
     ticket = ResumeTicket(
         correlation=correlation,
         run_id=ctx.run_id,
         thread_id=ctx.frontier.thread_id,
-        target=ToolWaitTarget(
-            wait="permission", call_id=call_id, tool=call.tool, arguments=call.arguments
-        ),
+        deadline_us=None if deadline_s is None else now_us() + int(deadline_s * 1e6),
+        target=ToolWaitTarget(wait=wait, call_id=call_id, tool=call.tool, arguments=call.arguments),
     )
     await engine.commit(
-        ctx, "executing", AwaitingState(run_id=ctx.run_id, ticket=ticket), batch=batch
+        ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket), batch=batch
     )
 
 
@@ -233,10 +243,7 @@ async def apply_resume(
     )
     target = ticket.target
     if not isinstance(target, ToolWaitTarget):
-        messages: tuple[Message, ...] = ()
-        if isinstance(payload, UserInput):
-            messages = (UserMessage(id=f"{ticket.correlation}:input", text=payload.text),)
-        await engine.commit(ctx, "resume", running, messages=messages, extra_facts=(resumed,))
+        await _resume_at_boundary(engine, ctx, ticket, payload, resumed)
         return
     batch = ctx.frontier.batch
     assert batch is not None
@@ -252,3 +259,39 @@ async def apply_resume(
         await run_wave(engine, ctx, batch, [call_id], marked=True)
         return
     await engine.commit(ctx, "resume", running, batch=batch, extra_facts=(resumed,))
+
+
+async def _resume_at_boundary(
+    engine: Engine, ctx: RunContext, ticket: ResumeTicket, payload: object, resumed: Fact
+) -> None:
+    """Resume a user-input or pause wait. New user text follows the last batch's results,
+    so those are published (and the batch finalized) in the same commit."""
+    messages: tuple[Message, ...] = ()
+    batch = None
+    if isinstance(payload, UserInput):
+        prior = ctx.frontier.batch
+        if prior is not None:
+            batch = finalize(prior)
+            messages = result_messages(prior)
+        messages = (*messages, UserMessage(id=f"{ticket.correlation}:input", text=payload.text))
+    await engine.commit(
+        ctx,
+        "resume",
+        RunningState(run_id=ctx.run_id),
+        messages=messages,
+        batch=batch,
+        extra_facts=(resumed,),
+    )
+
+
+def result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:
+    """A terminal batch's results, in the model's call order."""
+    if batch is None:
+        return ()
+    return tuple(
+        ToolResultMessage(
+            call_id=c.call_id, tool=c.tool, content=out.content, is_error=out.is_error
+        )
+        for c in batch.calls
+        for out in (c.to_model_output(),)
+    )

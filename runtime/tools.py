@@ -13,12 +13,12 @@ import asyncio
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
-from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy
+from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy, WaitKind
 from runtime.errors import ToolDefinitionError
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
@@ -61,7 +61,12 @@ class Tool:
     context_param: str | None
     recovery: tuple[RecoveryMode, ...]
     concurrency: Concurrency
-    needs_permission: bool = False
+    wait: WaitKind | None = None
+    """A call of this tool first waits: for ``permission`` (then runs), an
+    ``external_result`` (a client-executed tool: the caller supplies the output) or a
+    ``scheduled_action`` (runs when the schedule fires)."""
+    wait_deadline_s: float | None = None
+    """Reject a resume that arrives later than this after the wait began."""
     resources: Mapping[str, float] = field(default_factory=dict)
     timeout_s: float | None = None
     description: str = ""
@@ -114,24 +119,25 @@ def tool(
     recovery: Sequence[RecoveryMode] = ("never_replay",),
     concurrency: Concurrency = "parallel",
     needs_permission: bool = False,
+    wait: WaitKind | None = None,
+    wait_deadline_s: float | None = None,
     resources: Mapping[str, float] | None = None,
     timeout_s: float | None = None,
 ) -> Any:
     """Declare a tool; usable bare (``@tool``) or with options (``@tool(recovery=...)``).
 
     ``recovery`` lists the modes the tool supports; the first is its default policy.
+    ``needs_permission=True`` is short for ``wait="permission"``.
     """
+    if needs_permission and wait not in (None, "permission"):
+        raise ToolDefinitionError("needs_permission=True conflicts with another wait kind")
+    declared: WaitKind | None = "permission" if needs_permission else wait
 
     def build(f: Callable[..., Any]) -> Tool:
-        return _build_tool(
-            f,
-            name or f.__name__,
-            tuple(recovery),
-            concurrency,
-            needs_permission,
-            dict(resources or {}),
-            timeout_s,
+        built = _build_tool(
+            f, name or f.__name__, tuple(recovery), concurrency, dict(resources or {}), timeout_s
         )
+        return replace(built, wait=declared, wait_deadline_s=wait_deadline_s)
 
     return build(fn) if fn is not None else build
 
@@ -141,7 +147,6 @@ def _build_tool(
     tool_id: str,
     recovery: tuple[RecoveryMode, ...],
     concurrency: Concurrency,
-    needs_permission: bool,
     resources: dict[str, float],
     timeout_s: float | None,
 ) -> Tool:
@@ -159,7 +164,6 @@ def _build_tool(
         context_param=context_param,
         recovery=recovery,
         concurrency=concurrency,
-        needs_permission=needs_permission,
         resources=resources,
         timeout_s=timeout_s,
         description=inspect.getdoc(fn) or "",

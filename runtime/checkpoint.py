@@ -1,0 +1,112 @@
+"""Stream checkpoints: partial output of an interrupted inference (DESIGN §4).
+
+Best effort from end to end: writing one never fails a Run, and it is used only on
+the first Step a recovered engine runs, then deleted once that Step commits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.ids import CallId, RunId, ThreadId
+from runtime.messages import ContextMessage, ToolUse
+from runtime.models import ModelDelta, ModelResponse
+from runtime.ports import StreamCheckpoint, StreamCheckpointStore
+
+log = logging.getLogger("ratchet.checkpoint")
+
+
+def plan_from_checkpoint(
+    cp: StreamCheckpoint | None, run_id: RunId, step: int
+) -> ModelResponse | ContextMessage | None:
+    """What a recovered Step makes of a checkpoint.
+
+    - one or more complete tool calls: use them without asking the model again;
+    - text only, or text plus a broken call: drop the broken call and continue from
+      the text as request-only context;
+    - nothing usable (or a checkpoint of another Step): infer again.
+    """
+    if cp is None or cp.run_id != run_id or cp.step != step:
+        return None
+    complete = [use for use in map(_complete_call, cp.tool_calls) if use is not None]
+    if complete:
+        return ModelResponse(text=cp.text, tool_calls=tuple(complete))
+    if cp.text:
+        return ContextMessage(
+            text=f"Your previous answer was interrupted after: {cp.text!r}. Continue from there."
+        )
+    return None
+
+
+def _complete_call(raw: dict[str, Any]) -> ToolUse | None:
+    tool, call_id, arguments = raw.get("tool"), raw.get("call_id"), raw.get("arguments", "")
+    if not tool or not call_id:
+        return None
+    try:
+        parsed = json.loads(arguments)
+    except (TypeError, json.JSONDecodeError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    return ToolUse(call_id=CallId(str(call_id)), tool=str(tool), arguments=arguments)
+
+
+@dataclass
+class PartialOutput:
+    """Accumulates one inference's deltas into a checkpoint."""
+
+    run_id: RunId
+    step: int
+    text: str = ""
+    calls: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def add(self, delta: ModelDelta) -> None:
+        if delta.type == "text_delta":
+            self.text += delta.text
+        elif delta.type == "tool_call_delta" and delta.call_id:
+            call = self.calls.setdefault(
+                delta.call_id, {"call_id": delta.call_id, "tool": "", "arguments": ""}
+            )
+            call["tool"] = delta.tool or call["tool"]
+            call["arguments"] += delta.text
+
+    def checkpoint(self) -> StreamCheckpoint:
+        return StreamCheckpoint(
+            run_id=self.run_id,
+            step=self.step,
+            text=self.text,
+            tool_calls=tuple(self.calls.values()),
+        )
+
+
+class SafeCheckpoints:
+    """Wraps a StreamCheckpointStore so that no failure of it ever reaches a Run."""
+
+    def __init__(self, store: StreamCheckpointStore | None) -> None:
+        self.store = store
+
+    async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
+        if self.store is None:
+            return None
+        try:
+            return await self.store.get(thread)
+        except Exception as exc:
+            log.warning("stream checkpoint read failed for %s: %s", thread, exc)
+            return None
+
+    async def put(self, thread: ThreadId, cp: StreamCheckpoint) -> None:
+        if self.store is not None:
+            try:
+                await self.store.put(thread, cp)
+            except Exception as exc:
+                log.warning("stream checkpoint write failed for %s: %s", thread, exc)
+
+    async def delete(self, thread: ThreadId) -> None:
+        if self.store is not None:
+            try:
+                await self.store.delete(thread)
+            except Exception as exc:
+                log.warning("stream checkpoint delete failed for %s: %s", thread, exc)

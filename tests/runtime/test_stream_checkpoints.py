@@ -1,0 +1,125 @@
+"""Stream checkpoints: each recovery case, and a checkpoint store that raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import (
+    Agent,
+    Crash,
+    Engine,
+    InProcessRunner,
+    LocalToolRunner,
+    ModelDelta,
+    ModelResponse,
+    ToolResultMessage,
+    tool,
+)
+from runtime.messages import ContextMessage
+from storage.checkpoints import MemoryCheckpointStore
+from storage.memory import MemoryCommitStore
+
+
+@tool
+def lookup(key: str) -> str:
+    return f"value of {key}"
+
+
+class InterruptedModel:
+    """Streams ``deltas`` for Step 0, then dies the first time; answers normally after."""
+
+    def __init__(self, deltas: list[ModelDelta]) -> None:
+        self.deltas = deltas
+        self.calls: list[int] = []
+        self.contexts: list[list[str]] = []
+
+    async def stream(self, request):
+        self.calls.append(request.step)
+        self.contexts.append([m.text for m in request.messages if isinstance(m, ContextMessage)])
+        if request.step == 0 and len(self.calls) == 1:
+            for d in self.deltas:
+                yield d
+            raise Crash("process died mid-inference")
+        if request.step == 0:
+            yield ModelResponse(text="fresh answer")
+        else:
+            yield ModelResponse(text="done")
+
+
+class BrokenCheckpoints:
+    async def get(self, thread):
+        raise OSError("checkpoint disk gone")
+
+    put = delete = get
+
+
+def engine(model, store, checkpoints) -> Engine:
+    agent = Agent(name="cp", model=model, tools=[lookup])
+    return Engine(
+        agent, store, LocalToolRunner([lookup]), checkpoints=checkpoints, checkpoint_interval_s=0
+    )
+
+
+async def run_interrupted(deltas, checkpoints=None):
+    checkpoints = checkpoints if checkpoints is not None else MemoryCheckpointStore()
+    store = MemoryCommitStore()
+    model = InterruptedModel(deltas)
+    with pytest.raises(Crash):
+        await engine(model, store, checkpoints).start("t", "go")
+    f = await engine(model, store, checkpoints).recover("t")
+    return f, model, checkpoints
+
+
+def text(t: str) -> ModelDelta:
+    return ModelDelta(text=t)
+
+
+def args(call_id: str, fragment: str, tool: str | None = "lookup") -> ModelDelta:
+    return ModelDelta(type="tool_call_delta", call_id=call_id, tool=tool, text=fragment)
+
+
+async def test_complete_tool_calls_are_used_without_asking_the_model_again():
+    f, model, cps = await run_interrupted(
+        [text("Looking "), text("up"), args("c1", '{"key": '), args("c1", '"a"}')]
+    )
+    assert model.calls == [0, 1]  # step 0 was never asked again
+    assert [m.content for m in f.messages if isinstance(m, ToolResultMessage)] == ["value of a"]
+    assert f.messages[1].text == "Looking up"
+    assert await cps.get("t") is None  # deleted once the Step committed
+
+
+async def test_text_only_continues_from_it_as_request_only_context():
+    f, model, _ = await run_interrupted([text("The answer "), text("is")])
+    assert model.calls == [0, 0]
+    assert model.contexts[1] and "The answer is" in model.contexts[1][0]
+    assert all(m.kind != "context" for m in f.messages)  # never committed
+    assert f.messages[-1].text == "fresh answer"
+
+
+async def test_text_plus_a_broken_call_drops_the_call():
+    f, model, _ = await run_interrupted([text("Let me "), args("c1", '{"key": "a')])
+    assert model.calls == [0, 0]
+    assert "Let me" in model.contexts[1][0]
+    assert not any(isinstance(m, ToolResultMessage) for m in f.messages)
+
+
+async def test_nothing_usable_infers_again():
+    f, model, _ = await run_interrupted([args("c1", "{")])
+    assert model.calls == [0, 0] and model.contexts[1] == []
+    assert f.run_state.cause.kind == "natural"
+
+
+async def test_a_checkpoint_store_that_raises_never_fails_the_run():
+    f, model, _ = await run_interrupted([text("partial")], checkpoints=BrokenCheckpoints())
+    assert f.run_state.cause.kind == "natural"
+    assert model.calls == [0, 0] and model.contexts[1] == []
+
+
+async def test_a_run_without_crash_leaves_no_checkpoint():
+    cps = MemoryCheckpointStore()
+    model = InterruptedModel([])
+    model.calls.append(-1)  # skip the simulated death
+    f = await engine(model, MemoryCommitStore(), cps).start("t", "go")
+    assert f.run_state.cause.kind == "natural"
+    assert await cps.get("t") is None
+    assert isinstance(InProcessRunner, type)

@@ -1,0 +1,166 @@
+"""Every wait kind on the in-process runner, control (cancel, stop, pause), terminate."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import (
+    Agent,
+    EndedState,
+    ExternalResult,
+    InProcessRunner,
+    ModelResponse,
+    ResumeCommand,
+    ResumeRejected,
+    ScriptedModel,
+    ToolOutput,
+    ToolResultMessage,
+    UserInput,
+    UserMessage,
+    call,
+    tool,
+)
+from runtime.hooks import Hook
+from runtime.lifecycle import AwaitingState, ScheduledFire, ToolWaitTarget, Unpause
+from storage.memory import MemoryCommitStore
+
+
+def command_for(frontier, payload) -> ResumeCommand:
+    ticket = frontier.run_state.ticket
+    call_id = ticket.target.call_id if isinstance(ticket.target, ToolWaitTarget) else None
+    return ResumeCommand(
+        correlation=ticket.correlation,
+        run_id=ticket.run_id,
+        thread_id=ticket.thread_id,
+        payload=payload,
+        call_id=call_id,
+    )
+
+
+def results(frontier) -> list[ToolResultMessage]:
+    return [m for m in frontier.messages if isinstance(m, ToolResultMessage)]
+
+
+def one_tool_agent(t, *extra_steps: ModelResponse, **kwargs) -> Agent:
+    script = [
+        ModelResponse(tool_calls=(call(t.id, "c1", x=1),)),
+        *extra_steps,
+        ModelResponse(text="finished"),
+    ]
+    return Agent(name="w", model=ScriptedModel(script), tools=[t], **kwargs)
+
+
+async def test_client_executed_tool_takes_the_callers_result():
+    @tool(wait="external_result")
+    def measure(x: int) -> str:
+        raise AssertionError("a client-executed tool never runs on our side")
+
+    runner = InProcessRunner(one_tool_agent(measure), MemoryCommitStore())
+    f = await runner.start("go", thread_id="t")
+    assert isinstance(f.run_state, AwaitingState)
+    assert f.run_state.ticket.target.wait == "external_result"
+    done = await runner.resume(command_for(f, ExternalResult(output=ToolOutput(content="42"))))
+    assert done.run_state.cause.kind == "natural"
+    assert results(done)[0].content == "42"
+
+
+async def test_scheduled_action_runs_when_it_fires():
+    ran = []
+
+    @tool(wait="scheduled_action")
+    def remind(x: int) -> str:
+        ran.append(x)
+        return "reminded"
+
+    runner = InProcessRunner(one_tool_agent(remind), MemoryCommitStore())
+    f = await runner.start("go", thread_id="t")
+    assert f.run_state.ticket.payload_kind == "scheduled_action" and ran == []
+    done = await runner.resume(command_for(f, ScheduledFire()))
+    assert ran == [1] and results(done)[0].content == "reminded"
+
+
+async def test_wait_deadline_rejects_a_late_resume_and_keeps_the_ticket():
+    @tool(needs_permission=True, wait_deadline_s=-1)  # already expired when committed
+    def risky(x: int) -> str:
+        return "ran"
+
+    from runtime import PermissionDecision
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(one_tool_agent(risky), store)
+    f = await runner.start("go", thread_id="t")
+    with pytest.raises(ResumeRejected) as err:
+        await runner.resume(command_for(f, PermissionDecision(approve=True)))
+    assert err.value.axis == "deadline"
+    assert (await store.load("t")).run_state == f.run_state
+
+
+async def test_user_input_requested_by_a_hook_then_resumed_with_text():
+    asked = []
+
+    def ask_once(hook_input):
+        if not asked:
+            asked.append(1)
+            hook_input.execution.request_input("Which account?")
+
+    @tool
+    def noop(x: int) -> str:
+        return "ok"
+
+    agent = one_tool_agent(noop, hooks=[Hook(point="StepEnd", fn=ask_once)])
+    runner = InProcessRunner(agent, MemoryCommitStore())
+    f = await runner.start("go", thread_id="t")
+    assert f.run_state.ticket.target.kind == "user_input"
+    assert f.run_state.ticket.target.prompt == "Which account?"
+    assert (f.status.state, f.status.reason) == ("idle", "awaiting_user_input")
+    done = await runner.resume(command_for(f, UserInput(text="savings")))
+    kinds = [m.kind for m in done.messages]
+    # the batch's results are published before the new user text
+    assert kinds == ["user", "assistant", "tool_result", "user", "assistant"]
+    assert isinstance(done.messages[3], UserMessage) and done.messages[3].text == "savings"
+
+
+async def test_manual_pause_waits_at_the_step_boundary_and_unpauses():
+    @tool
+    def noop(x: int) -> str:
+        return "ok"
+
+    runner = InProcessRunner(one_tool_agent(noop), MemoryCommitStore())
+    engine = runner.engine()
+    engine.pause()
+    f = await engine.start("t", "go")
+    assert f.run_state.ticket.target.kind == "pause"
+    done = await runner.resume(command_for(f, Unpause()))
+    assert done.run_state.cause.kind == "natural"
+
+
+async def test_cancel_of_an_awaiting_run_clears_the_ticket_and_a_late_resume_fails_closed():
+    from runtime import PermissionDecision
+
+    @tool(needs_permission=True)
+    def risky(x: int) -> str:
+        return "ran"
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(one_tool_agent(risky), store)
+    f = await runner.start("go", thread_id="t")
+    ended = await runner.engine().terminate("t")
+    assert isinstance(ended.run_state, EndedState) and ended.run_state.cause.kind == "cancelled"
+    assert results(ended)[0].is_error and "owning run ended" in results(ended)[0].content
+    with pytest.raises(ResumeRejected) as err:
+        await runner.resume(command_for(f, PermissionDecision(approve=True)))
+    assert err.value.axis == "ticket"
+    assert await runner.engine().terminate("t") == await store.load("t")  # idempotent
+
+
+async def test_stop_from_inside_the_run_ends_stopped():
+    def stopper(hook_input):
+        hook_input.execution.stop("budget reached")
+
+    @tool
+    def noop(x: int) -> str:
+        return "ok"
+
+    agent = one_tool_agent(noop, hooks=[Hook(point="AfterTool", fn=stopper)])
+    f = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert f.run_state.cause.kind == "stopped" and f.run_state.cause.reason == "budget reached"
