@@ -27,6 +27,9 @@ def derive_facts(commit: ThreadCommit, before: Frontier) -> tuple[Fact, ...]:
             )
         elif isinstance(msg, ToolResultMessage):
             facts.append(Fact(type="tool_result", run_id=run, data=msg.model_dump(mode="json")))
+    if commit.status is not None and commit.status != before.status:
+        facts.append(Fact(type="status", run_id=run, data=commit.status.frame()))
+    # the rest fact comes last in its commit, so a follower can stop right after it
     disposition = commit.disposition
     if isinstance(disposition, AwaitingState):
         facts.append(
@@ -45,6 +48,4 @@ def derive_facts(commit: ThreadCommit, before: Frontier) -> tuple[Fact, ...]:
                 data={"cause": disposition.cause.model_dump(mode="json")},
             )
         )
-    if commit.status is not None and commit.status != before.status:
-        facts.append(Fact(type="status", run_id=run, data=commit.status.frame()))
     return tuple(facts)

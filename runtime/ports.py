@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, NamedTuple, Protocol
 
 from pydantic import Field
 
 from runtime.base import Frozen
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier, Receipt, ThreadCommit
-from runtime.events import AgentEvent
+from runtime.events import Delta, Fact
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.lifecycle import ThreadStatus
 from runtime.state import Command
@@ -52,11 +52,21 @@ class CommitStore(Protocol):
     async def close(self) -> None: ...
 
 
+class BusEvent(NamedTuple):
+    """One delivered event and the opaque offset to resume after it."""
+
+    offset: str
+    event: Fact | Delta
+
+
 class LiveBus(Protocol):
-    async def publish(self, thread: ThreadId, events: Sequence[AgentEvent]) -> None:
+    async def publish(self, thread: ThreadId, events: Sequence[Fact | Delta]) -> None:
         """Best effort; a lost Delta costs nothing, facts are re-read from the store."""
 
-    def subscribe(self, thread: ThreadId, after: str | None = None) -> AsyncIterator[AgentEvent]:
+    async def head(self, thread: ThreadId) -> str:
+        """The offset after which only events published from now on arrive."""
+
+    def subscribe(self, thread: ThreadId, after: str | None = None) -> AsyncIterator[BusEvent]:
         """Events after the offset ``after`` (None: only new ones)."""
 
 
