@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from runtime.batch import ToolRecoveryPolicy
+from runtime.delegation import DelegationLimits
 from runtime.errors import AgentImportError
 from runtime.hooks import Hook
 from runtime.models import Model
@@ -26,6 +27,8 @@ class Agent:
     system: str = ""
     inference_attempts: int = 2
     """Attempts per inference before the Run ends failed(inference)."""
+    delegation: DelegationLimits = field(default_factory=DelegationLimits)
+    """Limits on the child Runs this agent's Runs may start."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:

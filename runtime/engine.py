@@ -26,6 +26,7 @@ from runtime.batch import (
 )
 from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
 from runtime.commit import Frontier, ThreadCommit, advance, stamp_facts
+from runtime.delegation import CHILDREN_KEY, ChildRunner, ParentLink
 from runtime.errors import InvalidTransition, StateConflict, StoreUnavailable
 from runtime.events import Delta, Fact
 from runtime.facts import derive_facts
@@ -54,7 +55,7 @@ from runtime.models import InferenceRequest, ModelResponse
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.state import Command
 from runtime.timeutil import now_us
-from runtime.toolbatch import advance_batch, apply_resume, result_messages
+from runtime.toolbatch import EndRun, advance_batch, apply_resume, result_messages
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -111,6 +112,9 @@ class Engine:
         store_retry: StoreRetry = StoreRetry(),
         checkpoints: StreamCheckpointStore | None = None,
         checkpoint_interval_s: float = 0.25,
+        children: ChildRunner | None = None,
+        lineage: Sequence[str] | None = None,
+        parent: ParentLink | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -119,6 +123,10 @@ class Engine:
         self.faults = faults
         self.owner = owner or f"engine-{uuid.uuid4().hex[:8]}"
         self.prompt_path = tuple(prompt_path or (agent.name,))
+        self.children = children
+        self.lineage = tuple(lineage or (agent.name,))
+        """Agent references from the root Run to this one (delegation cycle checks)."""
+        self.parent = parent
         self.store_retry = store_retry
         self.cancel_event = asyncio.Event()
         self.stop_reason: str | None = None
@@ -173,8 +181,14 @@ class Engine:
             return await self._drive(ctx)
         _refuse_second_run(ctx.frontier, run_id)
         user = UserMessage(id=message_id or f"{run_id}:input", text=text)
+        link = () if self.parent is None else (self.parent.command(),)
         await self._commit(
-            ctx, "activation", RunningState(run_id=run_id), messages=(user,), run_id=run_id
+            ctx,
+            "activation",
+            RunningState(run_id=run_id),
+            messages=(user,),
+            commands=link,
+            run_id=run_id,
         )
         return await self._drive(ctx)
 
@@ -222,7 +236,10 @@ class Engine:
                 if self.cancel_event.is_set() or ctx.execution.stopped:
                     await self._end(ctx, self._control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
-                    await advance_batch(self, ctx)
+                    try:
+                        await advance_batch(self, ctx)
+                    except EndRun as end:
+                        await self._end(ctx, end.cause)
                 elif self.pause_requested or ctx.execution.wait_request is not None:
                     await self._await_at_boundary(ctx)
                 else:
@@ -423,6 +440,19 @@ class Engine:
             batch=sealed,
             commands=commands,
         )
+        if cause.kind != "natural":
+            await self._cancel_children(ctx)
+
+    async def _cancel_children(self, ctx: RunContext) -> None:
+        """Cancellation flows parent → child, after the parent's end is committed."""
+        children = ctx.frontier.state["run"].get(CHILDREN_KEY, {})
+        if self.children is None or not children:
+            return
+        for child in children.values():
+            try:
+                await self.children.cancel(ThreadId(child))
+            except Exception as exc:  # the child's own recovery settles it later
+                log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
 
     async def commit(
         self, ctx: RunContext, label: Any, disposition: RunDisposition, **parts: Any

@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator, Callable
 
-from runtime.agent import Agent
+from runtime.agent import Agent, load_agent
+from runtime.batch import ToolOutput
 from runtime.commit import Frontier
+from runtime.delegation import PARENT_KEY, ChildOutcome, ChildRequest, ParentLink, outcome_of
 from runtime.engine import Engine
+from runtime.errors import AgentImportError
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import ResumeCommand
-from runtime.ports import CommitStore, LiveBus, ToolRunner
+from runtime.lifecycle import AwaitingState, DelegationOutcome, ResumeCommand, ToolWaitTarget
+from runtime.models import ModelDelta, ModelResponse
+from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.tools import LocalToolRunner
 
 
 class InProcessRunner:
-    """Start, recover and resume Runs of one agent against one store, in this process."""
+    """Start, recover and resume Runs of one agent against one store, in this process.
+
+    Child Runs (delegation) run as tasks of the same loop; their agents are rebuilt by
+    reference (``module:attr``) with ``resolve``.
+    """
 
     def __init__(
         self,
@@ -24,14 +33,26 @@ class InProcessRunner:
         *,
         tools: ToolRunner | None = None,
         bus: LiveBus | None = None,
+        resolve: Callable[[str], Agent] = load_agent,
+        agent_ref: str | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
         self.tools = tools or LocalToolRunner(agent.tools)
         self.bus = bus
+        self.children = InProcessChildren(store, bus=bus, resolve=resolve)
+        self.lineage = (agent_ref or agent.name,)
 
     def engine(self, faults: FaultPlan = NO_FAULTS) -> Engine:
-        return Engine(self.agent, self.store, self.tools, bus=self.bus, faults=faults)
+        return Engine(
+            self.agent,
+            self.store,
+            self.tools,
+            bus=self.bus,
+            faults=faults or self.faults,
+            children=self.children,
+            lineage=self.lineage,
+        )
 
     async def start(
         self,
@@ -49,4 +70,96 @@ class InProcessRunner:
         return await self.engine(faults).recover(ThreadId(thread_id))
 
     async def resume(self, command: ResumeCommand, faults: FaultPlan = NO_FAULTS) -> Frontier:
-        return await self.engine(faults).resume(command)
+        """Resume a Run (or a child Run); a child that ends delivers its outcome upward."""
+        link = await self.children.link_of(command.thread_id)
+        if link is None:
+            return await self.engine(faults).resume(command)
+        done = await self.children.engine(link, faults).resume(command)
+        delivery = await self.children.delivery(done, link)
+        if delivery is not None:
+            await self.resume(delivery, faults)
+        return done
+
+
+class InProcessChildren:
+    """The ChildRunner of the in-process runner."""
+
+    def __init__(
+        self,
+        store: CommitStore,
+        *,
+        bus: LiveBus | None = None,
+        resolve: Callable[[str], Agent] = load_agent,
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.resolve = resolve
+        self.faults = NO_FAULTS
+        """Fault plan shared by every child engine (crash tests)."""
+
+    def engine(self, link: ParentLink, faults: FaultPlan | None = None) -> Engine:
+        agent = self.resolve(link.agent)
+        return Engine(
+            agent,
+            self.store,
+            LocalToolRunner(agent.tools),
+            bus=self.bus,
+            faults=faults or self.faults,
+            children=self,
+            prompt_path=link.prompt_path,
+            lineage=link.lineage,
+            parent=link,
+        )
+
+    async def run(self, request: ChildRequest) -> ChildOutcome:
+        try:
+            engine = self.engine(ParentLink.of(request))
+        except AgentImportError as exc:
+            return Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
+        # start is idempotent by run id: after a crash this re-attaches to the same child
+        frontier = await engine.start(request.child_thread, request.input, run_id=request.child_run)
+        return outcome_of(frontier)
+
+    async def cancel(self, child_thread: ThreadId) -> None:
+        link = await self.link_of(child_thread)
+        frontier = await self.store.load(child_thread)
+        if frontier.run_state is None or frontier.ended:
+            return
+        agent = self.resolve(link.agent) if link else Agent(name="canceller", model=_NoModel())
+        await Engine(agent, self.store, LocalToolRunner(()), children=self).terminate(child_thread)
+
+    async def link_of(self, thread: ThreadId) -> ParentLink | None:
+        raw = (await self.store.load(thread)).state["run"].get(PARENT_KEY)
+        return ParentLink.model_validate(raw) if raw is not None else None
+
+    async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
+        """The resume that hands an ended child's outcome to a parent awaiting it."""
+        if not child.ended:
+            return None
+        state = (await self.store.load(link.thread)).run_state
+        if not isinstance(state, AwaitingState):
+            return None
+        target = state.ticket.target
+        if not (
+            isinstance(target, ToolWaitTarget)
+            and target.wait == "delegation"
+            and target.call_id == link.call_id
+        ):
+            return None
+        outcome = outcome_of(child)
+        assert isinstance(outcome, Finished)
+        return ResumeCommand(
+            correlation=state.ticket.correlation,
+            run_id=state.ticket.run_id,
+            thread_id=state.ticket.thread_id,
+            call_id=target.call_id,
+            payload=DelegationOutcome(output=outcome.output),
+        )
+
+
+class _NoModel:
+    """The model of an engine that only ever cancels."""
+
+    async def stream(self, request: object) -> AsyncIterator[ModelDelta | ModelResponse]:
+        raise RuntimeError("a cancelling engine never infers")
+        yield ModelResponse()  # pragma: no cover - makes this an async generator

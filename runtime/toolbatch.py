@@ -7,8 +7,10 @@ interrupted ``executing`` call follows its pinned policy, terminal calls are kep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import asyncio
+import json
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from runtime.batch import (
     ActiveToolBatch,
@@ -20,13 +22,22 @@ from runtime.batch import (
     mark_executing,
     mark_indeterminate,
 )
+from runtime.delegation import (
+    CHILDREN_KEY,
+    ChildRequest,
+    ChildWaiting,
+    child_ids,
+    refusal,
+)
 from runtime.events import Fact
 from runtime.hooks import HookResults
 from runtime.ids import CallId, CorrelationId
 from runtime.lifecycle import (
     AwaitingState,
     DelegationOutcome,
+    EndCause,
     ExternalResult,
+    IndeterminateEnd,
     PermissionDecision,
     ResumeCommand,
     ResumeTicket,
@@ -35,13 +46,21 @@ from runtime.lifecycle import (
     UserInput,
 )
 from runtime.messages import Message, ToolResultMessage, UserMessage
-from runtime.ports import Finished, Lost, ToolInvocation
+from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
-from runtime.state import Command
+from runtime.state import Command, StateView
 from runtime.timeutil import now_us
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, RunContext
+
+
+class EndRun(Exception):
+    """Carrying out the batch decided that the Run must end with ``cause``."""
+
+    def __init__(self, cause: EndCause) -> None:
+        super().__init__(cause.kind)
+        self.cause = cause
 
 
 async def advance_batch(engine: Engine, ctx: RunContext) -> None:
@@ -52,19 +71,25 @@ async def advance_batch(engine: Engine, ctx: RunContext) -> None:
     waiter: CallId | None = None
     for action in plan_calls(batch, lambda tool, mode: _supports(engine, tool, mode)):
         if isinstance(action, MarkIndeterminate):
+            if _delegates(engine, batch, action.call_id):
+                raise EndRun(
+                    IndeterminateEnd(reason=f"delegation {action.call_id}: {action.reason}")
+                )
             batch = mark_indeterminate(batch, action.call_id, action.reason)
         elif isinstance(action, Replay):
             ready.append(action.call_id)
         elif isinstance(action, WaitOnCall):
             waiter = waiter or action.call_id
         elif isinstance(action, RunGates):
-            batch, verdict = _gate(engine, batch, action.call_id)
+            batch, verdict = _gate(engine, ctx.frontier.state, batch, action.call_id)
             if verdict == "ready":
                 ready.append(action.call_id)
             elif verdict == "wait" and waiter is None:
                 waiter = action.call_id  # one wait at a time; later ones stay requested
     for wave in _waves(engine, batch, ready):
         batch = await run_wave(engine, ctx, batch, wave)
+    lone_child = batch.awaiting_call()
+    waiter = lone_child.call_id if lone_child is not None else waiter
     if waiter is not None:
         await _await_call(engine, ctx, batch, waiter)
     elif batch != ctx.frontier.batch:
@@ -76,7 +101,9 @@ def _supports(engine: Engine, tool_id: str, mode: str) -> bool:
     return tool is not None and tool.supports(mode)  # type: ignore[arg-type]
 
 
-def _gate(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> tuple[ActiveToolBatch, str]:
+def _gate(
+    engine: Engine, ctx_state: StateView, batch: ActiveToolBatch, call_id: CallId
+) -> tuple[ActiveToolBatch, str]:
     """Validate a requested call; bad input becomes a model-visible error, never a crash."""
     call = batch.call(call_id)
     tool = engine.agent.tool(call.tool)
@@ -87,6 +114,10 @@ def _gate(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> tuple[Acti
         tool.parse(call.arguments)
     except ValueError as exc:
         return _fail(batch, call_id, str(exc))
+    if tool.delegates:
+        why = _delegation_refusal(engine, ctx_state, batch, call_id)
+        if why is not None:
+            return _fail(batch, call_id, why)
     if not tool.supports(call.policy.mode):
         return _fail(
             batch,
@@ -95,6 +126,33 @@ def _gate(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> tuple[Acti
             f"{call.policy.mode} (it declares {list(tool.recovery)})",
         )
     return batch, "wait" if tool.wait is not None else "ready"
+
+
+def _delegates(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> bool:
+    tool = engine.agent.tool(batch.call(call_id).tool)
+    return tool is not None and tool.delegates
+
+
+def _delegation_refusal(
+    engine: Engine, state: StateView, batch: ActiveToolBatch, call_id: CallId
+) -> str | None:
+    if engine.children is None:
+        return "delegation is not available: this runner has no child runner"
+    delegations = [c.call_id for c in batch.calls if _delegates(engine, batch, c.call_id)]
+    earlier = delegations[: delegations.index(call_id)]
+    # children already committed, plus earlier calls of this batch that were not refused
+    started = set(state["run"].get(CHILDREN_KEY, {})) | {
+        c for c in earlier if batch.call(c).phase.kind != "completed"
+    }
+    target = json.loads(batch.call(call_id).arguments)["agent"]
+    return refusal(
+        engine.agent.delegation,
+        depth=len(engine.prompt_path),
+        lineage=engine.lineage,
+        agent=target,
+        started=len(started),
+        in_batch=len(earlier) + 1,
+    )
 
 
 def _fail(batch: ActiveToolBatch, call_id: CallId, text: str) -> tuple[ActiveToolBatch, str]:
@@ -135,11 +193,18 @@ async def run_wave(
         if not marked:
             for call_id in wave:
                 batch = mark_executing(batch, call_id, undispatched=call_id in undispatched)
-            await engine.commit(ctx, "executing", RunningState(run_id=ctx.run_id), batch=batch)
+            # the delegation relationship is committed with executing, before any child starts
+            await engine.commit(
+                ctx,
+                "executing",
+                RunningState(run_id=ctx.run_id),
+                batch=batch,
+                commands=_relationships(engine, ctx, batch, wave),
+            )
         marked = False
-        invocations = [_invocation(engine, ctx, batch, c) for c in wave]
         engine.faults.hit("during:tools")
-        outcomes = await engine.guard(engine.tools.run(invocations))
+        outcomes = await engine.guard(_dispatch(engine, ctx, batch, wave))
+        _refuse_parallel_waits(engine, wave, outcomes)
         retry: list[CallId] = []
         undispatched = set()
         for call_id, outcome in zip(wave, outcomes, strict=True):
@@ -158,6 +223,66 @@ async def run_wave(
     return batch
 
 
+async def _dispatch(
+    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, wave: list[CallId]
+) -> list[ToolOutcome | ChildWaiting]:
+    """One executor round trip for ordinary calls; every child of the wave at once."""
+    children = [c for c in wave if _delegates(engine, batch, c)]
+    ordinary = [c for c in wave if c not in children]
+    invocations = [_invocation(engine, ctx, batch, c) for c in ordinary]
+    runs: list[Awaitable[Any]] = [engine.tools.run(invocations)] if invocations else []
+    assert engine.children is not None or not children
+    runs += [
+        engine.children.run(_child_request(engine, ctx, batch, c))  # type: ignore[union-attr]
+        for c in children
+    ]
+    results = await asyncio.gather(*runs)
+    by_call: dict[CallId, ToolOutcome | ChildWaiting] = {}
+    if invocations:
+        by_call.update(zip(ordinary, results.pop(0), strict=True))
+    by_call.update(zip(children, results, strict=True))
+    return [by_call[c] for c in wave]
+
+
+def _child_request(
+    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, call_id: CallId
+) -> ChildRequest:
+    args = json.loads(batch.call(call_id).arguments)
+    thread, run = child_ids(ctx.frontier.thread_id, ctx.run_id, call_id)
+    return ChildRequest(
+        parent_thread=ctx.frontier.thread_id,
+        parent_run=ctx.run_id,
+        call_id=call_id,
+        agent=args["agent"],
+        input=args["input"],
+        child_thread=thread,
+        child_run=run,
+        prompt_path=(*engine.prompt_path, args["agent"].rpartition(":")[2]),
+        lineage=(*engine.lineage, args["agent"]),
+    )
+
+
+def _relationships(
+    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, wave: list[CallId]
+) -> tuple[Command, ...]:
+    started = {
+        c: child_ids(ctx.frontier.thread_id, ctx.run_id, c)[0]
+        for c in wave
+        if _delegates(engine, batch, c)
+    }
+    if not started:
+        return ()
+    return (Command(key=CHILDREN_KEY, scope="run", merge="disjoint", value=dict(started)),)
+
+
+def _refuse_parallel_waits(engine: Engine, wave: list[CallId], outcomes: Sequence[object]) -> None:
+    """One ticket cannot hold several correlations: a child that needs a human while
+    siblings run in parallel ends the parent indeterminate."""
+    children = sum(isinstance(o, ChildWaiting) for o in outcomes)
+    if children and len(wave) > 1:
+        raise EndRun(IndeterminateEnd(reason="a child running in parallel needs a human"))
+
+
 def _settle(
     batch: ActiveToolBatch,
     call_id: CallId,
@@ -168,6 +293,8 @@ def _settle(
 ) -> ActiveToolBatch:
     call = batch.call(call_id)
     budget_left = call.attempts < call.policy.max_attempts
+    if isinstance(outcome, ChildWaiting):  # a lone child surfaces its wait to the parent
+        return mark_awaiting(batch, call_id, "delegation", outcome.ticket.correlation)
     if isinstance(outcome, Finished):
         commands.extend(outcome.commands)
         return complete(batch, call_id, outcome.output)

@@ -70,6 +70,11 @@ class Tool:
     resources: Mapping[str, float] = field(default_factory=dict)
     timeout_s: float | None = None
     description: str = ""
+    delegates: bool = False
+    """A delegation tool: its calls start child Runs (runtime.delegation)."""
+
+    def with_delegation(self) -> Tool:
+        return replace(self, delegates=True)
 
     @property
     def default_policy(self) -> ToolRecoveryPolicy:

@@ -1,0 +1,155 @@
+"""Terminal-only child delegation (DESIGN §7).
+
+A delegation tool call starts a child Run whose ids are derived from (parent run,
+call id), so a repeated start after any crash addresses the same child. The parent
+commits the relationship and the call's ``executing`` (policy ``durable_request``)
+before the child starts; the call stays executing while the child runs, so all
+children of a batch run at once. The parent sees only the child's terminal outcome,
+installed in the same commit that completes the call; the child's own thread is the
+durable record of that outcome (the parent's inbox), so recording it twice is
+impossible and re-reading it is harmless.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, Protocol
+
+from runtime.base import Frozen
+from runtime.batch import ToolOutput
+from runtime.commit import Frontier
+from runtime.ids import CallId, RunId, ThreadId
+from runtime.lifecycle import AwaitingState, EndedState, ResumeTicket
+from runtime.messages import AssistantMessage
+from runtime.ports import Finished, Lost
+from runtime.state import Command
+from runtime.tools import Tool, tool
+
+CHILDREN_KEY = "children"
+"""Run-scoped state key: {call_id: child thread}, written with the executing commit."""
+PARENT_KEY = "parent"
+"""Run-scoped state key of a child: its ParentLink."""
+
+
+class DelegationLimits(Frozen):
+    max_depth: int = 8
+    """Longest prompt path (root agent included) a child may have."""
+    max_parallel: int = 8
+    """Delegation calls of one batch; later ones are refused."""
+    max_total: int = 64
+    """Children one Run may start in all."""
+    allow_cycles: bool = False
+    """Whether an agent may (indirectly) delegate to itself."""
+
+
+class ChildRequest(Frozen):
+    parent_thread: ThreadId
+    parent_run: RunId
+    call_id: CallId
+    agent: str
+    """Import reference ``module:attr`` of the child's agent."""
+    input: str
+    child_thread: ThreadId
+    child_run: RunId
+    prompt_path: tuple[str, ...]
+    """The child's prompt path: the parent's, then the child agent."""
+    lineage: tuple[str, ...]
+    """Agent references from the root to the child (cycle detection)."""
+
+
+class ParentLink(Frozen):
+    """Committed into a child's run state at activation: who waits for it."""
+
+    thread: ThreadId
+    run: RunId
+    call_id: CallId
+    agent: str
+    """The child's own agent reference, so any process can rebuild it."""
+    prompt_path: tuple[str, ...]
+    lineage: tuple[str, ...]
+
+    @classmethod
+    def of(cls, request: ChildRequest) -> ParentLink:
+        return cls(
+            thread=request.parent_thread,
+            run=request.parent_run,
+            call_id=request.call_id,
+            agent=request.agent,
+            prompt_path=request.prompt_path,
+            lineage=request.lineage,
+        )
+
+    def command(self) -> Command:
+        return Command(key=PARENT_KEY, scope="run", value=self.model_dump(mode="json"))
+
+
+class ChildWaiting(Frozen):
+    """The child needs a human: it committed Awaiting(ticket)."""
+
+    kind: Literal["child_waiting"] = "child_waiting"
+    ticket: ResumeTicket
+
+
+ChildOutcome = Finished | Lost | ChildWaiting
+
+
+class ChildRunner(Protocol):
+    async def run(self, request: ChildRequest) -> ChildOutcome:
+        """Start the child or re-attach to it (same ids), and wait until it is at rest."""
+
+    async def cancel(self, child_thread: ThreadId) -> None:
+        """Cancel the child if it is not ended; idempotent."""
+
+
+def child_ids(parent_thread: ThreadId, parent_run: RunId, call: CallId) -> tuple[ThreadId, RunId]:
+    run = RunId(f"{parent_run}/{call}")
+    return ThreadId(f"{parent_thread}/{call}@{parent_run}"), run
+
+
+def delegate_tool(name: str = "delegate") -> Tool:
+    """The delegation tool: ``delegate(agent="module:attr", input="...")``."""
+
+    def delegate(agent: str, input: str) -> str:
+        """Hand a task to another agent and wait for its final answer."""
+        raise RuntimeError("delegation calls are run by the engine, never directly")
+
+    built: Tool = tool(delegate, name=name, recovery=("durable_request",))
+    return built.with_delegation()
+
+
+def refusal(
+    limits: DelegationLimits,
+    depth: int,
+    lineage: tuple[str, ...],
+    agent: str,
+    started: int,
+    in_batch: int,
+) -> str | None:
+    """Why a child may not start, as the model should read it; None if it may."""
+    if depth >= limits.max_depth:
+        return f"delegation refused: depth limit {limits.max_depth} reached"
+    if in_batch > limits.max_parallel:
+        return f"delegation refused: at most {limits.max_parallel} delegations per step"
+    if started >= limits.max_total:
+        return f"delegation refused: this run already started {limits.max_total} children"
+    if agent in lineage and not limits.allow_cycles:
+        return f"delegation refused: {agent} is already in the chain {list(lineage)} (cycle)"
+    return None
+
+
+def outcome_of(frontier: Frontier) -> ChildOutcome:
+    """A child at rest, as its parent's tool call sees it."""
+    state = frontier.run_state
+    if isinstance(state, AwaitingState):
+        return ChildWaiting(ticket=state.ticket)
+    if not isinstance(state, EndedState):
+        return Lost(message=f"child {frontier.thread_id} is not at rest")
+    if state.cause.kind == "natural":
+        answer = next(
+            m.text for m in reversed(frontier.messages) if isinstance(m, AssistantMessage)
+        )
+        return Finished(output=ToolOutput(content=answer))
+    detail = json.dumps(state.cause.model_dump(mode="json"))
+    return Finished(
+        output=ToolOutput(content=f"child run ended without an answer: {detail}", is_error=True)
+    )

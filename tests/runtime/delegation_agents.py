@@ -1,0 +1,93 @@
+"""Agents addressed by reference (``tests.runtime.delegation_agents:NAME``) in delegation tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from runtime import Agent, ModelResponse, ScriptedModel, call, tool
+from runtime.delegation import DelegationLimits, delegate_tool
+from runtime.hooks import Hook
+from runtime.messages import UserMessage
+
+HERE = "tests.runtime.delegation_agents"
+PROMPT_PATHS: list[tuple[str, ...]] = []
+BLOCK = asyncio.Event()
+"""Set to release the ``slow_worker`` children (tests reset it)."""
+
+
+def _input(request) -> str:
+    return next(m.text for m in request.messages if isinstance(m, UserMessage))
+
+
+def _record_path(hook_input):
+    PROMPT_PATHS.append(hook_input.execution.prompt_path)
+
+
+worker = Agent(
+    name="worker",
+    model=ScriptedModel([lambda r: ModelResponse(text=f"done: {_input(r)}")], latency_s=0.01),
+    hooks=[Hook(point="StepStart", fn=_record_path)],
+)
+
+
+@tool
+async def wait_forever() -> str:
+    await BLOCK.wait()
+    return "released"
+
+
+slow_worker = Agent(
+    name="slow_worker",
+    model=ScriptedModel(
+        [ModelResponse(tool_calls=(call("wait_forever", "w"),)), ModelResponse(text="slow done")]
+    ),
+    tools=[wait_forever],
+)
+
+
+@tool(needs_permission=True)
+def publish(x: int) -> str:
+    return "published"
+
+
+needy_worker = Agent(
+    name="needy_worker",
+    model=ScriptedModel(
+        [ModelResponse(tool_calls=(call("publish", "p", x=1),)), ModelResponse(text="needy done")]
+    ),
+    tools=[publish],
+)
+
+
+def fanout_agent(
+    target: str, n: int, limits: DelegationLimits | None = None, name: str = "fanout"
+) -> Agent:
+    calls = tuple(
+        call("delegate", f"d{i}", agent=f"{HERE}:{target}", input=f"task {i}") for i in range(n)
+    )
+    return Agent(
+        name=name,
+        model=ScriptedModel(
+            [ModelResponse(tool_calls=calls), lambda r: ModelResponse(text=json.dumps(_results(r)))]
+        ),
+        tools=[delegate_tool()],
+        delegation=limits or DelegationLimits(),
+    )
+
+
+def _results(request) -> list[str]:
+    return [m.content for m in request.messages if m.kind == "tool_result"]
+
+
+def fanout():
+    return fanout_agent("worker", 8)
+
+
+def self_delegating():
+    return fanout_agent("self_delegating", 1, name="self_delegating")
+
+
+def deep():
+    """Delegates to itself with cycles allowed, until the depth limit refuses."""
+    return fanout_agent("deep", 1, DelegationLimits(max_depth=3, allow_cycles=True), name="deep")

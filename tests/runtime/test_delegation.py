@@ -1,0 +1,177 @@
+"""Terminal-only child delegation on the in-process runner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from runtime import Crash, EndedState, FaultPlan, InProcessRunner, PermissionDecision
+from runtime.delegation import DelegationLimits, child_ids
+from runtime.lifecycle import AwaitingState
+from storage.memory import MemoryCommitStore
+
+from . import delegation_agents as agents
+from .test_waits_and_control import command_for
+
+HERE = agents.HERE
+
+
+def runner(agent, store=None) -> InProcessRunner:
+    return InProcessRunner(agent, store or MemoryCommitStore(), agent_ref=f"{HERE}:{agent.name}")
+
+
+async def children_of(store, parent) -> list:
+    threads = parent.state["run"].get("children", {})
+    return [await store.load(t) for t in threads.values()]
+
+
+async def activations(store, thread) -> int:
+    return sum(r.commit.label == "activation" for r in await store.read(thread))
+
+
+async def test_fan_out_to_eight_children_runs_them_concurrently_in_model_order():
+    store = MemoryCommitStore()
+    f = await runner(agents.fanout(), store).start("go", thread_id="p")
+    assert f.run_state.cause.kind == "natural"
+    assert json.loads(f.messages[-1].text) == [f"done: task {i}" for i in range(8)]
+    kids = await children_of(store, f)
+    assert len(kids) == 8
+    # overlap from committed timestamps: every child started before any child ended
+    starts, ends = [], []
+    for kid in kids:
+        statuses = [r.commit.status for r in await store.read(kid.thread_id) if r.commit.status]
+        starts.append(statuses[0].since)
+        ends.append(statuses[-1].since)
+    assert max(starts) < min(ends)
+
+
+async def test_child_ids_are_derived_from_parent_run_and_call():
+    store = MemoryCommitStore()
+    f = await runner(agents.fanout(), store).start("go", thread_id="p", run_id="r")
+    thread, run = child_ids("p", "r", "d3")
+    assert f.state["run"]["children"]["d3"] == thread
+    assert (await store.load(thread)).run_id == run
+
+
+async def test_prompt_path_inside_a_child():
+    agents.PROMPT_PATHS.clear()
+    await runner(agents.fanout()).start("go", thread_id="p")
+    assert set(agents.PROMPT_PATHS) == {("fanout", "worker")}
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        ("during:tools", 1),  # after the relationship commit, before any child starts
+        ("before:results", 1),
+    ],  # children finished, parent has not consumed their results
+)
+async def test_parent_crash_leaves_exactly_one_child_per_call(point):
+    store = MemoryCommitStore()
+    with pytest.raises(Crash):
+        await runner(agents.fanout(), store).start("go", thread_id="p", faults=FaultPlan(point))
+    f = await runner(agents.fanout(), store).recover("p")
+    assert f.run_state.cause.kind == "natural"
+    assert json.loads(f.messages[-1].text) == [f"done: task {i}" for i in range(8)]
+    for kid in await children_of(store, f):
+        assert await activations(store, kid.thread_id) == 1
+        assert kid.run_state.cause.kind == "natural"
+    results = [m for m in f.messages if m.kind == "tool_result"]
+    assert len(results) == 8  # every result consumed once
+
+
+async def test_a_child_crash_mid_run_is_recovered_and_consumed_once():
+    store = MemoryCommitStore()
+    first = runner(agents.fanout(), store)
+    first.children.faults = FaultPlan(("after:activation", 3))  # the third child to start dies
+    with pytest.raises(Crash):
+        await first.start("go", thread_id="p")
+    f = await runner(agents.fanout(), store).recover("p")
+    assert f.run_state.cause.kind == "natural"
+    for kid in await children_of(store, f):
+        assert await activations(store, kid.thread_id) == 1
+    assert json.loads(f.messages[-1].text) == [f"done: task {i}" for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("limits", "n", "refused"),
+    [
+        (DelegationLimits(max_parallel=2), 3, [2]),
+        (DelegationLimits(max_total=2), 3, [2]),
+        (DelegationLimits(max_depth=1), 2, [0, 1]),
+    ],
+)
+async def test_limits_refuse_starts_as_model_visible_errors(limits, n, refused):
+    store = MemoryCommitStore()
+    agent = agents.fanout_agent("worker", n, limits)
+    f = await runner(agent, store).start("go", thread_id="p")
+    out = json.loads(f.messages[-1].text)
+    assert [i for i, text in enumerate(out) if text.startswith("delegation refused")] == refused
+    assert len(await children_of(store, f)) == n - len(refused)
+
+
+async def test_cycles_are_refused_unless_allowed():
+    f = await runner(agents.self_delegating()).start("go", thread_id="p")
+    assert "cycle" in json.loads(f.messages[-1].text)[0]
+    store = MemoryCommitStore()
+    f = await runner(agents.deep(), store).start("go", thread_id="p")
+    # root → child → grandchild; the grandchild's own delegation hits max_depth 3
+    assert f.run_state.cause.kind == "natural"
+    text = json.dumps(json.loads(f.messages[-1].text))
+    assert "depth limit 3" in text
+
+
+async def test_cancelling_the_parent_cancels_its_children():
+    agents.BLOCK.clear()
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("slow_worker", 3), store)
+    engine = r.engine()
+    task = asyncio.create_task(engine.start("p", "go"))
+    await _until(lambda: _all_waiting(store, 3))
+    engine.cancel()
+    f = await asyncio.wait_for(task, timeout=5)
+    assert f.run_state.cause.kind == "cancelled"
+    kids = await children_of(store, f)
+    assert [k.run_state.cause.kind for k in kids] == ["cancelled"] * 3
+
+
+async def test_a_parallel_child_that_needs_a_human_ends_the_parent_indeterminate():
+    store = MemoryCommitStore()
+    f = await runner(agents.fanout_agent("needy_worker", 2), store).start("go", thread_id="p")
+    assert isinstance(f.run_state, EndedState)
+    assert f.run_state.cause.kind == "indeterminate"
+    assert all(k.run_state.cause.kind == "cancelled" for k in await children_of(store, f))
+
+
+async def test_a_lone_child_surfaces_its_wait_and_its_outcome_resumes_the_parent():
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("needy_worker", 1), store)
+    f = await r.start("go", thread_id="p")
+    assert isinstance(f.run_state, AwaitingState)
+    assert f.run_state.ticket.target.wait == "delegation"
+    (kid,) = await children_of(store, f)
+    assert isinstance(kid.run_state, AwaitingState)
+    await r.resume(command_for(kid, PermissionDecision(approve=True)))
+    parent = await store.load("p")
+    assert parent.run_state.cause.kind == "natural"
+    assert json.loads(parent.messages[-1].text) == ["needy done"]
+
+
+def _all_waiting(store, n: int) -> bool:
+    kids = [t for t in store._threads if "@" in t]
+    return len(kids) == n and all(
+        store._threads[t].frontier.batch is not None
+        and store._threads[t].frontier.batch.calls[0].phase.kind == "executing"
+        for t in kids
+    )
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.005)
