@@ -49,7 +49,7 @@ class InProcessRunner:
             self.store,
             self.tools,
             bus=self.bus,
-            faults=faults or self.faults,
+            faults=faults,
             children=self.children,
             lineage=self.lineage,
         )
