@@ -16,7 +16,8 @@ def python_blocks() -> list[str]:
 
 def test_readme_library_example_runs():
     (example,) = python_blocks()
-    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert out.splitlines()[0] == "natural - Done: Ada was charged 42."
     assert "1 activation ['run_started', 'status']" in out

@@ -55,7 +55,7 @@ def test_var_args_are_refused():
 
 def test_importing_runtime_imports_no_ray_redis_or_sqlalchemy():
     code = (
-        "import sys, runtime, runtime.engine, runtime.runner, storage.memory\n"
+        "import sys, runtime, runtime.engine, runtime.runner, runtime.stream, runtime.delegation\n"
         "bad = [m for m in ('ray', 'redis', 'sqlalchemy') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -1,0 +1,113 @@
+"""Every SQL table of Ratchet, and its migration path (SQLite and PostgreSQL alike).
+
+Migrations: a versioned migration table, not alembic. ``ratchet_schema_version``
+holds one row per applied migration; ``MIGRATIONS`` is an ordered list of
+(version, step) and ``migrate`` applies, in one transaction, every step above the
+highest recorded version. A new schema change is a new entry at the end of the
+list — never an edit of an old one. We chose this over alembic because the schema
+is three tables, it must migrate on connect in an embedded SQLite file with no
+tool installed, and the same few lines run on both dialects. On PostgreSQL an
+advisory lock serialises concurrent migrators (several hosts connecting at once);
+SQLite's BEGIN IMMEDIATE does the same there.
+
+Tables:
+- ``ratchet_threads``: one row per thread; ``frontier`` is the JSON of the current
+  Frontier (kept current by every append, so ``load`` never replays the log);
+  the other columns are copies for locking, listing and fencing queries.
+- ``ratchet_commits``: the append-only log; (thread_id, seq) is the optimistic
+  version rule, (thread_id, operation_id) the idempotency rule; ``body`` is the
+  commit's canonical JSON exactly as hashed.
+- ``ratchet_checkpoints``: best-effort stream checkpoints, one per thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    select,
+    text,
+)
+
+metadata = MetaData()
+
+threads = Table(
+    "ratchet_threads",
+    metadata,
+    Column("thread_id", String, primary_key=True),
+    Column("version", BigInteger, nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("owner", String, nullable=True),
+    Column("frontier", Text, nullable=False),
+    Column("run_id", String, nullable=True),
+    Column("run_state", String, nullable=True, index=True),
+    Column("cause", String, nullable=True),
+    Column("status", Text, nullable=True),
+    Column("updated", BigInteger, nullable=False),
+)
+
+commits = Table(
+    "ratchet_commits",
+    metadata,
+    Column("thread_id", String, nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("operation_id", String, nullable=False),
+    Column("payload_hash", String, nullable=False),
+    Column("label", String, nullable=False),
+    Column("body", Text, nullable=False),
+    PrimaryKeyConstraint("thread_id", "seq", name="pk_ratchet_commits"),
+    UniqueConstraint("thread_id", "operation_id", name="uq_ratchet_commits_operation"),
+)
+
+checkpoints = Table(
+    "ratchet_checkpoints",
+    metadata,
+    Column("thread_id", String, primary_key=True),
+    Column("body", Text, nullable=False),
+    Column("updated", BigInteger, nullable=False),
+)
+
+schema_version = Table(
+    "ratchet_schema_version",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("applied", BigInteger, nullable=False),
+)
+
+Step = Callable[[Connection], None]
+
+
+def _v1_initial(conn: Connection) -> None:
+    metadata.create_all(conn, checkfirst=True)
+
+
+MIGRATIONS: list[tuple[int, Step]] = [(1, _v1_initial)]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+_PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator
+
+
+def migrate(conn: Connection) -> int:
+    """Apply pending migrations in one transaction; returns the schema version."""
+    with conn.begin():
+        if conn.dialect.name == "postgresql":
+            conn.execute(text(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})"))
+        schema_version.create(conn, checkfirst=True)
+        current = conn.execute(select(func.max(schema_version.c.version))).scalar() or 0
+        for version, step in MIGRATIONS:
+            if version > current:
+                step(conn)
+                applied = time.time_ns() // 1000
+                conn.execute(schema_version.insert().values(version=version, applied=applied))
+    return max(current, SCHEMA_VERSION)

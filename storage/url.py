@@ -1,0 +1,87 @@
+"""Store selection by URL, and the one function that keeps credentials out of logs.
+
+    memory://                       MemoryCommitStore (one process, tests)
+    sqlite:///relative/path.db      SqlCommitStore on SQLite (the embedded default)
+    sqlite:////absolute/path.db
+    postgresql://user:pw@host/db    SqlCommitStore on PostgreSQL (also postgres://)
+    redis://host:port/db            RedisCommitStore
+
+Every log line and error message that names a store uses ``redact(url)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit
+
+from runtime.ports import CommitStore
+
+SUPPORTED_SCHEMES = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss")
+DEFAULT_STORE_URL = "sqlite:///ratchet-data/ratchet.db"
+_SECRET_WORDS = ("password", "passwd", "secret", "token", "key")
+
+
+class UnsupportedStoreUrl(ValueError):
+    """A store URL whose scheme no backend serves."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(
+            f"unsupported store URL {redact(url)!r}; supported schemes: "
+            + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
+        )
+
+
+def redact(url: str) -> str:
+    """The URL with its password (and any secret-looking query value) replaced by ***."""
+    try:
+        parts = urlsplit(url)
+        netloc = _redact_netloc(parts)
+    except ValueError:
+        return "<unparseable store url>"
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if netloc == parts.netloc and not any(_secret(k) for k, _ in pairs):
+        return url  # nothing to hide: keep the URL exactly as written
+    query = urlencode([(k, "***" if _secret(k) else v) for k, v in pairs], safe="/:")
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+def _redact_netloc(parts: SplitResult) -> str:
+    if parts.password is None:
+        return parts.netloc
+    user, _, host = parts.netloc.rpartition("@")
+    name = user.partition(":")[0]
+    return f"{name}:***@{host}"
+
+
+def _secret(key: str) -> bool:
+    return any(word in key.lower() for word in _SECRET_WORDS)
+
+
+def scheme_of(url: str) -> str:
+    """The base scheme, without a driver suffix (``postgresql+asyncpg`` → ``postgresql``)."""
+    return url.partition("://")[0].partition("+")[0].lower()
+
+
+def default_store_url() -> str:
+    """RATCHET_STORE_URL, else a SQLite file under the working directory."""
+    return os.environ.get("RATCHET_STORE_URL") or DEFAULT_STORE_URL
+
+
+async def open_store(url: str, **opts: Any) -> CommitStore:
+    """Connect the CommitStore the URL names; backends are imported only when chosen."""
+    scheme = scheme_of(url)
+    if "://" not in url or scheme not in SUPPORTED_SCHEMES:
+        raise UnsupportedStoreUrl(url)
+    if scheme == "memory":
+        from storage.memory import MemoryCommitStore
+
+        return MemoryCommitStore(**opts)
+    if scheme in ("sqlite", "postgresql", "postgres"):
+        from storage.sql import SqlCommitStore
+
+        return await SqlCommitStore.connect(url, **opts)
+    from storage.redis_store import RedisCommitStore
+
+    store: CommitStore = await RedisCommitStore.connect(url, **opts)
+    return store

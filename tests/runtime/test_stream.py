@@ -1,0 +1,167 @@
+"""The thread stream: status frames, committed facts after a cursor, live deltas, reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.ownership import settle_lost
+from runtime import (
+    Agent,
+    Crash,
+    Delta,
+    FaultPlan,
+    InProcessRunner,
+    ModelResponse,
+    PermissionDecision,
+    ScriptedModel,
+    call,
+    tool,
+)
+from runtime.ids import RunId
+from runtime.stream import LiveText, follow, parse_offset
+from storage.bus import EmbeddedBus
+from storage.memory import MemoryCommitStore
+
+from .agents import Ledger, crash_matrix_agent
+from .test_waits_and_control import command_for
+
+
+async def frames(store, thread, after=None, bus=None):
+    return [f async for f in follow(store, thread, after, bus=bus)]
+
+
+def statuses(fs) -> list[tuple[str, str | None]]:
+    return [(f.status.state, f.status.reason) for f in fs if f.type == "thread_status"]
+
+
+async def test_status_frames_for_a_run_that_awaits_resumes_and_ends():
+    @tool(needs_permission=True)
+    def risky(x: int) -> str:
+        return "ran"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("risky", "c1", x=1),)), ModelResponse(text="done")]
+    )
+    store = MemoryCommitStore()
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[risky]), store)
+    f = await runner.start("go", thread_id="t")
+    first = await frames(store, "t")
+    assert first[0].type == "thread_status"  # the snapshot comes first
+    assert first[-1].event.type == "awaiting"  # stops at rest
+    await runner.resume(command_for(f, PermissionDecision(approve=True)))
+    # reconnect after the last offset seen: only what is new, then stop at the end
+    rest = await frames(store, "t", after=first[-1].offset)
+    assert statuses(first)[1:] == [("running", None), ("idle", "awaiting_permission")]
+    assert statuses(rest)[1:] == [("running", None), ("idle", "natural")]
+    assert rest[-1].event.type == "run_finished"
+    offsets = [parse_offset(x.offset) for x in first + rest if x.offset]
+    assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+
+
+async def test_status_frames_for_a_run_that_fails():
+    model = ScriptedModel([ModelResponse(tool_calls=(call("nope", "c"),))])  # then exhausted
+    store = MemoryCommitStore()
+    await InProcessRunner(Agent(name="a", model=model), store).start("go", thread_id="t")
+    fs = await frames(store, "t")
+    assert statuses(fs)[1:] == [("running", None), ("failed", "ScriptExhausted")]
+    assert fs[-1].event.type == "run_failed"
+
+
+async def test_status_frames_for_a_run_whose_host_is_lost():
+    store = MemoryCommitStore()
+    runner = InProcessRunner(crash_matrix_agent(Ledger()), store)
+    with pytest.raises(Crash):
+        await runner.start("go", thread_id="t", faults=FaultPlan(crash_at=("after:results", 1)))
+    assert await settle_lost(store, "t", "supervisor")
+    await runner.recover("t")
+    fs = await frames(store, "t")
+    assert statuses(fs)[1:] == [
+        ("running", None),
+        ("failed", "execution_lost"),
+        ("running", None),
+        ("idle", "natural"),
+    ]
+
+
+async def test_live_deltas_and_facts_arrive_through_the_bus():
+    bus = EmbeddedBus()
+    store = MemoryCommitStore()
+    gate = asyncio.Event()
+
+    @tool
+    async def slow(x: int) -> str:
+        await gate.wait()
+        return "ok"
+
+    model = ScriptedModel(
+        [
+            ModelResponse(text="working on it", tool_calls=(call("slow", "c", x=1),)),
+            ModelResponse(text="all done now"),
+        ]
+    )
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[slow]), store, bus=bus)
+    task = asyncio.create_task(runner.start("go", thread_id="t", run_id="r"))
+    seen = []
+
+    async def watch():
+        async for frame in follow(store, "t", bus=bus):
+            seen.append(frame)
+            if frame.type == "fact" and frame.event.type == "tool_call":
+                gate.set()
+
+    await asyncio.wait_for(asyncio.gather(watch(), task), timeout=10)
+    text = LiveText()
+    for frame in seen:
+        if frame.type == "delta":
+            text.add(frame.event)
+    assert text.text("r", 1) == "all done now"
+    facts = [f.event.type for f in seen if f.type == "fact"]
+    assert facts[-1] == "run_finished" and "tool_result" in facts
+    fact_offsets = [f.offset for f in seen if f.offset]
+    assert len(fact_offsets) == len(set(fact_offsets))  # no fact twice (store, then bus)
+
+
+async def test_reconnect_after_a_crash_loses_no_fact_and_duplicates_none():
+    store, bus = MemoryCommitStore(), EmbeddedBus()
+    clean_store = MemoryCommitStore()
+    await InProcessRunner(crash_matrix_agent(Ledger()), clean_store).start(
+        "go", thread_id="t", run_id="r"
+    )
+    runner = InProcessRunner(crash_matrix_agent(Ledger()), store, bus=bus)
+    with pytest.raises(Crash):
+        await runner.start(
+            "go", thread_id="t", run_id="r", faults=FaultPlan(crash_at=("before:executing", 2))
+        )
+    # a client was following when the host died: it saw every fact committed so far
+    last = max((r.seq, len(r.commit.events) - 1) for r in await store.read("t") if r.commit.events)
+    before = []
+    async for frame in follow(store, "t", bus=bus, until_rest=False):
+        before.append(frame)
+        if frame.offset and parse_offset(frame.offset) == last:
+            break
+    await runner.recover("t")
+    after = await frames(store, "t", after=before[-1].offset, bus=bus)
+    got = [(f.event.type, f.event.data.get("call_id")) for f in before + after if f.type == "fact"]
+    want = [
+        (f.event.type, f.event.data.get("call_id"))
+        for f in await frames(clean_store, "t")
+        if f.type == "fact"
+    ]
+    assert got == want
+
+
+def test_retried_inference_replaces_partial_text():
+    text = LiveText()
+    run = RunId("r")
+    text.add(Delta(type="text_delta", run_id=run, step=0, attempt=1, text="Hel"))
+    text.add(Delta(type="text_delta", run_id=run, step=0, attempt=2, text="Hello"))
+    text.add(Delta(type="text_delta", run_id=run, step=0, attempt=1, text="lo"))  # late
+    text.add(Delta(type="text_delta", run_id=run, step=0, attempt=2, text=" world"))
+    assert text.text("r", 0) == "Hello world"
+
+
+def test_a_malformed_offset_is_a_clear_error():
+    with pytest.raises(ValueError, match="SEQ:INDEX"):
+        parse_offset("yesterday")

@@ -1,0 +1,246 @@
+"""The Redis CommitStore's own guarantees: the Lua script decides atomically.
+
+The shared conformance suite covers the port; these tests aim at the script: the
+re-check it makes after Python's load, and that a refused append writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from runtime.commit import Frontier, ThreadCommit, advance, replay
+from runtime.errors import (
+    CorruptRecord,
+    DuplicateOperation,
+    Fenced,
+    RunEnded,
+    StoreUnavailable,
+    VersionConflict,
+)
+from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import Cancelled, EndedState, RunningState
+from runtime.messages import UserMessage
+from runtime.ports import StreamCheckpoint
+from storage.redis_checkpoints import RedisCheckpointStore
+from storage.redis_store import RedisCommitStore
+
+TEST_DB = 12
+"""This file's own Redis database; keys carry a per-test prefix as well."""
+
+
+def db_url(url: str, db: int) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
+
+
+@pytest.fixture
+async def store(redis_url: str) -> AsyncIterator[RedisCommitStore]:
+    prefix = f"store-test-{uuid.uuid4().hex[:8]}"
+    s = await RedisCommitStore.connect(db_url(redis_url, TEST_DB), prefix=prefix)
+    yield s
+    keys = [k async for k in s.client.scan_iter(match=f"{prefix}:*")]
+    if keys:
+        await s.client.delete(*keys)
+    await s.close()
+
+
+def one_shot(thread: str, run: str, text: str = "hi") -> ThreadCommit:
+    """A whole Run in one commit (activation and end together): any writer may add one."""
+    return ThreadCommit(
+        thread_id=ThreadId(thread),
+        run_id=RunId(run),
+        ordinal=0,
+        label="activation",
+        disposition=EndedState(run_id=RunId(run), cause=Cancelled()),
+        messages=(UserMessage(id=f"{run}:input", text=text),),
+    )
+
+
+def unowned(frontier: Frontier) -> Frontier:
+    return frontier.model_copy(update={"epoch": 0, "owner": None})
+
+
+async def test_fifty_concurrent_writers_one_winner_per_version(store: RedisCommitStore) -> None:
+    thread = ThreadId("race")
+    await store.claim(thread, "racers")
+    conflicts = 0
+
+    async def writer(i: int) -> int:
+        nonlocal conflicts
+        while True:
+            f = await store.load(thread)
+            try:
+                return (await store.append(one_shot(thread, f"run-{i}"), f.version, f.epoch)).seq
+            except VersionConflict:
+                conflicts += 1
+
+    seqs = await asyncio.gather(*(writer(i) for i in range(50)))
+    assert sorted(seqs) == list(range(1, 51))  # exactly one winner per version
+    assert conflicts > 0  # they really raced
+    records = await store.read(thread)
+    assert [r.seq for r in records] == list(range(1, 51))
+    assert len({r.commit.run_id for r in records}) == 50  # none lost, none twice
+    loaded = await store.load(thread)
+    assert unowned(loaded) == replay(thread, [r.commit for r in records])
+
+
+async def test_the_script_lets_one_of_many_stale_snapshots_win(store: RedisCommitStore) -> None:
+    """All writers pass Python's check on the same snapshot; only the script decides."""
+    thread = ThreadId("script-race")
+    epoch = await store.claim(thread, "me")
+    f = await store.load(thread)
+    commits = [one_shot(thread, f"run-{i}") for i in range(20)]
+    outcomes = await asyncio.gather(
+        *(store._apply(c, advance(f, c), f.version, epoch) for c in commits),
+        return_exceptions=True,
+    )
+    winners = [o for o in outcomes if o is not None]
+    assert len(winners) == 1 and not isinstance(winners[0], BaseException)
+    assert winners[0].seq == 1  # the other 19 were refused by the script itself
+    assert len(await store.read(thread)) == 1
+    with pytest.raises(VersionConflict):  # and the refusal is named by check_append
+        await store.append(commits[1], f.version, epoch)
+
+
+async def test_the_script_refuses_a_stale_epoch_and_writes_nothing(
+    store: RedisCommitStore,
+) -> None:
+    thread = ThreadId("fenced")
+    old = await store.claim(thread, "zombie")
+    f = await store.load(thread)
+    commit = one_shot(thread, "run-z")
+    new_epoch = await store.claim(thread, "successor")  # lands between load and script
+    assert await store._apply(commit, advance(f, commit), f.version, old) is None
+    assert await store.read(thread) == [] and (await store.load(thread)).version == 0
+    with pytest.raises(Fenced) as caught:
+        await store.append(commit, f.version, old)
+    assert (caught.value.epoch, caught.value.current) == (old, new_epoch)
+    assert (await store.append(commit, 0, new_epoch)).seq == 1
+
+
+async def test_the_script_answers_known_operations_and_ended_runs(
+    store: RedisCommitStore,
+) -> None:
+    thread = ThreadId("known")
+    epoch = await store.claim(thread, "me")
+    f = await store.load(thread)
+    commit = one_shot(thread, "run-k")
+    receipt = await store._apply(commit, advance(f, commit), 0, epoch)
+    assert receipt is not None
+    # The script refuses a known operation id; the append then answers from the rule:
+    # the same payload gets the original receipt, another payload is a duplicate.
+    assert await store._apply(commit, advance(f, commit), 0, epoch) is None
+    assert await store.append(commit, 0, epoch) == receipt
+    other = one_shot(thread, "run-k", text="another payload")
+    assert await store._apply(other, advance(f, other), 0, epoch) is None
+    with pytest.raises(DuplicateOperation):
+        await store.append(other, 0, epoch)
+    after = await store.load(thread)
+    late = ThreadCommit(
+        thread_id=thread,
+        run_id=RunId("run-k"),
+        ordinal=1,
+        label="status",
+        disposition=RunningState(run_id=RunId("run-k")),
+    )
+    assert await store._apply(late, advance(after, late), after.version, epoch) is None
+    with pytest.raises(RunEnded):
+        await store.append(late, after.version, epoch)
+    assert len(await store.read(thread)) == 1
+
+
+async def test_a_key_of_the_wrong_type_fails_closed_before_any_write(
+    store: RedisCommitStore,
+) -> None:
+    thread = ThreadId("wrong-type")
+    epoch = await store.claim(thread, "me")
+    await store.client.set(f"{store.prefix}:runs:ended", "not a hash")
+    with pytest.raises(CorruptRecord):
+        await store.append(one_shot(thread, "run-w"), 0, epoch)
+    assert await store.read(thread) == [] and (await store.load(thread)).version == 0
+
+
+async def test_corrupt_frontier_and_record_fail_closed_naming_thread_and_seq(
+    store: RedisCommitStore,
+) -> None:
+    thread = ThreadId("corrupt")
+    epoch = await store.claim(thread, "me")
+    await store.append(one_shot(thread, "run-c"), 0, epoch)
+    await store.corrupt(thread, 1, '{"schema_version": 1, "nope": true}')
+    with pytest.raises(CorruptRecord) as record:
+        await store.read(thread)
+    assert (record.value.thread, record.value.seq) == ("corrupt", 1)
+    await store.client.hset(f"{store.prefix}:thread:corrupt:meta", "frontier", "{garbage")
+    with pytest.raises(CorruptRecord) as frontier:
+        await store.load(thread)
+    assert frontier.value.thread == "corrupt"
+
+
+async def test_claims_never_touch_the_frontier(store: RedisCommitStore) -> None:
+    thread = ThreadId("claims")
+    epoch = await store.claim(thread, "a")
+    await store.append(one_shot(thread, "run-1"), 0, epoch)
+    before = await store.load(thread)
+    again = await store.claim(thread, "b")
+    after = await store.load(thread)
+    assert (again, after.owner) == (epoch + 1, "b")
+    assert unowned(after) == unowned(before)
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    return f"redis://user:s3cret@127.0.0.1:{port}/0"
+
+
+async def test_an_unreachable_server_is_store_unavailable_without_the_password() -> None:
+    with pytest.raises(StoreUnavailable) as caught:
+        await RedisCommitStore.connect(dead_url())
+    assert "s3cret" not in str(caught.value) and "127.0.0.1" in str(caught.value)
+
+
+async def test_checkpoints_round_trip(redis_url: str) -> None:
+    prefix = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    checkpoints = RedisCheckpointStore.connect(db_url(redis_url, TEST_DB), prefix=prefix)
+    thread = ThreadId("t")
+    point = StreamCheckpoint(run_id=RunId("r"), step=2, text="partial", tool_calls=({"a": 1},))
+    assert await checkpoints.get(thread) is None
+    await checkpoints.put(thread, point)
+    assert await checkpoints.get(thread) == point
+    await checkpoints.client.set(f"{prefix}:checkpoint:u", "{not json")
+    assert await checkpoints.get(ThreadId("u")) is None  # unreadable: a miss, not an error
+    await checkpoints.delete(thread)
+    await checkpoints.delete(ThreadId("u"))
+    assert await checkpoints.get(thread) is None
+    await checkpoints.close()
+
+
+async def test_checkpoint_failures_are_logged_never_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    checkpoints = RedisCheckpointStore.connect(dead_url())
+    thread, point = ThreadId("t"), StreamCheckpoint(run_id=RunId("r"), step=0)
+    with caplog.at_level(logging.WARNING, logger="ratchet.storage.checkpoints"):
+        await checkpoints.put(thread, point)
+        assert await checkpoints.get(thread) is None
+        await checkpoints.delete(thread)
+    assert len(caplog.records) == 3
+    assert all("s3cret" not in r.getMessage() for r in caplog.records)
+    await checkpoints.close()
+
+
+async def test_connect_warns_exactly_when_the_server_is_not_durable(
+    store: RedisCommitStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = await store.client.config_get("append*")  # read only: a shared server
+    durable = (config["appendonly"], config["appendfsync"]) == ("yes", "always")
+    with caplog.at_level(logging.WARNING, logger="ratchet.storage.redis"):
+        await store._warn_unless_durable()
+    assert ("appendfsync always" in caplog.text) is not durable

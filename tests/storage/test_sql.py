@@ -1,0 +1,149 @@
+"""What only the SQL backends have: group commit, the SAVEPOINT fallback, SQLite setup."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
+
+from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, VersionConflict
+from runtime.ids import ThreadId
+from storage.schema import SCHEMA_VERSION, commits, schema_version
+from storage.sql import SqlCommitStore
+from storage.sql_engine import translate
+from tests.storage.builders import activation, step
+from tests.storage.conftest import make_store
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def sql_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def sql_url(sql_backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if sql_backend == "sqlite":
+        return f"sqlite:///{tmp_path}/sql/ratchet.db"
+    return str(request.getfixturevalue("pg_conformance_url"))
+
+
+@pytest.fixture
+async def sql_store(sql_backend: str, sql_url: str) -> AsyncIterator[SqlCommitStore]:
+    store = await make_store(sql_backend, sql_url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def _activate_many(store: SqlCommitStore, n: int) -> list[object]:
+    threads = [ThreadId(f"g-{i:03d}") for i in range(n)]
+    return list(
+        await asyncio.gather(*(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads))
+    )
+
+
+async def test_concurrent_appends_share_transactions(sql_store: SqlCommitStore) -> None:
+    receipts = await _activate_many(sql_store, 60)
+    assert len(receipts) == 60
+    assert sql_store.appends == 60
+    assert sql_store.groups < sql_store.appends  # grouped, not one transaction each
+
+
+async def test_database_refusal_fails_only_the_culprit(sql_store: SqlCommitStore) -> None:
+    bad, good = ThreadId("bad"), [ThreadId(f"good-{i}") for i in range(5)]
+    await sql_store.append(activation(bad, "run-bad"), 0, 0)
+    # A row the frontier does not know about: the pure rules admit seq 2, the
+    # primary key refuses it, and the group is replayed with one SAVEPOINT each.
+    async with sql_store.engine.begin() as conn:
+        stray = step(bad, "run-bad", 9, "stray")
+        await conn.execute(
+            commits.insert().values(
+                thread_id=bad, seq=2, operation_id="stray", payload_hash=stray.payload_hash,
+                label="inference", body=stray.encoded,
+            )
+        )  # fmt: skip
+    outcomes = await asyncio.gather(
+        sql_store.append(step(bad, "run-bad", 1), 1, 0),
+        *(sql_store.append(activation(t, f"run-{t}"), 0, 0) for t in good),
+        return_exceptions=True,
+    )
+    assert isinstance(outcomes[0], VersionConflict)
+    assert (outcomes[0].expected, outcomes[0].actual) == (1, 2)
+    assert [getattr(o, "seq", None) for o in outcomes[1:]] == [1] * 5
+    assert (await sql_store.load(bad)).version == 1
+
+
+async def test_without_group_commit_concurrent_writers_still_serialise(sql_url: str) -> None:
+    if sql_url.startswith("postgresql"):
+        await (await make_store("postgres", sql_url)).close()  # truncates
+    store = await SqlCommitStore.connect(sql_url, group_commit=False)
+    try:
+        await _activate_many(store, 20)
+        assert store.groups == store.appends == 20
+        assert len(await store.list_runs("running")) == 20
+    finally:
+        await store.close()
+
+
+async def test_sqlite_file_is_created_in_wal_mode_and_migrated_once(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/deep/er/ratchet.db"
+    for _ in range(2):  # a second connect finds the schema current and changes nothing
+        store = await SqlCommitStore.connect(url)
+        async with store.engine.connect() as conn:
+            mode = (await conn.execute(text("PRAGMA journal_mode"))).scalar()
+            versions = (
+                await conn.execute(select(func.count()).select_from(schema_version))
+            ).scalar()
+        await store.close()
+        assert mode == "wal" and versions == SCHEMA_VERSION == 1
+    assert (tmp_path / "deep" / "er" / "ratchet.db").exists()
+
+
+async def test_unreachable_server_is_unavailable_and_secret_free(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = "postgresql://ratchet:s3cret-pw@127.0.0.1:9/ratchet"  # port 9: nothing listens
+    with pytest.raises(StoreUnavailable) as info:
+        await SqlCommitStore.connect(url)
+    assert "s3cret" not in str(info.value) and "***" in str(info.value)
+    assert "s3cret" not in caplog.text
+
+
+class _PgError(Exception):
+    """Stands in for an asyncpg error: only its SQLSTATE matters to the translation."""
+
+    def __init__(self, sqlstate: str, message: str) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (OperationalError("BEGIN", {}, sqlite3.OperationalError("database is locked")),
+         StoreUnavailable),
+        (OperationalError("SELECT 1", {}, _PgError("57P01", "terminating connection")),
+         StoreUnavailable),
+        (DBAPIError("SELECT 1", {}, _PgError("40P01", "deadlock detected")), StoreUnavailable),
+        (ConnectionRefusedError(111, "Connect call failed"), StoreUnavailable),
+        (TimeoutError(), StoreUnavailable),
+        (ProgrammingError("SELECT", {}, _PgError("42P01", "relation does not exist")),
+         StoreError),
+        (IntegrityError("INSERT", {}, sqlite3.IntegrityError(
+            "UNIQUE constraint failed: ratchet_commits.thread_id, ratchet_commits.operation_id")),
+         DuplicateOperation),
+        (IntegrityError("INSERT", {}, sqlite3.IntegrityError(
+            "UNIQUE constraint failed: ratchet_commits.thread_id, ratchet_commits.seq")),
+         VersionConflict),
+    ],
+)  # fmt: skip
+def test_driver_errors_translate_into_ours(error: Exception, expected: type) -> None:
+    translated = translate(error, "postgresql://u:***@db/x")
+    assert type(translated) is expected
+    assert "u:***@db" in str(translated) or expected in (DuplicateOperation, VersionConflict)

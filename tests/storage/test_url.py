@@ -1,0 +1,65 @@
+"""Store selection by URL, and credentials kept out of every message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from storage.memory import MemoryCommitStore
+from storage.sql import SqlCommitStore
+from storage.url import (
+    DEFAULT_STORE_URL,
+    UnsupportedStoreUrl,
+    default_store_url,
+    open_store,
+    redact,
+)
+
+
+def test_redact_hides_passwords_and_secret_query_values() -> None:
+    assert redact("postgresql://bob:hunter2@db:5432/app") == "postgresql://bob:***@db:5432/app"
+    assert redact("redis://:hunter2@cache:6379/0") == "redis://:***@cache:6379/0"
+    assert "hunter2" not in redact("postgresql://db/app?password=hunter2&sslmode=require")
+    assert redact("sqlite:///ratchet-data/ratchet.db") == "sqlite:///ratchet-data/ratchet.db"
+
+
+async def test_unknown_scheme_lists_the_supported_ones() -> None:
+    with pytest.raises(UnsupportedStoreUrl) as info:
+        await open_store("mysql://root:hunter2@db/app")
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert "hunter2" not in message
+    for scheme in ("memory://", "sqlite://", "postgresql://", "redis://"):
+        assert scheme in message
+
+
+def test_default_url_is_a_sqlite_file_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RATCHET_STORE_URL", raising=False)
+    assert default_store_url() == DEFAULT_STORE_URL == "sqlite:///ratchet-data/ratchet.db"
+    monkeypatch.setenv("RATCHET_STORE_URL", "memory://")
+    assert default_store_url() == "memory://"
+
+
+async def test_open_store_chooses_the_backend(tmp_path: Path, postgres_url: str) -> None:
+    assert isinstance(await open_store("memory://"), MemoryCommitStore)
+    for url in (f"sqlite:///{tmp_path}/a.db", postgres_url):
+        store = await open_store(url, payload_limit=1234)
+        try:
+            assert isinstance(store, SqlCommitStore) and store.payload_limit == 1234
+        finally:
+            await store.close()
+
+
+async def test_open_store_redis(redis_url: str) -> None:
+    store = await open_store(redis_url)
+    try:
+        assert type(store).__name__ == "RedisCommitStore"
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+async def test_sqlite_needs_a_file(url: str) -> None:
+    with pytest.raises(ValueError, match="memory://"):
+        await open_store(url)
