@@ -24,7 +24,7 @@ from runtime.batch import (
     open_batch,
     seal,
 )
-from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
+from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, ThreadCommit, advance, stamp_facts
 from runtime.delegation import CHILDREN_KEY, ChildRunner, ParentLink
 from runtime.errors import InvalidTransition, StateConflict, StoreUnavailable
@@ -32,7 +32,8 @@ from runtime.events import Delta, Fact
 from runtime.facts import derive_facts
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
-from runtime.ids import CallId, CorrelationId, RunId, ThreadId
+from runtime.ids import CorrelationId, RunId, ThreadId
+from runtime.inference import infer, salvage, unique_calls
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
@@ -50,12 +51,13 @@ from runtime.lifecycle import (
     ThreadStatus,
     validate_resume,
 )
-from runtime.messages import AssistantMessage, ContextMessage, Message, ToolUse, UserMessage
-from runtime.models import InferenceRequest, ModelResponse
+from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
+from runtime.models import ModelResponse
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
+from runtime.signals import CancelledSignal, EndRun, RunOver
 from runtime.state import Command
 from runtime.timeutil import now_us
-from runtime.toolbatch import EndRun, advance_batch, apply_resume, result_messages
+from runtime.toolbatch import advance_batch, apply_resume, result_messages
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -68,14 +70,6 @@ class StoreRetry:
     first_delay_s: float = 0.05
     max_delay_s: float = 2.0
     give_up_after_s: float = 60.0
-
-
-class _Cancelled(Exception):
-    """Internal: the cancellation signal won a race."""
-
-
-class _RunOver(Exception):
-    """Internal: the Run reached a terminal or awaiting commit inside a helper."""
 
 
 @dataclass
@@ -133,8 +127,8 @@ class Engine:
         self.pause_requested = False
         self.checkpoints = SafeCheckpoints(checkpoints)
         self.checkpoint_interval_s = checkpoint_interval_s
-        self._use_checkpoint = False
-        self._checkpointed = False
+        self.use_checkpoint = False
+        self.checkpointed = False
 
     # ---- control --------------------------------------------------------------------
 
@@ -159,7 +153,7 @@ class Engine:
         """
         ctx = await self._claim(thread)
         if isinstance(ctx.frontier.run_state, RunningState | AwaitingState):
-            await self._end(ctx, cause or Cancelled())
+            await self.end(ctx, cause or Cancelled())
         return ctx.frontier
 
     # ---- entry points -----------------------------------------------------------------
@@ -195,7 +189,7 @@ class Engine:
     async def recover(self, thread: ThreadId) -> Frontier:
         """Claim the thread (fencing the previous owner) and continue from its frontier."""
         ctx = await self._claim(thread)
-        self._use_checkpoint = True
+        self.use_checkpoint = True
         state = ctx.frontier.run_state
         if isinstance(state, RunningState) and ctx.frontier.status.state != "running":
             await self._commit(ctx, "status", state)
@@ -213,8 +207,8 @@ class Engine:
         assert ticket is not None
         try:
             await apply_resume(self, ctx, ticket, command)
-        except _Cancelled:
-            await self._end(ctx, self._control_cause(ctx))
+        except CancelledSignal:
+            await self.end(ctx, self._control_cause(ctx))
         return await self._drive(ctx)
 
     async def _claim(self, thread: ThreadId) -> RunContext:
@@ -234,19 +228,19 @@ class Engine:
                 if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
                     return f
                 if self.cancel_event.is_set() or ctx.execution.stopped:
-                    await self._end(ctx, self._control_cause(ctx))
+                    await self.end(ctx, self._control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
                     try:
                         await advance_batch(self, ctx)
                     except EndRun as end:
-                        await self._end(ctx, end.cause)
+                        await self.end(ctx, end.cause)
                 elif self.pause_requested or ctx.execution.wait_request is not None:
                     await self._await_at_boundary(ctx)
                 else:
                     await self._step(ctx)
-        except _Cancelled:
-            await self._end(ctx, self._control_cause(ctx))
-        except _RunOver:
+        except CancelledSignal:
+            await self.end(ctx, self._control_cause(ctx))
+        except RunOver:
             pass
         return ctx.frontier
 
@@ -280,27 +274,29 @@ class Engine:
         step = f.steps
         results = result_messages(prior)
         if step >= self.agent.max_steps:
-            await self._end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
+            await self.end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
             return
         await self.hooks(ctx, "StepStart", hooks, step=step)
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
         last = step == self.agent.max_steps - 1
-        salvaged = await self._salvage(ctx, step)
+        salvaged = await salvage(self, ctx, step)
         if isinstance(salvaged, ModelResponse):
             response: ModelResponse | None = salvaged
         else:
             context = (*hooks.context, *([salvaged] if salvaged else []))
-            response = await self._infer(ctx, step, (*f.messages, *results, *context), last)
+            response = await infer(self, ctx, step, (*f.messages, *results, *context), last)
         if response is None:
             return
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
-        assistant = AssistantMessage(text=response.text, tool_calls=_unique(response.tool_calls))
+        assistant = AssistantMessage(
+            text=response.text, tool_calls=unique_calls(response.tool_calls)
+        )
         messages: tuple[Message, ...] = (*results, assistant)
         if not assistant.tool_calls or last:
             if not assistant.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
             cause = MaxSteps() if assistant.tool_calls else Natural()
-            await self._end(ctx, cause, messages=messages, batch=prior, commands=hooks.commands)
+            await self.end(ctx, cause, messages=messages, batch=prior, commands=hooks.commands)
             return
         batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
         await self._commit(
@@ -312,70 +308,10 @@ class Engine:
             commands=hooks.commands,
         )
 
-    async def _salvage(self, ctx: RunContext, step: int) -> ModelResponse | ContextMessage | None:
-        """On the first Step after recovery only: what the stream checkpoint offers."""
-        if not self._use_checkpoint:
-            return None
-        self._use_checkpoint = False
-        cp = await self.checkpoints.get(ctx.frontier.thread_id)
-        self._checkpointed = cp is not None
-        return plan_from_checkpoint(cp, ctx.run_id, step)
-
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)
         policy = self.agent.policy_for(tool) if tool else ToolRecoveryPolicy()
         return CallSpec(call_id=use.call_id, tool=use.tool, arguments=use.arguments, policy=policy)
-
-    async def _infer(
-        self, ctx: RunContext, step: int, history: tuple[Any, ...], last: bool
-    ) -> ModelResponse | None:
-        """Ask the model, streaming deltas live; None when the Run ended failed(inference)."""
-        tools = None if last else tuple(t.schema() for t in self.agent.tools)
-        error: Exception | None = None
-        for attempt in range(1, self.agent.inference_attempts + 1):
-            if self.cancel_event.is_set():
-                raise _Cancelled
-            request = InferenceRequest(
-                run_id=ctx.run_id, step=step, attempt=attempt, messages=history, tools=tools
-            )
-            try:
-                return await self.guard(self._stream(ctx, request))
-            except _Cancelled:
-                raise
-            except Exception as exc:  # a model failure of any kind is the model's, not ours
-                error = exc
-                log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
-        assert error is not None
-        await self._end(
-            ctx, Failed(failure="inference", code=type(error).__name__, message=str(error)[:2000])
-        )
-        return None
-
-    async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
-        response: ModelResponse | None = None
-        partial = PartialOutput(run_id=request.run_id, step=request.step)
-        last_put = asyncio.get_running_loop().time()
-        async for item in self.agent.model.stream(request):
-            if isinstance(item, ModelResponse):
-                response = item
-                continue
-            partial.add(item)
-            now = asyncio.get_running_loop().time()
-            if self.checkpoints.store is not None and now - last_put >= self.checkpoint_interval_s:
-                await self.checkpoints.put(ctx.frontier.thread_id, partial.checkpoint())
-                self._checkpointed, last_put = True, now
-            if self.bus is not None:
-                delta = Delta(
-                    type=item.type,
-                    run_id=request.run_id,
-                    step=request.step,
-                    attempt=request.attempt,
-                    text=item.text,
-                )
-                await self._publish(ctx, (delta,))
-        if response is None:
-            raise RuntimeError("the model stream ended without a complete response")
-        return response
 
     async def hooks(
         self,
@@ -414,11 +350,11 @@ class Engine:
         if task in done:
             return task.result()
         task.cancel()
-        raise _Cancelled
+        raise CancelledSignal
 
     # ---- commits ----------------------------------------------------------------------
 
-    async def _end(
+    async def end(
         self,
         ctx: RunContext,
         cause: EndCause,
@@ -493,20 +429,20 @@ class Engine:
             if isinstance(disposition, EndedState) and not all_commands:
                 raise
             ctx.pending.clear()
-            await self._end(
+            await self.end(
                 ctx, Failed(failure="state_conflict", code="state_conflict", message=str(exc))
             )
-            raise _RunOver from exc
+            raise RunOver from exc
         self.faults.hit(f"before:{label}")
         receipt = await self._retrying(lambda: self.store.append(commit, f.version, ctx.epoch))
         self.faults.hit(f"after:{label}")
         ctx.pending.clear()
         ctx.frontier = new_frontier
         ctx.execution.run_id = run
-        if self._checkpointed and label in ("inference", "ended"):
-            self._checkpointed = False  # the Step is committed: its checkpoint is spent
+        if self.checkpointed and label in ("inference", "ended"):
+            self.checkpointed = False  # the Step is committed: its checkpoint is spent
             await self.checkpoints.delete(ctx.frontier.thread_id)
-        await self._publish(ctx, stamp_facts(commit, receipt.seq))
+        await self.publish(ctx, stamp_facts(commit, receipt.seq))
 
     async def _retrying(self, op: Any) -> Any:
         delay, deadline = self.store_retry.first_delay_s, None
@@ -522,7 +458,7 @@ class Engine:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.store_retry.max_delay_s)
 
-    async def _publish(self, ctx: RunContext, events: Sequence[Fact | Delta]) -> None:
+    async def publish(self, ctx: RunContext, events: Sequence[Fact | Delta]) -> None:
         if self.bus is None or not events:
             return
         try:
@@ -547,21 +483,6 @@ def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) 
     if isinstance(cause, Failed):
         return current.moved_to("failed", cause.code, now)
     return current.moved_to("idle", cause.kind, now)
-
-
-def _unique(calls: Sequence[ToolUse]) -> tuple[ToolUse, ...]:
-    """Models sometimes repeat a call id; rename repeats so every call stays addressable."""
-    seen: set[str] = set()
-    out = []
-    for use in calls:
-        cid = use.call_id or "call"
-        n = 1
-        while cid in seen:
-            n += 1
-            cid = f"{use.call_id}#{n}"
-        seen.add(cid)
-        out.append(use if cid == use.call_id else use.model_copy(update={"call_id": CallId(cid)}))
-    return tuple(out)
 
 
 __all__ = ["Engine", "RunContext", "StoreRetry", "finalize", "now_us"]

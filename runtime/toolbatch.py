@@ -35,7 +35,6 @@ from runtime.ids import CallId, CorrelationId
 from runtime.lifecycle import (
     AwaitingState,
     DelegationOutcome,
-    EndCause,
     ExternalResult,
     IndeterminateEnd,
     PermissionDecision,
@@ -48,19 +47,12 @@ from runtime.lifecycle import (
 from runtime.messages import Message, ToolResultMessage, UserMessage
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
+from runtime.signals import EndRun
 from runtime.state import Command, StateView
 from runtime.timeutil import now_us
 
 if TYPE_CHECKING:
     from runtime.engine import Engine, RunContext
-
-
-class EndRun(Exception):
-    """Carrying out the batch decided that the Run must end with ``cause``."""
-
-    def __init__(self, cause: EndCause) -> None:
-        super().__init__(cause.kind)
-        self.cause = cause
 
 
 async def advance_batch(engine: Engine, ctx: RunContext) -> None:
