@@ -13,13 +13,22 @@ impossible and re-reading it is harmless.
 from __future__ import annotations
 
 import json
-from typing import Literal, Protocol
+from typing import Annotated, Literal, Protocol
+
+from pydantic import Field, TypeAdapter
 
 from runtime.base import Frozen
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.ids import CallId, RunId, ThreadId
-from runtime.lifecycle import AwaitingState, EndedState, ResumeTicket
+from runtime.lifecycle import (
+    AwaitingState,
+    DelegationOutcome,
+    EndedState,
+    ResumeCommand,
+    ResumeTicket,
+    ToolWaitTarget,
+)
 from runtime.messages import AssistantMessage
 from runtime.ports import Finished, Lost
 from runtime.state import Command
@@ -153,3 +162,34 @@ def outcome_of(frontier: Frontier) -> ChildOutcome:
     return Finished(
         output=ToolOutput(content=f"child run ended without an answer: {detail}", is_error=True)
     )
+
+
+def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
+    """The resume that hands an ended child's outcome to a parent awaiting exactly it."""
+    link = child.state["run"].get(PARENT_KEY)
+    state = parent.run_state
+    if link is None or not child.ended or not isinstance(state, AwaitingState):
+        return None
+    target = state.ticket.target
+    if not (
+        isinstance(target, ToolWaitTarget)
+        and target.wait == "delegation"
+        and target.call_id == link["call_id"]
+        and state.run_id == link["run"]
+    ):
+        return None
+    outcome = outcome_of(child)
+    assert isinstance(outcome, Finished)
+    return ResumeCommand(
+        correlation=state.ticket.correlation,
+        run_id=state.ticket.run_id,
+        thread_id=state.ticket.thread_id,
+        call_id=target.call_id,
+        payload=DelegationOutcome(output=outcome.output),
+    )
+
+
+CHILD_OUTCOME: TypeAdapter[Finished | Lost | ChildWaiting] = TypeAdapter(
+    Annotated[Finished | Lost | ChildWaiting, Field(discriminator="kind")]
+)
+"""Encodes a ChildOutcome for the wire (JSON, never pickle)."""

@@ -8,12 +8,19 @@ from collections.abc import AsyncIterator, Callable
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
-from runtime.delegation import PARENT_KEY, ChildOutcome, ChildRequest, ParentLink, outcome_of
+from runtime.delegation import (
+    PARENT_KEY,
+    ChildOutcome,
+    ChildRequest,
+    ParentLink,
+    delivery,
+    outcome_of,
+)
 from runtime.engine import Engine
 from runtime.errors import AgentImportError
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import AwaitingState, DelegationOutcome, ResumeCommand, ToolWaitTarget
+from runtime.lifecycle import ResumeCommand
 from runtime.models import ModelDelta, ModelResponse
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.tools import LocalToolRunner
@@ -134,27 +141,7 @@ class InProcessChildren:
 
     async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
         """The resume that hands an ended child's outcome to a parent awaiting it."""
-        if not child.ended:
-            return None
-        state = (await self.store.load(link.thread)).run_state
-        if not isinstance(state, AwaitingState):
-            return None
-        target = state.ticket.target
-        if not (
-            isinstance(target, ToolWaitTarget)
-            and target.wait == "delegation"
-            and target.call_id == link.call_id
-        ):
-            return None
-        outcome = outcome_of(child)
-        assert isinstance(outcome, Finished)
-        return ResumeCommand(
-            correlation=state.ticket.correlation,
-            run_id=state.ticket.run_id,
-            thread_id=state.ticket.thread_id,
-            call_id=target.call_id,
-            payload=DelegationOutcome(output=outcome.output),
-        )
+        return delivery(child, await self.store.load(link.thread))
 
 
 class _NoModel:
