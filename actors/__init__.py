@@ -1,0 +1,27 @@
+"""Ray actors: RunHost (drives Runs), ToolExecutor (stateless), the store actor, Supervisor."""
+
+from actors.run_host import RunHost, dedicated_host, hosted_host
+from actors.store_actor import RemoteCommitStore, StoreActor, open_system_store, store_actor
+from actors.supervisor import Supervisor, supervisor
+from actors.tool_executor import ExecutorPools, RayToolRunner, ToolExecutor
+from actors.wire import RemoteError, RunMeta, SystemSpec, run_meta, unwrap
+
+__all__ = [
+    "ExecutorPools",
+    "RayToolRunner",
+    "RemoteCommitStore",
+    "RemoteError",
+    "RunHost",
+    "RunMeta",
+    "StoreActor",
+    "Supervisor",
+    "SystemSpec",
+    "ToolExecutor",
+    "dedicated_host",
+    "hosted_host",
+    "open_system_store",
+    "run_meta",
+    "store_actor",
+    "supervisor",
+    "unwrap",
+]

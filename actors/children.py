@@ -1,0 +1,53 @@
+"""Child Runs across the cluster: the ChildRunner a RunHost gives its engines (DESIGN §7).
+
+A child is placed like any Run (the hosted pool, by a hash of its thread id) and
+driven by that host's ``run_child``, which answers once the child is at rest. The
+child's ids derive from (parent run, call id), so calling again after any crash —
+the parent's, the child's, or a host's — reaches the same child: a live drive is
+joined, a committed one is recovered, a finished one just answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from actors.wire import SystemSpec, host_index, unwrap
+from runtime.delegation import CHILD_OUTCOME, ChildOutcome, ChildRequest
+from runtime.ids import ThreadId
+from runtime.ports import Lost
+
+log = logging.getLogger("ratchet.children")
+
+
+class RayChildRunner:
+    def __init__(self, spec: SystemSpec) -> None:
+        self.spec = spec
+        self._hosts: dict[int, Any] = {}
+
+    def host_for(self, thread: str) -> Any:
+        from actors.run_host import hosted_host  # run_host imports this module
+
+        index = host_index(thread, self.spec.hosts)
+        if index not in self._hosts:
+            self._hosts[index] = hosted_host(self.spec, index)
+        return self._hosts[index]
+
+    async def run(self, request: ChildRequest) -> ChildOutcome:
+        host = self.host_for(request.child_thread)
+        try:
+            raw = unwrap(await host.run_child.remote(request.model_dump(mode="json")))
+        except RayActorError as exc:
+            # the child's host died: the child recovers on its own (the supervisor or
+            # Ray's restart); the parent's durable_request policy reconnects to it
+            self._hosts.clear()
+            return Lost(message=f"host of child {request.child_thread} lost: {exc}")
+        return CHILD_OUTCOME.validate_python(raw)
+
+    async def cancel(self, child_thread: ThreadId) -> None:
+        try:
+            unwrap(await self.host_for(child_thread).cancel_run.remote(child_thread))
+        except RayActorError as exc:
+            log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)

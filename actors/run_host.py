@@ -1,0 +1,362 @@
+"""RunHost: an async Ray actor that drives many Runs, one Engine per Run (DESIGN §6).
+
+A host holds only the Runs it is driving right now: when an Engine's drive returns
+(the Run ended, or awaits a ResumeCommand) the Engine is dropped. Agents are
+rebuilt here from their reference ``module:attr``; actor calls carry strings.
+
+Liveness: one heartbeat per host renews its lease with the Supervisor. When Ray
+restarts a crashed host (the fast path), the new incarnation finds the Runs whose
+owner was this host, settles them ``failed/execution_lost`` and recovers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from actors.ownership import running_owned_by, settle_lost
+from actors.store_actor import open_system_store
+from actors.tool_executor import ExecutorPools, RayToolRunner
+from actors.wire import (
+    NAMESPACE,
+    Placement,
+    RemoteError,
+    RunMeta,
+    SystemSpec,
+    owner_id,
+    run_meta,
+)
+from runtime.agent import Agent, load_agent
+from runtime.engine import Engine
+from runtime.errors import (
+    AgentImportError,
+    Fenced,
+    InvalidTransition,
+    RatchetError,
+    ResumeRejected,
+    RunEnded,
+    StoreUnavailable,
+)
+from runtime.faults import FaultPlan
+from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import (
+    AwaitingState,
+    Cancelled,
+    ResumeCommand,
+    RunningState,
+    validate_resume,
+)
+from runtime.ports import LiveBus
+from runtime.timeutil import now_us
+
+log = logging.getLogger("ratchet.run_host")
+STORE_PAUSE_S = 5.0
+"""How long a Run whose store stayed unavailable rests before this host tries again."""
+REFUSALS = (InvalidTransition, ResumeRejected, AgentImportError)
+"""Errors that refuse a request before anything executes: they go back to the caller."""
+FaultSpec = tuple[str, int, str]
+"""(fault point, occurrence, action): action ``exit`` ends the process (os._exit)."""
+
+
+class _Observed(FaultPlan):
+    """A FaultPlan that also reports the first commit of a drive."""
+
+    def __init__(self, spec: FaultSpec | None) -> None:
+        crash_at = (spec[0], spec[1]) if spec else None
+        action = _exit if spec and spec[2] == "exit" else None
+        super().__init__(crash_at=crash_at, action=action)
+        self.committed = asyncio.Event()
+
+    def hit(self, name: str) -> None:
+        super().hit(name)
+        if name.startswith("after:"):
+            self.committed.set()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """A refusal nobody awaited (a recovery's) is logged here, not lost."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("drive refused: %s", task.exception())
+
+
+def _exit(where: str) -> None:
+    log.warning("fault point %s: ending the host process", where)
+    os._exit(17)
+
+
+@dataclass
+class _Drive:
+    engine: Engine
+    task: asyncio.Task[Any]
+    faults: _Observed
+
+
+class RunHost:
+    async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
+        self.spec, self.host_id, self.kind = spec, host_id, kind
+        self.owner = owner_id(host_id)
+        self.store = await open_system_store(spec)
+        self.pools = ExecutorPools(spec)
+        self.bus = _live_bus(spec)
+        self.agents: dict[str, tuple[Agent, RayToolRunner]] = {}
+        self.drives: dict[ThreadId, _Drive] = {}
+        self.finished = 0
+        self.recovered = 0
+        self._background = {asyncio.create_task(self._heartbeat())}
+        if _reconstructed():
+            self._background.add(asyncio.create_task(self._reclaim()))
+
+    # ---- the actor's interface ------------------------------------------------------
+
+    async def start_run(
+        self,
+        agent_ref: str,
+        thread: ThreadId,
+        run_id: RunId,
+        text: str,
+        placement: str = "hosted",
+        faults: FaultSpec | None = None,
+    ) -> Any:
+        """Activate and drive a Run; returns once its first commit landed (or it ended)."""
+        kind: Placement = "dedicated" if placement == "dedicated" else "hosted"
+        meta = RunMeta(agent_ref=agent_ref, placement=kind)
+        try:
+            drive = self.drives.get(thread) or self._spawn(
+                agent_ref,
+                thread,
+                faults,
+                lambda e: e.start(thread, text, run_id=run_id, message_id=meta.message_id(run_id)),
+            )
+            return await self._first_commit(drive)
+        except RatchetError as exc:
+            return RemoteError.of(exc)
+
+    async def recover_run(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
+        """Take the thread over (fencing its previous owner) and continue it."""
+        try:
+            if thread not in self.drives:
+                ref = agent_ref or await self._agent_ref(thread)
+                self._spawn(ref, thread, None, lambda e: e.recover(thread))
+                self.recovered += 1
+            return True
+        except RatchetError as exc:
+            return RemoteError.of(exc)
+
+    async def resume_run(self, command: ResumeCommand) -> Any:
+        """Apply a ResumeCommand; a rejected one raises ResumeRejected at the caller."""
+        try:
+            if command.thread_id in self.drives:
+                raise ResumeRejected("ticket", "the run is running, not awaiting")
+            # Validate before Engine.resume claims: a claim on a Run driven elsewhere
+            # would fence its driver, and a rejected resume must change nothing.
+            frontier = await self.store.load(command.thread_id)
+            state = frontier.run_state
+            ticket = state.ticket if isinstance(state, AwaitingState) else None
+            validate_resume(ticket, command, now_us())
+            ref = await self._agent_ref(command.thread_id)
+            drive = self._spawn(ref, command.thread_id, None, lambda e: e.resume(command))
+            return await self._first_commit(drive)
+        except RatchetError as exc:
+            return RemoteError.of(exc)
+
+    async def cancel_run(self, thread: ThreadId) -> Any:
+        """Cancel a Run driven here, or one at rest (awaiting, or running with no driver)."""
+        drive = self.drives.get(thread)
+        if drive is not None:
+            drive.engine.cancel()
+            return "signalled"
+        try:
+            return await self._cancel_at_rest(thread)
+        except RatchetError as exc:
+            return RemoteError.of(exc)
+
+    async def driving(self) -> list[str]:
+        return sorted(self.drives)
+
+    async def info(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {
+            "host": self.host_id,
+            "pid": os.getpid(),
+            "node": ctx.get_node_id(),
+            "driving": len(self.drives),
+            "finished": self.finished,
+            "recovered": self.recovered,
+        }
+
+    async def ping(self) -> str:
+        return self.host_id
+
+    # ---- driving ---------------------------------------------------------------------
+
+    def _agent(self, ref: str) -> tuple[Agent, RayToolRunner]:
+        if ref not in self.agents:
+            agent = load_agent(ref)
+            self.agents[ref] = (agent, RayToolRunner(ref, agent, self.pools))
+        return self.agents[ref]
+
+    def _engine(self, ref: str, faults: FaultPlan) -> Engine:
+        agent, tools = self._agent(ref)
+        return Engine(agent, self.store, tools, bus=self.bus, faults=faults, owner=self.owner)
+
+    def _spawn(self, ref: str, thread: ThreadId, faults: FaultSpec | None, go: Any) -> _Drive:
+        # one drive per thread and host: a second engine here would fence the first
+        assert thread not in self.drives, f"{thread} is already driven here"
+        plan = _Observed(faults)
+        engine = self._engine(ref, plan)
+        task = asyncio.create_task(self._run(thread, engine, go))
+        task.add_done_callback(_retrieve)
+        drive = _Drive(engine, task, plan)
+        self.drives[thread] = drive
+        return drive
+
+    async def _run(self, thread: ThreadId, engine: Engine, go: Any) -> Any:
+        try:
+            return await go(engine)
+        except (Fenced, RunEnded) as exc:  # a newer owner has the Run, or it is over
+            log.info("run on %s taken over or over: %s", thread, exc)
+        except REFUSALS:
+            raise  # nothing was executing: the caller hears why (see _first_commit)
+        except StoreUnavailable as exc:  # the engine's own backoff ran out: pause, retry
+            log.warning("store unavailable for %s (%s); recovering again later", thread, exc)
+            self._later(thread, engine)
+        except Exception as exc:  # seed §4.3: settle the status even when execution throws
+            log.exception("run on %s failed unexpectedly", thread)
+            self._background.add(asyncio.create_task(self._settle(thread, type(exc).__name__)))
+        finally:
+            self._drop(thread, engine)
+        return None
+
+    def _later(self, thread: ThreadId, engine: Engine) -> None:
+        ref = next((r for r, (a, _) in self.agents.items() if a is engine.agent), None)
+
+        async def again() -> None:
+            await asyncio.sleep(STORE_PAUSE_S)
+            await self.recover_run(thread, ref)
+
+        self._background.add(asyncio.create_task(again()))
+
+    async def _settle(self, thread: ThreadId, code: str) -> None:
+        with contextlib.suppress(RatchetError):
+            await settle_lost(self.store, thread, self.owner, reason=f"execution_error:{code}")
+
+    def _drop(self, thread: ThreadId, engine: Engine) -> None:
+        drive = self.drives.get(thread)
+        if drive is not None and drive.engine is engine:
+            del self.drives[thread]
+            self.finished += 1
+            if self.kind == "dedicated" and not self.drives:
+                self._background.add(asyncio.create_task(self._retire()))
+
+    async def _first_commit(self, drive: _Drive) -> Any:
+        committed = asyncio.ensure_future(drive.faults.committed.wait())
+        try:
+            await asyncio.wait({drive.task, committed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            committed.cancel()
+        if drive.task.done():
+            drive.task.result()  # re-raise what ended the drive before its first commit
+        return True
+
+    async def _agent_ref(self, thread: ThreadId) -> str:
+        meta = run_meta(await self.store.load(thread))
+        if meta is None:
+            raise AgentImportError(f"thread {thread!r} records no agent reference")
+        return meta.agent_ref
+
+    async def _cancel_at_rest(self, thread: ThreadId) -> str:
+        """End a Run no engine here drives; the claim fences a driver elsewhere, if any."""
+        state = (await self.store.load(thread)).run_state
+        if not isinstance(state, RunningState | AwaitingState):
+            return "not_running"
+        engine = self._engine(await self._agent_ref(thread), FaultPlan())
+        await engine.terminate(thread, Cancelled())
+        return "cancelled"
+
+    # ---- liveness and the fast path ------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        supervisor = None
+        while True:
+            try:
+                if supervisor is None:
+                    supervisor = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
+                await supervisor.heartbeat.remote(self.host_id, self.kind)
+            except Exception as exc:  # no supervisor (yet): hosts still work without one
+                log.debug("heartbeat failed: %s", exc)
+                supervisor = None
+            await asyncio.sleep(self.spec.heartbeat_s)
+
+    async def _reclaim(self) -> None:
+        """Restarted by Ray: the Runs this host owned were lost with its previous process."""
+        for frontier in await running_owned_by(self.store, self.host_id):
+            thread = frontier.thread_id
+            if thread in self.drives:
+                continue
+            meta = run_meta(frontier)
+            if meta is None:
+                continue
+            with contextlib.suppress(Fenced):
+                await settle_lost(self.store, thread, self.owner)
+            await self.recover_run(thread, meta.agent_ref)
+
+    async def _retire(self) -> None:
+        """A dedicated host lives for its one Run."""
+        with contextlib.suppress(Exception):
+            supervisor = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
+            await supervisor.retire.remote(self.host_id)
+
+
+def _live_bus(spec: SystemSpec) -> LiveBus | None:
+    """Redis Streams when Redis is configured; otherwise clients read facts from the store."""
+    if not spec.redis_url:
+        return None
+    from storage.bus import RedisStreamBus
+
+    return RedisStreamBus.connect(spec.redis_url)
+
+
+def _reconstructed() -> bool:
+    """Is this a restart by Ray (max_restarts) of a host that crashed?"""
+    with warnings.catch_warnings():  # Ray's own property trips its own deprecation warning
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+RemoteRunHost = ray.remote(RunHost)
+
+
+def _host_options(spec: SystemSpec, name: str, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": NAMESPACE,
+        "get_if_exists": True,
+        "lifetime": "detached",
+        "max_restarts": spec.host_max_restarts,
+        "max_task_retries": 0,
+        "max_concurrency": 10_000,
+        "num_cpus": 0,
+        **extra,
+    }
+
+
+def hosted_host(spec: SystemSpec, index: int) -> Any:
+    """The index-th RunHost of the hosted pool (created if it is not running)."""
+    extra = dict(spec.host_options[index]) if index < len(spec.host_options) else {}
+    name = spec.host_name(index)
+    options = _host_options(spec, name, extra)
+    return RemoteRunHost.options(**options).remote(spec, name, "hosted")
+
+
+def dedicated_host(spec: SystemSpec, thread: str, extra: dict[str, Any] | None = None) -> Any:
+    """A RunHost of its own for one Run."""
+    name = spec.dedicated_name(thread)
+    options = _host_options(spec, name, dict(extra or {}))
+    return RemoteRunHost.options(**options).remote(spec, name, "dedicated")

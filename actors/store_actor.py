@@ -1,0 +1,138 @@
+"""One store actor per system funnels SQLite writes; ``RemoteCommitStore`` is its proxy.
+
+SQLite is one file with one writer (DESIGN §5): instead of every RunHost process
+contending for its lock, all commits go through one async actor owning the
+SqlCommitStore, whose group commit then batches the appends of every host.
+PostgreSQL and Redis take concurrent writers, so there each process opens its own
+store (``open_system_store``).
+
+Errors keep their types end to end: a RatchetError raised in the actor comes back
+as a ``RemoteError`` value and is re-raised as itself; a dead or unreachable store
+actor is ``StoreUnavailable``, which the engine retries with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from actors.wire import NAMESPACE, RemoteError, SystemSpec, unwrap
+from runtime.commit import Frontier, Receipt, ThreadCommit
+from runtime.errors import RatchetError, StoreUnavailable
+from runtime.ids import ThreadId
+from runtime.ports import CommitStore, CommittedRecord, RunSummary
+
+log = logging.getLogger("ratchet.store_actor")
+
+
+async def open_local_store(url: str) -> CommitStore:
+    """Open the backend named by ``url`` in this process."""
+    from storage.url import open_store
+
+    return await open_store(url)
+
+
+class StoreActor:
+    """Owns the system's store; every method returns a value or a RemoteError."""
+
+    async def __init__(self, url: str) -> None:
+        self.store = await open_local_store(url)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.store, method)(*args)
+        except RatchetError as exc:
+            return RemoteError.of(exc)
+
+    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Any:
+        return await self._call("append", commit, expected_version, epoch)
+
+    async def load(self, thread: ThreadId) -> Any:
+        return await self._call("load", thread)
+
+    async def read(self, thread: ThreadId, after_seq: int) -> Any:
+        return await self._call("read", thread, after_seq)
+
+    async def claim(self, thread: ThreadId, owner: str) -> Any:
+        return await self._call("claim", thread, owner)
+
+    async def list_runs(self, state: str | None) -> Any:
+        return await self._call("list_runs", state)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+RemoteStoreActor = ray.remote(StoreActor)
+
+
+def store_actor(spec: SystemSpec, create: bool = False) -> Any:
+    """The system's store actor; ``create`` starts it when it is not running yet."""
+    if not create:
+        return ray.get_actor(spec.store_name, namespace=NAMESPACE)
+    options: dict[str, Any] = {"num_cpus": 0, **spec.core_options}
+    return RemoteStoreActor.options(
+        name=spec.store_name,
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        max_restarts=-1,
+        max_concurrency=10_000,
+        **options,
+    ).remote(spec.store_url)
+
+
+class RemoteCommitStore:
+    """The CommitStore port, carried out by the store actor."""
+
+    def __init__(self, handle: Any, timeout_s: float = 60.0) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            ref = getattr(self.handle, method).remote(*args)
+            return unwrap(await ref)
+        except RayTaskError as exc:
+            cause = exc.cause
+            raise (cause if isinstance(cause, Exception) else exc) from None
+        except (RayActorError, GetTimeoutError) as exc:
+            raise StoreUnavailable(f"store actor unreachable: {type(exc).__name__}") from exc
+
+    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
+        result: Receipt = await self._call("append", commit, expected_version, epoch)
+        return result
+
+    async def load(self, thread: ThreadId) -> Frontier:
+        result: Frontier = await self._call("load", thread)
+        return result
+
+    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
+        result: list[CommittedRecord] = await self._call("read", thread, after_seq)
+        return result
+
+    async def claim(self, thread: ThreadId, owner: str) -> int:
+        result: int = await self._call("claim", thread, owner)
+        return result
+
+    async def list_runs(
+        self, state: Literal["running", "awaiting", "ended"] | None = None
+    ) -> list[RunSummary]:
+        result: list[RunSummary] = await self._call("list_runs", state)
+        return result
+
+    async def close(self) -> None:
+        """The actor owns the store; a proxy has nothing to close."""
+
+
+async def open_system_store(spec: SystemSpec) -> CommitStore:
+    """The store a process of the system should use (proxy, or its own connection)."""
+    if spec.funnels_writes:
+        return RemoteCommitStore(store_actor(spec))
+    return await open_local_store(spec.store_url)

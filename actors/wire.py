@@ -1,0 +1,146 @@
+"""What crosses actor boundaries: the system spec, actor names, run metadata, errors.
+
+Actor calls carry ids, strings and frozen records, never functions. Ratchet's own
+errors do not survive Ray's exception pickling (their constructors take several
+arguments), so actors return them wrapped in ``RemoteError`` and the caller
+re-raises the very same type (``unwrap``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from runtime.commit import Frontier
+from runtime.errors import RatchetError
+from runtime.messages import UserMessage
+
+NAMESPACE = "ratchet"
+Placement = Literal["hosted", "dedicated"]
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One Ratchet system on a Ray cluster: its store, its actors and their options."""
+
+    name: str
+    """Prefix of every named actor of the system (several systems may share a cluster)."""
+    store_url: str
+    redis_url: str | None = None
+    hosts: int = 2
+    """Size of the hosted RunHost pool."""
+    executors: int = 2
+    """ToolExecutors per pool."""
+    host_max_restarts: int = -1
+    """Ray's fast path: a crashed RunHost is restarted and re-claims its Runs."""
+    lease_ttl_s: float = 4.0
+    heartbeat_s: float = 0.5
+    host_options: tuple[Mapping[str, Any], ...] = ()
+    """Ray options per hosted RunHost (index i), e.g. resources pinning it to a node."""
+    core_options: Mapping[str, Any] = field(default_factory=dict)
+    """Ray options for the store actor, the Supervisor and the default executor pool."""
+
+    def host_name(self, index: int) -> str:
+        return f"{self.name}:host:{index}"
+
+    def dedicated_name(self, thread: str) -> str:
+        return f"{self.name}:dedicated:{stable_hash(thread):016x}"
+
+    @property
+    def store_name(self) -> str:
+        return f"{self.name}:store"
+
+    @property
+    def supervisor_name(self) -> str:
+        return f"{self.name}:supervisor"
+
+    def executor_name(self, pool: str, index: int) -> str:
+        return f"{self.name}:exec:{pool}:{index}"
+
+    @property
+    def funnels_writes(self) -> bool:
+        """SQLite (one file, one writer) and memory go through the one store actor."""
+        return self.store_url.startswith(("sqlite", "memory"))
+
+
+def stable_hash(text: str) -> int:
+    """Same value in every process (``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def host_index(thread: str, hosts: int) -> int:
+    return stable_hash(thread) % hosts
+
+
+def pick_live(thread: str, candidates: list[str]) -> str:
+    """Rendezvous hashing: the same thread prefers the same live host."""
+    return max(candidates, key=lambda host: stable_hash(f"{host}|{thread}"))
+
+
+# ---- run metadata ---------------------------------------------------------------------
+# The agent reference and placement must survive every process, so they ride in the
+# id of the Run's input message, which the activation commit stores.
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    agent_ref: str
+    placement: Placement = "hosted"
+
+    def message_id(self, run_id: str) -> str:
+        return f"{run_id}:input|{self.placement}|{self.agent_ref}"
+
+
+def run_meta(frontier: Frontier) -> RunMeta | None:
+    """The current Run's metadata, read from its committed input message."""
+    if frontier.run_start >= len(frontier.messages):
+        return None
+    first = frontier.messages[frontier.run_start]
+    if not isinstance(first, UserMessage) or first.id.count("|") < 2:
+        return None
+    _, placement, ref = first.id.split("|", 2)
+    return RunMeta(agent_ref=ref, placement="dedicated" if placement == "dedicated" else "hosted")
+
+
+def owner_id(host_id: str) -> str:
+    """Owner names start with the host id, so a restarted host finds the Runs it owned."""
+    return f"{host_id}#{os.getpid()}"
+
+
+def owned_by(owner: str | None, host_id: str) -> bool:
+    return owner is not None and owner.split("#", 1)[0] == host_id
+
+
+# ---- errors across actor calls ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteError:
+    """A RatchetError raised inside an actor, carried by value."""
+
+    module: str
+    name: str
+    args: tuple[Any, ...]
+    attrs: dict[str, Any]
+
+    @classmethod
+    def of(cls, exc: RatchetError) -> RemoteError:
+        return cls(type(exc).__module__, type(exc).__qualname__, exc.args, dict(vars(exc)))
+
+    def rebuild(self) -> Exception:
+        kind = getattr(importlib.import_module(self.module), self.name)
+        exc: Exception = kind.__new__(kind)
+        Exception.__init__(exc, *self.args)
+        vars(exc).update(self.attrs)
+        return exc
+
+
+def unwrap(value: Any) -> Any:
+    """Return an actor's result, re-raising a carried RatchetError as itself."""
+    if isinstance(value, RemoteError):
+        raise value.rebuild()
+    return value

@@ -1,0 +1,90 @@
+"""Configuration from arguments or the environment, and connecting to Ray.
+
+RAY_ADDRESS          an existing Ray cluster ("auto", "ray://…", "host:port");
+                     unset: start a local Ray instance (nothing to set up)
+RATCHET_STORE_URL    the CommitStore (default: a SQLite file under ./ratchet-data)
+RATCHET_REDIS_URL    Redis for the live bus, when there is one
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.wire import NAMESPACE, stable_hash
+from storage.url import default_store_url, redact, scheme_of
+
+
+class ClusterUnavailable(RuntimeError):
+    """Ray could not be started or reached."""
+
+
+def store_url_from(store_url: str | None) -> str:
+    """The store URL to use, with a relative SQLite path made absolute (and its folder made).
+
+    Every Ray worker must open the same file, whatever its working directory.
+    """
+    url = store_url or default_store_url()
+    if scheme_of(url) != "sqlite":
+        return url
+    head, sep, path = url.partition(":///")
+    if not sep or path.startswith("/") or path in ("", ":memory:"):
+        return url
+    absolute = Path(path).resolve()
+    absolute.parent.mkdir(parents=True, exist_ok=True)
+    return f"{head}:///{absolute}"
+
+
+def redis_url_from(redis_url: str | None) -> str | None:
+    return redis_url or os.environ.get("RATCHET_REDIS_URL") or None
+
+
+def system_name(store_url: str) -> str:
+    """One system per store: the actors of two stores on one cluster never mix."""
+    return f"ratchet-{stable_hash(store_url) % 16**8:08x}"
+
+
+def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool = False) -> None:
+    """Join the cluster at ``address`` (or RAY_ADDRESS), else start a local one."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    options: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False}
+    if quiet:
+        options.update(log_to_driver=False, logging_level=logging.ERROR)
+    if address is None and num_cpus is not None:
+        options["num_cpus"] = num_cpus
+    if address is not None:
+        _check_reachable(address)
+    try:
+        ray.init(address=address, **options)
+    except Exception as exc:
+        where = address or "a local Ray instance"
+        raise ClusterUnavailable(f"cannot connect to {where}: {exc}".splitlines()[0]) from exc
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """Fail fast on a dead address (ray.init would retry for minutes)."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local" and friends: ray.init decides quickly itself
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ClusterUnavailable(f"cannot reach the Ray cluster at {address}: {exc}") from exc
+
+
+__all__ = [
+    "ClusterUnavailable",
+    "connect_ray",
+    "redact",
+    "redis_url_from",
+    "store_url_from",
+    "system_name",
+]

@@ -1,0 +1,69 @@
+"""One Ray instance for the whole Ray test session; one Ratchet system per test.
+
+The effect ledger's path is put in the environment before ``ray.init`` so every
+worker process inherits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.client import Ratchet
+from cluster.demo_agent import EffectLedger
+
+LEDGER_DIR = tempfile.mkdtemp(prefix="ratchet-ray-tests-")
+os.environ["RATCHET_LEDGER"] = os.path.join(LEDGER_DIR, "effects.db")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_session() -> Any:
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            resources={"special": 2},
+            include_dashboard=False,
+            namespace="ratchet",
+            log_to_driver=False,
+        )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def ledger() -> EffectLedger:
+    return EffectLedger(os.environ["RATCHET_LEDGER"])
+
+
+@pytest.fixture
+async def make_system(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Ratchet]]]:
+    made: list[Ratchet] = []
+
+    async def make(**options: Any) -> Ratchet:
+        url = f"sqlite:///{tmp_path}/store-{len(made)}.db"
+        client = await Ratchet.connect(store_url=url, **options)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        await client.shutdown()
+
+
+async def wait_for(
+    condition: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition"
+) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout_s`` (never sleep to sync)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)

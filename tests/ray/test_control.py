@@ -1,0 +1,85 @@
+"""Cancel, resume and the status stream through the cluster client."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.errors import ResumeRejected
+from runtime.events import Fact
+from runtime.lifecycle import AwaitingState, PermissionDecision, ResumeCommand
+from runtime.messages import ToolResultMessage
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+
+
+def _approval(frontier, approve: bool, correlation: str | None = None) -> ResumeCommand:
+    ticket = frontier.run_state.ticket
+    return ResumeCommand(
+        correlation=correlation or ticket.correlation,
+        run_id=ticket.run_id,
+        thread_id=ticket.thread_id,
+        payload=PermissionDecision(approve=approve),
+        call_id=ticket.target.call_id,
+    )
+
+
+async def test_an_awaiting_run_holds_nothing_and_resumes_on_any_host(make_system, ledger):
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:permission_agent", "clean up")
+    awaiting = await handle.result(timeout_s=30)
+    assert isinstance(awaiting.run_state, AwaitingState)
+    assert (await handle.status()).reason == "awaiting_permission"
+    for host in client.hosts:
+        assert handle.thread_id not in await host.driving.remote()
+    with pytest.raises(ResumeRejected) as rejected:
+        await handle.resume(_approval(awaiting, True, correlation="wrong"))
+    assert rejected.value.axis == "correlation"
+    await handle.resume(_approval(awaiting, True))
+    done = await handle.result(timeout_s=30)
+    assert done.run_state.cause.kind == "natural"
+    assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
+
+
+async def test_a_denied_call_never_runs(make_system, ledger):
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:permission_agent", "clean up")
+    await handle.resume(_approval(await handle.result(timeout_s=30), False))
+    done = await handle.result(timeout_s=30)
+    (result,) = [m for m in done.messages if isinstance(m, ToolResultMessage)]
+    assert result.is_error and "blocked" in result.content
+    assert ledger.rows(f"tool-batch:{handle.run_id}:") == []
+
+
+async def test_cancel_a_running_run_and_an_awaiting_one(make_system, ledger):
+    client = await make_system()
+    napping = await client.start("tests.ray.agents:napping_agent", "nap")
+
+    async def napping_now() -> bool:
+        return bool(ledger.rows(f"tool-batch:{napping.run_id}:"))
+
+    await wait_for(napping_now, what="the nap")
+    assert await napping.cancel() == "signalled"
+    ended = await napping.result(timeout_s=30)
+    assert ended.run_state.cause.kind == "cancelled"
+    assert (await napping.status()).state == "idle"
+
+    waiting = await client.start("tests.ray.agents:permission_agent", "clean up")
+    await waiting.result(timeout_s=30)
+    assert await waiting.cancel() == "cancelled"
+    ended = await waiting.result(timeout_s=30)
+    assert ended.run_state.cause.kind == "cancelled"
+
+
+async def test_stream_starts_with_a_status_snapshot(make_system):
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:quick_agent", "hi")
+    items = [item async for item in handle.stream()]
+    assert items[0]["type"] == "thread_status"
+    facts = [i for i in items if isinstance(i, Fact)]
+    assert facts[0].type == "run_started"
+    assert facts[-1].type == "run_finished"
+    frames = [i for i in items if isinstance(i, dict)]
+    assert frames[-1]["status"]["state"] == "idle"
+    assert any(f["status"]["state"] == "running" for f in frames)

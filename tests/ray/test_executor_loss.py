@@ -1,0 +1,49 @@
+"""A ToolExecutor dies mid-call: the pinned policy decides what its calls become."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from runtime.messages import ToolResultMessage
+
+from .checks import check_log
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+
+
+async def test_executor_killed_mid_call(make_system, ledger):
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:blocking_agent", "go")
+    prefix = f"tool-batch:{handle.run_id}:"
+
+    async def both_started() -> bool:
+        return len(ledger.rows(prefix)) >= 2
+
+    await wait_for(both_started, what="both calls inside the executor")
+    pids = {row[3] for row in ledger.rows(prefix)}
+    assert len(pids) == 1, "one wave is one executor round trip"
+    os.kill(pids.pop(), signal.SIGKILL)
+
+    frontier = await handle.result(timeout_s=60)
+    assert frontier.run_state.cause.kind == "natural"  # the Run went on
+    report = await check_log(client.store, handle.thread_id)
+    by_tool = {c.tool: c for c in report.calls.values()}
+
+    charge = by_tool["slow_charge"]  # never_replay: indeterminate, never re-run
+    assert charge.phase.kind == "indeterminate"
+    assert "executor lost" in charge.phase.reason
+    fetch = by_tool["slow_fetch"]  # replay_safe: re-run with the same operation id
+    assert fetch.phase.kind == "completed" and fetch.attempts == 2
+    rows = ledger.rows(prefix)
+    assert [(r[2]) for r in rows if r[1] == "slow_charge"] == [1]
+    assert sorted((r[0], r[2]) for r in rows if r[1] == "slow_fetch") == [
+        (fetch.operation_id, 1),
+        (fetch.operation_id, 2),
+    ]
+    results = {m.call_id: m for m in frontier.messages if isinstance(m, ToolResultMessage)}
+    assert results["c1"].is_error and "outcome unknown" in results["c1"].content
+    assert not results["c2"].is_error and "attempt 2" in results["c2"].content

@@ -1,0 +1,86 @@
+"""A RunHost dies mid-Run; every Run still finishes and the log stays honest.
+
+Fast path: Ray restarts the host, which settles its lost Runs
+failed/execution_lost and recovers them. Slow path: a host that does not come
+back is noticed by the Supervisor (Ray reports it dead), which does the same and
+re-places the Runs on a live host.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from cluster.demo_agent import NEVER_REPLAY_TOOLS
+
+from .checks import check_log, never_twice, went_through_loss
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+AGENT = "cluster.demo_agent:agent"
+RUNS = 6
+
+
+async def _some_call_executing(client, handles) -> bool:
+    for h in handles:
+        batch = (await h.frontier()).batch
+        if batch is not None and any(c.phase.kind == "executing" for c in batch.calls):
+            return True
+    return False
+
+
+async def _start_on_host0(client, faults=None):
+    return [
+        await client.start(AGENT, f"order {i}", host=0, faults=faults if i == 0 else None)
+        for i in range(RUNS)
+    ]
+
+
+async def _check_all(client, handles, ledger):
+    summaries = await client.wait_all(handles, timeout_s=90)
+    assert {s.cause for s in summaries} == {"natural"}
+    reports = [await check_log(client.store, h.thread_id) for h in handles]
+    never_twice(ledger, [h.run_id for h in handles], NEVER_REPLAY_TOOLS)
+    lost = [r for r in reports if r.lost]
+    assert lost, "the kill should have interrupted at least one Run"
+    for report in lost:
+        assert went_through_loss(report), report.statuses
+    for report in reports:
+        assert report.statuses[-1] == ("idle", "natural")
+    return reports
+
+
+async def test_ray_kill_of_a_host_mid_run(make_system, ledger):
+    client = await make_system()
+    handles = await _start_on_host0(client)
+    await wait_for(lambda: _some_call_executing(client, handles), what="a call executing")
+    ray.kill(client.hosts[0], no_restart=False)
+    await _check_all(client, handles, ledger)
+
+
+@pytest.mark.parametrize(
+    ("point", "occurrence"), [("after:executing", 2), ("before:results", 1), ("after:inference", 1)]
+)
+async def test_host_process_exits_at_a_commit_point(make_system, ledger, point, occurrence):
+    client = await make_system()
+    handles = await _start_on_host0(client, faults=(point, occurrence, "exit"))
+    reports = await _check_all(client, handles, ledger)
+    crashed = reports[0]
+    assert crashed.lost == 1
+    if point == "before:results":  # both first-wave calls ran; only the replay_safe one re-ran
+        by_tool = {c.tool: c for c in crashed.calls.values() if c.operation_id.endswith(":c1")}
+        assert by_tool["lookup_order"].attempts == 2
+        assert [c.tool for c in crashed.indeterminate] == ["reserve_stock"]
+
+
+async def test_supervisor_replaces_runs_of_a_host_that_stays_dead(make_system, ledger):
+    client = await make_system(host_max_restarts=0, lease_ttl_s=2.0, heartbeat_s=0.25)
+    handles = await _start_on_host0(client)
+    await wait_for(lambda: _some_call_executing(client, handles), what="a call executing")
+    ray.kill(client.hosts[0], no_restart=True)
+    await _check_all(client, handles, ledger)
+    report = await client.supervisor_report()
+    assert report["counts"].get("hosts_lost", 0) >= 1
+    for h in handles:
+        owner = (await h.frontier()).owner or ""
+        assert not owner.startswith(client.spec.host_name(0)), owner

@@ -1,0 +1,74 @@
+"""Ownership: every claim bumps the epoch, and a zombie owner cannot commit."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from actors.wire import unwrap
+from runtime.commit import ThreadCommit
+from runtime.errors import Fenced, VersionConflict
+from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import RunningState
+from runtime.messages import UserMessage
+
+from .checks import check_log
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+
+
+def _activation(thread: str) -> ThreadCommit:
+    run = RunId("run-z")
+    return ThreadCommit(
+        thread_id=ThreadId(thread),
+        run_id=run,
+        ordinal=0,
+        label="activation",
+        disposition=RunningState(run_id=run),
+        messages=(UserMessage(id="m", text="hi"),),
+    )
+
+
+async def test_a_stale_epoch_is_fenced_through_the_store_actor(make_system):
+    client = await make_system()
+    store = client.store
+    thread = ThreadId("zombie-thread")
+    old = await store.claim(thread, "old-owner")
+    new = await store.claim(thread, "new-owner")
+    assert new == old + 1
+    with pytest.raises(Fenced) as caught:
+        await store.append(_activation(thread), 0, old)
+    assert (caught.value.epoch, caught.value.current) == (old, new)
+    with pytest.raises(VersionConflict):
+        await store.append(_activation(thread), 5, new)
+    receipt = await store.append(_activation(thread), 0, new)
+    assert receipt.seq == 1
+
+
+async def test_a_zombie_host_is_fenced_when_another_takes_its_run(make_system, ledger):
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:napping_agent", "nap", host=0)
+    prefix = f"tool-batch:{handle.run_id}:"
+
+    async def napping() -> bool:
+        return len(ledger.rows(prefix)) >= 1
+
+    await wait_for(napping, what="the first nap")
+    # host 1 takes the Run over while host 0 (alive, now a zombie) is still in its tool
+    assert unwrap(await client.hosts[1].recover_run.remote(handle.thread_id))
+
+    async def zombie_gone() -> bool:
+        return handle.thread_id not in await client.hosts[0].driving.remote()
+
+    frontier = await handle.result(timeout_s=60)
+    await wait_for(zombie_gone, what="host 0 to drop the fenced Run")
+    assert frontier.run_state.cause.kind == "natural"
+    assert frontier.owner.startswith(client.spec.host_name(1))
+    report = await check_log(client.store, handle.thread_id)
+    (nap,) = report.calls.values()
+    assert nap.phase.kind == "completed" and nap.attempts == 2  # host 1's replay, not host 0's
+    assert report.statuses[-1] == ("idle", "natural")
+    info = await client.hosts[0].info.remote()
+    assert info["driving"] == 0
+    assert ray.get_actor(client.spec.host_name(0), namespace="ratchet") is not None

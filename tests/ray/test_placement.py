@@ -1,0 +1,66 @@
+"""Placement: many hosted Runs per host, a dedicated Run, resource-routed tools."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+
+from runtime.messages import ToolResultMessage
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+CONCURRENT = 500
+
+
+async def test_500_concurrent_hosted_runs_finish(make_system):
+    client = await make_system()
+    began = time.monotonic()
+    handles = [
+        await client.start("tests.ray.agents:quick_agent", f"hi {i}") for i in range(CONCURRENT)
+    ]
+    summaries = await client.wait_all(handles, timeout_s=240)
+    elapsed = time.monotonic() - began
+    assert len(summaries) == CONCURRENT
+    assert {s.cause for s in summaries} == {"natural"}
+    assert {s.status.state for s in summaries} == {"idle"}
+    infos = [await h.info.remote() for h in client.hosts]
+    assert sum(i["finished"] for i in infos) >= CONCURRENT
+    assert all(i["finished"] > CONCURRENT // 4 for i in infos), infos  # spread over the pool
+    assert all(i["driving"] == 0 for i in infos)  # ended Runs hold nothing
+    print(f"{CONCURRENT} runs in {elapsed:.1f}s")
+
+
+async def test_a_dedicated_run_gets_a_host_of_its_own(make_system):
+    client = await make_system()
+    handle = await client.start(
+        "tests.ray.agents:quick_agent", "alone", thread_id="dedicated-1", placement="dedicated"
+    )
+    frontier = await handle.result(timeout_s=60)
+    assert frontier.run_state.cause.kind == "natural"
+    name = client.spec.dedicated_name("dedicated-1")
+    assert frontier.owner.startswith(name)
+
+    async def retired() -> bool:
+        try:
+            ray.get_actor(name, namespace="ratchet")
+        except ValueError:
+            return True
+        return False
+
+    await wait_for(retired, what="the dedicated host to retire after its Run")
+
+
+async def test_a_tool_needing_a_custom_resource_runs_where_it_exists(make_system):
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:resource_agent", "where?")
+    frontier = await handle.result(timeout_s=60)
+    results = {m.call_id: m for m in frontier.messages if isinstance(m, ToolResultMessage)}
+    special, plain = json.loads(results["c1"].content), json.loads(results["c2"].content)
+    assert special["resources"].get("special") == 1.0
+    assert ":exec:special=1:" in special["actor"]
+    assert "special" not in plain["resources"]
+    assert ":exec:default:" in plain["actor"]
