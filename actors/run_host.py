@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from actors.children import RayChildRunner
 from actors.ownership import running_owned_by, settle_lost
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools, RayToolRunner
@@ -32,8 +33,19 @@ from actors.wire import (
     SystemSpec,
     owner_id,
     run_meta,
+    unwrap,
 )
 from runtime.agent import Agent, load_agent
+from runtime.batch import ToolOutput
+from runtime.commit import Frontier
+from runtime.delegation import (
+    CHILD_OUTCOME,
+    PARENT_KEY,
+    ChildRequest,
+    ParentLink,
+    delivery,
+    outcome_of,
+)
 from runtime.engine import Engine
 from runtime.errors import (
     AgentImportError,
@@ -53,7 +65,7 @@ from runtime.lifecycle import (
     RunningState,
     validate_resume,
 )
-from runtime.ports import LiveBus
+from runtime.ports import Finished, LiveBus
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.run_host")
@@ -104,6 +116,7 @@ class RunHost:
         self.owner = owner_id(host_id)
         self.store = await open_system_store(spec)
         self.pools = ExecutorPools(spec)
+        self.children = RayChildRunner(spec)
         self.bus = _live_bus(spec)
         self.agents: dict[str, tuple[Agent, RayToolRunner]] = {}
         self.drives: dict[ThreadId, _Drive] = {}
@@ -143,7 +156,8 @@ class RunHost:
         try:
             if thread not in self.drives:
                 ref = agent_ref or await self._agent_ref(thread)
-                self._spawn(ref, thread, None, lambda e: e.recover(thread))
+                link = await self._link(thread)
+                self._spawn(ref, thread, None, lambda e: e.recover(thread), link)
                 self.recovered += 1
             return True
         except RatchetError as exc:
@@ -161,7 +175,8 @@ class RunHost:
             ticket = state.ticket if isinstance(state, AwaitingState) else None
             validate_resume(ticket, command, now_us())
             ref = await self._agent_ref(command.thread_id)
-            drive = self._spawn(ref, command.thread_id, None, lambda e: e.resume(command))
+            link = await self._link(command.thread_id)
+            drive = self._spawn(ref, command.thread_id, None, lambda e: e.resume(command), link)
             return await self._first_commit(drive)
         except RatchetError as exc:
             return RemoteError.of(exc)
@@ -176,6 +191,61 @@ class RunHost:
             return await self._cancel_at_rest(thread)
         except RatchetError as exc:
             return RemoteError.of(exc)
+
+    async def run_child(self, raw: dict[str, Any]) -> Any:
+        """Drive (or join, or read back) a child Run; answer its outcome once it is at rest."""
+        try:
+            request = ChildRequest.model_validate(raw)
+            thread = request.child_thread
+            drive = self.drives.get(thread)
+            if drive is None:
+                meta = RunMeta(agent_ref=request.agent)
+                message_id = meta.message_id(request.child_run)
+                drive = self._spawn(
+                    request.agent,
+                    thread,
+                    None,
+                    lambda e: e.start(
+                        thread, request.input, run_id=request.child_run, message_id=message_id
+                    ),
+                    ParentLink.of(request),
+                )
+            # shielded: a parent that stops waiting cancels its children explicitly
+            frontier = await asyncio.shield(drive.task)
+            if frontier is None or frontier.run_state is None or not _at_rest(frontier):
+                frontier = await self._until_at_rest(thread)
+            return CHILD_OUTCOME.dump_python(outcome_of(frontier), mode="json")
+        except AgentImportError as exc:
+            failed = Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
+            return CHILD_OUTCOME.dump_python(failed, mode="json")
+        except RatchetError as exc:
+            return RemoteError.of(exc)
+
+    async def _until_at_rest(self, thread: ThreadId) -> Frontier:
+        """Another owner drives the child: follow the store until it rests."""
+        delay = 0.02
+        while True:
+            frontier = await self.store.load(thread)
+            if frontier.run_state is not None and _at_rest(frontier):
+                return frontier
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _deliver(self, child: Frontier) -> None:
+        """A lone child that surfaced a human wait has ended: resume its waiting parent."""
+        raw = child.state["run"].get(PARENT_KEY)
+        if raw is None or not child.ended:
+            return
+        link = ParentLink.model_validate(raw)
+        command = delivery(child, await self.store.load(link.thread))
+        if command is None:
+            return
+        parent_meta = run_meta(await self.store.load(link.thread))
+        if parent_meta is not None and parent_meta.placement == "dedicated":
+            host = dedicated_host(self.spec, link.thread)
+        else:
+            host = self.children.host_for(link.thread)
+        unwrap(await host.resume_run.remote(command))
 
     async def driving(self) -> list[str]:
         return sorted(self.drives)
@@ -202,15 +272,33 @@ class RunHost:
             self.agents[ref] = (agent, RayToolRunner(ref, agent, self.pools))
         return self.agents[ref]
 
-    def _engine(self, ref: str, faults: FaultPlan) -> Engine:
+    def _engine(self, ref: str, faults: FaultPlan, link: ParentLink | None = None) -> Engine:
         agent, tools = self._agent(ref)
-        return Engine(agent, self.store, tools, bus=self.bus, faults=faults, owner=self.owner)
+        return Engine(
+            agent,
+            self.store,
+            tools,
+            bus=self.bus,
+            faults=faults,
+            owner=self.owner,
+            children=self.children,
+            parent=link,
+            lineage=link.lineage if link else (ref,),
+            prompt_path=link.prompt_path if link else None,
+        )
 
-    def _spawn(self, ref: str, thread: ThreadId, faults: FaultSpec | None, go: Any) -> _Drive:
+    def _spawn(
+        self,
+        ref: str,
+        thread: ThreadId,
+        faults: FaultSpec | None,
+        go: Any,
+        link: ParentLink | None = None,
+    ) -> _Drive:
         # one drive per thread and host: a second engine here would fence the first
         assert thread not in self.drives, f"{thread} is already driven here"
         plan = _Observed(faults)
-        engine = self._engine(ref, plan)
+        engine = self._engine(ref, plan, link)
         task = asyncio.create_task(self._run(thread, engine, go))
         task.add_done_callback(_retrieve)
         drive = _Drive(engine, task, plan)
@@ -219,7 +307,13 @@ class RunHost:
 
     async def _run(self, thread: ThreadId, engine: Engine, go: Any) -> Any:
         try:
-            return await go(engine)
+            frontier = await go(engine)
+            if engine.parent is not None:
+                try:
+                    await self._deliver(frontier)
+                except Exception as exc:  # the parent stays awaiting; a later resume delivers
+                    log.warning("delivering %s to its parent failed: %s", thread, exc)
+            return frontier
         except (Fenced, RunEnded) as exc:  # a newer owner has the Run, or it is over
             log.info("run on %s taken over or over: %s", thread, exc)
         except REFUSALS:
@@ -264,6 +358,11 @@ class RunHost:
         if drive.task.done():
             drive.task.result()  # re-raise what ended the drive before its first commit
         return True
+
+    async def _link(self, thread: ThreadId) -> ParentLink | None:
+        """A child Run's link to its parent (prompt path, lineage), from its run state."""
+        raw = (await self.store.load(thread)).state["run"].get(PARENT_KEY)
+        return ParentLink.model_validate(raw) if raw is not None else None
 
     async def _agent_ref(self, thread: ThreadId) -> str:
         meta = run_meta(await self.store.load(thread))
@@ -360,3 +459,7 @@ def dedicated_host(spec: SystemSpec, thread: str, extra: dict[str, Any] | None =
     name = spec.dedicated_name(thread)
     options = _host_options(spec, name, dict(extra or {}))
     return RemoteRunHost.options(**options).remote(spec, name, "dedicated")
+
+
+def _at_rest(frontier: Frontier) -> bool:
+    return frontier.run_state is not None and frontier.run_state.kind != "running"

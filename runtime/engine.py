@@ -200,11 +200,11 @@ class Engine:
 
         Raises ResumeRejected (naming the failed axis) and leaves the ticket intact.
         """
+        # Validate before claiming: a rejected command must change nothing, and a claim
+        # would fence whoever drives the Run now. Validate again on the claimed frontier.
+        _validate(await self._retrying(lambda: self.store.load(command.thread_id)), command)
         ctx = await self._claim(command.thread_id)
-        state = ctx.frontier.run_state
-        ticket = state.ticket if isinstance(state, AwaitingState) else None
-        validate_resume(ticket, command, now_us())
-        assert ticket is not None
+        ticket = _validate(ctx.frontier, command)
         try:
             await apply_resume(self, ctx, ticket, command)
         except CancelledSignal:
@@ -465,6 +465,14 @@ class Engine:
             await self.bus.publish(ctx.frontier.thread_id, events)
         except Exception as exc:  # the bus is best effort: facts are re-read from the store
             log.warning("live bus publish failed for %s: %s", ctx.frontier.thread_id, exc)
+
+
+def _validate(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
+    state = frontier.run_state
+    ticket = state.ticket if isinstance(state, AwaitingState) else None
+    validate_resume(ticket, command, now_us())
+    assert ticket is not None
+    return ticket
 
 
 def _refuse_second_run(frontier: Frontier, run_id: RunId) -> None:

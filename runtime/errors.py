@@ -23,9 +23,23 @@ Backends translate driver exceptions into these at their edge; nothing above
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RatchetError(Exception):
     """Base of every error Ratchet raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take other constructor arguments than their message; rebuild by
+        # state so the error crosses process boundaries (Ray) as its own type.
+        return (_rebuild, (type(self), self.args, dict(vars(self))))
+
+
+def _rebuild(kind: type[RatchetError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = kind.__new__(kind)
+    Exception.__init__(error, *args)
+    vars(error).update(state)
+    return error
 
 
 class InvalidTransition(RatchetError):

@@ -91,3 +91,23 @@ def self_delegating():
 def deep():
     """Delegates to itself with cycles allowed, until the depth limit refuses."""
     return fanout_agent("deep", 1, DelegationLimits(max_depth=3, allow_cycles=True), name="deep")
+
+
+def fanout4():
+    """Four children per parent (the 100 x 4 scenario)."""
+    return fanout_agent("worker", 4, name="fanout4")
+
+
+def lone_needy():
+    return fanout_agent("needy_worker", 1, name="lone_needy")
+
+
+patient_worker = Agent(
+    name="patient_worker",
+    model=ScriptedModel([lambda r: ModelResponse(text=f"done: {_input(r)}")], latency_s=1.0),
+)
+
+
+def fanout_patient():
+    """Eight children whose inference takes a second: overlap shows in the timestamps."""
+    return fanout_agent("patient_worker", 8, name="fanout_patient")

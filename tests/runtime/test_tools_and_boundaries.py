@@ -68,3 +68,55 @@ def test_exports_match_all():
     modules = {name for name in public if type(getattr(runtime, name)).__name__ == "module"}
     assert exported == public - modules
     assert len(runtime.__all__) == len(exported)
+
+
+def test_errors_cross_process_boundaries_as_their_own_type():
+    import pickle
+
+    from runtime.errors import CorruptRecord, Fenced, ResumeRejected, VersionConflict
+
+    for error in (
+        VersionConflict("t", 1, 2),
+        Fenced("t", 1, 3),
+        CorruptRecord("t", 4, "bad"),
+        ResumeRejected("payload", "expected permission"),
+    ):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+        assert vars(copy) == vars(error)
+
+
+async def test_a_rejected_resume_does_not_claim_the_thread():
+    from runtime import (
+        Agent,
+        InProcessRunner,
+        ModelResponse,
+        ResumeCommand,
+        ResumeRejected,
+        ScriptedModel,
+        UserInput,
+        call,
+    )
+    from storage.memory import MemoryCommitStore
+
+    @tool(needs_permission=True)
+    def risky() -> str:
+        return "ran"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("risky", "c"),)), ModelResponse(text="k")]
+    )
+    store = MemoryCommitStore()
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[risky]), store)
+    f = await runner.start("go", thread_id="t")
+    epoch = f.epoch
+    ticket = f.run_state.ticket
+    bad = ResumeCommand(
+        correlation=ticket.correlation,
+        run_id=ticket.run_id,
+        thread_id=ticket.thread_id,
+        payload=UserInput(text="x"),
+    )
+    with pytest.raises(ResumeRejected):
+        await runner.resume(bad)
+    assert (await store.load("t")).epoch == epoch

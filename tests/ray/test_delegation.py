@@ -1,0 +1,96 @@
+"""Concurrent terminal-only child delegation across the cluster (DESIGN §7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.lifecycle import AwaitingState, EndedState, PermissionDecision, ResumeCommand
+from tests.ray.conftest import wait_for
+
+HERE = "tests.runtime.delegation_agents"
+EXPECTED = [f"done: task {i}" for i in range(8)]
+
+
+async def children_of(store, parent) -> list:
+    return [await store.load(t) for t in parent.state["run"].get("children", {}).values()]
+
+
+async def activations(store, thread) -> int:
+    return sum(r.commit.label == "activation" for r in await store.read(thread))
+
+
+async def test_a_parent_fans_out_to_eight_concurrent_children(make_system):
+    client = await make_system()
+    handle = await client.start(f"{HERE}:fanout_patient", "go")
+    f = await handle.result(timeout_s=120)
+    assert isinstance(f.run_state, EndedState) and f.run_state.cause.kind == "natural"
+    assert json.loads(f.messages[-1].text) == EXPECTED  # results in model order
+    kids = await children_of(client.store, f)
+    assert len(kids) == 8
+    starts, ends = [], []
+    for kid in kids:
+        statuses = [
+            r.commit.status for r in await client.store.read(kid.thread_id) if r.commit.status
+        ]
+        starts.append(statuses[0].since)
+        ends.append(statuses[-1].since)
+    assert max(starts) < min(ends), "children did not overlap (committed timestamps)"
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        ("during:tools", 1),  # relationship committed, no child started yet
+        ("before:results", 1),
+    ],  # every child finished, the parent has not consumed them
+)
+async def test_the_parents_host_dies_and_every_child_runs_once(make_system, point):
+    client = await make_system()
+    handle = await client.start(f"{HERE}:fanout", "go", faults=(*point, "exit"))
+    f = await handle.result(timeout_s=120)
+    assert f.run_state.cause.kind == "natural"
+    assert json.loads(f.messages[-1].text) == EXPECTED
+    kids = await children_of(client.store, f)
+    assert len(kids) == 8
+    for kid in kids:
+        assert await activations(client.store, kid.thread_id) == 1
+        assert kid.run_state.cause.kind == "natural"
+    assert sum(m.kind == "tool_result" for m in f.messages) == 8
+
+
+async def test_a_lone_child_waiting_for_a_human_resumes_its_parent_when_done(make_system):
+    client = await make_system()
+    handle = await client.start(f"{HERE}:lone_needy", "go")
+    f = await handle.result(timeout_s=60)
+    assert isinstance(f.run_state, AwaitingState)
+    assert f.run_state.ticket.target.wait == "delegation"
+    (kid,) = await children_of(client.store, f)
+    ticket = kid.run_state.ticket
+    await client.handle(kid.thread_id).resume(
+        ResumeCommand(
+            correlation=ticket.correlation,
+            run_id=ticket.run_id,
+            thread_id=ticket.thread_id,
+            call_id=ticket.target.call_id,
+            payload=PermissionDecision(approve=True),
+        )
+    )
+
+    async def parent_ended() -> bool:
+        return (await client.store.load(handle.thread_id)).ended
+
+    await wait_for(parent_ended, timeout_s=60, what="the child's outcome to resume the parent")
+    parent = await client.store.load(handle.thread_id)
+    assert parent.run_state.cause.kind == "natural"
+    assert json.loads(parent.messages[-1].text) == ["needy done"]
+
+
+async def test_a_hundred_parents_with_four_children_each_finish(make_system):
+    client = await make_system()
+    handles = [await client.start(f"{HERE}:fanout4", f"p{i}") for i in range(100)]
+    rows = await client.wait_all(handles, timeout_s=240)
+    assert [r.cause for r in rows] == ["natural"] * 100
+    listed = await client.store.list_runs("ended")
+    assert len(listed) == 500  # 100 parents + 400 children, each exactly once
