@@ -63,6 +63,7 @@ from runtime.lifecycle import (
     Cancelled,
     ResumeCommand,
     RunningState,
+    Stopped,
     validate_resume,
 )
 from runtime.ports import Finished, LiveBus
@@ -123,8 +124,11 @@ class RunHost:
         self.finished = 0
         self.recovered = 0
         self._background = {asyncio.create_task(self._heartbeat())}
+        self._reclaimed: asyncio.Task[None] | None = None
         if _reconstructed():
-            self._background.add(asyncio.create_task(self._reclaim()))
+            # requests wait for it: a retried start must not race the recording of the
+            # crash (failed/execution_lost) for the Runs this host owned
+            self._reclaimed = asyncio.create_task(self._reclaim())
 
     # ---- the actor's interface ------------------------------------------------------
 
@@ -138,6 +142,7 @@ class RunHost:
         faults: FaultSpec | None = None,
     ) -> Any:
         """Activate and drive a Run; returns once its first commit landed (or it ended)."""
+        await self._after_reclaim()
         kind: Placement = "dedicated" if placement == "dedicated" else "hosted"
         meta = RunMeta(agent_ref=agent_ref, placement=kind)
         try:
@@ -153,6 +158,7 @@ class RunHost:
 
     async def recover_run(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
         """Take the thread over (fencing its previous owner) and continue it."""
+        await self._after_reclaim()
         try:
             if thread not in self.drives:
                 ref = agent_ref or await self._agent_ref(thread)
@@ -165,6 +171,7 @@ class RunHost:
 
     async def resume_run(self, command: ResumeCommand) -> Any:
         """Apply a ResumeCommand; a rejected one raises ResumeRejected at the caller."""
+        await self._after_reclaim()
         try:
             if command.thread_id in self.drives:
                 raise ResumeRejected("ticket", "the run is running, not awaiting")
@@ -191,6 +198,37 @@ class RunHost:
             return await self._cancel_at_rest(thread)
         except RatchetError as exc:
             return RemoteError.of(exc)
+
+    async def stop_run(self, thread: ThreadId, reason: str) -> Any:
+        """End a Run ``stopped(reason)``: signal its engine here, or end it at rest."""
+        drive = self.drives.get(thread)
+        if drive is not None:
+            drive.engine.stop(reason)
+            return "signalled"
+        try:
+            frontier = await self.store.load(thread)
+            if frontier.run_state is None or frontier.ended:
+                return "not_running"
+            link = await self._link(thread)
+            engine = self._engine(await self._agent_ref(thread), FaultPlan(), link)
+            await engine.terminate(thread, Stopped(reason=reason))
+            return "stopped"
+        except RatchetError as exc:
+            return RemoteError.of(exc)
+
+    async def pause_run(self, thread: ThreadId) -> str:
+        """A manual pause: the Run driven here awaits at its next Step boundary."""
+        drive = self.drives.get(thread)
+        if drive is None:
+            return "not_running"
+        drive.engine.pause()
+        return "signalled"
+
+    async def _after_reclaim(self) -> None:
+        # the reclaim itself recovers Runs through recover_run: it must not wait on itself
+        if self._reclaimed is not None and asyncio.current_task() is not self._reclaimed:
+            with contextlib.suppress(Exception):  # its failures are logged where they happen
+                await asyncio.shield(self._reclaimed)
 
     async def run_child(self, raw: dict[str, Any]) -> Any:
         """Drive (or join, or read back) a child Run; answer its outcome once it is at rest."""

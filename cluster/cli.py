@@ -4,9 +4,15 @@
     ratchet run MODULE:AGENT "input"  start a Run on the cluster and print its transcript
     ratchet runs                      every thread's latest Run: state and status
     ratchet show THREAD               transcript, tool-batch phases, status
+    ratchet resume THREAD --approve   answer the Run's ticket (--deny, --input TEXT,
+                                      --result JSON, --fire, --unpause)
+    ratchet cancel THREAD             end the Run cancelled
+    ratchet stop THREAD --reason TEXT end the Run stopped(reason)
+    ratchet watch THREAD [--after O]  follow the live stream until the Run is at rest
 
-``runs`` and ``show`` read the store directly and need no Ray. Every expected
-failure (a bad import path, an unreachable store or cluster) is one line on
+``runs``, ``show`` and ``watch`` read the store (and the Redis bus) directly and
+need no Ray. Every expected failure (a bad import path, an unreachable store or
+cluster, an unknown thread, a resume the ticket rejects, bad input) is one line on
 stderr and exit code 1, never a traceback.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable, Coroutine
@@ -24,13 +31,29 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cluster.config import ClusterUnavailable, store_url_from
-from cluster.report import analyse, phase_text
+from cluster.config import ClusterUnavailable, redis_url_from, store_url_from
+from cluster.report import analyse, cause_text, fact_text, phase_text, status_text, ticket_text
 from runtime.agent import load_agent
-from runtime.errors import RatchetError
+from runtime.batch import ToolOutput
+from runtime.commit import Frontier
+from runtime.errors import RatchetError, ResumeRejected
+from runtime.events import Fact
 from runtime.ids import ThreadId
-from runtime.lifecycle import AwaitingState, EndedState
+from runtime.lifecycle import (
+    AwaitingState,
+    EndedState,
+    ExternalResult,
+    PermissionDecision,
+    ResumePayload,
+    ResumeTicket,
+    ScheduledFire,
+    Unpause,
+    UserInput,
+    validate_resume,
+)
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
+from runtime.stream import Frame, parse_offset
+from runtime.timeutil import now_us
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
 app = typer.Typer(
@@ -45,6 +68,21 @@ StoreOption = typer.Option(
 AddressOption = typer.Option(
     None, "--address", help="Ray cluster address (default: RAY_ADDRESS or local)"
 )
+RedisOption = typer.Option(
+    None, "--redis", help="Redis URL of the live bus (default: RATCHET_REDIS_URL, or none)"
+)
+RESUME_FLAGS = {
+    "permission": "--approve or --deny",
+    "external_result": "--result JSON",
+    "scheduled_action": "--fire",
+    "user_input": "--input TEXT",
+    "pause": "--unpause",
+}
+"""The flag that answers each ticket kind (a delegation wait is answered by its child)."""
+
+
+class BadInput(Exception):
+    """A command-line argument that cannot be used as given."""
 
 
 def _cli(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
@@ -54,7 +92,13 @@ def _cli(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
             asyncio.run(fn(*args, **kwargs))
-        except (RatchetError, ClusterUnavailable, UnsupportedStoreUrl, TimeoutError) as exc:
+        except (
+            RatchetError,
+            ClusterUnavailable,
+            UnsupportedStoreUrl,
+            TimeoutError,
+            BadInput,
+        ) as exc:
             errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
@@ -92,12 +136,13 @@ def run(
     placement: str = typer.Option("hosted", "--placement", help="hosted or dedicated"),
     store: str | None = StoreOption,
     address: str | None = AddressOption,
+    redis: str | None = RedisOption,
 ) -> None:
     """Start a Run of AGENT with TEXT and wait until it ends or awaits input."""
     if placement not in ("hosted", "dedicated"):
         errors.print("[red]error:[/red] --placement must be hosted or dedicated")
         raise typer.Exit(2)
-    _cli(_run)(agent, text, thread, placement, store, address)
+    _cli(_run)(agent, text, thread, placement, store, address, redis)
 
 
 async def _run(
@@ -107,13 +152,14 @@ async def _run(
     placement: Literal["hosted", "dedicated"],
     store: str | None,
     address: str | None,
+    redis: str | None = None,
 ) -> None:
     from cluster.client import Ratchet
 
     if os.getcwd() not in sys.path:  # like python -m: the user's modules are importable
         sys.path.insert(0, os.getcwd())
     load_agent(agent)  # a bad import path fails before any cluster is started
-    client = await Ratchet.connect(address, store, quiet=True)
+    client = await Ratchet.connect(address, store, redis, quiet=True)
     handle = await client.start(agent, text, thread_id=thread, placement=placement)
     console.print(f"run {handle.run_id} on thread {handle.thread_id}")
     await handle.result()
@@ -161,6 +207,7 @@ async def _show(thread: str, store: str | None) -> None:
     db = await _open(store)
     frontier = await db.load(ThreadId(thread))
     records = await db.read(ThreadId(thread))
+    tree = await run_tree(db, frontier)
     await db.close()
     if not records:
         raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
@@ -186,6 +233,286 @@ async def _show(thread: str, store: str | None) -> None:
     console.print(f"status: {s.state} reason={s.reason} since={_when(s.since)}")
     history = " → ".join(f"{a}({b})" if b else a for a, b in report.statuses)
     console.print(f"status history: {history}", highlight=False)
+    if len(tree) > 1:
+        console.rule("run tree (delegation)")
+        for line in tree:
+            console.print(line, highlight=False)
+
+
+async def run_tree(db: Any, frontier: Any, depth: int = 0) -> list[str]:
+    """The Run and its child Runs, one indented line each (children in call order)."""
+    state = frontier.run_state
+    where = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
+    lines = [f"{'  ' * depth}{'└ ' if depth else ''}{frontier.thread_id}  [{where}]"]
+    for child in frontier.state["run"].get("children", {}).values():
+        lines += await run_tree(db, await db.load(ThreadId(child)), depth + 1)
+    return lines
+
+
+# ---- control: resume, cancel, stop, watch -----------------------------------------------
+
+
+@app.command()
+def resume(
+    thread: str = typer.Argument(..., help="The thread whose Run awaits"),
+    approve: bool = typer.Option(False, "--approve", help="Grant the permission it waits for"),
+    deny: bool = typer.Option(False, "--deny", help="Refuse it (the model sees 'blocked')"),
+    note: str = typer.Option("", "--note", help="A note with --approve or --deny"),
+    text: str | None = typer.Option(None, "--input", help="Text for a Run awaiting user input"),
+    result: str | None = typer.Option(
+        None, "--result", help="JSON output of a client-executed tool (a string stays as is)"
+    ),
+    is_error: bool = typer.Option(False, "--error", help="With --result: the tool failed"),
+    fire: bool = typer.Option(False, "--fire", help="Fire the scheduled action it waits for"),
+    unpause: bool = typer.Option(False, "--unpause", help="Continue a paused Run"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the Run rests again"),
+    store: str | None = StoreOption,
+    address: str | None = AddressOption,
+    redis: str | None = RedisOption,
+) -> None:
+    """Answer the ticket of THREAD's awaiting Run with exactly one payload flag."""
+    _cli(_resume)(
+        thread,
+        (approve, deny, note, text, result, is_error, fire, unpause),
+        wait,
+        store,
+        address,
+        redis,
+    )
+
+
+def _payload(flags: tuple[Any, ...]) -> ResumePayload:
+    approve, deny, note, text, result, is_error, fire, unpause = flags
+    given = [
+        name
+        for name, on in (
+            ("--approve", approve),
+            ("--deny", deny),
+            ("--input", text is not None),
+            ("--result", result is not None),
+            ("--fire", fire),
+            ("--unpause", unpause),
+        )
+        if on
+    ]
+    if len(given) != 1:
+        got = f" (got {', '.join(given)})" if given else ""
+        raise BadInput(
+            f"give exactly one of --approve, --deny, --input, --result, --fire, --unpause{got}"
+        )
+    if approve or deny:
+        return PermissionDecision(approve=approve, note=note)
+    if text is not None:
+        return UserInput(text=text)
+    if result is not None:
+        try:
+            value = json.loads(result)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"--result must be JSON: {exc}") from None
+        content = value if isinstance(value, str) else json.dumps(value)
+        return ExternalResult(output=ToolOutput(content=content, is_error=is_error))
+    return ScheduledFire() if fire else Unpause()
+
+
+async def _resume(
+    thread: str,
+    flags: tuple[Any, ...],
+    wait: bool,
+    store: str | None,
+    address: str | None,
+    redis: str | None,
+) -> None:
+    from cluster.client import Ratchet, command_for
+
+    payload = _payload(flags)
+    frontier = await _frontier(thread, store)
+    ticket = _ticket(frontier)
+    command = command_for(ticket, payload)
+    validate_resume(ticket, command, now_us())  # a wrong flag fails here, before any cluster
+    client = await Ratchet.connect(address, store, redis, quiet=True)
+    try:
+        handle = client.handle(thread)
+        await handle.resume(command)
+        console.print(
+            f"resumed run {ticket.run_id} on thread {thread}: {payload.kind}", highlight=False
+        )
+        if wait:
+            _print_rest(thread, await handle.result())
+    finally:
+        await client.close()
+
+
+def _ticket(frontier: Frontier) -> ResumeTicket:
+    state = frontier.run_state
+    if isinstance(state, AwaitingState):
+        return state.ticket
+    where = (
+        f"run {state.run_id} ended {cause_text(state.cause.model_dump())}"
+        if isinstance(state, EndedState)
+        else f"run {frontier.run_id} is running"
+    )
+    raise ResumeRejected("ticket", f"thread {frontier.thread_id!r} is not awaiting: {where}")
+
+
+@app.command()
+def cancel(
+    thread: str = typer.Argument(...),
+    store: str | None = StoreOption,
+    address: str | None = AddressOption,
+    redis: str | None = RedisOption,
+) -> None:
+    """Cancel THREAD's Run: a live one at its next check, an awaiting one at once."""
+    _cli(_control)(thread, None, store, address, redis)
+
+
+@app.command()
+def stop(
+    thread: str = typer.Argument(...),
+    reason: str = typer.Option(..., "--reason", help="Recorded as stopped(reason)"),
+    store: str | None = StoreOption,
+    address: str | None = AddressOption,
+    redis: str | None = RedisOption,
+) -> None:
+    """End THREAD's Run stopped(REASON)."""
+    if not reason.strip():
+        errors.print("[red]error:[/red] --reason must not be empty", highlight=False)
+        raise typer.Exit(1)
+    _cli(_control)(thread, reason, store, address, redis)
+
+
+async def _control(
+    thread: str, reason: str | None, store: str | None, address: str | None, redis: str | None
+) -> None:
+    from cluster.client import Ratchet
+
+    frontier = await _frontier(thread, store)
+    if isinstance(frontier.run_state, EndedState):
+        _print_rest(thread, frontier, prefix="nothing to do: ")
+        return
+    client = await Ratchet.connect(address, store, redis, quiet=True)
+    try:
+        handle = client.handle(thread)
+        outcome = await (handle.cancel() if reason is None else handle.stop(reason))
+        if outcome == "not_running":
+            _print_rest(thread, await handle.frontier(), prefix="nothing to do: ")
+            return
+        _print_rest(thread, await handle.result())
+    finally:
+        await client.close()
+
+
+@app.command()
+def watch(
+    thread: str = typer.Argument(...),
+    after: str | None = typer.Option(
+        None, "--after", help="Only facts after this offset SEQ:INDEX (as printed)"
+    ),
+    store: str | None = StoreOption,
+    redis: str | None = RedisOption,
+) -> None:
+    """Follow THREAD live: status frames, facts and streamed text, until the Run rests."""
+    _cli(_watch)(thread, after, store, redis)
+
+
+async def _watch(thread: str, after: str | None, store: str | None, redis: str | None) -> None:
+    from cluster.client import StreamText, follow_thread
+
+    try:
+        parse_offset(after)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    db = await _open(store)
+    try:
+        await _frontier(thread, store, db)
+        view = _Watch(StreamText())
+        async for frame in follow_thread(
+            db, ThreadId(thread), after, redis_url=redis_url_from(redis)
+        ):
+            view.show(frame)
+        view.close_line()
+        _print_rest(thread, await db.load(ThreadId(thread)), prefix="at rest: ")
+    finally:
+        await db.close()
+
+
+class _Watch:
+    """Prints frames: one line per status frame and fact; streamed text inline."""
+
+    def __init__(self, text: Any) -> None:
+        self.text = text
+        self.shown: dict[tuple[str, int], str] = {}
+        self.open: tuple[str, int] | None = None
+
+    def show(self, frame: Frame) -> None:
+        key = self.text.add(frame)
+        if frame.type == "delta":
+            if key is not None:
+                self._stream(key, self.text.text(*key))
+            return
+        self.close_line()
+        where = f"[dim]{frame.offset:>6}[/dim] " if frame.offset else " " * 7
+        if frame.type == "thread_status" and frame.status is not None:
+            line = f"[bold]● status {status_text(frame.status)}[/bold]"
+        elif isinstance(frame.event, Fact):
+            line = _escape(fact_text(frame.event))
+        else:
+            return
+        console.print(where + line, highlight=False, soft_wrap=True)
+
+    def _stream(self, key: tuple[str, int], text: str) -> None:
+        before = self.shown.get(key, "")
+        if self.open != key:
+            self.close_line()
+            self.open = key
+            _raw(f"{'':7}… {text}")
+        elif text.startswith(before):
+            _raw(text[len(before) :])
+        else:  # a retried inference: its text starts over
+            _raw(f"\n{'':7}↻ {text}")
+        self.shown[key] = text
+
+    def close_line(self) -> None:
+        if self.open is not None:
+            _raw("\n")
+            self.open = None
+
+
+def _raw(text: str) -> None:
+    console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _print_rest(thread: str, frontier: Frontier, prefix: str = "") -> None:
+    state = frontier.run_state
+    run = frontier.run_id
+    if isinstance(state, AwaitingState):
+        flag = RESUME_FLAGS.get(state.ticket.payload_kind)
+        hint = f"; answer with: ratchet resume {thread} {flag}" if flag else ""
+        line = f"run {run} on thread {thread} awaits {ticket_text(state.ticket)}{hint}"
+    elif isinstance(state, EndedState):
+        line = f"run {run} on thread {thread} ended {cause_text(state.cause.model_dump())}"
+    else:
+        line = f"run {run} on thread {thread} is running"
+    console.print(prefix + _escape(line), highlight=False, soft_wrap=True)
+
+
+async def _frontier(thread: str, store: str | None, db: Any = None) -> Frontier:
+    """The thread's frontier; an unknown thread is one clear error."""
+    own = db is None
+    db = db if db is not None else await _open(store)
+    try:
+        frontier: Frontier = await db.load(ThreadId(thread))
+    finally:
+        if own:
+            await db.close()
+    if frontier.version == 0:
+        raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
+    return frontier
 
 
 def _message_line(message: Any) -> str:
@@ -217,6 +544,16 @@ def _when(since_us: int) -> str:
         return "-"
     return dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
+
+def _register_bench() -> None:
+    from benchmarks.load import bench_command
+
+    app.command(
+        "bench", help="Load-test: workload W1 with a no-durability baseline in the same run."
+    )(bench_command)
+
+
+_register_bench()
 
 if __name__ == "__main__":
     app()

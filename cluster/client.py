@@ -4,6 +4,9 @@
     handle = await rt.start("my_pkg.agents:helper", "summarise the report")
     frontier = await handle.result()                  # Ended or Awaiting
     for fact in await handle.events(): ...
+    async for frame in handle.stream(after="3:0"): ... # status frames, facts, deltas
+    await handle.respond(PermissionDecision(approve=True))  # answer the committed ticket
+    await handle.cancel(); await handle.stop("over budget")
 
 Everything a handle knows comes from the store (committed facts and the frontier),
 never from a host: a handle works the same after its host crashed, from another
@@ -13,6 +16,8 @@ process, or after ``Ratchet.handle(thread_id)``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
@@ -21,28 +26,49 @@ from typing import Any, Literal, TypeVar
 import ray
 from ray.exceptions import RayActorError
 
-from actors.run_host import dedicated_host, hosted_host
+from actors.run_host import RunHost, dedicated_host, hosted_host
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
 from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import (
+    ClusterUnavailable,
     connect_ray,
     redact,
     redis_url_from,
     store_url_from,
     system_name,
 )
-from runtime.agent import load_agent
+from runtime.agent import Agent, load_agent
 from runtime.commit import Frontier, stamp_facts
-from runtime.errors import StoreError, StoreUnavailable
-from runtime.events import Fact
-from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import AwaitingState, EndedState, ResumeCommand, ThreadStatus
-from runtime.ports import CommitStore, RunSummary
+from runtime.engine import Engine
+from runtime.errors import ResumeRejected, StoreError, StoreUnavailable
+from runtime.events import Delta, Fact
+from runtime.ids import CallId, RunId, ThreadId
+from runtime.lifecycle import (
+    AwaitingState,
+    EndedState,
+    ResumeCommand,
+    ResumePayload,
+    ResumeTicket,
+    RunningState,
+    Stopped,
+    ThreadStatus,
+    ToolWaitTarget,
+    validate_resume,
+)
+from runtime.models import ModelResponse, ScriptedModel
+from runtime.ports import CommitStore, LiveBus, RunSummary
+from runtime.stream import Frame, LiveText, follow, parse_offset
+from runtime.timeutil import now_us
+from runtime.tools import LocalToolRunner
 
+log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
+IDLE_CHECK_S = 2.0
+"""With a live bus: after this long without a frame, the store is asked whether the
+bus missed a fact (it is best effort); if so the stream reconnects from its cursor."""
 
 
 class Ratchet:
@@ -103,12 +129,16 @@ class Ratchet:
         load_agent(agent_ref)  # a bad reference fails here, clearly, not in a host
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex[:12]}")
         run = RunId(run_id or f"run-{uuid.uuid4().hex[:12]}")
-        target = self._host_for(thread, placement, host)
         args = (agent_ref, thread, run, input, placement)
-        try:
-            unwrap(await target.start_run.remote(*args, faults))
-        except RayActorError:  # the host died before the first commit: start is idempotent
-            unwrap(await self._host_for(thread, placement, host).start_run.remote(*args, None))
+        armed = [faults]
+
+        async def start_run() -> Any:
+            fault, armed[0] = armed[0], None  # a repeated start is not armed again
+            target = self._host_for(thread, placement, host)
+            return unwrap(await target.start_run.remote(*args, fault))
+
+        # the host may die before it answers (or be restarting): start is idempotent
+        await _on_a_live_host(start_run)
         return RunHandle(self, thread, run, placement)
 
     def handle(self, thread_id: str) -> RunHandle:
@@ -204,41 +234,322 @@ class RunHandle:
         records = await self.client.store.read(self.thread_id, after_seq)
         return [fact for r in records for fact in stamp_facts(r.commit, r.seq)]
 
-    async def stream(self, after_seq: int = 0) -> AsyncIterator[Fact | dict[str, Any]]:
-        """A status snapshot frame first, then committed facts as they commit (by cursor),
-        each status change as a ``thread_status`` frame too; ends when the Run is at rest.
+    async def ticket(self) -> ResumeTicket | None:
+        """The committed ResumeTicket, while the Run awaits; otherwise None."""
+        state = (await self.frontier()).run_state
+        return state.ticket if isinstance(state, AwaitingState) else None
+
+    def stream(self, after: str | None = None, *, until_rest: bool = True) -> AsyncIterator[Frame]:
+        """Frames of the thread after the cursor ``after`` (``"seq:index"``, None: all).
+
+        First a ``thread_status`` snapshot, then every committed fact after the cursor
+        (from the store), then live deltas and facts (Redis bus when the system has
+        one, else the store is polled), with a status frame on every change. Ends when
+        the Run is at rest (awaiting or ended) unless ``until_rest`` is False. Reconnect
+        with the ``offset`` of the last frame seen: no fact is lost or repeated.
         """
-        frontier = await self.frontier()
-        yield frontier.status.frame()
-        delay = POLL_FIRST_S
-        while True:
-            facts = await self.events(after_seq)
-            for fact in facts:
-                after_seq = max(after_seq, fact.seq)
-                yield fact.data if fact.type == "status" else fact
-            frontier = await self.frontier()
-            if frontier.version <= after_seq and _settled(frontier, self.run_id):
-                return
-            delay = POLL_FIRST_S if facts else min(delay * 2, POLL_MAX_S)
-            await asyncio.sleep(delay)
+        return follow_thread(
+            self.client.store,
+            self.thread_id,
+            after,
+            redis_url=self.client.spec.redis_url,
+            until_rest=until_rest,
+        )
 
     async def cancel(self) -> str:
-        """Cancel the Run wherever it is (a Run at rest is ended here and now)."""
+        """Cancel the Run wherever it is (a Run at rest is ended here and now).
+
+        ``"signalled"``: its driver was told (it ends ``cancelled`` at the next check);
+        ``"cancelled"``: it was at rest and is now ended; ``"not_running"``: nothing to do.
+        """
         placement = await self._placement()
-        result: str = unwrap(
-            await self.client._host_for(self.thread_id, placement).cancel_run.remote(self.thread_id)
-        )
+
+        async def cancel_run() -> Any:
+            host = self.client._host_for(self.thread_id, placement)
+            return unwrap(await host.cancel_run.remote(self.thread_id))
+
+        result: str = await _on_a_live_host(cancel_run)
         return result
 
-    async def resume(self, command: ResumeCommand) -> None:
-        """Deliver a ResumeCommand; raises ResumeRejected (the ticket stays) on a mismatch."""
+    async def stop(self, reason: str) -> str:
+        """End the Run ``stopped(reason)``; returns like ``cancel``.
+
+        Hosts that offer ``stop_run`` signal their engine (as cancel does). Otherwise the
+        Run is ended from here: the claim fences its driver, if any, whose next commit
+        fails; unfinished calls are sealed indeterminate and any ticket is cleared. The
+        driver's host is then told to let go (its own end commit is fenced off).
+        """
         placement = await self._placement()
-        host = self.client._host_for(self.thread_id, placement)
-        unwrap(await host.resume_run.remote(command))
+        if hasattr(RunHost, "stop_run"):
+
+            async def stop_run() -> Any:
+                host = self.client._host_for(self.thread_id, placement)
+                return unwrap(await host.stop_run.remote(self.thread_id, reason))
+
+            result: str = await _on_a_live_host(stop_run)
+            return result
+        state = (await self.frontier()).run_state
+        if not isinstance(state, RunningState | AwaitingState):
+            return "not_running"
+        bus = _bus(self.client.spec.redis_url)
+        try:
+            engine = _control_engine(self.client.store, bus)
+            ended = await engine.terminate(self.thread_id, Stopped(reason=reason))
+        finally:
+            await _close_bus(bus)
+        cause = ended.run_state.cause if isinstance(ended.run_state, EndedState) else None
+        if not isinstance(cause, Stopped):
+            return "not_running"  # it ended on its own first
+        if isinstance(state, RunningState):  # best effort: the fence already holds
+            with contextlib.suppress(Exception):
+                host = self.client._host_for(self.thread_id, placement)
+                unwrap(await host.cancel_run.remote(self.thread_id))
+        return "stopped"
+
+    async def resume(self, command: ResumeCommand, *, host: int | None = None) -> None:
+        """Deliver a ResumeCommand; raises ResumeRejected (the ticket stays) on a mismatch.
+
+        The command is checked here first against this thread's committed ticket, in the
+        order of DESIGN §2 (a command for another thread fails on ``thread``), then again
+        by the host, which is authoritative. ``host`` picks a host of the pool; if the
+        chosen host dies before the resume committed, it is delivered to the next one.
+        """
+        frontier = await self.frontier()
+        validate_resume(_ticket_of(frontier), command, now_us())
+        placement = await self._placement()
+        index = host
+        for _ in range(max(len(self.client.hosts), 1) + 1):
+            target = self.client._host_for(self.thread_id, placement, index)
+            try:
+                unwrap(await target.resume_run.remote(command))
+                return
+            except RayActorError:
+                ticket = await self.ticket()
+                if ticket is None or ticket.correlation != command.correlation:
+                    return  # the resume committed before the host died; recovery goes on
+                if placement == "dedicated":
+                    continue  # a dedicated host is re-created under the same name
+                current = (
+                    index
+                    if index is not None
+                    else host_index(self.thread_id, self.client.spec.hosts)
+                )
+                index = (current + 1) % self.client.spec.hosts
+        raise ClusterUnavailable(f"no host accepted the resume of {self.thread_id}")
+
+    async def respond(self, payload: ResumePayload, *, host: int | None = None) -> ResumeCommand:
+        """Answer the committed ticket with ``payload`` (ids and call id taken from it)."""
+        ticket = await self.ticket()
+        if ticket is None:
+            state = (await self.frontier()).run_state
+            raise ResumeRejected("ticket", f"thread {self.thread_id!r} is {_where(state)}")
+        command = command_for(ticket, payload)
+        await self.resume(command, host=host)
+        return command
 
     async def _placement(self) -> Placement:
         meta = run_meta(await self.frontier())
         return meta.placement if meta is not None else self.placement
+
+
+def command_for(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:
+    """The ResumeCommand answering ``ticket`` with ``payload``."""
+    target = ticket.target
+    return ResumeCommand(
+        correlation=ticket.correlation,
+        run_id=ticket.run_id,
+        thread_id=ticket.thread_id,
+        payload=payload,
+        call_id=CallId(target.call_id) if isinstance(target, ToolWaitTarget) else None,
+    )
+
+
+# ---- the live stream --------------------------------------------------------------------
+
+
+async def follow_thread(
+    store: CommitStore,
+    thread: ThreadId,
+    after: str | None = None,
+    *,
+    redis_url: str | None = None,
+    until_rest: bool = True,
+    idle_check_s: float = IDLE_CHECK_S,
+) -> AsyncIterator[Frame]:
+    """``runtime.stream.follow`` over the Redis bus when there is one, else the store.
+
+    The bus is best effort: when it has been quiet for ``idle_check_s`` while the
+    store holds facts after the cursor (a publish was lost), the stream reconnects
+    from its cursor; the snapshot frame of such a reconnect is not repeated.
+    """
+    parse_offset(after)  # a malformed cursor is a ValueError before anything is opened
+    bus = _bus(redis_url)
+    try:
+        if bus is None:
+            frames = follow(store, thread, after, until_rest=until_rest)
+        else:
+            frames = _watched(store, thread, after, bus, until_rest, idle_check_s)
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                yield frame
+    finally:
+        await _close_bus(bus)
+
+
+_END = object()
+
+
+async def _watched(
+    store: CommitStore,
+    thread: ThreadId,
+    after: str | None,
+    bus: LiveBus,
+    until_rest: bool,
+    idle_check_s: float,
+) -> AsyncIterator[Frame]:
+    cursor, snapshot_sent = after, False
+    while True:
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
+        pump = asyncio.create_task(
+            _pump(follow(store, thread, cursor, bus=bus, until_rest=until_rest), queue)
+        )
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), idle_check_s)
+                except TimeoutError:
+                    if await _facts_after(store, thread, cursor):
+                        log.info("live bus missed facts of %s; reconnecting", thread)
+                        break
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                frame: Frame = item
+                if frame.type == "thread_status" and frame.offset is None:
+                    if snapshot_sent:
+                        continue  # a reconnect's snapshot: changes come as status facts
+                    snapshot_sent = True
+                if frame.offset is not None:
+                    cursor = frame.offset
+                yield frame
+        finally:
+            pump.cancel()
+            with contextlib.suppress(BaseException):
+                await pump
+
+
+async def _pump(frames: AsyncIterator[Frame], queue: asyncio.Queue[Any]) -> None:
+    try:
+        async for frame in frames:
+            await queue.put(frame)
+        await queue.put(_END)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        await queue.put(exc)
+
+
+async def _facts_after(store: CommitStore, thread: ThreadId, cursor: str | None) -> bool:
+    seq, index = parse_offset(cursor)
+    for record in await store.read(thread, after_seq=max(seq - 1, 0)):
+        if any((f.seq, f.index) > (seq, index) for f in stamp_facts(record.commit, record.seq)):
+            return True
+    return False
+
+
+def _bus(redis_url: str | None) -> Any:
+    if not redis_url:
+        return None
+    from storage.bus import RedisStreamBus
+
+    return RedisStreamBus.connect(redis_url, block_ms=500)
+
+
+async def _close_bus(bus: Any) -> None:
+    if bus is not None:
+        with contextlib.suppress(Exception):
+            await bus.close()
+
+
+class StreamText:
+    """The text a followed thread streams, per (run, step), built from its frames.
+
+    ``LiveText`` replaces the partial text of a retried inference (a newer attempt of
+    the same Step). A Run whose execution was lost infers its Step again under a new
+    engine, whose attempts start over; so when the thread goes running again, the
+    text of Steps not yet committed (no ``assistant_message`` fact) starts over too.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, int], LiveText] = {}
+        self._pending: set[tuple[str, int]] = set()
+        self._running = False
+
+    def add(self, frame: Frame) -> tuple[str, int] | None:
+        """Take one frame; returns the (run, step) whose text changed, if any."""
+        event = frame.event
+        if frame.type == "thread_status" and frame.status is not None:
+            running = frame.status.state == "running"
+            if running and not self._running:  # a new execution: uncommitted text is void
+                for key in self._pending:
+                    self._parts.pop(key, None)
+                self._pending.clear()
+            self._running = running
+        elif isinstance(event, Fact) and event.type == "assistant_message":
+            self._pending = {key for key in self._pending if key[0] != event.run_id}
+        elif isinstance(event, Delta) and event.type == "text_delta":
+            key = (event.run_id, event.step)
+            self._parts.setdefault(key, LiveText()).add(event)
+            self._pending.add(key)
+            return key
+        return None
+
+    def text(self, run_id: str, step: int) -> str:
+        part = self._parts.get((run_id, step))
+        return part.text(run_id, step) if part is not None else ""
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def _control_engine(store: CommitStore, bus: LiveBus | None) -> Engine:
+    """An engine that only ends Runs (terminate): it never infers nor runs a tool."""
+    agent = Agent(name="control", model=ScriptedModel((ModelResponse(),)))
+    owner = f"client-{uuid.uuid4().hex[:12]}"
+    return Engine(agent, store, LocalToolRunner(()), bus=bus, owner=owner)
+
+
+def _ticket_of(frontier: Frontier) -> ResumeTicket | None:
+    state = frontier.run_state
+    return state.ticket if isinstance(state, AwaitingState) else None
+
+
+def _where(state: Any) -> str:
+    if state is None:
+        return "unknown (no run was ever started on it)"
+    if isinstance(state, EndedState):
+        return f"not awaiting: run {state.run_id} ended {state.cause.kind}"
+    return f"not awaiting: run {state.run_id} is {state.kind}"
+
+
+async def _on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
+    """Call a host again while it is dead or restarting (the calls given are idempotent)."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
+    while True:
+        try:
+            return await call()
+        except RayActorError as exc:
+            if loop.time() > deadline:
+                what = type(exc).__name__
+                raise ClusterUnavailable(
+                    f"no RunHost answered within {give_up_s:g}s ({what})"
+                ) from exc
+            log.info("host unavailable (%s); asking again", type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
 
 
 async def _patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
@@ -253,12 +564,6 @@ async def _patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) ->
                 raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
-
-
-def _settled(frontier: Frontier, run: RunId | None) -> bool:
-    if run is not None and frontier.run_id != run:
-        return False
-    return isinstance(frontier.run_state, EndedState | AwaitingState)
 
 
 def _at_rest(row: RunSummary | None, run: RunId | None) -> bool:

@@ -6,11 +6,21 @@ only at committed records, never at a process.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.batch import ToolCall
-from runtime.lifecycle import EndedState
+from runtime.events import Fact
+from runtime.lifecycle import (
+    EndedState,
+    PauseTarget,
+    ResumeTicket,
+    ThreadStatus,
+    ToolWaitTarget,
+    UserInputTarget,
+)
 from runtime.ports import CommittedRecord
 
 EXECUTION_LOST = "execution_lost"
@@ -77,3 +87,61 @@ def phase_text(call: ToolCall) -> str:
     if phase.kind == "indeterminate":
         return f"indeterminate ({phase.reason})"
     return phase.kind
+
+
+# ---- one line per fact, ticket and status (``ratchet watch``, ``ratchet show``) ---------
+
+
+def status_text(status: ThreadStatus) -> str:
+    return status.state + (f" ({status.reason})" if status.reason else "")
+
+
+def ticket_text(ticket: ResumeTicket) -> str:
+    """What the Run waits for, e.g. ``permission for drop_table({"name": "users"}) [c1]``."""
+    target = ticket.target
+    if isinstance(target, ToolWaitTarget):
+        return f"{target.wait} for {target.tool}({target.arguments}) [{target.call_id}]"
+    if isinstance(target, UserInputTarget):
+        return f"user_input: {target.prompt!r}" if target.prompt else "user_input"
+    if isinstance(target, PauseTarget):
+        return f"pause ({target.reason})"
+    return ticket.payload_kind
+
+
+def cause_text(cause: Mapping[str, Any]) -> str:
+    kind = str(cause.get("kind", "?"))
+    if kind == "stopped":
+        return f"stopped: {cause.get('reason', '')}"
+    if kind == "failed":
+        return f"failed ({cause.get('failure')}/{cause.get('code')}): {cause.get('message', '')}"
+    if kind == "indeterminate":
+        return f"indeterminate: {cause.get('reason', '')}"
+    return kind
+
+
+def fact_text(fact: Fact) -> str:
+    """One line for a committed fact."""
+    data = fact.data
+    kind = fact.type
+    if kind == "run_started":
+        return f"run_started {fact.run_id}: {data.get('input', '')!r}"
+    if kind == "assistant_message":
+        return f"assistant: {data.get('text', '')}"
+    if kind == "tool_call":
+        return f"tool_call [{data.get('call_id')}] {data.get('tool')}({data.get('arguments')})"
+    if kind == "tool_result":
+        error = "error: " if data.get("is_error") else ""
+        return (
+            f"tool_result [{data.get('call_id')}] {data.get('tool')}: {error}{data.get('content')}"
+        )
+    if kind == "awaiting":
+        return f"awaiting {ticket_text(ResumeTicket.model_validate(data['ticket']))}"
+    if kind in ("run_finished", "run_failed"):
+        return f"{kind}: {cause_text(data.get('cause', {}))}"
+    if kind == "resumed":
+        extra = {k: v for k, v in data.items() if k not in ("kind", "correlation")}
+        detail = f" {json.dumps(extra, sort_keys=True)}" if extra else ""
+        return f"resumed ({data.get('kind')}){detail}"
+    if kind == "status":
+        return f"status {status_text(ThreadStatus.model_validate(data['status']))}"
+    return f"{kind} {json.dumps(data, sort_keys=True)}"

@@ -101,6 +101,14 @@ class Tool:
             raise ValueError(f"invalid arguments for {self.id}: {problems}") from exc
 
     def schema(self) -> dict[str, Any]:
+        """The tool's schema for the model (built once: it is asked for every inference)."""
+        cached: dict[str, Any] | None = self.__dict__.get("_schema")
+        if cached is None:
+            cached = self._build_schema()
+            object.__setattr__(self, "_schema", cached)
+        return cached
+
+    def _build_schema(self) -> dict[str, Any]:
         return {
             "name": self.id,
             "description": self.description,

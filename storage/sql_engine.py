@@ -41,11 +41,18 @@ _TRANSIENT_WORDS = ("database is locked", "database is busy", "connection", "clo
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
 
 
+OUR_OPTIONS = ("synchronous", "pool_size")
+"""Query options of a store URL that are ours, not the driver's."""
+DEFAULT_PG_POOL = 10
+"""Connections per process (plus as many overflow). Every host of a cluster opens its
+own pool, and PostgreSQL allows 100 connections by default: keep each pool modest."""
+
+
 def sqlalchemy_url(url: str) -> tuple[URL, dict[str, str]]:
     """Map our URL onto an async driver URL; returns it and our own options from the query."""
     scheme = scheme_of(url)
     parsed = make_url(url.replace("postgres://", "postgresql://", 1))
-    ours = {k: str(v) for k, v in parsed.query.items() if k == "synchronous"}
+    ours = {k: str(v) for k, v in parsed.query.items() if k in OUR_OPTIONS}
     parsed = parsed.difference_update_query(list(ours))
     if scheme == "sqlite":
         if parsed.database in (None, "", ":memory:"):
@@ -63,15 +70,23 @@ def create_engine(url: str) -> AsyncEngine:
         engine = create_async_engine(sa_url, connect_args={"timeout": 30})
         _configure_sqlite(engine.sync_engine, _synchronous(ours), immediate=False)
         return engine
+    pool = _pool_size(ours)
     return create_async_engine(
         sa_url,
-        # Connections open lazily; a pool as wide as the writers avoids the churn of
-        # overflow connections being closed on every checkin.
-        pool_size=50,
-        max_overflow=50,
+        # Group commit keeps at most a few write transactions in flight per process,
+        # so a modest pool serves many Runs (``?pool_size=N`` on the URL changes it).
+        pool_size=pool,
+        max_overflow=pool,
         # Reconnection after an outage costs a refused connect, not a hang.
         connect_args={"timeout": 5, "command_timeout": 30},
     )
+
+
+def _pool_size(ours: dict[str, str]) -> int:
+    raw = ours.get("pool_size", str(DEFAULT_PG_POOL))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"pool_size must be a positive integer, not {raw!r}")
+    return int(raw)
 
 
 def _synchronous(ours: dict[str, str]) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from runtime.errors import ResumeRejected
-from runtime.events import Fact
 from runtime.lifecycle import AwaitingState, PermissionDecision, ResumeCommand
 from runtime.messages import ToolResultMessage
 
@@ -75,11 +74,9 @@ async def test_cancel_a_running_run_and_an_awaiting_one(make_system, ledger):
 async def test_stream_starts_with_a_status_snapshot(make_system):
     client = await make_system()
     handle = await client.start("tests.ray.agents:quick_agent", "hi")
-    items = [item async for item in handle.stream()]
-    assert items[0]["type"] == "thread_status"
-    facts = [i for i in items if isinstance(i, Fact)]
-    assert facts[0].type == "run_started"
-    assert facts[-1].type == "run_finished"
-    frames = [i for i in items if isinstance(i, dict)]
-    assert frames[-1]["status"]["state"] == "idle"
-    assert any(f["status"]["state"] == "running" for f in frames)
+    frames = [f async for f in handle.stream()]
+    assert frames[0].type == "thread_status" and frames[0].offset is None
+    facts = [f.event for f in frames if f.type == "fact"]
+    assert facts[0].type == "run_started" and facts[-1].type == "run_finished"
+    states = [f.status.state for f in frames if f.type == "thread_status"]
+    assert states[-1] == "idle" and "running" in states

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from cluster.cli import run_tree
 from runtime.lifecycle import AwaitingState, EndedState, PermissionDecision, ResumeCommand
 from tests.ray.conftest import wait_for
 
@@ -37,6 +38,9 @@ async def test_a_parent_fans_out_to_eight_concurrent_children(make_system):
         starts.append(statuses[0].since)
         ends.append(statuses[-1].since)
     assert max(starts) < min(ends), "children did not overlap (committed timestamps)"
+    tree = await run_tree(client.store, f)  # what `ratchet show` prints
+    assert len(tree) == 9 and tree[0].endswith("[natural]")
+    assert all(line.startswith("  └ ") and line.endswith("[natural]") for line in tree[1:])
 
 
 @pytest.mark.parametrize(

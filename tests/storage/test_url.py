@@ -63,3 +63,14 @@ async def test_open_store_redis(redis_url: str) -> None:
 async def test_sqlite_needs_a_file(url: str) -> None:
     with pytest.raises(ValueError, match="memory://"):
         await open_store(url)
+
+
+def test_postgres_pool_size_is_ours_to_set_and_checked():
+    import pytest as _pytest
+
+    from storage.sql_engine import DEFAULT_PG_POOL, create_engine
+
+    assert create_engine("postgresql://u@127.0.0.1/db").pool.size() == DEFAULT_PG_POOL
+    assert create_engine("postgresql://u@127.0.0.1/db?pool_size=3").pool.size() == 3
+    with _pytest.raises(ValueError, match="pool_size"):
+        create_engine("postgresql://u@127.0.0.1/db?pool_size=lots")

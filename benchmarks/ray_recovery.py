@@ -1,0 +1,169 @@
+"""Ray benchmark: host kill → first commit of the resumed Run; memory per hosted Run.
+
+Kill to resume: Runs nap inside a replay_safe tool on RunHost 0; the host is
+killed (``ray.kill``, Ray restarts it: the fast path); for every interrupted Run
+we take the committed status change back to ``running`` — the first commit of
+the resumed Run — and subtract the kill's wall-clock time. Medians over kills.
+
+Memory: the RSS of one RunHost process with N Runs in flight (all napping in
+their tool), minus its RSS idle, divided by N.
+
+    python -m benchmarks.ray_recovery --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.client import Ratchet, RunHandle
+from cluster.report import EXECUTION_LOST
+from runtime.agent import Agent
+from runtime.models import ModelResponse, ScriptedModel, call
+from runtime.tools import tool
+
+NAP_S = 3.0
+
+
+@tool(recovery=("replay_safe",))
+async def nap(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "rested"
+
+
+agent = Agent(
+    name="napper",
+    model=ScriptedModel(
+        (
+            ModelResponse(text="nap", tool_calls=(call("nap", "c1", seconds=NAP_S),)),
+            ModelResponse(text="rested"),
+        )
+    ),
+    tools=(nap,),
+)
+AGENT_REF = "benchmarks.ray_recovery:agent"
+sleeper = Agent(
+    name="sleeper",
+    model=ScriptedModel(
+        (
+            ModelResponse(text="nap", tool_calls=(call("nap", "c1", seconds=120.0),)),
+            ModelResponse(text="rested"),
+        )
+    ),
+    tools=(nap,),
+)
+SLEEPER_REF = "benchmarks.ray_recovery:sleeper"
+
+
+async def _all_executing(handles: list[RunHandle], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        frontiers = [await h.frontier() for h in handles]
+        if all(f.batch and f.batch.calls[0].phase.kind == "executing" for f in frontiers):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("runs did not reach their tool")
+        await asyncio.sleep(0.05)
+
+
+async def _resumed_at_us(client: Ratchet, thread: str) -> int | None:
+    """``since`` of the first ``running`` status after execution_lost."""
+    lost = False
+    for record in await client.store.read(thread):  # type: ignore[arg-type]
+        status = record.commit.status
+        if status is None:
+            continue
+        if status.reason == EXECUTION_LOST:
+            lost = True
+        elif lost and status.state == "running":
+            return status.since
+    return None
+
+
+async def kill_to_resume(client: Ratchet, runs: int, kills: int) -> list[float]:
+    delays: list[float] = []
+    for _ in range(kills):
+        handles = [await client.start(AGENT_REF, "nap", host=0) for _ in range(runs)]
+        await _all_executing(handles)
+        killed_us = time.time_ns() // 1000
+        ray.kill(client.hosts[0], no_restart=False)
+        await client.wait_all(handles, timeout_s=120)
+        for h in handles:
+            resumed = await _resumed_at_us(client, h.thread_id)
+            if resumed is not None:
+                delays.append((resumed - killed_us) / 1e6)
+    return delays
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+async def memory_per_run(client: Ratchet, runs: int) -> dict[str, float]:
+    host = client.hosts[1]
+    info = await host.info.remote()
+    idle_kb = _rss_kb(info["pid"])
+    gate = asyncio.Semaphore(50)
+
+    async def start(i: int) -> RunHandle:
+        async with gate:
+            return await client.start(SLEEPER_REF, "nap", host=1, thread_id=f"mem-{i}")
+
+    handles = await asyncio.gather(*(start(i) for i in range(runs)))
+    threads = {h.thread_id for h in handles}
+    deadline = time.monotonic() + 120
+    while sum(r.version >= 3 for r in await client.runs() if r.thread_id in threads) < runs:
+        if time.monotonic() > deadline:
+            raise TimeoutError("runs did not reach their tool")
+        await asyncio.sleep(0.2)
+    busy_kb = _rss_kb(info["pid"])
+    for h in handles:
+        await h.cancel()
+    return {
+        "runs": runs,
+        "host_rss_idle_mb": round(idle_kb / 1024, 1),
+        "host_rss_busy_mb": round(busy_kb / 1024, 1),
+        "kb_per_run": round((busy_kb - idle_kb) / runs, 1),
+    }
+
+
+async def main(runs: int, kills: int, memory_runs: int) -> dict[str, Any]:
+    workdir = tempfile.mkdtemp(prefix="ratchet-bench-")
+    client = await Ratchet.connect(
+        store_url=f"sqlite:///{workdir}/bench.db", num_cpus=4, quiet=True
+    )
+    delays = await kill_to_resume(client, runs, kills)
+    memory = await memory_per_run(client, memory_runs)
+    await client.shutdown()
+    return {
+        "kill_to_resume_s": {
+            "median": statistics.median(delays),
+            "p90": sorted(delays)[int(0.9 * (len(delays) - 1))],
+            "samples": len(delays),
+            "kills": kills,
+            "runs_per_kill": runs,
+        },
+        "memory": memory,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="Runs in flight per kill")
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--memory-runs", type=int, default=500)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = asyncio.run(main(args.runs, args.kills, args.memory_runs))
+    print(json.dumps(result, indent=None if args.json else 2))

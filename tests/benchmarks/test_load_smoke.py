@@ -1,0 +1,44 @@
+"""A tiny W1 through the real CLI: the JSON line is last, ``ok`` and its counts agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from benchmarks.load import WARMUP_RUNS, bench_command
+from benchmarks.w1_agent import W1
+
+pytestmark = pytest.mark.ray
+
+RUNS, STEPS, TOOLS = 6, 2, 2
+
+
+@pytest.mark.timeout(180)
+def test_tiny_w1_is_ok_and_consistent() -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    args = ["--runs", str(RUNS), "--concurrency", "3", "--steps", str(STEPS)]
+    args += ["--tools", str(TOOLS), "--store", "sqlite", "--no-baseline", "--json"]
+    outcome = CliRunner().invoke(app, args)
+    assert outcome.exit_code == 0, outcome.output
+    result = json.loads(outcome.stdout.strip().splitlines()[-1])
+
+    checked = RUNS + WARMUP_RUNS
+    per_run = W1(steps=STEPS, tools=TOOLS).commits_per_run()
+    assert result["ok"] is True, result
+    assert result["runs"] == RUNS and result["checked_runs"] == checked
+    assert result["natural_runs"] == checked
+    assert result["commits"] == checked * per_run
+    assert result["commits_per_run"] == per_run
+    assert result["exactly_once_calls"] == checked * (STEPS - 1) * TOOLS
+    assert result["lost_commits"] == 0
+    assert result["duplicate_never_replay"] == 0
+    assert result["ledger_violations"] == 0
+    assert result["runs_per_s"] == pytest.approx(RUNS / result["wall_s"], rel=0.02)
+    assert result["steps_per_s"] == pytest.approx(RUNS * STEPS / result["wall_s"], rel=0.02)
+    assert 0 < result["p50_step_ms"] <= result["p99_step_ms"]
+    assert result["peak_rss_mb"] > 0
+    assert result["baseline_runs_per_s"] is None and result["ratio_to_baseline"] is None

@@ -1,0 +1,362 @@
+"""Every wait kind, every rejection axis, cancel and stop, and the stream, on Ray.
+
+One system (SQLite, no bus) serves the module; the Redis test makes its own. Every
+test leaves its Runs at rest, so the hosts it shares are idle between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+import ray
+
+from cluster.client import Ratchet, RunHandle, StreamText, command_for
+from cluster.report import EXECUTION_LOST, analyse
+from runtime.batch import ToolOutput
+from runtime.errors import ResumeRejected
+from runtime.lifecycle import (
+    AwaitingState,
+    EndedState,
+    ExternalResult,
+    PermissionDecision,
+    ScheduledFire,
+    Unpause,
+    UserInput,
+)
+from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
+from runtime.stream import Frame, parse_offset
+
+from .checks import check_log
+from .conftest import wait_for
+from .wait_agents import ANSWER, LONG_S
+
+pytestmark = pytest.mark.ray
+WAITS = "tests.ray.wait_agents"
+PERMISSION = "tests.ray.agents:permission_agent"
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ratchet]:
+    url = f"sqlite:///{Path(tmp_path_factory.mktemp('waits'))}/store.db"
+    client = asyncio.run(Ratchet.connect(store_url=url))
+    yield client
+    asyncio.run(client.shutdown())
+
+
+def tool_results(frontier) -> list[ToolResultMessage]:
+    return [m for m in frontier.messages if isinstance(m, ToolResultMessage)]
+
+
+def statuses(frames: list[Frame]) -> list[tuple[str, str | None]]:
+    return [(f.status.state, f.status.reason) for f in frames if f.type == "thread_status"]
+
+
+def fact_keys(frames: list[Frame]) -> list[tuple[int, int, str]]:
+    return [(f.event.seq, f.event.index, f.event.type) for f in frames if f.offset is not None]
+
+
+async def awaiting(handle: RunHandle):
+    frontier = await handle.result(timeout_s=30)
+    assert isinstance(frontier.run_state, AwaitingState), frontier.run_state
+    return frontier
+
+
+async def ended(handle: RunHandle, cause: str):
+    frontier = await handle.result(timeout_s=30)
+    assert isinstance(frontier.run_state, EndedState), frontier.run_state
+    assert frontier.run_state.cause.kind == cause, frontier.run_state.cause
+    return frontier
+
+
+async def not_driven(client: Ratchet, thread: str) -> bool:
+    for host in client.hosts:
+        if thread in await host.driving.remote():
+            return False
+    return True
+
+
+# ---- each wait kind, round trip ------------------------------------------------------------
+
+ROUND_TRIPS = {
+    "approve": (PERMISSION, PermissionDecision(approve=True), "permission"),
+    "deny": (PERMISSION, PermissionDecision(approve=False, note="not today"), "permission"),
+    "external": (f"{WAITS}:external_agent", None, "external_result"),
+    "scheduled": (f"{WAITS}:scheduled_agent", ScheduledFire(), "scheduled_action"),
+    "input": (f"{WAITS}:input_agent", UserInput(text="savings"), "user_input"),
+    "pause": (f"{WAITS}:pause_agent", Unpause(), "pause"),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROUND_TRIPS))
+async def test_each_wait_kind_round_trip(system, ledger, kind):
+    ref, payload, wait = ROUND_TRIPS[kind]
+    payload = payload or ExternalResult(output=ToolOutput(content="7 cm"))
+    handle = await system.start(ref, "go")
+    parked = await awaiting(handle)
+    ticket = parked.run_state.ticket
+    assert ticket.payload_kind == wait
+    assert (await handle.status()).reason == f"awaiting_{wait}"
+    assert await not_driven(system, handle.thread_id)  # held by the store alone
+    command = await handle.respond(payload)
+    assert command.correlation == ticket.correlation
+    done = await ended(handle, "natural")
+    effects = ledger.rows(f"tool-batch:{handle.run_id}:")
+    results = tool_results(done)
+    if kind == "approve":
+        assert results[0].content == "dropped users" and len(effects) == 1
+    elif kind == "deny":
+        assert results[0].is_error and "blocked" in results[0].content and effects == []
+    elif kind == "external":
+        assert results[0].content == "7 cm"
+    elif kind == "scheduled":
+        assert results[0].content == "reminded: tea" and len(effects) == 1
+    elif kind == "input":
+        assert [m.text for m in done.messages if isinstance(m, UserMessage)] == ["go", "savings"]
+    facts = [f.type for f in await handle.events()]
+    assert facts.count("awaiting") == 1 and facts.count("resumed") == 1
+    await check_log(system.store, handle.thread_id)
+
+
+# ---- an awaiting Run outlives its host ------------------------------------------------------
+
+
+async def _pid(host) -> int | None:
+    try:
+        return int((await host.info.remote())["pid"])
+    except ray.exceptions.RayActorError:
+        return None
+
+
+@pytest.mark.parametrize("how", ["ray_kill", "os_exit_after_awaiting"])
+async def test_an_awaiting_run_survives_its_host_and_resumes_on_another(system, ledger, how):
+    host0 = system.hosts[0]
+    before = await _pid(host0)
+    faults = ("after:awaiting", 1, "exit") if how == "os_exit_after_awaiting" else None
+    handle = await system.start(PERMISSION, "clean up", host=0, faults=faults)
+    parked = await awaiting(handle)
+    if how == "ray_kill":
+        ray.kill(host0, no_restart=False)
+
+    async def restarted() -> bool:
+        pid = await _pid(host0)
+        return pid is not None and pid != before
+
+    await wait_for(restarted, what="host 0 restarted")
+    after = await handle.frontier()
+    assert after.run_state == parked.run_state  # still awaiting, the same ticket
+    assert (after.status.state, after.status.reason) == ("idle", "awaiting_permission")
+    await handle.respond(PermissionDecision(approve=True), host=1)
+    done = await ended(handle, "natural")
+    assert done.owner is not None and done.owner.startswith(system.spec.host_name(1))
+    assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
+    report = await check_log(system.store, handle.thread_id)
+    assert report.lost == 0  # nothing was running, so nothing was lost
+
+
+# ---- rejections --------------------------------------------------------------------------
+
+
+async def test_every_rejection_axis_through_the_client(system, ledger):
+    handle = await system.start(PERMISSION, "clean up")
+    parked = await awaiting(handle)
+    good = command_for(parked.run_state.ticket, PermissionDecision(approve=True))
+    bad = {
+        "correlation": good.model_copy(update={"correlation": "guess"}),
+        "run": good.model_copy(update={"run_id": "run-other"}),
+        "thread": good.model_copy(update={"thread_id": "thread-other"}),
+        "payload": good.model_copy(update={"payload": UserInput(text="yes, go ahead")}),
+        "call_id": good.model_copy(update={"call_id": "c9"}),
+    }
+    for axis, command in bad.items():
+        with pytest.raises(ResumeRejected) as rejected:
+            await handle.resume(command)
+        assert rejected.value.axis == axis
+    # the host checks again on its own (a caller may skip the client)
+    from actors.wire import unwrap
+
+    with pytest.raises(ResumeRejected) as rejected:
+        unwrap(await system.hosts[1].resume_run.remote(bad["correlation"]))
+    assert rejected.value.axis == "correlation"
+    assert (await handle.frontier()).run_state == parked.run_state  # the ticket stayed
+    await handle.resume(good)
+    await ended(handle, "natural")
+    with pytest.raises(ResumeRejected) as rejected:
+        await handle.resume(good)  # a second resume finds no ticket
+    assert rejected.value.axis == "ticket"
+    assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
+
+    late = await system.start(f"{WAITS}:deadline_agent", "go")
+    kept = await awaiting(late)
+    with pytest.raises(ResumeRejected) as rejected:
+        await late.respond(PermissionDecision(approve=True))
+    assert rejected.value.axis == "deadline"
+    assert (await late.frontier()).run_state == kept.run_state
+    assert await late.cancel() == "cancelled"
+
+
+# ---- cancel and stop ------------------------------------------------------------------------
+
+
+async def test_cancel_during_inference(system):
+    handle = await system.start(f"{WAITS}:slow_model_agent", "think")
+    began = asyncio.get_running_loop().time()
+    assert (await handle.frontier()).batch is None  # the model is still thinking
+    assert await handle.cancel() == "signalled"
+    done = await ended(handle, "cancelled")
+    assert asyncio.get_running_loop().time() - began < LONG_S / 2
+    assert not any(isinstance(m, AssistantMessage) for m in done.messages)
+    assert (done.status.state, done.status.reason) == ("idle", "cancelled")
+
+
+async def _napping(system, ledger) -> RunHandle:
+    handle = await system.start(f"{WAITS}:long_nap_agent", "nap")
+
+    async def napping() -> bool:
+        return bool(ledger.rows(f"tool-batch:{handle.run_id}:"))
+
+    await wait_for(napping, what="the nap to begin")
+    return handle
+
+
+async def test_cancel_during_a_tool(system, ledger):
+    handle = await _napping(system, ledger)
+    began = asyncio.get_running_loop().time()
+    assert await handle.cancel() == "signalled"
+    done = await ended(handle, "cancelled")
+    assert asyncio.get_running_loop().time() - began < LONG_S / 2
+    (result,) = tool_results(done)
+    assert result.is_error and "owning run ended" in result.content
+    report = await check_log(system.store, handle.thread_id)
+    assert [c.tool for c in report.indeterminate] == ["long_nap"]
+
+
+async def test_cancel_while_awaiting_then_a_late_resume_fails_closed(system, ledger):
+    handle = await system.start(PERMISSION, "clean up")
+    parked = await awaiting(handle)
+    assert await handle.cancel() == "cancelled"
+    done = await ended(handle, "cancelled")
+    assert "owning run ended" in tool_results(done)[0].content
+    late = command_for(parked.run_state.ticket, PermissionDecision(approve=True))
+    with pytest.raises(ResumeRejected) as rejected:
+        await handle.resume(late)
+    assert rejected.value.axis == "ticket"
+    assert ledger.rows(f"tool-batch:{handle.run_id}:") == []
+    assert await handle.cancel() == "not_running"
+
+
+async def test_stop_a_running_and_an_awaiting_run(system, ledger):
+    handle = await _napping(system, ledger)
+    assert await handle.stop("over budget") in ("stopped", "signalled")  # fenced, or told
+    done = await ended(handle, "stopped")
+    assert done.run_state.cause.reason == "over budget"
+    assert (done.status.state, done.status.reason) == ("idle", "stopped")
+    assert "owning run ended" in tool_results(done)[0].content
+    await wait_for(lambda: not_driven(system, handle.thread_id), what="the host letting go")
+    await check_log(system.store, handle.thread_id)
+    assert await handle.stop("again") == "not_running"
+
+    parked = await system.start(PERMISSION, "clean up")
+    await awaiting(parked)
+    assert await parked.stop("changed my mind") != "not_running"
+    done = await ended(parked, "stopped")
+    assert done.run_state.cause.reason == "changed my mind"
+    with pytest.raises(ResumeRejected):
+        await parked.respond(PermissionDecision(approve=True))
+
+
+# ---- the stream -----------------------------------------------------------------------------
+
+
+async def test_status_frames_for_a_run_that_awaits_resumes_and_ends(system):
+    handle = await system.start(PERMISSION, "clean up")
+    first = [f async for f in handle.stream()]
+    assert first[0].type == "thread_status" and first[0].offset is None  # the snapshot
+    assert first[-1].event.type == "awaiting"
+    assert statuses(first)[1:] == [("running", None), ("idle", "awaiting_permission")]
+    await handle.respond(PermissionDecision(approve=True))
+    rest = [f async for f in handle.stream(after=first[-1].offset)]
+    assert statuses(rest)[1:] == [("running", None), ("idle", "natural")]
+    assert rest[-1].event.type == "run_finished"
+    committed = [(f.seq, f.index, f.type) for f in await handle.events()]
+    assert fact_keys(first) + fact_keys(rest) == committed
+
+
+async def test_status_frames_for_a_run_that_fails(system):
+    handle = await system.start(f"{WAITS}:failing_agent", "go")
+    frames = [f async for f in handle.stream()]
+    assert statuses(frames)[1:] == [("running", None), ("failed", "ScriptExhausted")]
+    assert frames[-1].event.type == "run_failed"
+    assert fact_keys(frames) == [(f.seq, f.index, f.type) for f in await handle.events()]
+
+
+async def test_stream_reconnects_after_a_host_crash_with_every_fact(system):
+    handle = await system.start(
+        "cluster.demo_agent:agent", "order 7", host=0, faults=("after:inference", 2, "exit")
+    )
+    seen: list[Frame] = []
+    async with aclosing(handle.stream()) as frames:
+        async for frame in frames:
+            seen.append(frame)
+            if frame.offset is not None:
+                break  # the client goes away after the first fact
+    await ended(handle, "natural")  # meanwhile the host died and the Run recovered
+    rest = [f async for f in handle.stream(after=seen[-1].offset)]
+    committed = [(f.seq, f.index, f.type) for f in await handle.events()]
+    assert fact_keys(seen) + fact_keys(rest) == committed
+    states = statuses(seen + rest)[1:]
+    assert ("failed", EXECUTION_LOST) in states and states[-1] == ("idle", "natural")
+    offsets = [parse_offset(f.offset) for f in seen + rest if f.offset]
+    assert offsets == sorted(set(offsets))
+
+
+@pytest.mark.redis
+async def test_redis_stream_across_a_host_crash_keeps_facts_and_text_whole(make_system, redis_url):
+    client = await make_system(redis_url=redis_url)
+    thread = "flaky-1"
+    frames: list[Frame] = []
+    follower = client.handle(thread).stream()
+    frames.append(await anext(follower))  # following before the Run exists
+
+    async def rest() -> None:
+        async for frame in follower:
+            frames.append(frame)
+
+    reading = asyncio.create_task(rest())
+    handle = await client.start(
+        f"{WAITS}:flaky_text_agent",
+        "what is it?",
+        thread_id=thread,
+        host=0,
+        faults=("before:inference", 2, "exit"),  # step 1, long after start answered
+    )
+    await ended(handle, "natural")
+    await asyncio.wait_for(reading, 30)
+    committed = [(f.seq, f.index, f.type) for f in await handle.events()]
+    assert fact_keys(frames) == committed  # every fact once, in order, none lost
+    states = statuses(frames)[1:]
+    assert states == [
+        ("running", None),
+        ("failed", EXECUTION_LOST),
+        ("running", None),
+        ("idle", "natural"),
+    ]
+    text = StreamText()
+    for frame in frames:
+        text.add(frame)
+    # step 1 was streamed twice in full (a retried attempt, then again after the crash)
+    deltas = [f.event for f in frames if f.type == "delta"]
+    assert sum(d.text == "42" for d in deltas if d.step == 1) == 2
+    assert [text.text(handle.run_id, step) for step in range(3)] == [
+        "let me check",
+        ANSWER,
+        "all done",
+    ]
+    report = analyse(thread, await client.store.read(thread))
+    assert report.lost == 1
+    lost_at = next(f.offset for f in frames if f.status and f.status.state == "failed")
+    again = [f async for f in handle.stream(after=lost_at)]
+    assert fact_keys(again) == [k for k in committed if k[:2] > parse_offset(lost_at)]
