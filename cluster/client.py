@@ -43,7 +43,7 @@ from runtime.commit import Frontier, stamp_facts
 from runtime.engine import Engine
 from runtime.errors import ResumeRejected, StoreError, StoreUnavailable
 from runtime.events import Delta, Fact
-from runtime.ids import CallId, RunId, ThreadId
+from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
     EndedState,
@@ -53,7 +53,7 @@ from runtime.lifecycle import (
     RunningState,
     Stopped,
     ThreadStatus,
-    ToolWaitTarget,
+    answer,
     validate_resume,
 )
 from runtime.models import ModelResponse, ScriptedModel
@@ -354,14 +354,7 @@ class RunHandle:
 
 def command_for(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:
     """The ResumeCommand answering ``ticket`` with ``payload``."""
-    target = ticket.target
-    return ResumeCommand(
-        correlation=ticket.correlation,
-        run_id=ticket.run_id,
-        thread_id=ticket.thread_id,
-        payload=payload,
-        call_id=CallId(target.call_id) if isinstance(target, ToolWaitTarget) else None,
-    )
+    return answer(ticket, payload)
 
 
 # ---- the live stream --------------------------------------------------------------------

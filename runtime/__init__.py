@@ -53,6 +53,7 @@ from runtime.lifecycle import (
     RunningState,
     ThreadStatus,
     UserInput,
+    answer,
     validate_resume,
 )
 from runtime.messages import AssistantMessage, ToolResultMessage, ToolUse, UserMessage
@@ -158,6 +159,7 @@ __all__ = [
     "UserMessage",
     "VersionConflict",
     "advance",
+    "answer",
     "call",
     "check_append",
     "complete",

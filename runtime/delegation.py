@@ -28,6 +28,7 @@ from runtime.lifecycle import (
     ResumeCommand,
     ResumeTicket,
     ToolWaitTarget,
+    answer,
 )
 from runtime.messages import AssistantMessage
 from runtime.ports import Finished, Lost
@@ -180,13 +181,7 @@ def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
         return None
     outcome = outcome_of(child)
     assert isinstance(outcome, Finished)
-    return ResumeCommand(
-        correlation=state.ticket.correlation,
-        run_id=state.ticket.run_id,
-        thread_id=state.ticket.thread_id,
-        call_id=target.call_id,
-        payload=DelegationOutcome(output=outcome.output),
-    )
+    return answer(state.ticket, DelegationOutcome(output=outcome.output))
 
 
 CHILD_OUTCOME: TypeAdapter[Finished | Lost | ChildWaiting] = TypeAdapter(

@@ -217,3 +217,15 @@ class ThreadStatus(Frozen):
 
     def frame(self) -> dict[str, object]:
         return {"type": "thread_status", "status": self.model_dump(mode="json")}
+
+
+def answer(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:
+    """The ResumeCommand that answers ``ticket`` with ``payload`` (its ids copied over)."""
+    target = ticket.target
+    return ResumeCommand(
+        correlation=ticket.correlation,
+        run_id=ticket.run_id,
+        thread_id=ticket.thread_id,
+        payload=payload,
+        call_id=target.call_id if isinstance(target, ToolWaitTarget) else None,
+    )

@@ -17,7 +17,7 @@ from runtime import Crash, EndedState, FaultPlan, InProcessRunner, ToolResultMes
 from runtime.ports import CommitStore
 from storage.memory import MemoryCommitStore
 
-from .agents import Ledger, crash_matrix_agent
+from .agents import Ledger, crash_matrix_agent, until
 
 StoreFactory = Callable[[], CommitStore]
 
@@ -123,7 +123,7 @@ async def test_a_zombie_engine_is_fenced_after_recovery_claims_the_thread():
         setattr(zombie.store, name, getattr(store, name))
     zombie.store.append = stalled_append
     task = asyncio.create_task(zombie.start("t", "go", run_id=None))
-    await _until(
+    await until(
         lambda: (
             store._threads.get("t")
             and store._threads["t"].frontier.batch
@@ -136,12 +136,3 @@ async def test_a_zombie_engine_is_fenced_after_recovery_claims_the_thread():
     with pytest.raises(Fenced):
         await asyncio.wait_for(task, timeout=5)
     assert (await store.load("t")).version == recovered.version
-
-
-async def _until(predicate, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.005)

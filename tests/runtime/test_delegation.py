@@ -13,6 +13,7 @@ from runtime.lifecycle import AwaitingState
 from storage.memory import MemoryCommitStore
 
 from . import delegation_agents as agents
+from .agents import until
 from .test_waits_and_control import command_for
 
 HERE = agents.HERE
@@ -129,7 +130,7 @@ async def test_cancelling_the_parent_cancels_its_children():
     r = runner(agents.fanout_agent("slow_worker", 3), store)
     engine = r.engine()
     task = asyncio.create_task(engine.start("p", "go"))
-    await _until(lambda: _all_waiting(store, 3))
+    await until(lambda: _all_waiting(store, 3))
     engine.cancel()
     f = await asyncio.wait_for(task, timeout=5)
     assert f.run_state.cause.kind == "cancelled"
@@ -166,12 +167,3 @@ def _all_waiting(store, n: int) -> bool:
         and store._threads[t].frontier.batch.calls[0].phase.kind == "executing"
         for t in kids
     )
-
-
-async def _until(predicate, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.005)

@@ -21,7 +21,7 @@ from runtime import (
 )
 from runtime.batch import ToolOutput
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
-from runtime.lifecycle import AwaitingState, ExternalResult, ToolWaitTarget, UserInputTarget
+from runtime.lifecycle import AwaitingState, ExternalResult, ToolWaitTarget, UserInputTarget, answer
 from storage.memory import MemoryCommitStore
 
 TICKET = ResumeTicket(
@@ -88,15 +88,7 @@ def permission_agent(ran: list[str]) -> Agent:
 
 
 def command_for(frontier, payload) -> ResumeCommand:
-    ticket = frontier.run_state.ticket
-    call_id = ticket.target.call_id if isinstance(ticket.target, ToolWaitTarget) else None
-    return ResumeCommand(
-        correlation=ticket.correlation,
-        run_id=ticket.run_id,
-        thread_id=ticket.thread_id,
-        payload=payload,
-        call_id=call_id,
-    )
+    return answer(frontier.run_state.ticket, payload)
 
 
 @pytest.mark.parametrize("approve", [True, False])

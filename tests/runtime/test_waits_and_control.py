@@ -21,20 +21,12 @@ from runtime import (
     tool,
 )
 from runtime.hooks import Hook
-from runtime.lifecycle import AwaitingState, ScheduledFire, ToolWaitTarget, Unpause
+from runtime.lifecycle import AwaitingState, ScheduledFire, Unpause, answer
 from storage.memory import MemoryCommitStore
 
 
 def command_for(frontier, payload) -> ResumeCommand:
-    ticket = frontier.run_state.ticket
-    call_id = ticket.target.call_id if isinstance(ticket.target, ToolWaitTarget) else None
-    return ResumeCommand(
-        correlation=ticket.correlation,
-        run_id=ticket.run_id,
-        thread_id=ticket.thread_id,
-        payload=payload,
-        call_id=call_id,
-    )
+    return answer(frontier.run_state.ticket, payload)
 
 
 def results(frontier) -> list[ToolResultMessage]:
