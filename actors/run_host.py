@@ -66,7 +66,7 @@ from runtime.lifecycle import (
     Stopped,
     validate_resume,
 )
-from runtime.ports import Finished, LiveBus
+from runtime.ports import Finished, LiveBus, StreamCheckpointStore
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.run_host")
@@ -119,6 +119,7 @@ class RunHost:
         self.pools = ExecutorPools(spec)
         self.children = RayChildRunner(spec)
         self.bus = _live_bus(spec)
+        self.checkpoints = _checkpoint_store(spec)
         self.agents: dict[str, tuple[Agent, RayToolRunner]] = {}
         self.drives: dict[ThreadId, _Drive] = {}
         self.finished = 0
@@ -159,6 +160,9 @@ class RunHost:
     async def recover_run(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
         """Take the thread over (fencing its previous owner) and continue it."""
         await self._after_reclaim()
+        return await self._recover(thread, agent_ref)
+
+    async def _recover(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
         try:
             if thread not in self.drives:
                 ref = agent_ref or await self._agent_ref(thread)
@@ -225,8 +229,7 @@ class RunHost:
         return "signalled"
 
     async def _after_reclaim(self) -> None:
-        # the reclaim itself recovers Runs through recover_run: it must not wait on itself
-        if self._reclaimed is not None and asyncio.current_task() is not self._reclaimed:
+        if self._reclaimed is not None:
             with contextlib.suppress(Exception):  # its failures are logged where they happen
                 await asyncio.shield(self._reclaimed)
 
@@ -320,6 +323,7 @@ class RunHost:
             faults=faults,
             owner=self.owner,
             children=self.children,
+            checkpoints=self.checkpoints,
             parent=link,
             lineage=link.lineage if link else (ref,),
             prompt_path=link.prompt_path if link else None,
@@ -432,17 +436,22 @@ class RunHost:
             await asyncio.sleep(self.spec.heartbeat_s)
 
     async def _reclaim(self) -> None:
-        """Restarted by Ray: the Runs this host owned were lost with its previous process."""
-        for frontier in await running_owned_by(self.store, self.host_id):
-            thread = frontier.thread_id
-            if thread in self.drives:
-                continue
-            meta = run_meta(frontier)
-            if meta is None:
-                continue
-            with contextlib.suppress(Fenced):
-                await settle_lost(self.store, thread, self.owner)
-            await self.recover_run(thread, meta.agent_ref)
+        """Restarted by Ray: the Runs this host owned were lost with its previous process.
+
+        They are settled and recovered concurrently, so the store's group commit
+        batches the settlements instead of paying one transaction after another.
+        """
+        lost = await running_owned_by(self.store, self.host_id)
+        await asyncio.gather(*(self._reclaim_one(frontier) for frontier in lost))
+
+    async def _reclaim_one(self, frontier: Frontier) -> None:
+        thread = frontier.thread_id
+        meta = run_meta(frontier)
+        if thread in self.drives or meta is None:
+            return
+        with contextlib.suppress(Fenced):
+            await settle_lost(self.store, thread, self.owner)
+        await self._recover(thread, meta.agent_ref)  # not recover_run: it waits for us
 
     async def _retire(self) -> None:
         """A dedicated host lives for its one Run."""
@@ -458,6 +467,15 @@ def _live_bus(spec: SystemSpec) -> LiveBus | None:
     from storage.bus import RedisStreamBus
 
     return RedisStreamBus.connect(spec.redis_url)
+
+
+def _checkpoint_store(spec: SystemSpec) -> StreamCheckpointStore | None:
+    """Stream checkpoints live in Redis when it is configured (best effort either way)."""
+    if not spec.redis_url:
+        return None
+    from storage.redis_checkpoints import RedisCheckpointStore
+
+    return RedisCheckpointStore.connect(spec.redis_url)
 
 
 def _reconstructed() -> bool:
