@@ -415,7 +415,7 @@ def watch(
 
 
 async def _watch(thread: str, after: str | None, store: str | None, redis: str | None) -> None:
-    from cluster.client import StreamText, follow_thread
+    from cluster.stream import StreamText, follow_thread
 
     try:
         parse_offset(after)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.client import Ratchet, RunHandle, StreamText, command_for
+from cluster.client import Ratchet, RunHandle, command_for
 from cluster.report import EXECUTION_LOST, analyse
+from cluster.stream import StreamText
 from runtime.batch import ToolOutput
 from runtime.errors import ResumeRejected
 from runtime.lifecycle import (

@@ -1,0 +1,168 @@
+"""Following a thread's stream from a client: the store, plus the Redis bus when there is one.
+
+``follow_thread`` wraps ``runtime.stream.follow``; ``StreamText`` assembles streamed
+text across retries and recoveries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from runtime.commit import stamp_facts
+from runtime.events import Delta, Fact
+from runtime.ids import ThreadId
+from runtime.ports import CommitStore, LiveBus
+from runtime.stream import Frame, LiveText, follow, parse_offset
+
+log = logging.getLogger("ratchet.client")
+IDLE_CHECK_S = 2.0
+"""With a live bus: after this long without a frame, the store is asked whether the
+bus missed a fact (it is best effort); if so the stream reconnects from its cursor."""
+
+
+async def follow_thread(
+    store: CommitStore,
+    thread: ThreadId,
+    after: str | None = None,
+    *,
+    redis_url: str | None = None,
+    until_rest: bool = True,
+    idle_check_s: float = IDLE_CHECK_S,
+) -> AsyncIterator[Frame]:
+    """``runtime.stream.follow`` over the Redis bus when there is one, else the store.
+
+    The bus is best effort: when it has been quiet for ``idle_check_s`` while the
+    store holds facts after the cursor (a publish was lost), the stream reconnects
+    from its cursor; the snapshot frame of such a reconnect is not repeated.
+    """
+    parse_offset(after)  # a malformed cursor is a ValueError before anything is opened
+    bus = live_bus(redis_url)
+    try:
+        if bus is None:
+            frames = follow(store, thread, after, until_rest=until_rest)
+        else:
+            frames = _watched(store, thread, after, bus, until_rest, idle_check_s)
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                yield frame
+    finally:
+        await close_bus(bus)
+
+
+_END = object()
+
+
+async def _watched(
+    store: CommitStore,
+    thread: ThreadId,
+    after: str | None,
+    bus: LiveBus,
+    until_rest: bool,
+    idle_check_s: float,
+) -> AsyncIterator[Frame]:
+    cursor, snapshot_sent = after, False
+    while True:
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
+        pump = asyncio.create_task(
+            _pump(follow(store, thread, cursor, bus=bus, until_rest=until_rest), queue)
+        )
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), idle_check_s)
+                except TimeoutError:
+                    if await _facts_after(store, thread, cursor):
+                        log.info("live bus missed facts of %s; reconnecting", thread)
+                        break
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                frame: Frame = item
+                if frame.type == "thread_status" and frame.offset is None:
+                    if snapshot_sent:
+                        continue  # a reconnect's snapshot: changes come as status facts
+                    snapshot_sent = True
+                if frame.offset is not None:
+                    cursor = frame.offset
+                yield frame
+        finally:
+            pump.cancel()
+            with contextlib.suppress(BaseException):
+                await pump
+
+
+async def _pump(frames: AsyncIterator[Frame], queue: asyncio.Queue[Any]) -> None:
+    try:
+        async for frame in frames:
+            await queue.put(frame)
+        await queue.put(_END)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        await queue.put(exc)
+
+
+async def _facts_after(store: CommitStore, thread: ThreadId, cursor: str | None) -> bool:
+    seq, index = parse_offset(cursor)
+    for record in await store.read(thread, after_seq=max(seq - 1, 0)):
+        if any((f.seq, f.index) > (seq, index) for f in stamp_facts(record.commit, record.seq)):
+            return True
+    return False
+
+
+def live_bus(redis_url: str | None) -> Any:
+    if not redis_url:
+        return None
+    from storage.bus import RedisStreamBus
+
+    return RedisStreamBus.connect(redis_url, block_ms=500)
+
+
+async def close_bus(bus: Any) -> None:
+    if bus is not None:
+        with contextlib.suppress(Exception):
+            await bus.close()
+
+
+class StreamText:
+    """The text a followed thread streams, per (run, step), built from its frames.
+
+    ``LiveText`` replaces the partial text of a retried inference (a newer attempt of
+    the same Step). A Run whose execution was lost infers its Step again under a new
+    engine, whose attempts start over; so when the thread goes running again, the
+    text of Steps not yet committed (no ``assistant_message`` fact) starts over too.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, int], LiveText] = {}
+        self._pending: set[tuple[str, int]] = set()
+        self._running = False
+
+    def add(self, frame: Frame) -> tuple[str, int] | None:
+        """Take one frame; returns the (run, step) whose text changed, if any."""
+        event = frame.event
+        if frame.type == "thread_status" and frame.status is not None:
+            running = frame.status.state == "running"
+            if running and not self._running:  # a new execution: uncommitted text is void
+                for key in self._pending:
+                    self._parts.pop(key, None)
+                self._pending.clear()
+            self._running = running
+        elif isinstance(event, Fact) and event.type == "assistant_message":
+            self._pending = {key for key in self._pending if key[0] != event.run_id}
+        elif isinstance(event, Delta) and event.type == "text_delta":
+            key = (event.run_id, event.step)
+            self._parts.setdefault(key, LiveText()).add(event)
+            self._pending.add(key)
+            return key
+        return None
+
+    def text(self, run_id: str, step: int) -> str:
+        part = self._parts.get((run_id, step))
+        return part.text(run_id, step) if part is not None else ""
