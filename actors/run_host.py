@@ -40,11 +40,11 @@ from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.delegation import (
     CHILD_OUTCOME,
-    PARENT_KEY,
     ChildRequest,
     ParentLink,
     delivery,
     outcome_of,
+    parent_link,
 )
 from runtime.engine import Engine
 from runtime.errors import (
@@ -165,9 +165,9 @@ class RunHost:
     async def _recover(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
         try:
             if thread not in self.drives:
-                ref = agent_ref or await self._agent_ref(thread)
-                link = await self._link(thread)
-                self._spawn(ref, thread, None, lambda e: e.recover(thread), link)
+                frontier = await self.store.load(thread)
+                ref = agent_ref or _ref_of(frontier)
+                self._spawn(ref, thread, None, lambda e: e.recover(thread), parent_link(frontier))
                 self.recovered += 1
             return True
         except RatchetError as exc:
@@ -185,9 +185,13 @@ class RunHost:
             state = frontier.run_state
             ticket = state.ticket if isinstance(state, AwaitingState) else None
             validate_resume(ticket, command, now_us())
-            ref = await self._agent_ref(command.thread_id)
-            link = await self._link(command.thread_id)
-            drive = self._spawn(ref, command.thread_id, None, lambda e: e.resume(command), link)
+            drive = self._spawn(
+                _ref_of(frontier),
+                command.thread_id,
+                None,
+                lambda e: e.resume(command),
+                parent_link(frontier),
+            )
             return await self._first_commit(drive)
         except RatchetError as exc:
             return RemoteError.of(exc)
@@ -213,8 +217,7 @@ class RunHost:
             frontier = await self.store.load(thread)
             if frontier.run_state is None or frontier.ended:
                 return "not_running"
-            link = await self._link(thread)
-            engine = self._engine(await self._agent_ref(thread), FaultPlan(), link)
+            engine = self._engine(_ref_of(frontier), FaultPlan(), parent_link(frontier))
             await engine.terminate(thread, Stopped(reason=reason))
             return "stopped"
         except RatchetError as exc:
@@ -274,14 +277,14 @@ class RunHost:
 
     async def _deliver(self, child: Frontier) -> None:
         """A lone child that surfaced a human wait has ended: resume its waiting parent."""
-        raw = child.state["run"].get(PARENT_KEY)
-        if raw is None or not child.ended:
+        link = parent_link(child)
+        if link is None or not child.ended:
             return
-        link = ParentLink.model_validate(raw)
-        command = delivery(child, await self.store.load(link.thread))
+        parent = await self.store.load(link.thread)
+        command = delivery(child, parent)
         if command is None:
             return
-        parent_meta = run_meta(await self.store.load(link.thread))
+        parent_meta = run_meta(parent)
         if parent_meta is not None and parent_meta.placement == "dedicated":
             host = dedicated_host(self.spec, link.thread)
         else:
@@ -401,23 +404,12 @@ class RunHost:
             drive.task.result()  # re-raise what ended the drive before its first commit
         return True
 
-    async def _link(self, thread: ThreadId) -> ParentLink | None:
-        """A child Run's link to its parent (prompt path, lineage), from its run state."""
-        raw = (await self.store.load(thread)).state["run"].get(PARENT_KEY)
-        return ParentLink.model_validate(raw) if raw is not None else None
-
-    async def _agent_ref(self, thread: ThreadId) -> str:
-        meta = run_meta(await self.store.load(thread))
-        if meta is None:
-            raise AgentImportError(f"thread {thread!r} records no agent reference")
-        return meta.agent_ref
-
     async def _cancel_at_rest(self, thread: ThreadId) -> str:
         """End a Run no engine here drives; the claim fences a driver elsewhere, if any."""
-        state = (await self.store.load(thread)).run_state
-        if not isinstance(state, RunningState | AwaitingState):
+        frontier = await self.store.load(thread)
+        if not isinstance(frontier.run_state, RunningState | AwaitingState):
             return "not_running"
-        engine = self._engine(await self._agent_ref(thread), FaultPlan())
+        engine = self._engine(_ref_of(frontier), FaultPlan(), parent_link(frontier))
         await engine.terminate(thread, Cancelled())
         return "cancelled"
 
@@ -519,3 +511,11 @@ def dedicated_host(spec: SystemSpec, thread: str, extra: dict[str, Any] | None =
 
 def _at_rest(frontier: Frontier) -> bool:
     return frontier.run_state is not None and frontier.run_state.kind != "running"
+
+
+def _ref_of(frontier: Frontier) -> str:
+    """The agent reference the Run was started with (every process rebuilds it from this)."""
+    meta = run_meta(frontier)
+    if meta is None:
+        raise AgentImportError(f"thread {frontier.thread_id!r} records no agent reference")
+    return meta.agent_ref

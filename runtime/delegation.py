@@ -165,6 +165,12 @@ def outcome_of(frontier: Frontier) -> ChildOutcome:
     )
 
 
+def parent_link(frontier: Frontier) -> ParentLink | None:
+    """A child Run's link to its parent (prompt path, lineage), from its run state."""
+    raw = frontier.state["run"].get(PARENT_KEY)
+    return ParentLink.model_validate(raw) if raw is not None else None
+
+
 def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
     """The resume that hands an ended child's outcome to a parent awaiting exactly it."""
     link = child.state["run"].get(PARENT_KEY)
@@ -187,4 +193,4 @@ def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
 CHILD_OUTCOME: TypeAdapter[Finished | Lost | ChildWaiting] = TypeAdapter(
     Annotated[Finished | Lost | ChildWaiting, Field(discriminator="kind")]
 )
-"""Encodes a ChildOutcome for the wire (JSON, never pickle)."""
+"""Encodes a ChildOutcome for the wire as JSON."""

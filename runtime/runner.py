@@ -9,12 +9,12 @@ from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.delegation import (
-    PARENT_KEY,
     ChildOutcome,
     ChildRequest,
     ParentLink,
     delivery,
     outcome_of,
+    parent_link,
 )
 from runtime.engine import Engine
 from runtime.errors import AgentImportError
@@ -128,16 +128,15 @@ class InProcessChildren:
         return outcome_of(frontier)
 
     async def cancel(self, child_thread: ThreadId) -> None:
-        link = await self.link_of(child_thread)
         frontier = await self.store.load(child_thread)
         if frontier.run_state is None or frontier.ended:
             return
+        link = parent_link(frontier)
         agent = self.resolve(link.agent) if link else Agent(name="canceller", model=_NoModel())
         await Engine(agent, self.store, LocalToolRunner(()), children=self).terminate(child_thread)
 
     async def link_of(self, thread: ThreadId) -> ParentLink | None:
-        raw = (await self.store.load(thread)).state["run"].get(PARENT_KEY)
-        return ParentLink.model_validate(raw) if raw is not None else None
+        return parent_link(await self.store.load(thread))
 
     async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
         """The resume that hands an ended child's outcome to a parent awaiting it."""
