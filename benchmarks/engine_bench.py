@@ -1,0 +1,82 @@
+"""W1 in one process, without Ray: what the engine and the store cost per Run.
+
+The load benchmark measures the whole system; this one isolates the part every
+RunHost runs: ``InProcessRunner`` drives W1 Runs (R in total, C at once) against one
+store in this process, and reports wall time and this process's CPU time per Run
+(the SQLite writer thread included). Profile it with ``py-spy record -- python -m
+benchmarks.engine_bench``.
+
+    python -m benchmarks.engine_bench [--store memory|sqlite|postgres|URL] [--runs R]
+        [--concurrency C] [--trials N] [--json]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import typer
+
+from benchmarks.w1_agent import W1
+from runtime.agent import load_agent
+from runtime.runner import InProcessRunner
+from storage.url import open_store
+
+WARMUP_RUNS = 10
+
+
+async def one_trial(url: str, runs: int, concurrency: int) -> dict[str, float]:
+    w1 = W1()
+    agent = load_agent(w1.ref)
+    store = await open_store(url)
+    runner = InProcessRunner(agent, store, agent_ref=w1.ref)
+    limit = asyncio.Semaphore(concurrency)
+    stamp = f"{time.time_ns():x}"
+
+    async def one(i: int) -> None:
+        async with limit:
+            await runner.start("go", thread_id=f"eb-{stamp}-{i}")
+
+    try:
+        await asyncio.gather(*(one(-i - 1) for i in range(WARMUP_RUNS)))
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(one(i) for i in range(runs)))
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    finally:
+        await store.close()
+    return {"runs_per_s": runs / wall, "cpu_ms_per_run": 1000 * cpu / runs}
+
+
+def store_url(store: str) -> str:
+    if store == "sqlite":
+        return f"sqlite:///{tempfile.mkdtemp(prefix='ratchet-eb-')}/ratchet.db"
+    if store == "memory":
+        return "memory://"
+    return store
+
+
+def main(
+    store: str = typer.Option("memory", help="memory, sqlite (a fresh file) or a store URL"),
+    runs: int = typer.Option(500, min=1),
+    concurrency: int = typer.Option(50, min=1),
+    trials: int = typer.Option(3, min=1),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    results = [asyncio.run(one_trial(store_url(store), runs, concurrency)) for _ in range(trials)]
+    summary: dict[str, Any] = {
+        "store": store if "://" not in store else store.split("://")[0],
+        "runs": runs,
+        "concurrency": concurrency,
+        "trials": trials,
+        "runs_per_s": round(statistics.median(r["runs_per_s"] for r in results), 1),
+        "cpu_ms_per_run": round(statistics.median(r["cpu_ms_per_run"] for r in results), 2),
+    }
+    print(json.dumps(summary) if as_json else summary)
+
+
+if __name__ == "__main__":
+    typer.run(main)
