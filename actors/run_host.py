@@ -294,6 +294,19 @@ class RunHost:
     async def driving(self) -> list[str]:
         return sorted(self.drives)
 
+    async def until_rest(self, thread: ThreadId) -> bool:
+        """Return once this host's drive of ``thread`` is over: True; False at once when
+        this host is not driving it (the caller then reads the store).
+
+        A completion notice, not a result: the caller reads the outcome from the store,
+        which is the only truth (the drive may have stopped because it was fenced).
+        """
+        drive = self.drives.get(thread)
+        if drive is None:
+            return False
+        await asyncio.wait({drive.task})  # never raises: the drive's own errors stay there
+        return True
+
     async def info(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
         return {

@@ -1,8 +1,11 @@
-"""One store actor per system funnels SQLite writes; ``RemoteCommitStore`` is its proxy.
+"""The store actor: one process owning the system's store; ``RemoteCommitStore`` is its proxy.
 
-SQLite is one file with one writer (DESIGN §5): instead of every RunHost process
-contending for its lock, all commits go through one async actor owning the
-SqlCommitStore, whose group commit then batches the appends of every host.
+The in-memory store lives in one process, so every process of a system that uses it
+goes through this actor. SQLite may too (``SystemSpec.sqlite_writer="actor"``): all
+commits then funnel through one async actor whose group commit batches the appends
+of every host. The default for SQLite is ``direct`` — each process opens the file and
+group-commits its own Runs, its writer queueing on an inter-process file lock —
+because a Ray call per commit cost more than the lock waits (benchmarks/README.md).
 PostgreSQL and Redis take concurrent writers, so there each process opens its own
 store (``open_system_store``).
 

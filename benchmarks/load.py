@@ -52,7 +52,7 @@ from rich.table import Table
 from actors.wire import NAMESPACE
 from benchmarks.baseline import Baseline
 from benchmarks.w1_agent import NEVER_REPLAY, W1, ledger_dir, new_ledger, read_ledger
-from cluster.client import Ratchet
+from cluster.client import Ratchet, RunHandle
 from cluster.report import EXECUTION_LOST
 from runtime.commit import Frontier, replay
 from runtime.errors import StoreUnavailable
@@ -91,7 +91,6 @@ class Config:
     chaos_interval_s: float = 2.0
     seed: int = 7
     baseline: bool = True
-    poll_ms: float = 20.0
     timeout_s: float = 1800.0
 
     def params(self, ledger: str | None) -> W1:
@@ -259,43 +258,6 @@ def _mb(n: float) -> float:
 # ---- driving the load ---------------------------------------------------------------------
 
 
-class Monitor:
-    """Notices ended Runs with one ``list_runs("running")`` per poll for all of them.
-
-    A thread counts as done once a poll that *began after* its start returned no
-    longer lists it as running (its first commit made it running before start returned).
-    """
-
-    def __init__(self, store: CommitStore, poll_s: float) -> None:
-        self.store = store
-        self.poll_s = poll_s
-        self.generation = 0
-        self.waiting: dict[str, tuple[int, asyncio.Future[None]]] = {}
-        self.polls = 0
-
-    def watch(self, thread: str) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting[thread] = (self.generation, future)
-        return future
-
-    async def run(self) -> None:
-        while True:
-            if self.waiting:
-                snapshot = self.generation
-                self.generation += 1
-                try:
-                    running = {r.thread_id for r in await self.store.list_runs("running")}
-                except Exception:  # a store hiccup under chaos: poll again
-                    running = None
-                self.polls += 1
-                if running is not None:
-                    for thread, (gen, future) in list(self.waiting.items()):
-                        if gen <= snapshot and thread not in running:
-                            del self.waiting[thread]
-                            future.set_result(None)
-            await asyncio.sleep(self.poll_s)
-
-
 async def bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> int:
     """Run ``one(i)`` for i < n with at most ``limit`` at once; returns the peak in flight."""
     gate = asyncio.Semaphore(limit)
@@ -315,17 +277,19 @@ async def bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> 
     return peak
 
 
-async def start_durable(client: Ratchet, ref: str, thread: str, run: str, placement: str) -> None:
+async def start_durable(
+    client: Ratchet, ref: str, thread: str, run: str, placement: str
+) -> RunHandle:
     """``client.start``, retried (it is idempotent by run id) while a host is down."""
     for attempt in range(START_ATTEMPTS):
         try:
-            await client.start(ref, f"W1 input {thread}", thread_id=thread, run_id=run,
-                               placement=placement)  # type: ignore[arg-type]  # fmt: skip
-            return
+            return await client.start(ref, f"W1 input {thread}", thread_id=thread, run_id=run,
+                                      placement=placement)  # type: ignore[arg-type]  # fmt: skip
         except Exception:
             if attempt == START_ATTEMPTS - 1:
                 raise
             await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -375,49 +339,41 @@ class Timed:
     peak_rss: int = 0
     peak_rss_total: int = 0
     idle_rss: int = 0
-    polls: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 async def drive_durable(
-    client: Ratchet, cfg: Config, ref: str, monitor_store: CommitStore, progress: Progress
+    client: Ratchet, cfg: Config, ref: str, progress: Progress
 ) -> Timed:
     stamp = uuid.uuid4().hex[:8]
-    monitor = Monitor(monitor_store, cfg.poll_ms / 1000)
-    watcher = asyncio.create_task(monitor.run())
 
     async def launch(prefix: str, i: int) -> None:
         thread, run = f"w1-{stamp}-{prefix}{i:05d}", f"run-{stamp}-{prefix}{i:05d}"
-        await start_durable(client, ref, thread, run, cfg.placement)
-        await monitor.watch(thread)
+        handle = await start_durable(client, ref, thread, run, cfg.placement)
+        await handle.result()  # the host says when it is done; the store confirms
 
     warm = [(f"w1-{stamp}-w{i:05d}", f"run-{stamp}-w{i:05d}") for i in range(WARMUP_RUNS)]
     threads = [(f"w1-{stamp}-r{i:05d}", f"run-{stamp}-r{i:05d}") for i in range(cfg.runs)]
-    try:
-        await bounded(WARMUP_RUNS, WARMUP_RUNS, lambda i: launch("w", i))
-        task = progress.add_task(f"durable W1 ({cfg.placement})", total=cfg.runs)
-        kills: list[Kill] = []
-        stop = asyncio.Event()
-        monkey = asyncio.create_task(chaos_monkey(client, cfg, kills, stop)) if cfg.chaos else None
+    await bounded(WARMUP_RUNS, WARMUP_RUNS, lambda i: launch("w", i))
+    task = progress.add_task(f"durable W1 ({cfg.placement})", total=cfg.runs)
+    kills: list[Kill] = []
+    stop = asyncio.Event()
+    monkey = asyncio.create_task(chaos_monkey(client, cfg, kills, stop)) if cfg.chaos else None
 
-        async def one(i: int) -> None:
-            await launch("r", i)
-            progress.advance(task)
+    async def one(i: int) -> None:
+        await launch("r", i)
+        progress.advance(task)
 
-        with RssSampler() as rss:
-            idle = rss.sample()[0]
-            began = time.perf_counter()
-            peak = await asyncio.wait_for(bounded(cfg.runs, cfg.concurrency, one), cfg.timeout_s)
-            wall = time.perf_counter() - began
-        stop.set()
-        if monkey is not None:
-            await monkey
-        return Timed(wall, peak, threads, warm, kills, rss.peak_workers, rss.peak_total, idle,
-                     monitor.polls, rss.cpu_seconds())  # fmt: skip
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+    with RssSampler() as rss:
+        idle = rss.sample()[0]
+        began = time.perf_counter()
+        peak = await asyncio.wait_for(bounded(cfg.runs, cfg.concurrency, one), cfg.timeout_s)
+        wall = time.perf_counter() - began
+    stop.set()
+    if monkey is not None:
+        await monkey
+    return Timed(wall, peak, threads, warm, kills, rss.peak_workers, rss.peak_total, idle,
+                 rss.cpu_seconds())  # fmt: skip
 
 
 # ---- verification -------------------------------------------------------------------------
@@ -631,12 +587,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
             store_url=prepared.url, hosts=cfg.hosts, executors=cfg.executors, quiet=True
         )
         own = prepared.kind != "memory"
-        monitor_store = await open_store(prepared.url) if own else client.store
-        try:
-            timed = await drive_durable(client, cfg, params.ref, monitor_store, progress)
-        finally:
-            if own:
-                await monitor_store.close()
+        timed = await drive_durable(client, cfg, params.ref, progress)
         report = await client.supervisor_report() if cfg.chaos else {}
         if own:
             await client.shutdown()
@@ -690,7 +641,6 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         "natural_runs": verdict.natural_runs,
         "exactly_once_calls": verdict.exactly_once_calls,
         "ledger_violations": verdict.ledger_violations,
-        "monitor_polls": timed.polls,
         "cpu_ms_per_run": {
             kind: round(seconds * 1000 / cfg.runs, 2)
             for kind, seconds in sorted(timed.cpu_s.items(), key=lambda kv: -kv[1])
@@ -971,7 +921,6 @@ def bench_command(
     plot_file: str | None = typer.Option(
         None, "--plot", help="sweep C for each store and the baseline; write a PNG"
     ),
-    poll_ms: float = typer.Option(20.0, "--poll-ms", help="how often the driver looks for ends"),
     seed: int = typer.Option(7, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="one JSON line last on stdout"),
 ) -> None:
@@ -984,7 +933,7 @@ def bench_command(
         runs=runs, concurrency=concurrency, steps=steps, tools=tools,
         model_latency_ms=model_latency_ms, tool_latency_ms=tool_latency_ms, store=store,
         placement=placement, hosts=hosts, executors=executors, chaos=chaos,
-        chaos_interval_s=chaos_interval_s, seed=seed, baseline=baseline, poll_ms=poll_ms,
+        chaos_interval_s=chaos_interval_s, seed=seed, baseline=baseline,
     )  # fmt: skip
     console = Console(stderr=as_json)
     console.print(f"[dim]{_describe(cfg, scenario)}")

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 from actors.run_host import RunHost, dedicated_host, hosted_host
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
@@ -157,19 +157,31 @@ class Ratchet:
     async def wait_all(
         self, handles: Iterable[RunHandle], timeout_s: float | None = None
     ) -> list[RunSummary]:
-        """Wait until every handle's Run is ended or awaiting: one listing per poll."""
+        """Wait until every handle's Run is ended or awaiting.
+
+        Each Run's host says when its drive is over; then one listing confirms them all
+        from the store (and polls, with backoff, for any still running elsewhere).
+        """
+        handles = list(handles)
         wanted = {h.thread_id: h.run_id for h in handles}
-        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-        delay = POLL_FIRST_S
-        while True:
+
+        async def settled() -> list[RunSummary]:
+            await asyncio.gather(*(h.until_host_done() for h in handles))
+            delay = POLL_FIRST_S
+            while True:
+                rows = {r.thread_id: r for r in await _patiently(self.store.list_runs)}
+                done = [rows[t] for t, run in wanted.items() if _at_rest(rows.get(t), run)]
+                if len(done) == len(wanted):
+                    return done
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, POLL_MAX_S)
+
+        try:
+            return await asyncio.wait_for(settled(), timeout_s)
+        except TimeoutError:
             rows = {r.thread_id: r for r in await _patiently(self.store.list_runs)}
-            done = [rows[t] for t, run in wanted.items() if _at_rest(rows.get(t), run)]
-            if len(done) == len(wanted):
-                return done
-            if deadline is not None and asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{len(wanted) - len(done)} of {len(wanted)} runs still running")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
+            left = sum(not _at_rest(rows.get(t), run) for t, run in wanted.items())
+            raise TimeoutError(f"{left} of {len(wanted)} runs still running") from None
 
     async def supervisor_report(self) -> dict[str, Any]:
         result: dict[str, Any] = await supervisor(self.spec).report.remote()
@@ -208,21 +220,46 @@ class RunHandle:
         return await self.client.store.load(self.thread_id)
 
     async def result(self, timeout_s: float | None = None) -> Frontier:
-        """The frontier once the Run is Ended or Awaiting (polling the store with backoff)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
-        delay = POLL_FIRST_S
-        while True:
-            frontier = await self.frontier()
-            run = self.run_id or frontier.run_id
-            if frontier.run_id == run and isinstance(
-                frontier.run_state, EndedState | AwaitingState
-            ):
-                return frontier
-            if deadline is not None and loop.time() > deadline:
-                raise TimeoutError(f"run on {self.thread_id} still running after {timeout_s}s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
+        """The frontier once the Run is Ended or Awaiting.
+
+        The host driving the Run says when its drive is over (no polling while it
+        runs); the store then confirms. A Run recovered elsewhere, or whose host died,
+        is followed by polling the store with backoff.
+        """
+
+        async def at_rest() -> Frontier:
+            await self.until_host_done()
+            delay = POLL_FIRST_S
+            while True:
+                frontier = await self.frontier()
+                run = self.run_id or frontier.run_id
+                if frontier.run_id == run and isinstance(
+                    frontier.run_state, EndedState | AwaitingState
+                ):
+                    return frontier
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, POLL_MAX_S)
+
+        try:
+            return await asyncio.wait_for(at_rest(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"run on {self.thread_id} still running after {timeout_s}s"
+            ) from None
+
+    async def until_host_done(self) -> None:
+        """Wait for the host this Run was placed on to finish driving it, if it does."""
+        if self.placement == "dedicated":
+            try:  # a dedicated host retires with its Run: never start one just to ask
+                name = self.client.spec.dedicated_name(self.thread_id)
+                host = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                return
+        else:
+            host = self.client._host_for(self.thread_id, "hosted")
+        # a dead or restarting host, or one driving nothing here: the store decides
+        with contextlib.suppress(RayError):
+            await host.until_rest.remote(self.thread_id)
 
     async def status(self) -> ThreadStatus:
         return (await self.frontier()).status

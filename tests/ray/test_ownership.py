@@ -31,7 +31,7 @@ def _activation(thread: str) -> ThreadCommit:
 
 
 async def test_a_stale_epoch_is_fenced_through_the_store_actor(make_system):
-    client = await make_system()
+    client = await make_system(sqlite_writer="actor")
     store = client.store
     thread = ThreadId("zombie-thread")
     old = await store.claim(thread, "old-owner")

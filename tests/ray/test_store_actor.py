@@ -1,4 +1,4 @@
-"""The store actor funnels SQLite writes; when it dies, Runs pause and go on."""
+"""The store actor funnels SQLite writes when asked to; when it dies, Runs pause and go on."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ray
 
 
 async def test_runs_survive_a_store_actor_restart(make_system, ledger):
-    client = await make_system()
+    client = await make_system(sqlite_writer="actor")
     handles = [await client.start("cluster.demo_agent:agent", f"order {i}") for i in range(8)]
 
     async def midway() -> bool:
