@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import delete, select
+from sqlalchemy import Connection, bindparam, delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from runtime.ids import ThreadId
 from runtime.ports import StreamCheckpoint
 from storage.schema import checkpoints
-from storage.sql_engine import translate, upsert_replace
+from storage.sql_engine import SQL_DIALECTS, Database, translate, upsert_replace
 
 log = logging.getLogger("ratchet.storage.checkpoints")
 
@@ -40,17 +42,21 @@ class MemoryCheckpointStore:
 
 
 class SqlCheckpointStore:
-    """Checkpoints in ``ratchet_checkpoints``; ``where`` is the redacted store URL."""
+    """Checkpoints in ``ratchet_checkpoints``; ``where`` is the redacted store URL.
 
-    def __init__(self, engine: AsyncEngine, where: str) -> None:
-        self.engine = engine
+    Given the store's ``Database``, writes share the store's writer (on SQLite its
+    one writer thread and file lock, so they never contend for SQLite's lock with
+    the store's own transactions); given a bare engine, they run over it.
+    """
+
+    def __init__(self, engine: AsyncEngine | Database, where: str) -> None:
+        self.db = engine if isinstance(engine, Database) else Database(engine)
+        self.engine = self.db.engine
         self.where = where
 
     async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
-        stmt = select(checkpoints.c.body).where(checkpoints.c.thread_id == thread)
         try:
-            async with self.engine.connect() as conn:
-                text = (await conn.execute(stmt)).scalar()
+            text = await self.db.read(_get_body, thread)
         except Exception as exc:
             _warn("get", thread, translate(exc, self.where))
             return None
@@ -62,20 +68,39 @@ class SqlCheckpointStore:
             "body": checkpoint.model_dump_json(),
             "updated": time.time_ns() // 1000,
         }
-        dialect = self.engine.dialect.name
-        stmt = upsert_replace(dialect, checkpoints, "thread_id", ["body", "updated"])
-        await self._write("put", thread, stmt.values(row))
+        await self._write("put", thread, _put_body, row)
 
     async def delete(self, thread: ThreadId) -> None:
-        stmt = delete(checkpoints).where(checkpoints.c.thread_id == thread)
-        await self._write("delete", thread, stmt)
+        await self._write("delete", thread, _delete_body, thread)
 
-    async def _write(self, what: str, thread: ThreadId, stmt: object) -> None:
+    async def _write(
+        self, what: str, thread: ThreadId, body: Callable[..., None], arg: Any
+    ) -> None:
         try:
-            async with self.engine.begin() as conn:
-                await conn.execute(stmt)  # type: ignore[call-overload]
+            await self.db.write(body, arg)
         except Exception as exc:
             _warn(what, thread, translate(exc, self.where))
+
+
+_c = checkpoints.c
+_GET = select(_c.body).where(_c.thread_id == bindparam("thread"))
+_DELETE = delete(checkpoints).where(_c.thread_id == bindparam("thread"))
+_PUT = {d: upsert_replace(d, checkpoints, "thread_id", ["body", "updated"]) for d in SQL_DIALECTS}
+
+
+def _get_body(conn: Connection, thread: ThreadId) -> str | None:
+    text: str | None = conn.execute(_GET, {"thread": thread}).scalar()
+    return text
+
+
+def _put_body(conn: Connection, row: dict[str, Any]) -> None:
+    with conn.begin():
+        conn.execute(_PUT[conn.dialect.name], row)
+
+
+def _delete_body(conn: Connection, thread: ThreadId) -> None:
+    with conn.begin():
+        conn.execute(_DELETE, {"thread": thread})
 
 
 def _decode(thread: str, text: str) -> StreamCheckpoint | None:

@@ -1,8 +1,9 @@
-"""Engines for SQLite and PostgreSQL, and the one translation of driver errors.
+"""Engines for SQLite and PostgreSQL, where transaction bodies run, and the one
+translation of driver errors.
 
 Dialect differences are kept here as small overrides: URL mapping, SQLite's
-pragmas and BEGIN IMMEDIATE, how a transaction body runs (``Writer``), the upsert
-construct. Error translation::
+pragmas and BEGIN IMMEDIATE, where a transaction body runs (``Database``), the
+upsert construct. Error translation::
 
     IntegrityError on (thread_id, operation_id)     -> DuplicateOperation
     IntegrityError on (thread_id, seq) or others    -> VersionConflict
@@ -17,12 +18,15 @@ Nothing above storage/ ever sees a sqlalchemy, asyncpg or sqlite3 exception.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import fcntl
+import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, event
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
@@ -41,6 +45,7 @@ _TRANSIENT_WORDS = ("database is locked", "database is busy", "connection", "clo
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
 
 
+SQL_DIALECTS = ("sqlite", "postgresql")
 OUR_OPTIONS = ("synchronous", "pool_size")
 """Query options of a store URL that are ours, not the driver's."""
 DEFAULT_PG_POOL = 10
@@ -64,11 +69,11 @@ def sqlalchemy_url(url: str) -> tuple[URL, dict[str, str]]:
 
 
 def create_engine(url: str) -> AsyncEngine:
-    """The async engine every read uses (and, on PostgreSQL, every write)."""
+    """The async engine: every statement on PostgreSQL; on SQLite, only for tests and tools."""
     sa_url, ours = sqlalchemy_url(url)
     if sa_url.get_backend_name() == "sqlite":
         engine = create_async_engine(sa_url, connect_args={"timeout": 30})
-        _configure_sqlite(engine.sync_engine, _synchronous(ours), immediate=False)
+        _configure_sqlite(engine.sync_engine, _synchronous(ours), begin="BEGIN")
         return engine
     pool = _pool_size(ours)
     return create_async_engine(
@@ -96,7 +101,8 @@ def _synchronous(ours: dict[str, str]) -> str:
     return synchronous
 
 
-def _configure_sqlite(engine: Engine, synchronous: str, immediate: bool) -> None:
+def _configure_sqlite(engine: Engine, synchronous: str, begin: str | None) -> None:
+    """Pragmas on connect; ``begin`` is what a transaction opens with (None: autocommit)."""
     if engine.url.database:
         Path(engine.url.database).parent.mkdir(parents=True, exist_ok=True)
 
@@ -110,63 +116,174 @@ def _configure_sqlite(engine: Engine, synchronous: str, immediate: bool) -> None
         cursor.execute("PRAGMA busy_timeout=30000")
         cursor.close()
 
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        # The writer takes the lock at BEGIN, so its reads and writes see one snapshot
-        # and it never fails to upgrade a read lock; readers stay deferred (WAL).
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+    if begin is not None:
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql(begin)
 
 
 T = TypeVar("T")
 
 
-class Writer:
-    """Runs a synchronous transaction body ``fn(connection, *args)`` for the store.
+class Database:
+    """Where the store runs its transaction bodies, ``fn(connection, *args)``.
 
-    The body is written once, against a sync Connection. On PostgreSQL it runs in
-    SQLAlchemy's greenlet over the async engine (each statement awaits asyncpg); on
-    SQLite it runs on one dedicated thread with the stdlib driver — the single
-    writer SQLite wants, and one thread hop per transaction instead of several per
-    statement.
+    A body is written once, against a sync Connection. On PostgreSQL it runs in
+    SQLAlchemy's greenlet over the async engine (each statement awaits asyncpg);
+    reads use autocommit connections, one statement and one round trip each.
+
+    On SQLite a body runs on one of two dedicated threads with the stdlib driver,
+    each keeping one connection open — one thread hop per body instead of several
+    per statement, and no pool checkout. The writer thread is the single writer
+    SQLite wants: it opens each transaction with BEGIN IMMEDIATE (its reads and
+    writes see one snapshot and never fail to upgrade a lock) and holds an
+    inter-process lock (``flock`` on ``<database>.writer-lock``) around each body, so
+    the writers of several processes on one file queue in the kernel and the next
+    wakes the moment the previous commits, instead of sleeping in SQLite's busy
+    handler (1, 2, 5, 10 … ms steps). A process stopped inside a write transaction
+    therefore stalls the other writers until it resumes or dies (the kernel drops
+    its lock). The reader thread runs in autocommit; each read body is one
+    statement, one snapshot, and in WAL mode it never waits for the writer.
     """
 
-    def __init__(self, url: str, engine: AsyncEngine, concurrency: int = 4) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        writer: _DedicatedThread | None = None,
+        reader: _DedicatedThread | None = None,
+    ) -> None:
+        """Bodies run over ``engine`` unless dedicated threads are given (``open`` does)."""
         self.engine = engine
-        self.concurrency = concurrency
-        """Group transactions in flight at once (SQLite: 1, its one writer thread)."""
-        self.max_group = 16
-        """Most appends per transaction. On PostgreSQL several smaller groups in flight
-        beat one large one (measured: ~7k vs ~4k commits/s with 50 writers): the
-        server works on one while the client prepares the next."""
-        self._sqlite: Engine | None = None
-        self._thread: ThreadPoolExecutor | None = None
+        self.concurrency = 2 if writer is None else 1
+        """Write bodies in flight at once (SQLite: 1, its one writer thread)."""
+        self.max_group = 32 if writer is None else 256
+        """Most requests per group transaction. On PostgreSQL two groups in flight let
+        the server work on one while the client prepares the next; more, smaller
+        groups cost more client CPU per commit than they gain (store_bench, 50 writers:
+        2 x 32 gave ~2.9-3.4k commits/s at ~0.2 ms CPU each, 4 x 16 ~2.6-2.8k at ~0.28)."""
+        self._reads = engine.execution_options(isolation_level="AUTOCOMMIT")
+        # Reads beyond what the pool holds beside the writers would open overflow
+        # connections, which the pool closes again on return: a connect (and asyncpg's
+        # type introspection) per read under load. Waiting here for a slot is cheaper.
+        pool_size = getattr(engine.pool, "size", lambda: 5)()
+        self._read_slots = asyncio.Semaphore(max(1, pool_size - self.concurrency))
+        self._writer = writer
+        self._reader = reader
+
+    @classmethod
+    def open(cls, url: str) -> Database:
+        """The database a store URL names, with the threads SQLite wants."""
         sa_url, ours = sqlalchemy_url(url)
-        if sa_url.get_backend_name() == "sqlite":
-            sync_url = sa_url.set(drivername="sqlite+pysqlite")
-            self._sqlite = sa_create_engine(sync_url, connect_args={"timeout": 30})
-            _configure_sqlite(self._sqlite, _synchronous(ours), immediate=True)
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="ratchet-sqlite-writer")
-            self.concurrency = 1
-            self.max_group = 256
+        engine = create_engine(url)
+        if sa_url.get_backend_name() != "sqlite":
+            return cls(engine)
+        sync_url = sa_url.set(drivername="sqlite+pysqlite")
+        synchronous = _synchronous(ours)
+        writer = _sqlite_engine(sync_url, synchronous, "BEGIN IMMEDIATE")
+        reader = _sqlite_engine(sync_url, synchronous, None)
+        return cls(
+            engine,
+            _DedicatedThread(writer, "ratchet-sqlite-writer", f"{sa_url.database}.writer-lock"),
+            _DedicatedThread(reader, "ratchet-sqlite-reader", None),
+        )
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a read body: a single statement (it gets no transaction of its own)."""
+        if self._reader is not None:
+            return await self._reader.run(fn, *args)
+        async with self._read_slots, self._reads.connect() as conn:
+            return await conn.run_sync(fn, *args)
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a write body; the body opens and commits its own transaction(s)."""
+        if self._writer is not None:
+            return await self._writer.run(fn, *args)
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(fn, *args)
+
+    async def close(self) -> None:
+        """Let bodies in flight finish, then release the threads and the engines."""
+        for thread in (self._writer, self._reader):
+            if thread is not None:
+                await asyncio.to_thread(thread.close)
+        await self.engine.dispose()
+
+
+def _sqlite_engine(url: URL, synchronous: str, begin: str | None) -> Engine:
+    engine = sa_create_engine(url, connect_args={"timeout": 30})
+    _configure_sqlite(engine, synchronous, begin)
+    return engine
+
+
+class _DedicatedThread:
+    """One thread and one open connection; runs bodies one at a time, in arrival order."""
+
+    def __init__(self, engine: Engine, name: str, lock_path: str | None) -> None:
+        self._engine = engine
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._conn: Connection | None = None
+        self._lock_path = lock_path
+        self._lock_fd: int | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._sqlite is None:
-            async with self.engine.connect() as conn:
-                return await conn.run_sync(fn, *args)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._on_thread, fn, args)
+        return await loop.run_in_executor(self._executor, self._call, fn, args)
 
-    def _on_thread(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        assert self._sqlite is not None
-        with self._sqlite.connect() as conn:
-            return fn(conn, *args)
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        if self._conn is None:
+            self._conn = self._engine.connect()
+        conn = self._conn
+        try:
+            with self._exclusive():
+                return fn(conn, *args)
+        except SQLAlchemyError:
+            self._drop()  # a driver failure may leave the connection unusable: reopen next time
+            raise
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        """End what a body left open: a read's transaction is SQLAlchemy's bookkeeping only
+        (the driver runs in autocommit), a write body's was committed or rolled back."""
+        if self._conn is None or not self._conn.in_transaction():
+            return
+        try:
+            self._conn.rollback()
+        except SQLAlchemyError:
+            self._drop()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if self._lock_path is None:
+            yield
+            return
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(SQLAlchemyError):
+                self._conn.close()
+            self._conn = None
+
+    def _release(self) -> None:
+        self._drop()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._engine.dispose()
 
     def close(self) -> None:
-        """Let a transaction in flight finish, then release the thread and its engine."""
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-        if self._sqlite is not None:
-            self._sqlite.dispose()
+        """Finish what is queued, then close the connection on its own thread."""
+        with contextlib.suppress(RuntimeError):  # already shut down
+            self._executor.submit(self._release).result()
+        self._executor.shutdown(wait=True)
 
 
 def upsert_ignore(dialect: str, table: Any) -> Insert:

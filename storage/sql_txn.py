@@ -1,30 +1,47 @@
-"""The SQL transaction bodies, written once against a sync Connection.
+"""The SQL bodies, written once against a sync Connection, and their statements.
 
-``SqlCommitStore`` runs them through ``storage.sql_engine.Writer`` (a greenlet over
-asyncpg on PostgreSQL, the writer thread on SQLite). Each body owns its
-transaction(s); statements compose inside them (``append_txn`` is also what the
-SAVEPOINT fallback runs per append).
+``SqlCommitStore`` runs them through ``storage.sql_engine.Database`` (a greenlet over
+asyncpg on PostgreSQL, a dedicated thread on SQLite). A write body owns its
+transaction(s); statements compose inside them (``group_txn`` is also what the
+SAVEPOINT fallback runs per request). A read body is one statement.
+
+Statements are built once, at import, with bound parameters, and a list travels
+as one parameter (PostgreSQL: an array, ``= ANY``; SQLite: JSON, ``json_each``), so
+the statement text never varies with the size of a group: SQLAlchemy's compiled
+cache and the drivers' prepared statements serve every call.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-from sqlalchemy import Connection, and_, bindparam, func, select, true
+from sqlalchemy import ARRAY, Connection, String, and_, any_, bindparam, func, select, true
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.dml import Insert
 
-from runtime.commit import Frontier, Receipt, ThreadCommit, advance, check_append, with_claim
-from runtime.errors import CorruptRecord, RatchetError, StoreError
+from runtime.commit import (
+    Frontier,
+    Receipt,
+    ThreadCommit,
+    advance,
+    check_append,
+    decode_commit,
+    with_claim,
+)
+from runtime.errors import RatchetError, StoreError
 from runtime.ids import OperationId, ThreadId
+from runtime.ports import CommittedRecord
+from storage.frontiers import FrontierCache
 from storage.schema import commits, threads
-from storage.sql_engine import translate, upsert_ignore
-from storage.summary import summarize
+from storage.sql_engine import SQL_DIALECTS, translate, upsert_ignore
+from storage.summary import listing
 
-Outcome = Receipt | StoreError | RatchetError
+Outcome = Receipt | int | StoreError | RatchetError
+"""A request's outcome: a Receipt (append), the new epoch (claim), or its refusal."""
 DbRow = Any
 """A SQLAlchemy result row (its column types are not tracked)."""
 
@@ -35,54 +52,70 @@ class AppendRequest:
     expected: int
     epoch: int
 
-
-def decode_frontier(thread: str, text: str, version: int) -> Frontier:
-    """A stored frontier, re-validated; fails closed with CorruptRecord."""
-    try:
-        frontier = Frontier.model_validate_json(text)
-    except ValidationError as exc:
-        detail = str(exc.errors()[0].get("msg", exc))
-        raise CorruptRecord(thread, version, f"stored frontier: {detail}") from exc
-    if frontier.thread_id != thread or frontier.version != version:
-        raise CorruptRecord(thread, version, "stored frontier names another thread or version")
-    return frontier
+    @property
+    def thread(self) -> ThreadId:
+        return self.commit.thread_id
 
 
-def thread_row(frontier: Frontier) -> dict[str, Any]:
+@dataclass
+class ClaimRequest:
+    thread: ThreadId
+    owner: str
+
+
+Request = AppendRequest | ClaimRequest
+Known = dict[tuple[str, str], Receipt]
+"""Stored receipts by (thread, operation id)."""
+Locked = tuple[dict[str, DbRow], Known]
+Pairs = Sequence[tuple[str, str]]
+"""(thread, operation id) of each append of a group."""
+
+
+def thread_row(frontier: Frontier, cache: FrontierCache) -> dict[str, Any]:
     """The thread row's columns for a frontier (copies of it, for queries and locking)."""
-    summary = summarize(frontier)
+    state, cause = listing(frontier)
     return {
         "version": frontier.version,
         "epoch": frontier.epoch,
         "owner": frontier.owner,
-        "frontier": frontier.model_dump_json(),
+        "frontier": cache.encode(frontier.thread_id, frontier),
         "run_id": frontier.run_id,
-        "run_state": summary.state if summary else None,
-        "cause": summary.cause if summary else None,
+        "run_state": state,
+        "cause": cause,
         "status": frontier.status.model_dump_json(),
         "updated": time.time_ns() // 1000,
     }
 
 
 class Group:
-    """The pure half of one transaction: admits each append on its own, in order."""
+    """The pure half of one transaction: admits each request on its own, in order."""
 
-    def __init__(self, rows: dict[str, DbRow], known: dict[tuple[str, str], Receipt]):
+    def __init__(self, rows: dict[str, DbRow], known: Known, cache: FrontierCache) -> None:
         self.rows = rows
         self.known = known
+        self.cache = cache
         self.frontiers: dict[str, Frontier] = {}
+        self.touched: set[str] = set()
         self.new_commits: list[dict[str, Any]] = []
 
-    def admit(self, request: AppendRequest) -> Outcome:
+    def admit(self, request: Request) -> Outcome:
         try:
-            return self._admit(request.commit, request.expected, request.epoch)
-        except RatchetError as exc:  # this append is refused; its neighbours go on
+            if isinstance(request, ClaimRequest):
+                return self._claim(request.thread, request.owner)
+            return self._append(request.commit, request.expected, request.epoch)
+        except RatchetError as exc:  # this request is refused; its neighbours go on
             return exc
 
-    def _admit(self, commit: ThreadCommit, expected: int, epoch: int) -> Receipt:
-        thread = commit.thread_id
+    def _claim(self, thread: str, owner: str) -> int:
+        frontier = with_claim(self.frontier(thread), owner)
+        self.frontiers[thread] = frontier
+        self.touched.add(thread)
+        return frontier.epoch
+
+    def _append(self, commit: ThreadCommit, expected: int, epoch: int) -> Receipt:
+        thread, operation = commit.thread_id, commit.operation_id
         frontier = self.frontier(thread)
-        known = self.known.get((thread, commit.operation_id))
+        known = self.known.get((thread, operation))
         receipt = check_append(frontier, commit, expected, epoch, known)
         if receipt is not None:
             return receipt
@@ -90,11 +123,12 @@ class Group:
         receipt = Receipt(
             thread_id=thread,
             seq=frontier.version,
-            operation_id=commit.operation_id,
+            operation_id=operation,
             payload_hash=commit.payload_hash,
         )
-        self.known[(thread, commit.operation_id)] = receipt
+        self.known[(thread, operation)] = receipt
         self.frontiers[thread] = frontier
+        self.touched.add(thread)
         self.new_commits.append(
             {
                 "thread_id": thread,
@@ -110,137 +144,227 @@ class Group:
     def frontier(self, thread: str) -> Frontier:
         if thread not in self.frontiers:
             row = self.rows[thread]
-            self.frontiers[thread] = decode_frontier(thread, row.frontier, row.version)
+            self.frontiers[thread] = self.cache.decode(thread, row.frontier, row.version)
         return self.frontiers[thread]
 
     def changed(self) -> list[dict[str, Any]]:
-        touched = {c["thread_id"] for c in self.new_commits}
-        return [{"b_thread": t, **thread_row(self.frontiers[t])} for t in sorted(touched)]
+        """The new thread rows, in id order (encoding caches each new frontier)."""
+        return [
+            {"b_thread": t, **thread_row(self.frontiers[t], self.cache)}
+            for t in sorted(self.touched)
+        ]
 
 
-UPDATE_THREAD = threads.update().where(threads.c.thread_id == bindparam("b_thread"))
+# ---- statements -------------------------------------------------------------------------
+
+_t, _c = threads.c, commits.c
+_IDS = ARRAY(String)
 
 
-def transact(conn: Connection, group: Sequence[AppendRequest], where: str) -> list[Outcome]:
+class _Many:
+    """An executemany statement, compiled once per dialect and run with plain tuples.
+
+    SQLAlchemy's per-row parameter processing costs more than the database's own
+    work on the row; these rows hold only str, int and None, which every driver takes
+    as they are. Driver errors still arrive as SQLAlchemy's (IntegrityError, …).
+    """
+
+    def __init__(self, stmt: Any, keys: Sequence[str]) -> None:
+        self.stmt = stmt
+        self.keys = list(keys)
+        self._compiled: dict[tuple[str, str], tuple[str, list[str] | None]] = {}
+
+    def __call__(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        sql, order = self._for(conn)
+        if order is None:  # a named paramstyle: the driver takes the dicts
+            conn.exec_driver_sql(sql, list(rows))
+        else:
+            conn.exec_driver_sql(sql, [tuple(row[k] for k in order) for row in rows])
+
+    def _for(self, conn: Connection) -> tuple[str, list[str] | None]:
+        dialect = conn.dialect
+        key = (dialect.name, dialect.paramstyle)
+        if key not in self._compiled:
+            compiled = self.stmt.compile(dialect=dialect, column_keys=self.keys)
+            order = compiled.positiontup
+            self._compiled[key] = (str(compiled), None if order is None else list(order))
+        return self._compiled[key]
+
+
+_THREAD_COLUMNS = [c.name for c in threads.columns if c.name != "thread_id"]
+UPDATE_THREADS = _Many(
+    threads.update().where(_t.thread_id == bindparam("b_thread")), [*_THREAD_COLUMNS, "b_thread"]
+)
+INSERT_COMMITS = _Many(commits.insert(), [c.name for c in commits.columns])
+LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
+LOAD = select(_t.version, _t.frontier).where(_t.thread_id == bindparam("thread"))
+READ = (
+    select(_c.seq, _c.body)
+    .where(_c.thread_id == bindparam("thread"), _c.seq > bindparam("after"))
+    .order_by(_c.seq)
+)
+_LISTED = select(_t.thread_id, _t.run_id, _t.run_state, _t.status, _t.version, _t.cause)
+LIST_ALL = _LISTED.where(_t.run_state.is_not(None)).order_by(_t.thread_id)
+LIST_STATE = _LISTED.where(_t.run_state == bindparam("state")).order_by(_t.thread_id)
+
+
+def _pg_lock_statement() -> Any:
+    """Lock thread rows ``ids`` in id order, each joined to its stored receipts of ``ops``.
+
+    A LATERAL subquery probes every thread through the (thread_id, operation_id)
+    index: a plain join lets the planner, with fresh or stale statistics, hash-join
+    a sequential scan of the whole log (a LIMIT keeps it from flattening the LATERAL).
+    """
+    known = (
+        select(_c.operation_id, _c.seq, _c.payload_hash)
+        .where(_c.thread_id == _t.thread_id, _c.operation_id == any_(bindparam("ops", type_=_IDS)))
+        .limit(bindparam("n_ops"))
+        .lateral("known")
+    )
+    k = known.c
+    return (
+        select(_t.thread_id, _t.version, _t.frontier, k.operation_id, k.seq, k.payload_hash)
+        .select_from(threads.outerjoin(known, true()))
+        .where(_t.thread_id == any_(bindparam("ids", type_=_IDS)))
+        .order_by(_t.thread_id)
+        .with_for_update(of=threads)
+    )
+
+
+_PG_LOCK = _pg_lock_statement()
+# SQLite needs no row locks (BEGIN IMMEDIATE took the database's), and it looks
+# receipts up by exact (thread, operation) pair, one index probe each: joining each
+# thread to "any operation of the group" probes every thread for every operation,
+# which grows with the square of the group (SQLite groups run to hundreds).
+_IDS_JSON = func.json_each(bindparam("ids")).table_valued("value")
+_SQLITE_ROWS = select(_t.thread_id, _t.version, _t.frontier).where(
+    _t.thread_id.in_(select(_IDS_JSON.c.value))
+)
+_PAIRS = func.json_each(bindparam("pairs")).table_valued("value").alias("pairs")
+_SQLITE_RECEIPTS = select(_c.thread_id, _c.operation_id, _c.seq, _c.payload_hash).select_from(
+    _PAIRS.join(
+        commits,
+        and_(
+            _c.thread_id == func.json_extract(_PAIRS.c.value, "$[0]"),
+            _c.operation_id == func.json_extract(_PAIRS.c.value, "$[1]"),
+        ),
+    )
+)
+_INSERT_FRESH: dict[str, Insert] = {d: upsert_ignore(d, threads) for d in SQL_DIALECTS}
+
+
+# ---- write bodies -----------------------------------------------------------------------
+
+
+def transact(
+    conn: Connection, group: Sequence[Request], where: str, cache: FrontierCache
+) -> list[Outcome]:
     """One transaction for the whole group; on a database refusal, one SAVEPOINT each."""
     try:
         with conn.begin():
-            return append_txn(conn, group)
+            return group_txn(conn, group, cache)
     except IntegrityError:
         # The database refused a write the pure rules admitted: find the culprit.
         with conn.begin():
-            return [_isolated(conn, request, where) for request in group]
+            return [_isolated(conn, request, where, cache) for request in group]
 
 
-def _isolated(conn: Connection, request: AppendRequest, where: str) -> Outcome:
-    thread = request.commit.thread_id
+def _isolated(conn: Connection, request: Request, where: str, cache: FrontierCache) -> Outcome:
     try:
         with conn.begin_nested():
-            return append_txn(conn, [request])[0]
+            return group_txn(conn, [request], cache)[0]
     except IntegrityError as exc:
-        latest = select(func.max(commits.c.seq)).where(commits.c.thread_id == thread)
+        if isinstance(request, ClaimRequest):
+            return translate(exc, where, thread=request.thread)
         return translate(
             exc,
             where,
-            thread=thread,
+            thread=request.thread,
             operation=request.commit.operation_id,
             expected=request.expected,
-            actual=conn.execute(latest).scalar() or 0,
+            actual=conn.execute(LATEST_SEQ, {"thread": request.thread}).scalar() or 0,
         )
 
 
-def append_txn(conn: Connection, group: Sequence[AppendRequest]) -> list[Outcome]:
-    """Lock, admit each append on its own, then write what was admitted."""
-    ops = {r.commit.operation_id for r in group}
-    rows, known = lock(conn, {r.commit.thread_id for r in group}, ops)
-    pure = Group(rows, known)
+def group_txn(conn: Connection, group: Sequence[Request], cache: FrontierCache) -> list[Outcome]:
+    """Lock, admit each request on its own, then write what was admitted."""
+    pairs = [(r.thread, r.commit.operation_id) for r in group if isinstance(r, AppendRequest)]
+    rows, known = lock(conn, {r.thread for r in group}, pairs, cache)
+    pure = Group(rows, known, cache)
     outcomes = [pure.admit(request) for request in group]
     if pure.new_commits:
-        conn.execute(commits.insert(), pure.new_commits)
-        conn.execute(UPDATE_THREAD, pure.changed())
+        INSERT_COMMITS(conn, pure.new_commits)
+    if pure.touched:
+        # Encoding caches each new frontier under the text written here; should this
+        # transaction roll back, the row keeps its old text and the entry never matches.
+        UPDATE_THREADS(conn, pure.changed())
     return outcomes
 
 
-def claim_txn(conn: Connection, thread: ThreadId, owner: str) -> int:
-    with conn.begin():
-        rows, _ = lock(conn, [thread], ())
-        row = rows[thread]
-        frontier = with_claim(decode_frontier(thread, row.frontier, row.version), owner)
-        conn.execute(UPDATE_THREAD, [{"b_thread": thread, **thread_row(frontier)}])
-        return frontier.epoch
-
-
-Locked = tuple[dict[str, DbRow], dict[tuple[str, str], Receipt]]
-
-
-def lock(conn: Connection, ids: Iterable[str], ops: Iterable[str]) -> Locked:
+def lock(conn: Connection, ids: Iterable[str], pairs: Pairs, cache: FrontierCache) -> Locked:
     """Lock the thread rows in id order (no deadlock between groups), creating new ones.
 
-    Returns the rows and the receipts already stored under ``ops`` (one query).
+    Returns the rows and the receipts already stored under the ``pairs``.
     """
-    wanted = [ThreadId(t) for t in sorted(ids)]
-    ops = sorted(ops)
-    rows, known = _lock_existing(conn, wanted, ops)
+    wanted = sorted(ids)
+    rows, known = _lock_existing(conn, wanted, pairs)
     missing = [t for t in wanted if t not in rows]
     if missing:
-        fresh = [{"thread_id": t, **thread_row(Frontier(thread_id=t))} for t in missing]
-        conn.execute(upsert_ignore(conn.dialect.name, threads), fresh)
-        more_rows, more_known = _lock_existing(conn, missing, ops)
+        fresh = [{"thread_id": t, **thread_row(Frontier(thread_id=t), cache)} for t in missing]
+        conn.execute(_INSERT_FRESH[conn.dialect.name], fresh)
+        # Read back what is there now: on PostgreSQL another transaction may have
+        # created (and may be writing) the row first; FOR UPDATE waits for it.
+        more_rows, more_known = _lock_existing(conn, missing, pairs)
         rows.update(more_rows)
         known.update(more_known)
     return rows, known
 
 
-def _lock_existing(conn: Connection, ids: Sequence[str], ops: Sequence[str]) -> Locked:
-    t = threads.c
-    c = _receipts_of_each_thread(conn.dialect.name, ops)
-    stmt = (
-        select(t.thread_id, t.version, t.frontier, c.operation_id, c.seq, c.payload_hash)
-        .select_from(threads.outerjoin(c.table, c.on))
-        .where(t.thread_id.in_(ids))
-        .order_by(t.thread_id)
-        .with_for_update(of=threads)
-    )
-    rows: dict[str, DbRow] = {}
-    known: dict[tuple[str, str], Receipt] = {}
-    for r in conn.execute(stmt):
-        rows[r.thread_id] = r
-        if r.operation_id is not None:
-            known[(r.thread_id, r.operation_id)] = Receipt(
-                thread_id=r.thread_id,
-                seq=r.seq,
-                operation_id=OperationId(r.operation_id),
-                payload_hash=r.payload_hash,
-            )
-    return rows, known
+def _lock_existing(conn: Connection, ids: list[str], pairs: Pairs) -> Locked:
+    """The rows of ``ids`` that exist, and the receipts of ``pairs`` on those threads."""
+    if conn.dialect.name == "postgresql":
+        ops = sorted({op for _, op in pairs})
+        params = {"ids": ids, "ops": ops, "n_ops": max(1, len(ops))}
+        result = list(conn.execute(_PG_LOCK, params))  # a row per thread and receipt found
+        rows = {r.thread_id: r for r in result}
+        return rows, _receipts(r for r in result if r.operation_id is not None)
+    rows = {r.thread_id: r for r in conn.execute(_SQLITE_ROWS, {"ids": json.dumps(ids)})}
+    probe = [pair for pair in pairs if pair[0] in rows]
+    if not probe:
+        return rows, {}
+    return rows, _receipts(conn.execute(_SQLITE_RECEIPTS, {"pairs": json.dumps(probe)}))
 
 
-@dataclass(frozen=True)
-class _ReceiptJoin:
-    table: Any
-    on: Any
-    operation_id: Any
-    seq: Any
-    payload_hash: Any
+def _receipts(found: Iterable[DbRow]) -> Known:
+    return {
+        (r.thread_id, r.operation_id): Receipt(
+            thread_id=r.thread_id,
+            seq=r.seq,
+            operation_id=OperationId(r.operation_id),
+            payload_hash=r.payload_hash,
+        )
+        for r in found
+    }
 
 
-def _receipts_of_each_thread(dialect: str, ops: Sequence[str]) -> _ReceiptJoin:
-    """The stored receipts of ``ops``, joined to each locked thread row.
+# ---- read bodies (one statement each) ----------------------------------------------------
 
-    PostgreSQL gets a LATERAL subquery so every thread is probed through the
-    (thread_id, operation_id) index: a plain join lets the planner, with fresh or
-    stale statistics, hash-join a sequential scan of the whole log. SQLite always
-    plans nested loops over that index, and has no LATERAL.
-    """
-    c = commits.c
-    if dialect != "postgresql":
-        on = and_(c.thread_id == threads.c.thread_id, c.operation_id.in_(ops))
-        return _ReceiptJoin(commits, on, c.operation_id, c.seq, c.payload_hash)
-    sub = (
-        select(c.operation_id, c.seq, c.payload_hash)
-        .where(c.thread_id == threads.c.thread_id, c.operation_id.in_(ops))
-        .limit(max(1, len(ops)))  # a LIMIT keeps the planner from flattening the LATERAL
-        .lateral("known")
-    )
-    k = sub.c
-    return _ReceiptJoin(sub, true(), k.operation_id, k.seq, k.payload_hash)
+
+def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Frontier:
+    row = conn.execute(LOAD, {"thread": thread}).first()
+    if row is None:
+        return Frontier(thread_id=thread)
+    return cache.decode(thread, row.frontier, row.version)
+
+
+def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[CommittedRecord]:
+    return [
+        CommittedRecord(seq=r.seq, commit=decode_commit(r.body, thread, r.seq))
+        for r in conn.execute(READ, {"thread": thread, "after": after_seq})
+    ]
+
+
+def list_body(conn: Connection, state: str | None) -> list[DbRow]:
+    if state is None:
+        return list(conn.execute(LIST_ALL))
+    return list(conn.execute(LIST_STATE, {"state": state}))

@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from runtime.commit import Frontier
 from runtime.lifecycle import EndedState
 from runtime.ports import RunSummary
 
+RunStateKind = Literal["running", "awaiting", "ended"]
+
 
 def summarize(frontier: Frontier) -> RunSummary | None:
     """The listing row of a thread's latest Run, or None for a thread with no Run."""
-    state = frontier.run_state
+    state, cause = listing(frontier)
     if state is None or frontier.run_id is None:
         return None
     return RunSummary(
         thread_id=frontier.thread_id,
         run_id=frontier.run_id,
-        state=state.kind,
+        state=state,
         status=frontier.status,
         version=frontier.version,
-        cause=state.cause.kind if isinstance(state, EndedState) else None,
+        cause=cause,
     )
+
+
+def listing(frontier: Frontier) -> tuple[RunStateKind | None, str | None]:
+    """The latest Run's state kind and end cause kind; (None, None) for a thread with no Run.
+
+    What ``summarize`` lists, without building the summary (stores keep these columns).
+    """
+    state = frontier.run_state
+    if state is None or frontier.run_id is None:
+        return None, None
+    return state.kind, state.cause.kind if isinstance(state, EndedState) else None
