@@ -29,6 +29,10 @@ class Agent:
     """Attempts per inference before the Run ends failed(inference)."""
     delegation: DelegationLimits = field(default_factory=DelegationLimits)
     """Limits on the child Runs this agent's Runs may start."""
+    _by_id: Mapping[str, Tool] = field(init=False, repr=False, compare=False)
+    """The tools by id: looked up several times for every call of every Step."""
+    delegating: bool = field(init=False, repr=False, compare=False)
+    """Whether any tool starts child Runs (if none, no call needs looking at for that)."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -36,9 +40,11 @@ class Agent:
         ids = [t.id for t in self.tools]
         if len(set(ids)) != len(ids):
             raise ValueError(f"agent {self.name}: duplicate tool ids {ids}")
+        object.__setattr__(self, "_by_id", {t.id: t for t in self.tools})
+        object.__setattr__(self, "delegating", any(t.delegates for t in self.tools))
 
     def tool(self, tool_id: str) -> Tool | None:
-        return next((t for t in self.tools if t.id == tool_id), None)
+        return self._by_id.get(tool_id)
 
     def policy_for(self, tool: Tool) -> ToolRecoveryPolicy:
         return self.policies.get(tool.id, tool.default_policy)

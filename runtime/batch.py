@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from runtime.base import Frozen
+from runtime.base import Frozen, evolve
 from runtime.errors import CorruptBatch, InvalidTransition
 from runtime.ids import (
     SCHEMA_VERSION,
@@ -150,31 +150,42 @@ class ActiveToolBatch(Frozen):
 
 
 def check_invariants(batch: ActiveToolBatch) -> None:
-    """Raise ValueError on any broken rule of DESIGN §2 (pydantic wraps it on decode)."""
-    if not batch.calls:
+    """Raise ValueError on any broken rule of DESIGN §2 (pydantic wraps it on decode).
+
+    Runs whenever a batch is validated, so on every commit that carries one: plain
+    loops, each attribute read once (reads on a record are not cheap).
+    """
+    calls = batch.calls
+    if not calls:
         raise ValueError("a batch holds at least one call")
-    ids = [c.call_id for c in batch.calls]
-    if len(set(ids)) != len(ids):
+    ids, kinds = set(), []
+    for call in calls:
+        ids.add(call.call_id)
+        kinds.append(call.phase.kind)
+    if len(ids) != len(calls):
         raise ValueError("call ids in a batch must be unique")
-    if sum(c.phase.kind == "awaiting" for c in batch.calls) > 1:
+    if kinds.count("awaiting") > 1:
         raise ValueError("at most one call of a batch awaits at a time")
-    if batch.batch_id != batch_id(batch.run_id, batch.step):
+    bid = batch.batch_id
+    if bid != batch_id(batch.run_id, batch.step):
         raise ValueError("batch id does not match its run and step")
-    for call in batch.calls:
-        _check_call(batch.batch_id, call)
-    if batch.status == "finalized" and not batch.all_terminal:
+    for call in calls:
+        _check_call(bid, call)
+    if batch.status == "finalized" and not TERMINAL_KINDS.issuperset(kinds):
         raise ValueError("a finalized batch has only terminal calls")
 
 
 def _check_call(batch: BatchId, call: ToolCall) -> None:
-    if call.operation_id != call_operation_id(batch, call.call_id):
-        raise ValueError(f"call {call.call_id}: operation id does not match the batch")
-    if call.attempts > call.policy.max_attempts:
-        raise ValueError(f"call {call.call_id}: attempts exceed the pinned budget")
-    if isinstance(call.phase, Executing) and call.phase.attempt != call.attempts:
-        raise ValueError(f"call {call.call_id}: executing attempt disagrees with attempts")
-    if isinstance(call.phase, Requested) and call.attempts != 0:
-        raise ValueError(f"call {call.call_id}: requested calls have no recorded attempt")
+    call_id, attempts, phase = call.call_id, call.attempts, call.phase
+    if call.operation_id != call_operation_id(batch, call_id):
+        raise ValueError(f"call {call_id}: operation id does not match the batch")
+    if attempts > call.policy.max_attempts:
+        raise ValueError(f"call {call_id}: attempts exceed the pinned budget")
+    kind = phase.kind
+    if kind == "executing" and isinstance(phase, Executing) and phase.attempt != attempts:
+        raise ValueError(f"call {call_id}: executing attempt disagrees with attempts")
+    if kind == "requested" and attempts != 0:
+        raise ValueError(f"call {call_id}: requested calls have no recorded attempt")
 
 
 def decode_batch(text: str | bytes) -> ActiveToolBatch:
@@ -219,12 +230,16 @@ def _replace(batch: ActiveToolBatch, call: ToolCall) -> ActiveToolBatch:
     if batch.status == "finalized":
         raise InvalidTransition(f"batch {batch.batch_id} is finalized")
     calls = tuple(call if c.call_id == call.call_id else c for c in batch.calls)
+    # ``batch`` holds every invariant and only ``call`` changed (same id, open batch):
+    # check what that can break, not the whole batch again. The kernel's hypothesis
+    # machine checks every invariant after each transition.
     try:
-        return ActiveToolBatch(
-            batch_id=batch.batch_id, run_id=batch.run_id, step=batch.step, calls=calls
-        )
-    except ValidationError as exc:
-        raise InvalidTransition(_first_error(exc)) from exc
+        _check_call(batch.batch_id, call)
+    except ValueError as exc:
+        raise InvalidTransition(str(exc)) from exc
+    if call.phase.kind == "awaiting" and sum(c.phase.kind == "awaiting" for c in calls) > 1:
+        raise InvalidTransition("at most one call of a batch awaits at a time")
+    return evolve(batch, calls=calls)
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -248,7 +263,7 @@ def mark_executing(
     attempt = call.attempts + 1
     if attempt > call.policy.max_attempts:
         raise InvalidTransition(f"call {call_id} has used all {call.policy.max_attempts} attempts")
-    new = call.model_copy(update={"phase": Executing(attempt=attempt), "attempts": attempt})
+    new = evolve(call, phase=Executing(attempt=attempt), attempts=attempt)
     return _replace(batch, new)
 
 
@@ -258,9 +273,7 @@ def mark_awaiting(
     call = batch.call(call_id)
     if call.terminal or isinstance(call.phase, Awaiting):
         raise InvalidTransition(f"call {call_id} cannot start a wait from {call.phase.kind}")
-    return _replace(
-        batch, call.model_copy(update={"phase": Awaiting(wait=wait, correlation=correlation)})
-    )
+    return _replace(batch, evolve(call, phase=Awaiting(wait=wait, correlation=correlation)))
 
 
 def complete(batch: ActiveToolBatch, call_id: CallId, output: ToolOutput) -> ActiveToolBatch:
@@ -272,7 +285,7 @@ def complete(batch: ActiveToolBatch, call_id: CallId, output: ToolOutput) -> Act
         raise InvalidTransition(f"call {call_id} already completed with a different output")
     if isinstance(call.phase, Indeterminate):
         raise InvalidTransition(f"call {call_id} is indeterminate and cannot complete")
-    return _replace(batch, call.model_copy(update={"phase": Completed(output=output)}))
+    return _replace(batch, evolve(call, phase=Completed(output=output)))
 
 
 def mark_indeterminate(batch: ActiveToolBatch, call_id: CallId, reason: str) -> ActiveToolBatch:
@@ -281,7 +294,7 @@ def mark_indeterminate(batch: ActiveToolBatch, call_id: CallId, reason: str) -> 
         return batch
     if call.terminal:
         raise InvalidTransition(f"call {call_id} is already {call.phase.kind}")
-    return _replace(batch, call.model_copy(update={"phase": Indeterminate(reason=reason)}))
+    return _replace(batch, evolve(call, phase=Indeterminate(reason=reason)))
 
 
 def finalize(batch: ActiveToolBatch) -> ActiveToolBatch:
@@ -291,7 +304,7 @@ def finalize(batch: ActiveToolBatch) -> ActiveToolBatch:
     if not batch.all_terminal:
         pending = [c.call_id for c in batch.calls if not c.terminal]
         raise InvalidTransition(f"cannot finalize {batch.batch_id}: calls {pending} not terminal")
-    return batch.model_copy(update={"status": "finalized"})
+    return evolve(batch, status="finalized")
 
 
 def seal(batch: ActiveToolBatch, reason: str = SEALED_REASON) -> ActiveToolBatch:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import cached_property
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
-from runtime.base import Frozen, canonical_json, sha256_hex
-from runtime.batch import ActiveToolBatch
+from runtime.base import Frozen, canonical_model_json, evolve, is_plain, sha256_hex, trusted
+from runtime.batch import ActiveToolBatch, check_invariants
 from runtime.errors import (
     CorruptRecord,
     DuplicateOperation,
@@ -26,6 +26,7 @@ from runtime.errors import (
     VersionConflict,
 )
 from runtime.events import Fact
+from runtime.facts import facts_of
 from runtime.ids import SCHEMA_VERSION, OperationId, RunId, ThreadId, commit_operation_id
 from runtime.lifecycle import AwaitingState, EndedState, Natural, RunDisposition, ThreadStatus
 from runtime.messages import AssistantMessage, Message
@@ -60,21 +61,7 @@ class ThreadCommit(Frozen):
 
     @model_validator(mode="after")
     def _legal(self) -> ThreadCommit:
-        if self.disposition.run_id != self.run_id:
-            raise ValueError("disposition belongs to another run")
-        if isinstance(self.disposition, AwaitingState):
-            ticket = self.disposition.ticket
-            if ticket.run_id != self.run_id or ticket.thread_id != self.thread_id:
-                raise ValueError("the ticket names another run or thread")
-        if self.batch is not None and self.batch.run_id != self.run_id:
-            raise ValueError("the batch belongs to another run")
-        if isinstance(self.disposition, EndedState):
-            if self.batch is not None and self.batch.status != "finalized":
-                raise ValueError("an ended run's batch must be sealed and finalized")
-            if isinstance(self.disposition.cause, Natural) and not any(
-                isinstance(m, AssistantMessage) for m in self.messages
-            ):
-                raise ValueError("a natural end requires committed assistant output")
+        _check_legal(self)
         return self
 
     @property
@@ -82,13 +69,100 @@ class ThreadCommit(Frozen):
         return commit_operation_id(self.run_id, self.ordinal)
 
     @cached_property
+    def free_form_plain(self) -> bool:
+        """Whether command values and fact data, the commit's only free-form parts, are
+        plain JSON (``is_plain``). Typed fields hold str, int, bool, None and records
+        only (a test holds the schema to that), so this decides the encoder's path."""
+        return is_plain([c.value for c in self.commands]) and is_plain(
+            [e.data for e in self.events]
+        )
+
+    @cached_property
     def encoded(self) -> str:
         """Canonical JSON: encoded once, hashed and stored as is."""
-        return canonical_json(self.model_dump(mode="json"))
+        return canonical_model_json(self, plain=self.free_form_plain)
 
     @cached_property
     def payload_hash(self) -> str:
         return sha256_hex(self.encoded)
+
+
+def _check_legal(commit: ThreadCommit) -> None:
+    """The rules of a commit beyond its fields' types (raises ValueError)."""
+    disposition, run_id = commit.disposition, commit.run_id
+    if disposition.run_id != run_id:
+        raise ValueError("disposition belongs to another run")
+    if isinstance(disposition, AwaitingState):
+        ticket = disposition.ticket
+        if ticket.run_id != run_id or ticket.thread_id != commit.thread_id:
+            raise ValueError("the ticket names another run or thread")
+    batch = commit.batch
+    if batch is not None and batch.run_id != run_id:
+        raise ValueError("the batch belongs to another run")
+    if isinstance(disposition, EndedState):
+        if batch is not None and batch.status != "finalized":
+            raise ValueError("an ended run's batch must be sealed and finalized")
+        if isinstance(disposition.cause, Natural) and not any(
+            isinstance(m, AssistantMessage) for m in commit.messages
+        ):
+            raise ValueError("a natural end requires committed assistant output")
+
+
+_LABELS: frozenset[str] = frozenset(get_args(CommitLabel))
+_COMMANDS = TypeAdapter(tuple[Command, ...])
+
+
+def assemble_commit(
+    *,
+    thread_id: ThreadId,
+    run_id: RunId,
+    ordinal: int,
+    label: CommitLabel,
+    disposition: RunDisposition,
+    messages: tuple[Message, ...] = (),
+    commands: tuple[Command, ...] = (),
+    batch: ActiveToolBatch | None = None,
+    status: ThreadStatus | None = None,
+    extra_facts: tuple[Fact, ...] = (),
+) -> ThreadCommit:
+    """The engine's commit, with the facts derived from it (``facts_of``) and then
+    ``extra_facts``: the same commit as ``ThreadCommit(...)``, at a fraction of the cost.
+
+    Its parts are records the engine made and validated as it made them; the
+    constructor would re-check each nested record's type, which costs more than all the
+    rest of a commit's work. What is not already known to hold is checked here: the
+    label and ordinal, the commit's rules (``_legal``) and the batch invariants, as the
+    constructor and a decode would. Commands may come from hooks as any object, so
+    unless they are all Commands they are validated (and coerced) as the constructor
+    would. The derived facts are plain JSON by construction, so only command values and
+    extra facts are looked at for the encoder (``free_form_plain``).
+    """
+    if label not in _LABELS:
+        raise ValueError(f"unknown commit label {label!r}")
+    if ordinal < 0:
+        raise ValueError(f"commit ordinal {ordinal} is negative")
+    if not all(type(c) is Command for c in commands):
+        commands = _COMMANDS.validate_python(commands)
+    if batch is not None:
+        check_invariants(batch)
+    commit = trusted(
+        ThreadCommit,
+        thread_id=thread_id,
+        run_id=run_id,
+        ordinal=ordinal,
+        label=label,
+        disposition=disposition,
+        messages=messages,
+        commands=commands,
+        batch=batch,
+        status=status,
+        events=(*facts_of(run_id, label, messages, status, disposition), *extra_facts),
+    )
+    _check_legal(commit)
+    commit.__dict__["free_form_plain"] = is_plain(  # warm the cache with what is known
+        [c.value for c in commands]
+    ) and is_plain([f.data for f in extra_facts])
+    return commit
 
 
 def decode_commit(text: str | bytes, thread: str, seq: int) -> ThreadCommit:
@@ -163,46 +237,66 @@ def check_size(commit: ThreadCommit, limit: int) -> None:
         raise PayloadTooLarge(size, limit)
 
 
+_last_fold: tuple[Frontier, ThreadCommit, Frontier] | None = None
+"""(frontier, commit, result) of the latest ``advance``."""
+
+
 def advance(frontier: Frontier, commit: ThreadCommit) -> Frontier:
-    """Fold one admitted commit into the frontier."""
-    new_run = commit.run_id != frontier.run_id
+    """Fold one admitted commit into the frontier.
+
+    The engine folds each commit just before appending it, and an in-process store then
+    folds the same commit onto the same frontier object: the latest fold is kept so the
+    second one costs nothing. Both are immutable and the fold is pure, so the kept
+    result for the same two objects is exactly what folding again would give.
+    """
+    global _last_fold
+    last = _last_fold
+    if last is not None and last[0] is frontier and last[1] is commit:
+        return last[2]
+    result = _fold(frontier, commit)
+    _last_fold = (frontier, commit, result)
+    return result
+
+
+def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
+    # every field is read once: reads on a record are not cheap, and this runs per commit
+    run_id, ordinal, messages = commit.run_id, commit.ordinal, commit.messages
+    new_run = run_id != frontier.run_id
     if new_run and frontier.run_state is not None and not frontier.ended:
         raise InvalidTransition(
             f"thread {commit.thread_id} already has an active run {frontier.run_id}"
         )
-    if not new_run and commit.ordinal != frontier.next_ordinal:
+    if not new_run and ordinal != frontier.next_ordinal:
         raise InvalidTransition(
-            f"run {commit.run_id}: commit ordinal {commit.ordinal}, "
-            f"expected {frontier.next_ordinal}"
+            f"run {run_id}: commit ordinal {ordinal}, expected {frontier.next_ordinal}"
         )
-    state = frontier.state
+    state, batch, disposition = frontier.state, commit.batch, commit.disposition
     if new_run:
         state = {"thread": state["thread"], "run": {}}
-    batch = frontier.batch if not new_run else None
-    if commit.batch is not None:
-        batch = None if commit.batch.status == "finalized" else commit.batch
-    if isinstance(commit.disposition, EndedState):
+    if isinstance(disposition, EndedState) or (batch is not None and batch.status == "finalized"):
         batch = None
-    inferences = sum(isinstance(m, AssistantMessage) for m in commit.messages)
-    return frontier.model_copy(
-        update={
-            "version": frontier.version + 1,
-            "run_id": commit.run_id,
-            "run_state": commit.disposition,
-            "batch": batch,
-            "status": commit.status or frontier.status,
-            "state": apply_commands(state, commit.commands),
-            "messages": frontier.messages + commit.messages,
-            "run_start": len(frontier.messages) if new_run else frontier.run_start,
-            "steps": (0 if new_run else frontier.steps) + inferences,
-            "next_ordinal": commit.ordinal + 1,
-        }
+    elif batch is None and not new_run:
+        batch = frontier.batch
+    commands, committed = commit.commands, frontier.messages
+    inferences = sum(isinstance(m, AssistantMessage) for m in messages)
+    return evolve(
+        frontier,
+        version=frontier.version + 1,
+        run_id=run_id,
+        run_state=disposition,
+        batch=batch,
+        status=commit.status or frontier.status,
+        state=apply_commands(state, commands) if commands else state,
+        messages=committed + messages,
+        run_start=len(committed) if new_run else frontier.run_start,
+        steps=(0 if new_run else frontier.steps) + inferences,
+        next_ordinal=ordinal + 1,
     )
 
 
 def with_claim(frontier: Frontier, owner: str) -> Frontier:
     """A new owner: epoch + 1, which fences every earlier writer."""
-    return frontier.model_copy(update={"epoch": frontier.epoch + 1, "owner": owner})
+    return evolve(frontier, epoch=frontier.epoch + 1, owner=owner)
 
 
 def replay(thread: ThreadId, commits: Iterable[ThreadCommit]) -> Frontier:
@@ -215,6 +309,4 @@ def replay(thread: ThreadId, commits: Iterable[ThreadCommit]) -> Frontier:
 
 def stamp_facts(commit: ThreadCommit, seq: int) -> tuple[Fact, ...]:
     """The commit's facts with their stream offsets (seq, index)."""
-    return tuple(
-        fact.model_copy(update={"seq": seq, "index": i}) for i, fact in enumerate(commit.events)
-    )
+    return tuple(evolve(fact, seq=seq, index=i) for i, fact in enumerate(commit.events))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from runtime.agent import Agent
+from runtime.base import trusted
 from runtime.batch import (
     ActiveToolBatch,
     CallSpec,
@@ -25,11 +27,10 @@ from runtime.batch import (
     seal,
 )
 from runtime.checkpoint import SafeCheckpoints
-from runtime.commit import Frontier, ThreadCommit, advance, stamp_facts
+from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts
 from runtime.delegation import CHILDREN_KEY, ChildRunner, ParentLink
 from runtime.errors import InvalidTransition, StateConflict, StoreUnavailable
 from runtime.events import Delta, Fact
-from runtime.facts import derive_facts
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
 from runtime.ids import CorrelationId, RunId, ThreadId
@@ -54,7 +55,7 @@ from runtime.lifecycle import (
 from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
 from runtime.models import ModelResponse
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
-from runtime.signals import CancelledSignal, EndRun, RunOver
+from runtime.signals import CancelledSignal, CancelSignal, EndRun, RunOver, guarded
 from runtime.state import Command
 from runtime.timeutil import now_us
 from runtime.toolbatch import advance_batch, apply_resume, result_messages
@@ -84,10 +85,19 @@ class RunContext:
     step_ended: str | None = None
     """Batch id whose StepEnd hooks already ran (they run once per Step)."""
 
+    _running: RunningState | None = field(default=None, init=False, repr=False)
+
     @property
     def run_id(self) -> RunId:
         assert self.frontier.run_id is not None
         return self.frontier.run_id
+
+    def running(self) -> RunningState:
+        """The Run's Running disposition: one record, reused by each commit that needs it."""
+        run_id = self.run_id
+        if self._running is None or self._running.run_id != run_id:
+            self._running = RunningState(run_id=run_id)
+        return self._running
 
 
 class Engine:
@@ -115,14 +125,15 @@ class Engine:
         self.tools = tools
         self.bus = bus
         self.faults = faults
-        self.owner = owner or f"engine-{uuid.uuid4().hex[:8]}"
+        # 8 random hex digits, as uuid4().hex[:8] gave, without building a UUID per Run
+        self.owner = owner or f"engine-{os.urandom(4).hex()}"
         self.prompt_path = tuple(prompt_path or (agent.name,))
         self.children = children
         self.lineage = tuple(lineage or (agent.name,))
         """Agent references from the root Run to this one (delegation cycle checks)."""
         self.parent = parent
         self.store_retry = store_retry
-        self.cancel_event = asyncio.Event()
+        self.cancel_event = CancelSignal()
         self.stop_reason: str | None = None
         self.pause_requested = False
         self.checkpoints = SafeCheckpoints(checkpoints)
@@ -302,7 +313,7 @@ class Engine:
         await self._commit(
             ctx,
             "inference",
-            RunningState(run_id=ctx.run_id),
+            ctx.running(),
             messages=messages,
             batch=batch,
             commands=hooks.commands,
@@ -311,7 +322,10 @@ class Engine:
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)
         policy = self.agent.policy_for(tool) if tool else ToolRecoveryPolicy()
-        return CallSpec(call_id=use.call_id, tool=use.tool, arguments=use.arguments, policy=policy)
+        # the parts of a validated ToolUse and a validated policy: not validated again
+        return trusted(
+            CallSpec, call_id=use.call_id, tool=use.tool, arguments=use.arguments, policy=policy
+        )
 
     async def hooks(
         self,
@@ -323,7 +337,8 @@ class Engine:
         response: Any = None,
         call: Any = None,
     ) -> None:
-        if not any(h.point == point for h in self.agent.hooks):
+        hooks = self.agent.hooks
+        if not hooks or not any(h.point == point for h in hooks):
             return
         ctx.execution.step_count = step
         ctx.execution.message_history = ctx.frontier.messages
@@ -340,17 +355,8 @@ class Engine:
         await run_hooks(self.agent.hooks, hook_input, into)
 
     async def guard(self, work: Awaitable[T]) -> T:
-        """Await ``work`` unless the cancellation signal fires first."""
-        task = asyncio.ensure_future(work)
-        cancel = asyncio.ensure_future(self.cancel_event.wait())
-        try:
-            done, _ = await asyncio.wait({task, cancel}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            cancel.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise CancelledSignal
+        """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
+        return await guarded(self.cancel_event, work)
 
     # ---- commits ----------------------------------------------------------------------
 
@@ -391,14 +397,14 @@ class Engine:
                 log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
 
     async def commit(
-        self, ctx: RunContext, label: Any, disposition: RunDisposition, **parts: Any
+        self, ctx: RunContext, label: CommitLabel, disposition: RunDisposition, **parts: Any
     ) -> None:
         await self._commit(ctx, label, disposition, **parts)
 
     async def _commit(
         self,
         ctx: RunContext,
-        label: Any,
+        label: CommitLabel,
         disposition: RunDisposition,
         *,
         messages: Sequence[Message] = (),
@@ -410,19 +416,21 @@ class Engine:
         f = ctx.frontier
         run = run_id or ctx.run_id
         all_commands = (*ctx.pending, *commands)
+        messages = tuple(messages)
         status = _status_after(f.status, disposition, now_us())
-        commit = ThreadCommit(
+        changed = status if status is not f.status else None  # moved_to keeps it if unchanged
+        commit = assemble_commit(
             thread_id=f.thread_id,
             run_id=run,
             ordinal=0 if run != f.run_id else f.next_ordinal,
             label=label,
             disposition=disposition,
-            messages=tuple(messages),
+            messages=messages,
             commands=all_commands,
             batch=batch,
-            status=status if status != f.status else None,
+            status=changed,
+            extra_facts=tuple(extra_facts),
         )
-        commit = commit.model_copy(update={"events": (*derive_facts(commit, f), *extra_facts)})
         try:
             new_frontier = advance(f, commit)
         except StateConflict as exc:
@@ -442,7 +450,8 @@ class Engine:
         if self.checkpointed and label in ("inference", "ended"):
             self.checkpointed = False  # the Step is committed: its checkpoint is spent
             await self.checkpoints.delete(ctx.frontier.thread_id)
-        await self.publish(ctx, stamp_facts(commit, receipt.seq))
+        if self.bus is not None:  # stamping copies every fact: only for a listener
+            await self.publish(ctx, stamp_facts(commit, receipt.seq))
 
     async def _retrying(self, op: Any) -> Any:
         delay, deadline = self.store_retry.first_delay_s, None

@@ -7,11 +7,18 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from runtime.base import trusted
 from runtime.checkpoint import PartialOutput, plan_from_checkpoint
 from runtime.events import Delta
 from runtime.ids import CallId
 from runtime.lifecycle import Failed
-from runtime.messages import ContextMessage, ToolUse
+from runtime.messages import (
+    AssistantMessage,
+    ContextMessage,
+    ToolResultMessage,
+    ToolUse,
+    UserMessage,
+)
 from runtime.models import InferenceRequest, ModelResponse
 from runtime.signals import CancelledSignal
 
@@ -37,14 +44,11 @@ async def infer(
     engine: Engine, ctx: RunContext, step: int, history: tuple[Any, ...], last: bool
 ) -> ModelResponse | None:
     """Ask the model, streaming deltas live; None when the Run ended failed(inference)."""
-    tools = None if last else tuple(t.schema() for t in engine.agent.tools)
     error: Exception | None = None
     for attempt in range(1, engine.agent.inference_attempts + 1):
         if engine.cancel_event.is_set():
             raise CancelledSignal
-        request = InferenceRequest(
-            run_id=ctx.run_id, step=step, attempt=attempt, messages=history, tools=tools
-        )
+        request = _request(engine, ctx, step, attempt, history, last)
         try:
             return await engine.guard(_stream(engine, ctx, request))
         except CancelledSignal:
@@ -56,6 +60,26 @@ async def infer(
     failure = Failed(failure="inference", code=type(error).__name__, message=str(error)[:2000])
     await engine.end(ctx, failure)
     return None
+
+
+_MESSAGE_TYPES = frozenset({UserMessage, AssistantMessage, ToolResultMessage, ContextMessage})
+
+
+def _request(
+    engine: Engine, ctx: RunContext, step: int, attempt: int, history: tuple[Any, ...], last: bool
+) -> InferenceRequest:
+    """The request; validated only if the history holds something other than our records.
+
+    Validating committed messages again would cost more than the rest of building the
+    request (it grows with the conversation); hook context that is not a ContextMessage
+    record yet is validated (and coerced) as before. Each request gets its own copy of
+    the tool schemas, as validation would give it, so a model cannot alter them.
+    """
+    tools = None if last else tuple(dict(t.schema()) for t in engine.agent.tools)
+    parts = {"run_id": ctx.run_id, "step": step, "attempt": attempt, "tools": tools}
+    if all(type(m) in _MESSAGE_TYPES for m in history):
+        return trusted(InferenceRequest, messages=history, **parts)
+    return InferenceRequest(messages=history, **parts)
 
 
 async def _stream(engine: Engine, ctx: RunContext, request: InferenceRequest) -> ModelResponse:

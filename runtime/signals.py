@@ -1,8 +1,15 @@
-"""Exceptions the engine's parts use to tell the Step loop what happened (never escape it)."""
+"""The cancellation signal, racing work against it, and the exceptions the engine's
+parts use to tell the Step loop what happened (they never escape it)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 from runtime.lifecycle import EndCause
+
+T = TypeVar("T")
 
 
 class CancelledSignal(Exception):
@@ -19,3 +26,70 @@ class EndRun(Exception):
     def __init__(self, cause: EndCause) -> None:
         super().__init__(cause.kind)
         self.cause = cause
+
+
+class CancelSignal(asyncio.Event):
+    """A Run's cancellation event, which also calls the wakers of the races in progress."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wakers: set[Callable[[], None]] = set()
+
+    def set(self) -> None:
+        super().set()
+        for wake in tuple(self._wakers):
+            wake()
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` when the signal fires (now, if it is set already)."""
+        self._wakers.add(wake)
+        if self.is_set():
+            wake()
+
+    def unwatch(self, wake: Callable[[], None]) -> None:
+        self._wakers.discard(wake)
+
+
+async def guarded(signal: CancelSignal, work: Awaitable[T]) -> T:
+    """Await ``work`` unless ``signal`` fires first; then raise CancelledSignal.
+
+    The work runs in the calling task rather than a task of its own (a task, its
+    scheduling and the wake-ups cost more than the Step's bookkeeping around each
+    inference and wave): the signal cancels the calling task from the loop, which
+    unwinds the work where it waits, and the CancelledError is turned into
+    CancelledSignal here. The cancellation is requested from a callback of the loop,
+    never while the task runs, so it always lands on a wait of the work (or on nothing,
+    if the work finished first: then its result stands, as when a task wins the race).
+    A cancellation of the task from elsewhere stays a CancelledError.
+    """
+    task = asyncio.current_task()
+    assert task is not None, "the engine runs inside a task"
+    loop = asyncio.get_running_loop()
+    pending: asyncio.Handle | None = None
+    fired = False
+
+    def interrupt() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    def wake() -> None:
+        nonlocal pending
+        if pending is None:
+            pending = loop.call_soon(interrupt)
+
+    signal.watch(wake)
+    try:
+        result = await work
+    except BaseException:
+        if fired and task.uncancel() == 0:
+            raise CancelledSignal from None  # the unwound work's error is moot
+        raise
+    finally:
+        signal.unwatch(wake)
+        if pending is not None and not fired:
+            pending.cancel()
+    if fired:  # the work swallowed the cancellation: the signal still came first
+        task.uncancel()
+        raise CancelledSignal
+    return result

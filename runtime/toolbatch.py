@@ -12,6 +12,7 @@ import json
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from runtime.base import trusted
 from runtime.batch import (
     ActiveToolBatch,
     Awaiting,
@@ -40,7 +41,6 @@ from runtime.lifecycle import (
     PermissionDecision,
     ResumeCommand,
     ResumeTicket,
-    RunningState,
     ToolWaitTarget,
     UserInput,
 )
@@ -61,6 +61,7 @@ async def advance_batch(engine: Engine, ctx: RunContext) -> None:
     assert batch is not None
     ready: list[CallId] = []
     waiter: CallId | None = None
+    parsed: dict[CallId, dict[str, Any]] = {}  # arguments the gates validated, for the wave
     for action in plan_calls(batch, lambda tool, mode: _supports(engine, tool, mode)):
         if isinstance(action, MarkIndeterminate):
             if _delegates(engine, batch, action.call_id):
@@ -73,19 +74,19 @@ async def advance_batch(engine: Engine, ctx: RunContext) -> None:
         elif isinstance(action, WaitOnCall):
             waiter = waiter or action.call_id
         elif isinstance(action, RunGates):
-            batch, verdict = _gate(engine, ctx.frontier.state, batch, action.call_id)
+            batch, verdict = _gate(engine, ctx.frontier.state, batch, action.call_id, parsed)
             if verdict == "ready":
                 ready.append(action.call_id)
             elif verdict == "wait" and waiter is None:
                 waiter = action.call_id  # one wait at a time; later ones stay requested
     for wave in _waves(engine, batch, ready):
-        batch = await run_wave(engine, ctx, batch, wave)
+        batch = await run_wave(engine, ctx, batch, wave, parsed=parsed)
     lone_child = batch.awaiting_call()
     waiter = lone_child.call_id if lone_child is not None else waiter
     if waiter is not None:
         await _await_call(engine, ctx, batch, waiter)
     elif batch != ctx.frontier.batch:
-        await engine.commit(ctx, "results", RunningState(run_id=ctx.run_id), batch=batch)
+        await engine.commit(ctx, "results", ctx.running(), batch=batch)
 
 
 def _supports(engine: Engine, tool_id: str, mode: str) -> bool:
@@ -94,16 +95,24 @@ def _supports(engine: Engine, tool_id: str, mode: str) -> bool:
 
 
 def _gate(
-    engine: Engine, ctx_state: StateView, batch: ActiveToolBatch, call_id: CallId
+    engine: Engine,
+    ctx_state: StateView,
+    batch: ActiveToolBatch,
+    call_id: CallId,
+    parsed: dict[CallId, dict[str, Any]],
 ) -> tuple[ActiveToolBatch, str]:
-    """Validate a requested call; bad input becomes a model-visible error, never a crash."""
+    """Validate a requested call; bad input becomes a model-visible error, never a crash.
+
+    The validated arguments go into ``parsed``, so the executor's invocation need not
+    parse them again.
+    """
     call = batch.call(call_id)
     tool = engine.agent.tool(call.tool)
     if tool is None:
         known = ", ".join(t.id for t in engine.agent.tools) or "none"
         return _fail(batch, call_id, f"unknown tool {call.tool!r}; available tools: {known}")
     try:
-        tool.parse(call.arguments)
+        parsed[call_id] = tool.parse(call.arguments)
     except ValueError as exc:
         return _fail(batch, call_id, str(exc))
     if tool.delegates:
@@ -121,6 +130,8 @@ def _gate(
 
 
 def _delegates(engine: Engine, batch: ActiveToolBatch, call_id: CallId) -> bool:
+    if not engine.agent.delegating:
+        return False
     tool = engine.agent.tool(batch.call(call_id).tool)
     return tool is not None and tool.delegates
 
@@ -176,8 +187,14 @@ async def run_wave(
     wave: list[CallId],
     *,
     marked: bool = False,
+    parsed: dict[CallId, dict[str, Any]] | None = None,
 ) -> ActiveToolBatch:
-    """Commit executing for the wave, run it in one round trip, commit its results."""
+    """Commit executing for the wave, run it in one round trip, commit its results.
+
+    ``parsed`` holds arguments the gates validated; each serves one invocation only, so
+    a retried call gets freshly parsed arguments, as the first attempt did.
+    """
+    parsed = {} if parsed is None else parsed
     commands: list[Command] = []
     undispatched: set[CallId] = set()
     members = list(wave)
@@ -189,13 +206,13 @@ async def run_wave(
             await engine.commit(
                 ctx,
                 "executing",
-                RunningState(run_id=ctx.run_id),
+                ctx.running(),
                 batch=batch,
                 commands=_relationships(engine, ctx, batch, wave),
             )
         marked = False
         engine.faults.hit("during:tools")
-        outcomes = await engine.guard(_dispatch(engine, ctx, batch, wave))
+        outcomes = await engine.guard(_dispatch(engine, ctx, batch, wave, parsed))
         _refuse_parallel_waits(engine, wave, outcomes)
         retry: list[CallId] = []
         undispatched = set()
@@ -203,12 +220,13 @@ async def run_wave(
             batch = _settle(batch, call_id, outcome, retry, undispatched, commands)
         wave = retry
     hooks = HookResults()
-    for call_id in members:
-        await engine.hooks(ctx, "AfterTool", hooks, step=batch.step, call=batch.call(call_id))
+    if engine.agent.hooks:  # else skip even building each call's arguments
+        for call_id in members:
+            await engine.hooks(ctx, "AfterTool", hooks, step=batch.step, call=batch.call(call_id))
     await engine.commit(
         ctx,
         "results",
-        RunningState(run_id=ctx.run_id),
+        ctx.running(),
         batch=batch,
         commands=(*commands, *hooks.commands),
     )
@@ -216,19 +234,24 @@ async def run_wave(
 
 
 async def _dispatch(
-    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, wave: list[CallId]
+    engine: Engine,
+    ctx: RunContext,
+    batch: ActiveToolBatch,
+    wave: list[CallId],
+    parsed: dict[CallId, dict[str, Any]],
 ) -> list[ToolOutcome | ChildWaiting]:
     """One executor round trip for ordinary calls; every child of the wave at once."""
     children = [c for c in wave if _delegates(engine, batch, c)]
     ordinary = [c for c in wave if c not in children]
-    invocations = [_invocation(engine, ctx, batch, c) for c in ordinary]
+    invocations = [_invocation(engine, ctx, batch, c, parsed.pop(c, None)) for c in ordinary]
     runs: list[Awaitable[Any]] = [engine.tools.run(invocations)] if invocations else []
     assert engine.children is not None or not children
     runs += [
         engine.children.run(_child_request(engine, ctx, batch, c))  # type: ignore[union-attr]
         for c in children
     ]
-    results = await asyncio.gather(*runs)
+    # gather wraps each awaitable in a task of its own; a lone one needs none
+    results = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
     by_call: dict[CallId, ToolOutcome | ChildWaiting] = {}
     if invocations:
         by_call.update(zip(ordinary, results.pop(0), strict=True))
@@ -304,14 +327,18 @@ def _settle(
 
 
 def _invocation(
-    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, call_id: CallId
+    engine: Engine,
+    ctx: RunContext,
+    batch: ActiveToolBatch,
+    call_id: CallId,
+    arguments: dict[str, Any] | None,
 ) -> ToolInvocation:
     call = batch.call(call_id)
     tool = engine.agent.tool(call.tool)
     assert tool is not None
     return ToolInvocation(
         tool=call.tool,
-        arguments=tool.parse(call.arguments),
+        arguments=tool.parse(call.arguments) if arguments is None else arguments,
         call_id=call_id,
         operation_id=call.operation_id,
         attempt=call.attempts,
@@ -353,7 +380,7 @@ async def apply_resume(
     engine: Engine, ctx: RunContext, ticket: ResumeTicket, command: ResumeCommand
 ) -> None:
     """Commit the validated resume (Awaiting → Running) before acting on it."""
-    running = RunningState(run_id=ctx.run_id)
+    running = ctx.running()
     payload = command.payload
     resumed = Fact(
         type="resumed",
@@ -396,7 +423,7 @@ async def _resume_at_boundary(
     await engine.commit(
         ctx,
         "resume",
-        RunningState(run_id=ctx.run_id),
+        ctx.running(),
         messages=messages,
         batch=batch,
         extra_facts=(resumed,),
@@ -404,12 +431,17 @@ async def _resume_at_boundary(
 
 
 def result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:
-    """A terminal batch's results, in the model's call order."""
+    """A terminal batch's results, in the model's call order (made of the batch's
+    validated fields, so not validated again)."""
     if batch is None:
         return ()
     return tuple(
-        ToolResultMessage(
-            call_id=c.call_id, tool=c.tool, content=out.content, is_error=out.is_error
+        trusted(
+            ToolResultMessage,
+            call_id=c.call_id,
+            tool=c.tool,
+            content=out.content,
+            is_error=out.is_error,
         )
         for c in batch.calls
         for out in (c.to_model_output(),)

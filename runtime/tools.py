@@ -78,7 +78,12 @@ class Tool:
 
     @property
     def default_policy(self) -> ToolRecoveryPolicy:
-        return ToolRecoveryPolicy(mode=self.recovery[0])
+        """Built once (it is asked for every call the model makes); records are immutable."""
+        cached: ToolRecoveryPolicy | None = self.__dict__.get("_policy")
+        if cached is None:
+            cached = ToolRecoveryPolicy(mode=self.recovery[0])
+            object.__setattr__(self, "_policy", cached)
+        return cached
 
     def supports(self, mode: RecoveryMode) -> bool:
         """never_replay is always honoured: it only ever does less."""
@@ -228,7 +233,9 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
     )
     timeout = inv.timeout_s if inv.timeout_s is not None else t.timeout_s
     try:
-        result = await asyncio.wait_for(t.invoke(inv.arguments, ctx), timeout)
+        work = t.invoke(inv.arguments, ctx)
+        # with no timeout, wait_for would only await it, one frame further down
+        result = await (work if timeout is None else asyncio.wait_for(work, timeout))
     except UnavailableBeforeDispatch as exc:
         return Unavailable(message=str(exc) or "unavailable before dispatch")
     except TimeoutError:
@@ -245,6 +252,14 @@ class LocalToolRunner:
         self.tools = {t.id: t for t in tools}
 
     async def run(self, invocations: Sequence[ToolInvocation]) -> list[ToolOutcome]:
-        return list(
-            await asyncio.gather(*(invoke_safely(self.tools[i.tool], i) for i in invocations))
-        )
+        # A task per call, as gather would make (they run concurrently, each in its own
+        # context), awaited in order without gather's bookkeeping, which costs more than
+        # the tasks; if this is cancelled, so are they, as with a cancelled gather.
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(invoke_safely(self.tools[i.tool], i)) for i in invocations]
+        try:
+            return [await task for task in tasks]
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            raise

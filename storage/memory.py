@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
+from runtime.base import trusted
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
     Frontier,
@@ -48,21 +49,23 @@ class MemoryCommitStore:
 
     async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
         check_size(commit, self.payload_limit)
+        operation_id = commit.operation_id
         async with self._lock:
             t = self._thread(commit.thread_id)
-            known = t.receipts.get(commit.operation_id)
+            known = t.receipts.get(operation_id)
             receipt = check_append(t.frontier, commit, expected_version, epoch, known)
             if receipt is not None:
                 return receipt
             frontier = advance(t.frontier, commit)
-            receipt = Receipt(
+            receipt = trusted(  # of the admitted commit's own fields: valid already
+                Receipt,
                 thread_id=commit.thread_id,
                 seq=frontier.version,
-                operation_id=commit.operation_id,
+                operation_id=operation_id,
                 payload_hash=commit.payload_hash,
             )
             t.log.append(commit.encoded)
-            t.receipts[commit.operation_id] = receipt
+            t.receipts[operation_id] = receipt
             t.frontier = frontier
             return receipt
 
