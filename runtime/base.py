@@ -34,7 +34,7 @@ _set_private = _SLOTS["__pydantic_private__"].__set__
 
 
 def _record(cls: type[F], values: dict[str, Any], fields_set: set[str]) -> F:
-    new = cls.__new__(cls)
+    new = object.__new__(cls)  # what cls.__new__ is, without the look-up through the metaclass
     _set_dict(new, values)
     _set_fields_set(new, fields_set)
     _set_extra(new, None)
@@ -77,14 +77,25 @@ def evolve(model: F, **changes: Any) -> F:
     without its generic copying. Values cached in ``__dict__`` (cached properties) are
     dropped: they were computed from the old fields."""
     cls = type(model)
-    fields = cls.__pydantic_fields__
+    names = _FIELD_NAMES.get(cls) or _field_names(cls)
     values = {**model.__dict__, **changes}
-    if len(values) != len(fields):  # a cached property, or a name that is not a field
-        unknown = changes.keys() - fields.keys()
+    if len(values) != len(names):  # a cached property, or a name that is not a field
+        unknown = changes.keys() - set(names)
         if unknown:
             raise TypeError(f"{cls.__name__} has no field {sorted(unknown)}")
-        values = {name: values[name] for name in fields}
+        values = {name: values[name] for name in names}
     return _record(cls, values, model.__pydantic_fields_set__ | changes.keys())
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+"""Field names per record type, filled on first use (looked up for every record built)."""
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    if not issubclass(cls, Frozen):
+        raise TypeError(f"{cls.__name__} is not a record")
+    names = _FIELD_NAMES[cls] = tuple(cls.__pydantic_fields__)
+    return names
 
 
 # ---- the canonical encoding -----------------------------------------------------------
@@ -126,16 +137,9 @@ def canonical_model_json(model: Frozen, *, plain: bool) -> str:
     return canonical_json(model.model_dump(mode="json"), plain=False)
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-"""Field names per record type, filled on first use (orjson asks once per nested record)."""
-
-
 def _fields(value: Any) -> dict[str, Any]:
-    names = _FIELD_NAMES.get(type(value))
-    if names is None:
-        if not isinstance(value, Frozen):
-            raise TypeError(f"{type(value).__name__} is not a record")
-        names = _FIELD_NAMES[type(value)] = tuple(type(value).__pydantic_fields__)
+    """orjson's ``default``: asked once for each record it meets."""
+    names = _FIELD_NAMES.get(type(value)) or _field_names(type(value))
     values = value.__dict__
     # cached properties share __dict__ with the fields: leave them out
     return values if len(values) == len(names) else {name: values[name] for name in names}

@@ -85,19 +85,18 @@ def _request(
 async def _stream(engine: Engine, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
     response: ModelResponse | None = None
     partial = PartialOutput(run_id=request.run_id, step=request.step)
+    checkpointing = engine.checkpoints.store is not None  # else the partial is never read
     clock = asyncio.get_running_loop().time
     last_put = clock()
     async for item in engine.agent.model.stream(request):
         if isinstance(item, ModelResponse):
             response = item
             continue
-        partial.add(item)
-        if (
-            engine.checkpoints.store is not None
-            and clock() - last_put >= engine.checkpoint_interval_s
-        ):
-            await engine.checkpoints.put(ctx.frontier.thread_id, partial.checkpoint())
-            engine.checkpointed, last_put = True, clock()
+        if checkpointing:
+            partial.add(item)
+            if clock() - last_put >= engine.checkpoint_interval_s:
+                await engine.checkpoints.put(ctx.frontier.thread_id, partial.checkpoint())
+                engine.checkpointed, last_put = True, clock()
         if engine.bus is not None:
             delta = Delta(
                 type=item.type,
