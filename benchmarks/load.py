@@ -87,6 +87,7 @@ class Config:
     placement: str = "hosted"
     hosts: int = 2
     executors: int = 2
+    sqlite_writer: str = "direct"
     chaos: bool = False
     chaos_interval_s: float = 2.0
     seed: int = 7
@@ -342,9 +343,7 @@ class Timed:
     cpu_s: dict[str, float] = field(default_factory=dict)
 
 
-async def drive_durable(
-    client: Ratchet, cfg: Config, ref: str, progress: Progress
-) -> Timed:
+async def drive_durable(client: Ratchet, cfg: Config, ref: str, progress: Progress) -> Timed:
     stamp = uuid.uuid4().hex[:8]
 
     async def launch(prefix: str, i: int) -> None:
@@ -584,7 +583,11 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
     client: Ratchet | None = None
     try:
         client = await Ratchet.connect(
-            store_url=prepared.url, hosts=cfg.hosts, executors=cfg.executors, quiet=True
+            store_url=prepared.url,
+            hosts=cfg.hosts,
+            executors=cfg.executors,
+            quiet=True,
+            sqlite_writer=cfg.sqlite_writer,
         )
         own = prepared.kind != "memory"
         timed = await drive_durable(client, cfg, params.ref, progress)
@@ -914,6 +917,9 @@ def bench_command(
     placement: str = typer.Option("hosted", "--placement", help="hosted | dedicated"),
     hosts: int = typer.Option(2, "--hosts", help="RunHosts in the hosted pool"),
     executors: int = typer.Option(2, "--executors", help="ToolExecutors in the pool"),
+    sqlite_writer: str = typer.Option(
+        "direct", "--sqlite-writer", help="direct (each host writes) | actor (one store actor)"
+    ),
     chaos: bool = typer.Option(False, "--chaos", help="kill a RunHost or ToolExecutor often"),
     chaos_interval_s: float = typer.Option(2.0, "--chaos-interval-s"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline"),
@@ -927,12 +933,15 @@ def bench_command(
     """Run workload W1 (or the store's raw limit) and report throughput and correctness."""
     if placement not in ("hosted", "dedicated"):
         raise typer.BadParameter("--placement must be hosted or dedicated")
+    if sqlite_writer not in ("direct", "actor"):
+        raise typer.BadParameter("--sqlite-writer must be direct or actor")
     if scenario not in ("w1", "store"):
         raise typer.BadParameter("--scenario must be w1 or store")
     cfg = Config(
         runs=runs, concurrency=concurrency, steps=steps, tools=tools,
         model_latency_ms=model_latency_ms, tool_latency_ms=tool_latency_ms, store=store,
-        placement=placement, hosts=hosts, executors=executors, chaos=chaos,
+        placement=placement, hosts=hosts, executors=executors, sqlite_writer=sqlite_writer,
+        chaos=chaos,
         chaos_interval_s=chaos_interval_s, seed=seed, baseline=baseline,
     )  # fmt: skip
     console = Console(stderr=as_json)
