@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -382,11 +383,17 @@ async def test_a_set_signal_still_lets_work_that_does_not_wait_finish():
 
 
 async def test_a_cancellation_from_elsewhere_stays_a_cancellation():
+    waiting = asyncio.Event()
+
+    async def wait_forever() -> None:
+        waiting.set()
+        await asyncio.Event().wait()
+
     async def outer() -> None:
-        await guarded(CancelSignal(), asyncio.Event().wait())
+        await guarded(CancelSignal(), wait_forever())
 
     task = asyncio.create_task(outer())
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(waiting.wait(), 5)  # the cancel lands inside guarded
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -427,8 +434,11 @@ async def test_local_tools_of_a_wave_run_concurrently_and_are_cancelled_together
         pong.set()
         return "second"
 
+    started: list[int] = []
+
     @tool
     async def forever(n: int) -> str:
+        started.append(n)
         try:
             await asyncio.Event().wait()
         finally:
@@ -450,9 +460,17 @@ async def test_local_tools_of_a_wave_run_concurrently_and_are_cancelled_together
     outcomes = await runner.run([inv("first"), inv("second")])
     assert [o.output.content for o in outcomes] == ["first", "second"]  # type: ignore[union-attr]
     task = asyncio.create_task(runner.run([inv("forever", n=1), inv("forever", n=2)]))
-    await asyncio.sleep(0.01)
+    await _until(lambda: len(started) == 2)  # both tools are running
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0)
-    assert sorted(cancelled) == [1, 2]
+    await _until(lambda: sorted(cancelled) == [1, 2])
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Yield to the loop until ``condition`` holds; fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0)
