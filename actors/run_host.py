@@ -126,6 +126,8 @@ class RunHost:
         self.recovered = 0
         self._background = {asyncio.create_task(self._heartbeat())}
         self._reclaimed: asyncio.Task[None] | None = None
+        self._replacing: set[ThreadId] = set()
+        """Threads whose stale drive is being replaced: a dedicated host must not retire."""
         if _reconstructed():
             # requests wait for it: a retried start must not race the recording of the
             # crash (failed/execution_lost) for the Runs this host owned
@@ -164,11 +166,26 @@ class RunHost:
 
     async def _recover(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
         try:
-            if thread not in self.drives:
+            frontier = await self.store.load(thread)
+            stale = self.drives.get(thread)
+            if stale is not None:
+                if frontier.owner == self.owner:
+                    return True  # driven here, and still ours: nothing to recover
+                # Someone claimed the thread past this drive (the Supervisor took this host
+                # for lost while it was only slow): the drive is fenced and would only find
+                # out at its next commit, which a long tool call can put off indefinitely.
+                self._replacing.add(thread)
+                try:
+                    stale.task.cancel()
+                    await asyncio.wait({stale.task})
+                finally:
+                    self._replacing.discard(thread)
+                if thread in self.drives:  # a concurrent recovery got here first
+                    return True
                 frontier = await self.store.load(thread)
-                ref = agent_ref or _ref_of(frontier)
-                self._spawn(ref, thread, None, lambda e: e.recover(thread), parent_link(frontier))
-                self.recovered += 1
+            ref = agent_ref or _ref_of(frontier)
+            self._spawn(ref, thread, None, lambda e: e.recover(thread), parent_link(frontier))
+            self.recovered += 1
             return True
         except RatchetError as exc:
             return RemoteError.of(exc)
@@ -404,7 +421,7 @@ class RunHost:
         if drive is not None and drive.engine is engine:
             del self.drives[thread]
             self.finished += 1
-            if self.kind == "dedicated" and not self.drives:
+            if self.kind == "dedicated" and not self.drives and not self._replacing:
                 self._background.add(asyncio.create_task(self._retire()))
 
     async def _first_commit(self, drive: _Drive) -> Any:

@@ -132,6 +132,11 @@ class Supervisor:
     def _live_hosted(self, thread: ThreadId) -> Any:
         now = time.monotonic()
         live = [h for h, t in self.leases.items() if t > now and self.kinds.get(h) == "hosted"]
+        if not live:
+            # no lease heard yet (the pool is still starting) or none left: any pool
+            # host that exists, before bringing back one that is gone
+            pool = [self.spec.host_name(i) for i in range(self.spec.hosts)]
+            live = [name for name in pool if _exists(name)]
         if live:
             return ray.get_actor(pick_live(thread, live), namespace=NAMESPACE)
         index = int(pick_live(thread, [str(i) for i in range(self.spec.hosts)]))
@@ -162,6 +167,15 @@ class Supervisor:
             await self._replace(thread, run_meta(await self.store.load(thread)))
         for host_id in sorted(unleased):
             await self._host_lost(host_id, "no lease")
+
+
+def _exists(name: str) -> bool:
+    """A named actor Ray knows (alive, or restarting)."""
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 RemoteSupervisor = ray.remote(Supervisor)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from actors.ownership import settle_lost
 from actors.wire import unwrap
 from runtime.commit import ThreadCommit
 from runtime.errors import Fenced, VersionConflict
@@ -72,3 +73,27 @@ async def test_a_zombie_host_is_fenced_when_another_takes_its_run(make_system, l
     info = await client.hosts[0].info.remote()
     assert info["driving"] == 0
     assert ray.get_actor(client.spec.host_name(0), namespace="ratchet") is not None
+
+
+async def test_a_host_taken_for_lost_recovers_its_own_run_at_once(make_system, ledger):
+    """The Supervisor settled a Run of a host that was only slow, and re-placed it on that
+    same host: the host drops its fenced drive (stuck in a tool call) and recovers now."""
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:napping_agent", "nap", host=0)
+    prefix = f"tool-batch:{handle.run_id}:"
+
+    async def napping() -> bool:
+        return len(ledger.rows(prefix)) >= 1
+
+    await wait_for(napping, what="the first nap")
+    assert await settle_lost(client.store, handle.thread_id, "supervisor")
+    assert unwrap(await client.hosts[0].recover_run.remote(handle.thread_id))
+    info = await client.hosts[0].info.remote()
+    assert (info["recovered"], info["driving"]) == (1, 1)  # the stale drive is gone already
+    frontier = await handle.result(timeout_s=60)
+    assert frontier.run_state.cause.kind == "natural"
+    assert frontier.owner.startswith(client.spec.host_name(0))
+    report = await check_log(client.store, handle.thread_id)
+    (nap,) = report.calls.values()
+    assert nap.phase.kind == "completed" and nap.attempts == 2
+    assert report.statuses[-1] == ("idle", "natural") and report.lost == 1
