@@ -47,8 +47,8 @@ async def test_a_stale_epoch_is_fenced_through_the_store_actor(make_system):
     assert receipt.seq == 1
 
 
-async def test_a_zombie_host_is_fenced_when_another_takes_its_run(make_system, ledger):
-    client = await make_system()
+async def _napping_on_host0(client, ledger):
+    """A Run on host 0 that is inside its first (3 s) tool call."""
     handle = await client.start("tests.ray.agents:napping_agent", "nap", host=0)
     prefix = f"tool-batch:{handle.run_id}:"
 
@@ -56,6 +56,12 @@ async def test_a_zombie_host_is_fenced_when_another_takes_its_run(make_system, l
         return len(ledger.rows(prefix)) >= 1
 
     await wait_for(napping, what="the first nap")
+    return handle
+
+
+async def test_a_zombie_host_is_fenced_when_another_takes_its_run(make_system, ledger):
+    client = await make_system()
+    handle = await _napping_on_host0(client, ledger)
     # host 1 takes the Run over while host 0 (alive, now a zombie) is still in its tool
     assert unwrap(await client.hosts[1].recover_run.remote(handle.thread_id))
 
@@ -79,13 +85,7 @@ async def test_a_host_taken_for_lost_recovers_its_own_run_at_once(make_system, l
     """The Supervisor settled a Run of a host that was only slow, and re-placed it on that
     same host: the host drops its fenced drive (stuck in a tool call) and recovers now."""
     client = await make_system()
-    handle = await client.start("tests.ray.agents:napping_agent", "nap", host=0)
-    prefix = f"tool-batch:{handle.run_id}:"
-
-    async def napping() -> bool:
-        return len(ledger.rows(prefix)) >= 1
-
-    await wait_for(napping, what="the first nap")
+    handle = await _napping_on_host0(client, ledger)
     assert await settle_lost(client.store, handle.thread_id, "supervisor")
     assert unwrap(await client.hosts[0].recover_run.remote(handle.thread_id))
     info = await client.hosts[0].info.remote()
