@@ -24,7 +24,8 @@ import ray
 from actors.children import RayChildRunner
 from actors.ownership import running_owned_by, settle_lost
 from actors.store_actor import open_system_store
-from actors.tool_executor import ExecutorPools, RayToolRunner
+from actors.tool_executor import ExecutorPools
+from actors.waves import RayToolRunner, WaveDispatcher
 from actors.wire import (
     NAMESPACE,
     Placement,
@@ -116,7 +117,7 @@ class RunHost:
         self.spec, self.host_id, self.kind = spec, host_id, kind
         self.owner = owner_id(host_id)
         self.store = await open_system_store(spec)
-        self.pools = ExecutorPools(spec)
+        self.waves = WaveDispatcher(ExecutorPools(spec))
         self.children = RayChildRunner(spec)
         self.bus = _live_bus(spec)
         self.checkpoints = _checkpoint_store(spec)
@@ -333,6 +334,8 @@ class RunHost:
             "driving": len(self.drives),
             "finished": self.finished,
             "recovered": self.recovered,
+            "waves_sent": self.waves.sent["waves"],
+            "executor_calls": self.waves.sent["calls"],
         }
 
     async def ping(self) -> str:
@@ -343,7 +346,7 @@ class RunHost:
     def _agent(self, ref: str) -> tuple[Agent, RayToolRunner]:
         if ref not in self.agents:
             agent = load_agent(ref)
-            self.agents[ref] = (agent, RayToolRunner(ref, agent, self.pools))
+            self.agents[ref] = (agent, RayToolRunner(ref, agent, self.waves))
         return self.agents[ref]
 
     def _engine(self, ref: str, faults: FaultPlan, link: ParentLink | None = None) -> Engine:

@@ -1,15 +1,11 @@
-"""ToolExecutor actors and the host-side ToolRunner that drives them (DESIGN §6).
+"""ToolExecutor actors and the pools a host process sends waves to (DESIGN §6).
 
-Executors are stateless: a call names the agent by reference and the tool by id,
+Executors are stateless: a wave names the agent by reference and the tool by id,
 the executor rebuilds the agent (once per process) and runs the tool with
 ``invoke_safely``. Tools that declare Ray resources run in a pool whose actors
 were created with exactly those resources, so they only ever run where the
-resources exist. A wave is one actor round trip per pool it touches.
-
-An executor that dies mid-call (``RayActorError``) or outlives the call's timeout
-yields ``Lost`` for its calls: the effect may have happened, and the engine's
-pinned policy decides (never_replay → indeterminate, replayable → re-run with the
-same operation id).
+resources exist. The host side (coalescing waves, losing them with their executor)
+is ``actors.waves``.
 """
 
 from __future__ import annotations
@@ -17,21 +13,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
 from actors.wire import NAMESPACE, SystemSpec
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.errors import AgentImportError
-from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
-from runtime.tools import Tool, invoke_safely
+from runtime.ports import Finished, ToolInvocation, ToolOutcome, Unavailable
+from runtime.tools import invoke_safely
 
-TIMEOUT_GRACE_S = 5.0
-"""How long past a tool's own timeout the host waits before calling the executor lost."""
 DEFAULT_POOL = "default"
 
 
@@ -40,6 +33,37 @@ class ToolExecutor:
 
     def __init__(self) -> None:
         self._agents: dict[str, Agent] = {}
+        self._waves: dict[str, asyncio.Task[list[Any]]] = {}
+        """Waves running here, by id, so a host can cancel one (actors.waves)."""
+
+    @ray.method(num_returns="streaming")  # type: ignore[misc]
+    async def run_waves(
+        self, waves: Sequence[tuple[str, str, Sequence[ToolInvocation]]]
+    ) -> AsyncIterator[list[tuple[str, list[Any]]]]:
+        """Run many Runs' waves concurrently; yield each batch of finished ones at once."""
+        running: dict[asyncio.Task[list[Any]], str] = {}
+        for wave_id, agent_ref, invocations in waves:
+            task = asyncio.ensure_future(self.run(agent_ref, invocations))
+            running[task] = wave_id
+            self._waves[wave_id] = task
+        pending = set(running)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                finished = [(running[t], t.result()) for t in done if not t.cancelled()]
+                if finished:
+                    yield finished
+        finally:
+            for task in pending:
+                task.cancel()
+            for wave_id in running.values():
+                self._waves.pop(wave_id, None)
+
+    async def cancel_waves(self, wave_ids: Sequence[str]) -> None:
+        for wave_id in wave_ids:
+            task = self._waves.get(wave_id)
+            if task is not None:
+                task.cancel()
 
     async def run(self, agent_ref: str, invocations: Sequence[ToolInvocation]) -> list[Any]:
         try:
@@ -124,62 +148,3 @@ class ExecutorPools:
     def pick(self, resources: Mapping[str, float]) -> Any:
         pool = self.pool(resources)
         return pool[next(self._turn) % len(pool)]
-
-
-class RayToolRunner:
-    """The ToolRunner port on Ray: one executor round trip per wave and pool."""
-
-    def __init__(self, agent_ref: str, agent: Agent, pools: ExecutorPools) -> None:
-        self.agent_ref = agent_ref
-        self.agent = agent
-        self.pools = pools
-
-    async def run(self, invocations: Sequence[ToolInvocation]) -> list[ToolOutcome]:
-        groups: dict[str, list[int]] = {}
-        resources: dict[str, Mapping[str, float]] = {}
-        for i, inv in enumerate(invocations):
-            needs = self._resources(inv.tool)
-            key = pool_key(needs)
-            groups.setdefault(key, []).append(i)
-            resources[key] = needs
-        outcomes: list[ToolOutcome | None] = [None] * len(invocations)
-        parts = [
-            self._round_trip(resources[key], [invocations[i] for i in idx])
-            for key, idx in groups.items()
-        ]
-        for idx, results in zip(groups.values(), await asyncio.gather(*parts), strict=True):
-            for i, outcome in zip(idx, results, strict=True):
-                outcomes[i] = outcome
-        return [o for o in outcomes if o is not None]
-
-    def _resources(self, tool_id: str) -> Mapping[str, float]:
-        tool: Tool | None = self.agent.tool(tool_id)
-        return tool.resources if tool is not None else {}
-
-    async def _round_trip(
-        self, resources: Mapping[str, float], invocations: list[ToolInvocation]
-    ) -> list[ToolOutcome]:
-        executor = self.pools.pick(resources)
-        ref = executor.run.remote(self.agent_ref, invocations)
-        try:
-            return list(await asyncio.wait_for(ref, _deadline(invocations)))
-        except TimeoutError:
-            ray.cancel(ref, force=False)
-            return [Lost(message="executor did not answer before the call's timeout")] * len(
-                invocations
-            )
-        except asyncio.CancelledError:  # the Run was cancelled: stop the tool where it runs
-            ray.cancel(ref, force=False)
-            raise
-        except RayActorError as exc:
-            message = f"executor died mid-call ({type(exc).__name__})"
-            return [Lost(message=message)] * len(invocations)
-        except RayTaskError as exc:  # the executor itself failed around the tools
-            return [Lost(message=f"executor failed: {exc.cause!r}")] * len(invocations)
-
-
-def _deadline(invocations: Sequence[ToolInvocation]) -> float | None:
-    timeouts = [inv.timeout_s for inv in invocations]
-    if any(t is None for t in timeouts):
-        return None
-    return max(t for t in timeouts if t is not None) + TIMEOUT_GRACE_S

@@ -592,6 +592,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         own = prepared.kind != "memory"
         timed = await drive_durable(client, cfg, params.ref, progress)
         report = await client.supervisor_report() if cfg.chaos else {}
+        coalescing = await _waves_per_call(client)
         if own:
             await client.shutdown()
             client = None
@@ -644,6 +645,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         "natural_runs": verdict.natural_runs,
         "exactly_once_calls": verdict.exactly_once_calls,
         "ledger_violations": verdict.ledger_violations,
+        "waves_per_executor_call": coalescing,
         "cpu_ms_per_run": {
             kind: round(seconds * 1000 / cfg.runs, 2)
             for kind, seconds in sorted(timed.cpu_s.items(), key=lambda kv: -kv[1])
@@ -666,6 +668,17 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
     if verdict.problems:
         result["problems"] = verdict.problems
     return result
+
+
+async def _waves_per_call(client: Ratchet) -> float | None:
+    """How many Runs' waves shared an executor round trip, on average (hosted pool; a
+    host restarted by chaos counts from its restart)."""
+    waves = calls = 0
+    for host in client.hosts:
+        with contextlib.suppress(Exception):
+            info = await host.info.remote()
+            waves, calls = waves + info["waves_sent"], calls + info["executor_calls"]
+    return round(waves / calls, 2) if calls else None
 
 
 async def run_baseline(cfg: Config, progress: Progress) -> dict[str, Any]:

@@ -1,0 +1,176 @@
+"""Waves of many Runs share executor round trips (DESIGN §12).
+
+A plain Ray actor call costs about a millisecond of CPU at each end on our 2-core
+machines, whatever it carries; with tools that answer at once that is most of what a
+Step costs. Group commit wakes many Runs of a host in the same event-loop turn, so
+their next waves are ready together: the ``WaveDispatcher`` holds a wave for two loop
+turns and sends every wave bound for the same executor pool in one streaming call.
+
+The executor runs the waves of a call concurrently and yields each as it finishes, so
+a slow tool holds back only its own wave, never the others in its call. A wave its
+Run stops waiting for (the deadline passed, or the Run was cancelled) is cancelled on
+the executor by its id. An executor that dies mid-call makes every wave it had not
+answered ``Lost``; the engine's pinned recovery policy decides what those become.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.tool_executor import ExecutorPools, pool_key
+from runtime.agent import Agent
+from runtime.ports import Lost, ToolInvocation, ToolOutcome
+from runtime.tools import Tool
+
+log = logging.getLogger("ratchet.waves")
+TIMEOUT_GRACE_S = 5.0
+"""How long past a tool's own timeout the host waits before calling the executor lost."""
+
+
+@dataclass(eq=False)
+class _Wave:
+    id: str
+    agent_ref: str
+    invocations: list[ToolInvocation]
+    done: asyncio.Future[list[ToolOutcome]]
+    executor: Any = field(default=None)
+    """The executor the wave went to (None while it waits to be sent)."""
+
+    def settle(self, outcomes: list[ToolOutcome]) -> None:
+        if not self.done.done():  # a wave given up on is already settled
+            self.done.set_result(outcomes)
+
+    def lose(self, message: str) -> None:
+        self.settle([Lost(message=message)] * len(self.invocations))
+
+
+class WaveDispatcher:
+    """One per host process: the waves of all its Runs, coalesced per executor pool."""
+
+    def __init__(self, pools: ExecutorPools, grace_s: float = TIMEOUT_GRACE_S) -> None:
+        self.pools = pools
+        self.grace_s = grace_s
+        self._pending: dict[str, list[_Wave]] = {}
+        self._resources: dict[str, Mapping[str, float]] = {}
+        self._prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+        self._calls: set[asyncio.Task[None]] = set()
+        self.sent = {"waves": 0, "calls": 0}
+        """Counters for ``RunHost.info``: waves / calls is the coalescing achieved."""
+
+    async def run(
+        self, resources: Mapping[str, float], agent_ref: str, invocations: Sequence[ToolInvocation]
+    ) -> list[ToolOutcome]:
+        """The outcomes of one wave, in the order of ``invocations``."""
+        loop = asyncio.get_running_loop()
+        wave = _Wave(
+            f"{self._prefix}:{next(self._ids)}", agent_ref, list(invocations), loop.create_future()
+        )
+        key = pool_key(resources)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = []
+            self._resources[key] = resources
+            # two turns: Runs woken by the same group commit reach here in the next one
+            loop.call_soon(loop.call_soon, self._flush, key)
+        pending.append(wave)
+        try:
+            deadline = _deadline(invocations, self.grace_s)
+            return await asyncio.wait_for(asyncio.shield(wave.done), deadline)
+        except TimeoutError:
+            wave.lose("executor did not answer before the call's timeout")
+            self._cancel(wave)
+            return wave.done.result()
+        except asyncio.CancelledError:  # the Run was cancelled: stop the tools where they run
+            wave.lose("the run stopped waiting")
+            self._cancel(wave)
+            raise
+
+    def _flush(self, key: str) -> None:
+        waves = [w for w in self._pending.pop(key, []) if not w.done.done()]
+        if not waves:
+            return
+        executor = self.pools.pick(self._resources[key])
+        for wave in waves:
+            wave.executor = executor
+        self.sent["waves"] += len(waves)
+        self.sent["calls"] += 1
+        task = asyncio.get_running_loop().create_task(self._call(executor, waves))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _call(self, executor: Any, waves: list[_Wave]) -> None:
+        open_waves = {w.id: w for w in waves}
+        try:
+            stream = executor.run_waves.remote([(w.id, w.agent_ref, w.invocations) for w in waves])
+            async for ref in stream:
+                for wave_id, outcomes in await ref:
+                    open_waves.pop(wave_id).settle(outcomes)
+        except RayActorError as exc:
+            message = f"executor died mid-call ({type(exc).__name__})"
+        except RayTaskError as exc:  # the executor itself failed around the tools
+            message = f"executor failed: {exc.cause!r}"
+        except Exception as exc:  # a fault of ours, not of the tools: the Runs hear it
+            log.exception("sending %d waves failed", len(waves))
+            for wave in open_waves.values():
+                if not wave.done.done():
+                    wave.done.set_exception(exc)
+            return
+        else:
+            message = "executor ended the call without answering"
+        for wave in open_waves.values():
+            wave.lose(message)
+
+    def _cancel(self, wave: _Wave) -> None:
+        if wave.executor is None:
+            return  # not sent yet: the flush skips it
+        with contextlib.suppress(Exception):  # a dead executor has nothing left to stop
+            wave.executor.cancel_waves.remote([wave.id])
+
+
+class RayToolRunner:
+    """The ToolRunner port on Ray: a wave's calls go to each pool they need together,
+    sharing the round trip with the waves of other Runs (``actors.waves``)."""
+
+    def __init__(self, agent_ref: str, agent: Agent, dispatcher: WaveDispatcher) -> None:
+        self.agent_ref = agent_ref
+        self.agent = agent
+        self.dispatcher = dispatcher
+
+    async def run(self, invocations: Sequence[ToolInvocation]) -> list[ToolOutcome]:
+        groups: dict[str, list[int]] = {}
+        resources: dict[str, Mapping[str, float]] = {}
+        for i, inv in enumerate(invocations):
+            needs = self._resources(inv.tool)
+            key = pool_key(needs)
+            groups.setdefault(key, []).append(i)
+            resources[key] = needs
+        outcomes: list[ToolOutcome | None] = [None] * len(invocations)
+        parts = [
+            self.dispatcher.run(resources[key], self.agent_ref, [invocations[i] for i in idx])
+            for key, idx in groups.items()
+        ]
+        for idx, results in zip(groups.values(), await asyncio.gather(*parts), strict=True):
+            for i, outcome in zip(idx, results, strict=True):
+                outcomes[i] = outcome
+        return [o for o in outcomes if o is not None]
+
+    def _resources(self, tool_id: str) -> Mapping[str, float]:
+        tool: Tool | None = self.agent.tool(tool_id)
+        return tool.resources if tool is not None else {}
+
+
+def _deadline(invocations: Sequence[ToolInvocation], grace_s: float) -> float | None:
+    timeouts = [inv.timeout_s for inv in invocations]
+    if any(t is None for t in timeouts):
+        return None
+    return max(t for t in timeouts if t is not None) + grace_s

@@ -1,0 +1,81 @@
+"""Waves of many Runs share executor round trips, and each still ends on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from actors.tool_executor import ExecutorPools
+from actors.waves import WaveDispatcher
+from runtime.ports import Finished, Lost, ToolInvocation
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+AGENT = "tests.ray.wave_agents:agent"
+
+
+def _wave(tool: str, n: int, timeout_s: float | None = None, **arguments: object):
+    return [
+        ToolInvocation(
+            tool=tool,
+            arguments=arguments,
+            call_id=f"c{n}",
+            operation_id=f"op-{n}",
+            attempt=1,
+            run_id=f"run-{n}",
+            thread_id=f"thread-{n}",
+            timeout_s=timeout_s,
+        )
+    ]
+
+
+async def _dispatcher(make_system, grace_s: float = 5.0) -> WaveDispatcher:
+    client = await make_system(executors=1)
+    return WaveDispatcher(ExecutorPools(client.spec), grace_s=grace_s)
+
+
+async def test_waves_ready_together_share_one_call(make_system):
+    waves = await _dispatcher(make_system)
+    outcomes = await asyncio.gather(
+        *(waves.run({}, AGENT, _wave("echo_wave", n, text=f"t{n}")) for n in range(10))
+    )
+    assert [o[0].output.content for o in outcomes] == [f"t{n}" for n in range(10)]
+    assert waves.sent == {"waves": 10, "calls": 1}
+    again = await waves.run({}, AGENT, _wave("echo_wave", 10, text="alone"))
+    assert isinstance(again[0], Finished) and again[0].output.content == "alone"
+    assert waves.sent == {"waves": 11, "calls": 2}
+
+
+async def test_a_slow_wave_holds_back_only_itself_and_is_cancelled_where_it_runs(
+    make_system, tmp_path
+):
+    waves = await _dispatcher(make_system)
+    marker = str(tmp_path / "slow")
+    slow = asyncio.ensure_future(
+        waves.run({}, AGENT, _wave("linger", 0, seconds=120.0, marker=marker))
+    )
+    fast = asyncio.ensure_future(waves.run({}, AGENT, _wave("echo_wave", 1, text="quick")))
+    (done,) = await asyncio.wait_for(fast, 30)
+    assert done.output.content == "quick" and not slow.done()
+    assert waves.sent == {"waves": 2, "calls": 1}
+
+    await wait_for(lambda: _exists(f"{marker}.started"), what="the slow tool to start")
+    slow.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+    await wait_for(lambda: _exists(f"{marker}.cancelled"), what="the tool to be cancelled")
+
+
+async def test_an_executor_that_cannot_answer_loses_the_wave_at_its_deadline(make_system):
+    waves = await _dispatcher(make_system, grace_s=0.5)
+    (outcome,) = await asyncio.wait_for(
+        waves.run({}, AGENT, _wave("freeze", 0, timeout_s=0.2, seconds=8.0)), 30
+    )
+    assert isinstance(outcome, Lost) and "did not answer" in outcome.message
+
+
+async def _exists(path: str) -> bool:
+    return await asyncio.to_thread(os.path.exists, path)

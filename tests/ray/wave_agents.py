@@ -1,0 +1,46 @@
+"""Tools for the wave-dispatch tests (``tests.ray.wave_agents:agent``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from runtime.agent import Agent
+from runtime.models import ModelResponse, ScriptedModel
+from runtime.tools import tool
+
+
+@tool
+def echo_wave(text: str) -> str:
+    return text
+
+
+@tool
+async def linger(seconds: float, marker: str) -> str:
+    """Marks ``<marker>.started``, sleeps; marks ``<marker>.cancelled`` if cancelled."""
+    _mark(f"{marker}.started")
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        _mark(f"{marker}.cancelled")
+        raise
+    return "lingered"
+
+
+def _mark(path: str) -> None:
+    Path(path).touch()
+
+
+@tool
+def freeze(seconds: float) -> str:
+    """Blocks its executor's event loop: the executor cannot answer, nor time it out."""
+    time.sleep(seconds)
+    return "thawed"
+
+
+agent = Agent(
+    name="waves",
+    model=ScriptedModel((ModelResponse(text="unused"),)),
+    tools=(echo_wave, linger, freeze),
+)
