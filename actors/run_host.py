@@ -144,8 +144,11 @@ class RunHost:
         text: str,
         placement: str = "hosted",
         faults: FaultSpec | None = None,
+        wait: bool = False,
     ) -> Any:
-        """Activate and drive a Run; returns once its first commit landed (or it ended)."""
+        """Activate and drive a Run; returns once its first commit landed (or it ended),
+        or with ``wait`` once this host's drive of it is over (``Ratchet.run``: one call
+        where start and ``until_rest`` would take two)."""
         await self._after_reclaim()
         kind: Placement = "dedicated" if placement == "dedicated" else "hosted"
         meta = RunMeta(agent_ref=agent_ref, placement=kind)
@@ -156,7 +159,10 @@ class RunHost:
                 faults,
                 lambda e: e.start(thread, text, run_id=run_id, message_id=meta.message_id(run_id)),
             )
-            return await self._first_commit(drive)
+            started = await self._first_commit(drive)
+            if wait:
+                await asyncio.wait({drive.task})  # its own errors stay with the drive
+            return started
         except RatchetError as exc:
             return RemoteError.of(exc)
 

@@ -52,7 +52,7 @@ from rich.table import Table
 from actors.wire import NAMESPACE
 from benchmarks.baseline import Baseline
 from benchmarks.w1_agent import NEVER_REPLAY, W1, ledger_dir, new_ledger, read_ledger
-from cluster.client import Ratchet, RunHandle
+from cluster.client import Ratchet
 from cluster.report import EXECUTION_LOST
 from runtime.commit import Frontier, replay
 from runtime.errors import StoreUnavailable
@@ -278,19 +278,17 @@ async def bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> 
     return peak
 
 
-async def start_durable(
-    client: Ratchet, ref: str, thread: str, run: str, placement: str
-) -> RunHandle:
-    """``client.start``, retried (it is idempotent by run id) while a host is down."""
+async def run_durable(client: Ratchet, ref: str, thread: str, run: str, placement: str) -> None:
+    """``client.run``, retried (a start is idempotent by run id) while a host is down."""
     for attempt in range(START_ATTEMPTS):
         try:
-            return await client.start(ref, f"W1 input {thread}", thread_id=thread, run_id=run,
-                                      placement=placement)  # type: ignore[arg-type]  # fmt: skip
+            await client.run(ref, f"W1 input {thread}", thread_id=thread, run_id=run,
+                             placement=placement)  # type: ignore[arg-type]  # fmt: skip
+            return
         except Exception:
             if attempt == START_ATTEMPTS - 1:
                 raise
             await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
-    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -348,8 +346,8 @@ async def drive_durable(client: Ratchet, cfg: Config, ref: str, progress: Progre
 
     async def launch(prefix: str, i: int) -> None:
         thread, run = f"w1-{stamp}-{prefix}{i:05d}", f"run-{stamp}-{prefix}{i:05d}"
-        handle = await start_durable(client, ref, thread, run, cfg.placement)
-        await handle.result()  # the host says when it is done; the store confirms
+        # one call to the host, which answers when the Run is done; the store confirms
+        await run_durable(client, ref, thread, run, cfg.placement)
 
     warm = [(f"w1-{stamp}-w{i:05d}", f"run-{stamp}-w{i:05d}") for i in range(WARMUP_RUNS)]
     threads = [(f"w1-{stamp}-r{i:05d}", f"run-{stamp}-r{i:05d}") for i in range(cfg.runs)]

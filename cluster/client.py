@@ -124,6 +124,48 @@ class Ratchet:
         ``host`` pins a hosted Run to one host of the pool (tests, benchmarks);
         ``faults`` arms a fault point in the driving engine (crash tests, the demo).
         """
+        return await self._start(agent_ref, input, thread_id, placement, run_id, host, faults)
+
+    async def run(
+        self,
+        agent_ref: str,
+        input: str,
+        *,
+        thread_id: str | None = None,
+        placement: Placement = "hosted",
+        run_id: str | None = None,
+        host: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Frontier:
+        """Start a Run and return its frontier once it ends or awaits: ``start`` and
+        ``result`` in one, and for a hosted Run in one call to its host (which answers
+        when its drive is over), while nothing fails; the store confirms either way."""
+
+        async def run() -> Frontier:
+            # a dedicated host retires as its Run ends, so its answer could be lost:
+            # there, the start is answered first and the end followed apart
+            wait = placement == "hosted"
+            handle = await self._start(
+                agent_ref, input, thread_id, placement, run_id, host, None, wait=wait
+            )
+            return await handle.settled(host_done=wait)
+
+        try:
+            return await asyncio.wait_for(run(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"run still running after {timeout_s}s") from None
+
+    async def _start(
+        self,
+        agent_ref: str,
+        input: str,
+        thread_id: str | None,
+        placement: Placement,
+        run_id: str | None,
+        host: int | None,
+        faults: tuple[str, int, str] | None,
+        wait: bool = False,
+    ) -> RunHandle:
         load_agent(agent_ref)  # a bad reference fails here, clearly, not in a host
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex[:12]}")
         run = RunId(run_id or f"run-{uuid.uuid4().hex[:12]}")
@@ -133,7 +175,7 @@ class Ratchet:
         async def start_run() -> Any:
             fault, armed[0] = armed[0], None  # a repeated start is not armed again
             target = self._host_for(thread, placement, host)
-            return unwrap(await target.start_run.remote(*args, fault))
+            return unwrap(await target.start_run.remote(*args, fault, wait=wait))
 
         # the host may die before it answers (or be restarting): start is idempotent
         await _on_a_live_host(start_run)
@@ -226,26 +268,27 @@ class RunHandle:
         runs); the store then confirms. A Run recovered elsewhere, or whose host died,
         is followed by polling the store with backoff.
         """
-
-        async def at_rest() -> Frontier:
-            await self.until_host_done()
-            delay = POLL_FIRST_S
-            while True:
-                frontier = await self.frontier()
-                run = self.run_id or frontier.run_id
-                if frontier.run_id == run and isinstance(
-                    frontier.run_state, EndedState | AwaitingState
-                ):
-                    return frontier
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, POLL_MAX_S)
-
         try:
-            return await asyncio.wait_for(at_rest(), timeout_s)
+            return await asyncio.wait_for(self.settled(), timeout_s)
         except TimeoutError:
             raise TimeoutError(
                 f"run on {self.thread_id} still running after {timeout_s}s"
             ) from None
+
+    async def settled(self, host_done: bool = False) -> Frontier:
+        """``result`` without a deadline; ``host_done``: the host already said so."""
+        if not host_done:
+            await self.until_host_done()
+        delay = POLL_FIRST_S
+        while True:
+            frontier = await self.frontier()
+            run = self.run_id or frontier.run_id
+            if frontier.run_id == run and isinstance(
+                frontier.run_state, EndedState | AwaitingState
+            ):
+                return frontier
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
 
     async def until_host_done(self) -> None:
         """Wait for the host this Run was placed on to finish driving it, if it does."""

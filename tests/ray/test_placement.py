@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+from runtime.errors import AgentImportError
 from runtime.messages import ToolResultMessage
 
 from .conftest import wait_for
@@ -52,6 +53,21 @@ async def test_a_dedicated_run_gets_a_host_of_its_own(make_system):
         return False
 
     await wait_for(retired, what="the dedicated host to retire after its Run")
+
+
+@pytest.mark.parametrize("placement", ["hosted", "dedicated"])
+async def test_run_starts_and_returns_the_run_at_rest(make_system, placement):
+    client = await make_system()
+    thread = f"run-{placement}"
+    frontier = await client.run(
+        "tests.ray.agents:quick_agent", "hi", thread_id=thread, placement=placement, timeout_s=60
+    )
+    assert frontier.thread_id == thread and frontier.run_state.cause.kind == "natural"
+    assert frontier == await client.handle(thread).frontier()  # what the store holds
+    infos = [await h.info.remote() for h in client.hosts]
+    assert sum(i["driving"] for i in infos) == 0
+    with pytest.raises(AgentImportError):
+        await client.run("tests.ray.no_such_module:agent", "hi")
 
 
 async def test_a_tool_needing_a_custom_resource_runs_where_it_exists(make_system):
