@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,8 @@ class _Drive:
 
 class RunHost:
     async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
+        self.startup = {"init": time.time()}
+        """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
         self.spec, self.host_id, self.kind = spec, host_id, kind
         self.owner = owner_id(host_id)
         self.store = await open_system_store(spec)
@@ -133,6 +136,7 @@ class RunHost:
             # requests wait for it: a retried start must not race the recording of the
             # crash (failed/execution_lost) for the Runs this host owned
             self._reclaimed = asyncio.create_task(self._reclaim())
+        self.startup["ready"] = time.time()
 
     # ---- the actor's interface ------------------------------------------------------
 
@@ -342,6 +346,7 @@ class RunHost:
             "recovered": self.recovered,
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],
+            "startup": self.startup,
         }
 
     async def ping(self) -> str:
@@ -474,6 +479,7 @@ class RunHost:
         """
         lost = await running_owned_by(self.store, self.host_id)
         await asyncio.gather(*(self._reclaim_one(frontier) for frontier in lost))
+        self.startup["reclaimed"] = time.time()
 
     async def _reclaim_one(self, frontier: Frontier) -> None:
         thread = frontier.thread_id

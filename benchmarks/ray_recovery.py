@@ -88,8 +88,14 @@ async def _resumed_at_us(client: Ratchet, thread: str) -> int | None:
     return None
 
 
-async def kill_to_resume(client: Ratchet, runs: int, kills: int) -> list[float]:
+async def kill_to_resume(
+    client: Ratchet, runs: int, kills: int
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Kill-to-resume delays (s), and where each restart spent its time: from the kill
+    to the new incarnation's ``__init__`` (Ray's restart, the process's imports), to the
+    end of ``__init__`` (opening the store), to the end of reclaiming the lost Runs."""
     delays: list[float] = []
+    phases: dict[str, list[float]] = {"init": [], "ready": [], "reclaimed": []}
     for _ in range(kills):
         handles = [await client.start(AGENT_REF, "nap", host=0) for _ in range(runs)]
         await _all_executing(handles)
@@ -100,7 +106,11 @@ async def kill_to_resume(client: Ratchet, runs: int, kills: int) -> list[float]:
             resumed = await _resumed_at_us(client, h.thread_id)
             if resumed is not None:
                 delays.append((resumed - killed_us) / 1e6)
-    return delays
+        startup = (await client.hosts[0].info.remote())["startup"]
+        for phase, marks in phases.items():
+            if phase in startup:
+                marks.append(startup[phase] - killed_us / 1e6)
+    return delays, phases
 
 
 def _rss_kb(pid: int) -> int:
@@ -143,7 +153,7 @@ async def main(runs: int, kills: int, memory_runs: int) -> dict[str, Any]:
     client = await Ratchet.connect(
         store_url=f"sqlite:///{workdir}/bench.db", num_cpus=4, quiet=True
     )
-    delays = await kill_to_resume(client, runs, kills)
+    delays, phases = await kill_to_resume(client, runs, kills)
     memory = await memory_per_run(client, memory_runs)
     await client.shutdown()
     return {
@@ -153,6 +163,9 @@ async def main(runs: int, kills: int, memory_runs: int) -> dict[str, Any]:
             "samples": len(delays),
             "kills": kills,
             "runs_per_kill": runs,
+            "host_restart_s": {  # medians, from the kill
+                phase: round(statistics.median(m), 3) for phase, m in phases.items() if m
+            },
         },
         "memory": memory,
     }
