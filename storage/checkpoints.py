@@ -10,16 +10,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from sqlalchemy import Connection, bindparam, delete, select
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from runtime.ids import ThreadId
 from runtime.ports import StreamCheckpoint
 from storage.schema import checkpoints
 from storage.sql_engine import SQL_DIALECTS, Database, translate, upsert_replace
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = logging.getLogger("ratchet.storage.checkpoints")
 
@@ -51,8 +53,11 @@ class SqlCheckpointStore:
 
     def __init__(self, engine: AsyncEngine | Database, where: str) -> None:
         self.db = engine if isinstance(engine, Database) else Database(engine)
-        self.engine = self.db.engine
         self.where = where
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.db.engine
 
     async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
         try:

@@ -45,10 +45,9 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import ValidationError
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, check_size
 from runtime.errors import CorruptRecord, RatchetError, StoreError, StoreUnavailable
@@ -71,6 +70,9 @@ from storage.sql_txn import (
     transact,
 )
 from storage.url import redact
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 T = TypeVar("T")
 R = TypeVar("R")

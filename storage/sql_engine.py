@@ -24,18 +24,19 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy import create_engine as sa_create_engine
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.sql.dml import Insert
 
 from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, VersionConflict
 from storage.url import redact, scheme_of
+
+if TYPE_CHECKING:  # the asyncio extension costs a process ~0.2 s to import: SQLite hosts
+    from sqlalchemy.ext.asyncio import AsyncEngine  # never load it (see Database.engine)
 
 # SQLSTATE classes that mean "try again later", never "your data is wrong":
 # 08 connection exception, 53 insufficient resources, 57 operator intervention
@@ -70,6 +71,8 @@ def sqlalchemy_url(url: str) -> tuple[URL, dict[str, str]]:
 
 def create_engine(url: str) -> AsyncEngine:
     """The async engine: every statement on PostgreSQL; on SQLite, only for tests and tools."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
     sa_url, ours = sqlalchemy_url(url)
     if sa_url.get_backend_name() == "sqlite":
         engine = create_async_engine(sa_url, connect_args={"timeout": 30})
@@ -149,12 +152,16 @@ class Database:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | None = None,
         writer: _DedicatedThread | None = None,
         reader: _DedicatedThread | None = None,
+        *,
+        url: str | None = None,
     ) -> None:
-        """Bodies run over ``engine`` unless dedicated threads are given (``open`` does)."""
-        self.engine = engine
+        """Bodies run over ``engine`` unless dedicated threads are given (``open`` does,
+        with ``url`` instead of an engine: see ``engine``)."""
+        self._engine = engine
+        self._url = url
         self.concurrency = 2 if writer is None else 1
         """Write bodies in flight at once (SQLite: 1, its one writer thread)."""
         self.max_group = 32 if writer is None else 256
@@ -162,30 +169,42 @@ class Database:
         the server work on one while the client prepares the next; more, smaller
         groups cost more client CPU per commit than they gain (store_bench, 50 writers:
         2 x 32 gave ~2.9-3.4k commits/s at ~0.2 ms CPU each, 4 x 16 ~2.6-2.8k at ~0.28)."""
-        self._reads = engine.execution_options(isolation_level="AUTOCOMMIT")
-        # Reads beyond what the pool holds beside the writers would open overflow
-        # connections, which the pool closes again on return: a connect (and asyncpg's
-        # type introspection) per read under load. Waiting here for a slot is cheaper.
-        pool_size = getattr(engine.pool, "size", lambda: 5)()
-        self._read_slots = asyncio.Semaphore(max(1, pool_size - self.concurrency))
         self._writer = writer
         self._reader = reader
+        if writer is None:
+            async_engine = self.engine
+            self._reads = async_engine.execution_options(isolation_level="AUTOCOMMIT")
+            # Reads beyond what the pool holds beside the writers would open overflow
+            # connections, which the pool closes again on return: a connect (and asyncpg's
+            # type introspection) per read under load. Waiting here for a slot is cheaper.
+            pool_size = getattr(async_engine.pool, "size", lambda: 5)()
+            self._read_slots = asyncio.Semaphore(max(1, pool_size - self.concurrency))
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The SQLAlchemy async engine on this database. With dedicated threads (SQLite)
+        it serves only tests and tools, so it is built on first use: a restarted host
+        then starts without importing its machinery."""
+        if self._engine is None:
+            assert self._url is not None, "a Database needs an engine or a URL"
+            self._engine = create_engine(self._url)
+        return self._engine
 
     @classmethod
     def open(cls, url: str) -> Database:
         """The database a store URL names, with the threads SQLite wants."""
         sa_url, ours = sqlalchemy_url(url)
-        engine = create_engine(url)
         if sa_url.get_backend_name() != "sqlite":
-            return cls(engine)
+            return cls(create_engine(url))
         sync_url = sa_url.set(drivername="sqlite+pysqlite")
         synchronous = _synchronous(ours)
         writer = _sqlite_engine(sync_url, synchronous, "BEGIN IMMEDIATE")
         reader = _sqlite_engine(sync_url, synchronous, None)
         return cls(
-            engine,
+            None,
             _DedicatedThread(writer, "ratchet-sqlite-writer", f"{sa_url.database}.writer-lock"),
             _DedicatedThread(reader, "ratchet-sqlite-reader", None),
+            url=url,
         )
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
@@ -207,7 +226,8 @@ class Database:
         for thread in (self._writer, self._reader):
             if thread is not None:
                 await asyncio.to_thread(thread.close)
-        await self.engine.dispose()
+        if self._engine is not None:
+            await self._engine.dispose()
 
 
 def _sqlite_engine(url: URL, synchronous: str, begin: str | None) -> Engine:
@@ -286,17 +306,25 @@ class _DedicatedThread:
         self._executor.shutdown(wait=True)
 
 
+def _dialect(name: str) -> Any:
+    """The SQLAlchemy dialect package (imported on use: a process loads only its own)."""
+    if name == "postgresql":
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite
+
+
 def upsert_ignore(dialect: str, table: Any) -> Insert:
     """INSERT ... ON CONFLICT DO NOTHING, in the engine's dialect."""
-    if dialect == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing()
-    return sqlite.insert(table).on_conflict_do_nothing()
+    return _dialect(dialect).insert(table).on_conflict_do_nothing()  # type: ignore[no-any-return]
 
 
 def upsert_replace(dialect: str, table: Any, key: str, columns: list[str]) -> Insert:
     """INSERT ... ON CONFLICT (key) DO UPDATE SET columns = excluded.columns."""
-    module: Any = postgresql if dialect == "postgresql" else sqlite
-    stmt = module.insert(table)
+    stmt = _dialect(dialect).insert(table)
     stmt = stmt.on_conflict_do_update(
         index_elements=[key], set_={c: stmt.excluded[c] for c in columns}
     )
