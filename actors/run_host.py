@@ -234,6 +234,8 @@ class RunHost:
             return await self._cancel_at_rest(thread)
         except RatchetError as exc:
             return RemoteError.of(exc)
+        finally:
+            self._retire_if_idle()
 
     async def stop_run(self, thread: ThreadId, reason: str) -> Any:
         """End a Run ``stopped(reason)``: signal its engine here, or end it at rest."""
@@ -250,6 +252,8 @@ class RunHost:
             return "stopped"
         except RatchetError as exc:
             return RemoteError.of(exc)
+        finally:
+            self._retire_if_idle()
 
     async def pause_run(self, thread: ThreadId) -> str:
         """A manual pause: the Run driven here awaits at its next Step boundary."""
@@ -435,8 +439,13 @@ class RunHost:
         if drive is not None and drive.engine is engine:
             del self.drives[thread]
             self.finished += 1
-            if self.kind == "dedicated" and not self.drives and not self._replacing:
-                self._background.add(asyncio.create_task(self._retire()))
+            self._retire_if_idle()
+
+    def _retire_if_idle(self) -> None:
+        """A dedicated host with nothing left to drive ends; also one started only to
+        cancel or stop its Run at rest."""
+        if self.kind == "dedicated" and not self.drives and not self._replacing:
+            self._background.add(asyncio.create_task(self._retire()))
 
     async def _first_commit(self, drive: _Drive) -> Any:
         committed = asyncio.ensure_future(drive.faults.committed.wait())

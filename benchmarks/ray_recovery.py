@@ -8,7 +8,7 @@ the resumed Run — and subtract the kill's wall-clock time. Medians over kills.
 Memory: the RSS of one RunHost process with N Runs in flight (all napping in
 their tool), minus its RSS idle, divided by N.
 
-    python -m benchmarks.ray_recovery --json
+    python -m benchmarks.ray_recovery [--store sqlite|postgres] --json
 """
 
 from __future__ import annotations
@@ -148,15 +148,20 @@ async def memory_per_run(client: Ratchet, runs: int) -> dict[str, float]:
     }
 
 
-async def main(runs: int, kills: int, memory_runs: int) -> dict[str, Any]:
-    workdir = tempfile.mkdtemp(prefix="ratchet-bench-")
-    client = await Ratchet.connect(
-        store_url=f"sqlite:///{workdir}/bench.db", num_cpus=4, quiet=True
-    )
-    delays, phases = await kill_to_resume(client, runs, kills)
-    memory = await memory_per_run(client, memory_runs)
-    await client.shutdown()
+async def main(runs: int, kills: int, memory_runs: int, store: str) -> dict[str, Any]:
+    # imported here: hosts import this module for its agents, and must not pay for this
+    from benchmarks.load import prepare_store
+
+    prepared = await prepare_store(store, Path(tempfile.mkdtemp(prefix="ratchet-bench-")))
+    try:
+        client = await Ratchet.connect(store_url=prepared.url, num_cpus=4, quiet=True)
+        delays, phases = await kill_to_resume(client, runs, kills)
+        memory = await memory_per_run(client, memory_runs)
+        await client.shutdown()
+    finally:
+        await prepared.cleanup()
     return {
+        "store": prepared.kind,
         "kill_to_resume_s": {
             "median": statistics.median(delays),
             "p90": sorted(delays)[int(0.9 * (len(delays) - 1))],
@@ -176,7 +181,8 @@ if __name__ == "__main__":
     parser.add_argument("--runs", type=int, default=20, help="Runs in flight per kill")
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--memory-runs", type=int, default=500)
+    parser.add_argument("--store", default="sqlite", help="sqlite | postgres (fresh) or a URL")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = asyncio.run(main(args.runs, args.kills, args.memory_runs))
+    result = asyncio.run(main(args.runs, args.kills, args.memory_runs, args.store))
     print(json.dumps(result, indent=None if args.json else 2))

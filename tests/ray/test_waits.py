@@ -199,6 +199,24 @@ async def test_every_rejection_axis_through_the_client(system, ledger):
     assert await late.cancel() == "cancelled"
 
 
+async def test_cancelling_an_awaiting_dedicated_run_leaves_no_host_behind(system):
+    handle = await system.start(PERMISSION, "alone", placement="dedicated")
+    await awaiting(handle)
+    name = system.spec.dedicated_name(handle.thread_id)
+
+    async def retired() -> bool:
+        try:
+            ray.get_actor(name, namespace="ratchet")
+        except ValueError:
+            return True
+        return False
+
+    await wait_for(retired, what="the dedicated host to retire once its Run awaits")
+    assert await handle.cancel() == "cancelled"  # a host is started to end it at rest
+    await ended(handle, "cancelled")
+    await wait_for(retired, what="the host started for the cancel to retire")
+
+
 # ---- cancel and stop ------------------------------------------------------------------------
 
 
