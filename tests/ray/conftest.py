@@ -67,3 +67,16 @@ async def wait_for(
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+def actor_gone(name: str) -> Callable[[], Awaitable[bool]]:
+    """A ``wait_for`` condition: Ray knows no actor by ``name`` any more."""
+
+    async def gone() -> bool:
+        try:
+            ray.get_actor(name, namespace="ratchet")
+        except ValueError:
+            return True
+        return False
+
+    return gone

@@ -6,12 +6,11 @@ import json
 import time
 
 import pytest
-import ray
 
 from runtime.errors import AgentImportError
 from runtime.messages import ToolResultMessage
 
-from .conftest import wait_for
+from .conftest import actor_gone, wait_for
 
 pytestmark = pytest.mark.ray
 CONCURRENT = 500
@@ -44,15 +43,7 @@ async def test_a_dedicated_run_gets_a_host_of_its_own(make_system):
     assert frontier.run_state.cause.kind == "natural"
     name = client.spec.dedicated_name("dedicated-1")
     assert frontier.owner.startswith(name)
-
-    async def retired() -> bool:
-        try:
-            ray.get_actor(name, namespace="ratchet")
-        except ValueError:
-            return True
-        return False
-
-    await wait_for(retired, what="the dedicated host to retire after its Run")
+    await wait_for(actor_gone(name), what="the dedicated host to retire after its Run")
 
 
 @pytest.mark.parametrize("placement", ["hosted", "dedicated"])

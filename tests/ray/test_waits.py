@@ -32,7 +32,7 @@ from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
 from runtime.stream import Frame, parse_offset
 
 from .checks import check_log
-from .conftest import wait_for
+from .conftest import actor_gone, wait_for
 from .wait_agents import ANSWER, LONG_S
 
 pytestmark = pytest.mark.ray
@@ -202,15 +202,7 @@ async def test_every_rejection_axis_through_the_client(system, ledger):
 async def test_cancelling_an_awaiting_dedicated_run_leaves_no_host_behind(system):
     handle = await system.start(PERMISSION, "alone", placement="dedicated")
     await awaiting(handle)
-    name = system.spec.dedicated_name(handle.thread_id)
-
-    async def retired() -> bool:
-        try:
-            ray.get_actor(name, namespace="ratchet")
-        except ValueError:
-            return True
-        return False
-
+    retired = actor_gone(system.spec.dedicated_name(handle.thread_id))
     await wait_for(retired, what="the dedicated host to retire once its Run awaits")
     assert await handle.cancel() == "cancelled"  # a host is started to end it at rest
     await ended(handle, "cancelled")
