@@ -99,7 +99,12 @@ class WaveDispatcher:
         waves = [w for w in self._pending.pop(key, []) if not w.done.done()]
         if not waves:
             return
-        executor = self.pools.pick(self._resources[key])
+        try:
+            executor = self.pools.pick(self._resources[key])
+        except Exception as exc:  # e.g. resources Ray refuses: the Runs hear it, not the loop
+            for wave in waves:
+                wave.done.set_exception(exc)
+            return
         for wave in waves:
             wave.executor = executor
         self.sent["waves"] += len(waves)

@@ -79,3 +79,9 @@ async def test_an_executor_that_cannot_answer_loses_the_wave_at_its_deadline(mak
 
 async def _exists(path: str) -> bool:
     return await asyncio.to_thread(os.path.exists, path)
+
+
+async def test_a_pool_ray_refuses_fails_the_wave_instead_of_hanging_it(make_system):
+    waves = await _dispatcher(make_system)
+    with pytest.raises(ValueError):
+        await asyncio.wait_for(waves.run({"num_gpus": -1.0}, AGENT, _wave("echo_wave", 0)), 30)
