@@ -207,16 +207,14 @@ class Ratchet:
         handles = list(handles)
         wanted = {h.thread_id: h.run_id for h in handles}
 
+        async def all_at_rest() -> list[RunSummary] | None:
+            rows = {r.thread_id: r for r in await _patiently(self.store.list_runs)}
+            done = [rows[t] for t, run in wanted.items() if _at_rest(rows.get(t), run)]
+            return done if len(done) == len(wanted) else None
+
         async def settled() -> list[RunSummary]:
             await asyncio.gather(*(h.until_host_done() for h in handles))
-            delay = POLL_FIRST_S
-            while True:
-                rows = {r.thread_id: r for r in await _patiently(self.store.list_runs)}
-                done = [rows[t] for t, run in wanted.items() if _at_rest(rows.get(t), run)]
-                if len(done) == len(wanted):
-                    return done
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, POLL_MAX_S)
+            return await _polled(all_at_rest)
 
         try:
             return await asyncio.wait_for(settled(), timeout_s)
@@ -279,16 +277,14 @@ class RunHandle:
         """``result`` without a deadline; ``host_done``: the host already said so."""
         if not host_done:
             await self.until_host_done()
-        delay = POLL_FIRST_S
-        while True:
+
+        async def at_rest() -> Frontier | None:
             frontier = await self.frontier()
             run = self.run_id or frontier.run_id
-            if frontier.run_id == run and isinstance(
-                frontier.run_state, EndedState | AwaitingState
-            ):
-                return frontier
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
+            rests = isinstance(frontier.run_state, EndedState | AwaitingState)
+            return frontier if frontier.run_id == run and rests else None
+
+        return await _polled(at_rest)
 
     async def until_host_done(self) -> None:
         """Wait for the host this Run was placed on to finish driving it, if it does."""
@@ -456,6 +452,16 @@ def _where(state: Any) -> str:
     if isinstance(state, EndedState):
         return f"not awaiting: run {state.run_id} ended {state.cause.kind}"
     return f"not awaiting: run {state.run_id} is {state.kind}"
+
+
+async def _polled(check: Callable[[], Awaitable[T | None]]) -> T:
+    """``check``'s first answer that is not None, asking again with backoff (the store
+    is the truth; the host's notice only saves the polling while it drives)."""
+    delay = POLL_FIRST_S
+    while (answer := await check()) is None:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+    return answer
 
 
 async def _on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
