@@ -199,6 +199,7 @@ class RunHost:
             self.recovered += 1
             return True
         except RatchetError as exc:
+            self._retire_if_idle()  # a dedicated host whose stale drive was dropped
             return RemoteError.of(exc)
 
     async def resume_run(self, command: ResumeCommand) -> Any:

@@ -21,7 +21,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -42,7 +42,7 @@ class _Wave:
     agent_ref: str
     invocations: list[ToolInvocation]
     done: asyncio.Future[list[ToolOutcome]]
-    executor: Any = field(default=None)
+    executor: Any = None
     """The executor the wave went to (None while it waits to be sent)."""
 
     def settle(self, outcomes: list[ToolOutcome]) -> None:
