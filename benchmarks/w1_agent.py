@@ -84,8 +84,9 @@ class W1:
         ]
 
     def commits_per_run(self) -> int:
-        """Activation, (inference, executing, results) per tool Step, the natural end."""
-        return 2 + 3 * (self.steps - 1) if self.tools else 2 + (self.steps - 1)
+        """Activation, (inference marking the one wave executing, results) per tool
+        Step, the natural end."""
+        return 2 + 2 * (self.steps - 1) if self.tools else 2 + (self.steps - 1)
 
 
 def _num(value: float) -> str:

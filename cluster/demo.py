@@ -24,8 +24,9 @@ from cluster.demo_agent import NEVER_REPLAY_TOOLS, EffectLedger
 from cluster.report import EXECUTION_LOST, RunReport, analyse
 
 AGENT_REF = "cluster.demo_agent:agent"
-CRASH_POINT = ("after:executing", 1, "exit")
-"""The crashing Run ends its host right after its first ``executing`` commit."""
+CRASH_POINT = ("after:inference", 1, "exit")
+"""The crashing Run ends its host right after its first inference commit, which marks
+the Step's first wave of calls executing: they are in flight when the host dies."""
 STAGGER_S = 0.06
 
 

@@ -58,7 +58,7 @@ from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunne
 from runtime.signals import CancelledSignal, CancelSignal, EndRun, RunOver, guarded
 from runtime.state import Command
 from runtime.timeutil import now_us
-from runtime.toolbatch import advance_batch, apply_resume, result_messages
+from runtime.toolbatch import Opening, advance_batch, apply_resume, result_messages
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -241,19 +241,23 @@ class Engine:
                 if self.cancel_event.is_set() or ctx.execution.stopped:
                     await self.end(ctx, self._control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
-                    try:
-                        await advance_batch(self, ctx)
-                    except EndRun as end:
-                        await self.end(ctx, end.cause)
+                    await self._ending_on(ctx, advance_batch(self, ctx))
                 elif self.pause_requested or ctx.execution.wait_request is not None:
                     await self._await_at_boundary(ctx)
                 else:
-                    await self._step(ctx)
+                    await self._ending_on(ctx, self._step(ctx))
         except CancelledSignal:
             await self.end(ctx, self._control_cause(ctx))
         except RunOver:
             pass
         return ctx.frontier
+
+    async def _ending_on(self, ctx: RunContext, work: Awaitable[None]) -> None:
+        """Await a Step or a batch's advance; an EndRun it raises is committed as the end."""
+        try:
+            await work
+        except EndRun as end:
+            await self.end(ctx, end.cause)
 
     def _control_cause(self, ctx: RunContext) -> EndCause:
         reason = self.stop_reason or ctx.execution.stop_reason
@@ -310,14 +314,8 @@ class Engine:
             await self.end(ctx, cause, messages=messages, batch=prior, commands=hooks.commands)
             return
         batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
-        await self._commit(
-            ctx,
-            "inference",
-            ctx.running(),
-            messages=messages,
-            batch=batch,
-            commands=hooks.commands,
-        )
+        # the inference commit is made with the batch's first wave (see advance_batch)
+        await advance_batch(self, ctx, Opening(batch, messages, tuple(hooks.commands)))
 
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)

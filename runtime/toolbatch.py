@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runtime.base import trusted
@@ -55,9 +56,24 @@ if TYPE_CHECKING:
     from runtime.engine import Engine, RunContext
 
 
-async def advance_batch(engine: Engine, ctx: RunContext) -> None:
-    """Bring every call of the open batch to a terminal phase, or to one committed wait."""
-    batch = ctx.frontier.batch
+@dataclass(frozen=True)
+class Opening:
+    """A Step's inference commit, not yet made: the batch it opens and what rides with it."""
+
+    batch: ActiveToolBatch
+    messages: tuple[Message, ...]
+    commands: tuple[Command, ...]
+
+
+async def advance_batch(engine: Engine, ctx: RunContext, opening: Opening | None = None) -> None:
+    """Bring every call of the open batch to a terminal phase, or to one committed wait.
+
+    With ``opening`` the batch is not committed yet: the gates run first and the
+    inference commit carries their verdicts and the first wave's ``executing`` marks,
+    one commit where there were two. Nothing is lost by it: ``executing`` promises only
+    that the effect may have begun, and no effect begins before that commit returns.
+    """
+    batch = opening.batch if opening is not None else ctx.frontier.batch
     assert batch is not None
     ready: list[CallId] = []
     waiter: CallId | None = None
@@ -79,14 +95,44 @@ async def advance_batch(engine: Engine, ctx: RunContext) -> None:
                 ready.append(action.call_id)
             elif verdict == "wait" and waiter is None:
                 waiter = action.call_id  # one wait at a time; later ones stay requested
-    for wave in _waves(engine, batch, ready):
-        batch = await run_wave(engine, ctx, batch, wave, parsed=parsed)
+    waves = _waves(engine, batch, ready)
+    if opening is not None:
+        cancelling = engine.cancel_event.is_set()
+        first = [] if cancelling else waves[:1]
+        batch = await _commit_opening(engine, ctx, opening, batch, first)
+        if cancelling:
+            return  # the loop ends the Run next; its calls are sealed without running
+    for i, wave in enumerate(waves):
+        marked = opening is not None and i == 0
+        batch = await run_wave(engine, ctx, batch, wave, marked=marked, parsed=parsed)
     lone_child = batch.awaiting_call()
     waiter = lone_child.call_id if lone_child is not None else waiter
     if waiter is not None:
         await _await_call(engine, ctx, batch, waiter)
     elif batch != ctx.frontier.batch:
         await engine.commit(ctx, "results", ctx.running(), batch=batch)
+
+
+async def _commit_opening(
+    engine: Engine,
+    ctx: RunContext,
+    opening: Opening,
+    batch: ActiveToolBatch,
+    first: list[list[CallId]],
+) -> ActiveToolBatch:
+    """The inference commit, with the waves in ``first`` (none or one) marked executing."""
+    wave = first[0] if first else []
+    for call_id in wave:
+        batch = mark_executing(batch, call_id)
+    await engine.commit(
+        ctx,
+        "inference",
+        ctx.running(),
+        messages=opening.messages,
+        batch=batch,
+        commands=(*opening.commands, *_relationships(engine, ctx, batch, wave)),
+    )
+    return batch
 
 
 def _supports(engine: Engine, tool_id: str, mode: str) -> bool:

@@ -59,7 +59,7 @@ async def test_ray_kill_of_a_host_mid_run(make_system, ledger):
 
 
 @pytest.mark.parametrize(
-    ("point", "occurrence"), [("after:executing", 2), ("before:results", 1), ("after:inference", 1)]
+    ("point", "occurrence"), [("after:inference", 2), ("before:results", 1), ("after:inference", 1)]
 )
 async def test_host_process_exits_at_a_commit_point(make_system, ledger, point, occurrence):
     client = await make_system()

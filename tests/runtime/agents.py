@@ -23,14 +23,18 @@ class Ledger:
 
 
 def crash_matrix_agent(ledger: Ledger, steps: int = 3) -> Agent:
-    """A run of ``steps`` tool steps, each with one never_replay and one replay_safe call."""
+    """A run of ``steps`` tool steps, each with one never_replay and one replay_safe call.
+
+    The replay_safe call is serial, so it is a wave of its own: the first wave's
+    ``executing`` rides in the inference commit, the second has its own commit.
+    """
 
     @tool(recovery=("never_replay",))
     def charge(amount: int, ctx: ToolContext) -> str:
         ledger.record("charge", ctx)
         return f"charged {amount}"
 
-    @tool(recovery=("replay_safe",))
+    @tool(recovery=("replay_safe",), concurrency="serial")
     def lookup(key: str, ctx: ToolContext) -> str:
         ledger.record("lookup", ctx)
         return f"value of {key}"

@@ -61,8 +61,9 @@ async def test_tool_batch_results_are_published_in_model_order():
         ("c0b", "value of k0"),
     ]
     labels = [r.commit.label for r in await store.read("t")]
-    # finalize is folded into the next Step's first commit: no separate finalize commit
-    assert labels == ["activation", "inference", "executing", "results", "ended"]
+    # finalize is folded into the next Step's first commit: no separate finalize commit;
+    # the first wave's executing rides in the inference commit, the serial call's has its own
+    assert labels == ["activation", "inference", "results", "executing", "results", "ended"]
 
 
 async def test_parallel_wave_runs_calls_concurrently_and_serial_calls_alone():
@@ -101,8 +102,13 @@ async def test_parallel_wave_runs_calls_concurrently_and_serial_calls_alone():
     )
     assert cause(f) == "natural"
     assert [m.content for m in results(f)] == ["a", "b", "c"]
-    labels = [r.commit.label for r in await store.read("t")]
-    assert labels.count("executing") == 2  # one wave of two, then the serial call alone
+    records = await store.read("t")
+    labels = [r.commit.label for r in records]
+    assert labels == ["activation", "inference", "results", "executing", "results", "ended"]
+    # one wave of two, marked executing in the inference commit; then the serial call alone
+    opened = records[1].commit.batch
+    assert opened is not None
+    assert [c.phase.kind for c in opened.calls] == ["executing", "executing", "requested"]
 
 
 async def test_max_steps_withholds_tools_on_the_last_step():
@@ -262,6 +268,31 @@ async def test_cancel_before_inference_ends_cancelled_without_asking_the_model()
     engine.cancel()
     f = await engine.start("t", "go")
     assert cause(f) == "cancelled" and not model.served
+
+
+async def test_cancel_as_the_model_answers_seals_its_calls_without_running_them():
+    ran: list[str] = []
+
+    @tool
+    def effect() -> str:
+        ran.append("effect")
+        return "done"
+
+    class CancellingModel(ScriptedModel):
+        def respond(self, request):
+            engine.cancel()  # lands after the answer: the inference result stands
+            return super().respond(request)
+
+    model = CancellingModel([ModelResponse(tool_calls=(call("effect", "1"),))])
+    store = MemoryCommitStore()
+    engine = InProcessRunner(Agent(name="a", model=model, tools=[effect]), store).engine()
+    f = await engine.start("t", "go")
+    assert cause(f) == "cancelled" and ran == []
+    records = await store.read("t")
+    assert [r.commit.label for r in records] == ["activation", "inference", "ended"]
+    opened = records[1].commit.batch
+    assert opened is not None and opened.calls[0].phase.kind == "requested"
+    assert results(f)[0].is_error
 
 
 async def test_stop_ends_stopped_with_the_reason():
