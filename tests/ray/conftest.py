@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from cluster.client import Ratchet
+from cluster.config import LOCAL_SYSTEM_CONFIG
 from cluster.demo_agent import EffectLedger
 
 LEDGER_DIR = tempfile.mkdtemp(prefix="ratchet-ray-tests-")
@@ -32,6 +33,7 @@ def ray_session() -> Any:
             include_dashboard=False,
             namespace="ratchet",
             log_to_driver=False,
+            _system_config=LOCAL_SYSTEM_CONFIG,
         )
     yield
     ray.shutdown()
