@@ -20,6 +20,19 @@ only the culprit fails. Outcomes are delivered after COMMIT returns — a reques
 that was admitted but whose transaction then failed gets ``StoreUnavailable``,
 never a receipt or an epoch.
 
+**Planned groups (SQLite).** Every process's writers queue for one file lock, so
+what a group does while holding it is what bounds them all. A group is therefore
+admitted before its transaction, on the event loop, against the frontiers this
+process last wrote or read (``sql_txn.Plan``), and the transaction only writes:
+each thread row is updated only if it still holds the exact text the plan started
+from (a thread the cache does not know is inserted, so it must have no row yet).
+Should any row have moved — another process claimed or wrote the thread — or a
+commit already be stored, that transaction rolls back and the group runs the
+read-first way above, under the same lock. A request the plan would refuse (a
+retried append, a stale epoch) is left to the read-first way too: only the stored
+receipts can tell a retry from a conflict. This cut the lock's hold per group by
+about 40% on W1 (3.5 → 2.2 ms).
+
 **Decoded frontiers are cached** per process (``storage.frontiers``), keyed by the
 exact stored text, so neither a group transaction nor a load re-validates a
 frontier this process wrote — a row written by anyone else is decoded afresh —
@@ -66,6 +79,7 @@ from storage.sql_txn import (
     Request,
     list_body,
     load_body,
+    plan_group,
     read_body,
     transact,
 )
@@ -104,6 +118,8 @@ class SqlCommitStore:
         self.groups = 0
         """Transactions that carried appends (with ``appends``: how well grouping works)."""
         self.appends = 0
+        self.planned = 0
+        """Groups written as planned (``sql_txn.Plan``), without reading their rows first."""
         self._frontiers = FrontierCache()
         self._queue: asyncio.Queue[_Queued[Any]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -192,10 +208,13 @@ class SqlCommitStore:
     async def _commit_group(self, group: list[_Queued[Any]]) -> None:
         """Commit a group and resolve every caller's future; never raises (but cancel)."""
         requests = [item.request for item in group]
+        plan = plan_group(requests, self._frontiers) if self.db.plans else None
         try:
             outcomes: list[Outcome] = await self._write(
-                transact, requests, self.where, self._frontiers
+                transact, requests, self.where, self._frontiers, plan
             )
+            self.planned += plan is not None and plan.held
+
         except asyncio.CancelledError:
             for item in group:
                 _resolve(item, StoreUnavailable(f"store {self.where} closed"))

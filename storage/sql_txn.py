@@ -90,11 +90,17 @@ def thread_row(frontier: Frontier, cache: FrontierCache) -> dict[str, Any]:
 class Group:
     """The pure half of one transaction: admits each request on its own, in order."""
 
-    def __init__(self, rows: dict[str, DbRow], known: Known, cache: FrontierCache) -> None:
+    def __init__(
+        self,
+        rows: dict[str, DbRow],
+        known: Known,
+        cache: FrontierCache,
+        frontiers: dict[str, Frontier] | None = None,
+    ) -> None:
         self.rows = rows
         self.known = known
         self.cache = cache
-        self.frontiers: dict[str, Frontier] = {}
+        self.frontiers: dict[str, Frontier] = frontiers or {}
         self.touched: set[str] = set()
         self.new_commits: list[dict[str, Any]] = []
 
@@ -174,12 +180,14 @@ class _Many:
         self.keys = list(keys)
         self._compiled: dict[tuple[str, str], tuple[str, list[str] | None]] = {}
 
-    def __call__(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    def __call__(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
+        """Run the statement once per row; returns the rows it changed in all."""
         sql, order = self._for(conn)
         if order is None:  # a named paramstyle: the driver takes the dicts
-            conn.exec_driver_sql(sql, list(rows))
+            result = conn.exec_driver_sql(sql, list(rows))
         else:
-            conn.exec_driver_sql(sql, [tuple(row[k] for k in order) for row in rows])
+            result = conn.exec_driver_sql(sql, [tuple(row[k] for k in order) for row in rows])
+        return int(result.rowcount)
 
     def _for(self, conn: Connection) -> tuple[str, list[str] | None]:
         dialect = conn.dialect
@@ -196,6 +204,14 @@ UPDATE_THREADS = _Many(
     threads.update().where(_t.thread_id == bindparam("b_thread")), [*_THREAD_COLUMNS, "b_thread"]
 )
 INSERT_COMMITS = _Many(commits.insert(), [c.name for c in commits.columns])
+INSERT_THREADS = _Many(threads.insert(), [c.name for c in threads.columns])
+UPDATE_UNCHANGED = _Many(
+    threads.update().where(
+        _t.thread_id == bindparam("b_thread"), _t.frontier == bindparam("b_old")
+    ),
+    [*_THREAD_COLUMNS, "b_thread", "b_old"],
+)
+"""Update a thread row only if it still holds the frontier text a plan started from."""
 LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
 LOAD = select(_t.version, _t.frontier).where(_t.thread_id == bindparam("thread"))
 READ = (
@@ -253,13 +269,95 @@ _SQLITE_RECEIPTS = select(_c.thread_id, _c.operation_id, _c.seq, _c.payload_hash
 _INSERT_FRESH: dict[str, Insert] = {d: upsert_ignore(d, threads) for d in SQL_DIALECTS}
 
 
+# ---- planned groups (SQLite) -------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """A group admitted ahead of its transaction, against the frontiers this process
+    last wrote or read (``FrontierCache``), so the transaction only checks and writes.
+
+    It holds only if every thread row still has the exact text the plan started from
+    (a thread the cache does not know must have no row yet); the transaction checks
+    that with the writes themselves and otherwise falls back to ``group_txn``.
+    """
+
+    outcomes: list[Outcome]
+    fresh: list[dict[str, Any]]
+    """Rows of threads with no row yet."""
+    updates: list[dict[str, Any]]
+    """New rows of known threads, each with the text it replaces (``b_old``)."""
+    new_commits: list[dict[str, Any]]
+    held: bool = False
+    """Whether the plan's own transaction committed (else ``transact`` ran the group)."""
+
+
+class Stale(Exception):
+    """A planned group met a row that changed since the plan read it."""
+
+
+def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
+    """Admit the group against cached frontiers; None where only the database can tell
+    (a request refused: a retried append's receipt, a fenced writer, …)."""
+    base: dict[str, str | None] = {}
+    frontiers: dict[str, Frontier] = {}
+    for request in group:
+        thread = request.thread
+        if thread in base:
+            continue
+        known = cache.known(thread)
+        base[thread] = known[0] if known is not None else None
+        frontiers[thread] = known[1] if known is not None else Frontier(thread_id=thread)
+    pure = Group({}, {}, cache, frontiers)
+    outcomes = [pure.admit(request) for request in group]
+    if any(isinstance(o, RatchetError) for o in outcomes):
+        return None
+    fresh, updates = [], []
+    for row in pure.changed():
+        old = base[row["b_thread"]]
+        if old is None:
+            fresh.append({"thread_id": row.pop("b_thread"), **row})
+        else:
+            updates.append({**row, "b_old": old})
+    return Plan(outcomes, fresh, updates, pure.new_commits)
+
+
+def planned_txn(conn: Connection, plan: Plan) -> list[Outcome]:
+    """Write a planned group in one transaction; Stale (rolled back) if any row moved.
+
+    A row that exists where the plan expected none, or a commit already stored, is the
+    database's IntegrityError (also rolled back): either way ``transact`` runs next.
+    """
+    with conn.begin():
+        if plan.fresh:
+            INSERT_THREADS(conn, plan.fresh)
+        if plan.updates and UPDATE_UNCHANGED(conn, plan.updates) != len(plan.updates):
+            raise Stale
+        if plan.new_commits:
+            INSERT_COMMITS(conn, plan.new_commits)
+    plan.held = True
+    return plan.outcomes
+
+
 # ---- write bodies -----------------------------------------------------------------------
 
 
 def transact(
-    conn: Connection, group: Sequence[Request], where: str, cache: FrontierCache
+    conn: Connection,
+    group: Sequence[Request],
+    where: str,
+    cache: FrontierCache,
+    plan: Plan | None = None,
 ) -> list[Outcome]:
-    """One transaction for the whole group; on a database refusal, one SAVEPOINT each."""
+    """One transaction for the whole group; on a database refusal, one SAVEPOINT each.
+
+    With a ``plan`` its transaction is tried first, and this one only if it fails.
+    """
+    if plan is not None:
+        try:
+            return planned_txn(conn, plan)
+        except (Stale, IntegrityError):
+            pass
     try:
         with conn.begin():
             return group_txn(conn, group, cache)

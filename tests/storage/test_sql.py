@@ -11,7 +11,13 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
 
-from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, VersionConflict
+from runtime.errors import (
+    DuplicateOperation,
+    Fenced,
+    StoreError,
+    StoreUnavailable,
+    VersionConflict,
+)
 from runtime.ids import ThreadId
 from storage.schema import SCHEMA_VERSION, commits, schema_version
 from storage.sql import SqlCommitStore
@@ -103,6 +109,67 @@ async def test_sqlite_file_is_created_in_wal_mode_and_migrated_once(tmp_path: Pa
         await store.close()
         assert mode == "wal" and versions == SCHEMA_VERSION == 1
     assert (tmp_path / "deep" / "er" / "ratchet.db").exists()
+
+
+# ---- planned groups (SQLite): admitted from the cache, checked by the writes ----------
+
+
+@pytest.fixture
+async def two_sqlite_stores(tmp_path: Path) -> AsyncIterator[tuple[SqlCommitStore, SqlCommitStore]]:
+    """Two stores on one file, as two host processes have: each its own cache."""
+    url = f"sqlite:///{tmp_path}/planned.db"
+    first = await SqlCommitStore.connect(url)
+    second = await SqlCommitStore.connect(url)
+    try:
+        yield first, second
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_sqlite_groups_are_planned_without_reading_their_rows(
+    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore],
+) -> None:
+    store, _ = two_sqlite_stores
+    threads = [ThreadId(f"p-{i:02d}") for i in range(20)]
+    await asyncio.gather(*(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads))
+    await asyncio.gather(*(store.append(step(t, f"r-{t}", 1), 1, 0) for t in threads))
+    assert store.planned == store.groups > 0  # new threads and known ones alike
+    for t in threads:
+        frontier = await store.load(t)
+        assert frontier.version == 2 and frontier.messages[-1].text == "thinking"
+
+
+async def test_a_row_another_process_changed_makes_the_plan_fall_back(
+    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore],
+) -> None:
+    mine, theirs = two_sqlite_stores
+    thread = ThreadId("contested")
+    await mine.append(activation(thread, "r"), 0, 0)
+    assert await theirs.claim(thread, "someone-else") == 1  # mine's cache is now stale
+    planned = mine.planned
+    with pytest.raises(Fenced):
+        await mine.append(step(thread, "r", 1), 1, 0)
+    assert mine.planned == planned  # the plan did not hold; the read-first path refused
+    frontier = await theirs.load(thread)
+    assert (frontier.version, frontier.epoch, frontier.owner) == (1, 1, "someone-else")
+    await mine.append(step(thread, "r", 1), 1, 1)  # at the current epoch it lands
+    assert (await theirs.load(thread)).version == 2
+
+
+async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
+    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore],
+) -> None:
+    mine, theirs = two_sqlite_stores
+    thread = ThreadId("elsewhere")
+    assert await theirs.claim(thread, "them") == 1
+    await theirs.append(activation(thread, "r"), 0, 1)
+    planned = mine.planned
+    # planned as a new thread (epoch 1), the row exists: the read-first path gives epoch 2
+    assert await mine.claim(thread, "me") == 2
+    assert mine.planned == planned
+    frontier = await theirs.load(thread)
+    assert (frontier.version, frontier.epoch, frontier.owner) == (1, 2, "me")
 
 
 async def test_unreachable_server_is_unavailable_and_secret_free(
