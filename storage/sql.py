@@ -76,6 +76,7 @@ from storage.sql_txn import (
     ClaimRequest,
     DbRow,
     Outcome,
+    Plan,
     Request,
     list_body,
     load_body,
@@ -208,13 +209,12 @@ class SqlCommitStore:
     async def _commit_group(self, group: list[_Queued[Any]]) -> None:
         """Commit a group and resolve every caller's future; never raises (but cancel)."""
         requests = [item.request for item in group]
-        plan = plan_group(requests, self._frontiers) if self.db.plans else None
+        plan = self._plan(requests)
         try:
             outcomes: list[Outcome] = await self._write(
                 transact, requests, self.where, self._frontiers, plan
             )
             self.planned += plan is not None and plan.held
-
         except asyncio.CancelledError:
             for item in group:
                 _resolve(item, StoreUnavailable(f"store {self.where} closed"))
@@ -228,6 +228,17 @@ class SqlCommitStore:
             self.appends += appends
         for item, outcome in zip(group, outcomes, strict=True):
             _resolve(item, outcome)
+
+    def _plan(self, requests: list[Request]) -> Plan | None:
+        """The group's plan, where the database takes one; a plan is only a shortcut, so
+        anything it trips over is left to the read-first transaction to meet and report."""
+        if not self.db.plans:
+            return None
+        try:
+            return plan_group(requests, self._frontiers)
+        except Exception:
+            log.exception("planning a group of %d requests failed", len(requests))
+            return None
 
     # ---- the edge: every driver call goes through one of these two -----------------------
 

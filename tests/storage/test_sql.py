@@ -172,6 +172,19 @@ async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
     assert (frontier.version, frontier.epoch, frontier.owner) == (1, 2, "me")
 
 
+async def test_a_plan_that_fails_leaves_the_group_to_the_read_first_path(
+    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, _ = two_sqlite_stores
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a planning bug")
+
+    monkeypatch.setattr("storage.sql.plan_group", broken)
+    receipt = await store.append(activation(ThreadId("t"), "r"), 0, 0)
+    assert receipt.seq == 1 and store.planned == 0 and store.groups == 1
+
+
 async def test_unreachable_server_is_unavailable_and_secret_free(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
