@@ -20,18 +20,19 @@ only the culprit fails. Outcomes are delivered after COMMIT returns — a reques
 that was admitted but whose transaction then failed gets ``StoreUnavailable``,
 never a receipt or an epoch.
 
-**Planned groups (SQLite).** Every process's writers queue for one file lock, so
-what a group does while holding it is what bounds them all. A group is therefore
-admitted before its transaction, on the event loop, against the frontiers this
-process last wrote or read (``sql_txn.Plan``), and the transaction only writes:
-each thread row is updated only if it still holds the exact text the plan started
-from (a thread the cache does not know is inserted, so it must have no row yet).
-Should any row have moved — another process claimed or wrote the thread — or a
-commit already be stored, that transaction rolls back and the group runs the
-read-first way above, under the same lock. A request the plan would refuse (a
-retried append, a stale epoch) is left to the read-first way too: only the stored
-receipts can tell a retry from a conflict. This cut the lock's hold per group by
-about 40% on W1 (3.5 → 2.2 ms).
+**Planned groups.** A group is first admitted before its transaction, on the event
+loop, against the frontiers this process last wrote or read (``sql_txn.Plan``), and
+that transaction only writes: each thread row is updated only if it still holds the
+exact text the plan started from (a thread the cache does not know is inserted, so
+it must have no row yet). Should any row have moved — another process claimed or
+wrote the thread — or a commit already be stored, that transaction rolls back and
+the group runs the read-first way above (on SQLite under the same lock). A request
+the plan would refuse (a retried append, a stale epoch) is left to the read-first
+way too: only the stored receipts can tell a retry from a conflict. On SQLite,
+whose one file lock serialises every process's writers, this cut the lock's hold
+per group by about 40% on W1 (3.5 → 2.2 ms); on PostgreSQL the group is one
+statement (arrays unnested into the UPDATE and the INSERTs) where reading the rows
+first took two more round trips: BEGIN, it, COMMIT.
 
 **Decoded frontiers are cached** per process (``storage.frontiers``), keyed by the
 exact stored text, so neither a group transaction nor a load re-validates a

@@ -169,10 +169,11 @@ class Database:
         the server work on one while the client prepares the next; more, smaller
         groups cost more client CPU per commit than they gain (store_bench, 50 writers:
         2 x 32 gave ~2.9-3.4k commits/s at ~0.2 ms CPU each, 4 x 16 ~2.6-2.8k at ~0.28)."""
-        self.plans = writer is not None
-        """Whether groups are admitted before their transaction (``sql_txn.Plan``): where
-        one file lock serialises every process's writers (SQLite), the less each holds it
-        the better; PostgreSQL locks only the rows involved."""
+        self.plans = True
+        """Whether groups are admitted before their transaction (``sql_txn.Plan``), which
+        then only checks and writes: on SQLite, whose one file lock serialises every
+        process's writers, it holds that lock less; on PostgreSQL it is one statement
+        where reading the rows first takes two more round trips."""
         self._writer = writer
         self._reader = reader
         if writer is None:

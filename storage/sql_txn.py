@@ -19,8 +19,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ARRAY, Connection, String, and_, any_, bindparam, func, select, true
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Connection,
+    String,
+    and_,
+    any_,
+    bindparam,
+    func,
+    select,
+    text,
+    true,
+)
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.sql.dml import Insert
 
 from runtime.commit import (
@@ -329,14 +341,68 @@ def planned_txn(conn: Connection, plan: Plan) -> list[Outcome]:
     database's IntegrityError (also rolled back): either way ``transact`` runs next.
     """
     with conn.begin():
-        if plan.fresh:
-            INSERT_THREADS(conn, plan.fresh)
-        if plan.updates and UPDATE_UNCHANGED(conn, plan.updates) != len(plan.updates):
-            raise Stale
-        if plan.new_commits:
-            INSERT_COMMITS(conn, plan.new_commits)
+        if conn.dialect.name == "postgresql":
+            moved = conn.execute(_PG_PLANNED, _pg_planned_params(plan)).scalar_one()
+            if moved != len(plan.updates):
+                raise Stale
+        else:
+            if plan.fresh:
+                INSERT_THREADS(conn, plan.fresh)
+            if plan.updates and UPDATE_UNCHANGED(conn, plan.updates) != len(plan.updates):
+                raise Stale
+            if plan.new_commits:
+                INSERT_COMMITS(conn, plan.new_commits)
     plan.held = True
     return plan.outcomes
+
+
+def _pg_planned_statement() -> Any:
+    """A planned group in one statement (PostgreSQL): every part travels as arrays, so
+    the text never varies with the group. Rows are updated only where they still hold
+    the plan's text; the count of those comes back. Data-modifying CTEs all run to
+    completion, in one snapshot."""
+
+    def unnest(prefix: str, columns: Sequence[Any], extra: Sequence[str] = ()) -> str:
+        arrays = [f"CAST(:{prefix}{c.name} AS {_pg_type(c)}[])" for c in columns]
+        arrays += [f"CAST(:{prefix}{name} AS TEXT[])" for name in extra]
+        names = [c.name for c in columns] + list(extra)
+        return f"unnest({', '.join(arrays)}) AS v({', '.join(names)})"
+
+    row_cols = list(threads.columns)
+    set_cols = ", ".join(f"{c} = v.{c}" for c in _THREAD_COLUMNS)
+    thread_names = ", ".join(c.name for c in row_cols)
+    commit_names = ", ".join(c.name for c in commits.columns)
+    return text(
+        f"WITH moved AS (UPDATE {threads.name} AS t SET {set_cols}"
+        f" FROM {unnest('u_', row_cols, ('old',))}"
+        " WHERE t.thread_id = v.thread_id AND t.frontier = v.old RETURNING 1),"
+        f" fresh AS (INSERT INTO {threads.name} ({thread_names})"
+        f" SELECT {thread_names} FROM {unnest('f_', row_cols)} RETURNING 1),"
+        f" logged AS (INSERT INTO {commits.name} ({commit_names})"
+        f" SELECT {commit_names} FROM {unnest('c_', list(commits.columns))} RETURNING 1)"
+        " SELECT count(*) FROM moved"
+    )
+
+
+def _pg_type(column: Any) -> str:
+    return "BIGINT" if isinstance(column.type, BigInteger) else "TEXT"
+
+
+def _pg_planned_params(plan: Plan) -> dict[str, list[Any]]:
+    # thread rows in id order: the UPDATE then locks them as the read-first path does
+    updates = sorted(plan.updates, key=lambda r: r["b_thread"])
+    params: dict[str, list[Any]] = {}
+    for c in threads.columns:
+        key = "b_thread" if c.name == "thread_id" else c.name
+        params[f"u_{c.name}"] = [r[key] for r in updates]
+        params[f"f_{c.name}"] = [r[c.name] for r in plan.fresh]
+    params["u_old"] = [r["b_old"] for r in updates]
+    for c in commits.columns:
+        params[f"c_{c.name}"] = [r[c.name] for r in plan.new_commits]
+    return params
+
+
+_PG_PLANNED = _pg_planned_statement()
 
 
 # ---- write bodies -----------------------------------------------------------------------
@@ -358,6 +424,9 @@ def transact(
             return planned_txn(conn, plan)
         except (Stale, IntegrityError):
             pass
+        except DBAPIError as exc:  # rows locked in another order meanwhile: the database
+            if "deadlock" not in str(exc.orig).lower():  # broke the tie; read first now
+                raise
     try:
         with conn.begin():
             return group_txn(conn, group, cache)

@@ -111,15 +111,16 @@ async def test_sqlite_file_is_created_in_wal_mode_and_migrated_once(tmp_path: Pa
     assert (tmp_path / "deep" / "er" / "ratchet.db").exists()
 
 
-# ---- planned groups (SQLite): admitted from the cache, checked by the writes ----------
+# ---- planned groups: admitted from the cache, checked by the writes ------------------
 
 
 @pytest.fixture
-async def two_sqlite_stores(tmp_path: Path) -> AsyncIterator[tuple[SqlCommitStore, SqlCommitStore]]:
-    """Two stores on one file, as two host processes have: each its own cache."""
-    url = f"sqlite:///{tmp_path}/planned.db"
-    first = await SqlCommitStore.connect(url)
-    second = await SqlCommitStore.connect(url)
+async def two_stores(
+    sql_backend: str, sql_url: str
+) -> AsyncIterator[tuple[SqlCommitStore, SqlCommitStore]]:
+    """Two stores on one database, as two host processes have: each its own cache."""
+    first = await make_store(sql_backend, sql_url)  # PostgreSQL: emptied first
+    second = await SqlCommitStore.connect(sql_url)
     try:
         yield first, second
     finally:
@@ -127,10 +128,10 @@ async def two_sqlite_stores(tmp_path: Path) -> AsyncIterator[tuple[SqlCommitStor
         await second.close()
 
 
-async def test_sqlite_groups_are_planned_without_reading_their_rows(
-    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore],
+async def test_groups_are_planned_without_reading_their_rows(
+    two_stores: tuple[SqlCommitStore, SqlCommitStore],
 ) -> None:
-    store, _ = two_sqlite_stores
+    store, _ = two_stores
     threads = [ThreadId(f"p-{i:02d}") for i in range(20)]
     await asyncio.gather(*(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads))
     await asyncio.gather(*(store.append(step(t, f"r-{t}", 1), 1, 0) for t in threads))
@@ -141,9 +142,9 @@ async def test_sqlite_groups_are_planned_without_reading_their_rows(
 
 
 async def test_a_row_another_process_changed_makes_the_plan_fall_back(
-    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore],
+    two_stores: tuple[SqlCommitStore, SqlCommitStore],
 ) -> None:
-    mine, theirs = two_sqlite_stores
+    mine, theirs = two_stores
     thread = ThreadId("contested")
     await mine.append(activation(thread, "r"), 0, 0)
     assert await theirs.claim(thread, "someone-else") == 1  # mine's cache is now stale
@@ -158,9 +159,9 @@ async def test_a_row_another_process_changed_makes_the_plan_fall_back(
 
 
 async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
-    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore],
+    two_stores: tuple[SqlCommitStore, SqlCommitStore],
 ) -> None:
-    mine, theirs = two_sqlite_stores
+    mine, theirs = two_stores
     thread = ThreadId("elsewhere")
     assert await theirs.claim(thread, "them") == 1
     await theirs.append(activation(thread, "r"), 0, 1)
@@ -173,9 +174,9 @@ async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
 
 
 async def test_a_plan_that_fails_leaves_the_group_to_the_read_first_path(
-    two_sqlite_stores: tuple[SqlCommitStore, SqlCommitStore], monkeypatch: pytest.MonkeyPatch
+    two_stores: tuple[SqlCommitStore, SqlCommitStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store, _ = two_sqlite_stores
+    store, _ = two_stores
 
     def broken(*_: object) -> None:
         raise RuntimeError("a planning bug")
