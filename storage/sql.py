@@ -231,10 +231,8 @@ class SqlCommitStore:
             _resolve(item, outcome)
 
     def _plan(self, requests: list[Request]) -> Plan | None:
-        """The group's plan, where the database takes one; a plan is only a shortcut, so
-        anything it trips over is left to the read-first transaction to meet and report."""
-        if not self.db.plans:
-            return None
+        """The group's plan; a plan is only a shortcut, so anything it trips over is left
+        to the read-first transaction to meet and report."""
         try:
             return plan_group(requests, self._frontiers)
         except Exception:

@@ -169,11 +169,6 @@ class Database:
         the server work on one while the client prepares the next; more, smaller
         groups cost more client CPU per commit than they gain (store_bench, 50 writers:
         2 x 32 gave ~2.9-3.4k commits/s at ~0.2 ms CPU each, 4 x 16 ~2.6-2.8k at ~0.28)."""
-        self.plans = True
-        """Whether groups are admitted before their transaction (``sql_txn.Plan``), which
-        then only checks and writes: on SQLite, whose one file lock serialises every
-        process's writers, it holds that lock less; on PostgreSQL it is one statement
-        where reading the rows first takes two more round trips."""
         self._writer = writer
         self._reader = reader
         if writer is None:
@@ -371,6 +366,11 @@ def _transient(exc: BaseException) -> bool:
         return False
     cause = exc.__cause__ or exc.__context__
     return cause is not None and _transient(cause)
+
+
+def deadlocked(exc: DBAPIError) -> bool:
+    """PostgreSQL broke a lock cycle by failing this statement (SQLSTATE 40P01)."""
+    return _sqlstate(exc) == "40P01"
 
 
 def _sqlstate(exc: DBAPIError) -> str | None:

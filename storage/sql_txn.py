@@ -49,7 +49,7 @@ from runtime.ids import OperationId, ThreadId
 from runtime.ports import CommittedRecord
 from storage.frontiers import FrontierCache
 from storage.schema import commits, threads
-from storage.sql_engine import SQL_DIALECTS, translate, upsert_ignore
+from storage.sql_engine import SQL_DIALECTS, deadlocked, translate, upsert_ignore
 from storage.summary import listing
 
 Outcome = Receipt | int | StoreError | RatchetError
@@ -281,7 +281,7 @@ _SQLITE_RECEIPTS = select(_c.thread_id, _c.operation_id, _c.seq, _c.payload_hash
 _INSERT_FRESH: dict[str, Insert] = {d: upsert_ignore(d, threads) for d in SQL_DIALECTS}
 
 
-# ---- planned groups (SQLite) -------------------------------------------------------------
+# ---- planned groups ----------------------------------------------------------------------
 
 
 @dataclass
@@ -424,8 +424,10 @@ def transact(
             return planned_txn(conn, plan)
         except (Stale, IntegrityError):
             pass
-        except DBAPIError as exc:  # rows locked in another order meanwhile: the database
-            if "deadlock" not in str(exc.orig).lower():  # broke the tie; read first now
+        except DBAPIError as exc:
+            # Another group locked some of these rows in another order and PostgreSQL
+            # broke the cycle here; the read-first path locks in thread-id order.
+            if not deadlocked(exc):
                 raise
     try:
         with conn.begin():

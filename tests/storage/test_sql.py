@@ -228,3 +228,11 @@ def test_driver_errors_translate_into_ours(error: Exception, expected: type) -> 
     translated = translate(error, "postgresql://u:***@db/x")
     assert type(translated) is expected
     assert "u:***@db" in str(translated) or expected in (DuplicateOperation, VersionConflict)
+
+
+def test_only_a_broken_lock_cycle_counts_as_a_deadlock() -> None:
+    from storage.sql_engine import deadlocked
+
+    cycle = OperationalError("UPDATE", {}, _PgError("40P01", "deadlock detected"))
+    shutdown = OperationalError("UPDATE", {}, _PgError("57P01", "terminating connection"))
+    assert deadlocked(cycle) and not deadlocked(shutdown)
