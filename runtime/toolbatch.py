@@ -97,10 +97,11 @@ async def advance_batch(engine: Engine, ctx: RunContext, opening: Opening | None
                 waiter = action.call_id  # one wait at a time; later ones stay requested
     waves = _waves(engine, batch, ready)
     if opening is not None:
-        cancelling = engine.cancel_event.is_set()
-        first = [] if cancelling else waves[:1]
+        # cancelled as the model answered, or stopped by an AfterInference hook
+        ending = engine.cancel_event.is_set() or ctx.execution.stopped
+        first = [] if ending else waves[:1]
         batch = await _commit_opening(engine, ctx, opening, batch, first)
-        if cancelling:
+        if ending:
             return  # the loop ends the Run next; its calls are sealed without running
     for i, wave in enumerate(waves):
         marked = opening is not None and i == 0

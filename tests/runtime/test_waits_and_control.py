@@ -145,6 +145,26 @@ async def test_cancel_of_an_awaiting_run_clears_the_ticket_and_a_late_resume_fai
     assert await runner.engine().terminate("t") == await store.load("t")  # idempotent
 
 
+async def test_a_stop_after_inference_runs_none_of_the_steps_calls():
+    ran: list[int] = []
+
+    def stopper(hook_input):
+        hook_input.execution.stop("enough")
+
+    @tool
+    def effect(x: int) -> str:
+        ran.append(x)
+        return "ok"
+
+    agent = one_tool_agent(effect, hooks=[Hook(point="AfterInference", fn=stopper)])
+    store = MemoryCommitStore()
+    f = await InProcessRunner(agent, store).start("go", thread_id="t")
+    assert f.run_state.cause.kind == "stopped" and f.run_state.cause.reason == "enough"
+    assert ran == [] and results(f)[0].is_error
+    labels = [r.commit.label for r in await store.read("t")]
+    assert labels == ["activation", "inference", "ended"]
+
+
 async def test_stop_from_inside_the_run_ends_stopped():
     def stopper(hook_input):
         hook_input.execution.stop("budget reached")
