@@ -99,7 +99,7 @@ async def advance_batch(engine: Engine, ctx: RunContext, opening: Opening | None
     if opening is not None:
         # cancelled as the model answered, or stopped by an AfterInference hook
         ending = engine.cancel_event.is_set() or ctx.execution.stopped
-        first = [] if ending else waves[:1]
+        first = [] if ending or not waves else waves[0]
         batch = await _commit_opening(engine, ctx, opening, batch, first)
         if ending:
             return  # the loop ends the Run next; its calls are sealed without running
@@ -119,10 +119,9 @@ async def _commit_opening(
     ctx: RunContext,
     opening: Opening,
     batch: ActiveToolBatch,
-    first: list[list[CallId]],
+    wave: Sequence[CallId],
 ) -> ActiveToolBatch:
-    """The inference commit, with the waves in ``first`` (none or one) marked executing."""
-    wave = first[0] if first else []
+    """The inference commit, with the calls of ``wave`` (possibly none) marked executing."""
     for call_id in wave:
         batch = mark_executing(batch, call_id)
     await engine.commit(
@@ -325,7 +324,7 @@ def _child_request(
 
 
 def _relationships(
-    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, wave: list[CallId]
+    engine: Engine, ctx: RunContext, batch: ActiveToolBatch, wave: Sequence[CallId]
 ) -> tuple[Command, ...]:
     started = {
         c: child_ids(ctx.frontier.thread_id, ctx.run_id, c)[0]
