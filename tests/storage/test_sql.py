@@ -22,7 +22,7 @@ from runtime.ids import ThreadId
 from storage.schema import SCHEMA_VERSION, commits, schema_version
 from storage.sql import SqlCommitStore
 from storage.sql_engine import translate
-from tests.storage.builders import activation, step
+from tests.storage.builders import activation, ended, step
 from tests.storage.conftest import make_store
 
 
@@ -171,6 +171,21 @@ async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
     assert mine.planned == planned
     frontier = await theirs.load(thread)
     assert (frontier.version, frontier.epoch, frontier.owner) == (1, 2, "me")
+
+
+async def test_the_next_run_on_a_thread_read_back_is_planned(
+    two_stores: tuple[SqlCommitStore, SqlCommitStore],
+) -> None:
+    mine, theirs = two_stores
+    thread = ThreadId("conversation")
+    await theirs.append(activation(thread, "r1"), 0, 0)
+    await theirs.append(ended(thread, "r1", 1), 1, 0)
+    assert (await mine.load(thread)).ended  # as Engine.start reads before it claims
+    planned = mine.planned
+    assert await mine.claim(thread, "me") == 1
+    await mine.append(activation(thread, "r2"), 2, 1)
+    assert mine.planned == planned + 2
+    assert (await theirs.load(thread)).run_id == "r2"
 
 
 async def test_a_plan_that_fails_leaves_the_group_to_the_read_first_path(
