@@ -299,6 +299,16 @@ def with_claim(frontier: Frontier, owner: str) -> Frontier:
     return evolve(frontier, epoch=frontier.epoch + 1, owner=owner)
 
 
+def check_start(frontier: Frontier, run_id: RunId) -> None:
+    """The rule of a claim made to start ``run_id``: refused while the thread has another
+    Run not yet ended (the claim would fence that Run's owner). ``run_id`` itself may
+    be active: a retried start goes on with it."""
+    if frontier.run_id != run_id and frontier.run_state is not None and not frontier.ended:
+        raise InvalidTransition(
+            f"thread {frontier.thread_id} already has an active run {frontier.run_id}"
+        )
+
+
 def replay(thread: ThreadId, commits: Iterable[ThreadCommit]) -> Frontier:
     """Rebuild a frontier from the log alone (tests compare it with the stored one)."""
     frontier = Frontier(thread_id=thread)

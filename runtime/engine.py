@@ -29,7 +29,7 @@ from runtime.batch import (
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts
 from runtime.delegation import CHILDREN_KEY, ChildRunner, ParentLink
-from runtime.errors import InvalidTransition, StateConflict, StoreUnavailable
+from runtime.errors import StateConflict, StoreUnavailable
 from runtime.events import Delta, Fact
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
@@ -179,12 +179,10 @@ class Engine:
     ) -> Frontier:
         """Activate a new Run with ``text`` as input and drive it. Idempotent by run id."""
         run_id = run_id or RunId(f"run-{uuid.uuid4().hex}")
-        # Refuse before claiming: a claim would fence the active Run's owner.
-        _refuse_second_run(await self._retrying(lambda: self.store.load(thread)), run_id)
-        ctx = await self._claim(thread)
+        # the claim is refused while another Run is active: it would fence that Run's owner
+        ctx = await self._claim(thread, starting=run_id)
         if ctx.frontier.run_id == run_id:
             return await self._drive(ctx)
-        _refuse_second_run(ctx.frontier, run_id)
         user = UserMessage(id=message_id or f"{run_id}:input", text=text)
         link = () if self.parent is None else (self.parent.command(),)
         await self._commit(
@@ -222,9 +220,11 @@ class Engine:
             await self.end(ctx, self._control_cause(ctx))
         return await self._drive(ctx)
 
-    async def _claim(self, thread: ThreadId) -> RunContext:
-        epoch = await self._retrying(lambda: self.store.claim(thread, self.owner))
-        frontier = await self._retrying(lambda: self.store.load(thread))
+    async def _claim(self, thread: ThreadId, starting: RunId | None = None) -> RunContext:
+        frontier = await self._retrying(
+            lambda: self.store.claim_frontier(thread, self.owner, starting)
+        )
+        epoch = frontier.epoch
         execution = ExecutionState(
             RunId(frontier.run_id or ""), thread, self.prompt_path, self.cancel_event
         )
@@ -480,13 +480,6 @@ def _validate(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
     validate_resume(ticket, command, now_us())
     assert ticket is not None
     return ticket
-
-
-def _refuse_second_run(frontier: Frontier, run_id: RunId) -> None:
-    if frontier.run_id != run_id and frontier.run_state is not None and not frontier.ended:
-        raise InvalidTransition(
-            f"thread {frontier.thread_id} already has an active run {frontier.run_id}"
-        )
 
 
 def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) -> ThreadStatus:

@@ -9,7 +9,8 @@ from pydantic import Field
 
 from runtime.base import Frozen
 from runtime.batch import ToolOutput
-from runtime.commit import Frontier, Receipt, ThreadCommit
+from runtime.commit import Frontier, Receipt, ThreadCommit, check_start
+from runtime.errors import Fenced
 from runtime.events import Delta, Fact
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.lifecycle import ThreadStatus
@@ -44,12 +45,35 @@ class CommitStore(Protocol):
     async def claim(self, thread: ThreadId, owner: str) -> int:
         """Become the thread's owner; returns the new epoch, fencing every earlier one."""
 
+    async def claim_frontier(
+        self, thread: ThreadId, owner: str, starting: RunId | None = None
+    ) -> Frontier:
+        """``claim``, returning the frontier as claimed (its epoch is the new one), so the
+        claimer need not load it after. With ``starting``, the claim is refused
+        (``InvalidTransition``, nothing written) while another Run of the thread is not
+        ended (``runtime.commit.check_start``)."""
+
     async def list_runs(
         self, state: Literal["running", "awaiting", "ended"] | None = None
     ) -> list[RunSummary]:
         """The latest Run of every thread, optionally only those in ``state``."""
 
     async def close(self) -> None: ...
+
+
+async def claim_then_load(
+    store: CommitStore, thread: ThreadId, owner: str, starting: RunId | None = None
+) -> Frontier:
+    """``claim_frontier`` in three steps, for a backend that cannot make it one: the start
+    rule is checked on a load before the claim, and the claim is read back after it.
+    Someone else's claim in between surfaces as Fenced, never as their epoch."""
+    if starting is not None:
+        check_start(await store.load(thread), starting)
+    epoch = await store.claim(thread, owner)
+    frontier = await store.load(thread)
+    if frontier.epoch != epoch:
+        raise Fenced(thread, epoch, frontier.epoch)
+    return frontier
 
 
 class BusEvent(NamedTuple):

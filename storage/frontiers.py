@@ -58,10 +58,8 @@ class _Entry(NamedTuple):
 class FrontierCache:
     """Frontiers by thread, least recently used evicted; safe to share between threads.
 
-    A frontier this process writes as its Run ends is not kept: it is rarely read
-    again. One it reads with its Run ended is (and so is the claim written on it):
-    that load is how a host starts the thread's next Run, whose claim and activation
-    can then be planned (``sql_txn.Plan``) instead of meeting a row the cache never saw.
+    Ended Runs are not kept: they are rarely read again, and a thread's next Run
+    starts with a load that decodes once.
     """
 
     def __init__(self, entries: int = DEFAULT_ENTRIES, chars: int = DEFAULT_CHARS) -> None:
@@ -77,7 +75,7 @@ class FrontierCache:
         if entry is not None and entry.text == text and entry.frontier.version == version:
             return entry.frontier
         frontier = decode_frontier(thread, text, version)
-        self._put(thread, _Entry(text, frontier, None), keep_ended=True)
+        self._put(thread, _Entry(text, frontier, None))
         return frontier
 
     def known(self, thread: str) -> tuple[str, Frontier] | None:
@@ -87,13 +85,10 @@ class FrontierCache:
 
     def encode(self, thread: str, frontier: Frontier) -> str:
         """The text to store for ``frontier``; remembered as decoding to it."""
-        prior = self._get(thread)
-        messages = _messages_json(frontier, prior)
+        messages = _messages_json(frontier, self._get(thread))
         head = frontier.model_dump_json(exclude=_ALL_BUT_MESSAGES)
         text = f'{head[:-1]},"messages":{messages}}}'
-        # a claim on a thread read back ended is kept, for its next Run's activation
-        still_ended = prior is not None and prior.frontier.ended
-        self._put(thread, _Entry(text, frontier, messages), keep_ended=still_ended)
+        self._put(thread, _Entry(text, frontier, messages))
         return text
 
     def _get(self, thread: str) -> _Entry | None:
@@ -103,12 +98,12 @@ class FrontierCache:
                 self._entries.move_to_end(thread)
             return entry
 
-    def _put(self, thread: str, entry: _Entry, keep_ended: bool = False) -> None:
+    def _put(self, thread: str, entry: _Entry) -> None:
         with self._lock:
             old = self._entries.pop(thread, None)
             if old is not None:
                 self._chars -= len(old.text)
-            if (entry.frontier.ended and not keep_ended) or len(entry.text) > self.max_chars:
+            if entry.frontier.ended or len(entry.text) > self.max_chars:
                 return
             self._entries[thread] = entry
             self._chars += len(entry.text)

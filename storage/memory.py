@@ -19,11 +19,12 @@ from runtime.commit import (
     advance,
     check_append,
     check_size,
+    check_start,
     decode_commit,
     with_claim,
 )
 from runtime.errors import CorruptRecord
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from runtime.ports import CommittedRecord, RunSummary
 from storage.summary import summarize
 
@@ -80,10 +81,17 @@ class MemoryCommitStore:
         ]
 
     async def claim(self, thread: ThreadId, owner: str) -> int:
+        return (await self.claim_frontier(thread, owner)).epoch
+
+    async def claim_frontier(
+        self, thread: ThreadId, owner: str, starting: RunId | None = None
+    ) -> Frontier:
         async with self._lock:
             t = self._thread(thread)
+            if starting is not None:
+                check_start(t.frontier, starting)
             t.frontier = with_claim(t.frontier, owner)
-            return t.frontier.epoch
+            return t.frontier
 
     async def list_runs(
         self, state: Literal["running", "awaiting", "ended"] | None = None

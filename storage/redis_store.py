@@ -73,8 +73,8 @@ from runtime.commit import (
     decode_commit,
 )
 from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
-from runtime.ids import ThreadId
-from runtime.ports import CommittedRecord, RunSummary
+from runtime.ids import RunId, ThreadId
+from runtime.ports import CommittedRecord, RunSummary, claim_then_load
 from storage.summary import summarize
 from storage.url import redact
 
@@ -264,6 +264,13 @@ class RedisCommitStore:
                 pipe.hset(meta, "owner", owner)
                 epoch, _ = await pipe.execute()
         return int(epoch)
+
+    async def claim_frontier(
+        self, thread: ThreadId, owner: str, starting: RunId | None = None
+    ) -> Frontier:
+        """Not one atomic step here (``claim_then_load``): a Run started on the thread
+        between the check and the claim is fenced by it, as a plain claim would."""
+        return await claim_then_load(self, thread, owner, starting)
 
     async def list_runs(self, state: RunStateKind | None = None) -> list[RunSummary]:
         states = RUN_STATES if state is None else (state,)

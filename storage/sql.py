@@ -65,7 +65,7 @@ from pydantic import ValidationError
 
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, check_size
 from runtime.errors import CorruptRecord, RatchetError, StoreError, StoreUnavailable
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import ThreadStatus
 from runtime.ports import CommittedRecord, RunSummary
 from storage.checkpoints import SqlCheckpointStore
@@ -166,7 +166,12 @@ class SqlCommitStore:
         return await self._submit(item)
 
     async def claim(self, thread: ThreadId, owner: str) -> int:
-        item: _Queued[int] = _Queued(ClaimRequest(thread, owner))
+        return (await self.claim_frontier(thread, owner)).epoch
+
+    async def claim_frontier(
+        self, thread: ThreadId, owner: str, starting: RunId | None = None
+    ) -> Frontier:
+        item: _Queued[Frontier] = _Queued(ClaimRequest(thread, owner, starting))
         return await self._submit(item)
 
     async def load(self, thread: ThreadId) -> Frontier:

@@ -41,19 +41,21 @@ from runtime.commit import (
     ThreadCommit,
     advance,
     check_append,
+    check_start,
     decode_commit,
     with_claim,
 )
 from runtime.errors import RatchetError, StoreError
-from runtime.ids import OperationId, ThreadId
+from runtime.ids import OperationId, RunId, ThreadId
 from runtime.ports import CommittedRecord
 from storage.frontiers import FrontierCache
 from storage.schema import commits, threads
 from storage.sql_engine import SQL_DIALECTS, deadlocked, translate, upsert_ignore
 from storage.summary import listing
 
-Outcome = Receipt | int | StoreError | RatchetError
-"""A request's outcome: a Receipt (append), the new epoch (claim), or its refusal."""
+Outcome = Receipt | Frontier | StoreError | RatchetError
+"""A request's outcome: a Receipt (append), the frontier as claimed (claim), or its
+refusal."""
 DbRow = Any
 """A SQLAlchemy result row (its column types are not tracked)."""
 
@@ -73,6 +75,8 @@ class AppendRequest:
 class ClaimRequest:
     thread: ThreadId
     owner: str
+    starting: RunId | None = None
+    """The Run the claim is made to start (``check_start``), if any."""
 
 
 Request = AppendRequest | ClaimRequest
@@ -119,16 +123,20 @@ class Group:
     def admit(self, request: Request) -> Outcome:
         try:
             if isinstance(request, ClaimRequest):
-                return self._claim(request.thread, request.owner)
+                return self._claim(request)
             return self._append(request.commit, request.expected, request.epoch)
         except RatchetError as exc:  # this request is refused; its neighbours go on
             return exc
 
-    def _claim(self, thread: str, owner: str) -> int:
-        frontier = with_claim(self.frontier(thread), owner)
+    def _claim(self, request: ClaimRequest) -> Frontier:
+        thread = request.thread
+        frontier = self.frontier(thread)
+        if request.starting is not None:
+            check_start(frontier, request.starting)
+        frontier = with_claim(frontier, request.owner)
         self.frontiers[thread] = frontier
         self.touched.add(thread)
-        return frontier.epoch
+        return frontier
 
     def _append(self, commit: ThreadCommit, expected: int, epoch: int) -> Receipt:
         thread, operation = commit.thread_id, commit.operation_id

@@ -119,7 +119,7 @@ async def test_a_zombie_engine_is_fenced_after_recovery_claims_the_thread():
         return await original(commit, expected, epoch)
 
     zombie.store = type("S", (), {})()  # a thin wrapper delegating to the real store
-    for name in ("load", "read", "claim", "list_runs", "close"):
+    for name in ("load", "read", "claim", "claim_frontier", "list_runs", "close"):
         setattr(zombie.store, name, getattr(store, name))
     zombie.store.append = stalled_append
     task = asyncio.create_task(zombie.start("t", "go", run_id=None))

@@ -18,7 +18,7 @@ from runtime.errors import (
     StateConflict,
     VersionConflict,
 )
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from runtime.state import Command
 from tests.storage.builders import activation, ended, step
 from tests.storage.conftest import Corruptor
@@ -79,6 +79,35 @@ async def test_stale_epoch_is_fenced(store: Any) -> None:
     await store.append(step(T, "run-1", 1), 1, new)
     frontier = await store.load(T)
     assert (frontier.version, frontier.owner) == (2, "owner-2")
+
+
+async def test_claim_frontier_returns_the_frontier_as_claimed(store: Any) -> None:
+    epoch = await _started(store)
+    claimed = await store.claim_frontier(T, "owner-2")
+    assert (claimed.epoch, claimed.owner, claimed.version) == (epoch + 1, "owner-2", 1)
+    assert claimed == await store.load(T)
+    fresh = await store.claim_frontier(ThreadId("fresh"), "owner-1", RunId("run-9"))
+    assert (fresh.version, fresh.epoch, fresh.run_state) == (0, 1, None)
+
+
+async def test_a_claim_to_start_a_run_is_refused_while_another_is_active(store: Any) -> None:
+    epoch = await _started(store, run="run-1")
+    with pytest.raises(InvalidTransition):
+        await store.claim_frontier(T, "owner-2", RunId("run-2"))
+    after = await store.load(T)
+    assert (after.epoch, after.owner) == (epoch, "owner-1")  # nothing written, no one fenced
+    await store.append(step(T, "run-1", 1), 1, epoch)
+    again = await store.claim_frontier(T, "owner-2", RunId("run-1"))  # a retried start
+    assert (again.epoch, again.run_id, again.version) == (epoch + 1, "run-1", 2)
+
+
+async def test_a_claim_to_start_a_run_after_the_last_one_ended_is_granted(store: Any) -> None:
+    epoch = await _started(store, run="run-1")
+    await store.append(ended(T, "run-1", 1), 1, epoch)
+    claimed = await store.claim_frontier(T, "owner-2", RunId("run-2"))
+    assert claimed.ended and claimed.epoch == epoch + 1
+    await store.append(activation(T, "run-2"), 2, claimed.epoch)
+    assert (await store.load(T)).run_id == "run-2"
 
 
 async def test_same_operation_is_idempotent_by_payload(store: Any) -> None:

@@ -19,7 +19,7 @@ import pytest
 from runtime import Agent, EndedState, InProcessRunner, ModelResponse, ScriptedModel, call, tool
 from runtime.commit import Frontier, Receipt, ThreadCommit, replay
 from runtime.errors import StoreUnavailable
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from storage.redis_store import RedisCommitStore
 from tests.conftest import IN_CI
 from tests.support.servers import PrivateRedis, private_redis
@@ -64,6 +64,11 @@ class Watched:
 
     async def claim(self, thread: ThreadId, owner: str) -> int:
         return await self._watch(self.inner.claim(thread, owner))
+
+    async def claim_frontier(
+        self, thread: ThreadId, owner: str, starting: RunId | None = None
+    ) -> Frontier:
+        return await self._watch(self.inner.claim_frontier(thread, owner, starting))
 
     async def list_runs(self, state: Any = None) -> Any:
         return await self._watch(self.inner.list_runs(state))

@@ -14,11 +14,12 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, Program
 from runtime.errors import (
     DuplicateOperation,
     Fenced,
+    InvalidTransition,
     StoreError,
     StoreUnavailable,
     VersionConflict,
 )
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from storage.schema import SCHEMA_VERSION, commits, schema_version
 from storage.sql import SqlCommitStore
 from storage.sql_engine import translate
@@ -173,19 +174,20 @@ async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
     assert (frontier.version, frontier.epoch, frontier.owner) == (1, 2, "me")
 
 
-async def test_the_next_run_on_a_thread_read_back_is_planned(
+async def test_a_start_claim_the_cache_cannot_judge_is_judged_on_the_row(
     two_stores: tuple[SqlCommitStore, SqlCommitStore],
 ) -> None:
     mine, theirs = two_stores
-    thread = ThreadId("conversation")
+    thread = ThreadId("busy")
     await theirs.append(activation(thread, "r1"), 0, 0)
+    # planned as a new thread, the row exists: read first, the active Run refuses it
+    with pytest.raises(InvalidTransition):
+        await mine.claim_frontier(thread, "me", RunId("r2"))
+    frontier = await theirs.load(thread)
+    assert (frontier.epoch, frontier.run_id) == (0, "r1")
     await theirs.append(ended(thread, "r1", 1), 1, 0)
-    assert (await mine.load(thread)).ended  # as Engine.start reads before it claims
-    planned = mine.planned
-    assert await mine.claim(thread, "me") == 1
-    await mine.append(activation(thread, "r2"), 2, 1)
-    assert mine.planned == planned + 2
-    assert (await theirs.load(thread)).run_id == "r2"
+    claimed = await mine.claim_frontier(thread, "me", RunId("r2"))
+    assert (claimed.epoch, claimed.version, claimed.ended) == (1, 2, True)
 
 
 async def test_a_plan_that_fails_leaves_the_group_to_the_read_first_path(
