@@ -23,12 +23,14 @@ from typing import Any
 import ray
 
 from actors.children import RayChildRunner
+from actors.heap import freeze_startup_heap
 from actors.ownership import running_owned_by, settle_lost
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools
 from actors.waves import RayToolRunner, WaveDispatcher
 from actors.wire import (
     NAMESPACE,
+    AtRest,
     Placement,
     RemoteError,
     RunMeta,
@@ -95,6 +97,16 @@ class _Observed(FaultPlan):
             self.committed.set()
 
 
+def _rested(task: asyncio.Task[Any]) -> AtRest | None:
+    """The frontier a finished drive returned, if the Run rests (its final commit landed)."""
+    if task.cancelled() or task.exception() is not None:
+        return None
+    frontier = task.result()
+    if isinstance(frontier, Frontier) and _at_rest(frontier):
+        return AtRest(frontier.model_dump_json())
+    return None
+
+
 def _retrieve(task: asyncio.Task[Any]) -> None:
     """A refusal nobody awaited (a recovery's) is logged here, not lost."""
     if not task.cancelled() and task.exception() is not None:
@@ -136,6 +148,7 @@ class RunHost:
             # requests wait for it: a retried start must not race the recording of the
             # crash (failed/execution_lost) for the Runs this host owned
             self._reclaimed = asyncio.create_task(self._reclaim())
+        freeze_startup_heap()
         self.startup["ready"] = time.time()
 
     # ---- the actor's interface ------------------------------------------------------
@@ -166,6 +179,7 @@ class RunHost:
             started = await self._first_commit(drive)
             if wait:
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
+                return _rested(drive.task) or started
             return started
         except RatchetError as exc:
             return RemoteError.of(exc)

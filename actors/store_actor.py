@@ -23,10 +23,11 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.heap import freeze_startup_heap
 from actors.wire import NAMESPACE, RemoteError, SystemSpec, unwrap
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from runtime.ports import CommitStore, CommittedRecord, RunSummary
 
 log = logging.getLogger("ratchet.store_actor")
@@ -44,6 +45,7 @@ class StoreActor:
 
     async def __init__(self, url: str) -> None:
         self.store = await open_local_store(url)
+        freeze_startup_heap()
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -77,6 +79,9 @@ class StoreActor:
 
     async def claim(self, thread: ThreadId, owner: str) -> Any:
         return await self._call("claim", thread, owner)
+
+    async def claim_frontier(self, thread: ThreadId, owner: str, starting: RunId | None) -> Any:
+        return await self._call("claim_frontier", thread, owner, starting)
 
     async def list_runs(self, state: str | None) -> Any:
         return await self._call("list_runs", state)
@@ -164,6 +169,12 @@ class RemoteCommitStore:
 
     async def claim(self, thread: ThreadId, owner: str) -> int:
         result: int = await self._call("claim", thread, owner)
+        return result
+
+    async def claim_frontier(
+        self, thread: ThreadId, owner: str, starting: RunId | None = None
+    ) -> Frontier:
+        result: Frontier = await self._call("claim_frontier", thread, owner, starting)
         return result
 
     async def list_runs(

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from actors.heap import freeze_startup_heap
 from actors.wire import NAMESPACE, SystemSpec
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
@@ -35,6 +36,7 @@ class ToolExecutor:
         self._agents: dict[str, Agent] = {}
         self._waves: dict[str, asyncio.Task[list[Any]]] = {}
         """Waves running here, by id, so a host can cancel one (actors.waves)."""
+        freeze_startup_heap()
 
     @ray.method(num_returns="streaming")  # type: ignore[misc]
     async def run_waves(

@@ -128,6 +128,18 @@ def owned_by(owner: str | None, host_id: str) -> bool:
 
 
 @dataclass(frozen=True)
+class AtRest:
+    """A Run's frontier as the host's last commit of it left it, at rest (ended or
+    awaiting): ``start_run(wait=True)`` answers with it, so ``Ratchet.run`` need not
+    read back what the store has just acknowledged. JSON: cheaper than pickling it."""
+
+    frontier_json: str
+
+    def frontier(self) -> Frontier:
+        return Frontier.model_validate_json(self.frontier_json)
+
+
+@dataclass(frozen=True)
 class RemoteError:
     """A RatchetError raised inside an actor, carried by value."""
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from actors.heap import freeze_startup_heap
 from actors.tool_executor import RemoteToolExecutor
 from actors.wire import host_index
 from runtime.agent import Agent, load_agent
@@ -35,6 +36,7 @@ class BaselineHost:
         self.executors = executors
         self.turn = itertools.count()
         self.schemas = tuple(t.schema() for t in self.agent.tools)
+        freeze_startup_heap()  # as a RunHost does: the comparison is of durability alone
 
     async def ping(self) -> bool:
         return True

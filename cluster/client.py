@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError, RayError
 from actors.run_host import RunHost, dedicated_host, hosted_host
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
-from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
+from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import (
     ClusterUnavailable,
     connect_ray,
@@ -124,7 +124,8 @@ class Ratchet:
         ``host`` pins a hosted Run to one host of the pool (tests, benchmarks);
         ``faults`` arms a fault point in the driving engine (crash tests, the demo).
         """
-        return await self._start(agent_ref, input, thread_id, placement, run_id, host, faults)
+        handle, _ = await self._start(agent_ref, input, thread_id, placement, run_id, host, faults)
+        return handle
 
     async def run(
         self,
@@ -138,16 +139,22 @@ class Ratchet:
         timeout_s: float | None = None,
     ) -> Frontier:
         """Start a Run and return its frontier once it ends or awaits: ``start`` and
-        ``result`` in one, and for a hosted Run in one call to its host (which answers
-        when its drive is over), while nothing fails; the store confirms either way."""
+        ``result`` in one. A hosted Run takes one call to its host, which answers when
+        its drive is over with the frontier its last commit wrote (the store had
+        acknowledged it); otherwise — a host that died, a Run recovered elsewhere, a
+        dedicated host — the store is followed until the Run rests."""
 
         async def run() -> Frontier:
             # a dedicated host retires as its Run ends, so its answer could be lost:
             # there, the start is answered first and the end followed apart
             wait = placement == "hosted"
-            handle = await self._start(
+            handle, answer = await self._start(
                 agent_ref, input, thread_id, placement, run_id, host, None, wait=wait
             )
+            if isinstance(answer, AtRest):
+                frontier = answer.frontier()
+                if _rests(frontier, handle.run_id):
+                    return frontier
             return await handle.settled(host_done=wait)
 
         try:
@@ -165,7 +172,8 @@ class Ratchet:
         host: int | None,
         faults: tuple[str, int, str] | None,
         wait: bool = False,
-    ) -> RunHandle:
+    ) -> tuple[RunHandle, Any]:
+        """The Run's handle, and its host's answer (``AtRest`` when ``wait`` found it so)."""
         load_agent(agent_ref)  # a bad reference fails here, clearly, not in a host
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex[:12]}")
         run = RunId(run_id or f"run-{uuid.uuid4().hex[:12]}")
@@ -178,8 +186,8 @@ class Ratchet:
             return unwrap(await target.start_run.remote(*args, fault, wait=wait))
 
         # the host may die before it answers (or be restarting): start is idempotent
-        await _on_a_live_host(start_run)
-        return RunHandle(self, thread, run, placement)
+        answer = await _on_a_live_host(start_run)
+        return RunHandle(self, thread, run, placement), answer
 
     def handle(self, thread_id: str) -> RunHandle:
         """A handle on the latest Run of a thread (its run id is read lazily)."""
@@ -280,9 +288,7 @@ class RunHandle:
 
         async def at_rest() -> Frontier | None:
             frontier = await self.frontier()
-            run = self.run_id or frontier.run_id
-            rests = isinstance(frontier.run_state, EndedState | AwaitingState)
-            return frontier if frontier.run_id == run and rests else None
+            return frontier if _rests(frontier, self.run_id) else None
 
         return await _polled(at_rest)
 
@@ -462,6 +468,12 @@ async def _polled(check: Callable[[], Awaitable[T | None]]) -> T:
         await asyncio.sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
     return answer
+
+
+def _rests(frontier: Frontier, run_id: RunId | None) -> bool:
+    """The frontier holds ``run_id`` (any Run if None) ended or awaiting."""
+    run = run_id or frontier.run_id
+    return frontier.run_id == run and isinstance(frontier.run_state, EndedState | AwaitingState)
 
 
 async def _on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:

@@ -50,10 +50,20 @@ async def test_a_dedicated_run_gets_a_host_of_its_own(make_system):
 async def test_run_starts_and_returns_the_run_at_rest(make_system, placement):
     client = await make_system()
     thread = f"run-{placement}"
+    loads = []
+    load = client.store.load
+
+    async def counted(thread_id):
+        loads.append(thread_id)
+        return await load(thread_id)
+
+    client.store.load = counted
     frontier = await client.run(
         "tests.ray.agents:quick_agent", "hi", thread_id=thread, placement=placement, timeout_s=60
     )
     assert frontier.thread_id == thread and frontier.run_state.cause.kind == "natural"
+    # a hosted Run's host answers with the frontier its last commit wrote: no read back
+    assert len(loads) == (0 if placement == "hosted" else 1)
     assert frontier == await client.handle(thread).frontier()  # what the store holds
     infos = [await h.info.remote() for h in client.hosts]
     assert sum(i["driving"] for i in infos) == 0
