@@ -22,17 +22,20 @@ never a receipt or an epoch.
 
 **Planned groups.** A group is first admitted before its transaction, on the event
 loop, against the frontiers this process last wrote or read (``sql_txn.Plan``), and
-that transaction only writes: each thread row is updated only if it still holds the
-exact text the plan started from (a thread the cache does not know is inserted, so
-it must have no row yet). Should any row have moved — another process claimed or
-wrote the thread — or a commit already be stored, that transaction rolls back and
-the group runs the read-first way above (on SQLite under the same lock). A request
-the plan would refuse (a retried append, a stale epoch) is left to the read-first
-way too: only the stored receipts can tell a retry from a conflict. On SQLite,
-whose one file lock serialises every process's writers, this cut the lock's hold
-per group by about 40% on W1 (3.5 → 2.2 ms); on PostgreSQL the group is one
-statement (arrays unnested into the UPDATE and the INSERTs) where reading the rows
-first took two more round trips: BEGIN, it, COMMIT.
+that transaction only writes: each thread row is updated only if it is still at the
+version, epoch and owner of the frontier the plan started from, which determine the
+rest (a thread the cache does not know is inserted, so it must have no row yet).
+Should any row have moved — another process claimed or wrote the thread — or a
+commit already be stored, that transaction rolls back and the group runs the
+read-first way above (on SQLite under the same lock). A request the plan would
+refuse (a retried append, a stale epoch) is left to the read-first way too: only
+the stored receipts can tell a retry from a conflict. On SQLite, whose one file
+lock serialises every process's writers, this cut the lock's hold per group by
+about 40% on W1 (3.5 → 2.2 ms); on PostgreSQL the group is one statement (arrays
+unnested into the UPDATE and the INSERTs) where reading the rows first took two
+more round trips: BEGIN, it, COMMIT. A frontier edited by hand at the same
+version, epoch and owner is overwritten by the next planned write; a load still
+decodes it and fails closed.
 
 **Decoded frontiers are cached** per process (``storage.frontiers``), keyed by the
 exact stored text, so neither a group transaction nor a load re-validates a

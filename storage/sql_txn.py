@@ -227,11 +227,15 @@ INSERT_COMMITS = _Many(commits.insert(), [c.name for c in commits.columns])
 INSERT_THREADS = _Many(threads.insert(), [c.name for c in threads.columns])
 UPDATE_UNCHANGED = _Many(
     threads.update().where(
-        _t.thread_id == bindparam("b_thread"), _t.frontier == bindparam("b_old")
+        _t.thread_id == bindparam("b_thread"),
+        _t.version == bindparam("b_version"),
+        _t.epoch == bindparam("b_epoch"),
+        _t.owner.is_not_distinct_from(bindparam("b_owner")),
     ),
-    [*_THREAD_COLUMNS, "b_thread", "b_old"],
+    [*_THREAD_COLUMNS, "b_thread", "b_version", "b_epoch", "b_owner"],
 )
-"""Update a thread row only if it still holds the frontier text a plan started from."""
+"""Update a thread row only if it is still at the version, epoch and owner a plan
+started from."""
 LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
 LOAD = select(_t.version, _t.frontier).where(_t.thread_id == bindparam("thread"))
 READ = (
@@ -297,16 +301,24 @@ class Plan:
     """A group admitted ahead of its transaction, against the frontiers this process
     last wrote or read (``FrontierCache``), so the transaction only checks and writes.
 
-    It holds only if every thread row still has the exact text the plan started from
-    (a thread the cache does not know must have no row yet); the transaction checks
-    that with the writes themselves and otherwise falls back to ``group_txn``.
+    It holds only if every thread row is still at the version, epoch and owner of the
+    frontier the plan started from (a thread the cache does not know must have no row
+    yet); the transaction checks that with the writes themselves and otherwise falls
+    back to ``group_txn``. Those three columns determine the whole frontier: every
+    append moves the version, every claim the epoch and owner, and the frontier at a
+    version is the fold of the log up to it, which never changes. (A cached frontier
+    whose own transaction rolled back is a version or an epoch ahead of its row; the
+    retry that follows goes the read-first way and caches the row.) Comparing the
+    frontier text itself cost PostgreSQL a decompression of the stored text per row,
+    and with stale statistics, a hash of every row's.
     """
 
     outcomes: list[Outcome]
     fresh: list[dict[str, Any]]
     """Rows of threads with no row yet."""
     updates: list[dict[str, Any]]
-    """New rows of known threads, each with the text it replaces (``b_old``)."""
+    """New rows of known threads, each with the version, epoch and owner of the row it
+    replaces (``b_version``, ``b_epoch``, ``b_owner``)."""
     new_commits: list[dict[str, Any]]
     held: bool = False
     """Whether the plan's own transaction committed (else ``transact`` ran the group)."""
@@ -319,14 +331,14 @@ class Stale(Exception):
 def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
     """Admit the group against cached frontiers; None where only the database can tell
     (a request refused: a retried append's receipt, a fenced writer, …)."""
-    base: dict[str, str | None] = {}
+    base: dict[str, Frontier | None] = {}
     frontiers: dict[str, Frontier] = {}
     for request in group:
         thread = request.thread
         if thread in base:
             continue
         known = cache.known(thread)
-        base[thread] = known[0] if known is not None else None
+        base[thread] = known[1] if known is not None else None
         frontiers[thread] = known[1] if known is not None else Frontier(thread_id=thread)
     pure = Group({}, {}, cache, frontiers)
     outcomes = [pure.admit(request) for request in group]
@@ -338,7 +350,9 @@ def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
         if old is None:
             fresh.append({"thread_id": row.pop("b_thread"), **row})
         else:
-            updates.append({**row, "b_old": old})
+            updates.append(
+                {**row, "b_version": old.version, "b_epoch": old.epoch, "b_owner": old.owner}
+            )
     return Plan(outcomes, fresh, updates, pure.new_commits)
 
 
@@ -366,14 +380,14 @@ def planned_txn(conn: Connection, plan: Plan) -> list[Outcome]:
 
 def _pg_planned_statement() -> Any:
     """A planned group in one statement (PostgreSQL): every part travels as arrays, so
-    the text never varies with the group. Rows are updated only where they still hold
-    the plan's text; the count of those comes back. Data-modifying CTEs all run to
-    completion, in one snapshot."""
+    the text never varies with the group. Rows are updated only where they are still at
+    the plan's version, epoch and owner; the count of those comes back. Data-modifying
+    CTEs all run to completion, in one snapshot."""
 
-    def unnest(prefix: str, columns: Sequence[Any], extra: Sequence[str] = ()) -> str:
+    def unnest(prefix: str, columns: Sequence[Any], extra: Sequence[Any] = ()) -> str:
         arrays = [f"CAST(:{prefix}{c.name} AS {_pg_type(c)}[])" for c in columns]
-        arrays += [f"CAST(:{prefix}{name} AS TEXT[])" for name in extra]
-        names = [c.name for c in columns] + list(extra)
+        arrays += [f"CAST(:{prefix}b_{c.name} AS {_pg_type(c)}[])" for c in extra]
+        names = [c.name for c in columns] + [f"b_{c.name}" for c in extra]
         return f"unnest({', '.join(arrays)}) AS v({', '.join(names)})"
 
     row_cols = list(threads.columns)
@@ -382,8 +396,9 @@ def _pg_planned_statement() -> Any:
     commit_names = ", ".join(c.name for c in commits.columns)
     return text(
         f"WITH moved AS (UPDATE {threads.name} AS t SET {set_cols}"
-        f" FROM {unnest('u_', row_cols, ('old',))}"
-        " WHERE t.thread_id = v.thread_id AND t.frontier = v.old RETURNING 1),"
+        f" FROM {unnest('u_', row_cols, (_t.version, _t.epoch, _t.owner))}"
+        " WHERE t.thread_id = v.thread_id AND t.version = v.b_version"
+        " AND t.epoch = v.b_epoch AND t.owner IS NOT DISTINCT FROM v.b_owner RETURNING 1),"
         f" fresh AS (INSERT INTO {threads.name} ({thread_names})"
         f" SELECT {thread_names} FROM {unnest('f_', row_cols)} RETURNING 1),"
         f" logged AS (INSERT INTO {commits.name} ({commit_names})"
@@ -404,7 +419,8 @@ def _pg_planned_params(plan: Plan) -> dict[str, list[Any]]:
         key = "b_thread" if c.name == "thread_id" else c.name
         params[f"u_{c.name}"] = [r[key] for r in updates]
         params[f"f_{c.name}"] = [r[c.name] for r in plan.fresh]
-    params["u_old"] = [r["b_old"] for r in updates]
+    for name in ("b_version", "b_epoch", "b_owner"):
+        params[f"u_{name}"] = [r[name] for r in updates]
     for c in commits.columns:
         params[f"c_{c.name}"] = [r[c.name] for r in plan.new_commits]
     return params

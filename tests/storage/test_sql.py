@@ -159,6 +159,18 @@ async def test_a_row_another_process_changed_makes_the_plan_fall_back(
     assert (await theirs.load(thread)).version == 2
 
 
+async def test_a_claim_on_a_row_another_process_moved_on_keeps_its_progress(
+    two_stores: tuple[SqlCommitStore, SqlCommitStore],
+) -> None:
+    mine, theirs = two_stores
+    thread = ThreadId("moved-on")
+    await mine.append(activation(thread, "r"), 0, 0)  # mine caches version 1
+    await theirs.append(step(thread, "r", 1), 1, 0)  # same epoch and owner, version 2
+    claimed = await mine.claim_frontier(thread, "me")  # planned on version 1: must not hold
+    assert (claimed.version, claimed.epoch, claimed.steps) == (2, 1, 1)
+    assert (await theirs.load(thread)).version == 2
+
+
 async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
     two_stores: tuple[SqlCommitStore, SqlCommitStore],
 ) -> None:
