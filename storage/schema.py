@@ -93,7 +93,15 @@ def _v1_initial(conn: Connection) -> None:
     metadata.create_all(conn, checkfirst=True)
 
 
-MIGRATIONS: list[tuple[int, Step]] = [(1, _v1_initial)]
+def _v2_thread_rows_leave_room(conn: Connection) -> None:
+    """PostgreSQL: every append rewrites its thread's row; with room left on the row's
+    page the new version goes there and no index changes (a HOT update). W1 measured
+    ~8% less server CPU per Run. SQLite rewrites rows in place: nothing to do."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(text(f"ALTER TABLE {threads.name} SET (fillfactor = 50)"))
+
+
+MIGRATIONS: list[tuple[int, Step]] = [(1, _v1_initial), (2, _v2_thread_rows_leave_room)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator
 

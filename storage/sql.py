@@ -45,8 +45,9 @@ was folded from.
 
 **Dialects.** The bodies (``storage.sql_txn``) are written once against a sync
 Connection and run by ``sql_engine.Database``: on PostgreSQL in SQLAlchemy's
-greenlet over asyncpg, with two groups in flight (rows are locked in thread-id
-order, so groups cannot deadlock); on SQLite on a dedicated writer thread — the
+greenlet over asyncpg, one group in flight per process (``Database.concurrency``;
+the groups of several processes lock rows in thread-id order, so they cannot
+deadlock); on SQLite on a dedicated writer thread — the
 single-writer funnel DESIGN §5 asks for, serialised across processes by a file
 lock — and reads on a dedicated reader thread, which in WAL mode never waits for
 the writer.

@@ -162,13 +162,16 @@ class Database:
         with ``url`` instead of an engine: see ``engine``)."""
         self._engine = engine
         self._url = url
-        self.concurrency = 2 if writer is None else 1
-        """Write bodies in flight at once (SQLite: 1, its one writer thread)."""
+        self.concurrency = 1
+        """Group transactions in flight at once. SQLite has one writer thread. On
+        PostgreSQL a second group in flight lets the server commit one while the client
+        prepares the next, but halves the groups: each transaction costs the server
+        ~1 ms of CPU, on the cores the Runs share. W1 (R=200, C=50 on 2 cores) measured
+        1.8 -> 1.2 transactions per Run, server CPU 1.9 -> 1.3 ms per Run, +14% runs/s
+        with one."""
         self.max_group = 32 if writer is None else 256
-        """Most requests per group transaction. On PostgreSQL two groups in flight let
-        the server work on one while the client prepares the next; more, smaller
-        groups cost more client CPU per commit than they gain (store_bench, 50 writers:
-        2 x 32 gave ~2.9-3.4k commits/s at ~0.2 ms CPU each, 4 x 16 ~2.6-2.8k at ~0.28)."""
+        """Most requests per group transaction (store_bench, 50 writers on PostgreSQL:
+        groups of 32 cost ~0.2 ms of client CPU per commit, of 16 ~0.28)."""
         self._writer = writer
         self._reader = reader
         if writer is None:

@@ -108,8 +108,20 @@ async def test_sqlite_file_is_created_in_wal_mode_and_migrated_once(tmp_path: Pa
                 await conn.execute(select(func.count()).select_from(schema_version))
             ).scalar()
         await store.close()
-        assert mode == "wal" and versions == SCHEMA_VERSION == 1
+        assert mode == "wal" and versions == SCHEMA_VERSION == 2
     assert (tmp_path / "deep" / "er" / "ratchet.db").exists()
+
+
+async def test_postgres_thread_rows_leave_room_for_hot_updates(pg_conformance_url: str) -> None:
+    store = await make_store("postgres", pg_conformance_url)
+    try:
+        async with store.engine.connect() as conn:
+            options = await conn.execute(
+                text("SELECT reloptions FROM pg_class WHERE relname = 'ratchet_threads'")
+            )
+            assert "fillfactor=50" in options.scalar_one()
+    finally:
+        await store.close()
 
 
 # ---- planned groups: admitted from the cache, checked by the writes ------------------
