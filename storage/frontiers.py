@@ -59,7 +59,8 @@ class FrontierCache:
     """Frontiers by thread, least recently used evicted; safe to share between threads.
 
     Ended Runs are not kept: they are rarely read again, and a thread's next Run
-    starts with a load that decodes once.
+    starts with a claim that reads the row first (``sql_txn.Plan`` meets a row the
+    cache does not know), decoding it once.
     """
 
     def __init__(self, entries: int = DEFAULT_ENTRIES, chars: int = DEFAULT_CHARS) -> None:

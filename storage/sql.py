@@ -47,10 +47,9 @@ was folded from.
 Connection and run by ``sql_engine.Database``: on PostgreSQL in SQLAlchemy's
 greenlet over asyncpg, one group in flight per process (``Database.concurrency``;
 the groups of several processes lock rows in thread-id order, so they cannot
-deadlock); on SQLite on a dedicated writer thread — the
-single-writer funnel DESIGN §5 asks for, serialised across processes by a file
-lock — and reads on a dedicated reader thread, which in WAL mode never waits for
-the writer.
+deadlock); on SQLite on a dedicated writer thread — the single-writer funnel
+DESIGN §5 asks for, serialised across processes by a file lock — and reads on a
+dedicated reader thread, which in WAL mode never waits for the writer.
 
 Errors are translated in ``storage.sql_engine.translate``; messages name the
 store by ``redact(url)`` only.

@@ -112,7 +112,9 @@ async def test_sqlite_file_is_created_in_wal_mode_and_migrated_once(tmp_path: Pa
     assert (tmp_path / "deep" / "er" / "ratchet.db").exists()
 
 
-async def test_postgres_rows_leave_room_for_hot_updates_and_joins_use_keys(pg_conformance_url: str) -> None:
+async def test_postgres_rows_leave_room_for_hot_updates_and_joins_use_keys(
+    pg_conformance_url: str,
+) -> None:
     store = await make_store("postgres", pg_conformance_url)
     try:
         async with store.engine.connect() as conn:
