@@ -47,7 +47,7 @@ _SYNCHRONOUS = ("off", "normal", "full", "extra")
 
 
 SQL_DIALECTS = ("sqlite", "postgresql")
-OUR_OPTIONS = ("synchronous", "pool_size")
+OUR_OPTIONS = ("synchronous", "pool_size", "key_joins")
 """Query options of a store URL that are ours, not the driver's."""
 DEFAULT_PG_POOL = 10
 """Connections per process (plus as many overflow). Every host of a cluster opens its
@@ -85,13 +85,17 @@ def create_engine(url: str) -> AsyncEngine:
         # so a modest pool serves many Runs (``?pool_size=N`` on the URL changes it).
         pool_size=pool,
         max_overflow=pool,
-        # Reconnection after an outage costs a refused connect, not a hang.
-        connect_args={
-            "timeout": 5,
-            "command_timeout": 30,
-            "server_settings": KEY_LOOKUPS_ONLY,
-        },
+        connect_args=pg_connect_args(ours),
     )
+
+
+def pg_connect_args(ours: dict[str, str]) -> dict[str, Any]:
+    """asyncpg's connect arguments for our options of a PostgreSQL store URL."""
+    # Reconnection after an outage costs a refused connect, not a hang.
+    args: dict[str, Any] = {"timeout": 5, "command_timeout": 30}
+    if _key_joins(ours):
+        args["server_settings"] = KEY_LOOKUPS_ONLY
+    return args
 
 
 KEY_LOOKUPS_ONLY = {"enable_hashjoin": "off", "enable_mergejoin": "off"}
@@ -99,7 +103,16 @@ KEY_LOOKUPS_ONLY = {"enable_hashjoin": "off", "enable_mergejoin": "off"}
 finds its rows by key, a few at a time, so a nested loop over an index is always the
 right join; but the thread table grows by a row per new thread and its statistics
 lag behind, and with them PostgreSQL hashed a sequential scan of the whole table for
-each planned group's UPDATE (``sql_txn``). W1: server CPU per Run 1.4 -> 1.0 ms."""
+each planned group's UPDATE (``sql_txn``). W1: server CPU per Run 1.4 -> 1.0 ms.
+They travel as startup parameters, which PgBouncer refuses unless told to ignore
+them: ``?key_joins=off`` on the store URL leaves the server's settings alone."""
+
+
+def _key_joins(ours: dict[str, str]) -> bool:
+    raw = ours.get("key_joins", "on").lower()
+    if raw not in ("on", "off"):
+        raise ValueError(f"key_joins must be on or off, not {raw!r}")
+    return raw == "on"
 
 
 def _pool_size(ours: dict[str, str]) -> int:

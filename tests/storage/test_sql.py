@@ -127,6 +127,13 @@ async def test_postgres_rows_leave_room_for_hot_updates_and_joins_use_keys(
                 assert (await conn.execute(text(f"SHOW {setting}"))).scalar_one() == "off"
     finally:
         await store.close()
+    joiner = "&" if "?" in pg_conformance_url else "?"
+    plain = await SqlCommitStore.connect(f"{pg_conformance_url}{joiner}key_joins=off")
+    try:  # behind PgBouncer, which refuses unknown startup parameters
+        async with plain.engine.connect() as conn:
+            assert (await conn.execute(text("SHOW enable_hashjoin"))).scalar_one() == "on"
+    finally:
+        await plain.close()
 
 
 # ---- planned groups: admitted from the cache, checked by the writes ------------------

@@ -74,3 +74,16 @@ def test_postgres_pool_size_is_ours_to_set_and_checked():
     assert create_engine("postgresql://u@127.0.0.1/db?pool_size=3").pool.size() == 3
     with _pytest.raises(ValueError, match="pool_size"):
         create_engine("postgresql://u@127.0.0.1/db?pool_size=lots")
+
+
+def test_postgres_key_joins_can_be_left_to_the_server():
+    from storage.sql_engine import KEY_LOOKUPS_ONLY, pg_connect_args, sqlalchemy_url
+
+    _, ours = sqlalchemy_url("postgresql://u@127.0.0.1/db")
+    assert pg_connect_args(ours)["server_settings"] == KEY_LOOKUPS_ONLY
+    url, ours = sqlalchemy_url("postgresql://u@127.0.0.1/db?key_joins=off")
+    assert "server_settings" not in pg_connect_args(ours)
+    assert "key_joins" not in str(url)  # ours, not passed to the driver
+    _, ours = sqlalchemy_url("postgresql://u@127.0.0.1/db?key_joins=maybe")
+    with pytest.raises(ValueError, match="key_joins"):
+        pg_connect_args(ours)
