@@ -124,9 +124,6 @@ def owned_by(owner: str | None, host_id: str) -> bool:
     return owner is not None and owner.split("#", 1)[0] == host_id
 
 
-# ---- errors across actor calls ---------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class AtRest:
     """A Run's frontier as the host's last commit of it left it, at rest (ended or
@@ -137,6 +134,9 @@ class AtRest:
 
     def frontier(self) -> Frontier:
         return Frontier.model_validate_json(self.frontier_json)
+
+
+# ---- errors across actor calls ---------------------------------------------------------
 
 
 @dataclass(frozen=True)

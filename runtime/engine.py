@@ -224,11 +224,10 @@ class Engine:
         frontier = await self._retrying(
             lambda: self.store.claim_frontier(thread, self.owner, starting)
         )
-        epoch = frontier.epoch
         execution = ExecutionState(
             RunId(frontier.run_id or ""), thread, self.prompt_path, self.cancel_event
         )
-        return RunContext(frontier=frontier, epoch=epoch, execution=execution)
+        return RunContext(frontier=frontier, epoch=frontier.epoch, execution=execution)
 
     # ---- the loop ---------------------------------------------------------------------
 

@@ -79,10 +79,10 @@ class FrontierCache:
         self._put(thread, _Entry(text, frontier, None))
         return frontier
 
-    def known(self, thread: str) -> tuple[str, Frontier] | None:
-        """The last text this process wrote or read for ``thread``, and its frontier."""
+    def known(self, thread: str) -> Frontier | None:
+        """The frontier this process last wrote or read for ``thread``."""
         entry = self._get(thread)
-        return None if entry is None else (entry.text, entry.frontier)
+        return None if entry is None else entry.frontier
 
     def encode(self, thread: str, frontier: Frontier) -> str:
         """The text to store for ``frontier``; remembered as decoding to it."""

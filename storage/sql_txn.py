@@ -331,15 +331,8 @@ class Stale(Exception):
 def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
     """Admit the group against cached frontiers; None where only the database can tell
     (a request refused: a retried append's receipt, a fenced writer, …)."""
-    base: dict[str, Frontier | None] = {}
-    frontiers: dict[str, Frontier] = {}
-    for request in group:
-        thread = request.thread
-        if thread in base:
-            continue
-        known = cache.known(thread)
-        base[thread] = known[1] if known is not None else None
-        frontiers[thread] = known[1] if known is not None else Frontier(thread_id=thread)
+    base: dict[str, Frontier | None] = {r.thread: cache.known(r.thread) for r in group}
+    frontiers = {t: Frontier(thread_id=ThreadId(t)) if f is None else f for t, f in base.items()}
     pure = Group({}, {}, cache, frontiers)
     outcomes = [pure.admit(request) for request in group]
     if any(isinstance(o, RatchetError) for o in outcomes):
