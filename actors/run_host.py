@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ import ray
 from actors.children import RayChildRunner
 from actors.heap import freeze_startup_heap
 from actors.ownership import running_owned_by, settle_lost
+from actors.spare import needs_successor, replace_spare, restarted, took_spare
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools
 from actors.waves import RayToolRunner, WaveDispatcher
@@ -129,6 +129,9 @@ class RunHost:
     async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
         self.startup = {"init": time.time()}
         """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
+        self.spare = took_spare()
+        """This incarnation's process was a warm spare (``actors.spare``)."""
+        successor = spec.warm_spares and needs_successor()
         self.spec, self.host_id, self.kind = spec, host_id, kind
         self.owner = owner_id(host_id)
         self.store = await open_system_store(spec)
@@ -144,10 +147,12 @@ class RunHost:
         self._reclaimed: asyncio.Task[None] | None = None
         self._replacing: set[ThreadId] = set()
         """Threads whose stale drive is being replaced: a dedicated host must not retire."""
-        if _reconstructed():
+        if restarted():
             # requests wait for it: a retried start must not race the recording of the
             # crash (failed/execution_lost) for the Runs this host owned
-            self._reclaimed = asyncio.create_task(self._reclaim())
+            self._reclaimed = asyncio.create_task(self._reclaim(successor))
+        elif successor:
+            self._background.add(asyncio.create_task(replace_spare()))
         freeze_startup_heap()
         self.startup["ready"] = time.time()
 
@@ -366,6 +371,7 @@ class RunHost:
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],
             "startup": self.startup,
+            "spare": self.spare,
         }
 
     async def ping(self) -> str:
@@ -495,7 +501,7 @@ class RunHost:
                 supervisor = None
             await asyncio.sleep(self.spec.heartbeat_s)
 
-    async def _reclaim(self) -> None:
+    async def _reclaim(self, successor: bool) -> None:
         """Restarted by Ray: the Runs this host owned were lost with its previous process.
 
         They are settled and recovered concurrently, so the store's group commit
@@ -504,6 +510,8 @@ class RunHost:
         lost = await running_owned_by(self.store, self.host_id)
         await asyncio.gather(*(self._reclaim_one(frontier) for frontier in lost))
         self.startup["reclaimed"] = time.time()
+        if successor:  # after the recovery: starting a process would slow it down
+            await replace_spare()
 
     async def _reclaim_one(self, frontier: Frontier) -> None:
         thread = frontier.thread_id
@@ -537,13 +545,6 @@ def _checkpoint_store(spec: SystemSpec) -> StreamCheckpointStore | None:
     from storage.redis_checkpoints import RedisCheckpointStore
 
     return RedisCheckpointStore.connect(spec.redis_url)
-
-
-def _reconstructed() -> bool:
-    """Is this a restart by Ray (max_restarts) of a host that crashed?"""
-    with warnings.catch_warnings():  # Ray's own property trips its own deprecation warning
-        warnings.simplefilter("ignore")
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 RemoteRunHost = ray.remote(RunHost)

@@ -24,6 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.heap import freeze_startup_heap
+from actors.spare import needs_successor, replace_spare_soon
 from actors.wire import NAMESPACE, RemoteError, SystemSpec, unwrap
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
@@ -43,8 +44,10 @@ async def open_local_store(url: str) -> CommitStore:
 class StoreActor:
     """Owns the system's store; every method returns a value or a RemoteError."""
 
-    async def __init__(self, url: str) -> None:
+    async def __init__(self, url: str, warm_spares: bool = True) -> None:
         self.store = await open_local_store(url)
+        if warm_spares and needs_successor():
+            replace_spare_soon()
         freeze_startup_heap()
 
     async def _call(self, method: str, *args: Any) -> Any:
@@ -109,7 +112,7 @@ def store_actor(spec: SystemSpec, create: bool = False) -> Any:
         max_restarts=-1,
         max_concurrency=10_000,
         **options,
-    ).remote(spec.store_url)
+    ).remote(spec.store_url, spec.warm_spares)
 
 
 class RemoteCommitStore:

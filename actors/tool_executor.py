@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from actors.heap import freeze_startup_heap
+from actors.spare import needs_successor, replace_spare_soon
 from actors.wire import NAMESPACE, SystemSpec
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
@@ -32,10 +33,12 @@ DEFAULT_POOL = "default"
 class ToolExecutor:
     """Runs waves of tool calls; holds nothing but a cache of imported agents."""
 
-    def __init__(self) -> None:
+    def __init__(self, warm_spares: bool = True) -> None:
         self._agents: dict[str, Agent] = {}
         self._waves: dict[str, asyncio.Task[list[Any]]] = {}
         """Waves running here, by id, so a host can cancel one (actors.waves)."""
+        if warm_spares and needs_successor():
+            replace_spare_soon()
         freeze_startup_heap()
 
     @ray.method(num_returns="streaming")  # type: ignore[misc]
@@ -145,7 +148,7 @@ class ExecutorPools:
             max_task_retries=0,
             max_concurrency=10_000,
             **options,
-        ).remote()
+        ).remote(self.spec.warm_spares)
 
     def pick(self, resources: Mapping[str, float]) -> Any:
         pool = self.pool(resources)

@@ -43,6 +43,9 @@ class SystemSpec:
     """Ray options per hosted RunHost (index i), e.g. resources pinning it to a node."""
     core_options: Mapping[str, Any] = field(default_factory=dict)
     """Ray options for the store actor, the Supervisor and the default executor pool."""
+    warm_spares: bool = True
+    """A restarted actor asks its node for a warm spare worker process, so that the next
+    restart starts in milliseconds (``actors.spare``); False saves one idle process."""
     sqlite_writer: Literal["direct", "actor"] = "direct"
     """SQLite only: ``direct`` — every process opens the file and group-commits its own
     Runs, writers queueing on an inter-process file lock (measured faster: no Ray call

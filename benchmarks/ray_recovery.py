@@ -131,12 +131,8 @@ async def memory_per_run(client: Ratchet, runs: int) -> dict[str, float]:
             return await client.start(SLEEPER_REF, "nap", host=1, thread_id=f"mem-{i}")
 
     handles = await asyncio.gather(*(start(i) for i in range(runs)))
-    threads = {h.thread_id for h in handles}
-    deadline = time.monotonic() + 120
-    while sum(r.version >= 3 for r in await client.runs() if r.thread_id in threads) < runs:
-        if time.monotonic() > deadline:
-            raise TimeoutError("runs did not reach their tool")
-        await asyncio.sleep(0.2)
+    # in their tool, all of them (the check must not count Runs whose nap is over)
+    await _all_executing(handles, timeout_s=120)
     busy_kb = _rss_kb(info["pid"])
     for h in handles:
         await h.cancel()

@@ -27,8 +27,10 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from actors.run_host import RunHost, dedicated_host, hosted_host
+from actors.spare import first_spare
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
+from actors.tool_executor import ExecutorPools
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import (
     ClusterUnavailable,
@@ -47,6 +49,7 @@ from runtime.events import Fact
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
+    Cancelled,
     EndedState,
     ResumeCommand,
     ResumePayload,
@@ -76,6 +79,7 @@ class Ratchet:
         self.spec = spec
         self.store = store
         self.hosts = hosts
+        self._first_spare: asyncio.Task[None] | None = None
 
     @classmethod
     async def connect(
@@ -91,7 +95,7 @@ class Ratchet:
         **spec_options: Any,
     ) -> Ratchet:
         """Join (or start) Ray, then start the system's actors if they are not running."""
-        connect_ray(address, num_cpus=num_cpus, quiet=quiet)
+        started_ray = connect_ray(address, num_cpus=num_cpus, quiet=quiet)
         url = store_url_from(store_url)
         spec = SystemSpec(
             name=spec_options.pop("name", None) or system_name(url),
@@ -102,9 +106,15 @@ class Ratchet:
             **spec_options,
         )
         store = await _open_store(spec)
-        supervisor(spec)
+        watcher = supervisor(spec)
         pool = [hosted_host(spec, i) for i in range(spec.hosts)]
-        return cls(spec, store, pool)
+        client = cls(spec, store, pool)
+        # the default executors now rather than at the first wave, so that they are up
+        # before the first spare, which they would take otherwise
+        executors = ExecutorPools(spec).pool({})
+        if started_ray and spec.warm_spares:
+            client._first_spare = asyncio.create_task(first_spare([watcher, *pool, *executors]))
+        return client
 
     # ---- starting and addressing Runs ---------------------------------------------------
 
@@ -236,6 +246,8 @@ class Ratchet:
         return result
 
     async def close(self) -> None:
+        if self._first_spare is not None:
+            self._first_spare.cancel()
         await self.store.close()
 
     async def shutdown(self) -> None:
@@ -342,14 +354,7 @@ class RunHandle:
         ``"signalled"``: its driver was told (it ends ``cancelled`` at the next check);
         ``"cancelled"``: it was at rest and is now ended; ``"not_running"``: nothing to do.
         """
-        placement = await self._placement()
-
-        async def cancel_run() -> Any:
-            host = self.client._host_for(self.thread_id, placement)
-            return unwrap(await host.cancel_run.remote(self.thread_id))
-
-        result: str = await _on_a_live_host(cancel_run)
-        return result
+        return await self._end_on_host("cancel_run", (), Cancelled, "cancelled")
 
     async def stop(self, reason: str) -> str:
         """End the Run ``stopped(reason)``; returns like ``cancel``.
@@ -359,15 +364,9 @@ class RunHandle:
         fails; unfinished calls are sealed indeterminate and any ticket is cleared. The
         driver's host is then told to let go (its own end commit is fenced off).
         """
-        placement = await self._placement()
         if hasattr(RunHost, "stop_run"):
-
-            async def stop_run() -> Any:
-                host = self.client._host_for(self.thread_id, placement)
-                return unwrap(await host.stop_run.remote(self.thread_id, reason))
-
-            result: str = await _on_a_live_host(stop_run)
-            return result
+            return await self._end_on_host("stop_run", (reason,), Stopped, "stopped")
+        placement = await self._placement()
         state = (await self.frontier()).run_state
         if not isinstance(state, RunningState | AwaitingState):
             return "not_running"
@@ -385,6 +384,30 @@ class RunHandle:
                 host = self.client._host_for(self.thread_id, placement)
                 unwrap(await host.cancel_run.remote(self.thread_id))
         return "stopped"
+
+    async def _end_on_host(
+        self, method: str, args: tuple[Any, ...], cause: type[Any], ended_word: str
+    ) -> str:
+        """Have the Run's host cancel or stop it.
+
+        A dedicated host retires once it is idle, and may die before its answer is
+        sent: asked again, a new host finds nothing running. The frontier then says
+        whether the Run ended as asked (by the first call, or meanwhile)."""
+        placement = await self._placement()
+        calls = 0
+
+        async def end_run() -> Any:
+            nonlocal calls
+            calls += 1
+            host = self.client._host_for(self.thread_id, placement)
+            return unwrap(await getattr(host, method).remote(self.thread_id, *args))
+
+        result: str = await _on_a_live_host(end_run)
+        if result == "not_running" and calls > 1:
+            state = (await self.frontier()).run_state
+            if isinstance(state, EndedState) and isinstance(state.cause, cause):
+                return ended_word
+        return result
 
     async def resume(self, command: ResumeCommand, *, host: int | None = None) -> None:
         """Deliver a ResumeCommand; raises ResumeRejected (the ticket stays) on a mismatch.

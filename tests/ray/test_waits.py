@@ -209,6 +209,45 @@ async def test_cancelling_an_awaiting_dedicated_run_leaves_no_host_behind(system
     await wait_for(retired, what="the host started for the cancel to retire")
 
 
+class _AnswerLost:
+    """A host that does what it is asked, then dies before its answer reaches us (a
+    dedicated host retiring as soon as it is idle can)."""
+
+    def __init__(self, host, method: str) -> None:
+        self.host, self.method = host, method
+
+    def __getattr__(self, name: str):
+        real = getattr(self.host, name)
+        if name != self.method:
+            return real
+
+        class _Lost:
+            @staticmethod
+            async def remote(*args):
+                await real.remote(*args)
+                raise ray.exceptions.RayActorError()
+
+        return _Lost
+
+
+@pytest.mark.parametrize(
+    ("method", "cause"), [("cancel_run", "cancelled"), ("stop_run", "stopped")]
+)
+async def test_an_end_whose_answer_is_lost_reports_what_it_did(system, monkeypatch, method, cause):
+    handle = await system.start(PERMISSION, "answer lost", host=0)
+    await awaiting(handle)
+    lost = [_AnswerLost(system.hosts[0], method)]  # the first call only; then the real host
+    monkeypatch.setattr(
+        system, "_host_for", lambda *a, **k: lost.pop() if lost else system.hosts[0]
+    )
+    if method == "cancel_run":
+        assert await handle.cancel() == "cancelled"
+    else:
+        assert await handle.stop("over budget") == "stopped"
+    await ended(handle, cause)
+    assert await handle.cancel() == "not_running"  # asked again, there is nothing to do
+
+
 # ---- cancel and stop ------------------------------------------------------------------------
 
 

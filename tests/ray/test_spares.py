@@ -1,0 +1,93 @@
+"""Warm spare workers: a restarted RunHost starts in a process that was ready for it.
+
+Spares are found the way Ray shows them: idle worker processes (``ray::IDLE``) of
+this job on this node, whose setup hook (``actors.spare.warm_imports``) has run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from actors import spare
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+AGENT = "cluster.demo_agent:agent"
+
+
+def idle_spares() -> set[int]:
+    """Pids of this job's idle workers on this machine."""
+    job = ray.get_runtime_context().get_job_id()
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if not (proc / "cmdline").read_bytes().startswith(b"ray::IDLE"):
+                continue
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if f"RAY_JOB_ID={job}".encode() in environ:
+            pids.add(int(proc.name))
+    return pids
+
+
+async def _has_spare() -> bool:
+    return bool(idle_spares())
+
+
+async def test_a_restarted_host_lands_on_a_spare_and_asks_for_the_next(make_system):
+    client = await make_system()
+    await client.run(AGENT, "order 1", host=0)  # the system's actors are all up
+    if not idle_spares():  # the session's spare may have gone to another test's actor
+        assert spare.request_spare()
+    await wait_for(_has_spare, what="a spare worker")
+    spares = idle_spares()
+    before = await client.hosts[0].info.remote()
+
+    ray.kill(client.hosts[0], no_restart=False)
+
+    async def restarted() -> bool:
+        try:
+            return (await client.hosts[0].info.remote())["pid"] != before["pid"]
+        except ray.exceptions.RayActorError:
+            return False
+
+    await wait_for(restarted, what="the host's restart")
+    after = await client.hosts[0].info.remote()
+    assert after["pid"] in spares, "the restart should have taken the spare"
+    # the restarted host asks for the spare that replaces the one it took
+    await wait_for(_has_spare, what="the next spare")
+    assert after["pid"] not in idle_spares()
+    assert (await client.run(AGENT, "order 2", host=0)).run_state.kind == "ended"
+
+
+def test_a_failed_request_disables_spares_quietly(monkeypatch, caplog):
+    """An internal RPC that fails (another Ray version) costs one warning, then nothing."""
+    monkeypatch.setattr(spare, "_failed", False)
+    monkeypatch.setattr(ray._private.worker.global_worker, "node", None)
+    with caplog.at_level(logging.WARNING, logger="ratchet.spare"):
+        assert spare.request_spare() is False
+        assert spare.request_spare() is False
+    assert len([r for r in caplog.records if "no warm spare" in r.message]) == 1
+
+
+def test_warm_imports_skips_modules_that_are_not_installed(monkeypatch):
+    monkeypatch.setattr(spare, "WARM_MODULES", ("json", "no_such_module_for_ratchet"))
+    monkeypatch.setattr(spare, "_warmed_at", None)
+    spare.warm_imports()
+    assert spare._warmed_at is not None
+
+
+def test_a_process_idle_after_its_imports_was_a_spare(monkeypatch):
+    monkeypatch.setattr(spare, "_warmed_at", None)
+    assert not spare.took_spare()  # no setup hook ran: started by someone else's job
+    monkeypatch.setattr(spare, "_warmed_at", time.monotonic())
+    assert not spare.took_spare()  # handed its actor as soon as it was ready: started for it
+    monkeypatch.setattr(spare, "_warmed_at", time.monotonic() - 2 * spare.IDLE_SPARE_S)
+    assert spare.took_spare()
