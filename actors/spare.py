@@ -5,34 +5,36 @@ none is idle, it starts one: Python, Ray, then the actor's own imports (SQLAlche
 asyncio extension and a driver): 0.4 to 0.9 s on a 2-core machine, most of a host's
 recovery time. Ray gives an actor an idle worker of the same job that has never run
 anything, so one such worker kept ready per node (a *spare*) takes all of that off:
-measured, a restart's kill → ``__init__`` drops from ~0.3 s to ~15 ms.
+kill → the restarted RunHost's ``__init__`` drops from 0.40-0.46 s to 0.04-0.07 s
+(``python -m benchmarks.ray_recovery``, 2 cores).
 
-- ``warm_imports`` is the job's ``worker_process_setup_hook`` when Ratchet starts
-  Ray itself: every worker imports what a RunHost, ToolExecutor and store need
-  before it is handed an actor, so a spare is warm, not only started.
+- ``actors.preload`` is in Ray's ``preload_python_modules`` when Ratchet starts Ray
+  itself: every worker imports what a RunHost, ToolExecutor and store need before
+  it takes work, so a spare is warm, not only started. (A job runtime env with a
+  ``worker_process_setup_hook`` did the same, but made every worker start 0.3 s
+  slower: the runtime env agent is asked for each.)
 - ``request_spare`` asks the local raylet for one more such worker, kept alive an
-  hour even while idle. ``Ratchet.connect`` asks for the first once the system's
-  actors are up (``first_spare``: one starting meanwhile would take it); an actor
-  that took a spare, or that Ray restarted (it took one or found none), asks for
-  the next (``needs_successor``, then ``replace_spare``). So a node keeps about one
-  spare, and an actor started cold for want of one asks nothing more.
+  hour even while idle. An actor that Ray restarted (it took a spare or found none),
+  or that took a spare as it was created, asks for the next (``needs_successor``,
+  then ``replace_spare``). So a node that has seen a crash keeps about one spare,
+  and an actor started cold for want of one (not restarted) asks nothing more.
+  There is none before the first crash: asked for at startup, it was started while
+  the system's first Runs ran, and cost them up to 40 % of their throughput in a
+  short benchmark; the first restart is cold (0.4-0.6 s to ``__init__`` here).
 
-Ray has no public call for this; the raylet's ``PrestartWorkers`` RPC (Ray ≥ 2.40)
-is what its own libraries use. It is best effort: if the call fails (another Ray,
-an unreachable raylet) it is logged once and restarts take the cold path.
+Ray has no public call for this, so this uses the raylet's ``PrestartWorkers`` RPC
+(Ray ≥ 2.40, internal). It is best effort: if the call fails (another Ray, an
+unreachable raylet) it is logged once and restarts take the cold path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib
 import logging
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
-from typing import Any
 
 import ray
 
@@ -40,36 +42,10 @@ log = logging.getLogger("ratchet.spare")
 KEEP_ALIVE_S = 3600
 """An idle spare outlives Ray's idle-worker reaper this long (then Ray may reclaim it;
 the next restart is cold and asks for a new one)."""
-WARM_MODULES = (
-    "actors.run_host",
-    "actors.tool_executor",
-    "actors.store_actor",
-    "sqlalchemy.ext.asyncio",
-    "sqlalchemy.dialects.postgresql.asyncpg",
-    "sqlalchemy.dialects.sqlite.aiosqlite",
-    "asyncpg",
-    "aiosqlite",
-    "redis.asyncio",
-)
-SETUP_HOOK = f"{__name__}.warm_imports"
 IDLE_SPARE_S = 0.1
 """A worker idle this long between its imports and its actor was a spare: one started
 on demand is handed its actor 2-7 ms after its imports (measured)."""
 _failed = False
-_warmed_at: float | None = None
-
-
-def warm_imports() -> None:
-    """Import what Ratchet's actors need (Ray's ``worker_process_setup_hook``).
-
-    A module that is not installed is skipped: a hook that raised would fail every
-    worker of the job.
-    """
-    global _warmed_at
-    for name in WARM_MODULES:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
-    _warmed_at = time.monotonic()
 
 
 def request_spare() -> bool:
@@ -114,7 +90,10 @@ def restarted() -> bool:
 
 def took_spare() -> bool:
     """Was this process a spare, idle and warm before its actor came to it?"""
-    return _warmed_at is not None and time.monotonic() - _warmed_at > IDLE_SPARE_S
+    preload = sys.modules.get("actors.preload")
+    if preload is None:  # not preloaded: imported by its actor, which started it
+        return False
+    return time.monotonic() - preload.READY_AT > IDLE_SPARE_S
 
 
 def needs_successor() -> bool:
@@ -127,18 +106,6 @@ async def replace_spare() -> None:
     await asyncio.to_thread(request_spare)
 
 
-async def first_spare(actors: Sequence[Any], timeout_s: float = 60.0) -> None:
-    """The first spare of this node, once ``actors`` are up (else one that is still
-    waiting for a process would be handed the spare, and ask for no successor)."""
-    try:
-        ready = (actor.__ray_ready__.remote() for actor in actors)
-        await asyncio.wait_for(asyncio.gather(*ready), timeout_s)
-    except Exception as exc:  # not up (a resource no node has): no spare, nothing more
-        log.info("no first spare worker: the system's actors are not up (%s)", exc)
-        return
-    await replace_spare()
-
-
 def replace_spare_soon() -> None:
     """``replace_spare`` for a synchronous ``__init__``, which must not wait on the raylet."""
     threading.Thread(target=request_spare, name="ratchet-spare", daemon=True).start()
@@ -146,13 +113,10 @@ def replace_spare_soon() -> None:
 
 __all__ = [
     "KEEP_ALIVE_S",
-    "SETUP_HOOK",
-    "first_spare",
     "needs_successor",
     "replace_spare",
     "replace_spare_soon",
     "request_spare",
     "restarted",
     "took_spare",
-    "warm_imports",
 ]

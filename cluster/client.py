@@ -27,10 +27,8 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from actors.run_host import RunHost, dedicated_host, hosted_host
-from actors.spare import first_spare
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
-from actors.tool_executor import ExecutorPools
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import (
     ClusterUnavailable,
@@ -79,7 +77,6 @@ class Ratchet:
         self.spec = spec
         self.store = store
         self.hosts = hosts
-        self._first_spare: asyncio.Task[None] | None = None
 
     @classmethod
     async def connect(
@@ -95,7 +92,7 @@ class Ratchet:
         **spec_options: Any,
     ) -> Ratchet:
         """Join (or start) Ray, then start the system's actors if they are not running."""
-        started_ray = connect_ray(address, num_cpus=num_cpus, quiet=quiet)
+        connect_ray(address, num_cpus=num_cpus, quiet=quiet)
         url = store_url_from(store_url)
         spec = SystemSpec(
             name=spec_options.pop("name", None) or system_name(url),
@@ -106,15 +103,9 @@ class Ratchet:
             **spec_options,
         )
         store = await _open_store(spec)
-        watcher = supervisor(spec)
+        supervisor(spec)
         pool = [hosted_host(spec, i) for i in range(spec.hosts)]
-        client = cls(spec, store, pool)
-        # the default executors now rather than at the first wave, so that they are up
-        # before the first spare, which they would take otherwise
-        executors = ExecutorPools(spec).pool({})
-        if started_ray and spec.warm_spares:
-            client._first_spare = asyncio.create_task(first_spare([watcher, *pool, *executors]))
-        return client
+        return cls(spec, store, pool)
 
     # ---- starting and addressing Runs ---------------------------------------------------
 
@@ -246,8 +237,6 @@ class Ratchet:
         return result
 
     async def close(self) -> None:
-        if self._first_spare is not None:
-            self._first_spare.cancel()
         await self.store.close()
 
     async def shutdown(self) -> None:

@@ -16,13 +16,12 @@ from typing import Any
 
 import ray
 
-from actors.spare import SETUP_HOOK
 from actors.wire import NAMESPACE, stable_hash
 from storage.url import default_store_url, redact, scheme_of
 
 LOCAL_SYSTEM_CONFIG = {
     "timeout_ms_task_wait_for_death_info": 100,
-    "prestart_worker_first_driver": False,
+    "preload_python_modules": ["actors.preload"],
 }
 """Ray settings for a local instance this process starts.
 
@@ -31,17 +30,14 @@ process died, Ray holds the error for up to this long (default 1000 ms) waiting 
 the GCS to say why: every client retrying a start on a killed host, and every host
 asking a killed executor, waited a second more, though Ray had the actor restarted
 in well under half that. The error is a RayActorError either way, only possibly less
-precise. On a cluster of your own, set it with ``ray start --head
---system-config='{"timeout_ms_task_wait_for_death_info": 100}'``.
+precise.
 
-``prestart_worker_first_driver``: off, because the workers Ray would start for the
-first driver carry no job runtime env, so none of this job's actors (whose env has
-the setup hook, ``LOCAL_RUNTIME_ENV``) could use them: they would idle, costing two
-processes. The warm spare (``actors.spare``) is this job's prestarted worker."""
-LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": SETUP_HOOK}
-"""The job's runtime env on a local instance this process starts: every worker imports
-what Ratchet's actors need as it starts, so a spare worker is warm (``actors.spare``).
-On a cluster of your own, pass it to ``ray.init(runtime_env=...)`` in the driver."""
+``preload_python_modules``: every worker imports what Ratchet's actors need before
+it takes work (``actors.preload``), so a warm spare (``actors.spare``) is imported as
+well as started, and a restarted RunHost's ``__init__`` opens the store at once.
+
+On a cluster of your own, start the head with ``ray start --head --system-config=``
+and this JSON object."""
 
 
 class ClusterUnavailable(RuntimeError):
@@ -73,20 +69,16 @@ def system_name(store_url: str) -> str:
     return f"ratchet-{stable_hash(store_url) % 16**8:08x}"
 
 
-def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool = False) -> bool:
-    """Join the cluster at ``address`` (or RAY_ADDRESS), else start a local one.
-
-    True if this call started a local Ray instance.
-    """
+def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool = False) -> None:
+    """Join the cluster at ``address`` (or RAY_ADDRESS), else start a local one."""
     if ray.is_initialized():
-        return False
+        return
     address = address or os.environ.get("RAY_ADDRESS") or None
     options: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False}
     if quiet:
         options.update(log_to_driver=False, logging_level=logging.ERROR)
     if address is None:
         options["_system_config"] = LOCAL_SYSTEM_CONFIG
-        options["runtime_env"] = LOCAL_RUNTIME_ENV
         if num_cpus is not None:
             options["num_cpus"] = num_cpus
     if address is not None:
@@ -96,7 +88,6 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool
     except Exception as exc:
         where = address or "a local Ray instance"
         raise ClusterUnavailable(f"cannot connect to {where}: {exc}".splitlines()[0]) from exc
-    return address is None
 
 
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
@@ -112,7 +103,6 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
 
 
 __all__ = [
-    "LOCAL_RUNTIME_ENV",
     "LOCAL_SYSTEM_CONFIG",
     "ClusterUnavailable",
     "connect_ray",

@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 import ray
 
-from actors.spare import request_spare
 from cluster.client import Ratchet
-from cluster.config import LOCAL_RUNTIME_ENV, LOCAL_SYSTEM_CONFIG
+from cluster.config import LOCAL_SYSTEM_CONFIG
 from cluster.demo_agent import EffectLedger
 
 LEDGER_DIR = tempfile.mkdtemp(prefix="ratchet-ray-tests-")
@@ -35,9 +34,7 @@ def ray_session() -> Any:
             namespace="ratchet",
             log_to_driver=False,
             _system_config=LOCAL_SYSTEM_CONFIG,
-            runtime_env=LOCAL_RUNTIME_ENV,
         )
-        request_spare()  # the first spare, as Ratchet.connect asks for one once its actors are up
     yield
     ray.shutdown()
 

@@ -1,12 +1,13 @@
 """Warm spare workers: a restarted RunHost starts in a process that was ready for it.
 
 Spares are found the way Ray shows them: idle worker processes (``ray::IDLE``) of
-this job on this node, whose setup hook (``actors.spare.warm_imports``) has run.
+this job (or of none yet) on this node (each imported ``actors.preload`` as it started).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -22,8 +23,9 @@ AGENT = "cluster.demo_agent:agent"
 
 
 def idle_spares() -> set[int]:
-    """Pids of this job's idle workers on this machine."""
-    job = ray.get_runtime_context().get_job_id()
+    """Pids of the idle workers this job's actors can be given on this machine: its
+    own, and those Ray prestarted for no job yet."""
+    ours = {f"RAY_JOB_ID={ray.get_runtime_context().get_job_id()}".encode(), b"RAY_JOB_ID=ffffffff"}
     pids = set()
     for proc in Path("/proc").iterdir():
         try:
@@ -32,7 +34,7 @@ def idle_spares() -> set[int]:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if f"RAY_JOB_ID={job}".encode() in environ:
+        if ours.intersection(environ):
             pids.add(int(proc.name))
     return pids
 
@@ -77,17 +79,23 @@ def test_a_failed_request_disables_spares_quietly(monkeypatch, caplog):
     assert len([r for r in caplog.records if "no warm spare" in r.message]) == 1
 
 
-def test_warm_imports_skips_modules_that_are_not_installed(monkeypatch):
-    monkeypatch.setattr(spare, "WARM_MODULES", ("json", "no_such_module_for_ratchet"))
-    monkeypatch.setattr(spare, "_warmed_at", None)
-    spare.warm_imports()
-    assert spare._warmed_at is not None
-
-
 def test_a_process_idle_after_its_imports_was_a_spare(monkeypatch):
-    monkeypatch.setattr(spare, "_warmed_at", None)
-    assert not spare.took_spare()  # no setup hook ran: started by someone else's job
-    monkeypatch.setattr(spare, "_warmed_at", time.monotonic())
+    import actors.preload as preload
+
+    monkeypatch.setitem(sys.modules, "actors.preload", None)
+    assert not spare.took_spare()  # no preload: its actor imported this, and started it
+    monkeypatch.setitem(sys.modules, "actors.preload", preload)
+    monkeypatch.setattr(preload, "READY_AT", time.monotonic())
     assert not spare.took_spare()  # handed its actor as soon as it was ready: started for it
-    monkeypatch.setattr(spare, "_warmed_at", time.monotonic() - 2 * spare.IDLE_SPARE_S)
+    monkeypatch.setattr(preload, "READY_AT", time.monotonic() - 2 * spare.IDLE_SPARE_S)
     assert spare.took_spare()
+
+
+def test_workers_are_preloaded(make_system):
+    """Every worker of the instance imported actors.preload (Ray's preload_python_modules)."""
+
+    @ray.remote(num_cpus=0)
+    def preloaded() -> bool:
+        return "actors.preload" in sys.modules and "sqlalchemy.ext.asyncio" in sys.modules
+
+    assert ray.get(preloaded.remote())
