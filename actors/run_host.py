@@ -24,7 +24,7 @@ import ray
 from actors.children import RayChildRunner
 from actors.heap import freeze_startup_heap
 from actors.ownership import running_owned_by, settle_lost
-from actors.spare import needs_successor, replace_spare, restarted, took_spare
+from actors.spare import replace_spare, restarted
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools
 from actors.waves import RayToolRunner, WaveDispatcher
@@ -129,9 +129,7 @@ class RunHost:
     async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
         self.startup = {"init": time.time()}
         """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
-        self.spare = took_spare()
-        """This incarnation's process was a warm spare (``actors.spare``)."""
-        successor = spec.warm_spares and needs_successor()
+        successor = spec.warm_spares and restarted()
         self.spec, self.host_id, self.kind = spec, host_id, kind
         self.owner = owner_id(host_id)
         self.store = await open_system_store(spec)
@@ -151,8 +149,6 @@ class RunHost:
             # requests wait for it: a retried start must not race the recording of the
             # crash (failed/execution_lost) for the Runs this host owned
             self._reclaimed = asyncio.create_task(self._reclaim(successor))
-        elif successor:
-            self._background.add(asyncio.create_task(replace_spare()))
         freeze_startup_heap()
         self.startup["ready"] = time.time()
 
@@ -371,7 +367,6 @@ class RunHost:
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],
             "startup": self.startup,
-            "spare": self.spare,
         }
 
     async def ping(self) -> str:

@@ -14,13 +14,13 @@ kill → the restarted RunHost's ``__init__`` drops from 0.40-0.46 s to 0.04-0.0
   ``worker_process_setup_hook`` did the same, but made every worker start 0.3 s
   slower: the runtime env agent is asked for each.)
 - ``request_spare`` asks the local raylet for one more such worker, kept alive an
-  hour even while idle. An actor that Ray restarted (it took a spare or found none),
-  or that took a spare as it was created, asks for the next (``needs_successor``,
-  then ``replace_spare``). So a node that has seen a crash keeps about one spare,
-  and an actor started cold for want of one (not restarted) asks nothing more.
-  There is none before the first crash: asked for at startup, it was started while
-  the system's first Runs ran, and cost them up to 40 % of their throughput in a
-  short benchmark; the first restart is cold (0.4-0.6 s to ``__init__`` here).
+  hour even while idle. An actor that Ray restarted (it took a spare, or found none)
+  asks for the next (``replace_spare``): a node that has seen a crash keeps about
+  one spare. There is none before the first crash, whose restart is cold (0.4-0.6 s
+  to ``__init__`` here): asked for at startup, a spare was started while the
+  system's first Runs ran and cut a short W1 benchmark's throughput by a third.
+  (Another actor of the job created meanwhile may take the spare; the next
+  restart is then cold, and asks again.)
 
 Ray has no public call for this, so this uses the raylet's ``PrestartWorkers`` RPC
 (Ray ≥ 2.40, internal). It is best effort: if the call fails (another Ray, an
@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
-import time
 import warnings
 
 import ray
@@ -42,9 +40,6 @@ log = logging.getLogger("ratchet.spare")
 KEEP_ALIVE_S = 3600
 """An idle spare outlives Ray's idle-worker reaper this long (then Ray may reclaim it;
 the next restart is cold and asks for a new one)."""
-IDLE_SPARE_S = 0.1
-"""A worker idle this long between its imports and its actor was a spare: one started
-on demand is handed its actor 2-7 ms after its imports (measured)."""
 _failed = False
 
 
@@ -88,19 +83,6 @@ def restarted() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
-def took_spare() -> bool:
-    """Was this process a spare, idle and warm before its actor came to it?"""
-    preload = sys.modules.get("actors.preload")
-    if preload is None:  # not preloaded: imported by its actor, which started it
-        return False
-    return time.monotonic() - preload.READY_AT > IDLE_SPARE_S
-
-
-def needs_successor() -> bool:
-    """Ask at the top of an actor's ``__init__``: should it ask for the next spare?"""
-    return took_spare() or restarted()
-
-
 async def replace_spare() -> None:
     """A restarted actor took a spare (or found none): ask for the next one."""
     await asyncio.to_thread(request_spare)
@@ -113,10 +95,8 @@ def replace_spare_soon() -> None:
 
 __all__ = [
     "KEEP_ALIVE_S",
-    "needs_successor",
     "replace_spare",
     "replace_spare_soon",
     "request_spare",
     "restarted",
-    "took_spare",
 ]

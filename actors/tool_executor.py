@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from actors.heap import freeze_startup_heap
-from actors.spare import needs_successor, replace_spare_soon
+from actors.spare import replace_spare_soon, restarted
 from actors.wire import NAMESPACE, SystemSpec
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
@@ -37,7 +37,7 @@ class ToolExecutor:
         self._agents: dict[str, Agent] = {}
         self._waves: dict[str, asyncio.Task[list[Any]]] = {}
         """Waves running here, by id, so a host can cancel one (actors.waves)."""
-        if warm_spares and needs_successor():
+        if warm_spares and restarted():
             replace_spare_soon()
         freeze_startup_heap()
 

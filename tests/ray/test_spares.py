@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -77,18 +76,6 @@ def test_a_failed_request_disables_spares_quietly(monkeypatch, caplog):
         assert spare.request_spare() is False
         assert spare.request_spare() is False
     assert len([r for r in caplog.records if "no warm spare" in r.message]) == 1
-
-
-def test_a_process_idle_after_its_imports_was_a_spare(monkeypatch):
-    import actors.preload as preload
-
-    monkeypatch.setitem(sys.modules, "actors.preload", None)
-    assert not spare.took_spare()  # no preload: its actor imported this, and started it
-    monkeypatch.setitem(sys.modules, "actors.preload", preload)
-    monkeypatch.setattr(preload, "READY_AT", time.monotonic())
-    assert not spare.took_spare()  # handed its actor as soon as it was ready: started for it
-    monkeypatch.setattr(preload, "READY_AT", time.monotonic() - 2 * spare.IDLE_SPARE_S)
-    assert spare.took_spare()
 
 
 def test_workers_are_preloaded(make_system):
