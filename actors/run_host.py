@@ -24,7 +24,7 @@ import ray
 from actors.children import RayChildRunner
 from actors.heap import freeze_startup_heap
 from actors.ownership import running_owned_by, settle_lost
-from actors.spare import replace_spare, restarted
+from actors.spare import replace_spare_if_restarted, restarted
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools
 from actors.waves import RayToolRunner, WaveDispatcher
@@ -129,7 +129,6 @@ class RunHost:
     async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
         self.startup = {"init": time.time()}
         """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
-        successor = spec.warm_spares and restarted()
         self.spec, self.host_id, self.kind = spec, host_id, kind
         self.owner = owner_id(host_id)
         self.store = await open_system_store(spec)
@@ -148,7 +147,7 @@ class RunHost:
         if restarted():
             # requests wait for it: a retried start must not race the recording of the
             # crash (failed/execution_lost) for the Runs this host owned
-            self._reclaimed = asyncio.create_task(self._reclaim(successor))
+            self._reclaimed = asyncio.create_task(self._reclaim())
         freeze_startup_heap()
         self.startup["ready"] = time.time()
 
@@ -496,7 +495,7 @@ class RunHost:
                 supervisor = None
             await asyncio.sleep(self.spec.heartbeat_s)
 
-    async def _reclaim(self, successor: bool) -> None:
+    async def _reclaim(self) -> None:
         """Restarted by Ray: the Runs this host owned were lost with its previous process.
 
         They are settled and recovered concurrently, so the store's group commit
@@ -505,8 +504,8 @@ class RunHost:
         lost = await running_owned_by(self.store, self.host_id)
         await asyncio.gather(*(self._reclaim_one(frontier) for frontier in lost))
         self.startup["reclaimed"] = time.time()
-        if successor:  # after the recovery: starting a process would slow it down
-            await replace_spare()
+        # after the recovery: starting a process meanwhile would slow it down
+        replace_spare_if_restarted(self.spec.warm_spares)
 
     async def _reclaim_one(self, frontier: Frontier) -> None:
         thread = frontier.thread_id

@@ -15,7 +15,7 @@ kill → the restarted RunHost's ``__init__`` drops from 0.40-0.46 s to 0.04-0.0
   slower: the runtime env agent is asked for each.)
 - ``request_spare`` asks the local raylet for one more such worker, kept alive an
   hour even while idle. An actor that Ray restarted (it took a spare, or found none)
-  asks for the next (``replace_spare``): a node that has seen a crash keeps about
+  asks for the next (``replace_spare_if_restarted``): a node that has seen a crash keeps about
   one spare. There is none before the first crash, whose restart is cold (0.4-0.6 s
   to ``__init__`` here): asked for at startup, a spare was started while the
   system's first Runs ran and cut a short W1 benchmark's throughput by a third.
@@ -29,7 +29,6 @@ unreachable raylet) it is logged once and restarts take the cold path.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import warnings
@@ -83,20 +82,16 @@ def restarted() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
-async def replace_spare() -> None:
-    """A restarted actor took a spare (or found none): ask for the next one."""
-    await asyncio.to_thread(request_spare)
-
-
-def replace_spare_soon() -> None:
-    """``replace_spare`` for a synchronous ``__init__``, which must not wait on the raylet."""
-    threading.Thread(target=request_spare, name="ratchet-spare", daemon=True).start()
+def replace_spare_if_restarted(enabled: bool = True) -> None:
+    """A restarted actor took a spare (or found none): ask for the next one, from a
+    thread, so that the actor's ``__init__`` or recovery does not wait on the raylet."""
+    if enabled and restarted():
+        threading.Thread(target=request_spare, name="ratchet-spare", daemon=True).start()
 
 
 __all__ = [
     "KEEP_ALIVE_S",
-    "replace_spare",
-    "replace_spare_soon",
+    "replace_spare_if_restarted",
     "request_spare",
     "restarted",
 ]

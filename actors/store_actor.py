@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.heap import freeze_startup_heap
-from actors.spare import replace_spare_soon, restarted
+from actors.spare import replace_spare_if_restarted
 from actors.wire import NAMESPACE, RemoteError, SystemSpec, unwrap
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
@@ -46,8 +46,7 @@ class StoreActor:
 
     async def __init__(self, url: str, warm_spares: bool = True) -> None:
         self.store = await open_local_store(url)
-        if warm_spares and restarted():
-            replace_spare_soon()
+        replace_spare_if_restarted(warm_spares)
         freeze_startup_heap()
 
     async def _call(self, method: str, *args: Any) -> Any:

@@ -25,7 +25,7 @@ from ray.exceptions import ActorDiedError
 
 from actors.ownership import EXECUTION_LOST, running_owned_by, settle_lost
 from actors.run_host import dedicated_host, hosted_host
-from actors.spare import replace_spare_soon, restarted
+from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
 from actors.wire import NAMESPACE, RunMeta, SystemSpec, pick_live, run_meta
 from runtime.ids import ThreadId
@@ -38,8 +38,7 @@ PING_TIMEOUT_S = 2.0
 
 class Supervisor:
     async def __init__(self, spec: SystemSpec) -> None:
-        if spec.warm_spares and restarted():
-            replace_spare_soon()
+        replace_spare_if_restarted(spec.warm_spares)
         self.spec = spec
         self.store = await open_system_store(spec)
         self.leases: dict[str, float] = {}

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from actors.heap import freeze_startup_heap
-from actors.spare import replace_spare_soon, restarted
+from actors.spare import replace_spare_if_restarted
 from actors.wire import NAMESPACE, SystemSpec
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
@@ -37,8 +37,7 @@ class ToolExecutor:
         self._agents: dict[str, Agent] = {}
         self._waves: dict[str, asyncio.Task[list[Any]]] = {}
         """Waves running here, by id, so a host can cancel one (actors.waves)."""
-        if warm_spares and restarted():
-            replace_spare_soon()
+        replace_spare_if_restarted(warm_spares)
         freeze_startup_heap()
 
     @ray.method(num_returns="streaming")  # type: ignore[misc]
