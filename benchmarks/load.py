@@ -51,6 +51,7 @@ from rich.table import Table
 
 from actors.wire import NAMESPACE
 from benchmarks.baseline import Baseline
+from benchmarks.trials import combine
 from benchmarks.w1_agent import NEVER_REPLAY, W1, ledger_dir, new_ledger, read_ledger
 from cluster.client import Ratchet
 from cluster.report import EXECUTION_LOST
@@ -92,6 +93,7 @@ class Config:
     chaos_interval_s: float = 2.0
     seed: int = 7
     baseline: bool = True
+    trials: int = 1
     timeout_s: float = 1800.0
 
     def params(self, ledger: str | None) -> W1:
@@ -905,21 +907,35 @@ async def bench(cfg: Config, scenario: str, plot_file: str | None, console: Cons
             Path(plot_file).with_suffix(".json").write_text(json.dumps(points, indent=1))
             ok = all(p["ok"] for p in points)
             return {"scenario": "sweep", "ok": ok, "plot": plot_file, "points": points}
+        trials = []
+        for trial in range(cfg.trials):
+            # the baseline goes first every other trial: a drift in the machine's speed
+            # then falls on both alike
+            trials.append(await _w1_beside_baseline(cfg, console, progress, trial % 2 == 1))
+        return combine(trials)
+
+
+async def _w1_beside_baseline(
+    cfg: Config, console: Console, progress: Progress, baseline_first: bool
+) -> dict[str, Any]:
+    if not cfg.baseline:
         result = await run_w1(cfg, console, progress)
-        if cfg.baseline:
-            base = await run_baseline(cfg, progress)
-            result.update(base)
-            result["ratio_to_baseline"] = round(
-                result["runs_per_s"] / base["baseline_runs_per_s"], 3
-            )
-            # CPU is what the two cores run out of; it is steadier than wall time on a
-            # shared machine (other tenants stall both alike, but not in the same second)
-            ours = sum(result["cpu_ms_per_run"].values())
-            theirs = sum(base["baseline_cpu_ms_per_run"].values())
-            result["cpu_ratio_to_baseline"] = round(theirs / ours, 3) if ours else None
-        else:
-            result.update(baseline_runs_per_s=None, ratio_to_baseline=None)
+        result.update(baseline_runs_per_s=None, ratio_to_baseline=None)
         return result
+    if baseline_first:
+        base = await run_baseline(cfg, progress)
+        result = await run_w1(cfg, console, progress)
+    else:
+        result = await run_w1(cfg, console, progress)
+        base = await run_baseline(cfg, progress)
+    result.update(base)
+    result["ratio_to_baseline"] = round(result["runs_per_s"] / base["baseline_runs_per_s"], 3)
+    # CPU is what the two cores run out of; it is steadier than wall time on a shared
+    # machine (other tenants stall both alike, but not in the same second)
+    ours = sum(result["cpu_ms_per_run"].values())
+    theirs = sum(base["baseline_cpu_ms_per_run"].values())
+    result["cpu_ratio_to_baseline"] = round(theirs / ours, 3) if ours else None
+    return result
 
 
 def bench_command(
@@ -943,6 +959,9 @@ def bench_command(
     chaos: bool = typer.Option(False, "--chaos", help="kill a RunHost or ToolExecutor often"),
     chaos_interval_s: float = typer.Option(2.0, "--chaos-interval-s"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline"),
+    trials: int = typer.Option(
+        1, "--trials", help="repeat W1 and its baseline N times; report medians", min=1
+    ),
     scenario: str = typer.Option("w1", "--scenario", help="w1 | store (the store's raw limit)"),
     plot_file: str | None = typer.Option(
         None, "--plot", help="sweep C for each store and the baseline; write a PNG"
@@ -957,12 +976,16 @@ def bench_command(
         raise typer.BadParameter("--sqlite-writer must be direct or actor")
     if scenario not in ("w1", "store"):
         raise typer.BadParameter("--scenario must be w1 or store")
+    if trials > 1 and (scenario != "w1" or plot_file):
+        raise typer.BadParameter(
+            "--trials repeats one W1 measurement: not with --plot or --scenario store"
+        )
     cfg = Config(
         runs=runs, concurrency=concurrency, steps=steps, tools=tools,
         model_latency_ms=model_latency_ms, tool_latency_ms=tool_latency_ms, store=store,
         placement=placement, hosts=hosts, executors=executors, sqlite_writer=sqlite_writer,
         chaos=chaos,
-        chaos_interval_s=chaos_interval_s, seed=seed, baseline=baseline,
+        chaos_interval_s=chaos_interval_s, seed=seed, baseline=baseline, trials=trials,
     )  # fmt: skip
     console = Console(stderr=as_json)
     console.print(f"[dim]{_describe(cfg, scenario)}")

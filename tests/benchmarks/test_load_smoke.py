@@ -42,3 +42,28 @@ def test_tiny_w1_is_ok_and_consistent() -> None:
     assert 0 < result["p50_step_ms"] <= result["p99_step_ms"]
     assert result["peak_rss_mb"] > 0
     assert result["baseline_runs_per_s"] is None and result["ratio_to_baseline"] is None
+
+
+@pytest.mark.timeout(240)
+def test_trials_repeat_w1_and_its_baseline() -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    args = ["--runs", "4", "--concurrency", "2", "--steps", "2", "--tools", "1"]
+    args += ["--store", "sqlite", "--trials", "2", "--json"]
+    outcome = CliRunner().invoke(app, args)
+    assert outcome.exit_code == 0, outcome.output
+    result = json.loads(outcome.stdout.strip().splitlines()[-1])
+
+    assert result["ok"] is True and result["baseline_ok"] is True, result
+    assert result["trials"] == 2 and len(result["per_trial"]) == 2
+    assert result["checked_runs"] == 2 * (4 + WARMUP_RUNS)
+    ratios = [t["ratio_to_baseline"] for t in result["per_trial"]]
+    assert result["ratio_to_baseline"] == pytest.approx(sum(ratios) / 2, abs=0.001)
+
+
+def test_trials_are_refused_where_they_mean_nothing() -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    outcome = CliRunner().invoke(app, ["--scenario", "store", "--trials", "3"])
+    assert outcome.exit_code != 0
+    assert "--trials repeats one W1 measurement" in outcome.output
