@@ -814,25 +814,38 @@ def _available(store: str) -> bool:
 async def run_sweep(
     cfg: Config, stores: Sequence[str], levels: Sequence[int], console: Console, progress: Progress
 ) -> list[dict[str, Any]]:
+    """One point per store (and the baseline) and level of C: the median runs/s of
+    ``cfg.trials`` trials, which alternate between the series."""
     points = []
     for c in levels:
         point = replace(cfg, concurrency=c, chaos=False)
-        if cfg.baseline:
-            base = await run_baseline(point, progress)
-            rate, ok = base["baseline_runs_per_s"], base["baseline_ok"]
-            points.append({"store": "baseline", "concurrency": c, "runs_per_s": rate, "ok": ok})
-        for store in stores:
-            try:
-                result = await run_w1(replace(point, store=store), console, progress)
-            except Exception as exc:  # one failed point must not lose the sweep
-                result = {"store": store, "concurrency": c, "ok": False, "error": repr(exc)}
-                result["runs_per_s"] = None
-                console.log(f"[red]{store} C={c} failed: {exc!r}")
-                points.append(result)
-                continue
-            points.append(result)
-            console.log(f"{store} C={c}: {result['runs_per_s']} runs/s ok={result['ok']}")
+        series = (["baseline"] if cfg.baseline else []) + list(stores)
+        trials: dict[str, list[dict[str, Any]]] = {name: [] for name in series}
+        for _ in range(cfg.trials):
+            for name in series:
+                trials[name].append(await _sweep_trial(point, name, console, progress))
+        for name in series:
+            rates = [t["runs_per_s"] for t in trials[name] if t["runs_per_s"] is not None]
+            rate = round(statistics.median(rates), 1) if rates else None
+            ok = all(t["ok"] for t in trials[name])
+            points.append({"store": name, "concurrency": c, "runs_per_s": rate, "ok": ok,
+                           "per_trial": trials[name]})  # fmt: skip
+            console.log(f"{name} C={c}: {rate} runs/s ok={ok}")
     return points
+
+
+async def _sweep_trial(
+    point: Config, name: str, console: Console, progress: Progress
+) -> dict[str, Any]:
+    if name == "baseline":
+        base = await run_baseline(point, progress)
+        return {"runs_per_s": base["baseline_runs_per_s"], "ok": base["baseline_ok"]}
+    try:
+        result = await run_w1(replace(point, store=name), console, progress)
+    except Exception as exc:  # one failed point must not lose the sweep
+        console.log(f"[red]{name} C={point.concurrency} failed: {exc!r}")
+        return {"runs_per_s": None, "ok": False, "error": repr(exc)}
+    return {"runs_per_s": result["runs_per_s"], "ok": result["ok"]}
 
 
 def plot(points: Sequence[dict[str, Any]], path: str, cfg: Config) -> None:
@@ -856,7 +869,8 @@ def plot(points: Sequence[dict[str, Any]], path: str, cfg: Config) -> None:
     ax.set_ylabel("Runs / s")
     ax.set_title(
         f"W1 ({cfg.runs} Runs, {cfg.steps} steps, {cfg.tools} tools/step, {cfg.placement}, "
-        f"{cfg.hosts} hosts / {cfg.executors} executors)",
+        f"{cfg.hosts} hosts / {cfg.executors} executors"
+        + (f"; median of {cfg.trials} trials)" if cfg.trials > 1 else ")"),
         fontsize=9,
     )
     ax.grid(True, alpha=0.3)
@@ -960,7 +974,7 @@ def bench_command(
     chaos_interval_s: float = typer.Option(2.0, "--chaos-interval-s"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline"),
     trials: int = typer.Option(
-        1, "--trials", help="repeat W1 and its baseline N times; report medians", min=1
+        1, "--trials", min=1, help="repeat W1 and its baseline (each --plot point) N times"
     ),
     scenario: str = typer.Option("w1", "--scenario", help="w1 | store (the store's raw limit)"),
     plot_file: str | None = typer.Option(
@@ -976,10 +990,8 @@ def bench_command(
         raise typer.BadParameter("--sqlite-writer must be direct or actor")
     if scenario not in ("w1", "store"):
         raise typer.BadParameter("--scenario must be w1 or store")
-    if trials > 1 and (scenario != "w1" or plot_file):
-        raise typer.BadParameter(
-            "--trials repeats one W1 measurement: not with --plot or --scenario store"
-        )
+    if trials > 1 and scenario != "w1":
+        raise typer.BadParameter("--trials repeats W1 measurements: not with --scenario store")
     cfg = Config(
         runs=runs, concurrency=concurrency, steps=steps, tools=tools,
         model_latency_ms=model_latency_ms, tool_latency_ms=tool_latency_ms, store=store,

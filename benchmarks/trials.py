@@ -62,7 +62,7 @@ def combine(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _median(values: Sequence[Any]) -> Any:
-    """The median of the values present, rounded like the inputs; None when none is."""
+    """The median of the values present (to 3 places); None when none is."""
     present = [v for v in values if v is not None]
     if not present:
         return None

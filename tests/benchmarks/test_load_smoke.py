@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 import typer
+from rich.console import Console
+from rich.progress import Progress
 from typer.testing import CliRunner
 
-from benchmarks.load import WARMUP_RUNS, bench_command
+from benchmarks.load import WARMUP_RUNS, Config, bench_command, plot, run_sweep
 from benchmarks.w1_agent import W1
 
 pytestmark = pytest.mark.ray
@@ -66,4 +72,22 @@ def test_trials_are_refused_where_they_mean_nothing() -> None:
     app.command()(bench_command)
     outcome = CliRunner().invoke(app, ["--scenario", "store", "--trials", "3"])
     assert outcome.exit_code != 0
-    assert "--trials repeats one W1 measurement" in outcome.output
+    assert "--trials repeats W1 measurements" in outcome.output
+
+
+@pytest.mark.timeout(240)
+def test_a_sweep_point_is_the_median_of_its_trials(tmp_path: Path) -> None:
+    cfg = Config(runs=2, concurrency=1, steps=1, tools=1, trials=3)
+    console = Console(file=io.StringIO())
+    with Progress(console=console) as progress:
+        points = asyncio.run(run_sweep(cfg, ["sqlite"], (1, 2), console, progress))
+
+    assert [(p["store"], p["concurrency"]) for p in points] == [
+        ("baseline", 1), ("sqlite", 1), ("baseline", 2), ("sqlite", 2),
+    ]  # fmt: skip
+    for point in points:
+        assert point["ok"] is True, point
+        rates = [t["runs_per_s"] for t in point["per_trial"]]
+        assert len(rates) == 3 and point["runs_per_s"] == round(statistics.median(rates), 1)
+    plot(points, str(tmp_path / "sweep.png"), cfg)
+    assert (tmp_path / "sweep.png").stat().st_size > 0
