@@ -146,7 +146,7 @@ async def memory_per_run(client: Ratchet, runs: int) -> dict[str, float]:
 
 async def main(runs: int, kills: int, memory_runs: int, store: str) -> dict[str, Any]:
     # imported here: hosts import this module for its agents, and must not pay for this
-    from benchmarks.load import prepare_store
+    from benchmarks.stores import prepare_store
 
     prepared = await prepare_store(store, Path(tempfile.mkdtemp(prefix="ratchet-bench-")))
     try:

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.progress import Progress
 from typer.testing import CliRunner
 
-from benchmarks.load import WARMUP_RUNS, Config, bench_command, plot, run_sweep
+from benchmarks.load import bench_command, plot, run_sweep
+from benchmarks.w1 import WARMUP_RUNS, Config
 from benchmarks.w1_agent import W1
 
 pytestmark = pytest.mark.ray
