@@ -152,7 +152,7 @@ async def main(runs: int, kills: int, memory_runs: int, store: str) -> dict[str,
     try:
         client = await Ratchet.connect(store_url=prepared.url, num_cpus=4, quiet=True)
         delays, phases = await kill_to_resume(client, runs, kills)
-        memory = await memory_per_run(client, memory_runs)
+        memory = await memory_per_run(client, memory_runs) if memory_runs else None
         await client.shutdown()
     finally:
         await prepared.cleanup()
@@ -176,9 +176,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="Runs in flight per kill")
     parser.add_argument("--kills", type=int, default=5)
-    parser.add_argument("--memory-runs", type=int, default=500)
+    parser.add_argument("--memory-runs", type=int, default=500, help="0: no memory check")
     parser.add_argument("--store", default="sqlite", help="sqlite | postgres (fresh) or a URL")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.runs < 1 or args.kills < 1 or args.memory_runs < 0:
+        parser.error("--runs and --kills must be at least 1, --memory-runs at least 0")
     result = asyncio.run(main(args.runs, args.kills, args.memory_runs, args.store))
     print(json.dumps(result, indent=None if args.json else 2))
