@@ -40,7 +40,8 @@ def combine(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return dict(trials[0])
     result = dict(trials[0])
     for key in MEDIAN:
-        result[key] = _median([t.get(key) for t in trials])
+        if key in result:
+            result[key] = _median([t.get(key) for t in trials])
     for key in TOTAL:
         if key in result:
             result[key] = sum(t[key] for t in trials)
