@@ -19,7 +19,6 @@ stderr and exit code 1, never a traceback.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import functools
 import json
 import os
@@ -31,13 +30,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cluster.cli_view import WatchView, console, message_line, print_rest, run_tree, when
 from cluster.config import ClusterUnavailable, redis_url_from, store_url_from
-from cluster.report import analyse, cause_text, fact_text, phase_text, status_text, ticket_text
+from cluster.report import analyse, cause_text, phase_text
 from runtime.agent import load_agent
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.errors import RatchetError, ResumeRejected
-from runtime.events import Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -51,15 +50,13 @@ from runtime.lifecycle import (
     UserInput,
     validate_resume,
 )
-from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
-from runtime.stream import Frame, parse_offset
+from runtime.stream import parse_offset
 from runtime.timeutil import now_us
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Ratchet: durable agent Runs on Ray."
 )
-console = Console()
 errors = Console(stderr=True)
 
 StoreOption = typer.Option(
@@ -71,14 +68,6 @@ AddressOption = typer.Option(
 RedisOption = typer.Option(
     None, "--redis", help="Redis URL of the live bus (default: RATCHET_REDIS_URL, or none)"
 )
-RESUME_FLAGS = {
-    "permission": "--approve or --deny",
-    "external_result": "--result JSON",
-    "scheduled_action": "--fire",
-    "user_input": "--input TEXT",
-    "pause": "--unpause",
-}
-"""The flag that answers each ticket kind (a delegation wait is answered by its child)."""
 
 
 class BadInput(Exception):
@@ -191,7 +180,7 @@ async def _runs(state: str | None, store: str | None) -> None:
             r.state,
             r.cause or "",
             status,
-            _when(r.status.since),
+            when(r.status.since),
             str(r.version),
         )
     console.print(table)
@@ -213,7 +202,7 @@ async def _show(thread: str, store: str | None) -> None:
         raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
     console.rule(f"thread {thread}")
     for message in frontier.messages:
-        console.print(_message_line(message), highlight=False)
+        console.print(message_line(message), highlight=False)
     console.rule("commits")
     for record in records:
         c = record.commit
@@ -230,23 +219,13 @@ async def _show(thread: str, store: str | None) -> None:
     if isinstance(state, AwaitingState):
         where += f" ({state.ticket.payload_kind}, correlation {state.ticket.correlation})"
     console.print(f"run {frontier.run_id}: {where}")
-    console.print(f"status: {s.state} reason={s.reason} since={_when(s.since)}")
+    console.print(f"status: {s.state} reason={s.reason} since={when(s.since)}")
     history = " → ".join(f"{a}({b})" if b else a for a, b in report.statuses)
     console.print(f"status history: {history}", highlight=False)
     if len(tree) > 1:
         console.rule("run tree (delegation)")
         for line in tree:
             console.print(line, highlight=False)
-
-
-async def run_tree(db: Any, frontier: Any, depth: int = 0) -> list[str]:
-    """The Run and its child Runs, one indented line each (children in call order)."""
-    state = frontier.run_state
-    where = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
-    lines = [f"{'  ' * depth}{'└ ' if depth else ''}{frontier.thread_id}  [{where}]"]
-    for child in frontier.state["run"].get("children", {}).values():
-        lines += await run_tree(db, await db.load(ThreadId(child)), depth + 1)
-    return lines
 
 
 # ---- control: resume, cancel, stop, watch -----------------------------------------------
@@ -337,7 +316,7 @@ async def _resume(
             f"resumed run {ticket.run_id} on thread {thread}: {payload.kind}", highlight=False
         )
         if wait:
-            _print_rest(thread, await handle.result())
+            print_rest(thread, await handle.result())
     finally:
         await client.close()
 
@@ -387,16 +366,16 @@ async def _control(
 
     frontier = await _frontier(thread, store)
     if isinstance(frontier.run_state, EndedState):
-        _print_rest(thread, frontier, prefix="nothing to do: ")
+        print_rest(thread, frontier, prefix="nothing to do: ")
         return
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:
         handle = client.handle(thread)
         outcome = await (handle.cancel() if reason is None else handle.stop(reason))
         if outcome == "not_running":
-            _print_rest(thread, await handle.frontier(), prefix="nothing to do: ")
+            print_rest(thread, await handle.frontier(), prefix="nothing to do: ")
             return
-        _print_rest(thread, await handle.result())
+        print_rest(thread, await handle.result())
     finally:
         await client.close()
 
@@ -424,81 +403,15 @@ async def _watch(thread: str, after: str | None, store: str | None, redis: str |
     db = await _open(store)
     try:
         await _frontier(thread, store, db)
-        view = _Watch(StreamText())
+        view = WatchView(StreamText())
         async for frame in follow_thread(
             db, ThreadId(thread), after, redis_url=redis_url_from(redis)
         ):
             view.show(frame)
         view.close_line()
-        _print_rest(thread, await db.load(ThreadId(thread)), prefix="at rest: ")
+        print_rest(thread, await db.load(ThreadId(thread)), prefix="at rest: ")
     finally:
         await db.close()
-
-
-class _Watch:
-    """Prints frames: one line per status frame and fact; streamed text inline."""
-
-    def __init__(self, text: Any) -> None:
-        self.text = text
-        self.shown: dict[tuple[str, int], str] = {}
-        self.open: tuple[str, int] | None = None
-
-    def show(self, frame: Frame) -> None:
-        key = self.text.add(frame)
-        if frame.type == "delta":
-            if key is not None:
-                self._stream(key, self.text.text(*key))
-            return
-        self.close_line()
-        where = f"[dim]{frame.offset:>6}[/dim] " if frame.offset else " " * 7
-        if frame.type == "thread_status" and frame.status is not None:
-            line = f"[bold]● status {status_text(frame.status)}[/bold]"
-        elif isinstance(frame.event, Fact):
-            line = _escape(fact_text(frame.event))
-        else:
-            return
-        console.print(where + line, highlight=False, soft_wrap=True)
-
-    def _stream(self, key: tuple[str, int], text: str) -> None:
-        before = self.shown.get(key, "")
-        if self.open != key:
-            self.close_line()
-            self.open = key
-            _raw(f"{'':7}… {text}")
-        elif text.startswith(before):
-            _raw(text[len(before) :])
-        else:  # a retried inference: its text starts over
-            _raw(f"\n{'':7}↻ {text}")
-        self.shown[key] = text
-
-    def close_line(self) -> None:
-        if self.open is not None:
-            _raw("\n")
-            self.open = None
-
-
-def _raw(text: str) -> None:
-    console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
-
-
-def _print_rest(thread: str, frontier: Frontier, prefix: str = "") -> None:
-    state = frontier.run_state
-    run = frontier.run_id
-    if isinstance(state, AwaitingState):
-        flag = RESUME_FLAGS.get(state.ticket.payload_kind)
-        hint = f"; answer with: ratchet resume {thread} {flag}" if flag else ""
-        line = f"run {run} on thread {thread} awaits {ticket_text(state.ticket)}{hint}"
-    elif isinstance(state, EndedState):
-        line = f"run {run} on thread {thread} ended {cause_text(state.cause.model_dump())}"
-    else:
-        line = f"run {run} on thread {thread} is running"
-    console.print(prefix + _escape(line), highlight=False, soft_wrap=True)
 
 
 async def _frontier(thread: str, store: str | None, db: Any = None) -> Frontier:
@@ -515,20 +428,6 @@ async def _frontier(thread: str, store: str | None, db: Any = None) -> Frontier:
     return frontier
 
 
-def _message_line(message: Any) -> str:
-    if isinstance(message, UserMessage):
-        return f"[bold cyan]user[/]: {message.text}"
-    if isinstance(message, AssistantMessage):
-        calls = ", ".join(f"{c.tool}({c.arguments})" for c in message.tool_calls)
-        return f"[bold green]assistant[/]: {message.text}" + (
-            f"  [dim]→ {calls}[/]" if calls else ""
-        )
-    if isinstance(message, ToolResultMessage):
-        tag = "[red]tool error[/]" if message.is_error else "[yellow]tool[/]"
-        return f"{tag} {message.tool} ({message.call_id}): {message.content}"
-    return str(message)
-
-
 async def _open(store: str | None) -> Any:
     url = store_url_from(store)
     try:
@@ -537,12 +436,6 @@ async def _open(store: str | None) -> Any:
         raise
     except OSError as exc:
         raise ClusterUnavailable(f"cannot open store {redact(url)}: {exc}") from exc
-
-
-def _when(since_us: int) -> str:
-    if not since_us:
-        return "-"
-    return dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _register_bench() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.cli import run_tree
+from cluster.cli_view import run_tree
 from runtime.lifecycle import AwaitingState, EndedState, PermissionDecision, ResumeCommand
 from tests.ray.conftest import wait_for
 
