@@ -4,14 +4,13 @@ a ToolExecutor and the store need, so an actor, above all a restarted one, finds
 them imported. A spare worker (``actors.spare``) is warm, not only started.
 
 A module that is not installed is skipped: a preload that raised would cost every
-worker. ``READY_AT`` tells a process's actor how long the worker idled before it came.
+worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import time
 
 WARM_MODULES = (
     "actors.run_host",
@@ -28,6 +27,3 @@ WARM_MODULES = (
 for _name in WARM_MODULES:
     with contextlib.suppress(ImportError):
         importlib.import_module(_name)
-
-READY_AT = time.monotonic()
-"""When this worker's imports were done (``time.monotonic``)."""

@@ -7,23 +7,21 @@ import asyncio
 import itertools
 import math
 import statistics
-import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from benchmarks.w1_agent import NEVER_REPLAY, W1, read_ledger
+from cluster.client import patiently
 from cluster.report import EXECUTION_LOST
 from runtime.commit import Frontier, replay
-from runtime.errors import StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, Natural
 from runtime.messages import AssistantMessage
 from runtime.ports import CommitStore, CommittedRecord
 
 VERIFY_CONCURRENCY = 32
-T = TypeVar("T")
 
 
 @dataclass
@@ -122,21 +120,6 @@ async def verify(
     return verdict
 
 
-async def patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
-    """Retry a read while the store is unavailable (e.g. PostgreSQL out of connection
-    slots until the killed system's backends are gone)."""
-    deadline = time.monotonic() + give_up_s
-    delay = 0.1
-    while True:
-        try:
-            return await op()
-        except StoreUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-
 def intervals_ms(starts: dict[int, float]) -> list[float]:
     """A Step's time: from its inference's start to the next Step's inference's start."""
     times = [t for _, t in sorted(starts.items())]
@@ -220,4 +203,4 @@ def quantile(values: Sequence[float], q: int) -> float:
     return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 2)
 
 
-__all__ = ["Verdict", "intervals_ms", "patiently", "quantile", "verify"]
+__all__ = ["Verdict", "intervals_ms", "quantile", "verify"]

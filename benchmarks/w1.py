@@ -26,9 +26,9 @@ from actors.wire import NAMESPACE
 from benchmarks.baseline import Baseline
 from benchmarks.rss import RssSampler, mb
 from benchmarks.stores import prepare_store
-from benchmarks.verify import intervals_ms, patiently, quantile, verify
+from benchmarks.verify import intervals_ms, quantile, verify
 from benchmarks.w1_agent import W1, ledger_dir, new_ledger, read_ledger
-from cluster.client import Ratchet
+from cluster.client import Ratchet, patiently
 from storage.url import open_store
 
 WARMUP_RUNS = 4

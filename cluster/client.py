@@ -217,7 +217,7 @@ class Ratchet:
         wanted = {h.thread_id: h.run_id for h in handles}
 
         async def all_at_rest() -> list[RunSummary] | None:
-            rows = {r.thread_id: r for r in await _patiently(self.store.list_runs)}
+            rows = {r.thread_id: r for r in await patiently(self.store.list_runs)}
             done = [rows[t] for t, run in wanted.items() if _at_rest(rows.get(t), run)]
             return done if len(done) == len(wanted) else None
 
@@ -228,7 +228,7 @@ class Ratchet:
         try:
             return await asyncio.wait_for(settled(), timeout_s)
         except TimeoutError:
-            rows = {r.thread_id: r for r in await _patiently(self.store.list_runs)}
+            rows = {r.thread_id: r for r in await patiently(self.store.list_runs)}
             left = sum(not _at_rest(rows.get(t), run) for t, run in wanted.items())
             raise TimeoutError(f"{left} of {len(wanted)} runs still running") from None
 
@@ -506,8 +506,9 @@ async def _on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 6
             delay = min(delay * 2, POLL_MAX_S)
 
 
-async def _patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
-    """A store outage pauses a follower (as it pauses Runs); it is not an answer."""
+async def patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
+    """Retry ``op`` while the store is unavailable, up to ``give_up_s``: a store outage
+    pauses a follower (as it pauses Runs); it is not an answer."""
     loop = asyncio.get_running_loop()
     deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
     while True:
