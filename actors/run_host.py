@@ -365,6 +365,9 @@ class RunHost:
             "recovered": self.recovered,
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],
+            # group commit (SQL stores): transactions that carried appends, and the appends
+            "store_groups": getattr(self.store, "groups", None),
+            "store_appends": getattr(self.store, "appends", None),
             "startup": self.startup,
         }
 

@@ -16,9 +16,10 @@ from typing import Any
 
 MEDIAN = (
     "wall_s", "runs_per_s", "steps_per_s", "commits_per_run", "p50_step_ms", "p99_step_ms",
-    "idle_rss_mb", "rss_per_active_run_kb", "waves_per_executor_call", "median_recovery_ms",
-    "median_settled_ms", "baseline_wall_s", "baseline_runs_per_s", "baseline_p50_step_ms",
-    "baseline_p99_step_ms", "ratio_to_baseline", "cpu_ratio_to_baseline",
+    "idle_rss_mb", "rss_per_active_run_kb", "waves_per_executor_call", "commits_per_group",
+    "median_recovery_ms", "median_settled_ms", "baseline_wall_s", "baseline_runs_per_s",
+    "baseline_p50_step_ms", "baseline_p99_step_ms", "ratio_to_baseline",
+    "cpu_ratio_to_baseline",
 )  # fmt: skip
 TOTAL = (
     "commits", "lost_commits", "duplicate_never_replay", "checked_runs", "natural_runs",

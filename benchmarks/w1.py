@@ -193,7 +193,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         own = prepared.kind != "memory"
         timed = await drive_durable(client, cfg, params.ref, progress)
         report = await client.supervisor_report() if cfg.chaos else {}
-        coalescing = await _waves_per_call(client)
+        coalescing, grouping = await _sharing(client)
         if own:
             await client.shutdown()
             client = None
@@ -247,6 +247,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         "exactly_once_calls": verdict.exactly_once_calls,
         "ledger_violations": verdict.ledger_violations,
         "waves_per_executor_call": coalescing,
+        "commits_per_group": grouping,
         "cpu_ms_per_run": _per_run_ms(timed.cpu_s, cfg.runs),
     }
     if cfg.chaos:
@@ -273,15 +274,21 @@ def _per_run_ms(cpu_s: dict[str, float], runs: int) -> dict[str, float]:
     return {kind: round(seconds * 1000 / runs, 2) for kind, seconds in ranked if seconds > 0}
 
 
-async def _waves_per_call(client: Ratchet) -> float | None:
-    """How many Runs' waves shared an executor round trip, on average (hosted pool; a
-    host restarted by chaos counts from its restart)."""
-    waves = calls = 0
+async def _sharing(client: Ratchet) -> tuple[float | None, float | None]:
+    """How many Runs' waves shared an executor round trip, and how many commits a group
+    transaction, on average (hosted pool; a host restarted by chaos counts from its
+    restart; None where nothing was counted, or the store keeps no count)."""
+    totals = {"waves_sent": 0, "executor_calls": 0, "store_appends": 0, "store_groups": 0}
     for host in client.hosts:
         with contextlib.suppress(Exception):
             info = await host.info.remote()
-            waves, calls = waves + info["waves_sent"], calls + info["executor_calls"]
-    return round(waves / calls, 2) if calls else None
+            for key in totals:
+                totals[key] += info.get(key) or 0
+
+    def ratio(part: str, whole: str) -> float | None:
+        return round(totals[part] / totals[whole], 2) if totals[whole] else None
+
+    return ratio("waves_sent", "executor_calls"), ratio("store_appends", "store_groups")
 
 
 async def run_baseline(cfg: Config, progress: Progress) -> dict[str, Any]:

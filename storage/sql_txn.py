@@ -3,7 +3,9 @@
 ``SqlCommitStore`` runs them through ``storage.sql_engine.Database`` (a greenlet over
 asyncpg on PostgreSQL, a dedicated thread on SQLite). A write body owns its
 transaction(s); statements compose inside them (``group_txn`` is also what the
-SAVEPOINT fallback runs per request). A read body is one statement.
+SAVEPOINT fallback runs per request). A read body is one statement. PostgreSQL's
+planned group is no body: it is one statement in asyncpg's own terms
+(``PG_PLANNED``), which ``Database.write_statement`` sends.
 
 Statements are built once, at import, with bound parameters, and a list travels
 as one parameter (PostgreSQL: an array, ``= ANY``; SQLite: JSON, ``json_each``), so
@@ -29,10 +31,9 @@ from sqlalchemy import (
     bindparam,
     func,
     select,
-    text,
     true,
 )
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.dml import Insert
 
 from runtime.commit import (
@@ -50,7 +51,7 @@ from runtime.ids import OperationId, RunId, ThreadId
 from runtime.ports import CommittedRecord
 from storage.frontiers import FrontierCache
 from storage.schema import commits, threads
-from storage.sql_engine import SQL_DIALECTS, deadlocked, translate, upsert_ignore
+from storage.sql_engine import SQL_DIALECTS, translate, upsert_ignore
 from storage.summary import listing
 
 Outcome = Receipt | Frontier | StoreError | RatchetError
@@ -354,40 +355,65 @@ def planned_txn(conn: Connection, plan: Plan) -> list[Outcome]:
 
     A row that exists where the plan expected none, or a commit already stored, is the
     database's IntegrityError (also rolled back): either way ``transact`` runs next.
+    PostgreSQL writes its plans with ``PG_PLANNED`` instead, in one statement.
     """
     with conn.begin():
-        if conn.dialect.name == "postgresql":
-            moved = conn.execute(_PG_PLANNED, _pg_planned_params(plan)).scalar_one()
-            if moved != len(plan.updates):
-                raise Stale
-        else:
-            if plan.fresh:
-                INSERT_THREADS(conn, plan.fresh)
-            if plan.updates and UPDATE_UNCHANGED(conn, plan.updates) != len(plan.updates):
-                raise Stale
-            if plan.new_commits:
-                INSERT_COMMITS(conn, plan.new_commits)
+        if plan.fresh:
+            INSERT_THREADS(conn, plan.fresh)
+        if plan.updates and UPDATE_UNCHANGED(conn, plan.updates) != len(plan.updates):
+            raise Stale
+        if plan.new_commits:
+            INSERT_COMMITS(conn, plan.new_commits)
     plan.held = True
     return plan.outcomes
 
 
-def _pg_planned_statement() -> Any:
-    """A planned group in one statement (PostgreSQL): every part travels as arrays, so
-    the text never varies with the group. Rows are updated only where they are still at
-    the plan's version, epoch and owner; the count of those comes back. Data-modifying
-    CTEs all run to completion, in one snapshot."""
+@dataclass(frozen=True)
+class PgStatement:
+    """A statement in asyncpg's own terms: its text with ``$n`` placeholders, and the
+    names of the parameters in their order."""
+
+    sql: str
+    names: tuple[str, ...]
+
+    def args(self, params: dict[str, Any]) -> list[Any]:
+        return [params[name] for name in self.names]
+
+
+STALE_PLAN = "ratchet: stale plan"
+"""What the planned statement fails with when a row moved (inside a 22P02 error)."""
+
+
+def _pg_planned_statement() -> PgStatement:
+    """A planned group in one statement (PostgreSQL), its own transaction: every part
+    travels as arrays, so the text never varies with the group. Rows are updated only
+    where they are still at the plan's version, epoch and owner; data-modifying CTEs
+    all run to completion, in one snapshot, and should fewer rows than planned have
+    moved, the statement fails, so all of it rolls back.
+
+    It fails by casting a text that is not a number (SQLSTATE 22P02, with
+    ``STALE_PLAN`` in the message), the one way a plain statement can abort itself
+    without a function in the schema; the text depends on the count, so PostgreSQL
+    cannot fold it at plan time and evaluates it only in the branch that fails.
+    Sent without BEGIN and COMMIT, the group costs one round trip instead of three.
+    """
+    names: list[str] = []
+
+    def param(name: str, sql_type: str) -> str:
+        names.append(name)
+        return f"${len(names)}::{sql_type}"
 
     def unnest(prefix: str, columns: Sequence[Any], extra: Sequence[Any] = ()) -> str:
-        arrays = [f"CAST(:{prefix}{c.name} AS {_pg_type(c)}[])" for c in columns]
-        arrays += [f"CAST(:{prefix}b_{c.name} AS {_pg_type(c)}[])" for c in extra]
-        names = [c.name for c in columns] + [f"b_{c.name}" for c in extra]
-        return f"unnest({', '.join(arrays)}) AS v({', '.join(names)})"
+        arrays = [param(f"{prefix}{c.name}", f"{_pg_type(c)}[]") for c in columns]
+        arrays += [param(f"{prefix}b_{c.name}", f"{_pg_type(c)}[]") for c in extra]
+        columns_as = [c.name for c in columns] + [f"b_{c.name}" for c in extra]
+        return f"unnest({', '.join(arrays)}) AS v({', '.join(columns_as)})"
 
     row_cols = list(threads.columns)
     set_cols = ", ".join(f"{c} = v.{c}" for c in _THREAD_COLUMNS)
     thread_names = ", ".join(c.name for c in row_cols)
     commit_names = ", ".join(c.name for c in commits.columns)
-    return text(
+    sql = (
         f"WITH moved AS (UPDATE {threads.name} AS t SET {set_cols}"
         f" FROM {unnest('u_', row_cols, (_t.version, _t.epoch, _t.owner))}"
         " WHERE t.thread_id = v.thread_id AND t.version = v.b_version"
@@ -396,18 +422,22 @@ def _pg_planned_statement() -> Any:
         f" SELECT {thread_names} FROM {unnest('f_', row_cols)} RETURNING 1),"
         f" logged AS (INSERT INTO {commits.name} ({commit_names})"
         f" SELECT {commit_names} FROM {unnest('c_', list(commits.columns))} RETURNING 1)"
-        " SELECT count(*) FROM moved"
+        f" SELECT CASE WHEN count(*) = {param('n_updates', 'BIGINT')} THEN count(*)"
+        f" ELSE CAST('{STALE_PLAN}: ' || count(*) || ' rows as planned' AS BIGINT) END"
+        " FROM moved"
     )
+    return PgStatement(sql, tuple(names))
 
 
 def _pg_type(column: Any) -> str:
     return "BIGINT" if isinstance(column.type, BigInteger) else "TEXT"
 
 
-def _pg_planned_params(plan: Plan) -> dict[str, list[Any]]:
+def pg_planned_args(plan: Plan) -> list[Any]:
+    """``PG_PLANNED``'s arguments for a plan."""
     # thread rows in id order: the UPDATE then locks them as the read-first path does
     updates = sorted(plan.updates, key=lambda r: r["b_thread"])
-    params: dict[str, list[Any]] = {}
+    params: dict[str, Any] = {"n_updates": len(updates)}
     for c in threads.columns:
         key = "b_thread" if c.name == "thread_id" else c.name
         params[f"u_{c.name}"] = [r[key] for r in updates]
@@ -416,10 +446,20 @@ def _pg_planned_params(plan: Plan) -> dict[str, list[Any]]:
         params[f"u_{name}"] = [r[name] for r in updates]
     for c in commits.columns:
         params[f"c_{c.name}"] = [r[c.name] for r in plan.new_commits]
-    return params
+    return PG_PLANNED.args(params)
 
 
-_PG_PLANNED = _pg_planned_statement()
+def pg_plan_refused(exc: BaseException) -> bool:
+    """Whether the planned statement failed because the plan did not hold, not the
+    server: a row moved, a row or commit already there, or a lock cycle PostgreSQL
+    broke here (another group locked some of these rows in another order)."""
+    state = getattr(exc, "sqlstate", None)
+    if state == "22P02":
+        return STALE_PLAN in str(exc)
+    return state in ("23505", "40P01")
+
+
+PG_PLANNED = _pg_planned_statement()
 
 
 # ---- write bodies -----------------------------------------------------------------------
@@ -434,18 +474,14 @@ def transact(
 ) -> list[Outcome]:
     """One transaction for the whole group; on a database refusal, one SAVEPOINT each.
 
-    With a ``plan`` its transaction is tried first, and this one only if it fails.
+    With a ``plan`` (SQLite) its transaction is tried first, and this one only if it
+    fails.
     """
     if plan is not None:
         try:
             return planned_txn(conn, plan)
         except (Stale, IntegrityError):
             pass
-        except DBAPIError as exc:
-            # Another group locked some of these rows in another order and PostgreSQL
-            # broke the cycle here; the read-first path locks in thread-id order.
-            if not deadlocked(exc):
-                raise
     try:
         with conn.begin():
             return group_txn(conn, group, cache)

@@ -48,6 +48,8 @@ def test_tiny_w1_is_ok_and_consistent() -> None:
     assert result["steps_per_s"] == pytest.approx(RUNS * STEPS / result["wall_s"], rel=0.02)
     assert 0 < result["p50_step_ms"] <= result["p99_step_ms"]
     assert result["peak_rss_mb"] > 0
+    # a group holds at most one commit of each Run in flight (3, or the warm-up's)
+    assert 1 <= result["commits_per_group"] <= max(3, WARMUP_RUNS)
     assert result["baseline_runs_per_s"] is None and result["ratio_to_baseline"] is None
 
 

@@ -21,7 +21,7 @@ from runtime.errors import (
 )
 from runtime.ids import RunId, ThreadId
 from storage.schema import SCHEMA_VERSION, commits, schema_version
-from storage.sql import SqlCommitStore
+from storage.sql import LINGER_TURNS, SqlCommitStore
 from storage.sql_engine import translate
 from tests.storage.builders import activation, ended, step
 from tests.storage.conftest import make_store
@@ -60,6 +60,34 @@ async def test_concurrent_appends_share_transactions(sql_store: SqlCommitStore) 
     assert len(receipts) == 60
     assert sql_store.appends == 60
     assert sql_store.groups < sql_store.appends  # grouped, not one transaction each
+
+
+async def _append_after_turns(store: SqlCommitStore, thread: str, turns: int) -> object:
+    for _ in range(turns):
+        await asyncio.sleep(0)  # event-loop turns, not time: the writer lingers in turns
+    return await store.append(activation(ThreadId(thread), f"r-{thread}"), 0, 0)
+
+
+async def test_a_group_writer_lingers_for_company_only_after_a_group_that_had_some(
+    sql_store: SqlCommitStore,
+) -> None:
+    turns = LINGER_TURNS // 2
+    await _append_after_turns(sql_store, "alone-0", 0)  # the last group held one request
+    groups = sql_store.groups
+    await asyncio.gather(
+        _append_after_turns(sql_store, "alone-1", 0),
+        _append_after_turns(sql_store, "alone-2", turns),
+    )
+    assert sql_store.groups == groups + 2  # a lone caller is not kept waiting
+
+    await _activate_many(sql_store, 2)  # two at once: the last group had company
+    groups = sql_store.groups
+    await asyncio.gather(
+        _append_after_turns(sql_store, "cohort-1", 0),
+        _append_after_turns(sql_store, "cohort-2", turns),
+    )
+    assert sql_store.groups == groups + 1  # the latecomer joined the group
+    assert sql_store.appends == 7
 
 
 async def test_database_refusal_fails_only_the_culprit(sql_store: SqlCommitStore) -> None:
@@ -257,6 +285,13 @@ class _PgError(Exception):
         self.sqlstate = sqlstate
 
 
+def asyncpg_error(name: str, message: str) -> Exception:
+    """asyncpg's own exception, as ``Database.write_statement`` lets it through."""
+    from asyncpg import exceptions
+
+    return getattr(exceptions, name)(message)  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
@@ -266,6 +301,10 @@ class _PgError(Exception):
          StoreUnavailable),
         (DBAPIError("SELECT 1", {}, _PgError("40P01", "deadlock detected")), StoreUnavailable),
         (ConnectionRefusedError(111, "Connect call failed"), StoreUnavailable),
+        (asyncpg_error("ConnectionDoesNotExistError", "closed mid-operation"), StoreUnavailable),
+        (asyncpg_error("InterfaceError", "connection is closed"), StoreUnavailable),
+        (asyncpg_error("AdminShutdownError", "terminating connection"), StoreUnavailable),
+        (asyncpg_error("UndefinedTableError", "relation does not exist"), StoreError),
         (TimeoutError(), StoreUnavailable),
         (ProgrammingError("SELECT", {}, _PgError("42P01", "relation does not exist")),
          StoreError),
@@ -283,9 +322,18 @@ def test_driver_errors_translate_into_ours(error: Exception, expected: type) -> 
     assert "u:***@db" in str(translated) or expected in (DuplicateOperation, VersionConflict)
 
 
-def test_only_a_broken_lock_cycle_counts_as_a_deadlock() -> None:
-    from storage.sql_engine import deadlocked
+def test_only_a_plan_that_did_not_hold_leaves_the_group_to_the_read_first_path() -> None:
+    from asyncpg import exceptions as pg
 
-    cycle = OperationalError("UPDATE", {}, _PgError("40P01", "deadlock detected"))
-    shutdown = OperationalError("UPDATE", {}, _PgError("57P01", "terminating connection"))
-    assert deadlocked(cycle) and not deadlocked(shutdown)
+    from storage.sql_txn import STALE_PLAN, pg_plan_refused
+
+    stale = pg.InvalidTextRepresentationError(f'invalid input syntax: "{STALE_PLAN}: 1 of 2"')
+    refused = [stale, pg.UniqueViolationError("duplicate key"), pg.DeadlockDetectedError("cycle")]
+    failed = [
+        pg.InvalidTextRepresentationError("invalid input syntax for type bigint"),
+        pg.AdminShutdownError("terminating connection"),
+        pg.InterfaceError("connection is closed"),
+        OSError("reset"),
+    ]
+    assert all(pg_plan_refused(e) for e in refused)
+    assert not any(pg_plan_refused(e) for e in failed)
