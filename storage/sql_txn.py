@@ -392,8 +392,8 @@ def _pg_planned_statement() -> PgStatement:
     moved, the statement fails, so all of it rolls back.
 
     It fails by casting a text that is not a number (SQLSTATE 22P02, with
-    ``STALE_PLAN`` in the message), the one way a plain statement can abort itself
-    without a function in the schema; the text depends on the count, so PostgreSQL
+    ``STALE_PLAN`` in the message): a plain statement can abort itself that way,
+    without a function in the schema. The text depends on the count, so PostgreSQL
     cannot fold it at plan time and evaluates it only in the branch that fails.
     Sent without BEGIN and COMMIT, the group costs one round trip instead of three.
     """
