@@ -101,7 +101,28 @@ def _v2_thread_rows_leave_room(conn: Connection) -> None:
         conn.execute(text(f"ALTER TABLE {threads.name} SET (fillfactor = 50)"))
 
 
-MIGRATIONS: list[tuple[int, Step]] = [(1, _v1_initial), (2, _v2_thread_rows_leave_room)]
+def _v3_lz4_for_long_text(conn: Connection) -> None:
+    """PostgreSQL 14+ built with lz4: frontiers and commit bodies past ~2 kB are
+    compressed with lz4 instead of pglz (new values; the rows already there stay as
+    they are). pglz_compress was 12 % of the server's CPU under W1; with lz4 the
+    server spent 0.53 instead of 0.60 to 0.65 ms per Run. Elsewhere: nothing to do."""
+    if conn.dialect.name != "postgresql":
+        return
+    offered = conn.execute(
+        text(
+            "SELECT 'lz4' = ANY(enumvals) FROM pg_settings WHERE name = 'default_toast_compression'"
+        )
+    ).scalar()
+    if offered:
+        for table, column in ((threads.name, "frontier"), (commits.name, "body")):
+            conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN {column} SET COMPRESSION lz4"))
+
+
+MIGRATIONS: list[tuple[int, Step]] = [
+    (1, _v1_initial),
+    (2, _v2_thread_rows_leave_room),
+    (3, _v3_lz4_for_long_text),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator
 
