@@ -251,12 +251,13 @@ class SqlCommitStore:
         requests = [item.request for item in group]
         plan = self._plan(requests)
         try:
-            outcomes = await self._write_planned(plan) if self._one_statement else None
+            if self._one_statement:
+                outcomes, body_plan = await self._write_planned(plan), None
+            else:  # SQLite tries the plan in the body, under its writer's lock
+                outcomes, body_plan = None, plan
             if outcomes is None:
-                # SQLite tries the plan in this body, under its writer's lock
-                sqlite_plan = None if self._one_statement else plan
                 outcomes = await self._write(
-                    transact, requests, self.where, self._frontiers, sqlite_plan
+                    transact, requests, self.where, self._frontiers, body_plan
                 )
             self.planned += plan is not None and plan.held
         except asyncio.CancelledError:

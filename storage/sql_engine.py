@@ -437,19 +437,21 @@ def _transient(exc: BaseException) -> bool:
     if isinstance(exc, DBAPIError):
         if exc.connection_invalidated:
             return True
-        state = _sqlstate(exc)
-        if state is not None:
-            return state.startswith(_TRANSIENT_SQLSTATE)
-        return any(word in str(exc.orig).lower() for word in _TRANSIENT_WORDS)
+        return _transient_answer(_sqlstate(exc), str(exc.orig))
     if isinstance(exc, SQLAlchemyError):
         return False
     if type(exc).__module__.startswith("asyncpg"):  # raised as is: Database.write_statement
         state = getattr(exc, "sqlstate", None)
-        if isinstance(state, str):
-            return state.startswith(_TRANSIENT_SQLSTATE)
-        return any(word in str(exc).lower() for word in _TRANSIENT_WORDS)
+        return _transient_answer(state if isinstance(state, str) else None, str(exc))
     cause = exc.__cause__ or exc.__context__
     return cause is not None and _transient(cause)
+
+
+def _transient_answer(state: str | None, message: str) -> bool:
+    """A driver's error by its SQLSTATE, or by its words where it carries none."""
+    if state is not None:
+        return state.startswith(_TRANSIENT_SQLSTATE)
+    return any(word in message.lower() for word in _TRANSIENT_WORDS)
 
 
 def _sqlstate(exc: DBAPIError) -> str | None:
