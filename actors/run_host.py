@@ -1,12 +1,15 @@
 """RunHost: an async Ray actor that drives many Runs, one Engine per Run (DESIGN §6).
 
-A host holds only the Runs it is driving right now: when an Engine's drive returns
-(the Run ended, or awaits a ResumeCommand) the Engine is dropped. Agents are
-rebuilt here from their reference ``module:attr``; actor calls carry strings.
+A host holds only the Runs it is driving right now (``actors.drives``): when an
+Engine's drive returns (the Run ended, or awaits a ResumeCommand) the Engine is
+dropped. Agents are rebuilt here from their reference ``module:attr``; actor calls
+carry strings. Every failure inside a Run is settled by its Engine; what a drive
+cannot settle goes back to whoever asked — a start or resume refused, fenced or
+racing another — as a typed error, never as success.
 
-Liveness: one heartbeat per host renews its lease with the Supervisor. When Ray
-restarts a crashed host (the fast path), the new incarnation finds the Runs whose
-owner was this host, settles them ``failed/execution_lost`` and recovers them.
+Liveness: one heartbeat per host renews its lease with the Supervisor. Every
+``reconcile_s`` the host compares what it owns with what it drives
+(``actors.reconcile``).
 """
 
 from __future__ import annotations
@@ -16,21 +19,21 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from actors.children import RayChildRunner
+from actors.drives import Drive, Drives, FaultSpec, rested
 from actors.heap import freeze_startup_heap
-from actors.ownership import running_owned_by, settle_lost
-from actors.spare import replace_spare_if_restarted, restarted
+from actors.reconcile import Reconciler
+from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools
-from actors.waves import RayToolRunner, WaveDispatcher
+from actors.waves import WaveDispatcher
 from actors.wire import (
     NAMESPACE,
-    AtRest,
     Placement,
     RemoteError,
     RunMeta,
@@ -39,7 +42,6 @@ from actors.wire import (
     run_meta,
     unwrap,
 )
-from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.delegation import (
@@ -50,79 +52,34 @@ from runtime.delegation import (
     outcome_of,
     parent_link,
 )
-from runtime.engine import Engine
-from runtime.errors import (
-    AgentImportError,
-    Fenced,
-    InvalidTransition,
-    RatchetError,
-    ResumeRejected,
-    RunEnded,
-    StoreUnavailable,
-)
-from runtime.faults import FaultPlan
+from runtime.engine import Engine, control_engine
+from runtime.errors import AgentImportError, InvalidTransition, RatchetError, ResumeRejected
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
+    EndCause,
     ResumeCommand,
     RunningState,
     Stopped,
     validate_resume,
 )
 from runtime.ports import Finished, LiveBus, StreamCheckpointStore
+from runtime.publish import Publisher
+from runtime.resume import check_command
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.run_host")
-STORE_PAUSE_S = 5.0
-"""How long a Run whose store stayed unavailable rests before this host tries again."""
-REFUSALS = (InvalidTransition, ResumeRejected, AgentImportError)
-"""Errors that refuse a request before anything executes: they go back to the caller."""
-FaultSpec = tuple[str, int, str]
-"""(fault point, occurrence, action): action ``exit`` ends the process (os._exit)."""
+FINISHING_S = 5.0
+"""How long a start waits for this host's drive of the thread's previous Run to wind up."""
 
 
-class _Observed(FaultPlan):
-    """A FaultPlan that also reports the first commit of a drive."""
-
-    def __init__(self, spec: FaultSpec | None) -> None:
-        crash_at = (spec[0], spec[1]) if spec else None
-        action = _exit if spec and spec[2] == "exit" else None
-        super().__init__(crash_at=crash_at, action=action)
-        self.committed = asyncio.Event()
-
-    def hit(self, name: str) -> None:
-        super().hit(name)
-        if name.startswith("after:"):
-            self.committed.set()
-
-
-def _rested(task: asyncio.Task[Any]) -> AtRest | None:
-    """The frontier a finished drive returned, if the Run rests (its final commit landed)."""
-    if task.cancelled() or task.exception() is not None:
-        return None
-    frontier = task.result()
-    if isinstance(frontier, Frontier) and _at_rest(frontier):
-        return AtRest(frontier.model_dump_json())
-    return None
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """A refusal nobody awaited (a recovery's) is logged here, not lost."""
-    if not task.cancelled() and task.exception() is not None:
-        log.info("drive refused: %s", task.exception())
-
-
-def _exit(where: str) -> None:
-    log.warning("fault point %s: ending the host process", where)
-    os._exit(17)
-
-
-@dataclass
-class _Drive:
-    engine: Engine
-    task: asyncio.Task[Any]
-    faults: _Observed
+def _remote(exc: Exception) -> RemoteError:
+    """A failure as the caller receives it: our own error by type, anything else (a bug
+    of ours) as a RatchetError that says what it was — never an untyped Ray error."""
+    if isinstance(exc, RatchetError):
+        return RemoteError.of(exc)
+    return RemoteError.of(RatchetError(f"internal error in the host: {exc!r}"[:2000]))
 
 
 class RunHost:
@@ -134,20 +91,27 @@ class RunHost:
         self.store = await open_system_store(spec)
         self.waves = WaveDispatcher(ExecutorPools(spec))
         self.children = RayChildRunner(spec)
-        self.bus = _live_bus(spec)
-        self.checkpoints = _checkpoint_store(spec)
-        self.agents: dict[str, tuple[Agent, RayToolRunner]] = {}
-        self.drives: dict[ThreadId, _Drive] = {}
-        self.finished = 0
+        bus = _live_bus(spec)
+        self.publisher = Publisher(bus) if bus is not None else None
+        self.drives = Drives(
+            spec,
+            self.store,
+            self.owner,
+            self.waves,
+            self.children,
+            self.publisher,
+            _checkpoint_store(spec),
+            self._retire_if_idle,
+        )
         self.recovered = 0
-        self._background = {asyncio.create_task(self._heartbeat())}
-        self._reclaimed: asyncio.Task[None] | None = None
-        self._replacing: set[ThreadId] = set()
-        """Threads whose stale drive is being replaced: a dedicated host must not retire."""
-        if restarted():
-            # requests wait for it: a retried start must not race the recording of the
-            # crash (failed/execution_lost) for the Runs this host owned
-            self._reclaimed = asyncio.create_task(self._reclaim())
+        self.reconciler = Reconciler(host_id, self.owner, self.store, self.drives, self._recover)
+        # requests wait for the first reconciliation: a retried start must not race the
+        # recording of the crash (failed/execution_lost) for the Runs this host owned
+        self._reconciled = asyncio.create_task(self._first_reconcile())
+        self._background = {
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._reconcile_loop()),
+        }
         freeze_startup_heap()
         self.startup["ready"] = time.time()
 
@@ -165,27 +129,45 @@ class RunHost:
     ) -> Any:
         """Activate and drive a Run; returns once its first commit landed (or it ended),
         or with ``wait`` once this host's drive of it is over (``Ratchet.run``: one call
-        where start and ``until_rest`` would take two)."""
+        where start and ``until_rest`` would take two). A second start of the same Run
+        joins it; a start while another Run of the thread is active is InvalidTransition."""
         await self._after_reclaim()
         kind: Placement = "dedicated" if placement == "dedicated" else "hosted"
         meta = RunMeta(agent_ref=agent_ref, placement=kind)
         try:
-            drive = self.drives.get(thread) or self._spawn(
-                agent_ref,
-                thread,
-                faults,
-                lambda e: e.start(thread, text, run_id=run_id, message_id=meta.message_id(run_id)),
-            )
-            started = await self._first_commit(drive)
+            drive = self.drives.get(thread)
+            if drive is not None and drive.run_id != run_id:
+                drive = await self._finishing(thread, drive)
+            if drive is None:
+                message = meta.message_id(run_id)
+                drive = self.drives.spawn(
+                    agent_ref,
+                    thread,
+                    run_id,
+                    lambda e: e.start(thread, text, run_id=run_id, message_id=message),
+                    faults=faults,
+                )
+            started = await self.drives.first_commit(drive)
             if wait:
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
-                return _rested(drive.task) or started
+                return rested(drive.task) or started
             return started
-        except RatchetError as exc:
-            return RemoteError.of(exc)
+        except Exception as exc:
+            return _remote(exc)
+
+    async def _finishing(self, thread: ThreadId, drive: Drive) -> Drive | None:
+        """This host drives another Run of ``thread``: if that Run has ended (its drive is
+        winding up), wait for the drive to go; if it is active, the start is refused."""
+        frontier = await self.store.load(thread)
+        if frontier.run_id == drive.run_id and not _at_rest(frontier):
+            raise InvalidTransition(f"thread {thread} already has an active run {drive.run_id}")
+        await asyncio.wait({drive.task}, timeout=FINISHING_S)
+        if thread in self.drives:
+            raise InvalidTransition(f"thread {thread} is still being driven here")
+        return None
 
     async def recover_run(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
-        """Take the thread over (fencing its previous owner) and continue it."""
+        """Take the thread over (claiming the epoch it is at) and continue it."""
         await self._after_reclaim()
         return await self._recover(thread, agent_ref)
 
@@ -199,74 +181,74 @@ class RunHost:
                 # Someone claimed the thread past this drive (the Supervisor took this host
                 # for lost while it was only slow): the drive is fenced and would only find
                 # out at its next commit, which a long tool call can put off indefinitely.
-                self._replacing.add(thread)
-                try:
-                    stale.task.cancel()
-                    await asyncio.wait({stale.task})
-                finally:
-                    self._replacing.discard(thread)
+                await self.drives.stop(thread, stale)
                 if thread in self.drives:  # a concurrent recovery got here first
                     return True
                 frontier = await self.store.load(thread)
             ref = agent_ref or _ref_of(frontier)
-            self._spawn(ref, thread, None, lambda e: e.recover(thread), parent_link(frontier))
+            link = parent_link(frontier)
+            self.drives.spawn(
+                ref, thread, frontier.run_id, lambda e: e.recover(thread), link, after=self._after
+            )
             self.recovered += 1
             return True
-        except RatchetError as exc:
+        except Exception as exc:
             self._retire_if_idle()  # a dedicated host whose stale drive was dropped
-            return RemoteError.of(exc)
+            return _remote(exc)
 
     async def resume_run(self, command: ResumeCommand) -> Any:
-        """Apply a ResumeCommand; a rejected one raises ResumeRejected at the caller."""
+        """Apply a ResumeCommand; a rejected one raises ResumeRejected at the caller. Of two
+        resumes of one ticket (through this host or any other) exactly one is applied."""
         await self._after_reclaim()
         try:
-            if command.thread_id in self.drives:
-                raise ResumeRejected("ticket", "the run is running, not awaiting")
-            # Validate before Engine.resume claims: a claim on a Run driven elsewhere
-            # would fence its driver, and a rejected resume must change nothing.
+            check_command(command, self.spec.limits)
             frontier = await self.store.load(command.thread_id)
             state = frontier.run_state
             ticket = state.ticket if isinstance(state, AwaitingState) else None
             validate_resume(ticket, command, now_us())
-            drive = self._spawn(
+            if command.thread_id in self.drives:  # checked after the load: no await between
+                raise ResumeRejected("ticket", "the run is being driven here, not awaiting")
+            drive = self.drives.spawn(
                 _ref_of(frontier),
                 command.thread_id,
-                None,
+                frontier.run_id,
                 lambda e: e.resume(command),
                 parent_link(frontier),
+                after=self._after,
             )
-            return await self._first_commit(drive)
-        except RatchetError as exc:
-            return RemoteError.of(exc)
+            return await self.drives.first_commit(drive)
+        except Exception as exc:
+            return _remote(exc)
 
     async def cancel_run(self, thread: ThreadId) -> Any:
         """Cancel a Run driven here, or one at rest (awaiting, or running with no driver)."""
-        drive = self.drives.get(thread)
-        if drive is not None:
-            drive.engine.cancel()
-            return "signalled"
-        try:
-            return await self._cancel_at_rest(thread)
-        except RatchetError as exc:
-            return RemoteError.of(exc)
-        finally:
-            self._retire_if_idle()
+        return await self._end_run(thread, Cancelled(), "cancelled", lambda e: e.cancel())
 
     async def stop_run(self, thread: ThreadId, reason: str) -> Any:
         """End a Run ``stopped(reason)``: signal its engine here, or end it at rest."""
+        return await self._end_run(
+            thread, Stopped(reason=reason), "stopped", lambda e: e.stop(reason)
+        )
+
+    async def _end_run(
+        self, thread: ThreadId, cause: EndCause, ended: str, signal: Callable[[Engine], None]
+    ) -> Any:
         drive = self.drives.get(thread)
         if drive is not None:
-            drive.engine.stop(reason)
+            signal(drive.engine)
             return "signalled"
         try:
             frontier = await self.store.load(thread)
-            if frontier.run_state is None or frontier.ended:
+            if not isinstance(frontier.run_state, RunningState | AwaitingState):
                 return "not_running"
-            engine = self._engine(_ref_of(frontier), FaultPlan(), parent_link(frontier))
-            await engine.terminate(thread, Stopped(reason=reason))
-            return "stopped"
-        except RatchetError as exc:
-            return RemoteError.of(exc)
+            # the end carries its claim: a driver elsewhere, if any, is fenced by it
+            engine = control_engine(
+                self.store, owner=self.owner, publisher=self.publisher, children=self.children
+            )
+            await engine.terminate(thread, cause)
+            return ended
+        except Exception as exc:
+            return _remote(exc)
         finally:
             self._retire_if_idle()
 
@@ -279,9 +261,8 @@ class RunHost:
         return "signalled"
 
     async def _after_reclaim(self) -> None:
-        if self._reclaimed is not None:
-            with contextlib.suppress(Exception):  # its failures are logged where they happen
-                await asyncio.shield(self._reclaimed)
+        with contextlib.suppress(Exception):  # its failures are logged where they happen
+            await asyncio.shield(self._reconciled)
 
     async def run_child(self, raw: dict[str, Any]) -> Any:
         """Drive (or join, or read back) a child Run; answer its outcome once it is at rest."""
@@ -290,30 +271,32 @@ class RunHost:
             thread = request.child_thread
             drive = self.drives.get(thread)
             if drive is None:
-                meta = RunMeta(agent_ref=request.agent)
-                message_id = meta.message_id(request.child_run)
-                drive = self._spawn(
+                message_id = RunMeta(agent_ref=request.agent).message_id(request.child_run)
+                drive = self.drives.spawn(
                     request.agent,
                     thread,
-                    None,
+                    request.child_run,
                     lambda e: e.start(
                         thread, request.input, run_id=request.child_run, message_id=message_id
                     ),
                     ParentLink.of(request),
+                    after=self._after,
                 )
             # shielded: a parent that stops waiting cancels its children explicitly
-            frontier = await asyncio.shield(drive.task)
+            frontier: Frontier | None = None
+            with contextlib.suppress(RatchetError):  # taken over or refused: the store says
+                frontier = await asyncio.shield(drive.task)
             if frontier is None or frontier.run_state is None or not _at_rest(frontier):
                 frontier = await self._until_at_rest(thread)
             return CHILD_OUTCOME.dump_python(outcome_of(frontier), mode="json")
         except AgentImportError as exc:
             failed = Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
             return CHILD_OUTCOME.dump_python(failed, mode="json")
-        except RatchetError as exc:
-            return RemoteError.of(exc)
+        except Exception as exc:
+            return _remote(exc)
 
     async def _until_at_rest(self, thread: ThreadId) -> Frontier:
-        """Another owner drives the child: follow the store until it rests."""
+        """Another owner drives the child (or will recover it): follow the store."""
         delay = 0.02
         while True:
             frontier = await self.store.load(thread)
@@ -322,24 +305,28 @@ class RunHost:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def _deliver(self, child: Frontier) -> None:
-        """A lone child that surfaced a human wait has ended: resume its waiting parent."""
+    async def _after(self, engine: Engine, child: Frontier) -> None:
+        """After a drive: a lone child that surfaced a human wait and has ended resumes
+        its waiting parent."""
         link = parent_link(child)
-        if link is None or not child.ended:
+        if engine.parent is None or link is None or not child.ended:
             return
-        parent = await self.store.load(link.thread)
-        command = delivery(child, parent)
-        if command is None:
-            return
-        parent_meta = run_meta(parent)
-        if parent_meta is not None and parent_meta.placement == "dedicated":
-            host = dedicated_host(self.spec, link.thread)
-        else:
-            host = self.children.host_for(link.thread)
-        unwrap(await host.resume_run.remote(command))
+        try:
+            parent = await self.store.load(link.thread)
+            command = delivery(child, parent)
+            if command is None:
+                return
+            parent_meta = run_meta(parent)
+            if parent_meta is not None and parent_meta.placement == "dedicated":
+                host = dedicated_host(self.spec, link.thread)
+            else:
+                host = self.children.host_for(link.thread)
+            unwrap(await host.resume_run.remote(command))
+        except Exception as exc:  # the parent stays awaiting; a later resume delivers
+            log.warning("delivering %s to its parent failed: %s", child.thread_id, exc)
 
     async def driving(self) -> list[str]:
-        return sorted(self.drives)
+        return sorted(self.drives.table)
 
     async def until_rest(self, thread: ThreadId) -> bool:
         """Return once this host's drive of ``thread`` is over: True; False at once when
@@ -361,130 +348,34 @@ class RunHost:
             "pid": os.getpid(),
             "node": ctx.get_node_id(),
             "driving": len(self.drives),
-            "finished": self.finished,
+            "finished": self.drives.finished,
             "recovered": self.recovered,
+            "quarantined": sorted(self.drives.quarantined),
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],
             # group commit (SQL stores): transactions that carried appends, and the appends
             "store_groups": getattr(self.store, "groups", None),
             "store_appends": getattr(self.store, "appends", None),
+            "bus_dropped": self.publisher.dropped if self.publisher is not None else 0,
             "startup": self.startup,
         }
 
     async def ping(self) -> str:
         return self.host_id
 
-    # ---- driving ---------------------------------------------------------------------
-
-    def _agent(self, ref: str) -> tuple[Agent, RayToolRunner]:
-        if ref not in self.agents:
-            agent = load_agent(ref)
-            self.agents[ref] = (agent, RayToolRunner(ref, agent, self.waves))
-        return self.agents[ref]
-
-    def _engine(self, ref: str, faults: FaultPlan, link: ParentLink | None = None) -> Engine:
-        agent, tools = self._agent(ref)
-        return Engine(
-            agent,
-            self.store,
-            tools,
-            bus=self.bus,
-            faults=faults,
-            owner=self.owner,
-            children=self.children,
-            checkpoints=self.checkpoints,
-            parent=link,
-            lineage=link.lineage if link else (ref,),
-            prompt_path=link.prompt_path if link else None,
-        )
-
-    def _spawn(
-        self,
-        ref: str,
-        thread: ThreadId,
-        faults: FaultSpec | None,
-        go: Any,
-        link: ParentLink | None = None,
-    ) -> _Drive:
-        # one drive per thread and host: a second engine here would fence the first
-        assert thread not in self.drives, f"{thread} is already driven here"
-        plan = _Observed(faults)
-        engine = self._engine(ref, plan, link)
-        task = asyncio.create_task(self._run(thread, engine, go))
-        task.add_done_callback(_retrieve)
-        drive = _Drive(engine, task, plan)
-        self.drives[thread] = drive
-        return drive
-
-    async def _run(self, thread: ThreadId, engine: Engine, go: Any) -> Any:
-        try:
-            frontier = await go(engine)
-            if engine.parent is not None:
-                try:
-                    await self._deliver(frontier)
-                except Exception as exc:  # the parent stays awaiting; a later resume delivers
-                    log.warning("delivering %s to its parent failed: %s", thread, exc)
-            return frontier
-        except (Fenced, RunEnded) as exc:  # a newer owner has the Run, or it is over
-            log.info("run on %s taken over or over: %s", thread, exc)
-        except REFUSALS:
-            raise  # nothing was executing: the caller hears why (see _first_commit)
-        except StoreUnavailable as exc:  # the engine's own backoff ran out: pause, retry
-            log.warning("store unavailable for %s (%s); recovering again later", thread, exc)
-            self._later(thread, engine)
-        except Exception as exc:  # seed §4.3: settle the status even when execution throws
-            log.exception("run on %s failed unexpectedly", thread)
-            self._background.add(asyncio.create_task(self._settle(thread, type(exc).__name__)))
-        finally:
-            self._drop(thread, engine)
-        return None
-
-    def _later(self, thread: ThreadId, engine: Engine) -> None:
-        ref = next((r for r, (a, _) in self.agents.items() if a is engine.agent), None)
-
-        async def again() -> None:
-            await asyncio.sleep(STORE_PAUSE_S)
-            await self.recover_run(thread, ref)
-
-        self._background.add(asyncio.create_task(again()))
-
-    async def _settle(self, thread: ThreadId, code: str) -> None:
-        with contextlib.suppress(RatchetError):
-            await settle_lost(self.store, thread, self.owner, reason=f"execution_error:{code}")
-
-    def _drop(self, thread: ThreadId, engine: Engine) -> None:
-        drive = self.drives.get(thread)
-        if drive is not None and drive.engine is engine:
-            del self.drives[thread]
-            self.finished += 1
-            self._retire_if_idle()
-
     def _retire_if_idle(self) -> None:
         """A dedicated host with nothing left to drive ends; also one started only to
         cancel or stop its Run at rest."""
-        if self.kind == "dedicated" and not self.drives and not self._replacing:
+        if self.kind == "dedicated" and not len(self.drives) and not self.drives.replacing:
             self._background.add(asyncio.create_task(self._retire()))
 
-    async def _first_commit(self, drive: _Drive) -> Any:
-        committed = asyncio.ensure_future(drive.faults.committed.wait())
-        try:
-            await asyncio.wait({drive.task, committed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            committed.cancel()
-        if drive.task.done():
-            drive.task.result()  # re-raise what ended the drive before its first commit
-        return True
+    async def _retire(self) -> None:
+        """A dedicated host lives for its one Run."""
+        with contextlib.suppress(Exception):
+            supervisor = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
+            await supervisor.retire.remote(self.host_id)
 
-    async def _cancel_at_rest(self, thread: ThreadId) -> str:
-        """End a Run no engine here drives; the claim fences a driver elsewhere, if any."""
-        frontier = await self.store.load(thread)
-        if not isinstance(frontier.run_state, RunningState | AwaitingState):
-            return "not_running"
-        engine = self._engine(_ref_of(frontier), FaultPlan(), parent_link(frontier))
-        await engine.terminate(thread, Cancelled())
-        return "cancelled"
-
-    # ---- liveness and the fast path ------------------------------------------------------
+    # ---- liveness and reconciliation -----------------------------------------------------
 
     async def _heartbeat(self) -> None:
         supervisor = None
@@ -498,32 +389,25 @@ class RunHost:
                 supervisor = None
             await asyncio.sleep(self.spec.heartbeat_s)
 
-    async def _reclaim(self) -> None:
-        """Restarted by Ray: the Runs this host owned were lost with its previous process.
+    async def _first_reconcile(self) -> None:
+        """At start: the Runs a previous incarnation of this host owned are taken back
+        (Ray restarted it, or the whole system came up again)."""
+        try:
+            await self.reconciler.once()
+        finally:
+            self.startup["reclaimed"] = time.time()
+            # after the recovery: starting a process meanwhile would slow it down
+            replace_spare_if_restarted(self.spec.warm_spares)
 
-        They are settled and recovered concurrently, so the store's group commit
-        batches the settlements instead of paying one transaction after another.
-        """
-        lost = await running_owned_by(self.store, self.host_id)
-        await asyncio.gather(*(self._reclaim_one(frontier) for frontier in lost))
-        self.startup["reclaimed"] = time.time()
-        # after the recovery: starting a process meanwhile would slow it down
-        replace_spare_if_restarted(self.spec.warm_spares)
-
-    async def _reclaim_one(self, frontier: Frontier) -> None:
-        thread = frontier.thread_id
-        meta = run_meta(frontier)
-        if thread in self.drives or meta is None:
-            return
-        with contextlib.suppress(Fenced):
-            await settle_lost(self.store, thread, self.owner)
-        await self._recover(thread, meta.agent_ref)  # not recover_run: it waits for us
-
-    async def _retire(self) -> None:
-        """A dedicated host lives for its one Run."""
+    async def _reconcile_loop(self) -> None:
         with contextlib.suppress(Exception):
-            supervisor = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
-            await supervisor.retire.remote(self.host_id)
+            await asyncio.shield(self._reconciled)
+        while True:
+            await asyncio.sleep(self.spec.reconcile_s)
+            try:
+                await self.reconciler.once()
+            except Exception as exc:  # the next pass tries again; Runs stay as committed
+                log.warning("reconciling %s failed: %s", self.host_id, exc)
 
 
 def _live_bus(spec: SystemSpec) -> LiveBus | None:

@@ -11,7 +11,15 @@ store (``open_system_store``).
 
 Errors keep their types end to end: a RatchetError raised in the actor comes back
 as a ``RemoteError`` value and is re-raised as itself; a dead or unreachable store
-actor is ``StoreUnavailable``, which the engine retries with backoff.
+actor, or one that does not answer within ``RemoteCommitStore.timeout_s``, is
+``StoreUnavailable``, which the engine retries with backoff (an append retried after a
+lost answer is harmless: idempotent by operation id).
+
+**A restarted in-memory store is not the truth.** Ray restarts a crashed store actor,
+and an in-memory store then starts empty: every Run it held is gone, and an empty
+thread would look like one that never started. So a restarted actor over ``memory://``
+answers every call with ``StoreLost``, and every host fails closed instead of starting
+over on nothing. (SQLite behind the actor keeps its file: a restart changes nothing.)
 """
 
 from __future__ import annotations
@@ -24,11 +32,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.heap import freeze_startup_heap
-from actors.spare import replace_spare_if_restarted
+from actors.spare import replace_spare_if_restarted, restarted
 from actors.wire import NAMESPACE, RemoteError, SystemSpec, unwrap
 from runtime.commit import Frontier, Receipt, ThreadCommit
-from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
-from runtime.ids import RunId, ThreadId
+from runtime.errors import CorruptRecord, RatchetError, StoreLost, StoreUnavailable
+from runtime.ids import ThreadId
 from runtime.ports import CommitStore, CommittedRecord, RunSummary
 
 log = logging.getLogger("ratchet.store_actor")
@@ -46,32 +54,42 @@ class StoreActor:
 
     async def __init__(self, url: str, warm_spares: bool = True) -> None:
         self.store = await open_local_store(url)
+        self.lost = url.startswith("memory") and restarted()
+        """An in-memory store that Ray restarted: its contents are gone (see above)."""
         replace_spare_if_restarted(warm_spares)
         freeze_startup_heap()
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.lost:
+            return RemoteError.of(
+                StoreLost("the in-memory store restarted and lost every thread it held")
+            )
         try:
-            return await getattr(self.store, method)(*args)
+            return await getattr(self.store, method)(*args, **kwargs)
         except RatchetError as exc:
             return RemoteError.of(exc)
 
-    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Any:
-        return await self._call("append", commit, expected_version, epoch)
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, claim: str | None
+    ) -> Any:
+        return await self._call("append", commit, expected_version, epoch, claim=claim)
 
-    async def append_many(self, batch: list[tuple[str, int, int]]) -> list[Any]:
-        """Appends of one host's loop tick, each as (encoded commit, version, epoch).
+    async def append_many(self, batch: list[tuple[str, int, int, str | None]]) -> list[Any]:
+        """Appends of one host's loop tick, each as (encoded commit, version, epoch, claim).
 
         They run concurrently, so the store's group commit can put them in one
         transaction; each still succeeds or fails on its own.
         """
         return list(await asyncio.gather(*(self._append_encoded(*item) for item in batch)))
 
-    async def _append_encoded(self, encoded: str, expected_version: int, epoch: int) -> Any:
+    async def _append_encoded(
+        self, encoded: str, expected_version: int, epoch: int, claim: str | None
+    ) -> Any:
         try:
             commit = ThreadCommit.model_validate_json(encoded)
         except ValueError as exc:  # a proxy bug, not bad user input: refuse, change nothing
             return RemoteError.of(CorruptRecord("(in transit)", 0, str(exc)))
-        return await self._call("append", commit, expected_version, epoch)
+        return await self._call("append", commit, expected_version, epoch, claim=claim)
 
     async def load(self, thread: ThreadId) -> Any:
         return await self._call("load", thread)
@@ -79,14 +97,14 @@ class StoreActor:
     async def read(self, thread: ThreadId, after_seq: int) -> Any:
         return await self._call("read", thread, after_seq)
 
-    async def claim(self, thread: ThreadId, owner: str) -> Any:
-        return await self._call("claim", thread, owner)
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Any:
+        return await self._call("claim", thread, owner, supersedes)
 
-    async def claim_frontier(self, thread: ThreadId, owner: str, starting: RunId | None) -> Any:
-        return await self._call("claim_frontier", thread, owner, starting)
+    async def list_runs(self, state: str | None, host: str | None) -> Any:
+        return await self._call("list_runs", state, host=host)
 
-    async def list_runs(self, state: str | None) -> Any:
-        return await self._call("list_runs", state)
+    async def thread_ids(self, after: str, limit: int) -> Any:
+        return await self._call("thread_ids", after, limit)
 
     async def ping(self) -> bool:
         return True
@@ -124,14 +142,17 @@ class RemoteCommitStore:
     def __init__(self, handle: Any, timeout_s: float = 60.0) -> None:
         self.handle = handle
         self.timeout_s = timeout_s
-        self._pending: list[tuple[tuple[str, int, int], asyncio.Future[Any]]] = []
+        """Every call's deadline: past it the caller hears StoreUnavailable (a hung actor)."""
+        self._pending: list[tuple[tuple[str, int, int, str | None], asyncio.Future[Any]]] = []
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         task = asyncio.ensure_future(self._send(batch))
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    async def _send(self, batch: list[tuple[tuple[str, int, int], asyncio.Future[Any]]]) -> None:
+    async def _send(
+        self, batch: list[tuple[tuple[str, int, int, str | None], asyncio.Future[Any]]]
+    ) -> None:
         try:
             results = await self._call("append_many", [item for item, _ in batch])
         except BaseException as exc:  # every caller hears the failure of the shared call
@@ -146,18 +167,25 @@ class RemoteCommitStore:
     async def _call(self, method: str, *args: Any) -> Any:
         try:
             ref = getattr(self.handle, method).remote(*args)
-            return unwrap(await ref)
+            async with asyncio.timeout(self.timeout_s):
+                return unwrap(await ref)
         except RayTaskError as exc:
             cause = exc.cause
             raise (cause if isinstance(cause, Exception) else exc) from None
         except (RayActorError, GetTimeoutError) as exc:
             raise StoreUnavailable(f"store actor unreachable: {type(exc).__name__}") from exc
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"store actor did not answer within {self.timeout_s:g}s"
+            ) from None
 
-    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
+    ) -> Receipt:
         waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append(((commit.encoded, expected_version, epoch), waiter))
+        self._pending.append(((commit.encoded, expected_version, epoch, claim), waiter))
         result: Receipt = unwrap(await waiter)
         return result
 
@@ -169,20 +197,21 @@ class RemoteCommitStore:
         result: list[CommittedRecord] = await self._call("read", thread, after_seq)
         return result
 
-    async def claim(self, thread: ThreadId, owner: str) -> int:
-        result: int = await self._call("claim", thread, owner)
-        return result
-
-    async def claim_frontier(
-        self, thread: ThreadId, owner: str, starting: RunId | None = None
-    ) -> Frontier:
-        result: Frontier = await self._call("claim_frontier", thread, owner, starting)
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+        result: Frontier = await self._call("claim", thread, owner, supersedes)
         return result
 
     async def list_runs(
-        self, state: Literal["running", "awaiting", "ended"] | None = None
+        self,
+        state: Literal["running", "awaiting", "ended"] | None = None,
+        *,
+        host: str | None = None,
     ) -> list[RunSummary]:
-        result: list[RunSummary] = await self._call("list_runs", state)
+        result: list[RunSummary] = await self._call("list_runs", state, host)
+        return result
+
+    async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
+        result: list[ThreadId] = await self._call("thread_ids", after, limit)
         return result
 
     async def close(self) -> None:

@@ -1,14 +1,17 @@
 """The Supervisor: one detached, named actor per system that notices lost RunHosts.
 
 A host is lost when its lease expires (no heartbeat for ``lease_ttl_s``: a hung
-process, a node that vanished and a restart that cannot be scheduled) or when Ray
-reports it dead for good. Its Running threads are then claimed (fencing the lost
-owner, should it still be alive), settled ``failed/execution_lost``, and re-placed
-on a live host, whose ``Engine.recover`` sets them running again. Ray's actor
-restart is the fast path and usually wins; this is the path for everything else.
+process, a node that vanished, a restart that cannot be scheduled) or when Ray
+reports it dead for good. Its Running threads are then marked ``failed/execution_lost``
+by compare-and-set (``actors.ownership.mark_lost``: only if the lost host still owns
+them, the claim in the same commit fencing it, should it still be alive) and
+re-placed on a live host, whose ``Engine.recover`` sets them running again. Ray's
+actor restart is the fast path and usually wins; this is the path for everything else.
 
-Runs settled but not yet re-placed (the Supervisor itself crashed in between) are
-found by a slower sweep of Runs whose status has been ``execution_lost`` a while.
+Every ``reconcile_s`` the Supervisor also looks, through the owner index, for every
+running Run of this system whose owner is not a live host (it died while this
+Supervisor was down, or a re-placement failed) and does the same. A Run whose
+recovery keeps failing is dead-lettered (``failed(recovery)``) by ``mark_lost``.
 """
 
 from __future__ import annotations
@@ -23,16 +26,17 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
-from actors.ownership import EXECUTION_LOST, running_owned_by, settle_lost
+from actors.ownership import mark_lost
 from actors.run_host import dedicated_host, hosted_host
 from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
-from actors.wire import NAMESPACE, RunMeta, SystemSpec, pick_live, run_meta
+from actors.wire import NAMESPACE, RemoteError, SystemSpec, pick_live, run_meta
+from runtime.errors import RatchetError
 from runtime.ids import ThreadId
+from runtime.ports import RunSummary, host_of
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.supervisor")
-OWNER = "supervisor"
 PING_TIMEOUT_S = 2.0
 
 
@@ -40,6 +44,7 @@ class Supervisor:
     async def __init__(self, spec: SystemSpec) -> None:
         replace_spare_if_restarted(spec.warm_spares)
         self.spec = spec
+        self.owner = spec.supervisor_name
         self.store = await open_system_store(spec)
         self.leases: dict[str, float] = {}
         """host id → monotonic time its lease expires."""
@@ -74,7 +79,7 @@ class Supervisor:
         while True:
             try:
                 await self._tick()
-            except Exception:
+            except Exception:  # the next tick tries again; Runs stay as committed
                 log.exception("supervisor tick failed")
             await asyncio.sleep(self.spec.heartbeat_s)
 
@@ -85,39 +90,48 @@ class Supervisor:
         for host_id in [*expired, *dead]:
             self.leases.pop(host_id, None)
             await self._host_lost(host_id, "lease expired" if host_id in expired else "dead")
-        if now - self._last_sweep > 5 * self.spec.lease_ttl_s:
+        if now - self._last_sweep >= self.spec.reconcile_s:
             self._last_sweep = now
-            await self._sweep_orphans()
+            await self._sweep()
 
     async def _dead_hosts(self, hosts: list[str]) -> list[str]:
         """Hosts Ray reports dead for good (a restarting host is not dead)."""
-
-        async def dead(host_id: str) -> bool:
-            try:
-                handle = ray.get_actor(host_id, namespace=NAMESPACE)
-                await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_S)
-            except (ValueError, ActorDiedError):  # gone, and Ray will not bring it back
-                return True
-            except Exception:  # slow, restarting or unreachable: the lease decides
-                return False
-            return False
-
-        verdicts = await asyncio.gather(*(dead(h) for h in hosts))
+        verdicts = await asyncio.gather(*(self._dead(h) for h in hosts))
         return [h for h, d in zip(hosts, verdicts, strict=True) if d]
 
+    async def _dead(self, host_id: str) -> bool:
+        try:
+            handle = ray.get_actor(host_id, namespace=NAMESPACE)
+            await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_S)
+        except (ValueError, ActorDiedError):  # gone, and Ray will not bring it back
+            return True
+        except Exception:  # slow, restarting or unreachable: the lease decides
+            return False
+        return False
+
     async def _host_lost(self, host_id: str, why: str) -> None:
-        frontiers = await running_owned_by(self.store, host_id)
-        log.warning("host %s lost (%s): %d running runs", host_id, why, len(frontiers))
+        runs = await self.store.list_runs("running", host=host_id)
+        log.warning("host %s lost (%s): %d running runs", host_id, why, len(runs))
         settled = 0
-        for frontier in frontiers:
-            if await settle_lost(self.store, frontier.thread_id, OWNER):
-                settled += 1
-            await self._replace(frontier.thread_id, run_meta(frontier))
+        for summary in runs:
+            settled += await self._take_over(summary)
         self.counts["hosts_lost"] += 1
         self.counts["runs_settled"] += settled
-        self.events.append({"host": host_id, "why": why, "runs": len(frontiers), "at": now_us()})
+        self.events.append({"host": host_id, "why": why, "runs": len(runs), "at": now_us()})
 
-    async def _replace(self, thread: ThreadId, meta: RunMeta | None) -> None:
+    async def _take_over(self, summary: RunSummary) -> bool:
+        """Mark a Run whose owner is lost (if still its owner's) and re-place it."""
+        if summary.status.state == "running":
+            marked = await mark_lost(
+                self.store, summary.thread_id, self.owner, lost_owner=summary.owner
+            )
+            if not marked:
+                return False  # someone else has it now, or it ended
+        await self._replace(summary.thread_id)
+        return True
+
+    async def _replace(self, thread: ThreadId) -> None:
+        meta = run_meta(await self.store.load(thread))
         if meta is None:
             log.error("thread %s records no agent reference; cannot re-place it", thread)
             return
@@ -126,10 +140,23 @@ class Supervisor:
         else:
             host = self._live_hosted(thread)
         try:
-            await host.recover_run.remote(thread, meta.agent_ref)
-            self.counts["runs_replaced"] += 1
-        except Exception as exc:  # the sweep will try again
+            answer = await host.recover_run.remote(thread, meta.agent_ref)
+        except Exception as exc:  # the next sweep tries again
             log.warning("re-placing %s failed: %s", thread, exc)
+            return
+        if isinstance(answer, RemoteError):  # the host could not recover it: that counts
+            log.warning("recovering %s failed: %s.%s", thread, answer.module, answer.name)
+            with contextlib.suppress(RatchetError):
+                await mark_lost(
+                    self.store,
+                    thread,
+                    self.owner,
+                    lost_owner=self.owner,
+                    reason=f"recovery_failed:{answer.name}",
+                    again=True,
+                )
+            return
+        self.counts["runs_replaced"] += 1
 
     def _live_hosted(self, thread: ThreadId) -> Any:
         now = time.monotonic()
@@ -144,31 +171,32 @@ class Supervisor:
         index = int(pick_live(thread, [str(i) for i in range(self.spec.hosts)]))
         return hosted_host(self.spec, index)
 
-    async def _sweep_orphans(self) -> None:
-        """Runs nobody is driving any more, found from the store alone.
-
-        Settled as lost long enough ago that no host can be recovering them; or
-        running under a host of this system that holds no lease (it died while
-        this Supervisor was down, so no expiry was ever seen).
-        """
-        grace_us = int(2 * self.spec.lease_ttl_s * 1_000_000)
-        settled_long_ago, unleased = [], set()
-        watching = time.monotonic() - self._started > 2 * self.spec.lease_ttl_s
+    async def _sweep(self) -> None:
+        """Every running Run of this system whose owner is not a live host (the owner
+        index: the listing carries each Run's owner; no frontier is loaded)."""
+        now = time.monotonic()
+        by_host: dict[str, list[RunSummary]] = {}
         for summary in await self.store.list_runs("running"):
-            status = summary.status
-            if status.state == "failed" and status.reason == EXECUTION_LOST:
-                if now_us() - status.since >= grace_us:
-                    settled_long_ago.append(summary.thread_id)
-            elif status.state == "running" and watching:
-                host = (await self.store.load(summary.thread_id)).owner or ""
-                host_id = host.split("#", 1)[0]
-                if host_id.startswith(f"{self.spec.name}:") and host_id not in self.leases:
-                    unleased.add(host_id)
-        for thread in settled_long_ago:
-            self.counts["orphans"] += 1
-            await self._replace(thread, run_meta(await self.store.load(thread)))
-        for host_id in sorted(unleased):
-            await self._host_lost(host_id, "no lease")
+            host = host_of(summary.owner) or ""
+            if host.startswith(f"{self.spec.name}:"):  # this system's hosts, and this actor
+                by_host.setdefault(host, []).append(summary)
+        for host, runs in sorted(by_host.items()):
+            if host != self.owner and await self._alive(host, now):
+                continue  # a live host reconciles its own Runs
+            for summary in runs:
+                self.counts["orphans"] += 1
+                await self._take_over(summary)
+
+    async def _alive(self, host: str, now: float) -> bool:
+        """A lease, or (none heard: this Supervisor restarted, or the host is new) an answer."""
+        if self.leases.get(host, 0.0) > now:
+            return True
+        try:
+            handle = ray.get_actor(host, namespace=NAMESPACE)
+            await asyncio.wait_for(handle.ping.remote(), PING_TIMEOUT_S)
+        except Exception:  # gone, restarting or hung: its Runs are taken over (CAS)
+            return False
+        return True
 
 
 def _exists(name: str) -> bool:

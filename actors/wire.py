@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from runtime.commit import Frontier
 from runtime.errors import RatchetError
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 
 NAMESPACE = "ratchet"
@@ -39,6 +40,11 @@ class SystemSpec:
     """Ray's fast path: a crashed RunHost is restarted and re-claims its Runs."""
     lease_ttl_s: float = 4.0
     heartbeat_s: float = 0.5
+    reconcile_s: float = 2.0
+    """How often each host compares the Runs it owns with those it drives, and the
+    Supervisor looks for Runs whose owner is not a live host."""
+    limits: Limits = DEFAULT_LIMITS
+    """The limits on input, model and tool output, ids and JSON (``runtime.limits``)."""
     host_options: tuple[Mapping[str, Any], ...] = ()
     """Ray options per hosted RunHost (index i), e.g. resources pinning it to a node."""
     core_options: Mapping[str, Any] = field(default_factory=dict)
@@ -121,10 +127,6 @@ def run_meta(frontier: Frontier) -> RunMeta | None:
 def owner_id(host_id: str) -> str:
     """Owner names start with the host id, so a restarted host finds the Runs it owned."""
     return f"{host_id}#{os.getpid()}"
-
-
-def owned_by(owner: str | None, host_id: str) -> bool:
-    return owner is not None and owner.split("#", 1)[0] == host_id
 
 
 @dataclass(frozen=True)

@@ -52,27 +52,21 @@ class Result:
 
 
 def run_commits(thread: str, run: str) -> list[ThreadCommit]:
-    """One Run's 12 commits, built and encoded before the clock starts."""
+    """One Run's 12 commits, chained and encoded before the clock starts."""
     t, r = ThreadId(thread), RunId(run)
     running = RunningState(run_id=r)
-    commits = [
-        ThreadCommit(
-            thread_id=t, run_id=r, ordinal=0, label="activation", disposition=running,
-            messages=(UserMessage(id=f"{run}:input", text=TEXT),),
-        )
+    parts: list[dict[str, Any]] = [
+        {"label": "activation", "disposition": running,
+         "messages": (UserMessage(id=f"{run}:input", text=TEXT),)},
+        *({"label": "inference", "disposition": running,
+           "messages": (AssistantMessage(text=f"{i} {TEXT}"),)} for i in range(1, 11)),
+        {"label": "ended", "disposition": EndedState(run_id=r, cause=Natural()),
+         "messages": (AssistantMessage(text=TEXT),)},
     ]  # fmt: skip
-    for i in range(1, 11):
-        msg = AssistantMessage(text=f"{i} {TEXT}")
-        commits.append(ThreadCommit(
-            thread_id=t, run_id=r, ordinal=i, label="inference", disposition=running,
-            messages=(msg,),
-        ))  # fmt: skip
-    commits.append(ThreadCommit(
-        thread_id=t, run_id=r, ordinal=11, label="ended",
-        disposition=EndedState(run_id=r, cause=Natural()), messages=(AssistantMessage(text=TEXT),),
-    ))  # fmt: skip
-    for c in commits:
-        assert c.encoded
+    commits: list[ThreadCommit] = []
+    for ordinal, part in enumerate(parts):
+        prev = commits[-1].payload_hash if commits else ""
+        commits.append(ThreadCommit(thread_id=t, run_id=r, ordinal=ordinal, prev=prev, **part))
     return commits
 
 

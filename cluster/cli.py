@@ -2,16 +2,17 @@
 
     ratchet demo                      the README's main job: no set-up, one crash, a summary
     ratchet run MODULE:AGENT "input"  start a Run on the cluster and print its transcript
-    ratchet runs                      every thread's latest Run: state and status
+    ratchet runs [--failed]           every thread's latest Run: state and status
     ratchet show THREAD               transcript, tool-batch phases, status
+    ratchet verify THREAD | --all     audit the store: hashes, the chain, the frontiers
     ratchet resume THREAD --approve   answer the Run's ticket (--deny, --input TEXT,
                                       --result JSON, --fire, --unpause)
     ratchet cancel THREAD             end the Run cancelled
     ratchet stop THREAD --reason TEXT end the Run stopped(reason)
     ratchet watch THREAD [--after O]  follow the live stream until the Run is at rest
 
-``runs``, ``show`` and ``watch`` read the store (and the Redis bus) directly and
-need no Ray. Every expected failure (a bad import path, an unreachable store or
+``runs``, ``show``, ``verify`` and ``watch`` read the store (and the Redis bus)
+directly and need no Ray. Every expected failure (a bad import path, an unreachable store or
 cluster, an unknown thread, a resume the ticket rejects, bad input) is one line on
 stderr and exit code 1, never a traceback.
 """
@@ -23,7 +24,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Literal
 
 import typer
@@ -38,6 +39,7 @@ from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.errors import RatchetError, ResumeRejected
 from runtime.ids import ThreadId
+from runtime.integrity import audit
 from runtime.lifecycle import (
     AwaitingState,
     EndedState,
@@ -159,16 +161,27 @@ async def _run(
 @app.command()
 def runs(
     state: str | None = typer.Option(None, "--state", help="running, awaiting or ended"),
+    failed: bool = typer.Option(
+        False, "--failed", help="Only Runs that ended failed (dead letters among them)"
+    ),
     store: str | None = StoreOption,
 ) -> None:
     """List every thread's latest Run with its state and run status."""
-    _cli(_runs)(state, store)
+    _cli(_runs)(state, failed, store)
 
 
-async def _runs(state: str | None, store: str | None) -> None:
+async def _runs(state: str | None, failed: bool, store: str | None) -> None:
+    if state not in (None, "running", "awaiting", "ended"):
+        raise BadInput(f"--state must be running, awaiting or ended, not {state!r}")
+    if failed and state not in (None, "ended"):
+        raise BadInput("--failed lists ended Runs: it does not go with --state " + str(state))
     db = await _open(store)
-    rows = await db.list_runs(state)
-    await db.close()
+    try:
+        rows = await db.list_runs("ended" if failed else state)
+    finally:
+        await db.close()
+    if failed:
+        rows = [r for r in rows if r.cause == "failed"]
     table = Table(title=f"{len(rows)} runs")
     for column in ("thread", "run", "state", "end", "status", "since", "version"):
         table.add_column(column)
@@ -226,6 +239,49 @@ async def _show(thread: str, store: str | None) -> None:
         console.rule("run tree (delegation)")
         for line in tree:
             console.print(line, highlight=False)
+
+
+@app.command()
+def verify(
+    thread: str | None = typer.Argument(None, help="The thread to audit"),
+    every: bool = typer.Option(False, "--all", help="Audit every thread of the store"),
+    store: str | None = StoreOption,
+) -> None:
+    """Audit stored threads: each record against its hash, the hash chain, seq continuity,
+    the frontier against its checksum and against a replay of its log. Exits 1 naming
+    each bad thread and seq."""
+    _cli(_verify)(thread, every, store)
+
+
+async def _verify(thread: str | None, every: bool, store: str | None) -> None:
+    if (thread is None) == (not every):
+        raise BadInput("give a THREAD or --all (not both)")
+    db = await _open(store)
+    problems = []
+    audited = 0
+    try:
+        async for name in _threads(db, thread):
+            audited += 1
+            problems += await audit(db, name)
+    finally:
+        await db.close()
+    for problem in problems:
+        errors.print(f"[red]corrupt:[/red] {problem}", highlight=False, soft_wrap=True)
+    bad = len({p.thread for p in problems})
+    console.print(f"{audited} threads audited, {bad} with problems", highlight=False)
+    if problems:
+        raise typer.Exit(1)
+
+
+async def _threads(db: Any, thread: str | None) -> AsyncIterator[ThreadId]:
+    if thread is not None:
+        yield ThreadId(thread)
+        return
+    after = ""
+    while page := await db.thread_ids(after, 500):
+        for name in page:
+            yield name
+        after = page[-1]
 
 
 # ---- control: resume, cancel, stop, watch -----------------------------------------------

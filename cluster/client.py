@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from actors.run_host import RunHost, dedicated_host, hosted_host
+from actors.run_host import dedicated_host, hosted_host
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, run_meta, unwrap
@@ -38,10 +38,9 @@ from cluster.config import (
     store_url_from,
     system_name,
 )
-from cluster.stream import close_bus, follow_thread, live_bus
-from runtime.agent import Agent, load_agent
+from cluster.stream import follow_thread
+from runtime.agent import load_agent
 from runtime.commit import Frontier, stamp_facts
-from runtime.engine import Engine
 from runtime.errors import ResumeRejected, StoreError, StoreUnavailable
 from runtime.events import Fact
 from runtime.ids import RunId, ThreadId
@@ -52,17 +51,16 @@ from runtime.lifecycle import (
     ResumeCommand,
     ResumePayload,
     ResumeTicket,
-    RunningState,
     Stopped,
     ThreadStatus,
     answer,
     validate_resume,
 )
-from runtime.models import ModelResponse, ScriptedModel
-from runtime.ports import CommitStore, LiveBus, RunSummary
+from runtime.limits import check_id, check_text
+from runtime.ports import CommitStore, RunSummary
+from runtime.resume import check_command
 from runtime.stream import Frame
 from runtime.timeutil import now_us
-from runtime.tools import LocalToolRunner
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
@@ -178,6 +176,11 @@ class Ratchet:
         load_agent(agent_ref)  # a bad reference fails here, clearly, not in a host
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex[:12]}")
         run = RunId(run_id or f"run-{uuid.uuid4().hex[:12]}")
+        # bad input is refused here, before any host is asked or anything written
+        limits = self.spec.limits
+        check_id("thread id", thread, limits)
+        check_id("run id", run, limits)
+        check_text("input", input, limits.input_bytes, "input_bytes")
         args = (agent_ref, thread, run, input, placement)
         armed = [faults]
 
@@ -346,33 +349,8 @@ class RunHandle:
         return await self._end_on_host("cancel_run", (), Cancelled, "cancelled")
 
     async def stop(self, reason: str) -> str:
-        """End the Run ``stopped(reason)``; returns like ``cancel``.
-
-        Hosts that offer ``stop_run`` signal their engine (as cancel does). Otherwise the
-        Run is ended from here: the claim fences its driver, if any, whose next commit
-        fails; unfinished calls are sealed indeterminate and any ticket is cleared. The
-        driver's host is then told to let go (its own end commit is fenced off).
-        """
-        if hasattr(RunHost, "stop_run"):
-            return await self._end_on_host("stop_run", (reason,), Stopped, "stopped")
-        placement = await self._placement()
-        state = (await self.frontier()).run_state
-        if not isinstance(state, RunningState | AwaitingState):
-            return "not_running"
-        bus = live_bus(self.client.spec.redis_url)
-        try:
-            engine = _control_engine(self.client.store, bus)
-            ended = await engine.terminate(self.thread_id, Stopped(reason=reason))
-        finally:
-            await close_bus(bus)
-        cause = ended.run_state.cause if isinstance(ended.run_state, EndedState) else None
-        if not isinstance(cause, Stopped):
-            return "not_running"  # it ended on its own first
-        if isinstance(state, RunningState):  # best effort: the fence already holds
-            with contextlib.suppress(Exception):
-                host = self.client._host_for(self.thread_id, placement)
-                unwrap(await host.cancel_run.remote(self.thread_id))
-        return "stopped"
+        """End the Run ``stopped(reason)``; returns like ``cancel``."""
+        return await self._end_on_host("stop_run", (reason,), Stopped, "stopped")
 
     async def _end_on_host(
         self, method: str, args: tuple[Any, ...], cause: type[Any], ended_word: str
@@ -406,6 +384,7 @@ class RunHandle:
         by the host, which is authoritative. ``host`` picks a host of the pool; if the
         chosen host dies before the resume committed, it is delivered to the next one.
         """
+        check_command(command, self.client.spec.limits)  # InputRefused: nothing is sent
         frontier = await self.frontier()
         validate_resume(_ticket_of(frontier), command, now_us())
         placement = await self._placement()
@@ -450,13 +429,6 @@ def command_for(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:
 
 
 # ---- helpers ----------------------------------------------------------------------------
-
-
-def _control_engine(store: CommitStore, bus: LiveBus | None) -> Engine:
-    """An engine that only ends Runs (terminate): it never infers nor runs a tool."""
-    agent = Agent(name="control", model=ScriptedModel((ModelResponse(),)))
-    owner = f"client-{uuid.uuid4().hex[:12]}"
-    return Engine(agent, store, LocalToolRunner(()), bus=bus, owner=owner)
 
 
 def _ticket_of(frontier: Frontier) -> ResumeTicket | None:

@@ -1,27 +1,26 @@
 """Following a thread's stream from a client: the store, plus the Redis bus when there is one.
 
-``follow_thread`` wraps ``runtime.stream.follow``; ``StreamText`` assembles streamed
-text across retries and recoveries.
+``follow_thread`` wraps ``runtime.stream.follow`` (which falls back to the store while
+the bus is down or hung, and fills from the store whatever the bus missed);
+``StreamText`` assembles streamed text across retries and recoveries.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from runtime.commit import stamp_facts
 from runtime.events import Delta, Fact
 from runtime.ids import ThreadId
-from runtime.ports import CommitStore, LiveBus
+from runtime.ports import CommitStore
 from runtime.stream import Frame, LiveText, follow, parse_offset
 
 log = logging.getLogger("ratchet.client")
 IDLE_CHECK_S = 2.0
 """With a live bus: after this long without a frame, the store is asked whether the
-bus missed a fact (it is best effort); if so the stream reconnects from its cursor."""
+bus missed a fact (it is best effort)."""
 
 
 async def follow_thread(
@@ -33,87 +32,18 @@ async def follow_thread(
     until_rest: bool = True,
     idle_check_s: float = IDLE_CHECK_S,
 ) -> AsyncIterator[Frame]:
-    """``runtime.stream.follow`` over the Redis bus when there is one, else the store.
-
-    The bus is best effort: when it has been quiet for ``idle_check_s`` while the
-    store holds facts after the cursor (a publish was lost), the stream reconnects
-    from its cursor; the snapshot frame of such a reconnect is not repeated.
-    """
+    """``runtime.stream.follow`` over the Redis bus when there is one, else the store."""
     parse_offset(after)  # a malformed cursor is a ValueError before anything is opened
     bus = live_bus(redis_url)
     try:
-        if bus is None:
-            frames = follow(store, thread, after, until_rest=until_rest)
-        else:
-            frames = _watched(store, thread, after, bus, until_rest, idle_check_s)
+        frames = follow(
+            store, thread, after, bus=bus, until_rest=until_rest, idle_check_s=idle_check_s
+        )
         async with contextlib.aclosing(frames):
             async for frame in frames:
                 yield frame
     finally:
         await close_bus(bus)
-
-
-_END = object()
-
-
-async def _watched(
-    store: CommitStore,
-    thread: ThreadId,
-    after: str | None,
-    bus: LiveBus,
-    until_rest: bool,
-    idle_check_s: float,
-) -> AsyncIterator[Frame]:
-    cursor, snapshot_sent = after, False
-    while True:
-        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
-        pump = asyncio.create_task(
-            _pump(follow(store, thread, cursor, bus=bus, until_rest=until_rest), queue)
-        )
-        try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), idle_check_s)
-                except TimeoutError:
-                    if await _facts_after(store, thread, cursor):
-                        log.info("live bus missed facts of %s; reconnecting", thread)
-                        break
-                    continue
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                frame: Frame = item
-                if frame.type == "thread_status" and frame.offset is None:
-                    if snapshot_sent:
-                        continue  # a reconnect's snapshot: changes come as status facts
-                    snapshot_sent = True
-                if frame.offset is not None:
-                    cursor = frame.offset
-                yield frame
-        finally:
-            pump.cancel()
-            with contextlib.suppress(BaseException):
-                await pump
-
-
-async def _pump(frames: AsyncIterator[Frame], queue: asyncio.Queue[Any]) -> None:
-    try:
-        async for frame in frames:
-            await queue.put(frame)
-        await queue.put(_END)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        await queue.put(exc)
-
-
-async def _facts_after(store: CommitStore, thread: ThreadId, cursor: str | None) -> bool:
-    seq, index = parse_offset(cursor)
-    for record in await store.read(thread, after_seq=max(seq - 1, 0)):
-        if any((f.seq, f.index) > (seq, index) for f in stamp_facts(record.commit, record.seq)):
-            return True
-    return False
 
 
 def live_bus(redis_url: str | None) -> Any:

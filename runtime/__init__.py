@@ -19,7 +19,7 @@ from runtime.batch import (
     open_batch,
     seal,
 )
-from runtime.commit import Frontier, Receipt, ThreadCommit, advance, check_append, replay
+from runtime.commit import Frontier, Receipt, ThreadCommit, admit, advance, replay
 from runtime.engine import Engine, RunContext, StoreRetry, now_us
 from runtime.errors import (
     AgentImportError,
@@ -27,6 +27,7 @@ from runtime.errors import (
     CorruptRecord,
     DuplicateOperation,
     Fenced,
+    InputRefused,
     InvalidTransition,
     PayloadTooLarge,
     RatchetError,
@@ -35,6 +36,7 @@ from runtime.errors import (
     ScriptExhausted,
     StateConflict,
     StoreError,
+    StoreLost,
     StoreUnavailable,
     ToolDefinitionError,
     VersionConflict,
@@ -56,6 +58,7 @@ from runtime.lifecycle import (
     answer,
     validate_resume,
 )
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import AssistantMessage, ToolResultMessage, ToolUse, UserMessage
 from runtime.models import InferenceRequest, Model, ModelDelta, ModelResponse, ScriptedModel, call
 from runtime.ports import (
@@ -82,6 +85,7 @@ from runtime.tools import (
 )
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "ActiveToolBatch",
     "Agent",
     "AgentEvent",
@@ -113,7 +117,9 @@ __all__ = [
     "HookOutput",
     "InProcessRunner",
     "InferenceRequest",
+    "InputRefused",
     "InvalidTransition",
+    "Limits",
     "LiveBus",
     "LocalToolRunner",
     "Model",
@@ -136,6 +142,7 @@ __all__ = [
     "ScriptedModel",
     "StateConflict",
     "StoreError",
+    "StoreLost",
     "StoreRetry",
     "StoreUnavailable",
     "StreamCheckpoint",
@@ -158,10 +165,10 @@ __all__ = [
     "UserInput",
     "UserMessage",
     "VersionConflict",
+    "admit",
     "advance",
     "answer",
     "call",
-    "check_append",
     "complete",
     "decide",
     "decode_batch",

@@ -62,6 +62,9 @@ class Executing(Frozen):
 
     kind: Literal["executing"] = "executing"
     attempt: int = Field(ge=1)
+    after_undispatched: bool = False
+    """This attempt follows one that dispatched nothing (the tool raised
+    UnavailableBeforeDispatch): the only way a never_replay call runs again."""
 
 
 class Awaiting(Frozen):
@@ -263,8 +266,9 @@ def mark_executing(
     attempt = call.attempts + 1
     if attempt > call.policy.max_attempts:
         raise InvalidTransition(f"call {call_id} has used all {call.policy.max_attempts} attempts")
-    new = evolve(call, phase=Executing(attempt=attempt), attempts=attempt)
-    return _replace(batch, new)
+    retried = undispatched and isinstance(call.phase, Executing)
+    phase = Executing(attempt=attempt, after_undispatched=retried)
+    return _replace(batch, evolve(call, phase=phase, attempts=attempt))
 
 
 def mark_awaiting(

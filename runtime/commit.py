@@ -1,18 +1,31 @@
-"""ThreadCommit, the committed frontier, and the pure fold every store shares.
+"""ThreadCommit, the committed frontier, and the pure rules every store shares.
 
 A store keeps, per thread, an append-only log of ThreadCommits and the frontier
-they fold to. ``check_append`` is the one admission rule (idempotency, fencing,
-terminal-is-final, version) and ``advance`` the one fold; every backend calls both
-inside its own transaction, so all backends agree by construction.
+they fold to. ``admit`` is the one admission rule (idempotency, the compare-and-set
+claim, fencing, terminal-is-final, version, the hash chain) and ``advance`` the one
+fold; every backend calls them inside its own transaction (or Lua script), so all
+backends agree by construction.
+
+**The hash chain.** A commit names the hash of the commit before it (``prev``; ""
+for a thread's first), and its own hash is the SHA-256 of its canonical JSON, so
+each hash covers the whole log before it. The frontier keeps the head (``head``);
+an append that does not extend the head is refused, and a store verifies the chain
+whenever it reads the log (``runtime.integrity``).
+
+**Ownership is compare-and-set.** Every writer holds the thread's owner epoch; a
+claim names the epoch it supersedes and is refused (``Fenced``) if the thread has
+moved on. An append may carry its own claim (``claim=owner``): the first commit of a
+start, a resume, a cancel or a settlement then lands together with the new owner,
+or not at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cached_property
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, Field, TypeAdapter, ValidationError, model_validator
 
 from runtime.base import Frozen, canonical_model_json, evolve, is_plain, sha256_hex, trusted
 from runtime.batch import ActiveToolBatch, check_invariants
@@ -27,7 +40,8 @@ from runtime.errors import (
 )
 from runtime.events import Fact
 from runtime.facts import facts_of
-from runtime.ids import SCHEMA_VERSION, OperationId, RunId, ThreadId, commit_operation_id
+from runtime.frozen import FrozenDict, freeze
+from runtime.ids import OperationId, RunId, ThreadId, commit_operation_id
 from runtime.lifecycle import AwaitingState, EndedState, Natural, RunDisposition, ThreadStatus
 from runtime.messages import AssistantMessage, Message
 from runtime.state import Command, StateView, apply_commands, empty_state
@@ -40,10 +54,16 @@ CommitLabel = Literal[
 ]
 
 
+COMMIT_SCHEMA: Literal[2] = 2
+"""Schema of the commits written now: 2 carries ``prev`` (the hash chain); 1, written
+before the chain, is still read (its records are checked against their own hash)."""
+FRONTIER_SCHEMA: Literal[2] = 2
+
+
 class ThreadCommit(Frozen):
     """One atomic transition of a thread: lands whole or leaves nothing."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = COMMIT_SCHEMA
     thread_id: ThreadId
     run_id: RunId
     ordinal: int = Field(ge=0)
@@ -58,6 +78,9 @@ class ThreadCommit(Frozen):
     status: ThreadStatus | None = None
     """The thread's run status after this commit; None leaves it unchanged."""
     events: tuple[Fact, ...] = ()
+    prev: str = ""
+    """Hash of the thread's previous commit ("" for its first): the hash chain. Schema 1
+    records, written before the chain, have none (and are not checked against it)."""
 
     @model_validator(mode="after")
     def _legal(self) -> ThreadCommit:
@@ -124,6 +147,7 @@ def assemble_commit(
     batch: ActiveToolBatch | None = None,
     status: ThreadStatus | None = None,
     extra_facts: tuple[Fact, ...] = (),
+    prev: str = "",
 ) -> ThreadCommit:
     """The engine's commit, with the facts derived from it (``facts_of``) and then
     ``extra_facts``: the same commit as ``ThreadCommit(...)``, at a fraction of the cost.
@@ -157,6 +181,7 @@ def assemble_commit(
         batch=batch,
         status=status,
         events=(*facts_of(run_id, label, messages, status, disposition), *extra_facts),
+        prev=prev,
     )
     _check_legal(commit)
     commit.__dict__["free_form_plain"] = is_plain(  # warm the cache with what is known
@@ -181,10 +206,15 @@ class Receipt(Frozen):
     payload_hash: str
 
 
+def _frozen_state(value: StateView) -> StateView:
+    frozen: StateView = value if type(value) is FrozenDict else freeze(value)
+    return frozen
+
+
 class Frontier(Frozen):
     """Everything recovery needs, kept current by every append (no log replay on load)."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = FRONTIER_SCHEMA
     thread_id: ThreadId
     version: int = 0
     epoch: int = 0
@@ -194,29 +224,52 @@ class Frontier(Frozen):
     batch: ActiveToolBatch | None = None
     """The open batch of the current Run, if any."""
     status: ThreadStatus = ThreadStatus()
-    state: StateView = Field(default_factory=empty_state)
+    state: Annotated[StateView, AfterValidator(_frozen_state)] = Field(default_factory=empty_state)
+    """Deeply immutable (``runtime.frozen``): nobody who reads it can change it."""
     messages: tuple[Message, ...] = ()
     run_start: int = 0
     """Index in ``messages`` where the current Run's messages begin."""
     steps: int = 0
     """Inferences committed by the current Run."""
     next_ordinal: int = 0
+    head: str = ""
+    """Hash of the latest commit ("" before the first): the head of the hash chain."""
+    failed_recoveries: int = 0
+    """Executions of the current Run lost or failed to recover in a row: status commits
+    that settled it ``failed`` with no progress between them (``actors.ownership``
+    ends the Run ``failed(recovery)`` when this reaches its limit)."""
 
     @property
     def ended(self) -> bool:
         return isinstance(self.run_state, EndedState)
 
 
-def check_append(
+TraceCheck = Callable[["Frontier", "ThreadCommit"], None]
+TRACE_CHECKS: list[TraceCheck] = []
+"""Called by ``admit`` with (frontier, commit) for every commit a store admits, before
+it is folded; the test suite installs its trace checker here (``RATCHET_TRACE_CHECK``)."""
+
+
+def check_claim(frontier: Frontier, supersedes: int) -> None:
+    """A claim names the epoch it supersedes: refused if the thread has moved on."""
+    if supersedes != frontier.epoch:
+        raise Fenced(frontier.thread_id, supersedes, frontier.epoch)
+
+
+def admit(
     frontier: Frontier,
     commit: ThreadCommit,
     expected_version: int,
     epoch: int,
     known: Receipt | None,
-) -> Receipt | None:
-    """The admission rule. Returns the original receipt for a harmless retry, else None.
+    claim: str | None = None,
+) -> Receipt | Frontier:
+    """The admission rule: the original receipt of a harmless retry, else the frontier
+    the admitted commit folds to (claimed first by ``claim``, at epoch + 1, when given).
 
     ``known`` is the receipt already stored under the commit's operation id, if any.
+    Raises Fenced, DuplicateOperation, RunEnded, VersionConflict, InvalidTransition
+    (including a commit that does not extend the chain head) or StateConflict.
     """
     if known is not None and known.payload_hash == commit.payload_hash:
         return known  # a retried write that already landed: harmless, even if since fenced
@@ -228,7 +281,26 @@ def check_append(
         raise RunEnded(commit.thread_id, commit.run_id)
     if expected_version != frontier.version:
         raise VersionConflict(commit.thread_id, expected_version, frontier.version)
-    return None
+    if commit.prev != frontier.head:
+        raise InvalidTransition(
+            f"thread {commit.thread_id}: the commit does not extend the head of its log"
+        )
+    if claim is not None:
+        frontier = with_claim(frontier, claim)
+    for check in TRACE_CHECKS:
+        check(frontier, commit)
+    return advance(frontier, commit)
+
+
+def receipt_of(commit: ThreadCommit, seq: int) -> Receipt:
+    """The receipt of an admitted commit that landed at ``seq`` (its fields are valid)."""
+    return trusted(
+        Receipt,
+        thread_id=commit.thread_id,
+        seq=seq,
+        operation_id=commit.operation_id,
+        payload_hash=commit.payload_hash,
+    )
 
 
 def check_size(commit: ThreadCommit, limit: int) -> None:
@@ -272,13 +344,19 @@ def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
         )
     state, batch, disposition = frontier.state, commit.batch, commit.disposition
     if new_run:
-        state = {"thread": state["thread"], "run": {}}
+        state = FrozenDict(thread=state["thread"], run=FrozenDict())
     if isinstance(disposition, EndedState) or (batch is not None and batch.status == "finalized"):
         batch = None
     elif batch is None and not new_run:
         batch = frontier.batch
     commands, committed = commit.commands, frontier.messages
     inferences = sum(isinstance(m, AssistantMessage) for m in messages)
+    if commit.label != "status":
+        failed_recoveries = 0  # progress, or a new Run
+    elif commit.status is not None and commit.status.state == "failed":
+        failed_recoveries = frontier.failed_recoveries + 1
+    else:
+        failed_recoveries = frontier.failed_recoveries
     return evolve(
         frontier,
         version=frontier.version + 1,
@@ -291,22 +369,14 @@ def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
         run_start=len(committed) if new_run else frontier.run_start,
         steps=(0 if new_run else frontier.steps) + inferences,
         next_ordinal=ordinal + 1,
+        head=commit.payload_hash,
+        failed_recoveries=failed_recoveries,
     )
 
 
 def with_claim(frontier: Frontier, owner: str) -> Frontier:
     """A new owner: epoch + 1, which fences every earlier writer."""
     return evolve(frontier, epoch=frontier.epoch + 1, owner=owner)
-
-
-def check_start(frontier: Frontier, run_id: RunId) -> None:
-    """The rule of a claim made to start ``run_id``: refused while the thread has another
-    Run not yet ended (the claim would fence that Run's owner). ``run_id`` itself may
-    be active: a retried start goes on with it."""
-    if frontier.run_id != run_id and frontier.run_state is not None and not frontier.ended:
-        raise InvalidTransition(
-            f"thread {frontier.thread_id} already has an active run {frontier.run_id}"
-        )
 
 
 def replay(thread: ThreadId, commits: Iterable[ThreadCommit]) -> Frontier:

@@ -4,37 +4,59 @@ Every transition is committed before anything relies on it. The engine holds no
 truth of its own: it starts from ``store.load`` and after each commit folds that
 commit into its copy of the frontier with the same pure function the stores use.
 The same engine runs under the in-process runner and inside a Ray RunHost.
+
+**Ownership.** Every way in takes the thread by compare-and-set: a start, a resume
+and an end at rest make their first commit carry the claim (it lands only if the
+thread is still at the version and owner epoch they read), a recovery claims the
+epoch it read. Whoever loses such a race gets a typed error (InvalidTransition,
+ResumeRejected, Fenced) and has changed nothing.
+
+**One settling path.** Whatever escapes a Step — a hook, the model's output, a
+store refusal such as PayloadTooLarge, our own bug — ends the Run with a committed
+``failed(kind, code, message)`` (``settle``; ``runtime.failures`` decides the kind),
+retried with backoff until it lands. Only what means "not ours to settle"
+(``runtime.failures.NOT_OURS``: fenced, ended, corrupt, the store lost or out too
+long) stops a drive without an end, and goes to its caller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from runtime.agent import Agent
 from runtime.base import trusted
-from runtime.batch import (
-    ActiveToolBatch,
-    CallSpec,
-    ToolRecoveryPolicy,
-    finalize,
-    open_batch,
-    seal,
-)
+from runtime.batch import ActiveToolBatch, CallSpec, ToolRecoveryPolicy, open_batch, seal
 from runtime.checkpoint import SafeCheckpoints
-from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts
+from runtime.commit import (
+    CommitLabel,
+    Frontier,
+    advance,
+    assemble_commit,
+    stamp_facts,
+    with_claim,
+)
+from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
 from runtime.delegation import CHILDREN_KEY, ChildRunner, ParentLink
-from runtime.errors import StateConflict, StoreUnavailable
-from runtime.events import Delta, Fact
+from runtime.errors import (
+    Fenced,
+    InvalidTransition,
+    PayloadTooLarge,
+    ResumeRejected,
+    StoreUnavailable,
+    VersionConflict,
+)
+from runtime.events import Fact
+from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
-from runtime.ids import CorrelationId, RunId, ThreadId
-from runtime.inference import infer, salvage, unique_calls
+from runtime.ids import CallId, CorrelationId, RunId, ThreadId
+from runtime.inference import Admitted, Inference
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
@@ -52,52 +74,21 @@ from runtime.lifecycle import (
     ThreadStatus,
     validate_resume,
 )
+from runtime.limits import DEFAULT_LIMITS, Limits, check_id, check_text
 from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
 from runtime.models import ModelResponse
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
+from runtime.publish import Publisher
+from runtime.resume import check_command, result_messages, resume_commit
 from runtime.signals import CancelledSignal, CancelSignal, EndRun, RunOver, guarded
 from runtime.state import Command
 from runtime.timeutil import now_us
-from runtime.toolbatch import Opening, advance_batch, apply_resume, result_messages
+from runtime.toolbatch import Opening, advance_batch, run_wave
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StoreRetry:
-    """Backoff for StoreUnavailable: the Run pauses, it never records a guess."""
-
-    first_delay_s: float = 0.05
-    max_delay_s: float = 2.0
-    give_up_after_s: float = 60.0
-
-
-@dataclass
-class RunContext:
-    """The engine's working copy of one Run (never the truth: the store is)."""
-
-    frontier: Frontier
-    epoch: int
-    execution: ExecutionState
-    pending: list[Command] = field(default_factory=list)
-    """Hook commands staged for the next commit."""
-    step_ended: str | None = None
-    """Batch id whose StepEnd hooks already ran (they run once per Step)."""
-
-    _running: RunningState | None = field(default=None, init=False, repr=False)
-
-    @property
-    def run_id(self) -> RunId:
-        assert self.frontier.run_id is not None
-        return self.frontier.run_id
-
-    def running(self) -> RunningState:
-        """The Run's Running disposition: one record, reused by each commit that needs it."""
-        run_id = self.run_id
-        if self._running is None or self._running.run_id != run_id:
-            self._running = RunningState(run_id=run_id)
-        return self._running
+RACES = 8
+"""How often a way in looks again after losing a race, before it gives up."""
 
 
 class Engine:
@@ -110,20 +101,22 @@ class Engine:
         tools: ToolRunner,
         *,
         bus: LiveBus | None = None,
+        publisher: Publisher | None = None,
         faults: FaultPlan = NO_FAULTS,
         owner: str | None = None,
         prompt_path: Sequence[str] | None = None,
-        store_retry: StoreRetry = StoreRetry(),
+        store_retry: StoreRetry = DEFAULT_RETRY,
         checkpoints: StreamCheckpointStore | None = None,
         checkpoint_interval_s: float = 0.25,
         children: ChildRunner | None = None,
         lineage: Sequence[str] | None = None,
         parent: ParentLink | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.agent = agent
         self.store = store
         self.tools = tools
-        self.bus = bus
+        self.publisher = publisher or (Publisher(bus) if bus is not None else None)
         self.faults = faults
         # 8 random hex digits, as uuid4().hex[:8] gave, without building a UUID per Run
         self.owner = owner or f"engine-{os.urandom(4).hex()}"
@@ -133,13 +126,23 @@ class Engine:
         """Agent references from the root Run to this one (delegation cycle checks)."""
         self.parent = parent
         self.store_retry = store_retry
+        self.limits = limits
         self.cancel_event = CancelSignal()
         self.stop_reason: str | None = None
         self.pause_requested = False
-        self.checkpoints = SafeCheckpoints(checkpoints)
-        self.checkpoint_interval_s = checkpoint_interval_s
-        self.use_checkpoint = False
-        self.checkpointed = False
+        self.committed = asyncio.Event()
+        """Set once this engine's first commit has landed (a host answers its caller then)."""
+        self._execution: ExecutionState | None = None
+        publish = self.publisher.offer if self.publisher is not None else None
+        self.inference = Inference(
+            agent,
+            limits,
+            SafeCheckpoints(checkpoints),
+            checkpoint_interval_s,
+            self.guard,
+            self.cancel_event.is_set,
+            publish,
+        )
 
     # ---- control --------------------------------------------------------------------
 
@@ -156,18 +159,12 @@ class Engine:
         """A manual pause: at the next Step boundary the Run commits Awaiting(pause)."""
         self.pause_requested = True
 
-    async def terminate(self, thread: ThreadId, cause: EndCause | None = None) -> Frontier:
-        """End a Run that no engine is driving (awaiting, or orphaned) with ``cause``.
+    @property
+    def ending(self) -> bool:
+        stopped = self._execution is not None and self._execution.stopped
+        return self.cancel_event.is_set() or stopped
 
-        Claiming fences any previous owner; unfinished calls are sealed indeterminate and
-        the ticket is cleared, so a late resume fails closed. An ended Run is returned as is.
-        """
-        ctx = await self._claim(thread)
-        if isinstance(ctx.frontier.run_state, RunningState | AwaitingState):
-            await self.end(ctx, cause or Cancelled())
-        return ctx.frontier
-
-    # ---- entry points -----------------------------------------------------------------
+    # ---- ways in: each takes the thread by compare-and-set -----------------------------
 
     async def start(
         self,
@@ -177,67 +174,152 @@ class Engine:
         run_id: RunId | None = None,
         message_id: str | None = None,
     ) -> Frontier:
-        """Activate a new Run with ``text`` as input and drive it. Idempotent by run id."""
+        """Activate a new Run with ``text`` as input and drive it.
+
+        Idempotent by run id: if the Run exists already its frontier is returned as it
+        is (whoever drives it; a Run whose driver is gone is recovered by its owner's
+        host or the Supervisor, or in-process by ``recover``). Refused with
+        InvalidTransition while another Run of the thread is active, and with
+        InputRefused (nothing written) for input or ids over the limits.
+        """
         run_id = run_id or RunId(f"run-{uuid.uuid4().hex}")
-        # the claim is refused while another Run is active: it would fence that Run's owner
-        ctx = await self._claim(thread, starting=run_id)
-        if ctx.frontier.run_id == run_id:
-            return await self._drive(ctx)
-        user = UserMessage(id=message_id or f"{run_id}:input", text=text)
+        message_id = message_id or f"{run_id}:input"
+        self._check_start(thread, run_id, message_id, text)
+        user = UserMessage(id=message_id, text=text)
         link = () if self.parent is None else (self.parent.command(),)
-        await self._commit(
-            ctx,
-            "activation",
-            RunningState(run_id=run_id),
-            messages=(user,),
-            commands=link,
-            run_id=run_id,
-        )
-        return await self._drive(ctx)
+        for _ in range(RACES):
+            frontier = await self._retrying(lambda: self.store.load(thread))
+            if frontier.run_id == run_id:
+                return frontier  # a repeated start: that Run exists
+            if frontier.run_state is not None and not frontier.ended:
+                raise InvalidTransition(
+                    f"thread {thread} already has an active run {frontier.run_id}"
+                )
+            ctx = self._context(frontier)
+            try:
+                await self._commit(
+                    ctx,
+                    "activation",
+                    RunningState(run_id=run_id),
+                    claim=True,
+                    messages=(user,),
+                    commands=link,
+                    run_id=run_id,
+                )
+            except (VersionConflict, Fenced):
+                continue  # the thread moved under us: look again
+            return await self._drive(ctx)
+        raise InvalidTransition(f"thread {thread} kept moving; run {run_id} was not started")
+
+    def _check_start(self, thread: str, run_id: str, message_id: str, text: str) -> None:
+        limits = self.limits
+        check_id("thread id", thread, limits)
+        check_id("run id", run_id, limits)
+        check_id("message id", message_id, Limits(id_chars=4 * limits.id_chars))
+        check_text("input", text, limits.input_bytes, "input_bytes")
 
     async def recover(self, thread: ThreadId) -> Frontier:
-        """Claim the thread (fencing the previous owner) and continue from its frontier."""
-        ctx = await self._claim(thread)
-        self.use_checkpoint = True
-        state = ctx.frontier.run_state
-        if isinstance(state, RunningState) and ctx.frontier.status.state != "running":
-            await self._commit(ctx, "status", state)
+        """Take over a running Run (its epoch as loaded: Fenced if the thread moved on
+        meanwhile) and continue it from its frontier. A Run at rest is returned as is."""
+        check_id("thread id", thread, self.limits)
+        frontier = await self._retrying(lambda: self.store.load(thread))
+        if not isinstance(frontier.run_state, RunningState):
+            return frontier
+        claimed = await self._retrying(lambda: self.store.claim(thread, self.owner, frontier.epoch))
+        ctx = self._context(claimed)
+        self.inference.use_checkpoint = True
+        if claimed.status.state != "running":
+
+            async def status() -> None:
+                await self._commit(ctx, "status", ctx.running())
+
+            return await self._drive(ctx, status)
         return await self._drive(ctx)
 
     async def resume(self, command: ResumeCommand) -> Frontier:
-        """Validate ``command`` against the committed ticket, apply it, and drive on.
+        """Validate ``command`` against the committed ticket, commit it, and drive on.
 
-        Raises ResumeRejected (naming the failed axis) and leaves the ticket intact.
+        Raises ResumeRejected (naming the failed axis) and leaves the ticket intact; of
+        two resumes of one ticket exactly one lands, the other is rejected.
         """
-        # Validate before claiming: a rejected command must change nothing, and a claim
-        # would fence whoever drives the Run now. Validate again on the claimed frontier.
-        _validate(await self._retrying(lambda: self.store.load(command.thread_id)), command)
-        ctx = await self._claim(command.thread_id)
-        ticket = _validate(ctx.frontier, command)
-        try:
-            await apply_resume(self, ctx, ticket, command)
-        except CancelledSignal:
-            await self.end(ctx, self._control_cause(ctx))
-        return await self._drive(ctx)
+        check_command(command, self.limits)
+        ctx, run_now = await self._resumed(command)
+        if run_now is None:
+            return await self._drive(ctx)
+        return await self._drive(ctx, functools.partial(self._run_approved, ctx, run_now))
 
-    async def _claim(self, thread: ThreadId, starting: RunId | None = None) -> RunContext:
-        frontier = await self._retrying(
-            lambda: self.store.claim_frontier(thread, self.owner, starting)
-        )
+    async def _resumed(self, command: ResumeCommand) -> tuple[RunContext, CallId | None]:
+        """The resume commit, made on the frontier its ticket was validated against."""
+        for _ in range(RACES):
+            frontier = await self._retrying(lambda: self.store.load(command.thread_id))
+            ticket = _validate(frontier, command)
+            ctx = self._context(frontier)
+            try:
+                return ctx, await resume_commit(self, ctx, ticket, command)
+            except (VersionConflict, Fenced):
+                continue  # the thread moved: the ticket may be gone (validated again)
+        raise ResumeRejected("ticket", "the thread kept moving; the resume was not applied")
+
+    async def _run_approved(self, ctx: RunContext, call_id: CallId) -> None:
+        """An approved call (or a fired schedule) runs now, marked executing by the resume."""
+        assert ctx.frontier.batch is not None
+        await run_wave(self, ctx, ctx.frontier.batch, [call_id], marked=True)
+
+    async def terminate(
+        self, thread: ThreadId, cause: EndCause | None = None, *, supersedes: int | None = None
+    ) -> Frontier:
+        """End a Run that this engine is not driving (awaiting, or driven elsewhere).
+
+        The end commit carries the claim, so a driver elsewhere is fenced by it; unfinished
+        calls are sealed indeterminate and the ticket is cleared, so a late resume fails
+        closed. A Run at rest is returned as is. With ``supersedes`` the end is made only
+        if the thread's owner epoch is still that one (else Fenced).
+        """
+        check_id("thread id", thread, self.limits)
+        for _ in range(RACES):
+            frontier = await self._retrying(lambda: self.store.load(thread))
+            if supersedes is not None and frontier.epoch != supersedes:
+                raise Fenced(thread, supersedes, frontier.epoch)
+            if not isinstance(frontier.run_state, RunningState | AwaitingState):
+                return frontier
+            ctx = self._context(frontier)
+            try:
+                await self.end(ctx, cause or Cancelled(), claim=True)
+            except (VersionConflict, Fenced):
+                continue
+            return ctx.frontier
+        raise InvalidTransition(f"thread {thread} kept moving; it was not ended")
+
+    def _context(self, frontier: Frontier) -> RunContext:
         execution = ExecutionState(
-            RunId(frontier.run_id or ""), thread, self.prompt_path, self.cancel_event
+            RunId(frontier.run_id or ""), frontier.thread_id, self.prompt_path, self.cancel_event
         )
+        self._execution = execution
         return RunContext(frontier=frontier, epoch=frontier.epoch, execution=execution)
 
     # ---- the loop ---------------------------------------------------------------------
 
-    async def _drive(self, ctx: RunContext) -> Frontier:
+    async def _drive(
+        self, ctx: RunContext, first: Callable[[], Awaitable[None]] | None = None
+    ) -> Frontier:
+        """Drive until the Run rests; whatever escapes a Step is settled here."""
         try:
+            await self._loop(ctx, first)
+        except NOT_OURS:
+            raise
+        except Exception as exc:
+            await self.settle(ctx, failure_of(exc), exc)
+        return ctx.frontier
+
+    async def _loop(self, ctx: RunContext, first: Callable[[], Awaitable[None]] | None) -> None:
+        try:
+            if first is not None:
+                await self._ending_on(ctx, first())
             while True:
                 f = ctx.frontier
                 if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
-                    return f
-                if self.cancel_event.is_set() or ctx.execution.stopped:
+                    return
+                if self.ending:
                     await self.end(ctx, self._control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
                     await self._ending_on(ctx, advance_batch(self, ctx))
@@ -249,7 +331,6 @@ class Engine:
             await self.end(ctx, self._control_cause(ctx))
         except RunOver:
             pass
-        return ctx.frontier
 
     async def _ending_on(self, ctx: RunContext, work: Awaitable[None]) -> None:
         """Await a Step or a batch's advance; an EndRun it raises is committed as the end."""
@@ -293,18 +374,15 @@ class Engine:
         await self.hooks(ctx, "StepStart", hooks, step=step)
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
         last = step == self.agent.max_steps - 1
-        salvaged = await salvage(self, ctx, step)
-        if isinstance(salvaged, ModelResponse):
-            response: ModelResponse | None = salvaged
+        salvaged = await self.inference.salvage(ctx, step)
+        if isinstance(salvaged, Admitted):
+            response = salvaged
         else:
             context = (*hooks.context, *([salvaged] if salvaged else []))
-            response = await infer(self, ctx, step, (*f.messages, *results, *context), last)
-        if response is None:
-            return
+            history = (*f.messages, *results, *context)
+            response = await self.inference.infer(ctx, step, history, last)
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
-        assistant = AssistantMessage(
-            text=response.text, tool_calls=unique_calls(response.tool_calls)
-        )
+        assistant = AssistantMessage(text=response.text, tool_calls=response.tool_calls)
         messages: tuple[Message, ...] = (*results, assistant)
         if not assistant.tool_calls or last:
             if not assistant.tool_calls:
@@ -314,7 +392,8 @@ class Engine:
             return
         batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
         # the inference commit is made with the batch's first wave (see advance_batch)
-        await advance_batch(self, ctx, Opening(batch, messages, tuple(hooks.commands)))
+        opening = Opening(batch, messages, tuple(hooks.commands), response.refused)
+        await advance_batch(self, ctx, opening)
 
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)
@@ -344,18 +423,18 @@ class Engine:
             run_id=ctx.run_id,
             thread_id=ctx.frontier.thread_id,
             step=step,
-            state=ctx.frontier.state,
+            state=ctx.frontier.state,  # immutable: hooks return commands instead
             execution=ctx.execution,
             response=response,
             call=call,
         )
-        await run_hooks(self.agent.hooks, hook_input, into)
+        await run_hooks(self.agent.hooks, hook_input, into, self.limits)
 
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
         return await guarded(self.cancel_event, work)
 
-    # ---- commits ----------------------------------------------------------------------
+    # ---- ending -----------------------------------------------------------------------
 
     async def end(
         self,
@@ -365,6 +444,7 @@ class Engine:
         messages: tuple[Message, ...] = (),
         batch: ActiveToolBatch | None = None,
         commands: Sequence[Command] = (),
+        claim: bool = False,
     ) -> None:
         """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized."""
         open_batch_ = batch or ctx.frontier.batch
@@ -375,12 +455,55 @@ class Engine:
             ctx,
             "ended",
             EndedState(run_id=ctx.run_id, cause=cause),
+            claim=claim,
             messages=messages,
             batch=sealed,
             commands=commands,
         )
         if cause.kind != "natural":
             await self._cancel_children(ctx)
+
+    async def settle(self, ctx: RunContext, cause: Failed, error: BaseException) -> None:
+        """End the Run ``cause`` from its committed frontier: the one way a failure ends a
+        Run. Retried with backoff while the store is out (never dropped); when even the
+        end of the open batch is over the store's limit, the end is committed alone."""
+        log.warning(
+            "run %s on %s failed (%s/%s): %s",
+            ctx.run_id,
+            ctx.frontier.thread_id,
+            cause.failure,
+            cause.code,
+            error,
+            exc_info=cause.failure == "internal",
+        )
+        ctx.pending.clear()  # staged by a Step that did not land
+        delay, bare = self.store_retry.first_delay_s, False
+        while True:
+            try:
+                if bare:
+                    await self._commit(ctx, "ended", EndedState(run_id=ctx.run_id, cause=cause))
+                else:
+                    await self.end(ctx, cause)
+                return
+            except PayloadTooLarge:
+                if bare:
+                    raise
+                bare = True
+            except StoreUnavailable as exc:
+                log.warning("settling %s: store unavailable (%s); retrying", ctx.run_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.store_retry.max_delay_s)
+            except VersionConflict:
+                ctx.frontier = await self._reloaded(ctx)
+                if ctx.frontier.ended:
+                    return
+
+    async def _reloaded(self, ctx: RunContext) -> Frontier:
+        """The stored frontier, if this engine still owns the thread (else Fenced)."""
+        frontier = await self._retrying(lambda: self.store.load(ctx.frontier.thread_id))
+        if frontier.epoch != ctx.epoch:
+            raise Fenced(frontier.thread_id, ctx.epoch, frontier.epoch)
+        return frontier
 
     async def _cancel_children(self, ctx: RunContext) -> None:
         """Cancellation flows parent → child, after the parent's end is committed."""
@@ -393,10 +516,18 @@ class Engine:
             except Exception as exc:  # the child's own recovery settles it later
                 log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
 
+    # ---- commits ----------------------------------------------------------------------
+
     async def commit(
-        self, ctx: RunContext, label: CommitLabel, disposition: RunDisposition, **parts: Any
+        self,
+        ctx: RunContext,
+        label: CommitLabel,
+        disposition: RunDisposition,
+        *,
+        claim: bool = False,
+        **parts: Any,
     ) -> None:
-        await self._commit(ctx, label, disposition, **parts)
+        await self._commit(ctx, label, disposition, claim=claim, **parts)
 
     async def _commit(
         self,
@@ -404,6 +535,7 @@ class Engine:
         label: CommitLabel,
         disposition: RunDisposition,
         *,
+        claim: bool = False,
         messages: Sequence[Message] = (),
         batch: ActiveToolBatch | None = None,
         commands: Sequence[Command] = (),
@@ -412,8 +544,6 @@ class Engine:
     ) -> None:
         f = ctx.frontier
         run = run_id or ctx.run_id
-        all_commands = (*ctx.pending, *commands)
-        messages = tuple(messages)
         status = _status_after(f.status, disposition, now_us())
         changed = status if status is not f.status else None  # moved_to keeps it if unchanged
         commit = assemble_commit(
@@ -422,35 +552,32 @@ class Engine:
             ordinal=0 if run != f.run_id else f.next_ordinal,
             label=label,
             disposition=disposition,
-            messages=messages,
-            commands=all_commands,
+            messages=tuple(messages),
+            commands=(*ctx.pending, *commands),
             batch=batch,
             status=changed,
             extra_facts=tuple(extra_facts),
+            prev=f.head,
         )
-        try:
-            new_frontier = advance(f, commit)
-        except StateConflict as exc:
-            if isinstance(disposition, EndedState) and not all_commands:
-                raise
-            ctx.pending.clear()
-            await self.end(
-                ctx, Failed(failure="state_conflict", code="state_conflict", message=str(exc))
-            )
-            raise RunOver from exc
+        base = with_claim(f, self.owner) if claim else f
+        new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)
+        owner = self.owner if claim else None
         self.faults.hit(f"before:{label}")
-        receipt = await self._retrying(lambda: self.store.append(commit, f.version, ctx.epoch))
+        receipt = await self._retrying(
+            lambda: self.store.append(commit, f.version, ctx.epoch, claim=owner)
+        )
         self.faults.hit(f"after:{label}")
         ctx.pending.clear()
         ctx.frontier = new_frontier
+        ctx.epoch = new_frontier.epoch
         ctx.execution.run_id = run
-        if self.checkpointed and label in ("inference", "ended"):
-            self.checkpointed = False  # the Step is committed: its checkpoint is spent
-            await self.checkpoints.delete(ctx.frontier.thread_id)
-        if self.bus is not None:  # stamping copies every fact: only for a listener
-            await self.publish(ctx, stamp_facts(commit, receipt.seq))
+        self.committed.set()
+        if label in ("inference", "ended"):
+            await self.inference.step_committed(f.thread_id)
+        if self.publisher is not None:  # stamping copies every fact: only for a listener
+            self.publisher.offer(f.thread_id, stamp_facts(commit, receipt.seq))
 
-    async def _retrying(self, op: Any) -> Any:
+    async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
         delay, deadline = self.store_retry.first_delay_s, None
         while True:
             try:
@@ -464,13 +591,33 @@ class Engine:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.store_retry.max_delay_s)
 
-    async def publish(self, ctx: RunContext, events: Sequence[Fact | Delta]) -> None:
-        if self.bus is None or not events:
-            return
-        try:
-            await self.bus.publish(ctx.frontier.thread_id, events)
-        except Exception as exc:  # the bus is best effort: facts are re-read from the store
-            log.warning("live bus publish failed for %s: %s", ctx.frontier.thread_id, exc)
+
+class _NoModel:
+    """The model of an engine that only ends Runs: it is never asked."""
+
+    async def stream(self, request: object) -> AsyncIterator[ModelResponse]:
+        raise RuntimeError("a control engine never infers")
+        yield ModelResponse()  # pragma: no cover - makes this an async generator
+
+
+def control_engine(
+    store: CommitStore,
+    *,
+    owner: str | None = None,
+    publisher: Publisher | None = None,
+    children: ChildRunner | None = None,
+) -> Engine:
+    """An engine that only ends Runs (``terminate``): it never infers nor runs a tool."""
+    agent = Agent(name="control", model=_NoModel())
+    return Engine(agent, store, _NO_TOOLS, owner=owner, publisher=publisher, children=children)
+
+
+class _NoTools:
+    async def run(self, invocations: Sequence[Any]) -> list[Any]:
+        raise RuntimeError("a control engine never runs a tool")
+
+
+_NO_TOOLS = _NoTools()
 
 
 def _validate(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
@@ -492,4 +639,4 @@ def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) 
     return current.moved_to("idle", cause.kind, now)
 
 
-__all__ = ["Engine", "RunContext", "StoreRetry", "finalize", "now_us"]
+__all__ = ["Engine", "RunContext", "StoreRetry", "control_engine", "now_us"]

@@ -8,6 +8,8 @@
     ├── ToolDefinitionError      a @tool cannot be built from its signature
     ├── ScriptExhausted          a ScriptedModel was asked for more than its script
     ├── AgentImportError         an agent reference ``module:attr`` cannot be resolved
+    ├── InputRefused             input refused at the edge: a limit, bad text, deep JSON
+    │                            (names the limit; nothing was committed)
     └── StoreError               raised by every store backend, never a driver error
         ├── VersionConflict      the thread is not at the expected version
         ├── Fenced               the writer's owner epoch is stale
@@ -15,6 +17,7 @@
         ├── RunEnded             the Run is ended; nothing more may be committed
         ├── StoreUnavailable     the server cannot be reached (retry with backoff)
         ├── CorruptRecord        a stored record failed validation (names thread, seq)
+        ├── StoreLost            the store lost its contents (an in-memory store restarted)
         └── PayloadTooLarge      a commit exceeds the backend's limit (names it)
 
 Backends translate driver exceptions into these at their edge; nothing above
@@ -75,6 +78,15 @@ class AgentImportError(RatchetError):
     """An agent reference could not be imported or is not an Agent."""
 
 
+class InputRefused(RatchetError):
+    """Input that breaks a documented limit or cannot be stored; refused before anything
+    is committed. ``limit`` names the limit (``runtime.limits``) or the rule broken."""
+
+    def __init__(self, what: str, limit: str, detail: str) -> None:
+        super().__init__(f"{what} refused ({limit}): {detail}")
+        self.what, self.limit, self.detail = what, limit, detail
+
+
 class StoreError(RatchetError):
     """Base of every error a store backend raises."""
 
@@ -86,6 +98,8 @@ class VersionConflict(StoreError):
 
 
 class Fenced(StoreError):
+    """A writer or a claim named an owner epoch the thread has moved past."""
+
     def __init__(self, thread: str, epoch: int, current: int) -> None:
         super().__init__(
             f"writer epoch {epoch} on thread {thread!r} is stale (current owner epoch {current})"
@@ -113,6 +127,11 @@ class CorruptRecord(StoreError):
     def __init__(self, thread: str, seq: int, detail: str) -> None:
         super().__init__(f"corrupt record on thread {thread!r} at seq {seq}: {detail}")
         self.thread, self.seq = thread, seq
+
+
+class StoreLost(StoreError):
+    """The store's contents are gone (an in-memory store whose process restarted): nothing
+    it answers can be trusted, so every caller fails closed instead of starting over."""
 
 
 class PayloadTooLarge(StoreError):

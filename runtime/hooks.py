@@ -1,7 +1,10 @@
 """The five hook points, the one input object each hook takes, and ExecutionState.
 
-A hook returns data (state commands, request-only context); it mutates nothing.
-Hooks run as a plain ordered list for now; plugin resolution comes later (DESIGN §8).
+A hook returns data (state commands, request-only context); it mutates nothing: the
+state it is shown is immutable (``runtime.frozen``). What it returns is checked
+(``runtime.limits``); a hook that raises or returns something unusable fails the Run
+``failed(hook)`` (``HookFailed``, settled by the engine). Hooks run as a plain ordered
+list for now; plugin resolution comes later (DESIGN §8).
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import TypeAdapter, ValidationError
+
 from runtime.batch import ToolCall
+from runtime.errors import InputRefused
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import PauseReason, PauseTarget, UserInputTarget
+from runtime.limits import Limits, check_id, check_json_value, check_text, printable
 from runtime.messages import ContextMessage, Message
 from runtime.state import Command, StateView
 
@@ -103,14 +110,58 @@ class HookResults:
     context: list[ContextMessage] = field(default_factory=list)
 
 
-async def run_hooks(hooks: Sequence[Hook], hook_input: HookInput, into: HookResults) -> None:
+class HookFailed(Exception):
+    """A hook raised, or returned what cannot be committed: the Run ends failed(hook)."""
+
+    def __init__(self, hook: Hook, point: HookPoint, error: BaseException) -> None:
+        name = hook.name or getattr(hook.fn, "__qualname__", "hook")
+        super().__init__(f"hook {name} at {point}: {type(error).__name__}: {error}")
+        self.code = type(error).__name__
+
+
+_COMMANDS: TypeAdapter[list[Command]] = TypeAdapter(list[Command])
+_CONTEXT: TypeAdapter[list[ContextMessage]] = TypeAdapter(list[ContextMessage])
+
+
+async def run_hooks(
+    hooks: Sequence[Hook], hook_input: HookInput, into: HookResults, limits: Limits
+) -> None:
     """Run the hooks of one point in list order, collecting what they return."""
     for hook in hooks:
         if hook.point != hook_input.point:
             continue
-        out = hook.fn(hook_input)
-        if inspect.isawaitable(out):
-            out = await out
-        if out is not None:
-            into.commands.extend(out.commands)
-            into.context.extend(out.context)
+        try:
+            out = hook.fn(hook_input)
+            if inspect.isawaitable(out):
+                out = await out
+            if out is None:
+                continue
+            commands, context = _admitted(out, limits)
+        except Exception as exc:
+            raise HookFailed(hook, hook_input.point, exc) from exc
+        into.commands.extend(commands)
+        into.context.extend(context)
+
+
+def _admitted(out: object, limits: Limits) -> tuple[list[Command], list[ContextMessage]]:
+    """A hook's output, validated: Commands within the state limits, context text that
+    can be sent. Raises (the caller blames the hook)."""
+    if not isinstance(out, HookOutput):
+        raise TypeError(f"a hook returns a HookOutput or None, not {type(out).__name__}")
+    try:
+        commands = _COMMANDS.validate_python(list(out.commands))
+        context = _CONTEXT.validate_python(list(out.context))
+    except ValidationError as exc:
+        raise InputRefused("hook output", "type", printable(str(exc), 500)) from None
+    for cmd in commands:
+        check_id("state key", cmd.key, limits)
+        check_json_value(
+            f"state command {cmd.key!r}",
+            cmd.value,
+            limits.state_value_bytes,
+            "state_value_bytes",
+            limits,
+        )
+    for message in context:
+        check_text("context message", message.text, limits.model_text_bytes, "model_text_bytes")
+    return commands, context

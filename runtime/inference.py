@@ -1,17 +1,22 @@
-"""One inference of a Step: the stream checkpoint, the model call, live deltas, retries."""
+"""One inference of a Step: the stream checkpoint, the model call, live deltas, retries,
+and what of the model's output may be committed (``admit_response``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
+from runtime.agent import Agent
 from runtime.base import trusted
-from runtime.checkpoint import PartialOutput, plan_from_checkpoint
+from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
+from runtime.context import RunContext
+from runtime.errors import InputRefused
 from runtime.events import Delta
-from runtime.ids import CallId
+from runtime.ids import CallId, ThreadId
 from runtime.lifecycle import Failed
+from runtime.limits import Limits, check_id, check_text, printable, utf8_problem, utf8_size
 from runtime.messages import (
     AssistantMessage,
     ContextMessage,
@@ -20,53 +25,123 @@ from runtime.messages import (
     UserMessage,
 )
 from runtime.models import InferenceRequest, ModelResponse
-from runtime.signals import CancelledSignal
-
-if TYPE_CHECKING:
-    from runtime.engine import Engine, RunContext
+from runtime.signals import CancelledSignal, EndRun
 
 log = logging.getLogger("ratchet.engine")
+T = TypeVar("T")
+Guard = Callable[[Awaitable[Any]], Awaitable[Any]]
+Publish = Callable[[ThreadId, Sequence[Delta]], None]
 
 
-async def salvage(
-    engine: Engine, ctx: RunContext, step: int
-) -> ModelResponse | ContextMessage | None:
-    """On the first Step after recovery only: what the stream checkpoint offers."""
-    if not engine.use_checkpoint:
-        return None
-    engine.use_checkpoint = False
-    cp = await engine.checkpoints.get(ctx.frontier.thread_id)
-    engine.checkpointed = cp is not None
-    return plan_from_checkpoint(cp, ctx.run_id, step)
+class Inference:
+    """Asks the model for a Step; owned by one engine (it keeps the checkpoint's state)."""
 
+    def __init__(
+        self,
+        agent: Agent,
+        limits: Limits,
+        checkpoints: SafeCheckpoints,
+        checkpoint_interval_s: float,
+        guard: Guard,
+        is_cancelled: Callable[[], bool],
+        publish: Publish | None,
+    ) -> None:
+        self.agent = agent
+        self.limits = limits
+        self.checkpoints = checkpoints
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.guard = guard
+        self.is_cancelled = is_cancelled
+        self.publish = publish
+        self.use_checkpoint = False
+        """Set by a recovery: the first Step may use the stream checkpoint."""
+        self.checkpointed = False
 
-async def infer(
-    engine: Engine, ctx: RunContext, step: int, history: tuple[Any, ...], last: bool
-) -> ModelResponse | None:
-    """Ask the model, streaming deltas live; None when the Run ended failed(inference)."""
-    error: Exception | None = None
-    for attempt in range(1, engine.agent.inference_attempts + 1):
-        if engine.cancel_event.is_set():
-            raise CancelledSignal
-        request = _request(engine, ctx, step, attempt, history, last)
+    async def salvage(self, ctx: RunContext, step: int) -> Admitted | ContextMessage | None:
+        """On the first Step after recovery only: what the stream checkpoint offers (a
+        checkpoint is not trusted: one that breaks the limits is not used)."""
+        if not self.use_checkpoint:
+            return None
+        self.use_checkpoint = False
+        cp = await self.checkpoints.get(ctx.frontier.thread_id)
+        self.checkpointed = cp is not None
+        salvaged = plan_from_checkpoint(cp, ctx.run_id, step)
         try:
-            return await engine.guard(_stream(engine, ctx, request))
-        except CancelledSignal:
-            raise
-        except Exception as exc:  # a model failure of any kind is the model's, not ours
-            error = exc
-            log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
-    assert error is not None
-    failure = Failed(failure="inference", code=type(error).__name__, message=str(error)[:2000])
-    await engine.end(ctx, failure)
-    return None
+            if isinstance(salvaged, ModelResponse):
+                return admit_response(salvaged, self.limits)
+            if salvaged is not None:
+                check_text(
+                    "checkpoint", salvaged.text, self.limits.model_text_bytes, "model_text_bytes"
+                )
+        except InputRefused as exc:
+            log.warning("stream checkpoint of %s not used: %s", ctx.run_id, exc)
+            return None
+        return salvaged
+
+    async def step_committed(self, thread: ThreadId) -> None:
+        """The Step's inference is committed: its checkpoint is spent."""
+        if self.checkpointed:
+            self.checkpointed = False
+            await self.checkpoints.delete(thread)
+
+    async def infer(
+        self, ctx: RunContext, step: int, history: tuple[Any, ...], last: bool
+    ) -> Admitted:
+        """Ask the model, streaming deltas live. Every failure of an attempt — the model
+        raising, or answering what cannot be committed — is the model's: the inference is
+        tried again, and after the last attempt the Run ends failed(inference)."""
+        error: Exception | None = None
+        for attempt in range(1, self.agent.inference_attempts + 1):
+            if self.is_cancelled():
+                raise CancelledSignal
+            request = _request(self.agent, ctx, step, attempt, history, last)
+            try:
+                response = await self.guard(self._stream(ctx, request))
+                return admit_response(response, self.limits)
+            except CancelledSignal:
+                raise
+            except Exception as exc:  # a model failure of any kind is the model's, not ours
+                error = exc
+                log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
+        assert error is not None
+        code = error.limit if isinstance(error, InputRefused) else type(error).__name__
+        raise EndRun(Failed(failure="inference", code=code, message=printable(str(error))))
+
+    async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
+        response: ModelResponse | None = None
+        partial = PartialOutput(run_id=request.run_id, step=request.step)
+        checkpointing = self.checkpoints.store is not None  # else the partial is never read
+        clock = asyncio.get_running_loop().time
+        last_put = clock()
+        thread = ctx.frontier.thread_id
+        async for item in self.agent.model.stream(request):
+            if isinstance(item, ModelResponse):
+                response = item
+                continue
+            if checkpointing:
+                partial.add(item)
+                if clock() - last_put >= self.checkpoint_interval_s:
+                    await self.checkpoints.put(thread, partial.checkpoint())
+                    self.checkpointed, last_put = True, clock()
+            if self.publish is not None:
+                delta = Delta(
+                    type=item.type,
+                    run_id=request.run_id,
+                    step=request.step,
+                    attempt=request.attempt,
+                    text=item.text,
+                )
+                self.publish(thread, (delta,))
+        if response is None:
+            raise RuntimeError("the model stream ended without a complete response")
+        return response
 
 
 _MESSAGE_TYPES = frozenset({UserMessage, AssistantMessage, ToolResultMessage, ContextMessage})
 
 
 def _request(
-    engine: Engine, ctx: RunContext, step: int, attempt: int, history: tuple[Any, ...], last: bool
+    agent: Agent, ctx: RunContext, step: int, attempt: int, history: tuple[Any, ...], last: bool
 ) -> InferenceRequest:
     """The request; validated only if the history holds something other than our records.
 
@@ -75,40 +150,84 @@ def _request(
     record yet is validated (and coerced) as before. Each request gets its own copy of
     the tool schemas, as validation would give it, so a model cannot alter them.
     """
-    tools = None if last else tuple(dict(t.schema()) for t in engine.agent.tools)
+    tools = None if last else tuple(dict(t.schema()) for t in agent.tools)
     parts = {"run_id": ctx.run_id, "step": step, "attempt": attempt, "tools": tools}
     if all(type(m) in _MESSAGE_TYPES for m in history):
         return trusted(InferenceRequest, messages=history, **parts)
     return InferenceRequest(messages=history, **parts)
 
 
-async def _stream(engine: Engine, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
-    response: ModelResponse | None = None
-    partial = PartialOutput(run_id=request.run_id, step=request.step)
-    checkpointing = engine.checkpoints.store is not None  # else the partial is never read
-    clock = asyncio.get_running_loop().time
-    last_put = clock()
-    async for item in engine.agent.model.stream(request):
-        if isinstance(item, ModelResponse):
-            response = item
-            continue
-        if checkpointing:
-            partial.add(item)
-            if clock() - last_put >= engine.checkpoint_interval_s:
-                await engine.checkpoints.put(ctx.frontier.thread_id, partial.checkpoint())
-                engine.checkpointed, last_put = True, clock()
-        if engine.bus is not None:
-            delta = Delta(
-                type=item.type,
-                run_id=request.run_id,
-                step=request.step,
-                attempt=request.attempt,
-                text=item.text,
-            )
-            await engine.publish(ctx, (delta,))
-    if response is None:
-        raise RuntimeError("the model stream ended without a complete response")
-    return response
+# ---- what of a response may be committed --------------------------------------------
+
+
+class Admitted(ModelResponse):
+    """A response fit to commit; ``refused`` holds, per call id, why that call's arguments
+    were not kept (they are committed as ``{}``, and the call completes with the reason
+    as a model-visible error instead of running)."""
+
+    refused: dict[CallId, str] = {}
+
+
+def admit_response(response: ModelResponse, limits: Limits) -> Admitted:
+    """Check a model's response against the limits (``runtime.limits``).
+
+    The text must be storable and within ``model_text_bytes``, and there may be at most
+    ``tool_calls`` calls; otherwise this raises InputRefused (the attempt failed). A call
+    whose id or tool name cannot be stored is renamed; arguments that cannot be stored
+    or are over ``tool_arguments_bytes`` are refused for that call alone. Call ids that
+    repeat are made unique.
+    """
+    if not isinstance(response, ModelResponse):
+        raise TypeError(f"a model answers a ModelResponse, not {type(response).__name__}")
+    check_text("model text", response.text, limits.model_text_bytes, "model_text_bytes")
+    if len(response.tool_calls) > limits.tool_calls:
+        raise InputRefused(
+            "model output",
+            "tool_calls",
+            f"{len(response.tool_calls)} tool calls; the limit is {limits.tool_calls}",
+        )
+    calls: list[ToolUse] = []
+    refused: dict[int, str] = {}
+    for i, use in enumerate(response.tool_calls):
+        call_id = use.call_id if _storable_id(use.call_id, limits) else CallId(f"call-{i + 1}")
+        name = use.tool if _storable_id(use.tool, limits) else _shown(use.tool, limits)
+        arguments = use.arguments
+        problem = _arguments_problem(arguments, limits)
+        if problem is not None:
+            refused[i] = f"arguments refused: {problem}"
+            arguments = "{}"
+        same = (call_id, name, arguments) == (use.call_id, use.tool, use.arguments)
+        calls.append(use if same else ToolUse(call_id=call_id, tool=name, arguments=arguments))
+    unique = unique_calls(calls)
+    return Admitted(
+        text=response.text,
+        tool_calls=unique,
+        refused={unique[i].call_id: why for i, why in refused.items()},
+    )
+
+
+def _storable_id(value: str, limits: Limits) -> bool:
+    try:
+        check_id("id", value, limits)
+    except InputRefused:
+        return False
+    return True
+
+
+def _shown(name: str, limits: Limits) -> str:
+    """A tool name that cannot be stored as given, made storable (it names no tool)."""
+    shown = printable(name, limits.id_chars).encode("ascii", "backslashreplace").decode()
+    return shown[: limits.id_chars] or "unnamed"
+
+
+def _arguments_problem(arguments: str, limits: Limits) -> str | None:
+    problem = utf8_problem(arguments)
+    if problem is not None:
+        return problem
+    size = utf8_size(arguments)
+    if size > limits.tool_arguments_bytes:
+        return f"{size} bytes; the limit tool_arguments_bytes is {limits.tool_arguments_bytes}"
+    return None
 
 
 def unique_calls(calls: Sequence[ToolUse]) -> tuple[ToolUse, ...]:

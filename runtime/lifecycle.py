@@ -33,13 +33,20 @@ class Stopped(Frozen):
     reason: str
 
 
-FailureKind = Literal["inference", "capability_bound", "state_conflict", "store"]
+FailureKind = Literal[
+    "inference", "capability_bound", "state_conflict", "store", "hook", "recovery", "internal"
+]
+"""What failed: the model (``inference``), plugin resolution (``capability_bound``),
+state commands of one commit (``state_conflict``), the store refusing a commit
+(``store``, e.g. ``payload_too_large``), a hook (``hook``), recovering a lost Run again
+and again (``recovery``: a dead letter), or Ratchet itself (``internal``: a bug)."""
 
 
 class Failed(Frozen):
     kind: Literal["failed"] = "failed"
     failure: FailureKind
     code: str
+    """A short code: the error's type, or the limit or rule it broke."""
     message: str
 
 

@@ -9,8 +9,7 @@ from pydantic import Field
 
 from runtime.base import Frozen
 from runtime.batch import ToolOutput
-from runtime.commit import Frontier, Receipt, ThreadCommit, check_start
-from runtime.errors import Fenced
+from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.events import Delta, Fact
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.lifecycle import ThreadStatus
@@ -30,50 +29,50 @@ class RunSummary(Frozen):
     version: int
     cause: str | None = None
     """End cause kind for ended runs."""
+    owner: str | None = None
+    """The thread's current owner (a RunHost's is ``host#pid``)."""
 
 
 class CommitStore(Protocol):
-    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
-        """Append iff the thread is at ``expected_version`` and ``epoch`` is current."""
+    """The committed log and frontier of every thread. Whatever it hands back it has
+    verified (``runtime.integrity``): anything that does not hold is CorruptRecord."""
+
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
+    ) -> Receipt:
+        """Append iff the thread is at ``expected_version`` and ``epoch`` is its owner
+        epoch. With ``claim``, the writer supersedes ``epoch`` and becomes the owner
+        ``claim`` at epoch + 1 in the same atomic step (``runtime.commit.admit``)."""
 
     async def load(self, thread: ThreadId) -> Frontier:
         """The committed frontier; an empty one (version 0) for an unknown thread."""
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        """Committed records with seq > after_seq, in order."""
+        """Committed records with seq > after_seq, in order, verified against the chain."""
 
-    async def claim(self, thread: ThreadId, owner: str) -> int:
-        """Become the thread's owner; returns the new epoch, fencing every earlier one."""
-
-    async def claim_frontier(
-        self, thread: ThreadId, owner: str, starting: RunId | None = None
-    ) -> Frontier:
-        """``claim``, returning the frontier as claimed (its epoch is the new one), so the
-        claimer need not load it after. With ``starting``, the claim is refused
-        (``InvalidTransition``, nothing written) while another Run of the thread is not
-        ended (``runtime.commit.check_start``)."""
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+        """Become the thread's owner if its owner epoch is still ``supersedes`` (else
+        Fenced, nothing written); returns the frontier as claimed (epoch + 1)."""
 
     async def list_runs(
-        self, state: Literal["running", "awaiting", "ended"] | None = None
+        self,
+        state: Literal["running", "awaiting", "ended"] | None = None,
+        *,
+        host: str | None = None,
     ) -> list[RunSummary]:
-        """The latest Run of every thread, optionally only those in ``state``."""
+        """The latest Run of every thread, optionally only those in ``state`` and those
+        whose owner belongs to ``host`` (``host_of``); the stores keep an index of both."""
+
+    async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
+        """Every thread the store holds, in id order, ``limit`` at a time after ``after``
+        (for audits and maintenance: nothing is decoded, so a corrupt row is listed too)."""
 
     async def close(self) -> None: ...
 
 
-async def claim_then_load(
-    store: CommitStore, thread: ThreadId, owner: str, starting: RunId | None = None
-) -> Frontier:
-    """``claim_frontier`` in three steps, for a backend that cannot make it one: the start
-    rule is checked on a load before the claim, and the claim is read back after it.
-    Someone else's claim in between surfaces as Fenced, never as their epoch."""
-    if starting is not None:
-        check_start(await store.load(thread), starting)
-    epoch = await store.claim(thread, owner)
-    frontier = await store.load(thread)
-    if frontier.epoch != epoch:
-        raise Fenced(thread, epoch, frontier.epoch)
-    return frontier
+def host_of(owner: str | None) -> str | None:
+    """The host part of an owner name: a RunHost owns as ``host#pid``."""
+    return None if owner is None else owner.split("#", 1)[0]
 
 
 class BusEvent(NamedTuple):
@@ -122,6 +121,9 @@ class ToolInvocation(Frozen):
     thread_id: ThreadId
     prompt_path: tuple[str, ...] = ()
     timeout_s: float | None = None
+    epoch: int = 0
+    """The owner epoch of the engine that sent it: with the operation id, what lets a
+    downstream system refuse a zombie (an older epoch) after a takeover."""
 
 
 class Finished(Frozen):

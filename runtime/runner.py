@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
@@ -16,13 +16,14 @@ from runtime.delegation import (
     outcome_of,
     parent_link,
 )
-from runtime.engine import Engine
+from runtime.engine import Engine, control_engine
 from runtime.errors import AgentImportError
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import ResumeCommand
-from runtime.models import ModelDelta, ModelResponse
+from runtime.lifecycle import ResumeCommand, RunningState
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
+from runtime.publish import Publisher
 from runtime.tools import LocalToolRunner
 
 
@@ -42,12 +43,18 @@ class InProcessRunner:
         bus: LiveBus | None = None,
         resolve: Callable[[str], Agent] = load_agent,
         agent_ref: str | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.agent = agent
         self.store = store
         self.tools = tools or LocalToolRunner(agent.tools)
         self.bus = bus
-        self.children = InProcessChildren(store, bus=bus, resolve=resolve)
+        self.publisher = Publisher(bus) if bus is not None else None
+        """Every engine of this runner publishes through it, off the commit path."""
+        self.limits = limits
+        self.children = InProcessChildren(
+            store, publisher=self.publisher, resolve=resolve, limits=limits
+        )
         self.lineage = (agent_ref or agent.name,)
 
     def engine(self, faults: FaultPlan = NO_FAULTS) -> Engine:
@@ -55,10 +62,11 @@ class InProcessRunner:
             self.agent,
             self.store,
             self.tools,
-            bus=self.bus,
+            publisher=self.publisher,
             faults=faults,
             children=self.children,
             lineage=self.lineage,
+            limits=self.limits,
         )
 
     async def start(
@@ -95,12 +103,14 @@ class InProcessChildren:
         self,
         store: CommitStore,
         *,
-        bus: LiveBus | None = None,
+        publisher: Publisher | None = None,
         resolve: Callable[[str], Agent] = load_agent,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.store = store
-        self.bus = bus
+        self.publisher = publisher
         self.resolve = resolve
+        self.limits = limits
         self.faults = NO_FAULTS
         """Fault plan shared by every child engine (crash tests)."""
 
@@ -110,30 +120,35 @@ class InProcessChildren:
             agent,
             self.store,
             LocalToolRunner(agent.tools),
-            bus=self.bus,
+            publisher=self.publisher,
             faults=faults or self.faults,
             children=self,
             prompt_path=link.prompt_path,
             lineage=link.lineage,
             parent=link,
+            limits=self.limits,
         )
 
     async def run(self, request: ChildRequest) -> ChildOutcome:
         try:
-            engine = self.engine(ParentLink.of(request))
+            link = ParentLink.of(request)
+            engine = self.engine(link)
         except AgentImportError as exc:
             return Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
-        # start is idempotent by run id: after a crash this re-attaches to the same child
+        # start is idempotent by run id: after a crash it finds the same child, which this
+        # runner (the only one driving here) then recovers
         frontier = await engine.start(request.child_thread, request.input, run_id=request.child_run)
+        if isinstance(frontier.run_state, RunningState) and frontier.run_id == request.child_run:
+            frontier = await self.engine(link).recover(request.child_thread)
         return outcome_of(frontier)
 
     async def cancel(self, child_thread: ThreadId) -> None:
         frontier = await self.store.load(child_thread)
         if frontier.run_state is None or frontier.ended:
             return
-        link = parent_link(frontier)
-        agent = self.resolve(link.agent) if link else Agent(name="canceller", model=_NoModel())
-        await Engine(agent, self.store, LocalToolRunner(()), children=self).terminate(child_thread)
+        await control_engine(self.store, publisher=self.publisher, children=self).terminate(
+            child_thread
+        )
 
     async def link_of(self, thread: ThreadId) -> ParentLink | None:
         return parent_link(await self.store.load(thread))
@@ -141,11 +156,3 @@ class InProcessChildren:
     async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
         """The resume that hands an ended child's outcome to a parent awaiting it."""
         return delivery(child, await self.store.load(link.thread))
-
-
-class _NoModel:
-    """The model of an engine that only ever cancels."""
-
-    async def stream(self, request: object) -> AsyncIterator[ModelDelta | ModelResponse]:
-        raise RuntimeError("a cancelling engine never infers")
-        yield ModelResponse()  # pragma: no cover - makes this an async generator

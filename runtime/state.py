@@ -2,14 +2,25 @@
 
 Tools and hooks never mutate state; they return Commands. A commit applies its
 commands once, here; the materialised store is the fold of every committed command.
+The state it produces is deeply immutable (``runtime.frozen``): whoever reads it —
+a hook, a tool, a client of an in-process store — cannot change it behind a commit.
 
-Merge policies, for commands of one commit that touch the same key:
-- ``exclusive``: one writer per commit; a second ``set`` is a StateConflict.
-- ``disjoint``: the value is a JSON object and writers own disjoint fields of it;
-  fields are merged, and a field set to two different values is a StateConflict.
-- ``commutative``: order-free accumulation onto the stored value: numbers add,
-  lists extend, objects merge field-wise (commands apply in producer order, which
-  is model call order, so the result never depends on timing).
+Merge policies decide how the commands of one commit that touch the same key combine
+(commands of one commit on one key must share the policy and the operation):
+
+- ``exclusive``: one writer per commit: a second command on the key (set or remove)
+  is a StateConflict. The value replaces what is stored.
+- ``disjoint``: the value is a JSON object; the commands of one commit must set
+  different fields of it (a field set by two of them is a StateConflict). The fields
+  set replace those stored; the other stored fields stay. ``remove`` drops the key
+  and must be the key's only command in the commit.
+- ``commutative``: order-independent accumulation only, so the result never depends
+  on which producer came first: an integer adds to a counter, a list is a set whose
+  union is taken (kept sorted by canonical JSON, each member once), an object merges
+  field-wise by the same two rules. Floats (whose sum depends on order), text,
+  booleans and null are refused when the Command is made, and so is ``remove``
+  (remove such a key with an ``exclusive`` command). A stored value of another shape
+  is a StateConflict.
 """
 
 from __future__ import annotations
@@ -19,8 +30,9 @@ from typing import Any, Literal
 
 from pydantic import JsonValue, model_validator
 
-from runtime.base import Frozen
+from runtime.base import Frozen, canonical_json
 from runtime.errors import StateConflict
+from runtime.frozen import FrozenDict, freeze
 
 Scope = Literal["run", "thread"]
 MergePolicy = Literal["disjoint", "commutative", "exclusive"]
@@ -38,61 +50,95 @@ class Command(Frozen):
     def _shape(self) -> Command:
         if self.merge == "disjoint" and self.op == "set" and not isinstance(self.value, dict):
             raise ValueError("a disjoint command sets an object of fields")
+        if self.merge == "commutative":
+            if self.op == "remove":
+                raise ValueError("a commutative key is only added to: remove it as exclusive")
+            problem = _commutative_problem(self.value)
+            if problem is not None:
+                raise ValueError(f"commutative value: {problem}")
         return self
 
 
+def _commutative_problem(value: Any) -> str | None:
+    """Why ``value`` has no order-independent accumulation, or None."""
+    if isinstance(value, bool) or not isinstance(value, int | list | dict):
+        return (
+            f"{type(value).__name__} does not accumulate (integers add, lists unite, "
+            "objects merge field-wise)"
+        )
+    if isinstance(value, dict):
+        for field, child in value.items():
+            problem = _commutative_problem(child)
+            if problem is not None:
+                return f"field {field!r}: {problem}"
+    return None
+
+
 def empty_state() -> StateView:
-    return {"thread": {}, "run": {}}
+    return FrozenDict(thread=FrozenDict(), run=FrozenDict())
 
 
 def apply_commands(state: StateView, commands: Iterable[Command]) -> StateView:
     """Apply one commit's commands; raises StateConflict and leaves ``state`` untouched."""
-    new: StateView = {"thread": dict(state["thread"]), "run": dict(state["run"])}
-    seen: dict[tuple[str, str], Command] = {}
+    groups: dict[tuple[str, str], list[Command]] = {}
     for cmd in commands:
-        slot = (cmd.scope, cmd.key)
-        prior = seen.get(slot)
-        if prior is not None and (prior.merge != cmd.merge or prior.op != cmd.op):
+        group = groups.setdefault((cmd.scope, cmd.key), [])
+        if group and (group[0].merge != cmd.merge or group[0].op != cmd.op):
             raise StateConflict(f"state key {cmd.scope}:{cmd.key} written with mixed policies")
-        if prior is not None and cmd.merge == "exclusive":
-            raise StateConflict(
-                f"exclusive state key {cmd.scope}:{cmd.key} set twice in one commit"
-            )
-        seen[slot] = cmd
-        _apply_one(new[cmd.scope], cmd, first=prior is None)
-    return new
+        group.append(cmd)
+    new: dict[str, dict[str, Any]] = {"thread": dict(state["thread"]), "run": dict(state["run"])}
+    for (scope, key), group in groups.items():
+        bucket = new[scope]
+        name = f"{scope}:{key}"
+        first = group[0]
+        if first.op == "remove" or first.merge == "exclusive":
+            if len(group) > 1:
+                raise StateConflict(f"{first.merge} state key {name} written twice in one commit")
+            if first.op == "remove":
+                bucket.pop(key, None)
+            else:
+                bucket[key] = freeze(first.value)
+        elif first.merge == "disjoint":
+            bucket[key] = _disjoint(bucket.get(key), group, name)
+        else:
+            current = bucket.get(key)
+            for cmd in group:
+                current = _accumulate(current, cmd.value, name)
+            bucket[key] = freeze(current)
+    return FrozenDict(thread=FrozenDict(new["thread"]), run=FrozenDict(new["run"]))
 
 
-def _apply_one(bucket: dict[str, Any], cmd: Command, first: bool) -> None:
-    if cmd.op == "remove":
-        bucket.pop(cmd.key, None)
-    elif cmd.merge == "exclusive":
-        bucket[cmd.key] = cmd.value
-    elif cmd.merge == "disjoint":
-        bucket[cmd.key] = _merge_disjoint(bucket.get(cmd.key), cmd, first)
-    else:
-        bucket[cmd.key] = _accumulate(bucket.get(cmd.key), cmd.value, cmd.key)
+def _disjoint(current: Any, group: list[Command], name: str) -> Any:
+    if current is not None and not isinstance(current, dict):
+        raise StateConflict(f"disjoint state key {name}: the stored value is not an object")
+    fields: dict[str, Any] = {}
+    for cmd in group:
+        assert isinstance(cmd.value, dict)
+        for field, value in cmd.value.items():
+            if field in fields:
+                raise StateConflict(
+                    f"disjoint state key {name}: field {field!r} set twice in one commit"
+                )
+            fields[field] = value
+    return freeze({**(current or {}), **fields})
 
 
-def _merge_disjoint(current: Any, cmd: Command, first: bool) -> dict[str, Any]:
-    assert isinstance(cmd.value, dict)
-    base = dict(current) if isinstance(current, dict) else {}
-    for field, value in cmd.value.items():
-        if not first and field in base and base[field] != value:
-            raise StateConflict(f"disjoint state key {cmd.key}: field {field!r} set twice")
-        base[field] = value
-    return base
-
-
-def _accumulate(current: Any, delta: Any, key: str) -> Any:
+def _accumulate(current: Any, delta: Any, name: str) -> Any:
+    """``current`` (stored, possibly absent) combined with ``delta``: commutative and
+    associative, so the order of a commit's commands cannot change the result."""
     if current is None:
-        return delta
-    if isinstance(current, bool) or isinstance(delta, bool):
-        raise StateConflict(f"commutative state key {key}: booleans do not accumulate")
-    if isinstance(current, int | float) and isinstance(delta, int | float):
+        current = [] if isinstance(delta, list) else {} if isinstance(delta, dict) else 0
+    if isinstance(delta, int) and isinstance(current, int) and not isinstance(current, bool):
         return current + delta
-    if isinstance(current, list) and isinstance(delta, list):
-        return [*current, *delta]
-    if isinstance(current, dict) and isinstance(delta, dict):
-        return {**current, **delta}
-    raise StateConflict(f"commutative state key {key}: cannot combine {type(current).__name__}")
+    if isinstance(delta, list) and isinstance(current, list):
+        members = {canonical_json(v): v for v in (*current, *delta)}
+        return [members[k] for k in sorted(members)]
+    if isinstance(delta, dict) and isinstance(current, dict):
+        merged = dict(current)
+        for field, value in delta.items():
+            merged[field] = _accumulate(current.get(field), value, f"{name}.{field}")
+        return merged
+    raise StateConflict(
+        f"commutative state key {name}: cannot add a {type(delta).__name__} "
+        f"to the stored {type(current).__name__}"
+    )

@@ -5,12 +5,23 @@ after the client's cursor (re-read from the store, so nothing is lost while it w
 away); then live deltas and facts from the bus, with a status frame on every change.
 Facts carry their offset ``"seq:index"``; a client reconnects with the last offset it
 saw and receives each later fact exactly once. Without a bus the store is polled.
+
+The bus is best effort, the store is the truth. A bus that fails or does not answer
+(down, hung) makes the stream follow the store instead, trying the bus again every
+``bus_retry_s``; when it answers the stream goes back to it, catching up from the
+store first. A bus that is up but quiet for ``idle_check_s`` while the store holds
+facts after the cursor (a publish was lost) is filled from the store. Facts are
+deduplicated by offset throughout, so none is lost or repeated; only deltas published
+while the bus was away are missed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from runtime.base import Frozen
@@ -18,8 +29,9 @@ from runtime.commit import stamp_facts
 from runtime.events import Delta, Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import ThreadStatus
-from runtime.ports import CommitStore, LiveBus
+from runtime.ports import BusEvent, CommitStore, LiveBus
 
+log = logging.getLogger("ratchet.stream")
 REST_FACTS = frozenset({"awaiting", "run_finished", "run_failed"})
 
 
@@ -53,12 +65,18 @@ async def follow(
     bus: LiveBus | None = None,
     until_rest: bool = True,
     poll_s: float = 0.05,
+    idle_check_s: float = 2.0,
+    bus_retry_s: float = 1.0,
+    bus_timeout_s: float = 1.0,
 ) -> AsyncIterator[Frame]:
     """Frames for ``thread`` after the cursor ``after``; stops at rest if ``until_rest``."""
     cursor = parse_offset(after)
+    timing = _Timing(idle_check_s, bus_retry_s, bus_timeout_s)
     frontier = await store.load(thread)
     yield Frame(type="thread_status", status=frontier.status)
-    head = await bus.head(thread) if bus is not None else None
+    # the bus's head before the store is read: whatever is published from here on, the
+    # deltas of an inference running now among it, comes from the bus
+    head = await _bus_head(bus, thread, timing) if bus is not None else None
     at_rest = False
     async for fact in _stored_facts(store, thread, cursor):
         cursor = (fact.seq, fact.index)
@@ -66,12 +84,13 @@ async def follow(
         yield from_fact(fact)
     if until_rest and (at_rest or _rests(frontier, cursor)):
         return
-    live = _live(store, thread, cursor, bus, head, poll_s)
-    async for frame in live:
-        yield frame
-        event = frame.event
-        if until_rest and isinstance(event, Fact) and event.type in REST_FACTS:
-            return
+    live = _live(store, thread, cursor, bus, head, poll_s, timing)
+    async with contextlib.aclosing(live):
+        async for frame in live:
+            yield frame
+            event = frame.event
+            if until_rest and isinstance(event, Fact) and event.type in REST_FACTS:
+                return
 
 
 def _rests(frontier: Any, cursor: tuple[int, int]) -> bool:
@@ -107,27 +126,98 @@ async def _live(
     bus: LiveBus | None,
     head: str | None,
     poll_s: float,
-) -> AsyncIterator[Frame]:
-    if bus is None:
-        async for frame in _poll(store, thread, cursor, poll_s):
-            yield frame
-        return
-    async for item in bus.subscribe(thread, after=head):
-        event = item.event
-        if not isinstance(event, Fact):
-            yield Frame(type="delta", event=event)
-            continue
-        if (event.seq, event.index) <= cursor:
-            continue  # already delivered from the store
-        if _gap(cursor, event):
-            # the bus is best effort: fill what it dropped from the store, in order
+    timing: _Timing,
+) -> AsyncGenerator[Frame, None]:
+    """Live frames: from the bus while it answers, else from the store. ``head`` is the
+    bus's head taken before the store was read (None: the bus did not answer then)."""
+    while True:
+        if bus is not None and head is not None:
+            # catch up from the store first: facts committed before the head
             async for fact in _stored_facts(store, thread, cursor):
-                if (fact.seq, fact.index) >= (event.seq, event.index):
-                    break
                 cursor = (fact.seq, fact.index)
                 yield from_fact(fact)
-        cursor = (event.seq, event.index)
-        yield from_fact(event)
+            async for frame in _from_bus(store, thread, cursor, bus, head, timing):
+                if frame.offset is not None:
+                    cursor = parse_offset(frame.offset)
+                yield frame
+            log.info("live bus unavailable for %s: following the store", thread)
+        async for frame in _poll(store, thread, cursor, poll_s, timing.bus_retry_s, bus):
+            if frame.offset is not None:
+                cursor = parse_offset(frame.offset)
+            yield frame
+        head = await _bus_head(bus, thread, timing) if bus is not None else None
+
+
+@dataclass(frozen=True)
+class _Timing:
+    idle_check_s: float
+    bus_retry_s: float
+    bus_timeout_s: float
+
+
+async def _bus_head(bus: LiveBus, thread: ThreadId, timing: _Timing) -> str | None:
+    """The bus's head for ``thread``, or None if it fails or does not answer in time."""
+    try:
+        return await asyncio.wait_for(bus.head(thread), timing.bus_timeout_s)
+    except Exception as exc:  # a bus down or hung: the store serves meanwhile
+        log.debug("live bus head for %s failed: %r", thread, exc)
+        return None
+
+
+async def _from_bus(
+    store: CommitStore,
+    thread: ThreadId,
+    cursor: tuple[int, int],
+    bus: LiveBus,
+    head: str,
+    timing: _Timing,
+) -> AsyncIterator[Frame]:
+    """Frames from the bus until it fails; gaps and quiet spells are filled from the store."""
+    queue: asyncio.Queue[BusEvent | BaseException] = asyncio.Queue(maxsize=1024)
+    pump = asyncio.create_task(_pump(bus.subscribe(thread, after=head), queue))
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timing.idle_check_s)
+            except TimeoutError:  # quiet: did the bus miss a fact?
+                async for fact in _stored_facts(store, thread, cursor):
+                    cursor = (fact.seq, fact.index)
+                    yield from_fact(fact)
+                continue
+            if isinstance(item, BaseException):
+                return  # the bus failed: the caller follows the store
+            event = item.event
+            if not isinstance(event, Fact):
+                yield Frame(type="delta", event=event)
+                continue
+            if (event.seq, event.index) <= cursor:
+                continue  # already delivered from the store
+            if _gap(cursor, event):
+                # the bus is best effort: fill what it dropped from the store, in order
+                async for fact in _stored_facts(store, thread, cursor):
+                    if (fact.seq, fact.index) >= (event.seq, event.index):
+                        break
+                    cursor = (fact.seq, fact.index)
+                    yield from_fact(fact)
+            cursor = (event.seq, event.index)
+            yield from_fact(event)
+    finally:
+        pump.cancel()
+        with contextlib.suppress(BaseException):
+            await pump
+
+
+async def _pump(
+    events: AsyncIterator[BusEvent], queue: asyncio.Queue[BusEvent | BaseException]
+) -> None:
+    try:
+        async for item in events:
+            await queue.put(item)
+        await queue.put(EOFError("the bus subscription ended"))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # delivered to the reader, which falls back to the store
+        await queue.put(exc)
 
 
 def _gap(cursor: tuple[int, int], event: Fact) -> bool:
@@ -139,14 +229,24 @@ def _gap(cursor: tuple[int, int], event: Fact) -> bool:
 
 
 async def _poll(
-    store: CommitStore, thread: ThreadId, cursor: tuple[int, int], poll_s: float
+    store: CommitStore,
+    thread: ThreadId,
+    cursor: tuple[int, int],
+    poll_s: float,
+    bus_retry_s: float,
+    bus: LiveBus | None,
 ) -> AsyncIterator[Frame]:
+    """Facts from the store; returns (to try the bus again) every ``bus_retry_s``."""
     delay = poll_s
+    loop = asyncio.get_running_loop()
+    retry_at = loop.time() + bus_retry_s
     while True:
         got = False
         async for fact in _stored_facts(store, thread, cursor):
             cursor, got = (fact.seq, fact.index), True
             yield from_fact(fact)
+        if bus is not None and loop.time() >= retry_at:
+            return
         delay = poll_s if got else min(delay * 2, 1.0)
         await asyncio.sleep(delay)
 

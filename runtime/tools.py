@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy, WaitKind
 from runtime.errors import ToolDefinitionError
 from runtime.ids import CallId, OperationId, RunId, ThreadId
+from runtime.limits import DEFAULT_LIMITS, Limits, json_depth, printable
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.state import Command
 
@@ -42,6 +43,10 @@ class ToolContext:
     run_id: RunId
     thread_id: ThreadId
     prompt_path: tuple[str, ...] = ()
+    epoch: int = 0
+    """The owner epoch of the engine that sent this call. It only grows: a downstream
+    system that records the highest epoch seen per operation id can refuse a call from a
+    zombie engine (a lower epoch) after another took the Run over."""
 
 
 @dataclass(frozen=True)
@@ -89,12 +94,20 @@ class Tool:
         """never_replay is always honoured: it only ever does less."""
         return mode == "never_replay" or mode in self.recovery
 
-    def parse(self, arguments: str) -> dict[str, Any]:
-        """Validate the model's raw JSON; raises ValueError with a model-readable message."""
+    def parse(self, arguments: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+        """Validate the model's raw JSON; raises ValueError with a model-readable message
+        (JSON nested deeper than ``limits.json_depth`` is refused before it is parsed)."""
+        depth = json_depth(arguments)
+        if depth > limits.json_depth:
+            raise ValueError(
+                f"arguments nest {depth} deep; the limit json_depth is {limits.json_depth}"
+            )
         try:
             raw = json.loads(arguments or "{}")
         except json.JSONDecodeError as exc:
             raise ValueError(f"arguments are not valid JSON: {exc.msg}") from exc
+        except RecursionError:  # json_depth counts what json nests; belt and braces
+            raise ValueError("arguments nest too deeply to parse") from None
         if not isinstance(raw, dict):
             raise ValueError("arguments must be a JSON object")
         try:
@@ -103,7 +116,7 @@ class Tool:
             problems = "; ".join(
                 f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
             )
-            raise ValueError(f"invalid arguments for {self.id}: {problems}") from exc
+            raise ValueError(printable(f"invalid arguments for {self.id}: {problems}")) from exc
 
     def schema(self) -> dict[str, Any]:
         """The tool's schema for the model (built once: it is asked for every inference)."""
@@ -230,6 +243,7 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         run_id=inv.run_id,
         thread_id=inv.thread_id,
         prompt_path=inv.prompt_path,
+        epoch=inv.epoch,
     )
     timeout = inv.timeout_s if inv.timeout_s is not None else t.timeout_s
     try:
@@ -237,12 +251,17 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         # with no timeout, wait_for would only await it, one frame further down
         result = await (work if timeout is None else asyncio.wait_for(work, timeout))
     except UnavailableBeforeDispatch as exc:
-        return Unavailable(message=str(exc) or "unavailable before dispatch")
+        return Unavailable(message=printable(str(exc)) or "unavailable before dispatch")
     except TimeoutError:
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
-    except Exception as exc:
-        return Finished(output=ToolOutput(content=f"{type(exc).__name__}: {exc}", is_error=True))
-    return outcome_of(result)
+    except Exception as exc:  # the tool's failure is the model's to see, never a crash
+        text = printable(f"{type(exc).__name__}: {exc}")
+        return Finished(output=ToolOutput(content=text, is_error=True))
+    try:
+        return outcome_of(result)
+    except Exception as exc:  # a result that cannot be turned into text is the tool's error
+        text = printable(f"tool {t.id} returned what cannot be a result: {exc}")
+        return Finished(output=ToolOutput(content=text, is_error=True))
 
 
 class LocalToolRunner:

@@ -11,9 +11,11 @@ it and (when this process encoded it) the JSON of its messages. A frontier is
 reused only when the row's text is *equal* to the cached text: a row rewritten by
 another process, left by a rolled-back transaction or edited by hand has other
 text, and is decoded (and fails closed with CorruptRecord) exactly as if there were
-no cache. Frontiers are immutable, so one object can be shared. Encoding reuses
-the cached messages JSON when the old messages are a prefix of the new ones, and
-encodes only the rest of the frontier and the new messages.
+no cache. Every stored frontier has a checksum beside it (``runtime.integrity``):
+text that does not match its checksum is CorruptRecord, cached or not. Frontiers are
+immutable, so one object can be shared. Encoding reuses the cached messages JSON
+when the old messages are a prefix of the new ones, and encodes only the rest of the
+frontier and the new messages.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord
+from runtime.integrity import check_frontier_text, frontier_checksum
 from runtime.messages import Message
 
 DEFAULT_ENTRIES = 4096
@@ -53,6 +56,7 @@ class _Entry(NamedTuple):
     frontier: Frontier
     messages: str | None
     """The JSON array of ``frontier.messages`` as it appears in ``text``, if known."""
+    checksum: str
 
 
 class FrontierCache:
@@ -70,13 +74,19 @@ class FrontierCache:
         self._chars = 0
         self._lock = threading.Lock()
 
-    def decode(self, thread: str, text: str, version: int) -> Frontier:
-        """The frontier stored as ``text`` in the row at ``version``."""
+    def decode(self, thread: str, text: str, version: int, checksum: str | None) -> Frontier:
+        """The frontier stored as ``text`` (with ``checksum``) in the row at ``version``."""
         entry = self._get(thread)
-        if entry is not None and entry.text == text and entry.frontier.version == version:
+        if (
+            entry is not None
+            and entry.checksum == checksum
+            and entry.frontier.version == version
+            and entry.text == text
+        ):
             return entry.frontier
+        check_frontier_text(thread, version, text, checksum)
         frontier = decode_frontier(thread, text, version)
-        self._put(thread, _Entry(text, frontier, None))
+        self._put(thread, _Entry(text, frontier, None, checksum or ""))
         return frontier
 
     def known(self, thread: str) -> Frontier | None:
@@ -84,13 +94,14 @@ class FrontierCache:
         entry = self._get(thread)
         return None if entry is None else entry.frontier
 
-    def encode(self, thread: str, frontier: Frontier) -> str:
-        """The text to store for ``frontier``; remembered as decoding to it."""
+    def encode(self, thread: str, frontier: Frontier) -> tuple[str, str]:
+        """The text to store for ``frontier`` and its checksum; remembered as decoding to it."""
         messages = _messages_json(frontier, self._get(thread))
         head = frontier.model_dump_json(exclude=_ALL_BUT_MESSAGES)
         text = f'{head[:-1]},"messages":{messages}}}'
-        self._put(thread, _Entry(text, frontier, messages))
-        return text
+        checksum = frontier_checksum(text)
+        self._put(thread, _Entry(text, frontier, messages, checksum))
+        return text, checksum
 
     def _get(self, thread: str) -> _Entry | None:
         with self._lock:

@@ -1,7 +1,8 @@
 """The in-memory CommitStore: a real implementation for one process, not a mock.
 
-It keeps records encoded, exactly as the durable backends do, so decoding and
-corruption checks run the same code; it passes the same conformance suite.
+It keeps records encoded with their hashes, exactly as the durable backends do, so
+decoding, the chain and the corruption checks run the same code; it passes the same
+conformance suite. Its frontiers are kept as (immutable) objects.
 """
 
 from __future__ import annotations
@@ -10,30 +11,29 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.base import trusted
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
     Frontier,
     Receipt,
     ThreadCommit,
-    advance,
-    check_append,
+    admit,
+    check_claim,
     check_size,
-    check_start,
-    decode_commit,
+    receipt_of,
     with_claim,
 )
 from runtime.errors import CorruptRecord
-from runtime.ids import RunId, ThreadId
-from runtime.ports import CommittedRecord, RunSummary
+from runtime.ids import ThreadId
+from runtime.integrity import RawRecord, verified_records
+from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.summary import summarize
 
 
 @dataclass
 class _Thread:
     frontier: Frontier
-    log: list[str] = field(default_factory=list)
-    """Encoded commits; log[i] has seq i + 1."""
+    log: list[RawRecord] = field(default_factory=list)
+    """Encoded commits with their hashes; log[i] has seq i + 1."""
     receipts: dict[str, Receipt] = field(default_factory=dict)
 
 
@@ -48,63 +48,77 @@ class MemoryCommitStore:
             self._threads[thread] = _Thread(Frontier(thread_id=thread))
         return self._threads[thread]
 
-    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
+    ) -> Receipt:
         check_size(commit, self.payload_limit)
         operation_id = commit.operation_id
         async with self._lock:
             t = self._thread(commit.thread_id)
             known = t.receipts.get(operation_id)
-            receipt = check_append(t.frontier, commit, expected_version, epoch, known)
-            if receipt is not None:
-                return receipt
-            frontier = advance(t.frontier, commit)
-            receipt = trusted(  # of the admitted commit's own fields: valid already
-                Receipt,
-                thread_id=commit.thread_id,
-                seq=frontier.version,
-                operation_id=operation_id,
-                payload_hash=commit.payload_hash,
-            )
-            t.log.append(commit.encoded)
+            outcome = admit(t.frontier, commit, expected_version, epoch, known, claim)
+            if isinstance(outcome, Receipt):
+                return outcome
+            receipt = receipt_of(commit, outcome.version)
+            t.log.append(RawRecord(receipt.seq, commit.encoded, commit.payload_hash))
             t.receipts[operation_id] = receipt
-            t.frontier = frontier
+            t.frontier = outcome
             return receipt
 
     async def load(self, thread: ThreadId) -> Frontier:
         return self._thread(thread).frontier
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        log = self._thread(thread).log
-        return [
-            CommittedRecord(seq=seq, commit=decode_commit(log[seq - 1], thread, seq))
-            for seq in range(after_seq + 1, len(log) + 1)
-        ]
+        t = self._thread(thread)
+        rows = t.log[max(after_seq, 1) - 1 :]
+        return verified_records(thread, rows, after_seq, (t.frontier.version, t.frontier.head))
 
-    async def claim(self, thread: ThreadId, owner: str) -> int:
-        return (await self.claim_frontier(thread, owner)).epoch
-
-    async def claim_frontier(
-        self, thread: ThreadId, owner: str, starting: RunId | None = None
-    ) -> Frontier:
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         async with self._lock:
             t = self._thread(thread)
-            if starting is not None:
-                check_start(t.frontier, starting)
+            check_claim(t.frontier, supersedes)
             t.frontier = with_claim(t.frontier, owner)
             return t.frontier
 
     async def list_runs(
-        self, state: Literal["running", "awaiting", "ended"] | None = None
+        self,
+        state: Literal["running", "awaiting", "ended"] | None = None,
+        *,
+        host: str | None = None,
     ) -> list[RunSummary]:
         summaries = (summarize(t.frontier) for t in self._threads.values())
-        return [s for s in summaries if s is not None and (state is None or s.state == state)]
+        return [
+            s
+            for s in summaries
+            if s is not None
+            and (state is None or s.state == state)
+            and (host is None or host_of(s.owner) == host)
+        ]
+
+    async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
+        return [ThreadId(t) for t in sorted(self._threads) if t > after][:limit]
 
     async def close(self) -> None:
         return None
 
-    def corrupt(self, thread: ThreadId, seq: int, text: str) -> None:
-        """Test aid: overwrite a stored record, as a disk or a hand edit might."""
+    # ---- test aids: what a disk or a hand edit might do ------------------------------
+
+    def corrupt(
+        self, thread: ThreadId, seq: int, text: str | None = None, payload_hash: str | None = None
+    ) -> None:
+        """Overwrite a stored record's body and/or its stored hash."""
+        log = self._stored(thread, seq)
+        old = log[seq - 1]
+        log[seq - 1] = RawRecord(
+            seq, old.body if text is None else text, payload_hash or old.payload_hash
+        )
+
+    def delete(self, thread: ThreadId, seq: int) -> None:
+        """Drop a stored record (later records keep their seq)."""
+        del self._stored(thread, seq)[seq - 1]
+
+    def _stored(self, thread: ThreadId, seq: int) -> list[RawRecord]:
         log = self._thread(thread).log
         if not 1 <= seq <= len(log):
             raise CorruptRecord(thread, seq, "no such record")
-        log[seq - 1] = text
+        return log

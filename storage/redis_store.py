@@ -7,35 +7,44 @@ run it that way only where losing the last second of commits is acceptable.
 Redis 7 or newer, a single primary (not Redis Cluster: the run index spans threads).
 
 **How an append works.** Python loads the frontier, applies the pure admission
-rule (``check_append``) and fold (``advance``) of ``runtime.commit``, and sends
-the new frontier to a Lua script that re-checks, atomically, what may have
-changed since the load — operation id unknown, owner epoch, run not ended,
-version — and then writes the commit, its receipt, the frontier and the run
-index. The script answers ``ok``, ``refused`` or ``corrupt KEY``. On ``refused``
-the append loads again and lets ``check_append`` name the error (or return the
-original receipt of a retried write), so the order of the rules lives in one
-place only. Every refusal condition is monotonic — an operation id stays known,
-epochs and versions only grow, an ended run stays ended until the version moves —
-so the second look refuses too. The script reads and type-checks every key before
-its first write, so a refused or failed append writes nothing. The epoch lives
-outside the frontier JSON (its own hash field), so a ``claim`` never races an
-append's frontier.
+rule of ``runtime.commit`` (``admit``: the append's own claim, fencing, version, the
+hash chain, the fold) and sends the new frontier to a Lua script that re-checks,
+atomically, what may have changed since the load — operation id unknown, owner
+epoch, run not ended, version — and then writes the commit, its hash, its receipt,
+the frontier with its checksum, the run index and the owner index. The script
+answers ``ok``, ``refused`` or ``corrupt KEY``. On ``refused`` the append loads
+again and lets ``admit`` name the error (or return the original receipt of a retried
+write), so the order of the rules lives in one place only. Every refusal condition is
+monotonic — an operation id stays known, epochs and versions only grow, an ended run
+stays ended until the version moves — so the second look refuses too. The script
+reads and type-checks every key before its first write, so a refused or failed
+append writes nothing. The epoch lives outside the frontier JSON (its own hash
+field). **A claim** is one script too: it checks the epoch it supersedes and the
+version the claimer saw (the new run-index entry is built from that frontier), bumps
+the epoch, and moves the thread in the owner index, or answers ``fenced``/``moved``.
 
 **Key layout** (``P`` is the prefix, default ``ratchet``; ``T`` the thread id)::
 
     P:thread:T:meta       hash    frontier  Frontier JSON (epoch 0, owner null inside)
+                                  checksum  SHA-256 of the frontier text
+                                  head      hash of the latest commit
                                   epoch     owner epoch (decimal)
                                   owner     owner name
                                   version   thread version (= log length)
                                   run_id    current run id
                                   ended     "1" when the current run has ended
     P:thread:T:log        list    encoded ThreadCommits; index i holds seq i + 1
+    P:thread:T:sums       list    their hashes, index for index (the chain)
     P:thread:T:ops        hash    operation id -> Receipt JSON
     P:runs:STATE          hash    thread id -> RunSummary JSON, STATE one of
                                   running | awaiting | ended (a thread is in one)
+    P:owner:HOST          hash    thread id -> "1": running threads whose owner
+                                  belongs to HOST (``runtime.ports.host_of``)
+    P:schema              string  "2" once the layout above is in place
 
-A test corrupts a record with ``LSET P:thread:T:log (seq - 1) TEXT`` (or
-``corrupt()``) and a frontier with ``HSET P:thread:T:meta frontier TEXT``.
+A store of the earlier layout (no ``sums``, no checksums) is upgraded at connect
+(``_upgrade``). A test corrupts a record with ``LSET P:thread:T:log (seq - 1) TEXT``
+and a frontier with ``HSET P:thread:T:meta frontier TEXT``.
 
 **Errors.** Driver exceptions are translated in ``translated`` and nowhere else::
 
@@ -43,7 +52,7 @@ A test corrupts a record with ``LSET P:thread:T:log (seq - 1) TEXT`` (or
     redis.ConnectionError, redis.TimeoutError, OSError,
     LOADING / READONLY / OOM / TRYAGAIN / MASTERDOWN / MISCONF  -> StoreUnavailable
     any other redis.RedisError                                  -> StoreError
-    script "refused" -> whatever check_append raises on a fresh load: Fenced,
+    script "refused" -> whatever admit raises on a fresh load: Fenced,
         DuplicateOperation, RunEnded, VersionConflict; "corrupt KEY" -> CorruptRecord
 
 Messages name the server by its redacted URL: a password never reaches a log line.
@@ -64,17 +73,26 @@ from redis.backoff import ExponentialBackoff
 
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
+    FRONTIER_SCHEMA,
     Frontier,
     Receipt,
     ThreadCommit,
-    advance,
-    check_append,
+    admit,
+    check_claim,
     check_size,
-    decode_commit,
+    receipt_of,
+    with_claim,
 )
-from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
-from runtime.ids import RunId, ThreadId
-from runtime.ports import CommittedRecord, RunSummary, claim_then_load
+from runtime.errors import CorruptRecord, Fenced, StoreError, StoreUnavailable
+from runtime.ids import ThreadId
+from runtime.integrity import (
+    RawRecord,
+    body_hash,
+    check_frontier_text,
+    frontier_checksum,
+    verified_records,
+)
+from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.summary import summarize
 from storage.url import redact
 
@@ -82,6 +100,7 @@ log = logging.getLogger("ratchet.storage.redis")
 
 RunStateKind = Literal["running", "awaiting", "ended"]
 RUN_STATES: tuple[RunStateKind, ...] = ("running", "awaiting", "ended")
+LAYOUT = "2"
 
 # ---- the Redis edge: clients and error translation --------------------------------------
 
@@ -141,14 +160,15 @@ def open_client(
         )
 
 
-# ---- the append script ------------------------------------------------------------------
+# ---- the scripts ------------------------------------------------------------------------
 
 # The shebang opts into Redis 7 script flags: without allow-oom the server refuses the
 # whole script up front when out of memory, instead of failing between two writes.
+# KEYS: meta log sums ops runs:running runs:awaiting runs:ended owner:OLD owner:NEW
 _APPEND_LUA = """#!lua
-local meta, log, ops = KEYS[1], KEYS[2], KEYS[3]
-local want = {'hash', 'list', 'hash', 'hash', 'hash', 'hash'}
-for i = 1, 6 do
+local meta, log, sums, ops = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local want = {'hash', 'list', 'list', 'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}
+for i = 1, 9 do
   local t = redis.call('TYPE', KEYS[i])['ok']
   if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
 end
@@ -160,17 +180,54 @@ if redis.call('HEXISTS', ops, ARGV[4]) == 1 or epoch ~= tonumber(ARGV[2])
   return 'refused'
 end
 if redis.call('LLEN', log) ~= version then return 'corrupt ' .. log end
+if redis.call('LLEN', sums) ~= version then return 'corrupt ' .. sums end
 redis.call('RPUSH', log, ARGV[5])
-redis.call('HSET', ops, ARGV[4], ARGV[6])
-redis.call('HSET', meta, 'frontier', ARGV[7], 'version', tostring(version + 1),
-           'run_id', ARGV[8], 'ended', ARGV[9])
-for i = 4, 6 do redis.call('HDEL', KEYS[i], ARGV[10]) end
-redis.call('HSET', KEYS[tonumber(ARGV[11])], ARGV[10], ARGV[12])
+redis.call('RPUSH', sums, ARGV[6])
+redis.call('HSET', ops, ARGV[4], ARGV[7])
+if ARGV[14] ~= '' then
+  redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[14])
+end
+redis.call('HSET', meta, 'frontier', ARGV[8], 'checksum', ARGV[9], 'head', ARGV[6],
+           'version', tostring(version + 1), 'run_id', ARGV[10], 'ended', ARGV[11])
+for i = 5, 7 do redis.call('HDEL', KEYS[i], ARGV[12]) end
+redis.call('HSET', KEYS[4 + tonumber(ARGV[13])], ARGV[12], ARGV[15])
+redis.call('HDEL', KEYS[8], ARGV[12])
+if ARGV[13] == '1' then redis.call('HSET', KEYS[9], ARGV[12], '1') end
 return 'ok'
 """
-_APPEND_ATTEMPTS = 3
+
+# KEYS: meta runs:running runs:awaiting runs:ended owner:OLD owner:NEW
+_CLAIM_LUA = """#!lua
+local meta = KEYS[1]
+local want = {'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}
+for i = 1, 6 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
+end
+local f = redis.call('HMGET', meta, 'epoch', 'version')
+local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+if not epoch or not version then return 'corrupt ' .. meta end
+if epoch ~= tonumber(ARGV[1]) then return 'fenced ' .. tostring(epoch) end
+if version ~= tonumber(ARGV[2]) then return 'moved' end
+redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[3])
+if ARGV[5] ~= '0' then
+  redis.call('HSET', KEYS[1 + tonumber(ARGV[5])], ARGV[4], ARGV[6])
+  redis.call('HDEL', KEYS[5], ARGV[4])
+  if ARGV[5] == '1' then redis.call('HSET', KEYS[6], ARGV[4], '1') end
+end
+return 'ok'
+"""
+_ATTEMPTS = 3
 """A refusal is re-examined by loading again, and that look decides (the refusal
 conditions are monotonic); the bound only guards against keys edited by hand."""
+
+
+class _Snapshot:
+    """What a load reads: the verified frontier (with its epoch and owner)."""
+
+    def __init__(self, frontier: Frontier, known: Receipt | None) -> None:
+        self.frontier = frontier
+        self.known = known
 
 
 class RedisCommitStore:
@@ -189,15 +246,18 @@ class RedisCommitStore:
         self.payload_limit = payload_limit
         self.prefix = prefix
         self._append_script = client.register_script(_APPEND_LUA)
+        self._claim_script = client.register_script(_CLAIM_LUA)
 
     @classmethod
     async def connect(
         cls, url: str, *, payload_limit: int = DEFAULT_PAYLOAD_LIMIT, prefix: str = "ratchet"
     ) -> RedisCommitStore:
-        """Open a client and check the server answers (StoreUnavailable if it does not)."""
+        """Open a client, check the server answers (StoreUnavailable if it does not) and
+        bring an earlier key layout up to date."""
         store = cls(open_client(url), where=redact(url), payload_limit=payload_limit, prefix=prefix)
         with translated(store.where):
             await store.client.ping()
+            await store._upgrade()
         await store._warn_unless_durable()
         return store
 
@@ -225,54 +285,85 @@ class RedisCommitStore:
     def _index(self, state: RunStateKind) -> str:
         return f"{self.prefix}:runs:{state}"
 
+    def _owners(self, owner: str | None) -> str:
+        return f"{self.prefix}:owner:{host_of(owner) or ''}"
+
     # ---- the port -----------------------------------------------------------------------
 
-    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
+    ) -> Receipt:
         check_size(commit, self.payload_limit)
         with translated(self.where):
-            for _ in range(_APPEND_ATTEMPTS):
-                frontier, known = await self._snapshot(commit.thread_id, commit.operation_id)
-                receipt = check_append(frontier, commit, expected_version, epoch, known)
-                if receipt is not None:
-                    return receipt
-                new = advance(frontier, commit)
-                receipt = await self._apply(commit, new, expected_version, epoch)
+            for _ in range(_ATTEMPTS):
+                snap = await self._snapshot(commit.thread_id, commit.operation_id)
+                outcome = admit(snap.frontier, commit, expected_version, epoch, snap.known, claim)
+                if isinstance(outcome, Receipt):
+                    return outcome
+                receipt = await self._apply(commit, snap.frontier, outcome, claim)
                 if receipt is not None:
                     return receipt
         raise StoreError(f"thread {commit.thread_id}: the append script kept refusing")
 
     async def load(self, thread: ThreadId) -> Frontier:
         with translated(self.where):
-            frontier, _ = await self._snapshot(thread, None)
-            return frontier
+            return (await self._snapshot(thread, None)).frontier
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        with translated(self.where):
-            texts = await self.client.lrange(self._key(thread, "log"), max(after_seq, 0), -1)
-        first = max(after_seq, 0) + 1
-        return [
-            CommittedRecord(seq=seq, commit=decode_commit(text, thread, seq))
-            for seq, text in enumerate(texts, start=first)
-        ]
-
-    async def claim(self, thread: ThreadId, owner: str) -> int:
-        """Epoch + 1 (as ``runtime.commit.with_claim``), atomically, outside the frontier."""
-        meta = self._key(thread, "meta")
+        first = max(after_seq, 1)
         with translated(self.where):
             async with self.client.pipeline(transaction=True) as pipe:
-                pipe.hincrby(meta, "epoch", 1)
-                pipe.hset(meta, "owner", owner)
-                epoch, _ = await pipe.execute()
-        return int(epoch)
+                pipe.hmget(self._key(thread, "meta"), ["version", "head"])
+                pipe.lrange(self._key(thread, "log"), first - 1, -1)
+                pipe.lrange(self._key(thread, "sums"), first - 1, -1)
+                (version, head), bodies, sums = await pipe.execute()
+        if len(bodies) != len(sums):
+            raise CorruptRecord(thread, first, "the log and its hashes differ in length")
+        rows = (
+            RawRecord(first + i, b, h) for i, (b, h) in enumerate(zip(bodies, sums, strict=True))
+        )
+        stored = (_number(thread, "version", version), head or "")
+        return verified_records(thread, rows, after_seq, stored)
 
-    async def claim_frontier(
-        self, thread: ThreadId, owner: str, starting: RunId | None = None
-    ) -> Frontier:
-        """Not one atomic step here (``claim_then_load``): a Run started on the thread
-        between the check and the claim is fenced by it, as a plain claim would."""
-        return await claim_then_load(self, thread, owner, starting)
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+        """Epoch + 1 (as ``runtime.commit.with_claim``), atomically, if the thread's epoch
+        is still ``supersedes``; the run and owner indexes follow in the same step."""
+        with translated(self.where):
+            for _ in range(_ATTEMPTS):
+                snap = await self._snapshot(thread, None)
+                check_claim(snap.frontier, supersedes)
+                claimed = with_claim(snap.frontier, owner)
+                summary = summarize(claimed)
+                state = 0 if summary is None else 1 + RUN_STATES.index(summary.state)
+                keys = [
+                    self._key(thread, "meta"),
+                    *(self._index(s) for s in RUN_STATES),
+                    self._owners(snap.frontier.owner),
+                    self._owners(owner),
+                ]
+                args: list[str | int] = [
+                    supersedes,
+                    snap.frontier.version,
+                    owner,
+                    thread,
+                    state,
+                    "" if summary is None else summary.model_dump_json(),
+                ]
+                reply = await self._claim_script(keys=keys, args=args)
+                if reply == "ok":
+                    return claimed
+                if reply.startswith("fenced"):
+                    current = _number(thread, "owner epoch", reply.partition(" ")[2])
+                    raise Fenced(thread, supersedes, current)
+                if reply != "moved":
+                    raise CorruptRecord(thread, 0, f"unexpected shape of {reply.partition(' ')[2]}")
+        raise StoreError(f"thread {thread}: the claim script kept finding the thread moved")
 
-    async def list_runs(self, state: RunStateKind | None = None) -> list[RunSummary]:
+    async def list_runs(
+        self, state: RunStateKind | None = None, *, host: str | None = None
+    ) -> list[RunSummary]:
+        if host is not None and state == "running":
+            return await self._running_of(host)
         states = RUN_STATES if state is None else (state,)
         with translated(self.where):
             async with self.client.pipeline(transaction=True) as pipe:
@@ -280,7 +371,26 @@ class RedisCommitStore:
                     pipe.hgetall(self._index(s))
                 indexes = await pipe.execute()
         rows = (item for index in indexes for item in sorted(index.items()))
-        return [_decode_summary(thread, text) for thread, text in rows]
+        found = [_decode_summary(thread, text) for thread, text in rows]
+        return [r for r in found if host is None or host_of(r.owner) == host]
+
+    async def _running_of(self, host: str) -> list[RunSummary]:
+        """The owner index: running threads whose owner belongs to ``host``."""
+        with translated(self.where):
+            threads = sorted(await self.client.hkeys(f"{self.prefix}:owner:{host}"))
+            if not threads:
+                return []
+            texts = await self.client.hmget(self._index("running"), threads)
+        found = [_decode_summary(str(t), str(x)) for t, x in zip(threads, texts, strict=True) if x]
+        return [r for r in found if host_of(r.owner) == host]
+
+    async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
+        """Threads by their meta keys (a SCAN: for audits, not for hot paths)."""
+        first, last = f"{self.prefix}:thread:", ":meta"
+        with translated(self.where):
+            keys = [k async for k in self.client.scan_iter(match=f"{first}*{last}", count=1000)]
+        threads = sorted(str(k)[len(first) : -len(last)] for k in keys)
+        return [ThreadId(t) for t in threads if t > after][:limit]
 
     async def close(self) -> None:
         with translated(self.where):
@@ -295,47 +405,50 @@ class RedisCommitStore:
 
     # ---- inside an append ---------------------------------------------------------------
 
-    async def _snapshot(self, thread: ThreadId, op: str | None) -> tuple[Frontier, Receipt | None]:
-        """The frontier (with its epoch) and the receipt under ``op``, read at one instant."""
+    async def _snapshot(self, thread: ThreadId, op: str | None) -> _Snapshot:
+        """The frontier (verified, with its epoch and owner) and the receipt under ``op``,
+        read at one instant."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hmget(self._key(thread, "meta"), ["frontier", "version", "epoch", "owner"])
+            pipe.hmget(
+                self._key(thread, "meta"), ["frontier", "version", "epoch", "owner", "checksum"]
+            )
             pipe.hget(self._key(thread, "ops"), op or "")
-            (text, version, epoch, owner), known = await pipe.execute()
-        frontier = _decode_frontier(thread, text, version, epoch)
+            (text, version, epoch, owner, checksum), known = await pipe.execute()
+        frontier = _decode_frontier(thread, text, version, epoch, checksum)
         frontier = frontier.model_copy(update={"owner": owner})
-        return frontier, (_decode_receipt(thread, known) if op and known else None)
+        return _Snapshot(frontier, _decode_receipt(thread, known) if op and known else None)
 
     async def _apply(
-        self, commit: ThreadCommit, new: Frontier, expected_version: int, epoch: int
+        self, commit: ThreadCommit, loaded: Frontier, new: Frontier, claim: str | None
     ) -> Receipt | None:
         """Run the script: re-check and write everything atomically, or refuse (None).
 
-        ``new`` is ``advance(loaded, commit)``; it is written only if the thread is
-        still exactly as loaded (same version, epoch), so it is never stale.
+        ``new`` is what ``admit`` folded from ``loaded``; it is written only if the thread
+        is still exactly as loaded (same version, epoch), so it is never stale.
         """
-        receipt = Receipt(
-            thread_id=commit.thread_id,
-            seq=new.version,
-            operation_id=commit.operation_id,
-            payload_hash=commit.payload_hash,
-        )
+        receipt = receipt_of(commit, new.version)
         summary = summarize(new)
         assert summary is not None  # a thread with a commit always has a run
         thread = commit.thread_id
-        keys = [self._key(thread, p) for p in ("meta", "log", "ops")]
+        keys = [self._key(thread, p) for p in ("meta", "log", "sums", "ops")]
         keys += [self._index(s) for s in RUN_STATES]
+        keys += [self._owners(loaded.owner), self._owners(new.owner)]
+        text = new.model_copy(update={"epoch": 0, "owner": None}).model_dump_json()
         args: list[str | int] = [
-            expected_version,
-            epoch,
+            loaded.version,
+            loaded.epoch,
             commit.run_id,
             commit.operation_id,
             commit.encoded,
+            commit.payload_hash,
             receipt.model_dump_json(),
-            new.model_copy(update={"epoch": 0, "owner": None}).model_dump_json(),
+            text,
+            frontier_checksum(text),
             new.run_id or "",
             "1" if new.ended else "0",
             thread,
-            4 + RUN_STATES.index(summary.state),
+            1 + RUN_STATES.index(summary.state),
+            claim or "",
             summary.model_dump_json(),
         ]
         reply = await self._append_script(keys=keys, args=args)
@@ -345,12 +458,65 @@ class RedisCommitStore:
             return None
         raise CorruptRecord(thread, receipt.seq, f"unexpected shape of {reply.partition(' ')[2]}")
 
+    # ---- upgrading an earlier layout -----------------------------------------------------
+
+    async def _upgrade(self) -> None:
+        """Bring a store of the layout before the hash chain up to date: every thread gets
+        its hash list (the hashes of its stored bodies), a schema-2 frontier with its head
+        and checksum, and its entry in the owner index. Idempotent; one upgrader at a
+        time (a lock key), the others wait for the layout key."""
+        schema_key = f"{self.prefix}:schema"
+        if await self.client.get(schema_key) == LAYOUT:
+            return
+        lock = f"{self.prefix}:upgrading"
+        if not await self.client.set(lock, "1", nx=True, ex=300):
+            return  # another process upgrades; its appends and ours share the new layout
+        try:
+            async for meta in self.client.scan_iter(match=f"{self.prefix}:thread:*:meta"):
+                await self._upgrade_thread(meta[len(f"{self.prefix}:thread:") : -len(":meta")])
+            await self.client.set(schema_key, LAYOUT)
+        finally:
+            await self.client.delete(lock)
+
+    async def _upgrade_thread(self, thread: str) -> None:
+        meta = self._key(thread, "meta")
+        text, owner, checksum = await self.client.hmget(meta, ["frontier", "owner", "checksum"])
+        if text is None or checksum is not None:
+            return
+        bodies = await self.client.lrange(self._key(thread, "log"), 0, -1)
+        sums = [body_hash(str(b)) for b in bodies]
+        try:
+            frontier = Frontier.model_validate_json(text)
+        except ValidationError:
+            return  # left as it is: a load reports it corrupt
+        upgraded = frontier.model_copy(
+            update={"schema_version": FRONTIER_SCHEMA, "head": sums[-1] if sums else ""}
+        ).model_dump_json()
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key(thread, "sums"))
+            if sums:
+                pipe.rpush(self._key(thread, "sums"), *sums)
+            pipe.hset(
+                meta,
+                mapping={
+                    "frontier": upgraded,
+                    "checksum": frontier_checksum(upgraded),
+                    "head": sums[-1] if sums else "",
+                },
+            )
+            summary = summarize(frontier.model_copy(update={"owner": owner}))
+            if summary is not None:
+                pipe.hset(self._index(summary.state), thread, summary.model_dump_json())
+                if summary.state == "running":
+                    pipe.hset(self._owners(None if owner is None else str(owner)), thread, "1")
+            await pipe.execute()
+
 
 # ---- decoding: every stored shape is re-validated and fails closed ----------------------
 
 
 def _decode_frontier(
-    thread: str, text: str | None, version: str | None, epoch: str | None
+    thread: str, text: str | None, version: str | None, epoch: str | None, checksum: str | None
 ) -> Frontier:
     """The stored frontier with the epoch kept beside it; fails closed on any mismatch."""
     stored_version = _number(thread, "version", version)
@@ -359,6 +525,7 @@ def _decode_frontier(
         if stored_version:
             raise CorruptRecord(thread, stored_version, "the stored frontier is missing")
         return Frontier(thread_id=ThreadId(thread), epoch=current)
+    check_frontier_text(thread, stored_version, text, checksum)
     try:
         frontier = Frontier.model_validate_json(text)
     except ValidationError as exc:

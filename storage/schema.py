@@ -12,11 +12,15 @@ SQLite's BEGIN IMMEDIATE does the same there.
 
 Tables:
 - ``ratchet_threads``: one row per thread; ``frontier`` is the JSON of the current
-  Frontier (kept current by every append, so ``load`` never replays the log);
-  the other columns are copies for locking, listing and fencing queries.
+  Frontier (kept current by every append, so ``load`` never replays the log) and
+  ``checksum`` its SHA-256 (a load verifies it); ``head`` is the hash of the latest
+  commit; the other columns are copies for locking, listing and fencing queries, and
+  ``host`` (the owner's host, ``runtime.ports.host_of``) with ``run_state`` is the
+  owner index hosts and the Supervisor reconcile by.
 - ``ratchet_commits``: the append-only log; (thread_id, seq) is the optimistic
   version rule, (thread_id, operation_id) the idempotency rule; ``body`` is the
-  commit's canonical JSON exactly as hashed.
+  commit's canonical JSON exactly as hashed, ``payload_hash`` its SHA-256, which the
+  next commit's body names (the hash chain, ``runtime.integrity``).
 - ``ratchet_checkpoints``: best-effort stream checkpoints, one per thread.
 """
 
@@ -29,6 +33,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Connection,
+    Index,
     Integer,
     MetaData,
     PrimaryKeyConstraint,
@@ -37,9 +42,15 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    inspect,
     select,
     text,
 )
+
+from runtime.commit import FRONTIER_SCHEMA
+from runtime.integrity import frontier_checksum
+from runtime.ports import host_of
+from storage.frontiers import decode_frontier
 
 metadata = MetaData()
 
@@ -56,6 +67,10 @@ threads = Table(
     Column("cause", String, nullable=True),
     Column("status", Text, nullable=True),
     Column("updated", BigInteger, nullable=False),
+    Column("head", String, nullable=True),
+    Column("checksum", String, nullable=True),
+    Column("host", String, nullable=True),
+    Index("ix_ratchet_threads_host", "host", "run_state"),
 )
 
 commits = Table(
@@ -119,10 +134,53 @@ def _v3_lz4_for_long_text(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN {column} SET COMPRESSION lz4"))
 
 
+def _v4_chain_checksums_owner_index(conn: Connection) -> None:
+    """The hash chain and the owner index (issue "No Run left behind").
+
+    New columns ``head``, ``checksum`` and ``host`` with an index on (host, run_state);
+    every stored frontier is rewritten at schema 2 with its head (the stored hash of
+    the commit at its version) and its checksum. Commits stay as they were: schema 1
+    records are verified against their own hash, and the chain starts with the first
+    commit written after this migration (its ``prev`` is the head set here).
+    """
+    have = {c["name"] for c in inspect(conn).get_columns(threads.name)}
+    for name in ("head", "checksum", "host"):
+        if name not in have:
+            conn.execute(text(f"ALTER TABLE {threads.name} ADD COLUMN {name} TEXT"))
+    indexes = {i["name"] for i in inspect(conn).get_indexes(threads.name)}
+    if "ix_ratchet_threads_host" not in indexes:
+        conn.execute(
+            text(f"CREATE INDEX ix_ratchet_threads_host ON {threads.name} (host, run_state)")
+        )
+    _c, _t = commits.c, threads.c
+    rows = conn.execute(select(_t.thread_id, _t.version, _t.frontier, _t.owner)).all()
+    for thread, version, stored, owner in rows:
+        frontier = decode_frontier(thread, stored, version)
+        if frontier.schema_version == FRONTIER_SCHEMA:
+            continue  # written by this schema already
+        head = conn.execute(
+            select(_c.payload_hash).where(_c.thread_id == thread, _c.seq == version)
+        ).scalar()
+        upgraded = frontier.model_copy(
+            update={"schema_version": FRONTIER_SCHEMA, "head": head or ""}
+        ).model_dump_json()
+        conn.execute(
+            threads.update()
+            .where(_t.thread_id == thread)
+            .values(
+                frontier=upgraded,
+                head=head or "",
+                checksum=frontier_checksum(upgraded),
+                host=host_of(owner),
+            )
+        )
+
+
 MIGRATIONS: list[tuple[int, Step]] = [
     (1, _v1_initial),
     (2, _v2_thread_rows_leave_room),
     (3, _v3_lz4_for_long_text),
+    (4, _v4_chain_checksums_owner_index),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator

@@ -2,11 +2,14 @@
 
 **An append** runs in one transaction: lock the thread row (PostgreSQL ``SELECT ...
 FOR UPDATE``; SQLite ``BEGIN IMMEDIATE``, one writer), look up a receipt already
-stored under the commit's operation id, apply ``check_append`` and ``advance``
-from ``runtime.commit`` (the same pure rules every backend uses), insert the commit
-row and write the new frontier into the thread row, so ``load`` reads one row and
-never replays the log. **A claim** locks the row the same way and writes it back
-with the epoch bumped (``with_claim``).
+stored under the commit's operation id, apply ``admit`` from ``runtime.commit`` (the
+same pure rules every backend uses: an append's own claim, fencing, version, the
+hash chain, the fold), insert the commit row and write the new frontier and its
+checksum into the thread row, so ``load`` reads one row and never replays the log.
+**A claim** locks the row the same way, checks the epoch it supersedes
+(``check_claim``) and writes the row back with the epoch bumped (``with_claim``).
+Every read is verified (``runtime.integrity``): a load checks the frontier against
+its checksum, a read checks each record's hash, the chain and the head.
 
 **Group commit.** Appends and claims go into an in-process queue drained by group
 writer tasks: whatever arrived while the previous transaction ran goes into the
@@ -56,7 +59,11 @@ by a file lock — and reads on a dedicated reader thread, which in WAL mode nev
 waits for the writer.
 
 Errors are translated in ``storage.sql_engine.translate``; messages name the
-store by ``redact(url)`` only.
+store by ``redact(url)`` only. Every call has a deadline (``timeout_s``): a caller
+whose group or read has not answered by then gets StoreUnavailable (a hung server or
+SQLite file lock), and an append retried after it is harmless (idempotent by
+operation id). A group the database refuses for a reason of its own (not an outage)
+is written again request by request, so only the culprit fails.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from pydantic import ValidationError
 
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, check_size
 from runtime.errors import CorruptRecord, RatchetError, StoreError, StoreUnavailable
-from runtime.ids import RunId, ThreadId
+from runtime.ids import ThreadId
 from runtime.lifecycle import ThreadStatus
 from runtime.ports import CommittedRecord, RunSummary
 from storage.checkpoints import SqlCheckpointStore
@@ -93,6 +100,7 @@ from storage.sql_txn import (
     pg_planned_args,
     plan_group,
     read_body,
+    thread_ids_body,
     transact,
 )
 from storage.url import redact
@@ -105,6 +113,8 @@ R = TypeVar("R")
 
 log = logging.getLogger("ratchet.storage.sql")
 
+DEFAULT_TIMEOUT_S = 60.0
+"""How long a store call may take before its caller hears StoreUnavailable."""
 LINGER_TURNS = 10
 """Event-loop turns a group writer lets pass before it takes its group, when the last
 group showed that several callers commit at once (see ``_drain``)."""
@@ -126,10 +136,18 @@ class SqlCommitStore:
     A store belongs to the event loop that connected it (its group writers run there).
     """
 
-    def __init__(self, url: str, db: Database, payload_limit: int, group_commit: bool) -> None:
+    def __init__(
+        self,
+        url: str,
+        db: Database,
+        payload_limit: int,
+        group_commit: bool,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.db = db
         self.where = redact(url)
         self.payload_limit = payload_limit
+        self.timeout_s = timeout_s
         self.group_commit = group_commit
         self.groups = 0
         """Transactions that carried appends (with ``appends``: how well grouping works)."""
@@ -154,9 +172,10 @@ class SqlCommitStore:
         *,
         payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
         group_commit: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> SqlCommitStore:
         """Open the database, create or migrate the schema, start the group writers."""
-        store = cls(url, Database.open(url), payload_limit, group_commit)
+        store = cls(url, Database.open(url), payload_limit, group_commit, timeout_s)
         try:
             version = await store._write(migrate)
         except StoreError:
@@ -176,18 +195,15 @@ class SqlCommitStore:
 
     # ---- the port ------------------------------------------------------------------------
 
-    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
+    ) -> Receipt:
         check_size(commit, self.payload_limit)
-        item: _Queued[Receipt] = _Queued(AppendRequest(commit, expected_version, epoch))
+        item: _Queued[Receipt] = _Queued(AppendRequest(commit, expected_version, epoch, claim))
         return await self._submit(item)
 
-    async def claim(self, thread: ThreadId, owner: str) -> int:
-        return (await self.claim_frontier(thread, owner)).epoch
-
-    async def claim_frontier(
-        self, thread: ThreadId, owner: str, starting: RunId | None = None
-    ) -> Frontier:
-        item: _Queued[Frontier] = _Queued(ClaimRequest(thread, owner, starting))
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+        item: _Queued[Frontier] = _Queued(ClaimRequest(thread, owner, supersedes))
         return await self._submit(item)
 
     async def load(self, thread: ThreadId) -> Frontier:
@@ -197,9 +213,15 @@ class SqlCommitStore:
         return await self._read(read_body, thread, after_seq)
 
     async def list_runs(
-        self, state: Literal["running", "awaiting", "ended"] | None = None
+        self,
+        state: Literal["running", "awaiting", "ended"] | None = None,
+        *,
+        host: str | None = None,
     ) -> list[RunSummary]:
-        return [_summary(r) for r in await self._read(list_body, state)]
+        return [_summary(r) for r in await self._read(list_body, state, host)]
+
+    async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
+        return await self._read(thread_ids_body, after, limit)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -214,11 +236,17 @@ class SqlCommitStore:
     # ---- group commit ---------------------------------------------------------------------
 
     async def _submit(self, item: _Queued[R]) -> R:
-        if not self._tasks:
-            await self._commit_group([item])
-        else:
-            self._queue.put_nowait(item)
-        return await item.future
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if not self._tasks:
+                    await self._commit_group([item])
+                else:
+                    self._queue.put_nowait(item)
+                return await item.future
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"store {self.where} did not answer within {self.timeout_s:g}s"
+            ) from None
 
     async def _drain(self) -> None:
         """A group writer: each transaction takes everything that queued meanwhile.
@@ -265,6 +293,13 @@ class SqlCommitStore:
                 _resolve(item, StoreUnavailable(f"store {self.where} closed"))
             raise
         except StoreError as error:
+            if len(group) > 1 and not isinstance(error, StoreUnavailable):
+                # refused by the database for a reason of its own (a trigger, a check):
+                # write each request alone, so only the culprit hears it
+                log.warning("a group of %d requests failed (%s): one by one", len(group), error)
+                for item in group:
+                    await self._commit_group([item])
+                return
             log.warning("a group of %d requests failed: %s", len(group), error)
             outcomes = [_own_copy(error) for _ in group]
         appends = sum(isinstance(r, AppendRequest) for r in requests)
@@ -311,9 +346,14 @@ class SqlCommitStore:
 
     async def _read(self, body: Callable[..., T], *args: Any) -> T:
         try:
-            return await self.db.read(body, *args)
+            async with asyncio.timeout(self.timeout_s):
+                return await self.db.read(body, *args)
         except StoreError:
             raise
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"store {self.where} did not answer within {self.timeout_s:g}s"
+            ) from None
         except Exception as exc:
             raise translate(exc, self.where) from exc
 
@@ -330,6 +370,7 @@ def _summary(row: DbRow) -> RunSummary:
         status=status,
         version=row.version,
         cause=row.cause,
+        owner=row.owner,
     )
 
 

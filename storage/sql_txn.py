@@ -40,15 +40,15 @@ from runtime.commit import (
     Frontier,
     Receipt,
     ThreadCommit,
-    advance,
-    check_append,
-    check_start,
-    decode_commit,
+    admit,
+    check_claim,
+    receipt_of,
     with_claim,
 )
 from runtime.errors import RatchetError, StoreError
-from runtime.ids import OperationId, RunId, ThreadId
-from runtime.ports import CommittedRecord
+from runtime.ids import OperationId, ThreadId
+from runtime.integrity import RawRecord, verified_records
+from runtime.ports import CommittedRecord, host_of
 from storage.frontiers import FrontierCache
 from storage.schema import commits, threads
 from storage.sql_engine import SQL_DIALECTS, translate, upsert_ignore
@@ -66,6 +66,8 @@ class AppendRequest:
     commit: ThreadCommit
     expected: int
     epoch: int
+    claim: str | None = None
+    """The owner that claims the thread (superseding ``epoch``) with this append."""
 
     @property
     def thread(self) -> ThreadId:
@@ -76,8 +78,8 @@ class AppendRequest:
 class ClaimRequest:
     thread: ThreadId
     owner: str
-    starting: RunId | None = None
-    """The Run the claim is made to start (``check_start``), if any."""
+    supersedes: int
+    """The owner epoch the claim replaces (compare-and-set)."""
 
 
 Request = AppendRequest | ClaimRequest
@@ -91,16 +93,20 @@ Pairs = Sequence[tuple[str, str]]
 def thread_row(frontier: Frontier, cache: FrontierCache) -> dict[str, Any]:
     """The thread row's columns for a frontier (copies of it, for queries and locking)."""
     state, cause = listing(frontier)
+    text, checksum = cache.encode(frontier.thread_id, frontier)
     return {
         "version": frontier.version,
         "epoch": frontier.epoch,
         "owner": frontier.owner,
-        "frontier": cache.encode(frontier.thread_id, frontier),
+        "frontier": text,
         "run_id": frontier.run_id,
         "run_state": state,
         "cause": cause,
         "status": frontier.status.model_dump_json(),
         "updated": time.time_ns() // 1000,
+        "head": frontier.head,
+        "checksum": checksum,
+        "host": host_of(frontier.owner),
     }
 
 
@@ -125,34 +131,30 @@ class Group:
         try:
             if isinstance(request, ClaimRequest):
                 return self._claim(request)
-            return self._append(request.commit, request.expected, request.epoch)
+            return self._append(request)
         except RatchetError as exc:  # this request is refused; its neighbours go on
             return exc
 
     def _claim(self, request: ClaimRequest) -> Frontier:
         thread = request.thread
         frontier = self.frontier(thread)
-        if request.starting is not None:
-            check_start(frontier, request.starting)
+        check_claim(frontier, request.supersedes)
         frontier = with_claim(frontier, request.owner)
         self.frontiers[thread] = frontier
         self.touched.add(thread)
         return frontier
 
-    def _append(self, commit: ThreadCommit, expected: int, epoch: int) -> Receipt:
+    def _append(self, request: AppendRequest) -> Receipt:
+        commit = request.commit
         thread, operation = commit.thread_id, commit.operation_id
-        frontier = self.frontier(thread)
         known = self.known.get((thread, operation))
-        receipt = check_append(frontier, commit, expected, epoch, known)
-        if receipt is not None:
-            return receipt
-        frontier = advance(frontier, commit)
-        receipt = Receipt(
-            thread_id=thread,
-            seq=frontier.version,
-            operation_id=operation,
-            payload_hash=commit.payload_hash,
+        outcome = admit(
+            self.frontier(thread), commit, request.expected, request.epoch, known, request.claim
         )
+        if isinstance(outcome, Receipt):
+            return outcome
+        frontier = outcome
+        receipt = receipt_of(commit, frontier.version)
         self.known[(thread, operation)] = receipt
         self.frontiers[thread] = frontier
         self.touched.add(thread)
@@ -171,7 +173,9 @@ class Group:
     def frontier(self, thread: str) -> Frontier:
         if thread not in self.frontiers:
             row = self.rows[thread]
-            self.frontiers[thread] = self.cache.decode(thread, row.frontier, row.version)
+            self.frontiers[thread] = self.cache.decode(
+                thread, row.frontier, row.version, row.checksum
+            )
         return self.frontiers[thread]
 
     def changed(self) -> list[dict[str, Any]]:
@@ -238,15 +242,22 @@ UPDATE_UNCHANGED = _Many(
 """Update a thread row only if it is still at the version, epoch and owner a plan
 started from."""
 LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
-LOAD = select(_t.version, _t.frontier).where(_t.thread_id == bindparam("thread"))
+LOAD = select(_t.version, _t.frontier, _t.checksum).where(_t.thread_id == bindparam("thread"))
+HEAD = select(_t.version, _t.head).where(_t.thread_id == bindparam("thread"))
 READ = (
-    select(_c.seq, _c.body)
-    .where(_c.thread_id == bindparam("thread"), _c.seq > bindparam("after"))
+    select(_c.seq, _c.body, _c.payload_hash)
+    .where(_c.thread_id == bindparam("thread"), _c.seq >= bindparam("first"))
     .order_by(_c.seq)
 )
-_LISTED = select(_t.thread_id, _t.run_id, _t.run_state, _t.status, _t.version, _t.cause)
+_LISTED = select(_t.thread_id, _t.run_id, _t.run_state, _t.status, _t.version, _t.cause, _t.owner)
 LIST_ALL = _LISTED.where(_t.run_state.is_not(None)).order_by(_t.thread_id)
 LIST_STATE = _LISTED.where(_t.run_state == bindparam("state")).order_by(_t.thread_id)
+LIST_HOST = _LISTED.where(_t.host == bindparam("host"), _t.run_state.is_not(None)).order_by(
+    _t.thread_id
+)
+LIST_HOST_STATE = _LISTED.where(
+    _t.host == bindparam("host"), _t.run_state == bindparam("state")
+).order_by(_t.thread_id)
 
 
 def _pg_lock_statement() -> Any:
@@ -264,7 +275,15 @@ def _pg_lock_statement() -> Any:
     )
     k = known.c
     return (
-        select(_t.thread_id, _t.version, _t.frontier, k.operation_id, k.seq, k.payload_hash)
+        select(
+            _t.thread_id,
+            _t.version,
+            _t.frontier,
+            _t.checksum,
+            k.operation_id,
+            k.seq,
+            k.payload_hash,
+        )
         .select_from(threads.outerjoin(known, true()))
         .where(_t.thread_id == any_(bindparam("ids", type_=_IDS)))
         .order_by(_t.thread_id)
@@ -278,7 +297,7 @@ _PG_LOCK = _pg_lock_statement()
 # thread to "any operation of the group" probes every thread for every operation,
 # which grows with the square of the group (SQLite groups run to hundreds).
 _IDS_JSON = func.json_each(bindparam("ids")).table_valued("value")
-_SQLITE_ROWS = select(_t.thread_id, _t.version, _t.frontier).where(
+_SQLITE_ROWS = select(_t.thread_id, _t.version, _t.frontier, _t.checksum).where(
     _t.thread_id.in_(select(_IDS_JSON.c.value))
 )
 _PAIRS = func.json_each(bindparam("pairs")).table_valued("value").alias("pairs")
@@ -576,17 +595,39 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
     row = conn.execute(LOAD, {"thread": thread}).first()
     if row is None:
         return Frontier(thread_id=thread)
-    return cache.decode(thread, row.frontier, row.version)
+    return cache.decode(thread, row.frontier, row.version, row.checksum)
 
 
 def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[CommittedRecord]:
+    """The log after ``after_seq``, verified. The head is read first: the log only grows,
+    so every record up to it is there when the records are read (two statements, each
+    its own snapshot)."""
+    head = conn.execute(HEAD, {"thread": thread}).first()
+    rows = conn.execute(READ, {"thread": thread, "first": max(after_seq, 1)})
+    raw = (RawRecord(r.seq, r.body, r.payload_hash) for r in rows)
+    version = (head.version, head.head) if head is not None and head.head is not None else None
+    return verified_records(thread, raw, after_seq, version or (0, ""), exact=False)
+
+
+THREAD_IDS = (
+    select(_t.thread_id)
+    .where(_t.thread_id > bindparam("after"))
+    .order_by(_t.thread_id)
+    .limit(bindparam("limit"))
+)
+
+
+def thread_ids_body(conn: Connection, after: str, limit: int) -> list[ThreadId]:
     return [
-        CommittedRecord(seq=r.seq, commit=decode_commit(r.body, thread, r.seq))
-        for r in conn.execute(READ, {"thread": thread, "after": after_seq})
+        ThreadId(r.thread_id) for r in conn.execute(THREAD_IDS, {"after": after, "limit": limit})
     ]
 
 
-def list_body(conn: Connection, state: str | None) -> list[DbRow]:
+def list_body(conn: Connection, state: str | None, host: str | None) -> list[DbRow]:
+    if host is not None:
+        if state is None:
+            return list(conn.execute(LIST_HOST, {"host": host}))
+        return list(conn.execute(LIST_HOST_STATE, {"host": host, "state": state}))
     if state is None:
         return list(conn.execute(LIST_ALL))
     return list(conn.execute(LIST_STATE, {"state": state}))

@@ -23,6 +23,7 @@ def summarize(frontier: Frontier) -> RunSummary | None:
         status=frontier.status,
         version=frontier.version,
         cause=cause,
+        owner=frontier.owner,
     )
 
 

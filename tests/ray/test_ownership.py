@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from actors.ownership import settle_lost
+from actors.ownership import mark_lost
 from actors.wire import unwrap
 from runtime.commit import ThreadCommit
 from runtime.errors import Fenced, VersionConflict
@@ -35,9 +35,11 @@ async def test_a_stale_epoch_is_fenced_through_the_store_actor(make_system):
     client = await make_system(sqlite_writer="actor")
     store = client.store
     thread = ThreadId("zombie-thread")
-    old = await store.claim(thread, "old-owner")
-    new = await store.claim(thread, "new-owner")
+    old = (await store.claim(thread, "old-owner", 0)).epoch
+    new = (await store.claim(thread, "new-owner", old)).epoch
     assert new == old + 1
+    with pytest.raises(Fenced):  # a claim naming an epoch the thread has moved past
+        await store.claim(thread, "late-owner", old)
     with pytest.raises(Fenced) as caught:
         await store.append(_activation(thread), 0, old)
     assert (caught.value.epoch, caught.value.current) == (old, new)
@@ -86,7 +88,8 @@ async def test_a_host_taken_for_lost_recovers_its_own_run_at_once(make_system, l
     same host: the host drops its fenced drive (stuck in a tool call) and recovers now."""
     client = await make_system()
     handle = await _napping_on_host0(client, ledger)
-    assert await settle_lost(client.store, handle.thread_id, "supervisor")
+    lost = (await handle.frontier()).owner
+    assert await mark_lost(client.store, handle.thread_id, "supervisor", lost_owner=lost)
     assert unwrap(await client.hosts[0].recover_run.remote(handle.thread_id))
     info = await client.hosts[0].info.remote()
     assert (info["recovered"], info["driving"]) == (1, 1)  # the stale drive is gone already

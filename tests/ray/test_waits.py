@@ -397,9 +397,10 @@ async def test_redis_stream_across_a_host_crash_keeps_facts_and_text_whole(make_
     text = StreamText()
     for frame in frames:
         text.add(frame)
-    # step 1 was streamed twice in full (a retried attempt, then again after the crash)
+    # step 1 was streamed in full after the crash; before it, perhaps also (deltas go to
+    # the bus off the commit path, and the host died right after that inference)
     deltas = [f.event for f in frames if f.type == "delta"]
-    assert sum(d.text == "42" for d in deltas if d.step == 1) == 2
+    assert 1 <= sum(d.text == "42" for d in deltas if d.step == 1) <= 2
     assert [text.text(handle.run_id, step) for step in range(3)] == [
         "let me check",
         ANSWER,

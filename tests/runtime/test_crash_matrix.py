@@ -113,13 +113,13 @@ async def test_a_zombie_engine_is_fenced_after_recovery_claims_the_thread():
     gate = asyncio.Event()
     original = zombie.store.append
 
-    async def stalled_append(commit, expected, epoch):
+    async def stalled_append(commit, expected, epoch, **claim):
         if commit.label == "results":
             await gate.wait()  # the zombie stalls just before writing its results
-        return await original(commit, expected, epoch)
+        return await original(commit, expected, epoch, **claim)
 
     zombie.store = type("S", (), {})()  # a thin wrapper delegating to the real store
-    for name in ("load", "read", "claim", "claim_frontier", "list_runs", "close"):
+    for name in ("load", "read", "claim", "list_runs", "close"):
         setattr(zombie.store, name, getattr(store, name))
     zombie.store.append = stalled_append
     task = asyncio.create_task(zombie.start("t", "go", run_id=None))

@@ -264,9 +264,11 @@ async def test_every_commit_a_run_makes_is_the_validated_commit_encoded_canonica
     seen: list[ThreadCommit] = []
 
     class Recording(MemoryCommitStore):
-        async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Any:
+        async def append(
+            self, commit: ThreadCommit, expected_version: int, epoch: int, **claim: Any
+        ) -> Any:
             seen.append(commit)
-            return await super().append(commit, expected_version, epoch)
+            return await super().append(commit, expected_version, epoch, **claim)
 
     @tool(needs_permission=True)
     def wire(amount: float) -> str:
@@ -274,7 +276,7 @@ async def test_every_commit_a_run_makes_is_the_validated_commit_encoded_canonica
 
     hook = Hook(
         point="StepStart",
-        fn=lambda i: HookOutput(commands=(Command(key="n", merge="commutative", value=0.5),)),
+        fn=lambda i: HookOutput(commands=(Command(key="n", value=0.5),)),
     )
     model = ScriptedModel(
         [ModelResponse(text="ü", tool_calls=(call("wire", "w", amount=1e-05),)), ModelResponse()]

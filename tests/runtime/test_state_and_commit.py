@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from runtime import Command, CorruptRecord, StateConflict, ThreadCommit
@@ -23,12 +25,18 @@ from runtime.state import apply_commands, empty_state
 R, T = RunId("r"), ThreadId("t")
 
 
-def test_exclusive_set_twice_in_one_commit_conflicts():
-    with pytest.raises(StateConflict, match="set twice"):
+def test_exclusive_is_one_writer_per_commit():
+    with pytest.raises(StateConflict, match="written twice"):
         apply_commands(empty_state(), [Command(key="k", value=1), Command(key="k", value=2)])
+    removed_twice = [Command(key="k", op="remove"), Command(key="k", op="remove")]
+    with pytest.raises(StateConflict, match="written twice"):
+        apply_commands(empty_state(), removed_twice)
+    # one writer replaces what is stored, whatever it was
+    s = apply_commands(empty_state(), [Command(key="k", value={"a": 1})])
+    assert apply_commands(s, [Command(key="k", value=2)])["thread"]["k"] == 2
 
 
-def test_disjoint_fields_merge_and_overlaps_conflict():
+def test_disjoint_commands_of_one_commit_set_different_fields():
     s = apply_commands(
         empty_state(),
         [
@@ -37,31 +45,101 @@ def test_disjoint_fields_merge_and_overlaps_conflict():
         ],
     )
     assert s["thread"]["k"] == {"a": 1, "b": 2}
-    with pytest.raises(StateConflict):
-        apply_commands(
-            s,
-            [
-                Command(key="k", merge="disjoint", value={"a": 1}),
-                Command(key="k", merge="disjoint", value={"a": 3}),
-            ],
-        )
+    # a field already stored is simply set again: only commands of one commit conflict
+    again = [
+        Command(key="k", merge="disjoint", value={"c": 3}),
+        Command(key="k", merge="disjoint", value={"a": 9}),
+    ]
+    assert apply_commands(s, again)["thread"]["k"] == {"a": 9, "b": 2, "c": 3}
+    for value in (1, 3):  # the same field twice in one commit, equal or not
+        with pytest.raises(StateConflict, match="field 'a' set twice"):
+            apply_commands(
+                s,
+                [
+                    Command(key="k", merge="disjoint", value={"a": 1}),
+                    Command(key="k", merge="disjoint", value={"a": value}),
+                ],
+            )
     with pytest.raises(ValidationError):
         Command(key="k", merge="disjoint", value=5)
+    stored_number = apply_commands(empty_state(), [Command(key="n", value=5)])
+    with pytest.raises(StateConflict, match="not an object"):
+        apply_commands(stored_number, [Command(key="n", merge="disjoint", value={"a": 1})])
 
 
-def test_commutative_accumulates_in_producer_order():
+def test_commutative_counters_add_and_lists_are_sets():
     s = apply_commands(
         empty_state(),
         [
             Command(key="n", merge="commutative", value=2),
             Command(key="n", merge="commutative", value=3),
-            Command(key="l", merge="commutative", value=["a"]),
-            Command(key="l", merge="commutative", value=["b"]),
+            Command(key="l", merge="commutative", value=["b", "a"]),
+            Command(key="l", merge="commutative", value=["a", {"x": 1}]),
+            Command(key="o", merge="commutative", value={"hits": 1, "tags": ["x"]}),
+            Command(key="o", merge="commutative", value={"hits": 2, "tags": ["y"]}),
         ],
     )
-    assert s["thread"] == {"n": 5, "l": ["a", "b"]}
-    s = apply_commands(s, [Command(key="n", merge="commutative", value=1, scope="thread")])
-    assert s["thread"]["n"] == 6
+    assert s["thread"]["n"] == 5
+    assert s["thread"]["l"] == ["a", "b", {"x": 1}]  # each member once, canonical order
+    assert s["thread"]["o"] == {"hits": 3, "tags": ["x", "y"]}
+    s = apply_commands(s, [Command(key="n", merge="commutative", value=-1)])
+    assert s["thread"]["n"] == 4
+    with pytest.raises(StateConflict, match="cannot add"):
+        apply_commands(s, [Command(key="l", merge="commutative", value=1)])
+
+
+@pytest.mark.parametrize("value", [0.5, "text", True, None, {"a": 0.5}, {"a": "x"}], ids=repr)
+def test_commutative_refuses_what_has_no_order_free_sum(value):
+    with pytest.raises(ValidationError, match="commutative"):
+        Command(key="k", merge="commutative", value=value)
+    with pytest.raises(ValidationError, match="commutative"):
+        Command(key="k", merge="commutative", op="remove")
+
+
+_COMMUTATIVE = st.recursive(
+    st.integers(-1000, 1000) | st.lists(st.integers(0, 5) | st.text(max_size=2), max_size=3),
+    lambda inner: st.dictionaries(st.sampled_from("abc"), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@given(st.lists(_COMMUTATIVE, min_size=1, max_size=5), st.randoms())
+def test_commutative_results_do_not_depend_on_the_order_of_commands(values, rng):
+    commands = [Command(key="k", merge="commutative", value=v) for v in values]
+    shuffled = list(commands)
+    rng.shuffle(shuffled)
+    try:
+        first = apply_commands(empty_state(), commands)
+    except StateConflict:
+        with pytest.raises(StateConflict):
+            apply_commands(empty_state(), shuffled)
+        return
+    assert apply_commands(empty_state(), shuffled) == first
+
+
+def test_mixed_policies_on_one_key_conflict():
+    with pytest.raises(StateConflict, match="mixed policies"):
+        apply_commands(
+            empty_state(),
+            [Command(key="k", value=1), Command(key="k", merge="commutative", value=1)],
+        )
+
+
+def test_state_seen_by_anyone_is_read_only():
+    s = apply_commands(empty_state(), [Command(key="k", value={"a": [1, 2]})])
+    for mutate in (
+        lambda: s["thread"].__setitem__("x", 1),
+        lambda: s["thread"]["k"].update(b=2),
+        lambda: s["thread"]["k"]["a"].append(3),
+        lambda: s.pop("run"),
+    ):
+        with pytest.raises(TypeError, match="read-only"):
+            mutate()
+    assert s["thread"]["k"] == {"a": [1, 2]}  # still equal to plain JSON
+    value = {"a": [1]}
+    s = apply_commands(empty_state(), [Command(key="k", value=value)])
+    value["a"].append(2)  # the producer's own object is not the state
+    assert s["thread"]["k"] == {"a": [1]}
 
 
 def test_a_failed_apply_leaves_the_state_untouched():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from actors.ownership import settle_lost
+from actors.ownership import mark_lost
 from runtime import (
     Agent,
     Crash,
@@ -74,7 +74,8 @@ async def test_status_frames_for_a_run_whose_host_is_lost():
     runner = InProcessRunner(crash_matrix_agent(Ledger()), store)
     with pytest.raises(Crash):
         await runner.start("go", thread_id="t", faults=FaultPlan(crash_at=("after:results", 1)))
-    assert await settle_lost(store, "t", "supervisor")
+    lost = (await store.load("t")).owner
+    assert await mark_lost(store, "t", "supervisor", lost_owner=lost)
     await runner.recover("t")
     fs = await frames(store, "t")
     assert statuses(fs)[1:] == [

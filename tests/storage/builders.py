@@ -1,6 +1,12 @@
-"""Real ThreadCommits for store tests (no fakes: the runtime's own types)."""
+"""Real ThreadCommits for store tests (no fakes: the runtime's own types).
+
+A commit names the hash of the one before it (the chain), so builders take ``prev``;
+``head(store, thread)`` gives it for the thread's next commit.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from runtime.commit import ThreadCommit
 from runtime.ids import RunId, ThreadId
@@ -9,7 +15,12 @@ from runtime.messages import AssistantMessage, UserMessage
 from runtime.state import Command
 
 
-def activation(thread: str, run: str, text: str = "hello") -> ThreadCommit:
+async def head(store: Any, thread: str) -> str:
+    """The hash the thread's next commit must name."""
+    return str((await store.load(ThreadId(thread))).head)
+
+
+def activation(thread: str, run: str, text: str = "hello", prev: str = "") -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
         run_id=RunId(run),
@@ -17,11 +28,17 @@ def activation(thread: str, run: str, text: str = "hello") -> ThreadCommit:
         label="activation",
         disposition=RunningState(run_id=RunId(run)),
         messages=(UserMessage(id=f"{run}:input", text=text),),
+        prev=prev,
     )
 
 
 def step(
-    thread: str, run: str, ordinal: int, text: str = "thinking", commands: tuple[Command, ...] = ()
+    thread: str,
+    run: str,
+    ordinal: int,
+    text: str = "thinking",
+    commands: tuple[Command, ...] = (),
+    prev: str = "",
 ) -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -31,10 +48,11 @@ def step(
         disposition=RunningState(run_id=RunId(run)),
         messages=(AssistantMessage(text=text),),
         commands=commands,
+        prev=prev,
     )
 
 
-def ended(thread: str, run: str, ordinal: int, text: str = "done") -> ThreadCommit:
+def ended(thread: str, run: str, ordinal: int, text: str = "done", prev: str = "") -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
         run_id=RunId(run),
@@ -42,4 +60,5 @@ def ended(thread: str, run: str, ordinal: int, text: str = "done") -> ThreadComm
         label="ended",
         disposition=EndedState(run_id=RunId(run), cause=Natural()),
         messages=(AssistantMessage(text=text),),
+        prev=prev,
     )

@@ -18,19 +18,29 @@ from runtime.errors import (
     StateConflict,
     VersionConflict,
 )
-from runtime.ids import RunId, ThreadId
+from runtime.ids import ThreadId
 from runtime.state import Command
-from tests.storage.builders import activation, ended, step
+from tests.storage.builders import activation, ended, head, step
 from tests.storage.conftest import Corruptor
 
 T = ThreadId("thread-a")
 
 
 async def _started(store: Any, thread: ThreadId = T, run: str = "run-1") -> int:
-    """Claim the thread and activate a Run on it; returns the owner epoch."""
-    epoch: int = await store.claim(thread, "owner-1")
-    await store.append(activation(thread, run), 0, epoch)
-    return epoch
+    """Activate a Run on the thread, claiming it in the same append; returns the epoch."""
+    before = await store.load(thread)
+    await store.append(
+        activation(thread, run, prev=before.head), before.version, before.epoch, claim="owner-1"
+    )
+    return int(before.epoch + 1)
+
+
+async def _next(store: Any, thread: ThreadId, run: str, text: str = "thinking", **kw: Any) -> Any:
+    """Append the next inference commit of ``run`` as its owner."""
+    f = await store.load(thread)
+    return await store.append(
+        step(thread, run, f.next_ordinal, text, prev=f.head, **kw), f.version, f.epoch
+    )
 
 
 def _same_log(frontier: Frontier, replayed: Frontier) -> None:
@@ -41,118 +51,162 @@ def _same_log(frontier: Frontier, replayed: Frontier) -> None:
 
 async def test_unknown_thread_loads_empty(store: Any) -> None:
     frontier = await store.load(ThreadId("nobody"))
-    assert frontier.version == 0 and frontier.run_state is None
+    assert frontier.version == 0 and frontier.run_state is None and frontier.head == ""
     assert await store.read(ThreadId("nobody")) == []
 
 
 async def test_append_load_and_read_by_cursor(store: Any) -> None:
     epoch = await _started(store)
-    r2 = await store.append(step(T, "run-1", 1, "one"), 1, epoch)
-    r3 = await store.append(step(T, "run-1", 2, "two"), 2, epoch)
+    r2 = await _next(store, T, "run-1", "one")
+    r3 = await _next(store, T, "run-1", "two")
     assert (r2.seq, r3.seq) == (2, 3)
     frontier = await store.load(T)
     assert frontier.version == 3 and frontier.epoch == epoch and frontier.steps == 2
+    assert frontier.head == r3.payload_hash
     records = await store.read(T)
     assert [r.seq for r in records] == [1, 2, 3]
     assert [r.seq for r in await store.read(T, after_seq=1)] == [2, 3]
+    assert [r.seq for r in await store.read(T, after_seq=2)] == [3]
     assert await store.read(T, after_seq=3) == []
     assert records[2].commit.payload_hash == r3.payload_hash
+    # each commit names the hash of the one before: the chain
+    assert [r.commit.prev for r in records] == ["", records[0].commit.payload_hash, r2.payload_hash]
     _same_log(frontier, replay(T, [r.commit for r in records]))
 
 
 async def test_version_conflict(store: Any) -> None:
     epoch = await _started(store)
-    await store.append(step(T, "run-1", 1), 1, epoch)
+    h = await head(store, T)
+    await store.append(step(T, "run-1", 1, prev=h), 1, epoch)
     with pytest.raises(VersionConflict) as info:
-        await store.append(step(T, "run-1", 2), 1, epoch)
+        await store.append(step(T, "run-1", 2, prev=h), 1, epoch)
     assert (info.value.expected, info.value.actual) == (1, 2)
     assert (await store.load(T)).version == 2
 
 
+async def test_an_append_that_does_not_extend_the_head_is_refused(store: Any) -> None:
+    epoch = await _started(store)
+    with pytest.raises(InvalidTransition, match="head"):
+        await store.append(step(T, "run-1", 1, prev="0" * 64), 1, epoch)
+    assert (await store.load(T)).version == 1
+
+
 async def test_stale_epoch_is_fenced(store: Any) -> None:
     old = await _started(store)
-    new = await store.claim(T, "owner-2")
-    assert new == old + 1
+    claimed = await store.claim(T, "owner-2", old)
+    assert claimed.epoch == old + 1 and claimed.owner == "owner-2"
+    h = await head(store, T)
     with pytest.raises(Fenced):
-        await store.append(step(T, "run-1", 1), 1, old)
+        await store.append(step(T, "run-1", 1, prev=h), 1, old)
     assert len(await store.read(T)) == 1
-    await store.append(step(T, "run-1", 1), 1, new)
+    await store.append(step(T, "run-1", 1, prev=h), 1, claimed.epoch)
     frontier = await store.load(T)
     assert (frontier.version, frontier.owner) == (2, "owner-2")
 
 
-async def test_claim_frontier_returns_the_frontier_as_claimed(store: Any) -> None:
+async def test_a_claim_names_the_epoch_it_supersedes(store: Any) -> None:
     epoch = await _started(store)
-    claimed = await store.claim_frontier(T, "owner-2")
+    claimed = await store.claim(T, "owner-2", epoch)
     assert (claimed.epoch, claimed.owner, claimed.version) == (epoch + 1, "owner-2", 1)
     assert claimed == await store.load(T)
-    fresh = await store.claim_frontier(ThreadId("fresh"), "owner-1", RunId("run-9"))
+    with pytest.raises(Fenced) as stale:  # the thread moved on past the named epoch
+        await store.claim(T, "owner-3", epoch)
+    assert (stale.value.epoch, stale.value.current) == (epoch, epoch + 1)
+    after = await store.load(T)
+    assert (after.epoch, after.owner) == (epoch + 1, "owner-2")  # nothing written
+    fresh = await store.claim(ThreadId("fresh"), "owner-1", 0)
     assert (fresh.version, fresh.epoch, fresh.run_state) == (0, 1, None)
 
 
-async def test_a_claim_to_start_a_run_is_refused_while_another_is_active(store: Any) -> None:
-    epoch = await _started(store, run="run-1")
-    with pytest.raises(InvalidTransition):
-        await store.claim_frontier(T, "owner-2", RunId("run-2"))
+async def test_of_two_claims_of_one_epoch_exactly_one_lands(store: Any) -> None:
+    epoch = await _started(store)
+    outcomes = await asyncio.gather(
+        *(store.claim(T, f"racer-{i}", epoch) for i in range(8)), return_exceptions=True
+    )
+    won = [o for o in outcomes if isinstance(o, Frontier)]
+    assert len(won) == 1 and all(isinstance(o, Fenced) for o in outcomes if o not in won)
+    assert (await store.load(T)).owner == won[0].owner
+
+
+async def test_an_append_carries_its_own_claim(store: Any) -> None:
+    epoch = await _started(store)
+    assert (await store.load(T)).owner == "owner-1"
+    h = await head(store, T)
+    receipt = await store.append(step(T, "run-1", 1, prev=h), 1, epoch, claim="owner-2")
     after = await store.load(T)
-    assert (after.epoch, after.owner) == (epoch, "owner-1")  # nothing written, no one fenced
-    await store.append(step(T, "run-1", 1), 1, epoch)
-    again = await store.claim_frontier(T, "owner-2", RunId("run-1"))  # a retried start
-    assert (again.epoch, again.run_id, again.version) == (epoch + 1, "run-1", 2)
+    assert (receipt.seq, after.epoch, after.owner) == (2, epoch + 1, "owner-2")
+    with pytest.raises(Fenced):  # the previous owner is fenced by it
+        await store.append(step(T, "run-1", 2, prev=after.head), 2, epoch)
+    with pytest.raises(Fenced):  # and a claim-append must name the current epoch too
+        await store.append(step(T, "run-1", 2, prev=after.head), 2, epoch, claim="owner-3")
 
 
-async def test_a_claim_to_start_a_run_after_the_last_one_ended_is_granted(store: Any) -> None:
-    epoch = await _started(store, run="run-1")
-    await store.append(ended(T, "run-1", 1), 1, epoch)
-    claimed = await store.claim_frontier(T, "owner-2", RunId("run-2"))
-    assert claimed.ended and claimed.epoch == epoch + 1
-    await store.append(activation(T, "run-2"), 2, claimed.epoch)
-    assert (await store.load(T)).run_id == "run-2"
+async def test_of_racing_claim_appends_exactly_one_lands(store: Any) -> None:
+    """Two starts of different Runs on one new thread: one Run exists, no one is fenced
+    after committing."""
+    outcomes = await asyncio.gather(
+        *(store.append(activation(T, f"run-{i}"), 0, 0, claim=f"s-{i}") for i in range(6)),
+        return_exceptions=True,
+    )
+    landed = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(landed) == 1
+    assert all(isinstance(o, VersionConflict | Fenced) for o in outcomes if o not in landed)
+    frontier = await store.load(T)
+    winner = outcomes.index(landed[0])
+    assert (frontier.run_id, frontier.owner, frontier.epoch) == (f"run-{winner}", f"s-{winner}", 1)
 
 
 async def test_same_operation_is_idempotent_by_payload(store: Any) -> None:
     epoch = await _started(store)
-    first = await store.append(step(T, "run-1", 1, "answer"), 1, epoch)
-    again = await store.append(step(T, "run-1", 1, "answer"), 1, epoch)
+    h = await head(store, T)
+    first = await store.append(step(T, "run-1", 1, "answer", prev=h), 1, epoch)
+    again = await store.append(step(T, "run-1", 1, "answer", prev=h), 1, epoch)
     assert again == first
     with pytest.raises(DuplicateOperation):
-        await store.append(step(T, "run-1", 1, "another answer"), 2, epoch)
+        h2 = await head(store, T)
+        await store.append(step(T, "run-1", 1, "another answer", prev=h2), 2, epoch)
     assert [r.seq for r in await store.read(T)] == [1, 2]
 
 
 async def test_terminal_is_final(store: Any) -> None:
     epoch = await _started(store)
-    await store.append(ended(T, "run-1", 1), 1, epoch)
+    await store.append(ended(T, "run-1", 1, prev=await head(store, T)), 1, epoch)
     with pytest.raises(RunEnded):
-        await store.append(step(T, "run-1", 2), 2, epoch)
+        await store.append(step(T, "run-1", 2, prev=await head(store, T)), 2, epoch)
     assert (await store.load(T)).ended and len(await store.read(T)) == 2
     # The thread lives on: a new Run may start after the old one ended.
-    await store.append(activation(T, "run-2"), 2, epoch)
+    await store.append(activation(T, "run-2", prev=await head(store, T)), 2, epoch)
     assert (await store.load(T)).run_id == "run-2"
 
 
 async def test_commit_that_fails_midway_leaves_nothing(store: Any) -> None:
     epoch = await _started(store)
     before, log = await store.load(T), await store.read(T)
+    h = before.head
     clash = (Command(key="k", value=1), Command(key="k", value=2))
     with pytest.raises(StateConflict):  # the fold raises after admission
-        await store.append(step(T, "run-1", 1, commands=clash), 1, epoch)
+        await store.append(step(T, "run-1", 1, commands=clash, prev=h), 1, epoch)
     with pytest.raises(InvalidTransition):  # an ordinal gap
-        await store.append(step(T, "run-1", 5), 1, epoch)
+        await store.append(step(T, "run-1", 5, prev=h), 1, epoch)
     with pytest.raises(InvalidTransition):  # a second Run while one is active
-        await store.append(activation(T, "run-2"), 1, epoch)
+        await store.append(activation(T, "run-2", prev=h), 1, epoch)
+    with pytest.raises(InvalidTransition):  # a second Run, claiming
+        await store.append(activation(T, "run-2", prev=h), 1, epoch, claim="intruder")
     with pytest.raises(PayloadTooLarge):
-        await store.append(step(T, "run-1", 1, "x" * (store.payload_limit + 1)), 1, epoch)
+        big = "x" * (store.payload_limit + 1)
+        await store.append(step(T, "run-1", 1, big, prev=h), 1, epoch)
     assert await store.load(T) == before
     assert await store.read(T) == log
     # Nothing was half-written: the same slot still takes a good commit.
-    assert (await store.append(step(T, "run-1", 1), 1, epoch)).seq == 2
+    assert (await store.append(step(T, "run-1", 1, prev=h), 1, epoch)).seq == 2
 
 
 async def test_oversized_payload_names_the_limit(store: Any) -> None:
     epoch = await _started(store)
     with pytest.raises(PayloadTooLarge) as info:
-        await store.append(step(T, "run-1", 1, "y" * (2 << 20)), 1, epoch)
+        await store.append(
+            step(T, "run-1", 1, "y" * (2 << 20), prev=await head(store, T)), 1, epoch
+        )
     assert info.value.limit == store.payload_limit
     assert str(store.payload_limit) in str(info.value)
 
@@ -165,7 +219,7 @@ async def test_fifty_concurrent_writers_race_on_one_thread(store: Any) -> None:
         nonlocal conflicts
         while True:
             f = await store.load(T)
-            commit = step(T, "run-1", f.next_ordinal, f"writer {i}")
+            commit = step(T, "run-1", f.next_ordinal, f"writer {i}", prev=f.head)
             await asyncio.sleep(0)  # yield, so others load the same version: a real race
             try:
                 return int((await store.append(commit, f.version, epoch)).seq)
@@ -183,14 +237,15 @@ async def test_fifty_concurrent_writers_race_on_one_thread(store: Any) -> None:
 
 
 async def test_corrupt_record_fails_closed(store: Any, corrupt: Corruptor) -> None:
-    epoch = await _started(store)
-    await store.append(step(T, "run-1", 1), 1, epoch)
+    await _started(store)
+    await _next(store, T, "run-1")
     await corrupt(T, 2, '{"schema_version": 1, "thread_id": "thread-a"}')
     with pytest.raises(CorruptRecord) as info:
         await store.read(T)
     assert (info.value.thread, info.value.seq) == (T, 2)
     assert "thread-a" in str(info.value) and "2" in str(info.value)
-    assert len(await store.read(T, after_seq=2)) == 0
+    with pytest.raises(CorruptRecord):  # reading from the record on still checks it
+        await store.read(T, after_seq=1)
 
 
 async def test_corrupt_frontier_fails_closed(store: Any, corrupt_frontier: Corruptor) -> None:
@@ -205,25 +260,53 @@ async def test_list_runs_by_state(store: Any) -> None:
     a, b, c = ThreadId("t-running"), ThreadId("t-ended"), ThreadId("t-claimed-only")
     await _started(store, a, "run-a")
     eb = await _started(store, b, "run-b")
-    await store.append(ended(b, "run-b", 1), 1, eb)
-    await store.claim(c, "owner")
+    await store.append(ended(b, "run-b", 1, prev=await head(store, b)), 1, eb)
+    await store.claim(c, "owner", 0)
     everything = sorted((s.thread_id, s.state) for s in await store.list_runs())
     assert everything == [(b, "ended"), (a, "running")]
     running = await store.list_runs("running")
-    assert [(s.thread_id, s.run_id, s.version) for s in running] == [(a, "run-a", 1)]
+    assert [(s.thread_id, s.run_id, s.version, s.owner) for s in running] == [
+        (a, "run-a", 1, "owner-1")
+    ]
     [done] = await store.list_runs("ended")
     assert (done.thread_id, done.cause, done.version) == (b, "natural", 2)
     assert await store.list_runs("awaiting") == []
 
 
+async def test_the_owner_index_lists_running_runs_by_host(store: Any) -> None:
+    threads = [ThreadId(f"t-{i}") for i in range(4)]
+    for i, t in enumerate(threads):
+        before = await store.load(t)
+        owner = f"host-{i % 2}#{100 + i}"
+        await store.append(activation(t, f"run-{i}"), 0, 0, claim=owner)
+        assert before.version == 0
+    await store.claim(threads[2], "host-1#7", 1)  # host-0's Run taken over by host-1
+    e3 = (await store.load(threads[3])).epoch
+    await store.append(ended(threads[3], "run-3", 1, prev=await head(store, threads[3])), 1, e3)
+
+    def owned(rows: list[Any]) -> list[tuple[str, str | None]]:
+        return sorted((r.thread_id, r.owner) for r in rows)
+
+    assert owned(await store.list_runs("running", host="host-0")) == [("t-0", "host-0#100")]
+    assert owned(await store.list_runs("running", host="host-1")) == [
+        ("t-1", "host-1#101"),
+        ("t-2", "host-1#7"),
+    ]
+    assert await store.list_runs("running", host="host-9") == []
+    assert owned(await store.list_runs(host="host-1")) == [
+        ("t-1", "host-1#101"),
+        ("t-2", "host-1#7"),
+        ("t-3", "host-1#103"),
+    ]
+
+
 async def test_group_of_appends_lands_and_one_bad_fails_alone(store: Any) -> None:
     threads = [ThreadId(f"t-{i:02d}") for i in range(40)]
-    epochs = await asyncio.gather(*(store.claim(t, "owner") for t in threads))
 
     async def one(i: int) -> Any:
         expected = 7 if i == 13 else 0  # thread 13 asks for a version it is not at
         try:
-            return await store.append(activation(threads[i], f"run-{i}"), expected, epochs[i])
+            return await store.append(activation(threads[i], f"run-{i}"), expected, 0, claim="o")
         except VersionConflict as exc:
             return exc
 

@@ -19,7 +19,7 @@ import pytest
 from runtime import Agent, EndedState, InProcessRunner, ModelResponse, ScriptedModel, call, tool
 from runtime.commit import Frontier, Receipt, ThreadCommit, replay
 from runtime.errors import StoreUnavailable
-from runtime.ids import RunId, ThreadId
+from runtime.ids import ThreadId
 from storage.redis_store import RedisCommitStore
 from tests.conftest import IN_CI
 from tests.support.servers import PrivateRedis, private_redis
@@ -53,8 +53,10 @@ class Watched:
             self.failed.set()
             raise
 
-    async def append(self, commit: ThreadCommit, expected_version: int, epoch: int) -> Receipt:
-        return await self._watch(self.inner.append(commit, expected_version, epoch))
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, **claim: Any
+    ) -> Receipt:
+        return await self._watch(self.inner.append(commit, expected_version, epoch, **claim))
 
     async def load(self, thread: ThreadId) -> Frontier:
         return await self._watch(self.inner.load(thread))
@@ -62,16 +64,11 @@ class Watched:
     async def read(self, thread: ThreadId, after_seq: int = 0) -> Any:
         return await self._watch(self.inner.read(thread, after_seq))
 
-    async def claim(self, thread: ThreadId, owner: str) -> int:
-        return await self._watch(self.inner.claim(thread, owner))
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+        return await self._watch(self.inner.claim(thread, owner, supersedes))
 
-    async def claim_frontier(
-        self, thread: ThreadId, owner: str, starting: RunId | None = None
-    ) -> Frontier:
-        return await self._watch(self.inner.claim_frontier(thread, owner, starting))
-
-    async def list_runs(self, state: Any = None) -> Any:
-        return await self._watch(self.inner.list_runs(state))
+    async def list_runs(self, state: Any = None, **host: Any) -> Any:
+        return await self._watch(self.inner.list_runs(state, **host))
 
     async def close(self) -> None:
         await self.inner.close()

@@ -50,7 +50,7 @@ async def store(redis_url: str) -> AsyncIterator[RedisCommitStore]:
     await s.close()
 
 
-def one_shot(thread: str, run: str, text: str = "hi") -> ThreadCommit:
+def one_shot(thread: str, run: str, text: str = "hi", prev: str = "") -> ThreadCommit:
     """A whole Run in one commit (activation and end together): any writer may add one."""
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -59,6 +59,7 @@ def one_shot(thread: str, run: str, text: str = "hi") -> ThreadCommit:
         label="activation",
         disposition=EndedState(run_id=RunId(run), cause=Cancelled()),
         messages=(UserMessage(id=f"{run}:input", text=text),),
+        prev=prev,
     )
 
 
@@ -68,15 +69,16 @@ def unowned(frontier: Frontier) -> Frontier:
 
 async def test_fifty_concurrent_writers_one_winner_per_version(store: RedisCommitStore) -> None:
     thread = ThreadId("race")
-    await store.claim(thread, "racers")
+    await store.claim(thread, "racers", 0)
     conflicts = 0
 
     async def writer(i: int) -> int:
         nonlocal conflicts
         while True:
             f = await store.load(thread)
+            commit = one_shot(thread, f"run-{i}", prev=f.head)
             try:
-                return (await store.append(one_shot(thread, f"run-{i}"), f.version, f.epoch)).seq
+                return (await store.append(commit, f.version, f.epoch)).seq
             except VersionConflict:
                 conflicts += 1
 
@@ -93,18 +95,18 @@ async def test_fifty_concurrent_writers_one_winner_per_version(store: RedisCommi
 async def test_the_script_lets_one_of_many_stale_snapshots_win(store: RedisCommitStore) -> None:
     """All writers pass Python's check on the same snapshot; only the script decides."""
     thread = ThreadId("script-race")
-    epoch = await store.claim(thread, "me")
+    epoch = (await store.claim(thread, "me", 0)).epoch
     f = await store.load(thread)
     commits = [one_shot(thread, f"run-{i}") for i in range(20)]
     outcomes = await asyncio.gather(
-        *(store._apply(c, advance(f, c), f.version, epoch) for c in commits),
+        *(store._apply(c, f, advance(f, c), None) for c in commits),
         return_exceptions=True,
     )
     winners = [o for o in outcomes if o is not None]
     assert len(winners) == 1 and not isinstance(winners[0], BaseException)
     assert winners[0].seq == 1  # the other 19 were refused by the script itself
     assert len(await store.read(thread)) == 1
-    with pytest.raises(VersionConflict):  # and the refusal is named by check_append
+    with pytest.raises(VersionConflict):  # and the refusal is named by admit
         await store.append(commits[1], f.version, epoch)
 
 
@@ -112,11 +114,11 @@ async def test_the_script_refuses_a_stale_epoch_and_writes_nothing(
     store: RedisCommitStore,
 ) -> None:
     thread = ThreadId("fenced")
-    old = await store.claim(thread, "zombie")
+    old = (await store.claim(thread, "zombie", 0)).epoch
     f = await store.load(thread)
     commit = one_shot(thread, "run-z")
-    new_epoch = await store.claim(thread, "successor")  # lands between load and script
-    assert await store._apply(commit, advance(f, commit), f.version, old) is None
+    new_epoch = (await store.claim(thread, "successor", old)).epoch  # between load and script
+    assert await store._apply(commit, f, advance(f, commit), None) is None
     assert await store.read(thread) == [] and (await store.load(thread)).version == 0
     with pytest.raises(Fenced) as caught:
         await store.append(commit, f.version, old)
@@ -128,17 +130,17 @@ async def test_the_script_answers_known_operations_and_ended_runs(
     store: RedisCommitStore,
 ) -> None:
     thread = ThreadId("known")
-    epoch = await store.claim(thread, "me")
+    epoch = (await store.claim(thread, "me", 0)).epoch
     f = await store.load(thread)
     commit = one_shot(thread, "run-k")
-    receipt = await store._apply(commit, advance(f, commit), 0, epoch)
+    receipt = await store._apply(commit, f, advance(f, commit), None)
     assert receipt is not None
     # The script refuses a known operation id; the append then answers from the rule:
     # the same payload gets the original receipt, another payload is a duplicate.
-    assert await store._apply(commit, advance(f, commit), 0, epoch) is None
+    assert await store._apply(commit, f, advance(f, commit), None) is None
     assert await store.append(commit, 0, epoch) == receipt
     other = one_shot(thread, "run-k", text="another payload")
-    assert await store._apply(other, advance(f, other), 0, epoch) is None
+    assert await store._apply(other, f, advance(f, other), None) is None
     with pytest.raises(DuplicateOperation):
         await store.append(other, 0, epoch)
     after = await store.load(thread)
@@ -148,8 +150,9 @@ async def test_the_script_answers_known_operations_and_ended_runs(
         ordinal=1,
         label="status",
         disposition=RunningState(run_id=RunId("run-k")),
+        prev=after.head,
     )
-    assert await store._apply(late, advance(after, late), after.version, epoch) is None
+    assert await store._apply(late, after, advance(after, late), None) is None
     with pytest.raises(RunEnded):
         await store.append(late, after.version, epoch)
     assert len(await store.read(thread)) == 1
@@ -159,7 +162,7 @@ async def test_a_key_of_the_wrong_type_fails_closed_before_any_write(
     store: RedisCommitStore,
 ) -> None:
     thread = ThreadId("wrong-type")
-    epoch = await store.claim(thread, "me")
+    epoch = (await store.claim(thread, "me", 0)).epoch
     await store.client.set(f"{store.prefix}:runs:ended", "not a hash")
     with pytest.raises(CorruptRecord):
         await store.append(one_shot(thread, "run-w"), 0, epoch)
@@ -170,7 +173,7 @@ async def test_corrupt_frontier_and_record_fail_closed_naming_thread_and_seq(
     store: RedisCommitStore,
 ) -> None:
     thread = ThreadId("corrupt")
-    epoch = await store.claim(thread, "me")
+    epoch = (await store.claim(thread, "me", 0)).epoch
     await store.append(one_shot(thread, "run-c"), 0, epoch)
     await store.corrupt(thread, 1, '{"schema_version": 1, "nope": true}')
     with pytest.raises(CorruptRecord) as record:
@@ -184,13 +187,15 @@ async def test_corrupt_frontier_and_record_fail_closed_naming_thread_and_seq(
 
 async def test_claims_never_touch_the_frontier(store: RedisCommitStore) -> None:
     thread = ThreadId("claims")
-    epoch = await store.claim(thread, "a")
+    epoch = (await store.claim(thread, "a", 0)).epoch
     await store.append(one_shot(thread, "run-1"), 0, epoch)
     before = await store.load(thread)
-    again = await store.claim(thread, "b")
+    again = await store.claim(thread, "b", epoch)
     after = await store.load(thread)
-    assert (again, after.owner) == (epoch + 1, "b")
+    assert (again.epoch, after.owner) == (epoch + 1, "b")
     assert unowned(after) == unowned(before)
+    text = await store.client.hget(f"{store.prefix}:thread:claims:meta", "frontier")
+    assert '"owner":null' in text  # ownership lives beside the frontier, not in it
 
 
 def dead_url() -> str:

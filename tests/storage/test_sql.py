@@ -19,11 +19,11 @@ from runtime.errors import (
     StoreUnavailable,
     VersionConflict,
 )
-from runtime.ids import RunId, ThreadId
+from runtime.ids import ThreadId
 from storage.schema import SCHEMA_VERSION, commits, schema_version
 from storage.sql import LINGER_TURNS, SqlCommitStore
 from storage.sql_engine import translate
-from tests.storage.builders import activation, ended, step
+from tests.storage.builders import activation, ended, head, step
 from tests.storage.conftest import make_store
 
 
@@ -93,6 +93,7 @@ async def test_a_group_writer_lingers_for_company_only_after_a_group_that_had_so
 async def test_database_refusal_fails_only_the_culprit(sql_store: SqlCommitStore) -> None:
     bad, good = ThreadId("bad"), [ThreadId(f"good-{i}") for i in range(5)]
     await sql_store.append(activation(bad, "run-bad"), 0, 0)
+    h = await head(sql_store, bad)
     # A row the frontier does not know about: the pure rules admit seq 2, the
     # primary key refuses it, and the group is replayed with one SAVEPOINT each.
     async with sql_store.engine.begin() as conn:
@@ -104,7 +105,7 @@ async def test_database_refusal_fails_only_the_culprit(sql_store: SqlCommitStore
             )
         )  # fmt: skip
     outcomes = await asyncio.gather(
-        sql_store.append(step(bad, "run-bad", 1), 1, 0),
+        sql_store.append(step(bad, "run-bad", 1, prev=h), 1, 0),
         *(sql_store.append(activation(t, f"run-{t}"), 0, 0) for t in good),
         return_exceptions=True,
     )
@@ -136,7 +137,7 @@ async def test_sqlite_file_is_created_in_wal_mode_and_migrated_once(tmp_path: Pa
                 await conn.execute(select(func.count()).select_from(schema_version))
             ).scalar()
         await store.close()
-        assert mode == "wal" and versions == SCHEMA_VERSION == 3
+        assert mode == "wal" and versions == SCHEMA_VERSION == 4
     assert (tmp_path / "deep" / "er" / "ratchet.db").exists()
 
 
@@ -196,8 +197,13 @@ async def test_groups_are_planned_without_reading_their_rows(
 ) -> None:
     store, _ = two_stores
     threads = [ThreadId(f"p-{i:02d}") for i in range(20)]
-    await asyncio.gather(*(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads))
-    await asyncio.gather(*(store.append(step(t, f"r-{t}", 1), 1, 0) for t in threads))
+    receipts = await asyncio.gather(*(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads))
+    await asyncio.gather(
+        *(
+            store.append(step(t, f"r-{t}", 1, prev=r.payload_hash), 1, 0)
+            for t, r in zip(threads, receipts, strict=True)
+        )
+    )
     assert store.planned == store.groups > 0  # new threads and known ones alike
     for t in threads:
         frontier = await store.load(t)
@@ -209,15 +215,15 @@ async def test_a_row_another_process_changed_makes_the_plan_fall_back(
 ) -> None:
     mine, theirs = two_stores
     thread = ThreadId("contested")
-    await mine.append(activation(thread, "r"), 0, 0)
-    assert await theirs.claim(thread, "someone-else") == 1  # mine's cache is now stale
+    first = await mine.append(activation(thread, "r"), 0, 0)
+    assert (await theirs.claim(thread, "someone-else", 0)).epoch == 1  # mine's cache: stale
     planned = mine.planned
     with pytest.raises(Fenced):
-        await mine.append(step(thread, "r", 1), 1, 0)
+        await mine.append(step(thread, "r", 1, prev=first.payload_hash), 1, 0)
     assert mine.planned == planned  # the plan did not hold; the read-first path refused
     frontier = await theirs.load(thread)
     assert (frontier.version, frontier.epoch, frontier.owner) == (1, 1, "someone-else")
-    await mine.append(step(thread, "r", 1), 1, 1)  # at the current epoch it lands
+    await mine.append(step(thread, "r", 1, prev=first.payload_hash), 1, 1)  # current epoch
     assert (await theirs.load(thread)).version == 2
 
 
@@ -226,9 +232,10 @@ async def test_a_claim_on_a_row_another_process_moved_on_keeps_its_progress(
 ) -> None:
     mine, theirs = two_stores
     thread = ThreadId("moved-on")
-    await mine.append(activation(thread, "r"), 0, 0)  # mine caches version 1
-    await theirs.append(step(thread, "r", 1), 1, 0)  # same epoch and owner, version 2
-    claimed = await mine.claim_frontier(thread, "me")  # planned on version 1: must not hold
+    first = await mine.append(activation(thread, "r"), 0, 0)  # mine caches version 1
+    # same epoch and owner, version 2
+    await theirs.append(step(thread, "r", 1, prev=first.payload_hash), 1, 0)
+    claimed = await mine.claim(thread, "me", 0)  # planned on version 1: must not hold
     assert (claimed.version, claimed.epoch, claimed.steps) == (2, 1, 1)
     assert (await theirs.load(thread)).version == 2
 
@@ -238,30 +245,33 @@ async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
 ) -> None:
     mine, theirs = two_stores
     thread = ThreadId("elsewhere")
-    assert await theirs.claim(thread, "them") == 1
+    assert (await theirs.claim(thread, "them", 0)).epoch == 1
     await theirs.append(activation(thread, "r"), 0, 1)
     planned = mine.planned
-    # planned as a new thread (epoch 1), the row exists: the read-first path gives epoch 2
-    assert await mine.claim(thread, "me") == 2
-    assert mine.planned == planned
+    # planned as a new thread (epoch 0), the row exists: the read-first path decides
+    with pytest.raises(Fenced):
+        await mine.claim(thread, "me", 0)
+    assert mine.planned == planned  # the plan did not hold
+    assert (await mine.claim(thread, "me", 1)).epoch == 2  # the row is known now
     frontier = await theirs.load(thread)
     assert (frontier.version, frontier.epoch, frontier.owner) == (1, 2, "me")
 
 
-async def test_a_start_claim_the_cache_cannot_judge_is_judged_on_the_row(
+async def test_a_start_the_cache_cannot_judge_is_judged_on_the_row(
     two_stores: tuple[SqlCommitStore, SqlCommitStore],
 ) -> None:
     mine, theirs = two_stores
     thread = ThreadId("busy")
-    await theirs.append(activation(thread, "r1"), 0, 0)
+    first = await theirs.append(activation(thread, "r1"), 0, 0)
     # planned as a new thread, the row exists: read first, the active Run refuses it
-    with pytest.raises(InvalidTransition):
-        await mine.claim_frontier(thread, "me", RunId("r2"))
+    with pytest.raises((InvalidTransition, VersionConflict)):
+        await mine.append(activation(thread, "r2"), 0, 0, claim="me")
     frontier = await theirs.load(thread)
     assert (frontier.epoch, frontier.run_id) == (0, "r1")
-    await theirs.append(ended(thread, "r1", 1), 1, 0)
-    claimed = await mine.claim_frontier(thread, "me", RunId("r2"))
-    assert (claimed.epoch, claimed.version, claimed.ended) == (1, 2, True)
+    done = await theirs.append(ended(thread, "r1", 1, prev=first.payload_hash), 1, 0)
+    await mine.append(activation(thread, "r2", prev=done.payload_hash), 2, 0, claim="me")
+    claimed = await theirs.load(thread)
+    assert (claimed.epoch, claimed.version, claimed.run_id, claimed.owner) == (1, 3, "r2", "me")
 
 
 async def test_a_plan_that_fails_leaves_the_group_to_the_read_first_path(

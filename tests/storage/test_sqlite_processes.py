@@ -41,10 +41,10 @@ async def _write(url: str, name: str, start: Any) -> None:
 
 
 async def _own(store: SqlCommitStore, thread: ThreadId) -> None:
-    epoch = await store.claim(thread, "owner")
-    await store.append(activation(thread, f"run-{thread}"), 0, epoch)
+    receipt = await store.append(activation(thread, f"run-{thread}"), 0, 0, claim="owner")
     for i in range(1, STEPS + 1):
-        await store.append(step(thread, f"run-{thread}", i), i, epoch)
+        commit = step(thread, f"run-{thread}", i, prev=receipt.payload_hash)
+        receipt = await store.append(commit, i, 1)
 
 
 async def _race(store: SqlCommitStore, name: str) -> None:
@@ -52,7 +52,9 @@ async def _race(store: SqlCommitStore, name: str) -> None:
     for k in range(STEPS):
         while True:
             frontier = await store.load(SHARED)
-            commit = step(SHARED, SHARED_RUN, frontier.next_ordinal, f"{name}-{k}")
+            commit = step(
+                SHARED, SHARED_RUN, frontier.next_ordinal, f"{name}-{k}", prev=frontier.head
+            )
             try:
                 await store.append(commit, frontier.version, frontier.epoch)
                 break
@@ -63,8 +65,7 @@ async def _race(store: SqlCommitStore, name: str) -> None:
 async def _prepare(url: str) -> None:
     store = await SqlCommitStore.connect(url)
     try:
-        epoch = await store.claim(SHARED, "everyone")
-        await store.append(activation(SHARED, SHARED_RUN), 0, epoch)
+        await store.append(activation(SHARED, SHARED_RUN), 0, 0, claim="everyone")
     finally:
         await store.close()
 

@@ -1,0 +1,100 @@
+"""A host's reconciliation: what it owns (the store's owner index) against what it drives.
+
+Every pass (at start, then every ``SystemSpec.reconcile_s``):
+
+- a Run this host owns but does not drive is driven again: a previous incarnation's
+  (Ray restarted the host, or the system came up again) or one whose drive stopped
+  (a bug; ``paused`` drives, stopped by a long store outage, are not counted) is first
+  marked lost (``actors.ownership.mark_lost``, which dead-letters a Run lost too often);
+- a drive of a Run that another owner has claimed since is stopped now, rather than at
+  its next commit (which a long tool call can put off indefinitely): its waves are
+  cancelled on the executors;
+- a thread whose records do not verify is quarantined: no engine here acts on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from actors.drives import Drives
+from actors.ownership import EXECUTION_LOST, mark_lost, running_owned_by
+from actors.wire import RemoteError
+from runtime.errors import CorruptRecord, RatchetError
+from runtime.ids import ThreadId
+from runtime.lifecycle import RunningState
+from runtime.ports import CommitStore, RunSummary
+
+log = logging.getLogger("ratchet.run_host")
+
+
+class Reconciler:
+    def __init__(
+        self,
+        host_id: str,
+        owner: str,
+        store: CommitStore,
+        drives: Drives,
+        recover: Callable[[ThreadId], Awaitable[Any]],
+    ) -> None:
+        self.host_id = host_id
+        self.owner = owner
+        self.store = store
+        self.drives = drives
+        self.recover = recover
+
+    async def once(self) -> None:
+        owned = await running_owned_by(self.store, self.host_id)
+        await self._stop_fenced({s.thread_id for s in owned if s.owner == self.owner})
+        await asyncio.gather(*(self._take_back(s) for s in owned))
+
+    async def _stop_fenced(self, ours: set[ThreadId]) -> None:
+        for thread, drive in list(self.drives.table.items()):
+            if thread in ours or not drive.engine.committed.is_set() or drive.task.done():
+                continue
+            frontier = await self.store.load(thread)
+            taken = isinstance(frontier.run_state, RunningState) and frontier.owner != self.owner
+            if taken and self.drives.get(thread) is drive:
+                log.info("drive of %s was fenced by %s: stopping it", thread, frontier.owner)
+                await self.drives.stop(thread, drive)
+
+    async def _take_back(self, summary: RunSummary) -> None:
+        """A running Run this host owns but does not drive: drive it again."""
+        thread = summary.thread_id
+        drives = self.drives
+        if thread in drives or thread in drives.quarantined or thread in drives.replacing:
+            return
+        try:
+            paused = summary.owner == self.owner and thread in drives.paused
+            if not paused and summary.status.state == "running":
+                reason = EXECUTION_LOST if summary.owner != self.owner else "execution_stopped"
+                marked = await mark_lost(
+                    self.store, thread, self.owner, lost_owner=summary.owner, reason=reason
+                )
+                if not marked:
+                    return
+            drives.paused.discard(thread)
+            if thread in drives:  # a request spawned a drive meanwhile
+                return
+            result = await self.recover(thread)
+            if isinstance(result, RemoteError):
+                await self._recovery_failed(thread, result)
+        except CorruptRecord as exc:
+            log.error("thread %s cannot be trusted (%s); not driving it again", thread, exc)
+            drives.quarantined.add(thread)
+
+    async def _recovery_failed(self, thread: ThreadId, error: RemoteError) -> None:
+        """Recovering failed before a drive could start (e.g. its agent cannot be built
+        here): that counts towards its dead letter."""
+        with contextlib.suppress(RatchetError):
+            await mark_lost(
+                self.store,
+                thread,
+                self.owner,
+                lost_owner=self.owner,
+                reason=f"recovery_failed:{error.name}",
+                again=True,
+            )

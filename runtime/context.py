@@ -1,0 +1,110 @@
+"""What the parts of a Step share: the Run's working copy, and the small set of services
+the batch helpers need from whoever drives it (the Engine provides them).
+
+The helpers (``runtime.toolbatch``, ``runtime.resume``) take a ``StepServices`` rather
+than the Engine, so the import graph has no circle: engine → toolbatch → context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from runtime.agent import Agent
+from runtime.commit import CommitLabel, Frontier
+from runtime.delegation import ChildRunner
+from runtime.faults import FaultPlan
+from runtime.hooks import ExecutionState, HookPoint, HookResults
+from runtime.ids import RunId
+from runtime.lifecycle import RunDisposition, RunningState
+from runtime.limits import Limits
+from runtime.ports import ToolRunner
+from runtime.state import Command
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoreRetry:
+    """Backoff for StoreUnavailable: the Run pauses, it never records a guess."""
+
+    first_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+    give_up_after_s: float = 60.0
+    """After this long a drive stops (its host drives it again later); settling a Run's
+    end never gives up."""
+
+
+DEFAULT_RETRY = StoreRetry()
+
+
+@dataclass
+class RunContext:
+    """The engine's working copy of one Run (never the truth: the store is)."""
+
+    frontier: Frontier
+    epoch: int
+    execution: ExecutionState
+    pending: list[Command] = field(default_factory=list)
+    """Hook commands staged for the next commit."""
+    step_ended: str | None = None
+    """Batch id whose StepEnd hooks already ran (they run once per Step)."""
+
+    _running: RunningState | None = field(default=None, init=False, repr=False)
+
+    @property
+    def run_id(self) -> RunId:
+        assert self.frontier.run_id is not None
+        return self.frontier.run_id
+
+    def running(self) -> RunningState:
+        """The Run's Running disposition: one record, reused by each commit that needs it."""
+        run_id = self.run_id
+        if self._running is None or self._running.run_id != run_id:
+            self._running = RunningState(run_id=run_id)
+        return self._running
+
+
+class StepServices(Protocol):
+    """What carrying out a Step's batch needs from its driver."""
+
+    agent: Agent
+    tools: ToolRunner
+    children: ChildRunner | None
+    faults: FaultPlan
+    limits: Limits
+    prompt_path: tuple[str, ...]
+    lineage: tuple[str, ...]
+
+    @property
+    def ending(self) -> bool:
+        """Cancelled or stopped: the Run ends at its next check."""
+
+    async def commit(
+        self,
+        ctx: RunContext,
+        label: CommitLabel,
+        disposition: RunDisposition,
+        *,
+        claim: bool = False,
+        **parts: Any,
+    ) -> None:
+        """Commit (and fold into ``ctx``); ``claim``: the commit also claims the thread."""
+
+    async def hooks(
+        self,
+        ctx: RunContext,
+        point: HookPoint,
+        into: HookResults,
+        *,
+        step: int,
+        response: Any = None,
+        call: Any = None,
+    ) -> None: ...
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """``work``, unless the cancellation signal fires first (CancelledSignal)."""
+
+
+__all__: Sequence[str] = ("RunContext", "StepServices", "StoreRetry")

@@ -1,0 +1,181 @@
+"""May a requested call run? The gates, and the admission of what a tool returned.
+
+``plan`` answers, for every call of an open batch, what happens next (from the pure
+recovery decision ``plan_calls``, so a live Step and a recovered one take the same
+path): it runs the gates of requested calls — arguments, recovery mode, delegation
+limits, arguments the model sent that could not be kept — and sorts the calls into
+the ready ones, the one that waits, and those it settled at once (model-visible
+errors). ``waves`` groups the ready calls. ``admit_outcome`` checks a tool's result
+against the limits before it can be committed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.agent import Agent
+from runtime.batch import ActiveToolBatch, ToolOutput, complete, mark_indeterminate
+from runtime.context import StepServices
+from runtime.delegation import CHILDREN_KEY, refusal
+from runtime.errors import InputRefused
+from runtime.ids import CallId
+from runtime.lifecycle import IndeterminateEnd
+from runtime.limits import Limits, check_id, check_json_value, check_text
+from runtime.ports import Finished
+from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
+from runtime.signals import EndRun
+from runtime.state import StateView
+
+
+@dataclass
+class CallPlan:
+    """What happens next to each call of a batch (the batch with the gates' verdicts)."""
+
+    batch: ActiveToolBatch
+    ready: list[CallId] = field(default_factory=list)
+    waiter: CallId | None = None
+    parsed: dict[CallId, dict[str, Any]] = field(default_factory=dict)
+    """Arguments the gates validated, for the calls' first invocation."""
+
+
+def plan(
+    services: StepServices,
+    state: StateView,
+    batch: ActiveToolBatch,
+    refused: Mapping[CallId, str] | None = None,
+) -> CallPlan:
+    """Run the gates of the requested calls and sort every call by what comes next."""
+    agent = services.agent
+    out = CallPlan(batch)
+    for action in plan_calls(batch, lambda tool, mode: _supports(agent, tool, mode)):
+        if isinstance(action, MarkIndeterminate):
+            if delegates(agent, out.batch, action.call_id):
+                raise EndRun(
+                    IndeterminateEnd(reason=f"delegation {action.call_id}: {action.reason}")
+                )
+            out.batch = mark_indeterminate(out.batch, action.call_id, action.reason)
+        elif isinstance(action, Replay):
+            out.ready.append(action.call_id)
+        elif isinstance(action, WaitOnCall):
+            out.waiter = out.waiter or action.call_id
+        elif isinstance(action, RunGates):
+            why = None if refused is None else refused.get(action.call_id)
+            verdict = _gate(services, state, out, action.call_id, why)
+            if verdict == "ready":
+                out.ready.append(action.call_id)
+            elif verdict == "wait" and out.waiter is None:
+                out.waiter = action.call_id  # one wait at a time; later ones stay requested
+    return out
+
+
+def _supports(agent: Agent, tool_id: str, mode: str) -> bool:
+    tool = agent.tool(tool_id)
+    return tool is not None and tool.supports(mode)  # type: ignore[arg-type]
+
+
+def _gate(
+    services: StepServices, state: StateView, out: CallPlan, call_id: CallId, refused: str | None
+) -> str:
+    """Validate a requested call; bad input becomes a model-visible error, never a crash."""
+    agent = services.agent
+    call = out.batch.call(call_id)
+    if refused is not None:
+        return _fail(out, call_id, refused)
+    tool = agent.tool(call.tool)
+    if tool is None:
+        known = ", ".join(t.id for t in agent.tools) or "none"
+        return _fail(out, call_id, f"unknown tool {call.tool!r}; available tools: {known}")
+    try:
+        out.parsed[call_id] = tool.parse(call.arguments, services.limits)
+    except ValueError as exc:
+        return _fail(out, call_id, str(exc))
+    if tool.delegates:
+        why = _delegation_refusal(services, state, out.batch, call_id)
+        if why is not None:
+            return _fail(out, call_id, why)
+    if not tool.supports(call.policy.mode):
+        return _fail(
+            out,
+            call_id,
+            f"tool {tool.id} does not support recovery mode "
+            f"{call.policy.mode} (it declares {list(tool.recovery)})",
+        )
+    return "wait" if tool.wait is not None else "ready"
+
+
+def _fail(out: CallPlan, call_id: CallId, text: str) -> str:
+    out.batch = complete(out.batch, call_id, ToolOutput(content=text, is_error=True))
+    return "done"
+
+
+def delegates(agent: Agent, batch: ActiveToolBatch, call_id: CallId) -> bool:
+    if not agent.delegating:
+        return False
+    tool = agent.tool(batch.call(call_id).tool)
+    return tool is not None and tool.delegates
+
+
+def _delegation_refusal(
+    services: StepServices, state: StateView, batch: ActiveToolBatch, call_id: CallId
+) -> str | None:
+    if services.children is None:
+        return "delegation is not available: this runner has no child runner"
+    agent = services.agent
+    delegations = [c.call_id for c in batch.calls if delegates(agent, batch, c.call_id)]
+    earlier = delegations[: delegations.index(call_id)]
+    # children already committed, plus earlier calls of this batch that were not refused
+    started = set(state["run"].get(CHILDREN_KEY, {})) | {
+        c for c in earlier if batch.call(c).phase.kind != "completed"
+    }
+    target = json.loads(batch.call(call_id).arguments)["agent"]
+    return refusal(
+        agent.delegation,
+        depth=len(services.prompt_path),
+        lineage=services.lineage,
+        agent=target,
+        started=len(started),
+        in_batch=len(earlier) + 1,
+    )
+
+
+def waves(agent: Agent, batch: ActiveToolBatch, ready: Sequence[CallId]) -> list[list[CallId]]:
+    """Consecutive parallel-safe calls share a wave; a serial call runs alone."""
+    current: list[CallId] = []
+    out: list[list[CallId]] = []
+    for call_id in ready:
+        tool = agent.tool(batch.call(call_id).tool)
+        if tool is not None and tool.concurrency == "parallel":
+            current.append(call_id)
+            continue
+        if current:
+            out.append(current)
+            current = []
+        out.append([call_id])
+    if current:
+        out.append(current)
+    return out
+
+
+def admit_outcome(outcome: Finished, limits: Limits) -> Finished:
+    """A tool's finished outcome as it may be committed: a result over
+    ``tool_result_bytes`` or that cannot be stored, or state commands beyond the state
+    limits, become a model-visible error naming the limit (the commands are dropped)."""
+    try:
+        check_text(
+            "tool result", outcome.output.content, limits.tool_result_bytes, "tool_result_bytes"
+        )
+        for cmd in outcome.commands:
+            check_id("state key", cmd.key, limits)
+            check_json_value(
+                f"state command {cmd.key!r}",
+                cmd.value,
+                limits.state_value_bytes,
+                "state_value_bytes",
+                limits,
+            )
+    except InputRefused as exc:
+        return Finished(output=ToolOutput(content=f"tool output refused: {exc}", is_error=True))
+    return outcome

@@ -1,0 +1,200 @@
+"""The documented limits on what enters a Run, and the checks that enforce them.
+
+Everything from outside — a caller's input and ids, a model's output, a tool's result,
+a hook's commands, a resume payload — is checked here before anything is committed.
+A refusal is ``InputRefused`` naming the limit (the field of ``Limits``) or the rule
+broken (``utf8``: text with an unpaired surrogate, which no store can encode;
+``control_chars``: an id with a control character). Callers' input is refused with
+no thread row and no Run; model and tool output that breaks a limit becomes a
+model-visible error or a committed ``failed(...)`` (see ``admit_response`` and
+``admit_output``). The README's Errors section has this table.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from runtime.base import canonical_json
+from runtime.errors import InputRefused
+
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per system (``SystemSpec.limits``) or per engine (``Engine(limits=...)``)."""
+
+    input_bytes: int = 256 * KIB
+    """A Run's input text, and the text of a ``user_input`` resume (UTF-8 bytes)."""
+    model_text_bytes: int = 256 * KIB
+    """The text of one model response."""
+    tool_calls: int = 64
+    """Tool calls in one model response."""
+    tool_arguments_bytes: int = 64 * KIB
+    """One tool call's raw JSON arguments."""
+    tool_result_bytes: int = 64 * KIB
+    """One tool result's content (a tool's output, or a caller's external result)."""
+    resume_payload_bytes: int = 256 * KIB
+    """A ResumeCommand's payload, encoded as JSON."""
+    state_value_bytes: int = 64 * KIB
+    """One state command's value, encoded as JSON."""
+    json_depth: int = 64
+    """Nesting of any JSON: tool arguments, state values, resume payloads."""
+    id_chars: int = 256
+    """Thread, run, call, message and correlation ids (characters)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limit {f.name} must be a positive integer, not {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def utf8_problem(text: str) -> str | None:
+    """Why ``text`` cannot be stored as UTF-8 (an unpaired surrogate), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid Unicode text (an unpaired surrogate at character {exc.start})"
+    return None
+
+
+def utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_text(what: str, text: object, max_bytes: int, limit: str) -> str:
+    """``text`` if it is storable text of at most ``max_bytes``; else InputRefused."""
+    if not isinstance(text, str):
+        raise InputRefused(what, "type", f"expected text, got {type(text).__name__}")
+    problem = utf8_problem(text)
+    if problem is not None:
+        raise InputRefused(what, "utf8", problem)
+    size = utf8_size(text)
+    if size > max_bytes:
+        raise InputRefused(what, limit, f"{size} bytes; the limit is {max_bytes} bytes")
+    return text
+
+
+def check_id(what: str, value: object, limits: Limits = DEFAULT_LIMITS) -> str:
+    """A usable id: non-empty text, at most ``id_chars``, no control characters."""
+    if not isinstance(value, str) or not value:
+        raise InputRefused(what, "type", f"expected a non-empty id, got {value!r:.80}")
+    if len(value) > limits.id_chars:
+        raise InputRefused(
+            what, "id_chars", f"{len(value)} characters; the limit is {limits.id_chars}"
+        )
+    problem = utf8_problem(value)
+    if problem is not None:
+        raise InputRefused(what, "utf8", problem)
+    if _CONTROL.search(value):
+        raise InputRefused(what, "control_chars", "ids may not hold control characters")
+    return value
+
+
+def json_depth(text: str) -> int:
+    """How deeply the JSON text ``text`` nests arrays and objects (strings ignored).
+
+    Counted on the text, before any parser recurses into it (Python's json module
+    raises RecursionError around 1,000 levels; pydantic refuses earlier).
+    """
+    if "[" not in text and "{" not in text:
+        return 0
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    depth = deepest = 0
+    for ch in brackets:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def check_json_text(what: str, text: str, limits: Limits = DEFAULT_LIMITS) -> None:
+    depth = json_depth(text)
+    if depth > limits.json_depth:
+        raise InputRefused(
+            what, "json_depth", f"JSON nested {depth} deep; the limit is {limits.json_depth}"
+        )
+
+
+def check_json_value(
+    what: str, value: Any, max_bytes: int, limit: str, limits: Limits = DEFAULT_LIMITS
+) -> None:
+    """A JSON value (dicts, lists, str, numbers, bool, None) that can be stored: nested
+    at most ``json_depth``, its text storable, finite numbers, at most ``max_bytes``."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            problem = utf8_problem(item)
+            if problem is not None:
+                raise InputRefused(what, "utf8", problem)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise InputRefused(what, "type", "NaN and infinities are not JSON")
+        elif isinstance(item, dict | list | tuple):
+            if depth >= limits.json_depth:
+                raise InputRefused(
+                    what, "json_depth", f"JSON nested deeper than {limits.json_depth}"
+                )
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    stack.append((key, depth + 1))
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+        elif not (item is None or isinstance(item, bool | int | float)):
+            raise InputRefused(what, "type", f"{type(item).__name__} is not JSON")
+    size = utf8_size(canonical_json(value))
+    if size > max_bytes:
+        raise InputRefused(what, limit, f"{size} bytes as JSON; the limit is {max_bytes} bytes")
+
+
+def printable(text: str, max_chars: int = 2000) -> str:
+    """``text`` made storable (unpaired surrogates escaped) and cut to ``max_chars``: for
+    error messages built from exceptions, which may quote anything."""
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+
+
+def limits_table(limits: Limits = DEFAULT_LIMITS) -> list[tuple[str, int, str]]:
+    """(name, value, what it bounds) of every limit: the README's table is checked against it."""
+    docs = _field_docs()
+    return [(f.name, getattr(limits, f.name), docs.get(f.name, "")) for f in fields(limits)]
+
+
+def _field_docs() -> dict[str, str]:
+    import inspect
+
+    source = inspect.getsource(Limits)
+    found = re.findall(r"\n    (\w+): int = [^\n]+\n    \"\"\"(.+?)\"\"\"", source, re.DOTALL)
+    return {name: " ".join(doc.split()) for name, doc in found}
+
+
+__all__: Sequence[str] = (
+    "DEFAULT_LIMITS",
+    "Limits",
+    "check_id",
+    "check_json_text",
+    "check_json_value",
+    "check_text",
+    "json_depth",
+    "limits_table",
+    "printable",
+    "utf8_problem",
+)

@@ -1,0 +1,154 @@
+"""Waits and resumes: committing a ticket, and the commit that answers one (DESIGN §2).
+
+A wait is committed together with ``Awaiting(ticket)``; the Run then holds nothing.
+A resume is validated against the committed ticket (``validate_resume``) and its
+commit carries the resumer's claim (``resume_commit``): it lands only if the thread is
+still at the version the ticket was read at, so of two racing resumes exactly one
+lands and the other finds the ticket gone.
+"""
+
+from __future__ import annotations
+
+from runtime.base import trusted
+from runtime.batch import (
+    ActiveToolBatch,
+    Awaiting,
+    ToolOutput,
+    complete,
+    finalize,
+    mark_awaiting,
+    mark_executing,
+)
+from runtime.context import RunContext, StepServices
+from runtime.events import Fact
+from runtime.ids import CallId, CorrelationId
+from runtime.lifecycle import (
+    AwaitingState,
+    DelegationOutcome,
+    ExternalResult,
+    PermissionDecision,
+    ResumeCommand,
+    ResumeTicket,
+    ToolWaitTarget,
+    UserInput,
+)
+from runtime.limits import Limits, check_id, check_json_value, check_text
+from runtime.messages import Message, ToolResultMessage, UserMessage
+from runtime.timeutil import now_us
+
+
+def check_command(command: ResumeCommand, limits: Limits) -> None:
+    """A ResumeCommand fit to be checked against a ticket: its ids and its payload within
+    the limits (InputRefused otherwise; nothing is read or written)."""
+    long_ids = Limits(id_chars=4 * limits.id_chars)  # correlations embed operation ids
+    check_id("correlation", command.correlation, long_ids)
+    check_id("run id", command.run_id, limits)
+    check_id("thread id", command.thread_id, limits)
+    if command.call_id is not None:
+        check_id("call id", command.call_id, limits)
+    payload = command.payload
+    check_json_value(
+        "resume payload",
+        payload.model_dump(mode="python"),
+        limits.resume_payload_bytes,
+        "resume_payload_bytes",
+        limits,
+    )
+    if isinstance(payload, UserInput):
+        check_text("user input", payload.text, limits.input_bytes, "input_bytes")
+    elif isinstance(payload, ExternalResult | DelegationOutcome):
+        content = payload.output.content
+        check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")
+
+
+async def await_call(
+    services: StepServices, ctx: RunContext, batch: ActiveToolBatch, call_id: CallId
+) -> None:
+    """Commit the call's wait together with Awaiting(ticket): the Run then holds nothing."""
+    call = batch.call(call_id)
+    tool = services.agent.tool(call.tool)
+    if isinstance(call.phase, Awaiting):
+        wait, correlation = call.phase.wait, call.phase.correlation
+    else:
+        assert tool is not None and tool.wait is not None
+        wait = tool.wait
+        correlation = CorrelationId(f"{call.operation_id}:{wait}")
+        batch = mark_awaiting(batch, call_id, wait, correlation)
+    deadline_s = tool.wait_deadline_s if tool is not None else None
+    ticket = ResumeTicket(
+        correlation=correlation,
+        run_id=ctx.run_id,
+        thread_id=ctx.frontier.thread_id,
+        deadline_us=None if deadline_s is None else now_us() + int(deadline_s * 1e6),
+        target=ToolWaitTarget(wait=wait, call_id=call_id, tool=call.tool, arguments=call.arguments),
+    )
+    await services.commit(
+        ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket), batch=batch
+    )
+
+
+async def resume_commit(
+    services: StepServices, ctx: RunContext, ticket: ResumeTicket, command: ResumeCommand
+) -> CallId | None:
+    """Commit the validated resume (Awaiting → Running) with the resumer's claim, before
+    acting on it; returns the call to run now (an approval, a fired schedule), if any."""
+    payload = command.payload
+    resumed = Fact(
+        type="resumed",
+        run_id=ctx.run_id,
+        data={"correlation": ticket.correlation, **payload.model_dump(mode="json")},
+    )
+    target = ticket.target
+    messages: tuple[Message, ...] = ()
+    batch = ctx.frontier.batch
+    run_now: CallId | None = None
+    if not isinstance(target, ToolWaitTarget):
+        # user input or a pause: new user text follows the last batch's results, so those
+        # are published (and the batch finalized) in the same commit
+        batch = None
+        if isinstance(payload, UserInput):
+            prior = ctx.frontier.batch
+            if prior is not None:
+                batch = finalize(prior)
+                messages = result_messages(prior)
+            user = UserMessage(id=f"{ticket.correlation}:input", text=payload.text)
+            messages = (*messages, user)
+    else:
+        assert batch is not None
+        call_id = target.call_id
+        if isinstance(payload, PermissionDecision) and not payload.approve:
+            denied = f"blocked: permission denied{': ' + payload.note if payload.note else ''}"
+            batch = complete(batch, call_id, ToolOutput(content=denied, is_error=True))
+        elif isinstance(payload, ExternalResult | DelegationOutcome):
+            batch = complete(batch, call_id, payload.output)
+        else:  # approved permission or a scheduled action fires: run the call now
+            batch = mark_executing(batch, call_id)
+            run_now = call_id
+    await services.commit(
+        ctx,
+        "resume",
+        ctx.running(),
+        claim=True,
+        messages=messages,
+        batch=batch,
+        extra_facts=(resumed,),
+    )
+    return run_now
+
+
+def result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:
+    """A terminal batch's results, in the model's call order (made of the batch's
+    validated fields, so not validated again)."""
+    if batch is None:
+        return ()
+    return tuple(
+        trusted(
+            ToolResultMessage,
+            call_id=c.call_id,
+            tool=c.tool,
+            content=out.content,
+            is_error=out.is_error,
+        )
+        for c in batch.calls
+        for out in (c.to_model_output(),)
+    )
