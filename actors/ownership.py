@@ -84,6 +84,7 @@ async def mark_lost(
         disposition=state,
         status=frontier.status.moved_to("failed", printable(reason, 500), now_us()),
         prev=frontier.head,
+        epoch=frontier.epoch + 1,  # the claim this commit carries
     )
     try:
         await store.append(commit, frontier.version, frontier.epoch, claim=owner)

@@ -21,6 +21,8 @@ or not at all.
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable, Iterable
 from functools import cached_property
 from typing import Annotated, Literal, get_args
@@ -81,6 +83,10 @@ class ThreadCommit(Frozen):
     prev: str = ""
     """Hash of the thread's previous commit ("" for its first): the hash chain. Schema 1
     records, written before the chain, have none (and are not checked against it)."""
+    epoch: int = 0
+    """The owner epoch of its writer (after the commit's own claim, if it carries one).
+    Part of the hash, so two owners never write the same bytes: a fenced writer whose
+    commit equals its successor's is refused, not taken for a harmless retry."""
 
     @model_validator(mode="after")
     def _legal(self) -> ThreadCommit:
@@ -148,6 +154,7 @@ def assemble_commit(
     status: ThreadStatus | None = None,
     extra_facts: tuple[Fact, ...] = (),
     prev: str = "",
+    epoch: int = 0,
 ) -> ThreadCommit:
     """The engine's commit, with the facts derived from it (``facts_of``) and then
     ``extra_facts``: the same commit as ``ThreadCommit(...)``, at a fraction of the cost.
@@ -182,6 +189,7 @@ def assemble_commit(
         status=status,
         events=(*facts_of(run_id, label, messages, status, disposition), *extra_facts),
         prev=prev,
+        epoch=epoch,
     )
     _check_legal(commit)
     commit.__dict__["free_form_plain"] = is_plain(  # warm the cache with what is known
@@ -247,7 +255,21 @@ class Frontier(Frozen):
 TraceCheck = Callable[["Frontier", "ThreadCommit"], None]
 TRACE_CHECKS: list[TraceCheck] = []
 """Called by ``admit`` with (frontier, commit) for every commit a store admits, before
-it is folded; the test suite installs its trace checker here (``RATCHET_TRACE_CHECK``)."""
+it is folded. The test suite's trace checker is installed here in every process it
+starts, Ray workers included: ``RATCHET_TRACE_CHECK=module:function`` in the
+environment names it (read once, at the first admission)."""
+_trace_env_read = False
+
+
+def _trace_checks() -> list[TraceCheck]:
+    global _trace_env_read
+    if not _trace_env_read:
+        _trace_env_read = True
+        ref = os.environ.get("RATCHET_TRACE_CHECK")
+        if ref:
+            module, _, name = ref.partition(":")
+            TRACE_CHECKS.append(getattr(importlib.import_module(module), name))
+    return TRACE_CHECKS
 
 
 def check_claim(frontier: Frontier, supersedes: int) -> None:
@@ -272,22 +294,30 @@ def admit(
     (including a commit that does not extend the chain head) or StateConflict.
     """
     if known is not None and known.payload_hash == commit.payload_hash:
-        return known  # a retried write that already landed: harmless, even if since fenced
+        # a retried write that already landed: harmless, even if since fenced (the hash
+        # covers the writer's epoch, so this is the same writer's commit)
+        return known
     if epoch != frontier.epoch:
         raise Fenced(commit.thread_id, epoch, frontier.epoch)
-    if known is not None:
-        raise DuplicateOperation(commit.operation_id)
+    if commit.epoch != (epoch + 1 if claim is not None else epoch):
+        raise InvalidTransition(
+            f"thread {commit.thread_id}: the commit names epoch {commit.epoch}, "
+            f"its writer holds {epoch}{' and claims the next' if claim else ''}"
+        )
     if frontier.ended and frontier.run_id == commit.run_id:
         raise RunEnded(commit.thread_id, commit.run_id)
+    # a stale writer hears that the thread moved on, whatever else it got wrong
     if expected_version != frontier.version:
         raise VersionConflict(commit.thread_id, expected_version, frontier.version)
+    if known is not None:
+        raise DuplicateOperation(commit.operation_id)
     if commit.prev != frontier.head:
         raise InvalidTransition(
             f"thread {commit.thread_id}: the commit does not extend the head of its log"
         )
     if claim is not None:
         frontier = with_claim(frontier, claim)
-    for check in TRACE_CHECKS:
+    for check in _trace_checks():
         check(frontier, commit)
     return advance(frontier, commit)
 

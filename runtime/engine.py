@@ -44,10 +44,12 @@ from runtime.commit import (
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
 from runtime.delegation import CHILDREN_KEY, ChildRunner, ParentLink
 from runtime.errors import (
+    DuplicateOperation,
     Fenced,
     InvalidTransition,
     PayloadTooLarge,
     ResumeRejected,
+    RunEnded,
     StoreUnavailable,
     VersionConflict,
 )
@@ -208,6 +210,10 @@ class Engine:
                 )
             except (VersionConflict, Fenced):
                 continue  # the thread moved under us: look again
+            except DuplicateOperation:  # an earlier Run of this thread had this id
+                raise InvalidTransition(
+                    f"run {run_id} already ran on thread {thread}; a new Run needs a new id"
+                ) from None
             return await self._drive(ctx)
         raise InvalidTransition(f"thread {thread} kept moving; run {run_id} was not started")
 
@@ -226,6 +232,8 @@ class Engine:
         if not isinstance(frontier.run_state, RunningState):
             return frontier
         claimed = await self._retrying(lambda: self.store.claim(thread, self.owner, frontier.epoch))
+        if not isinstance(claimed.run_state, RunningState):
+            return claimed  # it came to rest between the load and the claim
         ctx = self._context(claimed)
         self.inference.use_checkpoint = True
         if claimed.status.state != "running":
@@ -256,7 +264,7 @@ class Engine:
             ctx = self._context(frontier)
             try:
                 return ctx, await resume_commit(self, ctx, ticket, command)
-            except (VersionConflict, Fenced):
+            except (VersionConflict, Fenced, RunEnded):
                 continue  # the thread moved: the ticket may be gone (validated again)
         raise ResumeRejected("ticket", "the thread kept moving; the resume was not applied")
 
@@ -285,8 +293,8 @@ class Engine:
             ctx = self._context(frontier)
             try:
                 await self.end(ctx, cause or Cancelled(), claim=True)
-            except (VersionConflict, Fenced):
-                continue
+            except (VersionConflict, Fenced, RunEnded):
+                continue  # it moved, or ended on its own: look again
             return ctx.frontier
         raise InvalidTransition(f"thread {thread} kept moving; it was not ended")
 
@@ -558,6 +566,7 @@ class Engine:
             status=changed,
             extra_facts=tuple(extra_facts),
             prev=f.head,
+            epoch=ctx.epoch + 1 if claim else ctx.epoch,
         )
         base = with_claim(f, self.owner) if claim else f
         new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)

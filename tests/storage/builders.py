@@ -1,7 +1,8 @@
 """Real ThreadCommits for store tests (no fakes: the runtime's own types).
 
-A commit names the hash of the one before it (the chain), so builders take ``prev``;
-``head(store, thread)`` gives it for the thread's next commit.
+A commit names the hash of the one before it (the chain) and the owner epoch of its
+writer, so builders take ``prev`` and ``epoch``; ``head(store, thread)`` gives the hash
+for the thread's next commit.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ async def head(store: Any, thread: str) -> str:
     return str((await store.load(ThreadId(thread))).head)
 
 
-def activation(thread: str, run: str, text: str = "hello", prev: str = "") -> ThreadCommit:
+def activation(
+    thread: str, run: str, text: str = "hello", prev: str = "", epoch: int = 0
+) -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
         run_id=RunId(run),
@@ -29,6 +32,7 @@ def activation(thread: str, run: str, text: str = "hello", prev: str = "") -> Th
         disposition=RunningState(run_id=RunId(run)),
         messages=(UserMessage(id=f"{run}:input", text=text),),
         prev=prev,
+        epoch=epoch,
     )
 
 
@@ -39,6 +43,7 @@ def step(
     text: str = "thinking",
     commands: tuple[Command, ...] = (),
     prev: str = "",
+    epoch: int = 0,
 ) -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -49,10 +54,13 @@ def step(
         messages=(AssistantMessage(text=text),),
         commands=commands,
         prev=prev,
+        epoch=epoch,
     )
 
 
-def ended(thread: str, run: str, ordinal: int, text: str = "done", prev: str = "") -> ThreadCommit:
+def ended(
+    thread: str, run: str, ordinal: int, text: str = "done", prev: str = "", epoch: int = 0
+) -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
         run_id=RunId(run),
@@ -61,4 +69,5 @@ def ended(thread: str, run: str, ordinal: int, text: str = "done", prev: str = "
         disposition=EndedState(run_id=RunId(run), cause=Natural()),
         messages=(AssistantMessage(text=text),),
         prev=prev,
+        epoch=epoch,
     )

@@ -30,7 +30,10 @@ async def _started(store: Any, thread: ThreadId = T, run: str = "run-1") -> int:
     """Activate a Run on the thread, claiming it in the same append; returns the epoch."""
     before = await store.load(thread)
     await store.append(
-        activation(thread, run, prev=before.head), before.version, before.epoch, claim="owner-1"
+        activation(thread, run, prev=before.head, epoch=before.epoch + 1),
+        before.version,
+        before.epoch,
+        claim="owner-1",
     )
     return int(before.epoch + 1)
 
@@ -39,7 +42,9 @@ async def _next(store: Any, thread: ThreadId, run: str, text: str = "thinking", 
     """Append the next inference commit of ``run`` as its owner."""
     f = await store.load(thread)
     return await store.append(
-        step(thread, run, f.next_ordinal, text, prev=f.head, **kw), f.version, f.epoch
+        step(thread, run, f.next_ordinal, text, prev=f.head, epoch=f.epoch, **kw),
+        f.version,
+        f.epoch,
     )
 
 
@@ -77,9 +82,9 @@ async def test_append_load_and_read_by_cursor(store: Any) -> None:
 async def test_version_conflict(store: Any) -> None:
     epoch = await _started(store)
     h = await head(store, T)
-    await store.append(step(T, "run-1", 1, prev=h), 1, epoch)
+    await store.append(step(T, "run-1", 1, prev=h, epoch=epoch), 1, epoch)
     with pytest.raises(VersionConflict) as info:
-        await store.append(step(T, "run-1", 2, prev=h), 1, epoch)
+        await store.append(step(T, "run-1", 2, prev=h, epoch=epoch), 1, epoch)
     assert (info.value.expected, info.value.actual) == (1, 2)
     assert (await store.load(T)).version == 2
 
@@ -87,7 +92,7 @@ async def test_version_conflict(store: Any) -> None:
 async def test_an_append_that_does_not_extend_the_head_is_refused(store: Any) -> None:
     epoch = await _started(store)
     with pytest.raises(InvalidTransition, match="head"):
-        await store.append(step(T, "run-1", 1, prev="0" * 64), 1, epoch)
+        await store.append(step(T, "run-1", 1, prev="0" * 64, epoch=epoch), 1, epoch)
     assert (await store.load(T)).version == 1
 
 
@@ -97,9 +102,9 @@ async def test_stale_epoch_is_fenced(store: Any) -> None:
     assert claimed.epoch == old + 1 and claimed.owner == "owner-2"
     h = await head(store, T)
     with pytest.raises(Fenced):
-        await store.append(step(T, "run-1", 1, prev=h), 1, old)
+        await store.append(step(T, "run-1", 1, prev=h, epoch=old), 1, old)
     assert len(await store.read(T)) == 1
-    await store.append(step(T, "run-1", 1, prev=h), 1, claimed.epoch)
+    await store.append(step(T, "run-1", 1, prev=h, epoch=claimed.epoch), 1, claimed.epoch)
     frontier = await store.load(T)
     assert (frontier.version, frontier.owner) == (2, "owner-2")
 
@@ -132,20 +137,39 @@ async def test_an_append_carries_its_own_claim(store: Any) -> None:
     epoch = await _started(store)
     assert (await store.load(T)).owner == "owner-1"
     h = await head(store, T)
-    receipt = await store.append(step(T, "run-1", 1, prev=h), 1, epoch, claim="owner-2")
+    claimed = step(T, "run-1", 1, prev=h, epoch=epoch + 1)
+    receipt = await store.append(claimed, 1, epoch, claim="owner-2")
     after = await store.load(T)
     assert (receipt.seq, after.epoch, after.owner) == (2, epoch + 1, "owner-2")
     with pytest.raises(Fenced):  # the previous owner is fenced by it
-        await store.append(step(T, "run-1", 2, prev=after.head), 2, epoch)
+        await store.append(step(T, "run-1", 2, prev=after.head, epoch=epoch), 2, epoch)
     with pytest.raises(Fenced):  # and a claim-append must name the current epoch too
-        await store.append(step(T, "run-1", 2, prev=after.head), 2, epoch, claim="owner-3")
+        late = step(T, "run-1", 2, prev=after.head, epoch=epoch + 1)
+        await store.append(late, 2, epoch, claim="owner-3")
+
+
+async def test_a_commit_names_its_writers_epoch(store: Any) -> None:
+    """Two owners never write the same bytes: a fenced writer's commit that equals its
+    successor's is refused, not taken for a harmless retry of the successor's."""
+    epoch = await _started(store)
+    h = await head(store, T)
+    with pytest.raises(InvalidTransition, match="epoch"):  # it must say who writes it
+        await store.append(step(T, "run-1", 1, prev=h, epoch=epoch + 7), 1, epoch)
+    successor = await store.claim(T, "owner-2", epoch)
+    theirs = step(T, "run-1", 1, prev=h, epoch=successor.epoch)
+    await store.append(theirs, 1, successor.epoch)
+    ours = step(T, "run-1", 1, prev=h, epoch=epoch)  # the same step, by the fenced owner
+    assert ours.operation_id == theirs.operation_id and ours.payload_hash != theirs.payload_hash
+    with pytest.raises(Fenced):
+        await store.append(ours, 1, epoch)
+    assert (await store.append(theirs, 1, successor.epoch)).seq == 2  # a true retry
 
 
 async def test_of_racing_claim_appends_exactly_one_lands(store: Any) -> None:
     """Two starts of different Runs on one new thread: one Run exists, no one is fenced
     after committing."""
     outcomes = await asyncio.gather(
-        *(store.append(activation(T, f"run-{i}"), 0, 0, claim=f"s-{i}") for i in range(6)),
+        *(store.append(activation(T, f"run-{i}", epoch=1), 0, 0, claim=f"s-{i}") for i in range(6)),
         return_exceptions=True,
     )
     landed = [o for o in outcomes if not isinstance(o, BaseException)]
@@ -159,23 +183,25 @@ async def test_of_racing_claim_appends_exactly_one_lands(store: Any) -> None:
 async def test_same_operation_is_idempotent_by_payload(store: Any) -> None:
     epoch = await _started(store)
     h = await head(store, T)
-    first = await store.append(step(T, "run-1", 1, "answer", prev=h), 1, epoch)
-    again = await store.append(step(T, "run-1", 1, "answer", prev=h), 1, epoch)
+    first = await store.append(step(T, "run-1", 1, "answer", prev=h, epoch=epoch), 1, epoch)
+    again = await store.append(step(T, "run-1", 1, "answer", prev=h, epoch=epoch), 1, epoch)
     assert again == first
     with pytest.raises(DuplicateOperation):
         h2 = await head(store, T)
-        await store.append(step(T, "run-1", 1, "another answer", prev=h2), 2, epoch)
+        other = step(T, "run-1", 1, "another answer", prev=h2, epoch=epoch)
+        await store.append(other, 2, epoch)
     assert [r.seq for r in await store.read(T)] == [1, 2]
 
 
 async def test_terminal_is_final(store: Any) -> None:
     epoch = await _started(store)
-    await store.append(ended(T, "run-1", 1, prev=await head(store, T)), 1, epoch)
+    await store.append(ended(T, "run-1", 1, prev=await head(store, T), epoch=epoch), 1, epoch)
     with pytest.raises(RunEnded):
-        await store.append(step(T, "run-1", 2, prev=await head(store, T)), 2, epoch)
+        late = step(T, "run-1", 2, prev=await head(store, T), epoch=epoch)
+        await store.append(late, 2, epoch)
     assert (await store.load(T)).ended and len(await store.read(T)) == 2
     # The thread lives on: a new Run may start after the old one ended.
-    await store.append(activation(T, "run-2", prev=await head(store, T)), 2, epoch)
+    await store.append(activation(T, "run-2", prev=await head(store, T), epoch=epoch), 2, epoch)
     assert (await store.load(T)).run_id == "run-2"
 
 
@@ -185,27 +211,28 @@ async def test_commit_that_fails_midway_leaves_nothing(store: Any) -> None:
     h = before.head
     clash = (Command(key="k", value=1), Command(key="k", value=2))
     with pytest.raises(StateConflict):  # the fold raises after admission
-        await store.append(step(T, "run-1", 1, commands=clash, prev=h), 1, epoch)
+        await store.append(step(T, "run-1", 1, commands=clash, prev=h, epoch=epoch), 1, epoch)
     with pytest.raises(InvalidTransition):  # an ordinal gap
-        await store.append(step(T, "run-1", 5, prev=h), 1, epoch)
+        await store.append(step(T, "run-1", 5, prev=h, epoch=epoch), 1, epoch)
     with pytest.raises(InvalidTransition):  # a second Run while one is active
-        await store.append(activation(T, "run-2", prev=h), 1, epoch)
+        await store.append(activation(T, "run-2", prev=h, epoch=epoch), 1, epoch)
     with pytest.raises(InvalidTransition):  # a second Run, claiming
-        await store.append(activation(T, "run-2", prev=h), 1, epoch, claim="intruder")
+        intruder = activation(T, "run-2", prev=h, epoch=epoch + 1)
+        await store.append(intruder, 1, epoch, claim="intruder")
     with pytest.raises(PayloadTooLarge):
         big = "x" * (store.payload_limit + 1)
-        await store.append(step(T, "run-1", 1, big, prev=h), 1, epoch)
+        await store.append(step(T, "run-1", 1, big, prev=h, epoch=epoch), 1, epoch)
     assert await store.load(T) == before
     assert await store.read(T) == log
     # Nothing was half-written: the same slot still takes a good commit.
-    assert (await store.append(step(T, "run-1", 1, prev=h), 1, epoch)).seq == 2
+    assert (await store.append(step(T, "run-1", 1, prev=h, epoch=epoch), 1, epoch)).seq == 2
 
 
 async def test_oversized_payload_names_the_limit(store: Any) -> None:
     epoch = await _started(store)
     with pytest.raises(PayloadTooLarge) as info:
         await store.append(
-            step(T, "run-1", 1, "y" * (2 << 20), prev=await head(store, T)), 1, epoch
+            step(T, "run-1", 1, "y" * (2 << 20), prev=await head(store, T), epoch=epoch), 1, epoch
         )
     assert info.value.limit == store.payload_limit
     assert str(store.payload_limit) in str(info.value)
@@ -219,7 +246,7 @@ async def test_fifty_concurrent_writers_race_on_one_thread(store: Any) -> None:
         nonlocal conflicts
         while True:
             f = await store.load(T)
-            commit = step(T, "run-1", f.next_ordinal, f"writer {i}", prev=f.head)
+            commit = step(T, "run-1", f.next_ordinal, f"writer {i}", prev=f.head, epoch=epoch)
             await asyncio.sleep(0)  # yield, so others load the same version: a real race
             try:
                 return int((await store.append(commit, f.version, epoch)).seq)
@@ -260,7 +287,7 @@ async def test_list_runs_by_state(store: Any) -> None:
     a, b, c = ThreadId("t-running"), ThreadId("t-ended"), ThreadId("t-claimed-only")
     await _started(store, a, "run-a")
     eb = await _started(store, b, "run-b")
-    await store.append(ended(b, "run-b", 1, prev=await head(store, b)), 1, eb)
+    await store.append(ended(b, "run-b", 1, prev=await head(store, b), epoch=eb), 1, eb)
     await store.claim(c, "owner", 0)
     everything = sorted((s.thread_id, s.state) for s in await store.list_runs())
     assert everything == [(b, "ended"), (a, "running")]
@@ -278,11 +305,12 @@ async def test_the_owner_index_lists_running_runs_by_host(store: Any) -> None:
     for i, t in enumerate(threads):
         before = await store.load(t)
         owner = f"host-{i % 2}#{100 + i}"
-        await store.append(activation(t, f"run-{i}"), 0, 0, claim=owner)
+        await store.append(activation(t, f"run-{i}", epoch=1), 0, 0, claim=owner)
         assert before.version == 0
     await store.claim(threads[2], "host-1#7", 1)  # host-0's Run taken over by host-1
     e3 = (await store.load(threads[3])).epoch
-    await store.append(ended(threads[3], "run-3", 1, prev=await head(store, threads[3])), 1, e3)
+    last = ended(threads[3], "run-3", 1, prev=await head(store, threads[3]), epoch=e3)
+    await store.append(last, 1, e3)
 
     def owned(rows: list[Any]) -> list[tuple[str, str | None]]:
         return sorted((r.thread_id, r.owner) for r in rows)
@@ -306,7 +334,8 @@ async def test_group_of_appends_lands_and_one_bad_fails_alone(store: Any) -> Non
     async def one(i: int) -> Any:
         expected = 7 if i == 13 else 0  # thread 13 asks for a version it is not at
         try:
-            return await store.append(activation(threads[i], f"run-{i}"), expected, 0, claim="o")
+            first = activation(threads[i], f"run-{i}", epoch=1)
+            return await store.append(first, expected, 0, claim="o")
         except VersionConflict as exc:
             return exc
 

@@ -18,7 +18,6 @@ import pytest
 from runtime.commit import Frontier, ThreadCommit, advance, replay
 from runtime.errors import (
     CorruptRecord,
-    DuplicateOperation,
     Fenced,
     RunEnded,
     StoreUnavailable,
@@ -50,7 +49,9 @@ async def store(redis_url: str) -> AsyncIterator[RedisCommitStore]:
     await s.close()
 
 
-def one_shot(thread: str, run: str, text: str = "hi", prev: str = "") -> ThreadCommit:
+def one_shot(
+    thread: str, run: str, text: str = "hi", prev: str = "", epoch: int = 1
+) -> ThreadCommit:
     """A whole Run in one commit (activation and end together): any writer may add one."""
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -60,6 +61,7 @@ def one_shot(thread: str, run: str, text: str = "hi", prev: str = "") -> ThreadC
         disposition=EndedState(run_id=RunId(run), cause=Cancelled()),
         messages=(UserMessage(id=f"{run}:input", text=text),),
         prev=prev,
+        epoch=epoch,
     )
 
 
@@ -123,7 +125,7 @@ async def test_the_script_refuses_a_stale_epoch_and_writes_nothing(
     with pytest.raises(Fenced) as caught:
         await store.append(commit, f.version, old)
     assert (caught.value.epoch, caught.value.current) == (old, new_epoch)
-    assert (await store.append(commit, 0, new_epoch)).seq == 1
+    assert (await store.append(one_shot(thread, "run-z", epoch=new_epoch), 0, new_epoch)).seq == 1
 
 
 async def test_the_script_answers_known_operations_and_ended_runs(
@@ -141,7 +143,7 @@ async def test_the_script_answers_known_operations_and_ended_runs(
     assert await store.append(commit, 0, epoch) == receipt
     other = one_shot(thread, "run-k", text="another payload")
     assert await store._apply(other, f, advance(f, other), None) is None
-    with pytest.raises(DuplicateOperation):
+    with pytest.raises(RunEnded):  # the rule names the first thing wrong: that Run is over
         await store.append(other, 0, epoch)
     after = await store.load(thread)
     late = ThreadCommit(
@@ -151,6 +153,7 @@ async def test_the_script_answers_known_operations_and_ended_runs(
         label="status",
         disposition=RunningState(run_id=RunId("run-k")),
         prev=after.head,
+        epoch=epoch,
     )
     assert await store._apply(late, after, advance(after, late), None) is None
     with pytest.raises(RunEnded):

@@ -223,7 +223,8 @@ async def test_a_row_another_process_changed_makes_the_plan_fall_back(
     assert mine.planned == planned  # the plan did not hold; the read-first path refused
     frontier = await theirs.load(thread)
     assert (frontier.version, frontier.epoch, frontier.owner) == (1, 1, "someone-else")
-    await mine.append(step(thread, "r", 1, prev=first.payload_hash), 1, 1)  # current epoch
+    current = step(thread, "r", 1, prev=first.payload_hash, epoch=1)
+    await mine.append(current, 1, 1)  # at the current epoch it lands
     assert (await theirs.load(thread)).version == 2
 
 
@@ -246,7 +247,7 @@ async def test_a_row_the_cache_never_saw_makes_the_plan_fall_back(
     mine, theirs = two_stores
     thread = ThreadId("elsewhere")
     assert (await theirs.claim(thread, "them", 0)).epoch == 1
-    await theirs.append(activation(thread, "r"), 0, 1)
+    await theirs.append(activation(thread, "r", epoch=1), 0, 1)
     planned = mine.planned
     # planned as a new thread (epoch 0), the row exists: the read-first path decides
     with pytest.raises(Fenced):
@@ -265,11 +266,12 @@ async def test_a_start_the_cache_cannot_judge_is_judged_on_the_row(
     first = await theirs.append(activation(thread, "r1"), 0, 0)
     # planned as a new thread, the row exists: read first, the active Run refuses it
     with pytest.raises((InvalidTransition, VersionConflict)):
-        await mine.append(activation(thread, "r2"), 0, 0, claim="me")
+        await mine.append(activation(thread, "r2", epoch=1), 0, 0, claim="me")
     frontier = await theirs.load(thread)
     assert (frontier.epoch, frontier.run_id) == (0, "r1")
     done = await theirs.append(ended(thread, "r1", 1, prev=first.payload_hash), 1, 0)
-    await mine.append(activation(thread, "r2", prev=done.payload_hash), 2, 0, claim="me")
+    second = activation(thread, "r2", prev=done.payload_hash, epoch=1)
+    await mine.append(second, 2, 0, claim="me")
     claimed = await theirs.load(thread)
     assert (claimed.epoch, claimed.version, claimed.run_id, claimed.owner) == (1, 3, "r2", "me")
 

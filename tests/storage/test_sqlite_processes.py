@@ -41,9 +41,10 @@ async def _write(url: str, name: str, start: Any) -> None:
 
 
 async def _own(store: SqlCommitStore, thread: ThreadId) -> None:
-    receipt = await store.append(activation(thread, f"run-{thread}"), 0, 0, claim="owner")
+    first = activation(thread, f"run-{thread}", epoch=1)
+    receipt = await store.append(first, 0, 0, claim="owner")
     for i in range(1, STEPS + 1):
-        commit = step(thread, f"run-{thread}", i, prev=receipt.payload_hash)
+        commit = step(thread, f"run-{thread}", i, prev=receipt.payload_hash, epoch=1)
         receipt = await store.append(commit, i, 1)
 
 
@@ -53,7 +54,12 @@ async def _race(store: SqlCommitStore, name: str) -> None:
         while True:
             frontier = await store.load(SHARED)
             commit = step(
-                SHARED, SHARED_RUN, frontier.next_ordinal, f"{name}-{k}", prev=frontier.head
+                SHARED,
+                SHARED_RUN,
+                frontier.next_ordinal,
+                f"{name}-{k}",
+                prev=frontier.head,
+                epoch=frontier.epoch,
             )
             try:
                 await store.append(commit, frontier.version, frontier.epoch)
@@ -65,7 +71,7 @@ async def _race(store: SqlCommitStore, name: str) -> None:
 async def _prepare(url: str) -> None:
     store = await SqlCommitStore.connect(url)
     try:
-        await store.append(activation(SHARED, SHARED_RUN), 0, 0, claim="everyone")
+        await store.append(activation(SHARED, SHARED_RUN, epoch=1), 0, 0, claim="everyone")
     finally:
         await store.close()
 
