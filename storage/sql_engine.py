@@ -6,7 +6,8 @@ pragmas and BEGIN IMMEDIATE, where a transaction body runs (``Database``), the
 upsert construct. Error translation::
 
     IntegrityError on (thread_id, operation_id)     -> DuplicateOperation
-    IntegrityError on (thread_id, seq) or others    -> VersionConflict
+    IntegrityError on (thread_id, seq), thread id   -> VersionConflict
+    any other IntegrityError (a trigger, a check)   -> StoreError (the commit refused)
     connection refused / lost / reset, timeouts,
     server shutting down or starting, too many
     connections, deadlock, SQLite busy or locked    -> StoreUnavailable
@@ -47,6 +48,8 @@ if TYPE_CHECKING:  # the asyncio extension costs a process ~0.2 s to import: SQL
 _TRANSIENT_SQLSTATE = ("08", "53", "57", "40")
 _TRANSIENT_WORDS = ("database is locked", "database is busy", "connection", "closed")
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
+_OUR_KEYS = ("ratchet_commits.seq", "pk_ratchet_commits", "ratchet_threads")
+"""How SQLite and PostgreSQL name the keys whose violation means "someone wrote first"."""
 
 
 SQL_DIALECTS = ("sqlite", "postgresql")
@@ -423,9 +426,12 @@ def translate(
     if isinstance(exc, StoreError):
         return exc
     if isinstance(exc, IntegrityError):
-        if "operation" in str(exc.orig):
+        words = str(exc.orig)
+        if "operation" in words:
             return DuplicateOperation(operation)
-        return VersionConflict(thread, expected, actual)
+        if any(key in words for key in _OUR_KEYS):
+            return VersionConflict(thread, expected, actual)
+        return StoreError(f"store {where} refused the commit: {_describe(exc)}")
     if _transient(exc):
         return StoreUnavailable(f"store {where} unavailable: {_describe(exc)}")
     return StoreError(f"store {where} failed: {_describe(exc)}")
