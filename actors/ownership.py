@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from runtime.commit import assemble_commit
-from runtime.engine import control_engine
+from runtime.control import control_engine
 from runtime.errors import Fenced, VersionConflict
 from runtime.ids import ThreadId
 from runtime.lifecycle import Failed, RunningState
@@ -85,6 +85,7 @@ async def mark_lost(
         status=frontier.status.moved_to("failed", printable(reason, 500), now_us()),
         prev=frontier.head,
         epoch=frontier.epoch + 1,  # the claim this commit carries
+        claim=owner,
     )
     try:
         await store.append(commit, frontier.version, frontier.epoch, claim=owner)

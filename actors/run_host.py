@@ -44,6 +44,7 @@ from actors.wire import (
 )
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
+from runtime.control import control_engine
 from runtime.delegation import (
     CHILD_OUTCOME,
     ChildRequest,
@@ -52,7 +53,7 @@ from runtime.delegation import (
     outcome_of,
     parent_link,
 )
-from runtime.engine import Engine, control_engine
+from runtime.engine import Engine
 from runtime.errors import AgentImportError, InvalidTransition, RatchetError, ResumeRejected
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (

@@ -106,7 +106,12 @@ class StoreActor:
     async def thread_ids(self, after: str, limit: int) -> Any:
         return await self._call("thread_ids", after, limit)
 
-    async def ping(self) -> bool:
+    async def ping(self) -> Any:
+        """True, or StoreLost for a restarted in-memory store (a connect fails at once)."""
+        if self.lost:
+            return RemoteError.of(
+                StoreLost("the in-memory store restarted and lost every thread it held")
+            )
         return True
 
     async def close(self) -> None:

@@ -86,6 +86,13 @@ class Supervisor:
     async def _tick(self) -> None:
         now = time.monotonic()
         expired = [h for h, t in self.leases.items() if t <= now]
+        # a host whose heartbeat is late but which answers is slow, not lost (a loaded
+        # machine delays heartbeats): its lease is renewed, its Runs stay with it
+        answering = await asyncio.gather(*(self._alive(h, now) for h in expired))
+        for host_id, alive in zip(expired, answering, strict=True):
+            if alive:
+                self.leases[host_id] = now + self.spec.lease_ttl_s
+        expired = [h for h, alive in zip(expired, answering, strict=True) if not alive]
         dead = await self._dead_hosts([h for h in self.leases if h not in expired])
         for host_id in [*expired, *dead]:
             self.leases.pop(host_id, None)

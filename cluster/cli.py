@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -31,25 +30,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cluster.cli_args import BadInput, awaiting_ticket, payload_from
 from cluster.cli_view import WatchView, console, message_line, print_rest, run_tree, when
 from cluster.config import ClusterUnavailable, redis_url_from, store_url_from
-from cluster.report import analyse, cause_text, phase_text
+from cluster.report import analyse, phase_text
 from runtime.agent import load_agent
-from runtime.batch import ToolOutput
 from runtime.commit import Frontier
-from runtime.errors import RatchetError, ResumeRejected
+from runtime.errors import RatchetError
 from runtime.ids import ThreadId
 from runtime.integrity import audit
 from runtime.lifecycle import (
     AwaitingState,
     EndedState,
-    ExternalResult,
-    PermissionDecision,
-    ResumePayload,
-    ResumeTicket,
-    ScheduledFire,
-    Unpause,
-    UserInput,
     validate_resume,
 )
 from runtime.stream import parse_offset
@@ -70,10 +62,6 @@ AddressOption = typer.Option(
 RedisOption = typer.Option(
     None, "--redis", help="Redis URL of the live bus (default: RATCHET_REDIS_URL, or none)"
 )
-
-
-class BadInput(Exception):
-    """A command-line argument that cannot be used as given."""
 
 
 def _cli(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
@@ -316,39 +304,6 @@ def resume(
     )
 
 
-def _payload(flags: tuple[Any, ...]) -> ResumePayload:
-    approve, deny, note, text, result, is_error, fire, unpause = flags
-    given = [
-        name
-        for name, on in (
-            ("--approve", approve),
-            ("--deny", deny),
-            ("--input", text is not None),
-            ("--result", result is not None),
-            ("--fire", fire),
-            ("--unpause", unpause),
-        )
-        if on
-    ]
-    if len(given) != 1:
-        got = f" (got {', '.join(given)})" if given else ""
-        raise BadInput(
-            f"give exactly one of --approve, --deny, --input, --result, --fire, --unpause{got}"
-        )
-    if approve or deny:
-        return PermissionDecision(approve=approve, note=note)
-    if text is not None:
-        return UserInput(text=text)
-    if result is not None:
-        try:
-            value = json.loads(result)
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"--result must be JSON: {exc}") from None
-        content = value if isinstance(value, str) else json.dumps(value)
-        return ExternalResult(output=ToolOutput(content=content, is_error=is_error))
-    return ScheduledFire() if fire else Unpause()
-
-
 async def _resume(
     thread: str,
     flags: tuple[Any, ...],
@@ -359,9 +314,9 @@ async def _resume(
 ) -> None:
     from cluster.client import Ratchet, command_for
 
-    payload = _payload(flags)
+    payload = payload_from(flags)
     frontier = await _frontier(thread, store)
-    ticket = _ticket(frontier)
+    ticket = awaiting_ticket(frontier)
     command = command_for(ticket, payload)
     validate_resume(ticket, command, now_us())  # a wrong flag fails here, before any cluster
     client = await Ratchet.connect(address, store, redis, quiet=True)
@@ -375,18 +330,6 @@ async def _resume(
             print_rest(thread, await handle.result())
     finally:
         await client.close()
-
-
-def _ticket(frontier: Frontier) -> ResumeTicket:
-    state = frontier.run_state
-    if isinstance(state, AwaitingState):
-        return state.ticket
-    where = (
-        f"run {state.run_id} ended {cause_text(state.cause.model_dump())}"
-        if isinstance(state, EndedState)
-        else f"run {frontier.run_id} is running"
-    )
-    raise ResumeRejected("ticket", f"thread {frontier.thread_id!r} is not awaiting: {where}")
 
 
 @app.command()

@@ -382,9 +382,13 @@ class RunHandle:
         The command is checked here first against this thread's committed ticket, in the
         order of DESIGN §2 (a command for another thread fails on ``thread``), then again
         by the host, which is authoritative. ``host`` picks a host of the pool; if the
-        chosen host dies before the resume committed, it is delivered to the next one.
+        chosen host dies before it answered, the committed ``resumed`` fact says whether
+        this resume landed (each call carries its own ``request_id``): if another one
+        did, this one is ResumeRejected; if none did, it goes to the next host.
         """
         check_command(command, self.client.spec.limits)  # InputRefused: nothing is sent
+        if command.request_id is None:
+            command = command.model_copy(update={"request_id": uuid.uuid4().hex})
         frontier = await self.frontier()
         validate_resume(_ticket_of(frontier), command, now_us())
         placement = await self._placement()
@@ -397,7 +401,8 @@ class RunHandle:
             except RayActorError:
                 ticket = await self.ticket()
                 if ticket is None or ticket.correlation != command.correlation:
-                    return  # the resume committed before the host died; recovery goes on
+                    await self._landed(command)  # returns if it was ours, else raises
+                    return
                 if placement == "dedicated":
                     continue  # a dedicated host is re-created under the same name
                 current = (
@@ -407,6 +412,15 @@ class RunHandle:
                 )
                 index = (current + 1) % self.client.spec.hosts
         raise ClusterUnavailable(f"no host accepted the resume of {self.thread_id}")
+
+    async def _landed(self, command: ResumeCommand) -> None:
+        """The ticket is gone: whose resume was applied? Ours: return; else ResumeRejected."""
+        for fact in reversed(await self.events()):
+            if fact.type == "resumed" and fact.data.get("correlation") == command.correlation:
+                if fact.data.get("request_id") == command.request_id:
+                    return
+                raise ResumeRejected("ticket", "another resume of this ticket was applied")
+        raise ResumeRejected("ticket", "the run stopped awaiting without this resume")
 
     async def respond(self, payload: ResumePayload, *, host: int | None = None) -> ResumeCommand:
         """Answer the committed ticket with ``payload`` (ids and call id taken from it)."""
@@ -505,7 +519,7 @@ async def _open_store(spec: SystemSpec) -> CommitStore:
         if spec.funnels_writes:
             handle = store_actor(spec, create=True)
             proxy = RemoteCommitStore(handle)
-            await asyncio.wait_for(handle.ping.remote(), 60)
+            unwrap(await asyncio.wait_for(handle.ping.remote(), 60))  # StoreLost, if so
             return proxy
         return await open_system_store(spec)
     except StoreError:

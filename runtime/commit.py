@@ -87,6 +87,9 @@ class ThreadCommit(Frozen):
     """The owner epoch of its writer (after the commit's own claim, if it carries one).
     Part of the hash, so two owners never write the same bytes: a fenced writer whose
     commit equals its successor's is refused, not taken for a harmless retry."""
+    claim: str | None = None
+    """The owner this commit claims the thread for, if it carries a claim: two claimants
+    racing from one epoch name the same next epoch, and this keeps their bytes apart."""
 
     @model_validator(mode="after")
     def _legal(self) -> ThreadCommit:
@@ -155,6 +158,7 @@ def assemble_commit(
     extra_facts: tuple[Fact, ...] = (),
     prev: str = "",
     epoch: int = 0,
+    claim: str | None = None,
 ) -> ThreadCommit:
     """The engine's commit, with the facts derived from it (``facts_of``) and then
     ``extra_facts``: the same commit as ``ThreadCommit(...)``, at a fraction of the cost.
@@ -190,6 +194,7 @@ def assemble_commit(
         events=(*facts_of(run_id, label, messages, status, disposition), *extra_facts),
         prev=prev,
         epoch=epoch,
+        claim=claim,
     )
     _check_legal(commit)
     commit.__dict__["free_form_plain"] = is_plain(  # warm the cache with what is known
@@ -199,11 +204,17 @@ def assemble_commit(
 
 
 def decode_commit(text: str | bytes, thread: str, seq: int) -> ThreadCommit:
-    """Decode a stored commit, re-validating everything; fail closed with CorruptRecord."""
+    """Decode a stored commit, re-validating everything; fail closed with CorruptRecord.
+
+    The record *is* its stored text (the caller verified it against its stored hash):
+    the decoded commit keeps that text as its encoding, so its hash is the stored one —
+    also for records of schema 1, whose re-encoding today would add fields they lack."""
     try:
-        return ThreadCommit.model_validate_json(text)
+        commit = ThreadCommit.model_validate_json(text)
     except ValidationError as exc:
         raise CorruptRecord(thread, seq, str(exc.errors()[0].get("msg", exc))) from exc
+    commit.__dict__["encoded"] = text if isinstance(text, str) else text.decode()
+    return commit
 
 
 class Receipt(Frozen):
@@ -254,10 +265,11 @@ class Frontier(Frozen):
 
 TraceCheck = Callable[["Frontier", "ThreadCommit"], None]
 TRACE_CHECKS: list[TraceCheck] = []
-"""Called by ``admit`` with (frontier, commit) for every commit a store admits, before
-it is folded. The test suite's trace checker is installed here in every process it
-starts, Ray workers included: ``RATCHET_TRACE_CHECK=module:function`` in the
-environment names it (read once, at the first admission)."""
+"""Called by ``admit`` with (frontier, commit) for every commit a store admits (the
+fold accepted it; the frontier is the one before it). The test suite's trace checker
+is installed here in every process it starts, Ray workers included:
+``RATCHET_TRACE_CHECK=module:function`` in the environment names it (read once, at
+the first admission)."""
 _trace_env_read = False
 
 
@@ -295,14 +307,14 @@ def admit(
     """
     if known is not None and known.payload_hash == commit.payload_hash:
         # a retried write that already landed: harmless, even if since fenced (the hash
-        # covers the writer's epoch, so this is the same writer's commit)
+        # covers the writer's epoch and claim, so this is the same writer's commit)
         return known
     if epoch != frontier.epoch:
         raise Fenced(commit.thread_id, epoch, frontier.epoch)
-    if commit.epoch != (epoch + 1 if claim is not None else epoch):
+    if commit.epoch != (epoch + 1 if claim is not None else epoch) or commit.claim != claim:
         raise InvalidTransition(
-            f"thread {commit.thread_id}: the commit names epoch {commit.epoch}, "
-            f"its writer holds {epoch}{' and claims the next' if claim else ''}"
+            f"thread {commit.thread_id}: the commit names epoch {commit.epoch} and claim "
+            f"{commit.claim!r}; its writer holds {epoch} and claims {claim!r}"
         )
     if frontier.ended and frontier.run_id == commit.run_id:
         raise RunEnded(commit.thread_id, commit.run_id)
@@ -317,9 +329,10 @@ def admit(
         )
     if claim is not None:
         frontier = with_claim(frontier, claim)
+    folded = advance(frontier, commit)  # refuses (InvalidTransition, StateConflict) first
     for check in _trace_checks():
         check(frontier, commit)
-    return advance(frontier, commit)
+    return folded
 
 
 def receipt_of(commit: ThreadCommit, seq: int) -> Receipt:

@@ -26,34 +26,27 @@ import functools
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from runtime.agent import Agent
 from runtime.base import trusted
-from runtime.batch import ActiveToolBatch, CallSpec, ToolRecoveryPolicy, open_batch, seal
+from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import (
-    CommitLabel,
     Frontier,
-    advance,
-    assemble_commit,
-    stamp_facts,
-    with_claim,
 )
+from runtime.committing import Committing
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
-from runtime.delegation import CHILDREN_KEY, ChildRunner, ParentLink
+from runtime.delegation import ChildRunner, ParentLink
 from runtime.errors import (
     DuplicateOperation,
     Fenced,
     InvalidTransition,
-    PayloadTooLarge,
     ResumeRejected,
     RunEnded,
-    StoreUnavailable,
     VersionConflict,
 )
-from runtime.events import Fact
 from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
@@ -64,26 +57,21 @@ from runtime.lifecycle import (
     Cancelled,
     EndCause,
     EndedState,
-    Failed,
     MaxSteps,
     Natural,
     PauseTarget,
     ResumeCommand,
     ResumeTicket,
-    RunDisposition,
     RunningState,
     Stopped,
-    ThreadStatus,
     validate_resume,
 )
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id, check_text
 from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
-from runtime.models import ModelResponse
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, result_messages, resume_commit
-from runtime.signals import CancelledSignal, CancelSignal, EndRun, RunOver, guarded
-from runtime.state import Command
+from runtime.signals import CancelledSignal, CancelSignal, EndRun, RunOver, cancelling, guarded
 from runtime.timeutil import now_us
 from runtime.toolbatch import Opening, advance_batch, run_wave
 
@@ -93,7 +81,7 @@ RACES = 8
 """How often a way in looks again after losing a race, before it gives up."""
 
 
-class Engine:
+class Engine(Committing):
     """Drives one Run. Create one per Run attempt; crash it by abandoning it."""
 
     def __init__(
@@ -117,6 +105,7 @@ class Engine:
     ) -> None:
         self.agent = agent
         self.store = store
+        _check_room(store, limits)
         self.tools = tools
         self.publisher = publisher or (Publisher(bus) if bus is not None else None)
         self.faults = faults
@@ -190,7 +179,7 @@ class Engine:
         user = UserMessage(id=message_id, text=text)
         link = () if self.parent is None else (self.parent.command(),)
         for _ in range(RACES):
-            frontier = await self._retrying(lambda: self.store.load(thread))
+            frontier = await self._verified(thread)
             if frontier.run_id == run_id:
                 return frontier  # a repeated start: that Run exists
             if frontier.run_state is not None and not frontier.ended:
@@ -228,7 +217,7 @@ class Engine:
         """Take over a running Run (its epoch as loaded: Fenced if the thread moved on
         meanwhile) and continue it from its frontier. A Run at rest is returned as is."""
         check_id("thread id", thread, self.limits)
-        frontier = await self._retrying(lambda: self.store.load(thread))
+        frontier = await self._verified(thread)
         if not isinstance(frontier.run_state, RunningState):
             return frontier
         claimed = await self._retrying(lambda: self.store.claim(thread, self.owner, frontier.epoch))
@@ -259,7 +248,7 @@ class Engine:
     async def _resumed(self, command: ResumeCommand) -> tuple[RunContext, CallId | None]:
         """The resume commit, made on the frontier its ticket was validated against."""
         for _ in range(RACES):
-            frontier = await self._retrying(lambda: self.store.load(command.thread_id))
+            frontier = await self._verified(command.thread_id)
             ticket = _validate(frontier, command)
             ctx = self._context(frontier)
             try:
@@ -285,7 +274,7 @@ class Engine:
         """
         check_id("thread id", thread, self.limits)
         for _ in range(RACES):
-            frontier = await self._retrying(lambda: self.store.load(thread))
+            frontier = await self._verified(thread)
             if supersedes is not None and frontier.epoch != supersedes:
                 raise Fenced(thread, supersedes, frontier.epoch)
             if not isinstance(frontier.run_state, RunningState | AwaitingState):
@@ -297,6 +286,14 @@ class Engine:
                 continue  # it moved, or ended on its own: look again
             return ctx.frontier
         raise InvalidTransition(f"thread {thread} kept moving; it was not ended")
+
+    async def _verified(self, thread: ThreadId) -> Frontier:
+        """The thread's frontier, its whole log verified first (hashes, chain, head): no
+        engine acts on a thread whose records do not verify (CorruptRecord)."""
+        frontier = await self._retrying(lambda: self.store.load(thread))
+        if frontier.version:
+            await self._retrying(lambda: self.store.read(thread))
+        return frontier
 
     def _context(self, frontier: Frontier) -> RunContext:
         execution = ExecutionState(
@@ -315,6 +312,10 @@ class Engine:
             await self._loop(ctx, first)
         except NOT_OURS:
             raise
+        except asyncio.CancelledError as exc:
+            if cancelling():
+                raise  # the drive itself is being cancelled (a host stopping it)
+            await self.settle(ctx, failure_of(exc), exc)  # raised by a part of ours
         except Exception as exc:
             await self.settle(ctx, failure_of(exc), exc)
         return ctx.frontier
@@ -442,191 +443,17 @@ class Engine:
         """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
         return await guarded(self.cancel_event, work)
 
-    # ---- ending -----------------------------------------------------------------------
 
-    async def end(
-        self,
-        ctx: RunContext,
-        cause: EndCause,
-        *,
-        messages: tuple[Message, ...] = (),
-        batch: ActiveToolBatch | None = None,
-        commands: Sequence[Command] = (),
-        claim: bool = False,
-    ) -> None:
-        """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized."""
-        open_batch_ = batch or ctx.frontier.batch
-        sealed = seal(open_batch_) if open_batch_ is not None else None
-        if sealed is not None and batch is None and not messages:
-            messages = result_messages(sealed)
-        await self._commit(
-            ctx,
-            "ended",
-            EndedState(run_id=ctx.run_id, cause=cause),
-            claim=claim,
-            messages=messages,
-            batch=sealed,
-            commands=commands,
+def _check_room(store: CommitStore, limits: Limits) -> None:
+    """Every commit a Run can make under ``limits`` must fit the store: else a Step's end
+    could be refused for its size, and the Run could not end as the design says."""
+    payload_limit = getattr(store, "payload_limit", None)
+    if isinstance(payload_limit, int) and payload_limit < limits.commit_bytes():
+        raise ValueError(
+            f"the store's payload limit ({payload_limit} bytes) is below the largest commit "
+            f"these limits allow ({limits.commit_bytes()} bytes): lower the limits "
+            "(runtime.limits.Limits) or raise the store's payload_limit"
         )
-        if cause.kind != "natural":
-            await self._cancel_children(ctx)
-
-    async def settle(self, ctx: RunContext, cause: Failed, error: BaseException) -> None:
-        """End the Run ``cause`` from its committed frontier: the one way a failure ends a
-        Run. Retried with backoff while the store is out (never dropped); when even the
-        end of the open batch is over the store's limit, the end is committed alone."""
-        log.warning(
-            "run %s on %s failed (%s/%s): %s",
-            ctx.run_id,
-            ctx.frontier.thread_id,
-            cause.failure,
-            cause.code,
-            error,
-            exc_info=cause.failure == "internal",
-        )
-        ctx.pending.clear()  # staged by a Step that did not land
-        delay, bare = self.store_retry.first_delay_s, False
-        while True:
-            try:
-                if bare:
-                    await self._commit(ctx, "ended", EndedState(run_id=ctx.run_id, cause=cause))
-                else:
-                    await self.end(ctx, cause)
-                return
-            except PayloadTooLarge:
-                if bare:
-                    raise
-                bare = True
-            except StoreUnavailable as exc:
-                log.warning("settling %s: store unavailable (%s); retrying", ctx.run_id, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.store_retry.max_delay_s)
-            except VersionConflict:
-                ctx.frontier = await self._reloaded(ctx)
-                if ctx.frontier.ended:
-                    return
-
-    async def _reloaded(self, ctx: RunContext) -> Frontier:
-        """The stored frontier, if this engine still owns the thread (else Fenced)."""
-        frontier = await self._retrying(lambda: self.store.load(ctx.frontier.thread_id))
-        if frontier.epoch != ctx.epoch:
-            raise Fenced(frontier.thread_id, ctx.epoch, frontier.epoch)
-        return frontier
-
-    async def _cancel_children(self, ctx: RunContext) -> None:
-        """Cancellation flows parent → child, after the parent's end is committed."""
-        children = ctx.frontier.state["run"].get(CHILDREN_KEY, {})
-        if self.children is None or not children:
-            return
-        for child in children.values():
-            try:
-                await self.children.cancel(ThreadId(child))
-            except Exception as exc:  # the child's own recovery settles it later
-                log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
-
-    # ---- commits ----------------------------------------------------------------------
-
-    async def commit(
-        self,
-        ctx: RunContext,
-        label: CommitLabel,
-        disposition: RunDisposition,
-        *,
-        claim: bool = False,
-        **parts: Any,
-    ) -> None:
-        await self._commit(ctx, label, disposition, claim=claim, **parts)
-
-    async def _commit(
-        self,
-        ctx: RunContext,
-        label: CommitLabel,
-        disposition: RunDisposition,
-        *,
-        claim: bool = False,
-        messages: Sequence[Message] = (),
-        batch: ActiveToolBatch | None = None,
-        commands: Sequence[Command] = (),
-        run_id: RunId | None = None,
-        extra_facts: Sequence[Fact] = (),
-    ) -> None:
-        f = ctx.frontier
-        run = run_id or ctx.run_id
-        status = _status_after(f.status, disposition, now_us())
-        changed = status if status is not f.status else None  # moved_to keeps it if unchanged
-        commit = assemble_commit(
-            thread_id=f.thread_id,
-            run_id=run,
-            ordinal=0 if run != f.run_id else f.next_ordinal,
-            label=label,
-            disposition=disposition,
-            messages=tuple(messages),
-            commands=(*ctx.pending, *commands),
-            batch=batch,
-            status=changed,
-            extra_facts=tuple(extra_facts),
-            prev=f.head,
-            epoch=ctx.epoch + 1 if claim else ctx.epoch,
-        )
-        base = with_claim(f, self.owner) if claim else f
-        new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)
-        owner = self.owner if claim else None
-        self.faults.hit(f"before:{label}")
-        receipt = await self._retrying(
-            lambda: self.store.append(commit, f.version, ctx.epoch, claim=owner)
-        )
-        self.faults.hit(f"after:{label}")
-        ctx.pending.clear()
-        ctx.frontier = new_frontier
-        ctx.epoch = new_frontier.epoch
-        ctx.execution.run_id = run
-        self.committed.set()
-        if label in ("inference", "ended"):
-            await self.inference.step_committed(f.thread_id)
-        if self.publisher is not None:  # stamping copies every fact: only for a listener
-            self.publisher.offer(f.thread_id, stamp_facts(commit, receipt.seq))
-
-    async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
-        delay, deadline = self.store_retry.first_delay_s, None
-        while True:
-            try:
-                return await op()
-            except StoreUnavailable as exc:
-                loop_time = asyncio.get_running_loop().time()
-                deadline = deadline or loop_time + self.store_retry.give_up_after_s
-                if loop_time >= deadline:
-                    raise
-                log.warning("store unavailable (%s); retrying in %.2fs", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.store_retry.max_delay_s)
-
-
-class _NoModel:
-    """The model of an engine that only ends Runs: it is never asked."""
-
-    async def stream(self, request: object) -> AsyncIterator[ModelResponse]:
-        raise RuntimeError("a control engine never infers")
-        yield ModelResponse()  # pragma: no cover - makes this an async generator
-
-
-def control_engine(
-    store: CommitStore,
-    *,
-    owner: str | None = None,
-    publisher: Publisher | None = None,
-    children: ChildRunner | None = None,
-) -> Engine:
-    """An engine that only ends Runs (``terminate``): it never infers nor runs a tool."""
-    agent = Agent(name="control", model=_NoModel())
-    return Engine(agent, store, _NO_TOOLS, owner=owner, publisher=publisher, children=children)
-
-
-class _NoTools:
-    async def run(self, invocations: Sequence[Any]) -> list[Any]:
-        raise RuntimeError("a control engine never runs a tool")
-
-
-_NO_TOOLS = _NoTools()
 
 
 def _validate(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
@@ -637,15 +464,4 @@ def _validate(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
     return ticket
 
 
-def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) -> ThreadStatus:
-    if isinstance(disposition, RunningState):
-        return current.moved_to("running", None, now)
-    if isinstance(disposition, AwaitingState):
-        return current.moved_to("idle", f"awaiting_{disposition.ticket.payload_kind}", now)
-    cause = disposition.cause
-    if isinstance(cause, Failed):
-        return current.moved_to("failed", cause.code, now)
-    return current.moved_to("idle", cause.kind, now)
-
-
-__all__ = ["Engine", "RunContext", "StoreRetry", "control_engine", "now_us"]
+__all__ = ["Engine", "RunContext", "StoreRetry", "now_us"]

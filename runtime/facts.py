@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runtime.base import trusted
 from runtime.events import Fact, FactType
@@ -18,23 +18,15 @@ from runtime.lifecycle import (
 )
 from runtime.messages import AssistantMessage, Message, ToolResultMessage, UserMessage
 
-if TYPE_CHECKING:  # runtime.commit assembles commits with the facts derived here
-    from runtime.commit import CommitLabel, Frontier, ThreadCommit
-
 
 def _fact(type_: FactType, run: RunId, data: dict[str, Any]) -> Fact:
     # every part is one the engine made from validated records: not validated again
     return trusted(Fact, type=type_, run_id=run, data=data)
 
 
-def derive_facts(commit: ThreadCommit, before: Frontier) -> tuple[Fact, ...]:
-    status = commit.status if commit.status != before.status else None
-    return facts_of(commit.run_id, commit.label, commit.messages, status, commit.disposition)
-
-
 def facts_of(
     run: RunId,
-    label: CommitLabel,
+    label: str,
     messages: Sequence[Message],
     status: ThreadStatus | None,
     disposition: RunDisposition,

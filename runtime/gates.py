@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.agent import Agent
-from runtime.batch import ActiveToolBatch, ToolOutput, complete, mark_indeterminate
+from runtime.batch import ActiveToolBatch, Completed, ToolOutput, complete, mark_indeterminate
 from runtime.context import StepServices
 from runtime.delegation import CHILDREN_KEY, refusal
 from runtime.errors import InputRefused
 from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
-from runtime.limits import Limits, check_id, check_json_value, check_text
+from runtime.limits import Limits, check_id, check_json_value, check_text, utf8_size
 from runtime.ports import Finished
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
 from runtime.signals import EndRun
@@ -159,14 +159,24 @@ def waves(agent: Agent, batch: ActiveToolBatch, ready: Sequence[CallId]) -> list
     return out
 
 
-def admit_outcome(outcome: Finished, limits: Limits) -> Finished:
+def admit_outcome(outcome: Finished, limits: Limits, batch: ActiveToolBatch) -> Finished:
     """A tool's finished outcome as it may be committed: a result over
-    ``tool_result_bytes`` or that cannot be stored, or state commands beyond the state
-    limits, become a model-visible error naming the limit (the commands are dropped)."""
+    ``tool_result_bytes`` or that cannot be stored, one that would take the batch's
+    results over ``batch_result_bytes``, or state commands beyond the state limits,
+    become a model-visible error naming the limit (the commands are dropped)."""
     try:
-        check_text(
-            "tool result", outcome.output.content, limits.tool_result_bytes, "tool_result_bytes"
+        content = outcome.output.content
+        check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")
+        so_far = sum(
+            utf8_size(c.phase.output.content) for c in batch.calls if isinstance(c.phase, Completed)
         )
+        if so_far + utf8_size(content) > limits.batch_result_bytes:
+            raise InputRefused(
+                "tool result",
+                "batch_result_bytes",
+                f"the Step's results would be {so_far + utf8_size(content)} bytes; "
+                f"the limit is {limits.batch_result_bytes}",
+            )
         for cmd in outcome.commands:
             check_id("state key", cmd.key, limits)
             check_json_value(

@@ -23,6 +23,7 @@ from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import PauseReason, PauseTarget, UserInputTarget
 from runtime.limits import Limits, check_id, check_json_value, check_text, printable
 from runtime.messages import ContextMessage, Message
+from runtime.signals import cancelling
 from runtime.state import Command, StateView
 
 HookPoint = Literal["StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd"]
@@ -137,6 +138,10 @@ async def run_hooks(
             if out is None:
                 continue
             commands, context = _admitted(out, limits)
+        except asyncio.CancelledError as exc:
+            if cancelling():
+                raise  # the Run's task is being cancelled: it goes on unwinding
+            raise HookFailed(hook, hook_input.point, exc) from exc
         except Exception as exc:
             raise HookFailed(hook, hook_input.point, exc) from exc
         into.commands.extend(commands)

@@ -25,7 +25,7 @@ from runtime.messages import (
     UserMessage,
 )
 from runtime.models import InferenceRequest, ModelResponse
-from runtime.signals import CancelledSignal, EndRun
+from runtime.signals import CancelledSignal, EndRun, cancelling
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -90,7 +90,7 @@ class Inference:
         """Ask the model, streaming deltas live. Every failure of an attempt — the model
         raising, or answering what cannot be committed — is the model's: the inference is
         tried again, and after the last attempt the Run ends failed(inference)."""
-        error: Exception | None = None
+        error: BaseException | None = None
         for attempt in range(1, self.agent.inference_attempts + 1):
             if self.is_cancelled():
                 raise CancelledSignal
@@ -100,6 +100,11 @@ class Inference:
                 return admit_response(response, self.limits)
             except CancelledSignal:
                 raise
+            except asyncio.CancelledError as exc:
+                if cancelling():
+                    raise  # the Run's task is being cancelled: it goes on unwinding
+                error = exc  # the model raised it on its own: its failure
+                log.warning("inference attempt %d of run %s failed: %r", attempt, ctx.run_id, exc)
             except Exception as exc:  # a model failure of any kind is the model's, not ours
                 error = exc
                 log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
@@ -180,6 +185,15 @@ def admit_response(response: ModelResponse, limits: Limits) -> Admitted:
     if not isinstance(response, ModelResponse):
         raise TypeError(f"a model answers a ModelResponse, not {type(response).__name__}")
     check_text("model text", response.text, limits.model_text_bytes, "model_text_bytes")
+    total = utf8_size(response.text) + sum(
+        utf8_size(c.arguments) for c in response.tool_calls if isinstance(c.arguments, str)
+    )
+    if total > limits.response_bytes:
+        raise InputRefused(
+            "model output",
+            "response_bytes",
+            f"{total} bytes of text and arguments; the limit is {limits.response_bytes}",
+        )
     if len(response.tool_calls) > limits.tool_calls:
         raise InputRefused(
             "model output",
@@ -194,11 +208,11 @@ def admit_response(response: ModelResponse, limits: Limits) -> Admitted:
         arguments = use.arguments
         problem = _arguments_problem(arguments, limits)
         if problem is not None:
-            refused[i] = f"arguments refused: {problem}"
+            refused[i] = f"arguments refused {problem}"
             arguments = "{}"
         same = (call_id, name, arguments) == (use.call_id, use.tool, use.arguments)
         calls.append(use if same else ToolUse(call_id=call_id, tool=name, arguments=arguments))
-    unique = unique_calls(calls)
+    unique = unique_calls(calls, limits)
     return Admitted(
         text=response.text,
         tool_calls=unique,
@@ -221,25 +235,30 @@ def _shown(name: str, limits: Limits) -> str:
 
 
 def _arguments_problem(arguments: str, limits: Limits) -> str | None:
+    """Why the arguments cannot be kept, as "(rule): detail"; None if they can."""
     problem = utf8_problem(arguments)
     if problem is not None:
-        return problem
+        return f"(utf8): {problem}"
     size = utf8_size(arguments)
     if size > limits.tool_arguments_bytes:
-        return f"{size} bytes; the limit tool_arguments_bytes is {limits.tool_arguments_bytes}"
+        return f"(tool_arguments_bytes): {size} bytes; the limit is {limits.tool_arguments_bytes}"
     return None
 
 
-def unique_calls(calls: Sequence[ToolUse]) -> tuple[ToolUse, ...]:
-    """Models sometimes repeat a call id; rename repeats so every call stays addressable."""
+def unique_calls(calls: Sequence[ToolUse], limits: Limits) -> tuple[ToolUse, ...]:
+    """Models sometimes repeat a call id; rename repeats so every call stays addressable
+    (and resumable: a renamed id stays within ``id_chars``)."""
     seen: set[str] = set()
     out = []
-    for use in calls:
+    for i, use in enumerate(calls):
         cid = use.call_id or "call"
         n = 1
         while cid in seen:
             n += 1
-            cid = f"{use.call_id}#{n}"
+            suffix = f"#{n}"
+            cid = f"{use.call_id[: limits.id_chars - len(suffix)]}{suffix}"
+            if cid in seen and n > len(calls):  # cannot happen; but never loop for ever
+                cid = f"call-{i + 1}"
         seen.add(cid)
         out.append(use if cid == use.call_id else use.model_copy(update={"call_id": CallId(cid)}))
     return tuple(out)

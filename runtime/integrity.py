@@ -27,6 +27,8 @@ class RawRecord(NamedTuple):
     seq: int
     body: str
     payload_hash: str
+    operation_id: str | None = None
+    """The operation id stored beside the body (SQL), checked against the body's."""
 
 
 def body_hash(body: str) -> str:
@@ -53,7 +55,7 @@ def verified_records(
     expected = max(after, 1)
     prev: str | None = "" if after == 0 else None
     at_head: str | None = None
-    for seq, body, stored in rows:
+    for seq, body, stored, operation in rows:
         if seq != expected:
             missing = expected if seq > expected else seq
             raise CorruptRecord(thread, missing, "the log has a gap or a repeated seq here")
@@ -62,6 +64,8 @@ def verified_records(
         commit = decode_commit(body, thread, seq)
         if commit.thread_id != thread:
             raise CorruptRecord(thread, seq, f"the record belongs to thread {commit.thread_id!r}")
+        if operation is not None and operation != commit.operation_id:
+            raise CorruptRecord(thread, seq, "the stored operation id is not the record's")
         if seq == 1:
             prev = ""  # a thread's first commit has no predecessor
         chained = commit.schema_version >= 2  # schema 1 records predate the chain
@@ -98,6 +102,17 @@ def _check_tail(
         raise CorruptRecord(thread, version, "the record at the head is not the frontier's head")
 
 
+def check_head(thread: str, frontier: Frontier, at_version: str | None) -> None:
+    """A loaded frontier against the stored hash of the record at its version (one key
+    lookup): the head it names must be that record, which must exist."""
+    if frontier.version == 0:
+        return
+    if at_version is None:
+        raise CorruptRecord(thread, frontier.version, "the record at the frontier's head is gone")
+    if at_version != frontier.head:
+        raise CorruptRecord(thread, frontier.version, "the frontier's head is not its last record")
+
+
 def frontier_checksum(text: str) -> str:
     return body_hash(text)
 
@@ -119,13 +134,15 @@ class Problem(NamedTuple):
 
 async def audit(store: CommitStore, thread: ThreadId) -> list[Problem]:
     """Everything wrong with one stored thread (empty: it verifies)."""
-    try:
-        frontier = await store.load(thread)
+    try:  # the log first: what it finds wrong is the cause of what a load would
         records = await store.read(thread)
+        frontier = await store.load(thread)
     except CorruptRecord as exc:
         return [Problem(thread, exc.seq, _detail(exc))]
     except StoreError as exc:
         return [Problem(thread, 0, f"unreadable: {exc}")]
+    if frontier.version == 0 and frontier.epoch == 0 and not records:
+        return [Problem(thread, 0, "no such thread in this store")]
     return _compare(thread, frontier, records)
 
 

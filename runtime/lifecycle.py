@@ -151,6 +151,10 @@ class ResumeCommand(Frozen):
     payload: ResumePayload
     call_id: CallId | None = None
     """Required when the ticket targets a tool call."""
+    request_id: str | None = None
+    """The caller's own id for this resume, recorded in the ``resumed`` fact: a caller
+    whose answer was lost (its host died) can tell whether its resume, or another
+    one, was applied. Not checked against the ticket."""
 
 
 def validate_resume(ticket: ResumeTicket | None, command: ResumeCommand, now_us: int) -> None:

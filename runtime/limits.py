@@ -26,21 +26,30 @@ KIB = 1024
 
 @dataclass(frozen=True)
 class Limits:
-    """Per system (``SystemSpec.limits``) or per engine (``Engine(limits=...)``)."""
+    """Per system (``SystemSpec.limits``) or per engine (``Engine(limits=...)``).
 
-    input_bytes: int = 256 * KIB
+    The defaults keep every commit a Run can make within the stores' default payload
+    limit of 1 MiB: a commit repeats its messages' text in its facts, and a batch's
+    results are in the batch, in the messages and in the facts of the commit that
+    publishes them, so a results commit or an end holds up to three copies of each."""
+
+    input_bytes: int = 128 * KIB
     """A Run's input text, and the text of a ``user_input`` resume (UTF-8 bytes)."""
-    model_text_bytes: int = 256 * KIB
+    model_text_bytes: int = 64 * KIB
     """The text of one model response."""
+    response_bytes: int = 128 * KIB
+    """One model response in all: its text and every tool call's arguments."""
     tool_calls: int = 64
     """Tool calls in one model response."""
-    tool_arguments_bytes: int = 64 * KIB
+    tool_arguments_bytes: int = 32 * KIB
     """One tool call's raw JSON arguments."""
-    tool_result_bytes: int = 64 * KIB
+    tool_result_bytes: int = 32 * KIB
     """One tool result's content (a tool's output, or a caller's external result)."""
-    resume_payload_bytes: int = 256 * KIB
+    batch_result_bytes: int = 96 * KIB
+    """The results of one Step's tool calls together; a result beyond it is an error."""
+    resume_payload_bytes: int = 64 * KIB
     """A ResumeCommand's payload, encoded as JSON."""
-    state_value_bytes: int = 64 * KIB
+    state_value_bytes: int = 32 * KIB
     """One state command's value, encoded as JSON."""
     json_depth: int = 64
     """Nesting of any JSON: tool arguments, state values, resume payloads."""
@@ -52,6 +61,15 @@ class Limits:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"limit {f.name} must be a positive integer, not {value!r}")
+
+    def commit_bytes(self) -> int:
+        """The largest commit a Run kept within these limits can make: a Step's results
+        three times (in the batch, the messages and the facts of the commit that
+        publishes them), a response or an input three times, and room for the records'
+        own fields. A store whose payload limit is below this is refused (``Engine``)."""
+        per_call = 1 * KIB  # ids, phases and keys of one call, three times over
+        largest = max(self.response_bytes, self.input_bytes)
+        return 3 * self.batch_result_bytes + 3 * largest + self.tool_calls * per_call
 
 
 DEFAULT_LIMITS = Limits()

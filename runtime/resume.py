@@ -46,6 +46,8 @@ def check_command(command: ResumeCommand, limits: Limits) -> None:
     check_id("thread id", command.thread_id, limits)
     if command.call_id is not None:
         check_id("call id", command.call_id, limits)
+    if command.request_id is not None:
+        check_id("request id", command.request_id, limits)
     payload = command.payload
     check_json_value(
         "resume payload",
@@ -93,11 +95,10 @@ async def resume_commit(
     """Commit the validated resume (Awaiting → Running) with the resumer's claim, before
     acting on it; returns the call to run now (an approval, a fired schedule), if any."""
     payload = command.payload
-    resumed = Fact(
-        type="resumed",
-        run_id=ctx.run_id,
-        data={"correlation": ticket.correlation, **payload.model_dump(mode="json")},
-    )
+    data = {"correlation": ticket.correlation, **payload.model_dump(mode="json")}
+    if command.request_id is not None:
+        data["request_id"] = command.request_id
+    resumed = Fact(type="resumed", run_id=ctx.run_id, data=data)
     target = ticket.target
     messages: tuple[Message, ...] = ()
     batch = ctx.frontier.batch

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
+from runtime.control import control_engine
 from runtime.delegation import (
     ChildOutcome,
     ChildRequest,
@@ -16,7 +17,7 @@ from runtime.delegation import (
     outcome_of,
     parent_link,
 )
-from runtime.engine import Engine, control_engine
+from runtime.engine import Engine
 from runtime.errors import AgentImportError
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
@@ -24,6 +25,7 @@ from runtime.lifecycle import ResumeCommand, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.publish import Publisher
+from runtime.resume import check_command
 from runtime.tools import LocalToolRunner
 
 
@@ -86,6 +88,7 @@ class InProcessRunner:
 
     async def resume(self, command: ResumeCommand, faults: FaultPlan = NO_FAULTS) -> Frontier:
         """Resume a Run (or a child Run); a child that ends delivers its outcome upward."""
+        check_command(command, self.limits)  # refused before the store is asked anything
         link = await self.children.link_of(command.thread_id)
         if link is None:
             return await self.engine(faults).resume(command)

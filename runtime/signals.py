@@ -28,6 +28,13 @@ class EndRun(Exception):
         self.cause = cause
 
 
+def cancelling() -> bool:
+    """Whether the running task is being cancelled: a CancelledError is then a real
+    cancellation, else user code (a tool, a hook, a model) raised one on its own."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class CancelSignal(asyncio.Event):
     """A Run's cancellation event, which also calls the wakers of the races in progress."""
 

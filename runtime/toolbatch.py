@@ -30,7 +30,7 @@ from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
 from runtime.limits import printable
 from runtime.messages import Message
-from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome
+from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.resume import await_call
 from runtime.signals import EndRun
 from runtime.state import Command
@@ -141,6 +141,10 @@ async def run_wave(
         for call_id, outcome in zip(wave, outcomes, strict=True):
             batch = _record(services, batch, call_id, outcome, retry, undispatched, commands)
         wave = retry
+    if batch.awaiting_call() is not None:
+        # a lone child that surfaced a human wait: its wait is committed together with
+        # the ticket (advance_batch), not in a results commit before it
+        return batch
     hooks = HookResults()
     if services.agent.hooks:  # else skip even building each call's arguments
         for call_id in members:
@@ -237,7 +241,7 @@ def _record(
     if isinstance(outcome, ChildWaiting):  # a lone child surfaces its wait to the parent
         return mark_awaiting(batch, call_id, "delegation", outcome.ticket.correlation)
     if isinstance(outcome, Finished):
-        admitted = admit_outcome(outcome, services.limits)
+        admitted = admit_outcome(outcome, services.limits, batch)
         commands.extend(admitted.commands)
         return complete(batch, call_id, admitted.output)
     if isinstance(outcome, Lost):
@@ -245,11 +249,13 @@ def _record(
             retry.append(call_id)
             return batch
         return mark_indeterminate(batch, call_id, printable(f"executor lost: {outcome.message}"))
-    if budget_left:  # Unavailable: nothing dispatched, safe to retry under any policy
+    if not isinstance(outcome, Unavailable):  # a runner's bug: never taken for "not sent"
+        raise TypeError(f"call {call_id}: a tool runner answered {type(outcome).__name__}")
+    if budget_left:  # nothing dispatched: safe to retry under any policy
         retry.append(call_id)
         undispatched.add(call_id)
         return batch
-    text = f"tool unavailable after {call.attempts} attempts: {outcome.message}"  # type: ignore[attr-defined]
+    text = f"tool unavailable after {call.attempts} attempts: {outcome.message}"
     return complete(batch, call_id, ToolOutput(content=printable(text), is_error=True))
 
 

@@ -23,6 +23,7 @@ from runtime.errors import ToolDefinitionError
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.limits import DEFAULT_LIMITS, Limits, json_depth, printable
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
+from runtime.signals import cancelling
 from runtime.state import Command
 
 Concurrency = Literal["parallel", "serial"]
@@ -220,6 +221,10 @@ def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, A
     return fields, context_param
 
 
+def _raised(exc: BaseException) -> str:
+    return printable(f"{type(exc).__name__}: {exc}")
+
+
 def outcome_of(result: Any) -> Finished:
     """Turn a tool's return value into a finished outcome."""
     if isinstance(result, ToolResult):
@@ -254,9 +259,12 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         return Unavailable(message=printable(str(exc)) or "unavailable before dispatch")
     except TimeoutError:
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
+    except asyncio.CancelledError as exc:
+        if cancelling():
+            raise  # the wave is being cancelled: it goes on unwinding
+        return Finished(output=ToolOutput(content=_raised(exc), is_error=True))
     except Exception as exc:  # the tool's failure is the model's to see, never a crash
-        text = printable(f"{type(exc).__name__}: {exc}")
-        return Finished(output=ToolOutput(content=text, is_error=True))
+        return Finished(output=ToolOutput(content=_raised(exc), is_error=True))
     try:
         return outcome_of(result)
     except Exception as exc:  # a result that cannot be turned into text is the tool's error

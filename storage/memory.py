@@ -24,7 +24,7 @@ from runtime.commit import (
 )
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
-from runtime.integrity import RawRecord, verified_records
+from runtime.integrity import RawRecord, check_head, verified_records
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.summary import summarize
 
@@ -66,10 +66,21 @@ class MemoryCommitStore:
             return receipt
 
     async def load(self, thread: ThreadId) -> Frontier:
-        return self._thread(thread).frontier
+        t = self._threads.get(thread)  # a look-up creates nothing
+        if t is None:
+            return Frontier(thread_id=thread)
+        last = t.log[-1] if t.log else None
+        check_head(
+            thread,
+            t.frontier,
+            last.payload_hash if last and last.seq == t.frontier.version else None,
+        )
+        return t.frontier
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        t = self._thread(thread)
+        t = self._threads.get(thread)
+        if t is None:
+            return []
         rows = t.log[max(after_seq, 1) - 1 :]
         return verified_records(thread, rows, after_seq, (t.frontier.version, t.frontier.head))
 

@@ -60,6 +60,7 @@ Messages name the server by its redacted URL: a password never reaches a log lin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,6 +90,7 @@ from runtime.integrity import (
     RawRecord,
     body_hash,
     check_frontier_text,
+    check_head,
     frontier_checksum,
     verified_records,
 )
@@ -317,12 +319,13 @@ class RedisCommitStore:
                 pipe.lrange(self._key(thread, "log"), first - 1, -1)
                 pipe.lrange(self._key(thread, "sums"), first - 1, -1)
                 (version, head), bodies, sums = await pipe.execute()
-        if len(bodies) != len(sums):
-            raise CorruptRecord(thread, first, "the log and its hashes differ in length")
-        rows = (
-            RawRecord(first + i, b, h) for i, (b, h) in enumerate(zip(bodies, sums, strict=True))
-        )
+        paired = min(len(bodies), len(sums))
+        pairs = zip(bodies, sums, strict=False)  # unequal lengths are reported below
+        rows = [RawRecord(first + i, b, h) for i, (b, h) in enumerate(pairs)]
         stored = (_number(thread, "version", version), head or "")
+        if len(bodies) != len(sums):  # what pairs up is checked first: it names the culprit
+            verified_records(thread, rows[:paired], after_seq, None)
+            raise CorruptRecord(thread, first + paired, "the log and its hashes differ in length")
         return verified_records(thread, rows, after_seq, stored)
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
@@ -410,11 +413,17 @@ class RedisCommitStore:
         read at one instant."""
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hmget(
-                self._key(thread, "meta"), ["frontier", "version", "epoch", "owner", "checksum"]
+                self._key(thread, "meta"),
+                ["frontier", "version", "epoch", "owner", "checksum", "head"],
             )
             pipe.hget(self._key(thread, "ops"), op or "")
-            (text, version, epoch, owner, checksum), known = await pipe.execute()
+            pipe.llen(self._key(thread, "sums"))
+            pipe.lindex(self._key(thread, "sums"), -1)
+            (text, version, epoch, owner, checksum, head), known, n, last = await pipe.execute()
         frontier = _decode_frontier(thread, text, version, epoch, checksum)
+        check_head(thread, frontier, last if n == frontier.version else None)
+        if frontier.version and head != frontier.head:
+            raise CorruptRecord(thread, frontier.version, "the stored head is not the frontier's")
         frontier = frontier.model_copy(update={"owner": owner})
         return _Snapshot(frontier, _decode_receipt(thread, known) if op and known else None)
 
@@ -470,13 +479,23 @@ class RedisCommitStore:
             return
         lock = f"{self.prefix}:upgrading"
         if not await self.client.set(lock, "1", nx=True, ex=300):
-            return  # another process upgrades; its appends and ours share the new layout
+            await self._upgraded_elsewhere(schema_key)
+            return
         try:
             async for meta in self.client.scan_iter(match=f"{self.prefix}:thread:*:meta"):
                 await self._upgrade_thread(meta[len(f"{self.prefix}:thread:") : -len(":meta")])
             await self.client.set(schema_key, LAYOUT)
         finally:
             await self.client.delete(lock)
+
+    async def _upgraded_elsewhere(self, schema_key: str, timeout_s: float = 300.0) -> None:
+        """Another process upgrades the layout: wait for it (the old layout cannot be used)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while await self.client.get(schema_key) != LAYOUT:
+            if loop.time() > deadline:
+                raise StoreUnavailable(f"redis at {self.where}: the layout upgrade did not finish")
+            await asyncio.sleep(0.1)
 
     async def _upgrade_thread(self, thread: str) -> None:
         meta = self._key(thread, "meta")

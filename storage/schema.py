@@ -48,6 +48,7 @@ from sqlalchemy import (
 )
 
 from runtime.commit import FRONTIER_SCHEMA
+from runtime.errors import CorruptRecord
 from runtime.integrity import frontier_checksum
 from runtime.ports import host_of
 from storage.frontiers import decode_frontier
@@ -155,7 +156,10 @@ def _v4_chain_checksums_owner_index(conn: Connection) -> None:
     _c, _t = commits.c, threads.c
     rows = conn.execute(select(_t.thread_id, _t.version, _t.frontier, _t.owner)).all()
     for thread, version, stored, owner in rows:
-        frontier = decode_frontier(thread, stored, version)
+        try:
+            frontier = decode_frontier(thread, stored, version)
+        except CorruptRecord:
+            continue  # left without a checksum: a load of this thread alone fails closed
         if frontier.schema_version == FRONTIER_SCHEMA:
             continue  # written by this schema already
         head = conn.execute(

@@ -45,9 +45,9 @@ from runtime.commit import (
     receipt_of,
     with_claim,
 )
-from runtime.errors import RatchetError, StoreError
+from runtime.errors import CorruptRecord, RatchetError, StoreError
 from runtime.ids import OperationId, ThreadId
-from runtime.integrity import RawRecord, verified_records
+from runtime.integrity import RawRecord, check_head, verified_records
 from runtime.ports import CommittedRecord, host_of
 from storage.frontiers import FrontierCache
 from storage.schema import commits, threads
@@ -242,10 +242,17 @@ UPDATE_UNCHANGED = _Many(
 """Update a thread row only if it is still at the version, epoch and owner a plan
 started from."""
 LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
-LOAD = select(_t.version, _t.frontier, _t.checksum).where(_t.thread_id == bindparam("thread"))
+LOAD = (
+    select(_t.version, _t.frontier, _t.checksum, _t.head, _c.payload_hash)
+    .select_from(
+        threads.outerjoin(commits, and_(_c.thread_id == _t.thread_id, _c.seq == _t.version))
+    )
+    .where(_t.thread_id == bindparam("thread"))
+)
+"""The thread row, with the stored hash of the record at its version (one statement)."""
 HEAD = select(_t.version, _t.head).where(_t.thread_id == bindparam("thread"))
 READ = (
-    select(_c.seq, _c.body, _c.payload_hash)
+    select(_c.seq, _c.body, _c.payload_hash, _c.operation_id)
     .where(_c.thread_id == bindparam("thread"), _c.seq >= bindparam("first"))
     .order_by(_c.seq)
 )
@@ -595,7 +602,11 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
     row = conn.execute(LOAD, {"thread": thread}).first()
     if row is None:
         return Frontier(thread_id=thread)
-    return cache.decode(thread, row.frontier, row.version, row.checksum)
+    frontier = cache.decode(thread, row.frontier, row.version, row.checksum)
+    check_head(thread, frontier, row.payload_hash)
+    if row.head != frontier.head:
+        raise CorruptRecord(thread, row.version, "the stored head is not the frontier's")
+    return frontier
 
 
 def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[CommittedRecord]:
@@ -604,7 +615,7 @@ def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[Commit
     its own snapshot)."""
     head = conn.execute(HEAD, {"thread": thread}).first()
     rows = conn.execute(READ, {"thread": thread, "first": max(after_seq, 1)})
-    raw = (RawRecord(r.seq, r.body, r.payload_hash) for r in rows)
+    raw = (RawRecord(r.seq, r.body, r.payload_hash, r.operation_id) for r in rows)
     version = (head.version, head.head) if head is not None and head.head is not None else None
     return verified_records(thread, raw, after_seq, version or (0, ""), exact=False)
 

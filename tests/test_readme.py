@@ -21,3 +21,20 @@ def test_readme_library_example_runs():
     ).stdout
     assert out.splitlines()[0] == "natural - Done: Ada was charged 42."
     assert "1 activation ['run_started', 'status']" in out
+
+
+def test_readme_limits_table_is_the_code_s():
+    """Every limit, its default and what it bounds, as ``runtime.limits`` defines them."""
+    from runtime.limits import limits_table
+
+    text = README.read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([\d,]+) \| (.+) \|$", text, flags=re.M)
+    documented = {name: (int(value.replace(",", "")), what) for name, value, what in rows}
+    for name, value, what in limits_table():
+        assert documented.get(name) == (value, what.replace("``", "`")), name
+    failure_kinds = re.findall(r"^\| `(\w+)` \| .+ \| .* \|$", text, flags=re.M)
+    from typing import get_args
+
+    from runtime.lifecycle import FailureKind
+
+    assert set(get_args(FailureKind)) <= set(failure_kinds)

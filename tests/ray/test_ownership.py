@@ -19,7 +19,7 @@ from .conftest import wait_for
 pytestmark = pytest.mark.ray
 
 
-def _activation(thread: str) -> ThreadCommit:
+def _activation(thread: str, epoch: int) -> ThreadCommit:
     run = RunId("run-z")
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -28,6 +28,7 @@ def _activation(thread: str) -> ThreadCommit:
         label="activation",
         disposition=RunningState(run_id=run),
         messages=(UserMessage(id="m", text="hi"),),
+        epoch=epoch,
     )
 
 
@@ -41,11 +42,11 @@ async def test_a_stale_epoch_is_fenced_through_the_store_actor(make_system):
     with pytest.raises(Fenced):  # a claim naming an epoch the thread has moved past
         await store.claim(thread, "late-owner", old)
     with pytest.raises(Fenced) as caught:
-        await store.append(_activation(thread), 0, old)
+        await store.append(_activation(thread, old), 0, old)
     assert (caught.value.epoch, caught.value.current) == (old, new)
     with pytest.raises(VersionConflict):
-        await store.append(_activation(thread), 5, new)
-    receipt = await store.append(_activation(thread), 0, new)
+        await store.append(_activation(thread, new), 5, new)
+    receipt = await store.append(_activation(thread, new), 0, new)
     assert receipt.seq == 1
 
 

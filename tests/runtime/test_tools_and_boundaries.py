@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +62,45 @@ def test_importing_runtime_imports_no_ray_redis_or_sqlalchemy():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _imports(package: Path) -> dict[str, set[str]]:
+    """Each module of ``package`` and the modules of the package it depends on: its
+    module-level imports, those for type checking included (a helper typed with the
+    Engine depends on it as much as one that imports it); an import inside a function
+    is a deliberate lazy one and not counted."""
+    graph: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        statements = list(ast.parse(path.read_text()).body)
+        found: set[str] = set()
+        while statements:
+            node = statements.pop()
+            if isinstance(node, ast.If | ast.Try):
+                statements.extend([*node.body, *node.orelse])
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                f"{package.name}."
+            ):
+                found.add(str(node.module))
+        graph[f"{package.name}.{path.stem}"] = found
+    return graph
+
+
+@pytest.mark.parametrize("package", ["runtime", "storage", "actors", "cluster"])
+def test_no_import_circles(package: str):
+    graph = _imports(Path(__file__).resolve().parents[2] / package)
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join((*path, module)))
+        if module in done:
+            return
+        for imported in sorted(graph.get(module, ())):
+            visit(imported, (*path, module))
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, ())
 
 
 def test_exports_match_all():

@@ -1,8 +1,8 @@
 """Real ThreadCommits for store tests (no fakes: the runtime's own types).
 
-A commit names the hash of the one before it (the chain) and the owner epoch of its
-writer, so builders take ``prev`` and ``epoch``; ``head(store, thread)`` gives the hash
-for the thread's next commit.
+A commit names the hash of the one before it (the chain), the owner epoch of its
+writer and, when it carries a claim, its claimant, so builders take ``prev``, ``epoch``
+and ``claim``; ``head(store, thread)`` gives the hash for the thread's next commit.
 """
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ async def head(store: Any, thread: str) -> str:
 
 
 def activation(
-    thread: str, run: str, text: str = "hello", prev: str = "", epoch: int = 0
+    thread: str,
+    run: str,
+    text: str = "hello",
+    prev: str = "",
+    epoch: int = 0,
+    claim: str | None = None,
 ) -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -33,6 +38,7 @@ def activation(
         messages=(UserMessage(id=f"{run}:input", text=text),),
         prev=prev,
         epoch=epoch,
+        claim=claim,
     )
 
 
@@ -44,6 +50,7 @@ def step(
     commands: tuple[Command, ...] = (),
     prev: str = "",
     epoch: int = 0,
+    claim: str | None = None,
 ) -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -55,11 +62,18 @@ def step(
         commands=commands,
         prev=prev,
         epoch=epoch,
+        claim=claim,
     )
 
 
 def ended(
-    thread: str, run: str, ordinal: int, text: str = "done", prev: str = "", epoch: int = 0
+    thread: str,
+    run: str,
+    ordinal: int,
+    text: str = "done",
+    prev: str = "",
+    epoch: int = 0,
+    claim: str | None = None,
 ) -> ThreadCommit:
     return ThreadCommit(
         thread_id=ThreadId(thread),
@@ -70,4 +84,5 @@ def ended(
         messages=(AssistantMessage(text=text),),
         prev=prev,
         epoch=epoch,
+        claim=claim,
     )

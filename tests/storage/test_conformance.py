@@ -30,7 +30,7 @@ async def _started(store: Any, thread: ThreadId = T, run: str = "run-1") -> int:
     """Activate a Run on the thread, claiming it in the same append; returns the epoch."""
     before = await store.load(thread)
     await store.append(
-        activation(thread, run, prev=before.head, epoch=before.epoch + 1),
+        activation(thread, run, prev=before.head, epoch=before.epoch + 1, claim="owner-1"),
         before.version,
         before.epoch,
         claim="owner-1",
@@ -137,14 +137,14 @@ async def test_an_append_carries_its_own_claim(store: Any) -> None:
     epoch = await _started(store)
     assert (await store.load(T)).owner == "owner-1"
     h = await head(store, T)
-    claimed = step(T, "run-1", 1, prev=h, epoch=epoch + 1)
+    claimed = step(T, "run-1", 1, prev=h, epoch=epoch + 1, claim="owner-2")
     receipt = await store.append(claimed, 1, epoch, claim="owner-2")
     after = await store.load(T)
     assert (receipt.seq, after.epoch, after.owner) == (2, epoch + 1, "owner-2")
     with pytest.raises(Fenced):  # the previous owner is fenced by it
         await store.append(step(T, "run-1", 2, prev=after.head, epoch=epoch), 2, epoch)
     with pytest.raises(Fenced):  # and a claim-append must name the current epoch too
-        late = step(T, "run-1", 2, prev=after.head, epoch=epoch + 1)
+        late = step(T, "run-1", 2, prev=after.head, epoch=epoch + 1, claim="owner-3")
         await store.append(late, 2, epoch, claim="owner-3")
 
 
@@ -169,7 +169,10 @@ async def test_of_racing_claim_appends_exactly_one_lands(store: Any) -> None:
     """Two starts of different Runs on one new thread: one Run exists, no one is fenced
     after committing."""
     outcomes = await asyncio.gather(
-        *(store.append(activation(T, f"run-{i}", epoch=1), 0, 0, claim=f"s-{i}") for i in range(6)),
+        *(
+            store.append(activation(T, f"run-{i}", epoch=1, claim=f"s-{i}"), 0, 0, claim=f"s-{i}")
+            for i in range(6)
+        ),
         return_exceptions=True,
     )
     landed = [o for o in outcomes if not isinstance(o, BaseException)]
@@ -217,7 +220,7 @@ async def test_commit_that_fails_midway_leaves_nothing(store: Any) -> None:
     with pytest.raises(InvalidTransition):  # a second Run while one is active
         await store.append(activation(T, "run-2", prev=h, epoch=epoch), 1, epoch)
     with pytest.raises(InvalidTransition):  # a second Run, claiming
-        intruder = activation(T, "run-2", prev=h, epoch=epoch + 1)
+        intruder = activation(T, "run-2", prev=h, epoch=epoch + 1, claim="intruder")
         await store.append(intruder, 1, epoch, claim="intruder")
     with pytest.raises(PayloadTooLarge):
         big = "x" * (store.payload_limit + 1)
@@ -305,7 +308,7 @@ async def test_the_owner_index_lists_running_runs_by_host(store: Any) -> None:
     for i, t in enumerate(threads):
         before = await store.load(t)
         owner = f"host-{i % 2}#{100 + i}"
-        await store.append(activation(t, f"run-{i}", epoch=1), 0, 0, claim=owner)
+        await store.append(activation(t, f"run-{i}", epoch=1, claim=owner), 0, 0, claim=owner)
         assert before.version == 0
     await store.claim(threads[2], "host-1#7", 1)  # host-0's Run taken over by host-1
     e3 = (await store.load(threads[3])).epoch
@@ -334,7 +337,7 @@ async def test_group_of_appends_lands_and_one_bad_fails_alone(store: Any) -> Non
     async def one(i: int) -> Any:
         expected = 7 if i == 13 else 0  # thread 13 asks for a version it is not at
         try:
-            first = activation(threads[i], f"run-{i}", epoch=1)
+            first = activation(threads[i], f"run-{i}", epoch=1, claim="o")
             return await store.append(first, expected, 0, claim="o")
         except VersionConflict as exc:
             return exc

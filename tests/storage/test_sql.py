@@ -266,11 +266,11 @@ async def test_a_start_the_cache_cannot_judge_is_judged_on_the_row(
     first = await theirs.append(activation(thread, "r1"), 0, 0)
     # planned as a new thread, the row exists: read first, the active Run refuses it
     with pytest.raises((InvalidTransition, VersionConflict)):
-        await mine.append(activation(thread, "r2", epoch=1), 0, 0, claim="me")
+        await mine.append(activation(thread, "r2", epoch=1, claim="me"), 0, 0, claim="me")
     frontier = await theirs.load(thread)
     assert (frontier.epoch, frontier.run_id) == (0, "r1")
     done = await theirs.append(ended(thread, "r1", 1, prev=first.payload_hash), 1, 0)
-    second = activation(thread, "r2", prev=done.payload_hash, epoch=1)
+    second = activation(thread, "r2", prev=done.payload_hash, epoch=1, claim="me")
     await mine.append(second, 2, 0, claim="me")
     claimed = await theirs.load(thread)
     assert (claimed.epoch, claimed.version, claimed.run_id, claimed.owner) == (1, 3, "r2", "me")

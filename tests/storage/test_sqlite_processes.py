@@ -41,7 +41,7 @@ async def _write(url: str, name: str, start: Any) -> None:
 
 
 async def _own(store: SqlCommitStore, thread: ThreadId) -> None:
-    first = activation(thread, f"run-{thread}", epoch=1)
+    first = activation(thread, f"run-{thread}", epoch=1, claim="owner")
     receipt = await store.append(first, 0, 0, claim="owner")
     for i in range(1, STEPS + 1):
         commit = step(thread, f"run-{thread}", i, prev=receipt.payload_hash, epoch=1)
@@ -71,7 +71,8 @@ async def _race(store: SqlCommitStore, name: str) -> None:
 async def _prepare(url: str) -> None:
     store = await SqlCommitStore.connect(url)
     try:
-        await store.append(activation(SHARED, SHARED_RUN, epoch=1), 0, 0, claim="everyone")
+        shared = activation(SHARED, SHARED_RUN, epoch=1, claim="everyone")
+        await store.append(shared, 0, 0, claim="everyone")
     finally:
         await store.close()
 

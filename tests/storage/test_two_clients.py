@@ -43,7 +43,7 @@ from runtime import (
     tool,
 )
 from runtime.commit import Frontier, replay
-from runtime.engine import control_engine
+from runtime.control import control_engine
 from runtime.errors import Fenced, InvalidTransition, ResumeRejected
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState, ResumeTicket, RunningState, answer

@@ -1,0 +1,72 @@
+"""What the ``ratchet`` commands make of their arguments: a resume payload from its flags,
+the ticket a resume answers, and the one error for arguments that cannot be used."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cluster.report import cause_text
+from runtime.batch import ToolOutput
+from runtime.commit import Frontier
+from runtime.errors import ResumeRejected
+from runtime.lifecycle import (
+    AwaitingState,
+    EndedState,
+    ExternalResult,
+    PermissionDecision,
+    ResumePayload,
+    ResumeTicket,
+    ScheduledFire,
+    Unpause,
+    UserInput,
+)
+
+
+class BadInput(Exception):
+    """A command-line argument that cannot be used as given."""
+
+
+def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
+    approve, deny, note, text, result, is_error, fire, unpause = flags
+    given = [
+        name
+        for name, on in (
+            ("--approve", approve),
+            ("--deny", deny),
+            ("--input", text is not None),
+            ("--result", result is not None),
+            ("--fire", fire),
+            ("--unpause", unpause),
+        )
+        if on
+    ]
+    if len(given) != 1:
+        got = f" (got {', '.join(given)})" if given else ""
+        raise BadInput(
+            f"give exactly one of --approve, --deny, --input, --result, --fire, --unpause{got}"
+        )
+    if approve or deny:
+        return PermissionDecision(approve=approve, note=note)
+    if text is not None:
+        return UserInput(text=text)
+    if result is not None:
+        try:
+            value = json.loads(result)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"--result must be JSON: {exc}") from None
+        content = value if isinstance(value, str) else json.dumps(value)
+        return ExternalResult(output=ToolOutput(content=content, is_error=is_error))
+    return ScheduledFire() if fire else Unpause()
+
+
+def awaiting_ticket(frontier: Frontier) -> ResumeTicket:
+    state = frontier.run_state
+    if isinstance(state, AwaitingState):
+        return state.ticket
+    where = (
+        f"run {state.run_id} ended {cause_text(state.cause.model_dump())}"
+        if isinstance(state, EndedState)
+        else f"run {frontier.run_id} is running"
+    )
+    raise ResumeRejected("ticket", f"thread {frontier.thread_id!r} is not awaiting: {where}")

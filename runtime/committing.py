@@ -1,0 +1,234 @@
+"""Committing and ending a Run: the half of the Engine that writes (DESIGN §3, §10).
+
+``Committing`` is the Engine's base: ``commit`` assembles a commit from the Run's
+working copy, folds it, appends it (retrying while the store is out, for up to
+``StoreRetry.give_up_after_s``) and hands its facts to the live bus off the commit
+path; ``end`` commits an end, sealing the open batch; ``settle`` is the one way a
+failure ends a Run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from runtime.batch import ActiveToolBatch, seal
+from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts, with_claim
+from runtime.context import RunContext, StoreRetry
+from runtime.delegation import CHILDREN_KEY, ChildRunner
+from runtime.errors import Fenced, PayloadTooLarge, StoreUnavailable, VersionConflict
+from runtime.events import Fact
+from runtime.faults import FaultPlan
+from runtime.ids import RunId, ThreadId
+from runtime.inference import Inference
+from runtime.lifecycle import (
+    AwaitingState,
+    EndCause,
+    EndedState,
+    Failed,
+    RunDisposition,
+    RunningState,
+    ThreadStatus,
+)
+from runtime.messages import Message
+from runtime.ports import CommitStore
+from runtime.publish import Publisher
+from runtime.resume import result_messages
+from runtime.state import Command
+from runtime.timeutil import now_us
+
+log = logging.getLogger("ratchet.engine")
+T = TypeVar("T")
+
+
+class Committing:
+    """What an Engine needs to write; the Engine sets these up."""
+
+    store: CommitStore
+    owner: str
+    faults: FaultPlan
+    publisher: Publisher | None
+    inference: Inference
+    children: ChildRunner | None
+    store_retry: StoreRetry
+    committed: asyncio.Event
+
+    async def end(
+        self,
+        ctx: RunContext,
+        cause: EndCause,
+        *,
+        messages: tuple[Message, ...] = (),
+        batch: ActiveToolBatch | None = None,
+        commands: Sequence[Command] = (),
+        claim: bool = False,
+    ) -> None:
+        """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized."""
+        open_batch_ = batch or ctx.frontier.batch
+        sealed = seal(open_batch_) if open_batch_ is not None else None
+        if sealed is not None and batch is None and not messages:
+            messages = result_messages(sealed)
+        await self._commit(
+            ctx,
+            "ended",
+            EndedState(run_id=ctx.run_id, cause=cause),
+            claim=claim,
+            messages=messages,
+            batch=sealed,
+            commands=commands,
+        )
+        if cause.kind != "natural":
+            await self._cancel_children(ctx)
+
+    async def settle(self, ctx: RunContext, cause: Failed, error: BaseException) -> None:
+        """End the Run ``cause`` from its committed frontier: the one way a failure ends a
+        Run. Retried with backoff while the store is out (never dropped).
+
+        The limits keep every end within the stores' default payload limit; on a store
+        whose limit is lower than they assume, an end that publishes the batch's results
+        is too large, and the end is committed with the batch sealed but its results
+        unpublished, or, as the last resort, alone."""
+        log.warning(
+            "run %s on %s failed (%s/%s): %s",
+            ctx.run_id,
+            ctx.frontier.thread_id,
+            cause.failure,
+            cause.code,
+            error,
+            exc_info=cause.failure == "internal",
+        )
+        ctx.pending.clear()  # staged by a Step that did not land
+        delay, smaller = self.store_retry.first_delay_s, 0
+        while True:
+            try:
+                await self._end_within(ctx, cause, smaller)
+                return
+            except PayloadTooLarge:
+                if smaller == 2:
+                    raise
+                smaller += 1
+            except StoreUnavailable as exc:
+                log.warning("settling %s: store unavailable (%s); retrying", ctx.run_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.store_retry.max_delay_s)
+            except VersionConflict:
+                ctx.frontier = await self._reloaded(ctx)
+                if ctx.frontier.ended:
+                    return
+
+    async def _end_within(self, ctx: RunContext, cause: Failed, smaller: int) -> None:
+        if smaller == 0:
+            await self.end(ctx, cause)
+            return
+        open_batch_ = ctx.frontier.batch
+        sealed = seal(open_batch_) if open_batch_ is not None and smaller == 1 else None
+        ended = EndedState(run_id=ctx.run_id, cause=cause)
+        await self._commit(ctx, "ended", ended, batch=sealed)
+
+    async def _reloaded(self, ctx: RunContext) -> Frontier:
+        """The stored frontier, if this engine still owns the thread (else Fenced)."""
+        frontier = await self._retrying(lambda: self.store.load(ctx.frontier.thread_id))
+        if frontier.epoch != ctx.epoch:
+            raise Fenced(frontier.thread_id, ctx.epoch, frontier.epoch)
+        return frontier
+
+    async def _cancel_children(self, ctx: RunContext) -> None:
+        """Cancellation flows parent → child, after the parent's end is committed."""
+        children = ctx.frontier.state["run"].get(CHILDREN_KEY, {})
+        if self.children is None or not children:
+            return
+        for child in children.values():
+            try:
+                await self.children.cancel(ThreadId(child))
+            except Exception as exc:  # the child's own recovery settles it later
+                log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
+
+    # ---- commits ----------------------------------------------------------------------
+
+    async def commit(
+        self,
+        ctx: RunContext,
+        label: CommitLabel,
+        disposition: RunDisposition,
+        *,
+        claim: bool = False,
+        **parts: Any,
+    ) -> None:
+        await self._commit(ctx, label, disposition, claim=claim, **parts)
+
+    async def _commit(
+        self,
+        ctx: RunContext,
+        label: CommitLabel,
+        disposition: RunDisposition,
+        *,
+        claim: bool = False,
+        messages: Sequence[Message] = (),
+        batch: ActiveToolBatch | None = None,
+        commands: Sequence[Command] = (),
+        run_id: RunId | None = None,
+        extra_facts: Sequence[Fact] = (),
+    ) -> None:
+        f = ctx.frontier
+        run = run_id or ctx.run_id
+        status = _status_after(f.status, disposition, now_us())
+        changed = status if status is not f.status else None  # moved_to keeps it if unchanged
+        commit = assemble_commit(
+            thread_id=f.thread_id,
+            run_id=run,
+            ordinal=0 if run != f.run_id else f.next_ordinal,
+            label=label,
+            disposition=disposition,
+            messages=tuple(messages),
+            commands=(*ctx.pending, *commands),
+            batch=batch,
+            status=changed,
+            extra_facts=tuple(extra_facts),
+            prev=f.head,
+            epoch=ctx.epoch + 1 if claim else ctx.epoch,
+            claim=self.owner if claim else None,
+        )
+        base = with_claim(f, self.owner) if claim else f
+        new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)
+        owner = self.owner if claim else None
+        self.faults.hit(f"before:{label}")
+        receipt = await self._retrying(
+            lambda: self.store.append(commit, f.version, ctx.epoch, claim=owner)
+        )
+        self.faults.hit(f"after:{label}")
+        ctx.pending.clear()
+        ctx.frontier = new_frontier
+        ctx.epoch = new_frontier.epoch
+        ctx.execution.run_id = run
+        self.committed.set()
+        if label in ("inference", "ended"):
+            await self.inference.step_committed(f.thread_id)
+        if self.publisher is not None:  # stamping copies every fact: only for a listener
+            self.publisher.offer(f.thread_id, stamp_facts(commit, receipt.seq))
+
+    async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
+        delay, deadline = self.store_retry.first_delay_s, None
+        while True:
+            try:
+                return await op()
+            except StoreUnavailable as exc:
+                loop_time = asyncio.get_running_loop().time()
+                deadline = deadline or loop_time + self.store_retry.give_up_after_s
+                if loop_time >= deadline:
+                    raise
+                log.warning("store unavailable (%s); retrying in %.2fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.store_retry.max_delay_s)
+
+
+def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) -> ThreadStatus:
+    if isinstance(disposition, RunningState):
+        return current.moved_to("running", None, now)
+    if isinstance(disposition, AwaitingState):
+        return current.moved_to("idle", f"awaiting_{disposition.ticket.payload_kind}", now)
+    cause = disposition.cause
+    if isinstance(cause, Failed):
+        return current.moved_to("failed", cause.code, now)
+    return current.moved_to("idle", cause.kind, now)

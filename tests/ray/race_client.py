@@ -1,0 +1,152 @@
+"""One of two racing clients, run by test_races as a separate OS process.
+
+    python -m tests.ray.race_client CONFIG.json
+
+It joins the test session's Ray cluster and system (``Ratchet.connect`` with the same
+store URL and system name), then plays the config's rounds. For each round it first
+prepares everything it can (a resume's command is built from the committed ticket),
+writes ``<barrier>/ready-<round>-<role>`` and waits — with a deadline — for
+``<barrier>/go-<round>``, which the test writes once both clients are ready, so the
+two processes' calls overlap. Then it makes every call of the round at once.
+
+Config: ``{"address", "store_url", "name", "hosts", "role", "barrier", "deadline_s",
+"rounds": [{"action": "start"|"resume"|"cancel", "agent", "calls": [{"thread",
+"run_id", "host"}]}]}``; a cancel's answer (``cancelled``, ``signalled``, ...) is its
+``detail``. Prints one line ``RESULT <json>``: per round, per thread,
+``{"outcome": "ok" | <error type name>, "detail": <its message>, "rest": <how the
+Run rests> | <error type>}``
+where ``rest`` is ``awaiting`` or ``ended:<cause>``, learnt through ``result()``
+within the deadline (``TimeoutError`` if it hung).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.client import Ratchet, RunHandle, command_for
+from runtime.commit import Frontier
+from runtime.ids import ThreadId
+from runtime.lifecycle import AwaitingState, EndedState, PermissionDecision, ResumeCommand
+
+
+def _rest(frontier: Frontier) -> str:
+    state = frontier.run_state
+    if isinstance(state, EndedState):
+        return f"ended:{state.cause.kind}"
+    if isinstance(state, AwaitingState):
+        return "awaiting"
+    return f"not at rest: {state!r}"
+
+
+async def _barrier(barrier: Path, round_no: int, role: str, deadline_s: float) -> None:
+    (barrier / f"ready-{round_no}-{role}").write_text("ready")
+    go = barrier / f"go-{round_no}"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while not go.exists():
+        if loop.time() > deadline:
+            raise TimeoutError(f"no go for round {round_no} within {deadline_s}s")
+        await asyncio.sleep(0.005)
+
+
+async def _outcome(call: Any, deadline_s: float) -> tuple[str, str, Any]:
+    try:
+        value = await asyncio.wait_for(call, deadline_s)
+    except Exception as exc:  # the race's loser: its error's type is the finding
+        return type(exc).__name__, str(exc)[:300], None
+    return "ok", "", value
+
+
+async def _rests(handle: RunHandle, deadline_s: float) -> str:
+    try:
+        return _rest(await handle.result(timeout_s=deadline_s))
+    except Exception as exc:
+        return type(exc).__name__
+
+
+async def _start_round(client: Ratchet, spec: dict[str, Any], deadline_s: float, go: Any) -> Any:
+    await go()
+
+    async def one(call: dict[str, Any]) -> tuple[str, str, Any]:
+        start = client.start(
+            spec["agent"],
+            "race",
+            thread_id=call["thread"],
+            run_id=call["run_id"],
+            host=call["host"],
+        )
+        return await _outcome(start, deadline_s)
+
+    outcomes = await asyncio.gather(*(one(c) for c in spec["calls"]))
+    report: dict[str, Any] = {}
+    for call, (outcome, detail, handle) in zip(spec["calls"], outcomes, strict=True):
+        # the winner's own handle; for a loser, the thread's latest Run (the winner's)
+        follow = handle if handle is not None else client.handle(call["thread"])
+        rest = await _rests(follow, deadline_s)
+        report[call["thread"]] = {"outcome": outcome, "detail": detail, "rest": rest}
+    return report
+
+
+async def _awaiting_round(client: Ratchet, spec: dict[str, Any], deadline_s: float, go: Any) -> Any:
+    """Resume (approve) or cancel Runs that await a permission."""
+    commands: dict[str, ResumeCommand] = {}
+    for call in spec["calls"]:
+        ticket = await client.handle(call["thread"]).ticket()
+        assert ticket is not None, f"{call['thread']} is not awaiting"
+        commands[call["thread"]] = command_for(ticket, PermissionDecision(approve=True))
+    await go()
+
+    async def one(call: dict[str, Any]) -> tuple[str, str, Any]:
+        handle = client.handle(call["thread"])
+        if spec["action"] == "cancel":
+            return await _outcome(handle.cancel(), deadline_s)
+        return await _outcome(
+            handle.resume(commands[call["thread"]], host=call["host"]), deadline_s
+        )
+
+    outcomes = await asyncio.gather(*(one(c) for c in spec["calls"]))
+    report: dict[str, Any] = {}
+    for call, (outcome, detail, value) in zip(spec["calls"], outcomes, strict=True):
+        run = commands[call["thread"]].run_id
+        handle = RunHandle(client, ThreadId(call["thread"]), run, "hosted")
+        rest = await _rests(handle, deadline_s)
+        detail = value if isinstance(value, str) else detail  # cancel's answer
+        report[call["thread"]] = {"outcome": outcome, "detail": detail, "rest": rest}
+    return report
+
+
+async def main(config: dict[str, Any]) -> dict[str, Any]:
+    address = config["address"]
+    ray.init(address=address, namespace="ratchet", log_to_driver=False)
+    client = await Ratchet.connect(
+        address=address,
+        store_url=config["store_url"],
+        name=config["name"],
+        hosts=config["hosts"],
+        quiet=True,
+    )
+    barrier, role, deadline_s = Path(config["barrier"]), config["role"], config["deadline_s"]
+    results: dict[str, Any] = {}
+    try:
+        for round_no, spec in enumerate(config["rounds"]):
+
+            async def go(n: int = round_no) -> None:
+                await _barrier(barrier, n, role, deadline_s)
+
+            play = _start_round if spec["action"] == "start" else _awaiting_round
+            results[str(round_no)] = await play(client, spec, deadline_s, go)
+    finally:
+        await client.close()
+    return results
+
+
+if __name__ == "__main__":
+    found = asyncio.run(main(json.loads(Path(sys.argv[1]).read_text())))
+    print("RESULT " + json.dumps(found), flush=True)
+    ray.shutdown()
