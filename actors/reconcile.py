@@ -25,7 +25,6 @@ from actors.ownership import EXECUTION_LOST, mark_lost, running_owned_by
 from actors.wire import RemoteError
 from runtime.errors import CorruptRecord, RatchetError
 from runtime.ids import ThreadId
-from runtime.lifecycle import RunningState
 from runtime.ports import CommitStore, RunSummary
 
 log = logging.getLogger("ratchet.run_host")
@@ -56,8 +55,8 @@ class Reconciler:
             if thread in ours or not drive.engine.committed.is_set() or drive.task.done():
                 continue
             frontier = await self.store.load(thread)
-            taken = isinstance(frontier.run_state, RunningState) and frontier.owner != self.owner
-            if taken and self.drives.get(thread) is drive:
+            # claimed by another owner since (it may even have ended the Run): fenced
+            if frontier.owner != self.owner and self.drives.get(thread) is drive:
                 log.info("drive of %s was fenced by %s: stopping it", thread, frontier.owner)
                 await self.drives.stop(thread, drive)
 

@@ -141,3 +141,30 @@ permission_agent = Agent(
     ),
     tools=(drop_table,),
 )
+
+
+@tool(recovery=("replay_safe",))
+async def long_nap(ctx: ToolContext) -> str:
+    """replay_safe: the first attempt naps a minute and records it if it is cancelled
+    where it runs (on its executor); later attempts return at once."""
+    _book().record(ctx, "long_nap", note="started")
+    if ctx.attempt > 1:
+        return f"rested on attempt {ctx.attempt}"
+    try:
+        await asyncio.sleep(BLOCK_S)
+    except asyncio.CancelledError:
+        _book().record(ctx, "long_nap", note="cancelled")
+        raise
+    return "rested a minute"
+
+
+long_napping_agent = Agent(
+    name="long-napping",
+    model=ScriptedModel(
+        (
+            ModelResponse(text="nap", tool_calls=(call("long_nap", "c1"),)),
+            ModelResponse(text="rested"),
+        )
+    ),
+    tools=(long_nap,),
+)

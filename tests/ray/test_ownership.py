@@ -101,3 +101,34 @@ async def test_a_host_taken_for_lost_recovers_its_own_run_at_once(make_system, l
     (nap,) = report.calls.values()
     assert nap.phase.kind == "completed" and nap.attempts == 2
     assert report.statuses[-1] == ("idle", "natural") and report.lost == 1
+
+
+async def test_a_fenced_drive_stops_and_its_wave_is_cancelled_on_the_executor(
+    make_system, ledger
+):
+    """Host 1 takes over a Run whose tool host 0 is waiting on: host 0's reconciliation
+    sees the thread claimed past its drive and stops it now — its wave is cancelled
+    where it runs — rather than at its next commit, a minute later."""
+    client = await make_system(reconcile_s=0.3)
+    handle = await client.start("tests.ray.agents:long_napping_agent", "nap", host=0)
+    prefix = f"tool-batch:{handle.run_id}:"
+
+    def notes() -> list[tuple[int, str]]:
+        return [(attempt, note) for _, _, attempt, _, note in ledger.rows(prefix)]
+
+    async def napping() -> bool:
+        return (1, "started") in notes()
+
+    await wait_for(napping, what="the first attempt's nap")
+    assert unwrap(await client.hosts[1].recover_run.remote(handle.thread_id))
+
+    async def cancelled_on_its_executor() -> bool:
+        return (1, "cancelled") in notes()
+
+    await wait_for(cancelled_on_its_executor, timeout_s=30, what="host 0's wave cancelled")
+    frontier = await handle.result(timeout_s=60)
+    assert frontier.run_state.cause.kind == "natural"
+    assert frontier.owner.startswith(client.spec.host_name(1))
+    assert handle.thread_id not in await client.hosts[0].driving.remote()
+    (nap,) = (await check_log(client.store, handle.thread_id)).calls.values()
+    assert nap.phase.kind == "completed" and nap.attempts == 2  # host 1's replay
