@@ -360,17 +360,30 @@ def advance(frontier: Frontier, commit: ThreadCommit) -> Frontier:
     """Fold one admitted commit into the frontier.
 
     The engine folds each commit just before appending it, and an in-process store then
-    folds the same commit onto the same frontier object: the latest fold is kept so the
-    second one costs nothing. Both are immutable and the fold is pure, so the kept
-    result for the same two objects is exactly what folding again would give.
+    folds the same commit onto the same frontier: the latest fold is kept so the second
+    one costs nothing. Both are immutable and the fold is pure, so the kept result is
+    exactly what folding again would give — for the same objects, or for a frontier
+    with the same identity (``_same``): the store's own copy of a new thread, say.
     """
     global _last_fold
     last = _last_fold
-    if last is not None and last[0] is frontier and last[1] is commit:
+    if last is not None and last[1] is commit and _same(last[0], frontier):
         return last[2]
     result = _fold(frontier, commit)
     _last_fold = (frontier, commit, result)
     return result
+
+
+def _same(a: Frontier, b: Frontier) -> bool:
+    """One frontier, though perhaps two objects: a thread's version and head determine
+    its log (the hash chain), the fold of which is all of it but ownership."""
+    return a is b or (
+        a.version == b.version
+        and a.head == b.head
+        and a.thread_id == b.thread_id
+        and a.epoch == b.epoch
+        and a.owner == b.owner
+    )
 
 
 def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
@@ -417,9 +430,25 @@ def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
     )
 
 
+_last_claim: tuple[Frontier, str, Frontier] | None = None
+"""(frontier, owner, result) of the latest ``with_claim``."""
+
+
 def with_claim(frontier: Frontier, owner: str) -> Frontier:
-    """A new owner: epoch + 1, which fences every earlier writer."""
-    return evolve(frontier, epoch=frontier.epoch + 1, owner=owner)
+    """A new owner: epoch + 1, which fences every earlier writer.
+
+    An engine claims the frontier it folds its claiming commit onto, and an in-process
+    store then claims the same frontier object for the same owner: the latest result is
+    kept so both get one object, and the fold after it is remembered for both too (see
+    ``advance``). Pure and immutable, as there.
+    """
+    global _last_claim
+    last = _last_claim
+    if last is not None and last[1] == owner and _same(last[0], frontier):
+        return last[2]
+    result = evolve(frontier, epoch=frontier.epoch + 1, owner=owner)
+    _last_claim = (frontier, owner, result)
+    return result
 
 
 def replay(thread: ThreadId, commits: Iterable[ThreadCommit]) -> Frontier:

@@ -125,12 +125,14 @@ class Engine(Committing):
         """Set once this engine's first commit has landed (a host answers its caller then)."""
         self._execution: ExecutionState | None = None
         publish = self.publisher.offer if self.publisher is not None else None
+        # nothing here refers back to the engine: an engine must be freed by reference
+        # counting when its drive is over, not wait for the cycle collector
         self.inference = Inference(
             agent,
             limits,
             SafeCheckpoints(checkpoints),
             checkpoint_interval_s,
-            self.guard,
+            functools.partial(guarded, self.cancel_event),
             self.cancel_event.is_set,
             publish,
         )
@@ -391,7 +393,8 @@ class Engine(Committing):
             history = (*f.messages, *results, *context)
             response = await self.inference.infer(ctx, step, history, last)
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
-        assistant = AssistantMessage(text=response.text, tool_calls=response.tool_calls)
+        # the admitted response's parts are checked text and records: not validated again
+        assistant = trusted(AssistantMessage, text=response.text, tool_calls=response.tool_calls)
         messages: tuple[Message, ...] = (*results, assistant)
         if not assistant.tool_calls or last:
             if not assistant.tool_calls:

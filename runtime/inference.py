@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from runtime.agent import Agent
-from runtime.base import trusted
+from runtime.base import evolve, trusted
 from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
 from runtime.context import RunContext
 from runtime.errors import InputRefused
@@ -211,9 +211,13 @@ def admit_response(response: ModelResponse, limits: Limits) -> Admitted:
             refused[i] = f"arguments refused {problem}"
             arguments = "{}"
         same = (call_id, name, arguments) == (use.call_id, use.tool, use.arguments)
-        calls.append(use if same else ToolUse(call_id=call_id, tool=name, arguments=arguments))
+        if not same:  # each part checked above: text, not validated again
+            use = trusted(ToolUse, call_id=call_id, tool=name, arguments=arguments)
+        calls.append(use)
     unique = unique_calls(calls, limits)
-    return Admitted(
+    # every part is checked text now (the response's own record, or renamed above)
+    return trusted(
+        Admitted,
         text=response.text,
         tool_calls=unique,
         refused={unique[i].call_id: why for i, why in refused.items()},
@@ -221,6 +225,8 @@ def admit_response(response: ModelResponse, limits: Limits) -> Admitted:
 
 
 def _storable_id(value: str, limits: Limits) -> bool:
+    if type(value) is str and value.isascii() and value.isprintable():  # the usual case
+        return 0 < len(value) <= limits.id_chars
     try:
         check_id("id", value, limits)
     except InputRefused:
@@ -260,5 +266,5 @@ def unique_calls(calls: Sequence[ToolUse], limits: Limits) -> tuple[ToolUse, ...
             if cid in seen and n > len(calls):  # cannot happen; but never loop for ever
                 cid = f"call-{i + 1}"
         seen.add(cid)
-        out.append(use if cid == use.call_id else use.model_copy(update={"call_id": CallId(cid)}))
+        out.append(use if cid == use.call_id else evolve(use, call_id=CallId(cid)))
     return tuple(out)

@@ -129,8 +129,9 @@ def json_depth(text: str) -> int:
     Counted on the text, before any parser recurses into it (Python's json module
     raises RecursionError around 1,000 levels; pydantic refuses earlier).
     """
-    if "[" not in text and "{" not in text:
-        return 0
+    opened = text.count("[") + text.count("{")
+    if opened <= 1:
+        return opened  # the usual case (one object), without scanning
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     depth = deepest = 0
     for ch in brackets:
@@ -143,6 +144,8 @@ def json_depth(text: str) -> int:
 
 
 def check_json_text(what: str, text: str, limits: Limits = DEFAULT_LIMITS) -> None:
+    if text.count("[") + text.count("{") <= limits.json_depth:
+        return  # it cannot nest deeper than it opens
     depth = json_depth(text)
     if depth > limits.json_depth:
         raise InputRefused(

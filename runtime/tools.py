@@ -98,7 +98,9 @@ class Tool:
     def parse(self, arguments: str, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
         """Validate the model's raw JSON; raises ValueError with a model-readable message
         (JSON nested deeper than ``limits.json_depth`` is refused before it is parsed)."""
-        depth = json_depth(arguments)
+        # it cannot nest deeper than it opens: count first, scan only what may be deep
+        opened = arguments.count("[") + arguments.count("{")
+        depth = json_depth(arguments) if opened > limits.json_depth else opened
         if depth > limits.json_depth:
             raise ValueError(
                 f"arguments nest {depth} deep; the limit json_depth is {limits.json_depth}"

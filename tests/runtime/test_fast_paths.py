@@ -8,6 +8,7 @@ cancellation signal in the calling task.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 from collections.abc import Callable
@@ -476,3 +477,34 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not condition():
         assert loop.time() < deadline, "condition not reached"
         await asyncio.sleep(0)
+
+
+# ---- memory -----------------------------------------------------------------------------
+
+
+async def test_a_finished_run_is_freed_by_reference_counting_alone():
+    """An engine, its inference and its records form no cycle: at thousands of Runs
+    a cycle per Run left tens of thousands of objects each to the cycle collector."""
+
+    @tool
+    def echo(x: str) -> str:
+        return x
+
+    store = MemoryCommitStore()
+
+    async def one(thread: str) -> None:
+        model = ScriptedModel(
+            [ModelResponse(text="a", tool_calls=(call("echo", "c", x="y"),)), ModelResponse()]
+        )
+        agent = Agent(name="a", model=model, tools=[echo])
+        await InProcessRunner(agent, store).start("hi", thread_id=thread)
+
+    await one("warm")  # first use fills module caches
+    gc.collect()
+    gc.disable()
+    try:
+        for index in range(20):
+            await one(f"t{index}")
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
