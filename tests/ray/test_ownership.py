@@ -103,9 +103,7 @@ async def test_a_host_taken_for_lost_recovers_its_own_run_at_once(make_system, l
     assert report.statuses[-1] == ("idle", "natural") and report.lost == 1
 
 
-async def test_a_fenced_drive_stops_and_its_wave_is_cancelled_on_the_executor(
-    make_system, ledger
-):
+async def test_a_fenced_drive_stops_and_its_wave_is_cancelled_on_the_executor(make_system, ledger):
     """Host 1 takes over a Run whose tool host 0 is waiting on: host 0's reconciliation
     sees the thread claimed past its drive and stops it now — its wave is cancelled
     where it runs — rather than at its next commit, a minute later."""
