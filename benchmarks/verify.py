@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.w1_agent import NEVER_REPLAY, W1, read_ledger
-from cluster.client import patiently
 from cluster.report import EXECUTION_LOST
+from cluster.waiting import patiently
 from runtime.commit import Frontier, replay
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, Natural

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
@@ -39,6 +39,7 @@ from cluster.config import (
     system_name,
 )
 from cluster.stream import follow_thread
+from cluster.waiting import on_a_live_host, patiently, polled, rests
 from runtime.agent import load_agent
 from runtime.commit import Frontier, stamp_facts
 from runtime.errors import ResumeRejected, StoreError, StoreUnavailable
@@ -64,8 +65,6 @@ from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
-POLL_FIRST_S = 0.02
-POLL_MAX_S = 0.5
 
 
 class Ratchet:
@@ -152,7 +151,7 @@ class Ratchet:
             )
             if isinstance(answer, AtRest):
                 frontier = answer.frontier()
-                if _rests(frontier, handle.run_id):
+                if rests(frontier, handle.run_id):
                     return frontier
             return await handle.settled(host_done=wait)
 
@@ -190,7 +189,7 @@ class Ratchet:
             return unwrap(await target.start_run.remote(*args, fault, wait=wait))
 
         # the host may die before it answers (or be restarting): start is idempotent
-        answer = await _on_a_live_host(start_run)
+        answer = await on_a_live_host(start_run)
         return RunHandle(self, thread, run, placement), answer
 
     def handle(self, thread_id: str) -> RunHandle:
@@ -226,7 +225,7 @@ class Ratchet:
 
         async def settled() -> list[RunSummary]:
             await asyncio.gather(*(h.until_host_done() for h in handles))
-            return await _polled(all_at_rest)
+            return await polled(all_at_rest)
 
         try:
             return await asyncio.wait_for(settled(), timeout_s)
@@ -292,9 +291,9 @@ class RunHandle:
 
         async def at_rest() -> Frontier | None:
             frontier = await self.frontier()
-            return frontier if _rests(frontier, self.run_id) else None
+            return frontier if rests(frontier, self.run_id) else None
 
-        return await _polled(at_rest)
+        return await polled(at_rest)
 
     async def until_host_done(self) -> None:
         """Wait for the host this Run was placed on to finish driving it, if it does."""
@@ -369,7 +368,7 @@ class RunHandle:
             host = self.client._host_for(self.thread_id, placement)
             return unwrap(await getattr(host, method).remote(self.thread_id, *args))
 
-        result: str = await _on_a_live_host(end_run)
+        result: str = await on_a_live_host(end_run)
         if result == "not_running" and calls > 1:
             state = (await self.frontier()).run_state
             if isinstance(state, EndedState) and isinstance(state.cause, cause):
@@ -456,55 +455,6 @@ def _where(state: Any) -> str:
     if isinstance(state, EndedState):
         return f"not awaiting: run {state.run_id} ended {state.cause.kind}"
     return f"not awaiting: run {state.run_id} is {state.kind}"
-
-
-async def _polled(check: Callable[[], Awaitable[T | None]]) -> T:
-    """``check``'s first answer that is not None, asking again with backoff (the store
-    is the truth; the host's notice only saves the polling while it drives)."""
-    delay = POLL_FIRST_S
-    while (answer := await check()) is None:
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, POLL_MAX_S)
-    return answer
-
-
-def _rests(frontier: Frontier, run_id: RunId | None) -> bool:
-    """The frontier holds ``run_id`` (any Run if None) ended or awaiting."""
-    run = run_id or frontier.run_id
-    return frontier.run_id == run and isinstance(frontier.run_state, EndedState | AwaitingState)
-
-
-async def _on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
-    """Call a host again while it is dead or restarting (the calls given are idempotent)."""
-    loop = asyncio.get_running_loop()
-    deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
-    while True:
-        try:
-            return await call()
-        except RayActorError as exc:
-            if loop.time() > deadline:
-                what = type(exc).__name__
-                raise ClusterUnavailable(
-                    f"no RunHost answered within {give_up_s:g}s ({what})"
-                ) from exc
-            log.info("host unavailable (%s); asking again", type(exc).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
-
-
-async def patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
-    """Retry ``op`` while the store is unavailable, up to ``give_up_s``: a store outage
-    pauses a follower (as it pauses Runs); it is not an answer."""
-    loop = asyncio.get_running_loop()
-    deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
-    while True:
-        try:
-            return await op()
-        except StoreUnavailable:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
 
 
 def _at_rest(row: RunSummary | None, run: RunId | None) -> bool:

@@ -34,7 +34,7 @@ from redis.typing import EncodableT, FieldT
 from runtime.events import AgentEvent, Delta, Fact
 from runtime.ids import ThreadId
 from runtime.ports import BusEvent
-from storage.redis_store import open_client, translated
+from storage.redis_client import open_client, translated
 from storage.url import redact
 
 log = logging.getLogger("ratchet.storage.bus")

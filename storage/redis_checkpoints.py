@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from runtime.ids import ThreadId
 from runtime.ports import StreamCheckpoint
-from storage.redis_store import open_client, translated
+from storage.redis_client import open_client, translated
 from storage.url import redact
 
 log = logging.getLogger("ratchet.storage.checkpoints")

@@ -46,31 +46,19 @@ A store of the earlier layout (no ``sums``, no checksums) is upgraded at connect
 (``_upgrade``). A test corrupts a record with ``LSET P:thread:T:log (seq - 1) TEXT``
 and a frontier with ``HSET P:thread:T:meta frontier TEXT``.
 
-**Errors.** Driver exceptions are translated in ``translated`` and nowhere else::
-
-    redis.AuthenticationError, AuthorizationError, NOPERM       -> StoreError
-    redis.ConnectionError, redis.TimeoutError, OSError,
-    LOADING / READONLY / OOM / TRYAGAIN / MASTERDOWN / MISCONF  -> StoreUnavailable
-    any other redis.RedisError                                  -> StoreError
-    script "refused" -> whatever admit raises on a fresh load: Fenced,
-        DuplicateOperation, RunEnded, VersionConflict; "corrupt KEY" -> CorruptRecord
-
-Messages name the server by its redacted URL: a password never reaches a log line.
+**Errors.** Driver exceptions become Ratchet's in ``storage.redis_client.translated``;
+script "refused" -> whatever admit raises on a fresh load: Fenced, DuplicateOperation,
+RunEnded, VersionConflict; "corrupt KEY" -> CorruptRecord.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Literal
 
 import redis.asyncio as aioredis
-import redis.exceptions as rex
 from pydantic import ValidationError
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
@@ -95,6 +83,7 @@ from runtime.integrity import (
     verified_records,
 )
 from runtime.ports import CommittedRecord, RunSummary, host_of
+from storage.redis_client import open_client, translated
 from storage.summary import summarize
 from storage.url import redact
 
@@ -103,64 +92,6 @@ log = logging.getLogger("ratchet.storage.redis")
 RunStateKind = Literal["running", "awaiting", "ended"]
 RUN_STATES: tuple[RunStateKind, ...] = ("running", "awaiting", "ended")
 LAYOUT = "2"
-
-# ---- the Redis edge: clients and error translation --------------------------------------
-
-_REFUSED: tuple[type[BaseException], ...] = (
-    rex.AuthenticationError,
-    rex.AuthorizationError,
-    rex.NoPermissionError,
-)
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    rex.ConnectionError,
-    rex.TimeoutError,
-    rex.ReadOnlyError,
-    rex.OutOfMemoryError,
-    rex.TryAgainError,
-    rex.MasterDownError,
-    OSError,
-)
-
-
-@contextmanager
-def translated(where: str) -> Iterator[None]:
-    """The one place where redis-py exceptions become Ratchet's."""
-    try:
-        yield
-    except _REFUSED as exc:  # wrong credentials do not heal by retrying
-        raise StoreError(f"redis at {where} refused access: {_describe(exc)}") from exc
-    except _TRANSIENT as exc:
-        raise StoreUnavailable(f"redis at {where} unavailable: {_describe(exc)}") from exc
-    except rex.ResponseError as exc:
-        # MISCONF: the server cannot persist, so it refuses writes until it can again.
-        if str(exc).startswith("MISCONF"):
-            raise StoreUnavailable(f"redis at {where} cannot persist: {_describe(exc)}") from exc
-        raise StoreError(f"redis at {where} refused a command: {_describe(exc)}") from exc
-    except rex.RedisError as exc:
-        raise StoreError(f"redis at {where} failed: {_describe(exc)}") from exc
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def open_client(
-    url: str, *, socket_timeout: float = 5.0, connect_timeout: float = 2.0
-) -> aioredis.Redis:
-    """A pooled client that fails fast: the caller's own backoff decides when to retry.
-
-    Two quick retries let a pooled connection that died with a restarted server be
-    replaced transparently; anything longer belongs to the engine's StoreRetry.
-    """
-    with translated(redact(url)):
-        return aioredis.Redis.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=connect_timeout,
-            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2),
-        )
-
 
 # ---- the scripts ------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ refuse (a retried append, a stale epoch) is left to the read-first way too: only
 the stored receipts can tell a retry from a conflict. On SQLite, whose one file
 lock serialises every process's writers, this cut the lock's hold per group by
 about 40% on W1 (3.5 → 2.2 ms). On PostgreSQL the group is one statement (arrays
-unnested into the UPDATE and the INSERTs, ``sql_txn.PG_PLANNED``), its own
+unnested into the UPDATE and the INSERTs, ``sql_statements.PG_PLANNED``), its own
 transaction, sent straight to asyncpg: one round trip where reading the rows first
 takes four, and the plan's own BEGIN and COMMIT took two more (W1 at C=1: +20 %
 runs/s). A frontier edited by hand at the same
@@ -86,8 +86,8 @@ from storage.checkpoints import SqlCheckpointStore
 from storage.frontiers import FrontierCache
 from storage.schema import migrate
 from storage.sql_engine import Database, translate
+from storage.sql_statements import PG_PLANNED, pg_plan_refused
 from storage.sql_txn import (
-    PG_PLANNED,
     AppendRequest,
     ClaimRequest,
     DbRow,
@@ -96,7 +96,6 @@ from storage.sql_txn import (
     Request,
     list_body,
     load_body,
-    pg_plan_refused,
     pg_planned_args,
     plan_group,
     read_body,

@@ -24,7 +24,7 @@ from runtime.errors import StoreError
 from runtime.stream import Frame, follow
 from storage.bus import RedisStreamBus
 from storage.memory import MemoryCommitStore
-from storage.redis_store import open_client
+from storage.redis_client import open_client
 from tests.conftest import IN_CI
 from tests.support.servers import PrivateRedis, private_redis
 

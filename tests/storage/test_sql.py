@@ -347,7 +347,7 @@ def test_driver_errors_translate_into_ours(error: Exception, expected: type) -> 
 def test_only_a_plan_that_did_not_hold_leaves_the_group_to_the_read_first_path() -> None:
     from asyncpg import exceptions as pg
 
-    from storage.sql_txn import STALE_PLAN, pg_plan_refused
+    from storage.sql_statements import STALE_PLAN, pg_plan_refused
 
     stale = pg.InvalidTextRepresentationError(f'invalid input syntax: "{STALE_PLAN}: 1 of 2"')
     refused = [stale, pg.UniqueViolationError("duplicate key"), pg.DeadlockDetectedError("cycle")]

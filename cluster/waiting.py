@@ -1,0 +1,75 @@
+"""How a client waits: on the store, with backoff, and on hosts while they restart.
+
+The store is the truth a client waits on; a host's notice only saves the polling
+while it drives. A store outage pauses a follower, as it pauses Runs: it is not an
+answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from ray.exceptions import RayActorError
+
+from cluster.config import ClusterUnavailable
+from runtime.commit import Frontier
+from runtime.errors import StoreUnavailable
+from runtime.ids import RunId
+from runtime.lifecycle import AwaitingState, EndedState
+
+log = logging.getLogger("ratchet.client")
+T = TypeVar("T")
+POLL_FIRST_S = 0.02
+POLL_MAX_S = 0.5
+
+
+async def polled(check: Callable[[], Awaitable[T | None]]) -> T:
+    """``check``'s first answer that is not None, asking again with backoff (the store
+    is the truth; the host's notice only saves the polling while it drives)."""
+    delay = POLL_FIRST_S
+    while (answer := await check()) is None:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+    return answer
+
+
+def rests(frontier: Frontier, run_id: RunId | None) -> bool:
+    """The frontier holds ``run_id`` (any Run if None) ended or awaiting."""
+    run = run_id or frontier.run_id
+    return frontier.run_id == run and isinstance(frontier.run_state, EndedState | AwaitingState)
+
+
+async def on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
+    """Call a host again while it is dead or restarting (the calls given are idempotent)."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
+    while True:
+        try:
+            return await call()
+        except RayActorError as exc:
+            if loop.time() > deadline:
+                what = type(exc).__name__
+                raise ClusterUnavailable(
+                    f"no RunHost answered within {give_up_s:g}s ({what})"
+                ) from exc
+            log.info("host unavailable (%s); asking again", type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+
+
+async def patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
+    """Retry ``op`` while the store is unavailable, up to ``give_up_s``: a store outage
+    pauses a follower (as it pauses Runs); it is not an answer."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
+    while True:
+        try:
+            return await op()
+        except StoreUnavailable:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)

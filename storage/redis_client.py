@@ -1,0 +1,79 @@
+"""The Redis edge every Redis-backed part shares: pooled clients and error translation.
+
+**Errors.** Driver exceptions are translated in ``translated`` and nowhere else::
+
+    redis.AuthenticationError, AuthorizationError, NOPERM       -> StoreError
+    redis.ConnectionError, redis.TimeoutError, OSError,
+    LOADING / READONLY / OOM / TRYAGAIN / MASTERDOWN / MISCONF  -> StoreUnavailable
+    any other redis.RedisError                                  -> StoreError
+
+Messages name the server by its redacted URL: a password never reaches a log line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis.asyncio as aioredis
+import redis.exceptions as rex
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from runtime.errors import StoreError, StoreUnavailable
+from storage.url import redact
+
+_REFUSED: tuple[type[BaseException], ...] = (
+    rex.AuthenticationError,
+    rex.AuthorizationError,
+    rex.NoPermissionError,
+)
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.ReadOnlyError,
+    rex.OutOfMemoryError,
+    rex.TryAgainError,
+    rex.MasterDownError,
+    OSError,
+)
+
+
+@contextmanager
+def translated(where: str) -> Iterator[None]:
+    """The one place where redis-py exceptions become Ratchet's."""
+    try:
+        yield
+    except _REFUSED as exc:  # wrong credentials do not heal by retrying
+        raise StoreError(f"redis at {where} refused access: {_describe(exc)}") from exc
+    except _TRANSIENT as exc:
+        raise StoreUnavailable(f"redis at {where} unavailable: {_describe(exc)}") from exc
+    except rex.ResponseError as exc:
+        # MISCONF: the server cannot persist, so it refuses writes until it can again.
+        if str(exc).startswith("MISCONF"):
+            raise StoreUnavailable(f"redis at {where} cannot persist: {_describe(exc)}") from exc
+        raise StoreError(f"redis at {where} refused a command: {_describe(exc)}") from exc
+    except rex.RedisError as exc:
+        raise StoreError(f"redis at {where} failed: {_describe(exc)}") from exc
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def open_client(
+    url: str, *, socket_timeout: float = 5.0, connect_timeout: float = 2.0
+) -> aioredis.Redis:
+    """A pooled client that fails fast: the caller's own backoff decides when to retry.
+
+    Two quick retries let a pooled connection that died with a restarted server be
+    replaced transparently; anything longer belongs to the engine's StoreRetry.
+    """
+    with translated(redact(url)):
+        return aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2),
+        )

@@ -1,0 +1,247 @@
+"""The SQL statements the bodies of ``storage.sql_txn`` run, built once, at import.
+
+Every statement has bound parameters, and a list travels as one parameter
+(PostgreSQL: an array, ``= ANY``; SQLite: JSON, ``json_each``), so the statement text
+never varies with the size of a group: SQLAlchemy's compiled cache and the drivers'
+prepared statements serve every call. PostgreSQL's planned group (``PG_PLANNED``) is
+written in asyncpg's own terms, which ``Database.write_statement`` sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Connection,
+    String,
+    and_,
+    any_,
+    bindparam,
+    func,
+    select,
+    true,
+)
+from sqlalchemy.sql.dml import Insert
+
+from storage.schema import commits, threads
+from storage.sql_engine import SQL_DIALECTS, upsert_ignore
+
+_t, _c = threads.c, commits.c
+_IDS = ARRAY(String)
+
+
+class _Many:
+    """An executemany statement, compiled once per dialect and run with plain tuples.
+
+    SQLAlchemy's per-row parameter processing costs more than the database's own
+    work on the row; these rows hold only str, int and None, which every driver takes
+    as they are. Driver errors still arrive as SQLAlchemy's (IntegrityError, …).
+    """
+
+    def __init__(self, stmt: Any, keys: Sequence[str]) -> None:
+        self.stmt = stmt
+        self.keys = list(keys)
+        self._compiled: dict[tuple[str, str], tuple[str, list[str] | None]] = {}
+
+    def __call__(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
+        """Run the statement once per row; returns the rows it changed in all."""
+        sql, order = self._for(conn)
+        if order is None:  # a named paramstyle: the driver takes the dicts
+            result = conn.exec_driver_sql(sql, list(rows))
+        else:
+            result = conn.exec_driver_sql(sql, [tuple(row[k] for k in order) for row in rows])
+        return int(result.rowcount)
+
+    def _for(self, conn: Connection) -> tuple[str, list[str] | None]:
+        dialect = conn.dialect
+        key = (dialect.name, dialect.paramstyle)
+        if key not in self._compiled:
+            compiled = self.stmt.compile(dialect=dialect, column_keys=self.keys)
+            order = compiled.positiontup
+            self._compiled[key] = (str(compiled), None if order is None else list(order))
+        return self._compiled[key]
+
+
+_THREAD_COLUMNS = [c.name for c in threads.columns if c.name != "thread_id"]
+UPDATE_THREADS = _Many(
+    threads.update().where(_t.thread_id == bindparam("b_thread")), [*_THREAD_COLUMNS, "b_thread"]
+)
+INSERT_COMMITS = _Many(commits.insert(), [c.name for c in commits.columns])
+INSERT_THREADS = _Many(threads.insert(), [c.name for c in threads.columns])
+UPDATE_UNCHANGED = _Many(
+    threads.update().where(
+        _t.thread_id == bindparam("b_thread"),
+        _t.version == bindparam("b_version"),
+        _t.epoch == bindparam("b_epoch"),
+        _t.owner.is_not_distinct_from(bindparam("b_owner")),
+    ),
+    [*_THREAD_COLUMNS, "b_thread", "b_version", "b_epoch", "b_owner"],
+)
+"""Update a thread row only if it is still at the version, epoch and owner a plan
+started from."""
+LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
+LOAD = (
+    select(_t.version, _t.frontier, _t.checksum, _t.head, _c.payload_hash)
+    .select_from(
+        threads.outerjoin(commits, and_(_c.thread_id == _t.thread_id, _c.seq == _t.version))
+    )
+    .where(_t.thread_id == bindparam("thread"))
+)
+"""The thread row, with the stored hash of the record at its version (one statement)."""
+HEAD = select(_t.version, _t.head).where(_t.thread_id == bindparam("thread"))
+READ = (
+    select(_c.seq, _c.body, _c.payload_hash, _c.operation_id)
+    .where(_c.thread_id == bindparam("thread"), _c.seq >= bindparam("first"))
+    .order_by(_c.seq)
+)
+_LISTED = select(_t.thread_id, _t.run_id, _t.run_state, _t.status, _t.version, _t.cause, _t.owner)
+LIST_ALL = _LISTED.where(_t.run_state.is_not(None)).order_by(_t.thread_id)
+LIST_STATE = _LISTED.where(_t.run_state == bindparam("state")).order_by(_t.thread_id)
+LIST_HOST = _LISTED.where(_t.host == bindparam("host"), _t.run_state.is_not(None)).order_by(
+    _t.thread_id
+)
+LIST_HOST_STATE = _LISTED.where(
+    _t.host == bindparam("host"), _t.run_state == bindparam("state")
+).order_by(_t.thread_id)
+
+THREAD_IDS = (
+    select(_t.thread_id)
+    .where(_t.thread_id > bindparam("after"))
+    .order_by(_t.thread_id)
+    .limit(bindparam("limit"))
+)
+
+
+def _pg_lock_statement() -> Any:
+    """Lock thread rows ``ids`` in id order, each joined to its stored receipts of ``ops``.
+
+    A LATERAL subquery probes every thread through the (thread_id, operation_id)
+    index: a plain join lets the planner, with fresh or stale statistics, hash-join
+    a sequential scan of the whole log (a LIMIT keeps it from flattening the LATERAL).
+    """
+    known = (
+        select(_c.operation_id, _c.seq, _c.payload_hash)
+        .where(_c.thread_id == _t.thread_id, _c.operation_id == any_(bindparam("ops", type_=_IDS)))
+        .limit(bindparam("n_ops"))
+        .lateral("known")
+    )
+    k = known.c
+    return (
+        select(
+            _t.thread_id,
+            _t.version,
+            _t.frontier,
+            _t.checksum,
+            k.operation_id,
+            k.seq,
+            k.payload_hash,
+        )
+        .select_from(threads.outerjoin(known, true()))
+        .where(_t.thread_id == any_(bindparam("ids", type_=_IDS)))
+        .order_by(_t.thread_id)
+        .with_for_update(of=threads)
+    )
+
+
+PG_LOCK = _pg_lock_statement()
+# SQLite needs no row locks (BEGIN IMMEDIATE took the database's), and it looks
+# receipts up by exact (thread, operation) pair, one index probe each: joining each
+# thread to "any operation of the group" probes every thread for every operation,
+# which grows with the square of the group (SQLite groups run to hundreds).
+_IDS_JSON = func.json_each(bindparam("ids")).table_valued("value")
+SQLITE_ROWS = select(_t.thread_id, _t.version, _t.frontier, _t.checksum).where(
+    _t.thread_id.in_(select(_IDS_JSON.c.value))
+)
+_PAIRS = func.json_each(bindparam("pairs")).table_valued("value").alias("pairs")
+SQLITE_RECEIPTS = select(_c.thread_id, _c.operation_id, _c.seq, _c.payload_hash).select_from(
+    _PAIRS.join(
+        commits,
+        and_(
+            _c.thread_id == func.json_extract(_PAIRS.c.value, "$[0]"),
+            _c.operation_id == func.json_extract(_PAIRS.c.value, "$[1]"),
+        ),
+    )
+)
+INSERT_FRESH: dict[str, Insert] = {d: upsert_ignore(d, threads) for d in SQL_DIALECTS}
+
+
+@dataclass(frozen=True)
+class PgStatement:
+    """A statement in asyncpg's own terms: its text with ``$n`` placeholders, and the
+    names of the parameters in their order."""
+
+    sql: str
+    names: tuple[str, ...]
+
+    def args(self, params: dict[str, Any]) -> list[Any]:
+        return [params[name] for name in self.names]
+
+
+STALE_PLAN = "ratchet: stale plan"
+"""What the planned statement fails with when a row moved (inside a 22P02 error)."""
+
+
+def _pg_planned_statement() -> PgStatement:
+    """A planned group in one statement (PostgreSQL), its own transaction: every part
+    travels as arrays, so the text never varies with the group. Rows are updated only
+    where they are still at the plan's version, epoch and owner; data-modifying CTEs
+    all run to completion, in one snapshot, and should fewer rows than planned have
+    moved, the statement fails, so all of it rolls back.
+
+    It fails by casting a text that is not a number (SQLSTATE 22P02, with
+    ``STALE_PLAN`` in the message): a plain statement can abort itself that way,
+    without a function in the schema. The text depends on the count, so PostgreSQL
+    cannot fold it at plan time and evaluates it only in the branch that fails.
+    Sent without BEGIN and COMMIT, the group costs one round trip instead of three.
+    """
+    names: list[str] = []
+
+    def param(name: str, sql_type: str) -> str:
+        names.append(name)
+        return f"${len(names)}::{sql_type}"
+
+    def unnest(prefix: str, columns: Sequence[Any], extra: Sequence[Any] = ()) -> str:
+        arrays = [param(f"{prefix}{c.name}", f"{_pg_type(c)}[]") for c in columns]
+        arrays += [param(f"{prefix}b_{c.name}", f"{_pg_type(c)}[]") for c in extra]
+        columns_as = [c.name for c in columns] + [f"b_{c.name}" for c in extra]
+        return f"unnest({', '.join(arrays)}) AS v({', '.join(columns_as)})"
+
+    row_cols = list(threads.columns)
+    set_cols = ", ".join(f"{c} = v.{c}" for c in _THREAD_COLUMNS)
+    thread_names = ", ".join(c.name for c in row_cols)
+    commit_names = ", ".join(c.name for c in commits.columns)
+    sql = (
+        f"WITH moved AS (UPDATE {threads.name} AS t SET {set_cols}"
+        f" FROM {unnest('u_', row_cols, (_t.version, _t.epoch, _t.owner))}"
+        " WHERE t.thread_id = v.thread_id AND t.version = v.b_version"
+        " AND t.epoch = v.b_epoch AND t.owner IS NOT DISTINCT FROM v.b_owner RETURNING 1),"
+        f" fresh AS (INSERT INTO {threads.name} ({thread_names})"
+        f" SELECT {thread_names} FROM {unnest('f_', row_cols)} RETURNING 1),"
+        f" logged AS (INSERT INTO {commits.name} ({commit_names})"
+        f" SELECT {commit_names} FROM {unnest('c_', list(commits.columns))} RETURNING 1)"
+        f" SELECT CASE WHEN count(*) = {param('n_updates', 'BIGINT')} THEN count(*)"
+        f" ELSE CAST('{STALE_PLAN}: ' || count(*) || ' rows as planned' AS BIGINT) END"
+        " FROM moved"
+    )
+    return PgStatement(sql, tuple(names))
+
+
+def _pg_type(column: Any) -> str:
+    return "BIGINT" if isinstance(column.type, BigInteger) else "TEXT"
+
+
+def pg_plan_refused(exc: BaseException) -> bool:
+    """Whether the planned statement failed because the plan did not hold, not the
+    server: a row moved, a row or commit already there, or a lock cycle PostgreSQL
+    broke here (another group locked some of these rows in another order)."""
+    state = getattr(exc, "sqlstate", None)
+    if state == "22P02":
+        return STALE_PLAN in str(exc)
+    return state in ("23505", "40P01")
+
+
+PG_PLANNED = _pg_planned_statement()
