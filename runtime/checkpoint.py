@@ -6,6 +6,7 @@ the first Step a recovered engine runs, then deleted once that Step commits.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
@@ -83,30 +84,33 @@ class PartialOutput:
 
 
 class SafeCheckpoints:
-    """Wraps a StreamCheckpointStore so that no failure of it ever reaches a Run."""
+    """Wraps a StreamCheckpointStore so that no failure of it ever reaches a Run: an
+    error, or an answer slower than ``timeout_s`` (a hung server), is logged and the
+    checkpoint treated as absent (one left behind is ignored: it names its run and step)."""
 
-    def __init__(self, store: StreamCheckpointStore | None) -> None:
+    def __init__(self, store: StreamCheckpointStore | None, timeout_s: float = 5.0) -> None:
         self.store = store
+        self.timeout_s = timeout_s
 
     async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
         if self.store is None:
             return None
         try:
-            return await self.store.get(thread)
+            return await asyncio.wait_for(self.store.get(thread), self.timeout_s)
         except Exception as exc:
-            log.warning("stream checkpoint read failed for %s: %s", thread, exc)
+            log.warning("stream checkpoint read failed for %s: %r", thread, exc)
             return None
 
     async def put(self, thread: ThreadId, cp: StreamCheckpoint) -> None:
         if self.store is not None:
             try:
-                await self.store.put(thread, cp)
+                await asyncio.wait_for(self.store.put(thread, cp), self.timeout_s)
             except Exception as exc:
-                log.warning("stream checkpoint write failed for %s: %s", thread, exc)
+                log.warning("stream checkpoint write failed for %s: %r", thread, exc)
 
     async def delete(self, thread: ThreadId) -> None:
         if self.store is not None:
             try:
-                await self.store.delete(thread)
+                await asyncio.wait_for(self.store.delete(thread), self.timeout_s)
             except Exception as exc:
-                log.warning("stream checkpoint delete failed for %s: %s", thread, exc)
+                log.warning("stream checkpoint delete failed for %s: %r", thread, exc)

@@ -18,7 +18,7 @@ from runtime.batch import ActiveToolBatch, seal
 from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts, with_claim
 from runtime.context import RunContext, StoreRetry
 from runtime.delegation import CHILDREN_KEY, ChildRunner
-from runtime.errors import Fenced, PayloadTooLarge, StoreUnavailable, VersionConflict
+from runtime.errors import Fenced, PayloadTooLarge, RunEnded, StoreUnavailable, VersionConflict
 from runtime.events import Fact
 from runtime.faults import FaultPlan
 from runtime.ids import RunId, ThreadId
@@ -86,10 +86,10 @@ class Committing:
         """End the Run ``cause`` from its committed frontier: the one way a failure ends a
         Run. Retried with backoff while the store is out (never dropped).
 
-        The limits keep every end within the stores' default payload limit; on a store
-        whose limit is lower than they assume, an end that publishes the batch's results
-        is too large, and the end is committed with the batch sealed but its results
-        unpublished, or, as the last resort, alone."""
+        The limits keep every end within the store's payload limit (an engine refuses a
+        store whose limit is below ``Limits.commit_bytes``); should an end still be too
+        large, it is committed with the batch sealed but its results unpublished, or,
+        as the last resort, alone."""
         log.warning(
             "run %s on %s failed (%s/%s): %s",
             ctx.run_id,
@@ -100,9 +100,14 @@ class Committing:
             exc_info=cause.failure == "internal",
         )
         ctx.pending.clear()  # staged by a Step that did not land
-        delay, smaller = self.store_retry.first_delay_s, 0
+        delay, smaller, stale = self.store_retry.first_delay_s, 0, False
         while True:
             try:
+                if stale:
+                    ctx.frontier, stale = await self._reloaded(ctx), False
+                    if ctx.frontier.ended:
+                        await self._cancel_children(ctx)
+                        return
                 await self._end_within(ctx, cause, smaller)
                 return
             except PayloadTooLarge:
@@ -113,10 +118,10 @@ class Committing:
                 log.warning("settling %s: store unavailable (%s); retrying", ctx.run_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.store_retry.max_delay_s)
-            except VersionConflict:
-                ctx.frontier = await self._reloaded(ctx)
-                if ctx.frontier.ended:
-                    return
+            except (VersionConflict, RunEnded):
+                # RunEnded: an earlier attempt landed after all (its answer was lost, and
+                # this attempt's commit, stamped later, hashes differently)
+                stale = True
 
     async def _end_within(self, ctx: RunContext, cause: Failed, smaller: int) -> None:
         if smaller == 0:
@@ -126,6 +131,7 @@ class Committing:
         sealed = seal(open_batch_) if open_batch_ is not None and smaller == 1 else None
         ended = EndedState(run_id=ctx.run_id, cause=cause)
         await self._commit(ctx, "ended", ended, batch=sealed)
+        await self._cancel_children(ctx)
 
     async def _reloaded(self, ctx: RunContext) -> Frontier:
         """The stored frontier, if this engine still owns the thread (else Fenced)."""
@@ -207,6 +213,29 @@ class Committing:
             await self.inference.step_committed(f.thread_id)
         if self.publisher is not None:  # stamping copies every fact: only for a listener
             self.publisher.offer(f.thread_id, stamp_facts(commit, receipt.seq))
+
+    async def _claimed(self, thread: ThreadId, supersedes: int) -> Frontier:
+        """Claim ``thread`` (compare-and-set on ``supersedes``), retried while the store is
+        out. A retry refused because the thread is already at ``supersedes + 1`` under
+        this owner is the earlier attempt's answer, lost on the way: the claim is ours."""
+        retried = False
+
+        async def attempt() -> Frontier:
+            nonlocal retried
+            try:
+                return await self.store.claim(thread, self.owner, supersedes)
+            except StoreUnavailable:
+                retried = True
+                raise
+            except Fenced:
+                if not retried:
+                    raise
+                frontier = await self.store.load(thread)
+                if frontier.epoch == supersedes + 1 and frontier.owner == self.owner:
+                    return frontier
+                raise
+
+        return await self._retrying(attempt)
 
     async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
         delay, deadline = self.store_retry.first_delay_s, None

@@ -12,6 +12,7 @@ impossible and re-reading it is harmless.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Literal, Protocol
 
@@ -111,9 +112,23 @@ class ChildRunner(Protocol):
         """Cancel the child if it is not ended; idempotent."""
 
 
-def child_ids(parent_thread: ThreadId, parent_run: RunId, call: CallId) -> tuple[ThreadId, RunId]:
-    run = RunId(f"{parent_run}/{call}")
-    return ThreadId(f"{parent_thread}/{call}@{parent_run}"), run
+def child_ids(
+    parent_thread: ThreadId, parent_run: RunId, call: CallId, max_chars: int = 256
+) -> tuple[ThreadId, RunId]:
+    """The child's ids, derived from the parent's: the same call always names the same
+    child. An id that would grow past ``max_chars`` (``Limits.id_chars``: each level of
+    delegation adds the parent's ids) keeps its start and ends in a digest of the whole,
+    so every depth stays addressable."""
+    thread = _within(f"{parent_thread}/{call}@{parent_run}", max_chars)
+    return ThreadId(thread), RunId(_within(f"{parent_run}/{call}", max_chars))
+
+
+def _within(derived: str, max_chars: int) -> str:
+    if len(derived) <= max_chars:
+        return derived  # the ids of every child started so far, unchanged
+    digest = hashlib.sha256(derived.encode("utf-8", "surrogatepass")).hexdigest()
+    keep = max(0, max_chars - 33)
+    return f"{derived[:keep]}~{digest}"[:max_chars]
 
 
 def delegate_tool(name: str = "delegate") -> Tool:

@@ -222,7 +222,7 @@ class Engine(Committing):
         frontier = await self._verified(thread)
         if not isinstance(frontier.run_state, RunningState):
             return frontier
-        claimed = await self._retrying(lambda: self.store.claim(thread, self.owner, frontier.epoch))
+        claimed = await self._claimed(thread, frontier.epoch)
         if not isinstance(claimed.run_state, RunningState):
             return claimed  # it came to rest between the load and the claim
         ctx = self._context(claimed)

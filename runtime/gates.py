@@ -23,7 +23,7 @@ from runtime.delegation import CHILDREN_KEY, refusal
 from runtime.errors import InputRefused
 from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
-from runtime.limits import Limits, check_id, check_json_value, check_text, utf8_size
+from runtime.limits import Limits, check_id, check_json_value, check_text, stored_size
 from runtime.ports import Finished
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
 from runtime.signals import EndRun
@@ -130,7 +130,12 @@ def _delegation_refusal(
     started = set(state["run"].get(CHILDREN_KEY, {})) | {
         c for c in earlier if batch.call(c).phase.kind != "completed"
     }
-    target = json.loads(batch.call(call_id).arguments)["agent"]
+    args = json.loads(batch.call(call_id).arguments)
+    try:  # the child's input is a Run's input: refused here, not by the child's start
+        check_text("the child's input", args["input"], services.limits.input_bytes, "input_bytes")
+    except InputRefused as exc:
+        return f"delegation refused: {exc}"
+    target = args["agent"]
     return refusal(
         agent.delegation,
         depth=len(services.prompt_path),
@@ -168,13 +173,15 @@ def admit_outcome(outcome: Finished, limits: Limits, batch: ActiveToolBatch) -> 
         content = outcome.output.content
         check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")
         so_far = sum(
-            utf8_size(c.phase.output.content) for c in batch.calls if isinstance(c.phase, Completed)
+            stored_size(c.phase.output.content)
+            for c in batch.calls
+            if isinstance(c.phase, Completed)
         )
-        if so_far + utf8_size(content) > limits.batch_result_bytes:
+        if so_far + stored_size(content) > limits.batch_result_bytes:
             raise InputRefused(
                 "tool result",
                 "batch_result_bytes",
-                f"the Step's results would be {so_far + utf8_size(content)} bytes; "
+                f"the Step's results would be {so_far + stored_size(content)} bytes; "
                 f"the limit is {limits.batch_result_bytes}",
             )
         for cmd in outcome.commands:

@@ -16,7 +16,15 @@ from runtime.errors import InputRefused
 from runtime.events import Delta
 from runtime.ids import CallId, ThreadId
 from runtime.lifecycle import Failed
-from runtime.limits import Limits, check_id, check_text, printable, utf8_problem, utf8_size
+from runtime.limits import (
+    CONTROL_CHARS,
+    Limits,
+    check_id,
+    check_text,
+    printable,
+    stored_size,
+    utf8_problem,
+)
 from runtime.messages import (
     AssistantMessage,
     ContextMessage,
@@ -65,16 +73,17 @@ class Inference:
         self.use_checkpoint = False
         cp = await self.checkpoints.get(ctx.frontier.thread_id)
         self.checkpointed = cp is not None
-        salvaged = plan_from_checkpoint(cp, ctx.run_id, step)
         try:
+            salvaged = plan_from_checkpoint(cp, ctx.run_id, step)
             if isinstance(salvaged, ModelResponse):
                 return admit_response(salvaged, self.limits)
             if salvaged is not None:
                 check_text(
                     "checkpoint", salvaged.text, self.limits.model_text_bytes, "model_text_bytes"
                 )
-        except InputRefused as exc:
-            log.warning("stream checkpoint of %s not used: %s", ctx.run_id, exc)
+        except (InputRefused, ValueError, TypeError, RecursionError) as exc:
+            # ValueError: a malformed record, or arguments that are not JSON
+            log.warning("stream checkpoint of %s not used: %r", ctx.run_id, exc)
             return None
         return salvaged
 
@@ -185,8 +194,8 @@ def admit_response(response: ModelResponse, limits: Limits) -> Admitted:
     if not isinstance(response, ModelResponse):
         raise TypeError(f"a model answers a ModelResponse, not {type(response).__name__}")
     check_text("model text", response.text, limits.model_text_bytes, "model_text_bytes")
-    total = utf8_size(response.text) + sum(
-        utf8_size(c.arguments) for c in response.tool_calls if isinstance(c.arguments, str)
+    total = stored_size(response.text) + sum(
+        stored_size(c.arguments) for c in response.tool_calls if isinstance(c.arguments, str)
     )
     if total > limits.response_bytes:
         raise InputRefused(
@@ -237,6 +246,7 @@ def _storable_id(value: str, limits: Limits) -> bool:
 def _shown(name: str, limits: Limits) -> str:
     """A tool name that cannot be stored as given, made storable (it names no tool)."""
     shown = printable(name, limits.id_chars).encode("ascii", "backslashreplace").decode()
+    shown = CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", shown)
     return shown[: limits.id_chars] or "unnamed"
 
 
@@ -245,7 +255,7 @@ def _arguments_problem(arguments: str, limits: Limits) -> str | None:
     problem = utf8_problem(arguments)
     if problem is not None:
         return f"(utf8): {problem}"
-    size = utf8_size(arguments)
+    size = stored_size(arguments)
     if size > limits.tool_arguments_bytes:
         return f"(tool_arguments_bytes): {size} bytes; the limit is {limits.tool_arguments_bytes}"
     return None

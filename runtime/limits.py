@@ -12,11 +12,14 @@ model-visible error or a committed ``failed(...)`` (see ``admit_response`` and
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+
+import orjson
 
 from runtime.base import canonical_json
 from runtime.errors import InputRefused
@@ -31,10 +34,11 @@ class Limits:
     The defaults keep every commit a Run can make within the stores' default payload
     limit of 1 MiB: a commit repeats its messages' text in its facts, and a batch's
     results are in the batch, in the messages and in the facts of the commit that
-    publishes them, so a results commit or an end holds up to three copies of each."""
+    publishes them, so a results commit or an end holds up to three copies of each.
+    Text is measured as stored (``stored_size``: UTF-8 with JSON's escapes)."""
 
     input_bytes: int = 128 * KIB
-    """A Run's input text, and the text of a ``user_input`` resume (UTF-8 bytes)."""
+    """A Run's input text, and the text of a ``user_input`` resume (bytes as stored)."""
     model_text_bytes: int = 64 * KIB
     """The text of one model response."""
     response_bytes: int = 128 * KIB
@@ -74,7 +78,8 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+_ESCAPED = re.compile(r'[\x00-\x1f"\\]')
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
@@ -90,8 +95,21 @@ def utf8_problem(text: str) -> str | None:
     return None
 
 
-def utf8_size(text: str) -> int:
+def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def stored_size(text: str) -> int:
+    """The bytes ``text`` takes as a string in a stored commit: UTF-8, with JSON's
+    escapes (a quote or backslash takes 2 bytes, a control character 6), which is what
+    every text limit bounds: a limit on raw length would let 64 KiB of NULs take 384."""
+    size = _utf8_len(text)
+    if not _ESCAPED.search(text):
+        return size
+    try:
+        return len(orjson.dumps(text)) - 2
+    except TypeError:  # an unpaired surrogate (refused by every check before this)
+        return len(json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogatepass")) - 2
 
 
 def check_text(what: str, text: object, max_bytes: int, limit: str) -> str:
@@ -101,7 +119,7 @@ def check_text(what: str, text: object, max_bytes: int, limit: str) -> str:
     problem = utf8_problem(text)
     if problem is not None:
         raise InputRefused(what, "utf8", problem)
-    size = utf8_size(text)
+    size = stored_size(text)
     if size > max_bytes:
         raise InputRefused(what, limit, f"{size} bytes; the limit is {max_bytes} bytes")
     return text
@@ -118,7 +136,7 @@ def check_id(what: str, value: object, limits: Limits = DEFAULT_LIMITS) -> str:
     problem = utf8_problem(value)
     if problem is not None:
         raise InputRefused(what, "utf8", problem)
-    if _CONTROL.search(value):
+    if CONTROL_CHARS.search(value):
         raise InputRefused(what, "control_chars", "ids may not hold control characters")
     return value
 
@@ -180,7 +198,7 @@ def check_json_value(
                 stack.extend((child, depth + 1) for child in item)
         elif not (item is None or isinstance(item, bool | int | float)):
             raise InputRefused(what, "type", f"{type(item).__name__} is not JSON")
-    size = utf8_size(canonical_json(value))
+    size = _utf8_len(canonical_json(value))
     if size > max_bytes:
         raise InputRefused(what, limit, f"{size} bytes as JSON; the limit is {max_bytes} bytes")
 
@@ -217,5 +235,6 @@ __all__: Sequence[str] = (
     "json_depth",
     "limits_table",
     "printable",
+    "stored_size",
     "utf8_problem",
 )

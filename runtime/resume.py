@@ -21,6 +21,7 @@ from runtime.batch import (
 )
 from runtime.context import RunContext, StepServices
 from runtime.events import Fact
+from runtime.gates import admit_outcome
 from runtime.ids import CallId, CorrelationId
 from runtime.lifecycle import (
     AwaitingState,
@@ -34,6 +35,7 @@ from runtime.lifecycle import (
 )
 from runtime.limits import Limits, check_id, check_json_value, check_text
 from runtime.messages import Message, ToolResultMessage, UserMessage
+from runtime.ports import Finished
 from runtime.timeutil import now_us
 
 
@@ -119,9 +121,9 @@ async def resume_commit(
         call_id = target.call_id
         if isinstance(payload, PermissionDecision) and not payload.approve:
             denied = f"blocked: permission denied{': ' + payload.note if payload.note else ''}"
-            batch = complete(batch, call_id, ToolOutput(content=denied, is_error=True))
+            batch = _completed(services, batch, call_id, ToolOutput(content=denied, is_error=True))
         elif isinstance(payload, ExternalResult | DelegationOutcome):
-            batch = complete(batch, call_id, payload.output)
+            batch = _completed(services, batch, call_id, payload.output)
         else:  # approved permission or a scheduled action fires: run the call now
             batch = mark_executing(batch, call_id)
             run_now = call_id
@@ -135,6 +137,16 @@ async def resume_commit(
         extra_facts=(resumed,),
     )
     return run_now
+
+
+def _completed(
+    services: StepServices, batch: ActiveToolBatch, call_id: CallId, output: ToolOutput
+) -> ActiveToolBatch:
+    """A result supplied by a resume is held to the limits a tool's own result is: over
+    ``tool_result_bytes`` or past the Step's ``batch_result_bytes``, it becomes a
+    model-visible error naming the limit."""
+    admitted = admit_outcome(Finished(output=output), services.limits, batch)
+    return complete(batch, call_id, admitted.output)
 
 
 def result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:

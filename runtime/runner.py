@@ -18,7 +18,7 @@ from runtime.delegation import (
     parent_link,
 )
 from runtime.engine import Engine
-from runtime.errors import AgentImportError
+from runtime.errors import AgentImportError, InputRefused
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import ResumeCommand, RunningState
@@ -140,7 +140,12 @@ class InProcessChildren:
             return Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
         # start is idempotent by run id: after a crash it finds the same child, which this
         # runner (the only one driving here) then recovers
-        frontier = await engine.start(request.child_thread, request.input, run_id=request.child_run)
+        try:
+            frontier = await engine.start(
+                request.child_thread, request.input, run_id=request.child_run
+            )
+        except InputRefused as exc:  # nothing was started: the parent's call fails
+            return Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
         if isinstance(frontier.run_state, RunningState) and frontier.run_id == request.child_run:
             frontier = await self.engine(link).recover(request.child_thread)
         return outcome_of(frontier)

@@ -5,6 +5,9 @@ after the client's cursor (re-read from the store, so nothing is lost while it w
 away); then live deltas and facts from the bus, with a status frame on every change.
 Facts carry their offset ``"seq:index"``; a client reconnects with the last offset it
 saw and receives each later fact exactly once. Without a bus the store is polled.
+Every fact served is read from the store, which verifies its records: a fact on the
+bus only says that a commit landed, and the stream then reads it (deltas, which no
+store holds, are the one thing served from the bus as they come).
 
 The bus is best effort, the store is the truth. A bus that fails or does not answer
 (down, hung) makes the stream follow the store instead, trying the bus again every
@@ -172,7 +175,8 @@ async def _from_bus(
     head: str,
     timing: _Timing,
 ) -> AsyncIterator[Frame]:
-    """Frames from the bus until it fails; gaps and quiet spells are filled from the store."""
+    """Frames until the bus fails: its deltas, and the store's facts whenever the bus
+    announces one or is quiet for ``idle_check_s``."""
     queue: asyncio.Queue[BusEvent | BaseException] = asyncio.Queue(maxsize=1024)
     pump = asyncio.create_task(_pump(bus.subscribe(thread, after=head), queue))
     try:
@@ -192,15 +196,12 @@ async def _from_bus(
                 continue
             if (event.seq, event.index) <= cursor:
                 continue  # already delivered from the store
-            if _gap(cursor, event):
-                # the bus is best effort: fill what it dropped from the store, in order
-                async for fact in _stored_facts(store, thread, cursor):
-                    if (fact.seq, fact.index) >= (event.seq, event.index):
-                        break
-                    cursor = (fact.seq, fact.index)
-                    yield from_fact(fact)
-            cursor = (event.seq, event.index)
-            yield from_fact(event)
+            # The bus says a commit landed; the facts served are the store's, read from
+            # the cursor on (which also fills whatever the bus dropped): a fact only the
+            # bus holds (forged, or from a commit that never was) is never served.
+            async for fact in _stored_facts(store, thread, cursor):
+                cursor = (fact.seq, fact.index)
+                yield from_fact(fact)
     finally:
         pump.cancel()
         with contextlib.suppress(BaseException):
@@ -218,14 +219,6 @@ async def _pump(
         raise
     except Exception as exc:  # delivered to the reader, which falls back to the store
         await queue.put(exc)
-
-
-def _gap(cursor: tuple[int, int], event: Fact) -> bool:
-    """Could a fact lie between the cursor and this one? (Commits without facts leave
-    harmless seq gaps; a store read settles it.)"""
-    if event.seq == cursor[0]:
-        return event.index > cursor[1] + 1
-    return event.seq > cursor[0] + 1 or event.index > 0
 
 
 async def _poll(

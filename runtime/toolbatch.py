@@ -191,7 +191,7 @@ def _child_request(
     services: StepServices, ctx: RunContext, batch: ActiveToolBatch, call_id: CallId
 ) -> ChildRequest:
     args = json.loads(batch.call(call_id).arguments)
-    thread, run = child_ids(ctx.frontier.thread_id, ctx.run_id, call_id)
+    thread, run = child_ids(ctx.frontier.thread_id, ctx.run_id, call_id, services.limits.id_chars)
     return ChildRequest(
         parent_thread=ctx.frontier.thread_id,
         parent_run=ctx.run_id,
@@ -209,7 +209,7 @@ def _relationships(
     services: StepServices, ctx: RunContext, batch: ActiveToolBatch, wave: Sequence[CallId]
 ) -> tuple[Command, ...]:
     started = {
-        c: child_ids(ctx.frontier.thread_id, ctx.run_id, c)[0]
+        c: child_ids(ctx.frontier.thread_id, ctx.run_id, c, services.limits.id_chars)[0]
         for c in wave
         if delegates(services.agent, batch, c)
     }

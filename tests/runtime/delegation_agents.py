@@ -8,7 +8,7 @@ import json
 from runtime import Agent, ModelResponse, ScriptedModel, call, tool
 from runtime.delegation import DelegationLimits, delegate_tool
 from runtime.hooks import Hook
-from runtime.messages import UserMessage
+from runtime.messages import ToolUse, UserMessage
 
 HERE = "tests.runtime.delegation_agents"
 PROMPT_PATHS: list[tuple[str, ...]] = []
@@ -91,6 +91,48 @@ def self_delegating():
 def deep():
     """Delegates to itself with cycles allowed, until the depth limit refuses."""
     return fanout_agent("deep", 1, DelegationLimits(max_depth=3, allow_cycles=True), name="deep")
+
+
+def _then_results(use: ToolUse) -> ScriptedModel:
+    return ScriptedModel(
+        [ModelResponse(tool_calls=(use,)), lambda r: ModelResponse(text=json.dumps(_results(r)))]
+    )
+
+
+def deep_long_ids():
+    """Delegates to itself eight levels deep, each call id as long as OpenAI's: each
+    level's ids hold the parent's, so by depth 4 they would pass ``id_chars``."""
+    use = call("delegate", "call_" + "x" * 24, agent=f"{HERE}:deep_long_ids", input="deeper")
+    return Agent(
+        name="deep_long_ids",
+        model=ScriptedModel(
+            [
+                ModelResponse(tool_calls=(use,)),
+                lambda r: ModelResponse(text=json.dumps(_results(r))),
+            ]
+        ),
+        tools=[delegate_tool()],
+        delegation=DelegationLimits(max_depth=8, allow_cycles=True),
+    )
+
+
+def surrogate_input():
+    """Asks a child to start with text no store can hold (a lone surrogate, escaped)."""
+    use = ToolUse(
+        call_id="d0",
+        tool="delegate",
+        arguments=json.dumps({"agent": f"{HERE}:worker", "input": "\ud800"}),  # escaped
+    )
+    return Agent(
+        name="surrogate_input",
+        model=ScriptedModel(
+            [
+                ModelResponse(tool_calls=(use,)),
+                lambda r: ModelResponse(text=json.dumps(_results(r))),
+            ]
+        ),
+        tools=[delegate_tool()],
+    )
 
 
 def fanout4():

@@ -9,6 +9,7 @@ import pytest
 
 from runtime import Crash, EndedState, FaultPlan, InProcessRunner, PermissionDecision
 from runtime.delegation import DelegationLimits, child_ids
+from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import AwaitingState
 from storage.memory import MemoryCommitStore
 
@@ -122,6 +123,37 @@ async def test_cycles_are_refused_unless_allowed():
     assert f.run_state.cause.kind == "natural"
     text = json.dumps(json.loads(f.messages[-1].text))
     assert "depth limit 3" in text
+
+
+def test_child_ids_stay_within_the_id_limit_at_any_depth():
+    thread, run = ThreadId("t" * 40), RunId("r" * 36)
+    seen = set()
+    for _ in range(12):
+        child, child_run = child_ids(thread, run, CallId("call_" + "x" * 24))
+        assert len(child) <= 256 and len(child_run) <= 256
+        assert child_ids(thread, run, CallId("call_" + "x" * 24)) == (child, child_run)
+        assert child_ids(thread, run, CallId("another"))[0] != child
+        seen.add(child)
+        thread, run = child, child_run
+    assert len(seen) == 12
+    assert child_ids(ThreadId("p"), RunId("r"), CallId("d3")) == ("p/d3@r", "r/d3")  # as before
+    assert len(child_ids(thread, run, CallId("c"), max_chars=64)[0]) == 64
+
+
+async def test_delegation_eight_deep_with_long_call_ids_comes_to_rest():
+    store = MemoryCommitStore()
+    f = await runner(agents.deep_long_ids(), store).start("go", thread_id="p" * 40)
+    assert f.run_state.cause.kind == "natural"
+    assert "depth limit 8" in json.dumps(json.loads(f.messages[-1].text))
+
+
+async def test_a_child_input_no_store_can_hold_fails_only_that_call():
+    store = MemoryCommitStore()
+    f = await runner(agents.surrogate_input(), store).start("go", thread_id="p")
+    assert f.run_state.cause.kind == "natural"
+    (text,) = json.loads(f.messages[-1].text)
+    assert text.startswith("delegation refused") and "utf8" in text
+    assert await children_of(store, f) == []
 
 
 async def test_cancelling_the_parent_cancels_its_children():

@@ -39,7 +39,7 @@ from runtime import (
 from runtime.base import canonical_json
 from runtime.commit import Frontier, replay
 from runtime.lifecycle import DelegationOutcome, ScheduledFire, Unpause
-from runtime.limits import json_depth, utf8_problem, utf8_size
+from runtime.limits import check_id, json_depth, stored_size, utf8_problem
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore
 
@@ -194,7 +194,7 @@ def test_fuzzed_answer_text_is_committed_or_fails_the_inference(deltas, text):
     frontier = asyncio.run(drive(answering(*items), SMALL, bus=EmbeddedBus()))
     if utf8_problem(text) is not None:
         assert cause(frontier) == ("failed", "inference", "utf8")
-    elif utf8_size(text) > SMALL.model_text_bytes:
+    elif stored_size(text) > SMALL.model_text_bytes:
         assert cause(frontier) == ("failed", "inference", "model_text_bytes")
     else:
         assert cause(frontier) == ("natural",) and frontier.messages[-1].text == text
@@ -204,7 +204,7 @@ def expected_error(use: ToolUse, limits: Limits) -> str | None:
     """What the model must be told about this call: the limit it broke (None: it ran)."""
     if utf8_problem(use.arguments) is not None:
         return "unpaired surrogate"
-    if utf8_size(use.arguments) > limits.tool_arguments_bytes:
+    if stored_size(use.arguments) > limits.tool_arguments_bytes:
         return "tool_arguments_bytes"
     if use.tool != "echo":
         return "unknown tool"
@@ -222,7 +222,7 @@ def expected_error(use: ToolUse, limits: Limits) -> str | None:
 def test_fuzzed_tool_calls_become_results_or_model_visible_errors(uses):
     model = answering(ModelResponse(text="t", tool_calls=tuple(uses)))
     frontier = asyncio.run(drive(model, SMALL, tools=[echo]))
-    if 1 + sum(utf8_size(u.arguments) for u in uses) > SMALL.response_bytes:
+    if 1 + sum(stored_size(u.arguments) for u in uses) > SMALL.response_bytes:
         assert cause(frontier) == ("failed", "inference", "response_bytes")
         return
     if len(uses) > SMALL.tool_calls:
@@ -327,7 +327,7 @@ def args_of(size: int) -> str:
     ("arguments", "name", "limit"),
     [
         ("[" * 5000 + "]" * 5000, "echo", "json_depth"),
-        ('{"a":' * 5000 + "1" + "}" * 5000, "echo", "json_depth"),
+        ('{"a":' * 3000 + "1" + "}" * 3000, "echo", "json_depth"),
         (args_of(DEFAULT_LIMITS.tool_arguments_bytes + 1), "echo", "tool_arguments_bytes"),
         ('{"x": "\udcff"}', "echo", "unpaired surrogate"),
         ("{not json", "echo", "not valid JSON"),
@@ -335,7 +335,7 @@ def args_of(size: int) -> str:
         ("{}", "\udcffecho", "unknown tool"),
         ("{}", "ec\x00ho", "unknown tool"),
     ],
-    ids=["5000-deep-array", "5000-deep-object", "over-the-limit", "surrogate", "not-json",
+    ids=["5000-deep-array", "3000-deep-object", "over-the-limit", "surrogate", "not-json",
          "not-object", "surrogate-tool", "control-char-tool"],
 )  # fmt: skip
 async def test_bad_arguments_are_a_model_visible_error_naming_the_limit(arguments, name, limit):
@@ -345,6 +345,7 @@ async def test_bad_arguments_are_a_model_visible_error_naming_the_limit(argument
     assert result.is_error and limit in result.content
     stored = frontier.messages[1].tool_calls[0]
     assert len(stored.arguments) <= DEFAULT_LIMITS.tool_arguments_bytes
+    check_id("tool", stored.tool)  # a name that names no tool is still stored as an id
 
 
 @pytest.mark.parametrize("size", [MB, 20 * MB])
@@ -370,6 +371,25 @@ async def test_bad_tool_results_are_a_model_visible_error_naming_the_limit(name,
     (result,) = results(frontier)
     assert result.is_error and limit in result.content
     assert "k" not in frontier.state["thread"]  # refused commands are dropped
+
+
+async def test_text_is_measured_as_stored_so_escaped_output_cannot_overflow_a_commit():
+    """A control character takes 6 bytes as stored, a quote 2: the limits count those,
+    so output made of them at every limit still fits the default payload limit."""
+    limit = DEFAULT_LIMITS
+    frontier = await drive(answering(ModelResponse(text="\x01" * limit.model_text_bytes)))
+    assert cause(frontier) == ("failed", "inference", "model_text_bytes")
+    nuls = tool(lambda q: "\x00" * (limit.tool_result_bytes // 6), name="nuls")
+    uses = tuple(
+        ToolUse(call_id=f"c{i}", tool="nuls", arguments='{"q": "' + '\\"' * 250 + '"}')
+        for i in range(limit.tool_calls)
+    )
+    text = '"' * (limit.model_text_bytes // 4)
+    frontier = await drive(answering(ModelResponse(text=text, tool_calls=uses)), tools=[nuls])
+    assert cause(frontier) == ("natural",)
+    done = [r for r in results(frontier) if not r.is_error]
+    assert len(done) == limit.batch_result_bytes // stored_size(done[0].content)
+    assert all("batch_result_bytes" in r.content for r in results(frontier) if r.is_error)
 
 
 async def test_duplicate_and_empty_call_ids_are_made_unique_and_every_call_runs():
@@ -443,7 +463,7 @@ def bad(text: str | None, most: int, *, is_id: bool = False) -> bool:
     """Refused at the edge: unstorable, over ``most`` (ids: characters, else UTF-8 bytes)."""
     if text is None:
         return False
-    size = len(text) if is_id else utf8_size(text)
+    size = len(text) if is_id else stored_size(text)
     control = is_id and (not text or re.search(r"[\x00-\x1f\x7f]", text) is not None)
     return utf8_problem(text) is not None or size > most or control
 
@@ -461,7 +481,7 @@ def refused_at_the_edge(command: ResumeCommand, limits: Limits) -> bool:
     return (
         any(bad(i, n, is_id=True) for i, n in ids)
         or any(bad(t, n) for t, n in texts)
-        or utf8_size(canonical_json(payload)) > limits.resume_payload_bytes
+        or stored_size(canonical_json(payload)) > limits.resume_payload_bytes
     )
 
 
@@ -521,3 +541,39 @@ async def test_deep_nesting_in_a_resume_payload_is_refused():
         answer(before.run_state.ticket, ExternalResult(output=ToolOutput(content=text)))
     )
     assert results(done)[0].content == text
+
+
+@tool(needs_permission=True)
+def guarded_echo() -> str:
+    return "ran"
+
+
+async def test_results_a_resume_supplies_are_held_to_the_result_limits():
+    """A denial's note and a caller's external result become the call's result: over
+    ``tool_result_bytes``, or past the Step's ``batch_result_bytes``, they are a
+    model-visible error, as a tool's own result would be."""
+    limits = Limits(tool_result_bytes=64, batch_result_bytes=40, resume_payload_bytes=400)
+    both = ModelResponse(
+        tool_calls=(
+            ToolUse(call_id="e", tool="echo", arguments="{}"),
+            ToolUse(call_id="c", tool="remote", arguments='{"q": "?"}'),
+        )
+    )
+    store = MemoryCommitStore()
+    run = runner(answering(both), store, limits)
+    waiting = await run.start("go", thread_id="t", run_id="r")
+    done = await run.resume(
+        answer(waiting.run_state.ticket, ExternalResult(output=ToolOutput(content="x" * 60)))
+    )
+    echoed, remote_result = results(done)
+    assert not echoed.is_error and remote_result.is_error
+    assert "batch_result_bytes" in remote_result.content
+    store = MemoryCommitStore()
+    run = runner(one_call("{}", "guarded_echo"), store, limits, tools=[guarded_echo])
+    waiting = await run.start("go", thread_id="t", run_id="r")
+    done = await run.resume(
+        answer(waiting.run_state.ticket, PermissionDecision(approve=False, note="n" * 200))
+    )
+    (denied,) = results(done)
+    assert denied.is_error and "tool_result_bytes" in denied.content
+    await at_rest(store, "t")

@@ -18,7 +18,9 @@ from runtime import (
     DEFAULT_LIMITS,
     Agent,
     Command,
+    Crash,
     Engine,
+    FaultPlan,
     Hook,
     HookOutput,
     InProcessRunner,
@@ -456,3 +458,57 @@ async def test_a_cancelled_error_raised_by_user_code_does_not_leave_the_run_runn
     with contextlib.suppress(asyncio.CancelledError):  # nobody cancelled this task
         await InProcessRunner(a, store).start("go", thread_id="t")
     await at_rest(store)
+
+
+async def test_an_end_that_landed_while_its_answer_was_lost_is_not_committed_twice(caplog):
+    """The end lands, its reply is lost and the store stays out past the drive's give-up:
+    the next attempt, stamped later, is another commit, which the store refuses as the
+    Run has ended; settling takes that as the end it was after."""
+    caplog.set_level(logging.WARNING, "ratchet.engine")
+
+    class LosesTheEnd(FlakyStore):
+        async def append(self, commit: Any, expected_version: int, epoch: int, **kw: Any) -> Any:
+            self._gate()
+            receipt = await self.inner.append(commit, expected_version, epoch, **kw)
+            if commit.label == "ended" and not self.refused:
+                self.down = True
+                raise StoreUnavailable("the reply was lost, and the store with it")
+            return receipt
+
+    store = LosesTheEnd()
+
+    def fail(_input: Any) -> None:
+        raise Boom("the hook broke")
+
+    e = engine(agent(Hook("AfterInference", fail)), store)
+    task = asyncio.create_task(e.start(ThreadId("t"), "go", run_id=RunId("r")))
+    await until(
+        lambda: any("settling r: store unavailable" in r.getMessage() for r in caplog.records)
+    )
+    store.down = False
+    done = await asyncio.wait_for(task, 5)
+    assert failure(done) == ("hook", "Boom")
+    ends = [r for r in await store.inner.read(ThreadId("t")) if r.commit.label == "ended"]
+    assert len(ends) == 1 and failure(await at_rest(store.inner)) == ("hook", "Boom")
+
+
+async def test_a_claim_whose_answer_was_lost_is_the_recoverers_own():
+    """The claim lands, its answer is lost, the retry is refused as superseded: by this
+    very owner's claim, so the recovery goes on instead of giving the Run up."""
+
+    class LosesTheClaim(FlakyStore):
+        async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+            claimed = await self.inner.claim(thread, owner, supersedes)
+            if not self.refused:
+                self.refused += 1
+                raise StoreUnavailable("the claim's answer was lost")
+            return claimed
+
+    store = LosesTheClaim()
+    a = agent()
+    crashing = Engine(a, store, LocalToolRunner(a.tools), faults=FaultPlan(("after:inference", 1)))
+    with pytest.raises(Crash):
+        await crashing.start(ThreadId("t"), "go", run_id=RunId("r"))
+    done = await engine(agent(), store).recover(ThreadId("t"))
+    assert done.run_state.kind == "ended" and done.run_state.cause.kind == "natural"
+    assert store.refused == 1 and (await at_rest(store.inner)).epoch == 2

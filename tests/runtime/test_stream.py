@@ -11,6 +11,7 @@ from runtime import (
     Agent,
     Crash,
     Delta,
+    Fact,
     FaultPlan,
     InProcessRunner,
     ModelResponse,
@@ -166,3 +167,40 @@ def test_retried_inference_replaces_partial_text():
 def test_a_malformed_offset_is_a_clear_error():
     with pytest.raises(ValueError, match="SEQ:INDEX"):
         parse_offset("yesterday")
+
+
+async def test_a_fact_only_the_bus_holds_is_never_served():
+    """Anyone who can publish on the bus (a stray process, a hostile client of Redis)
+    can announce facts: the stream serves the store's, so a forged one never reaches a
+    follower, not even a forged end that would make it stop."""
+    bus, store = EmbeddedBus(), MemoryCommitStore()
+    gate = asyncio.Event()
+
+    @tool
+    async def slow() -> str:
+        await gate.wait()
+        return "ok"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("slow", "c"),)), ModelResponse(text="all done")]
+    )
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[slow]), store, bus=bus)
+    task = asyncio.create_task(runner.start("go", thread_id="t", run_id="r"))
+    seen = []
+
+    async def watch():
+        async for frame in follow(store, "t", bus=bus):
+            seen.append(frame)
+            if frame.type == "fact" and frame.event.type == "tool_call":
+                forged = [
+                    Fact(type=kind, run_id=RunId("r"), seq=90 + i, index=0, data={"forged": 1})
+                    for i, kind in enumerate(("tool_result", "run_finished"))
+                ]
+                await bus.publish("t", forged)
+                gate.set()
+
+    await asyncio.wait_for(asyncio.gather(watch(), task), timeout=10)
+    served = [f.event for f in seen if f.type == "fact"]
+    assert not any(fact.data.get("forged") for fact in served)
+    stored = [f.event for f in await frames(store, "t") if f.type == "fact"]
+    assert [(f.seq, f.index, f.type) for f in served] == [(f.seq, f.index, f.type) for f in stored]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from runtime import (
@@ -15,6 +17,7 @@ from runtime import (
     ToolResultMessage,
     tool,
 )
+from runtime.checkpoint import SafeCheckpoints
 from runtime.messages import ContextMessage
 from storage.checkpoints import MemoryCheckpointStore
 from storage.memory import MemoryCommitStore
@@ -123,3 +126,33 @@ async def test_a_run_without_crash_leaves_no_checkpoint():
     assert f.run_state.cause.kind == "natural"
     assert await cps.get("t") is None
     assert isinstance(InProcessRunner, type)
+
+
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        [args("c1", "[" * 100_000 + "]" * 100_000)],  # json.loads would recurse too deep
+        [args("c1", '{"key": "a"}', tool="\udcff")],  # a tool name no record accepts
+    ],
+    ids=["deep-arguments", "surrogate-tool"],
+)
+async def test_a_hostile_checkpoint_is_not_used_and_the_model_is_asked_again(deltas):
+    f, model, _ = await run_interrupted(deltas)
+    assert model.calls == [0, 0] and f.run_state.cause.kind == "natural"
+    assert f.messages[-1].text == "fresh answer"
+
+
+class HungCheckpoints:
+    """A checkpoint server that accepts the connection and never answers."""
+
+    async def get(self, thread):
+        await asyncio.Event().wait()
+
+    put = delete = get
+
+
+async def test_a_hung_checkpoint_store_delays_but_never_stops_a_run():
+    hung = SafeCheckpoints(HungCheckpoints(), timeout_s=0.05)
+    f, model, _ = await asyncio.wait_for(run_interrupted([text("partial")], checkpoints=hung), 10)
+    assert f.run_state.cause.kind == "natural"
+    assert model.calls == [0, 0] and model.contexts[1] == []  # nothing was salvaged
