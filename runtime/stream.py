@@ -197,9 +197,14 @@ async def _from_bus(
             if (event.seq, event.index) <= cursor:
                 continue  # already delivered from the store
             # The bus says a commit landed; the facts served are the store's, read from
-            # the cursor on (which also fills whatever the bus dropped): a fact only the
-            # bus holds (forged, or from a commit that never was) is never served.
+            # the cursor up to the one announced (which also fills whatever the bus
+            # dropped): a fact only the bus holds (forged, or from a commit that never
+            # was) is never served. Not past it: deltas published after a later commit
+            # landed still come before that commit's facts, as the bus ordered them.
+            announced = (event.seq, event.index)
             async for fact in _stored_facts(store, thread, cursor):
+                if (fact.seq, fact.index) > announced:
+                    break
                 cursor = (fact.seq, fact.index)
                 yield from_fact(fact)
     finally:

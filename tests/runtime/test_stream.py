@@ -20,12 +20,13 @@ from runtime import (
     call,
     tool,
 )
+from runtime.commit import stamp_facts
 from runtime.ids import RunId
-from runtime.stream import LiveText, follow, parse_offset
+from runtime.stream import Frame, LiveText, follow, from_fact, parse_offset
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore
 
-from .agents import Ledger, crash_matrix_agent
+from .agents import Ledger, crash_matrix_agent, until
 from .test_waits_and_control import command_for
 
 
@@ -204,3 +205,42 @@ async def test_a_fact_only_the_bus_holds_is_never_served():
     assert not any(fact.data.get("forged") for fact in served)
     stored = [f.event for f in await frames(store, "t") if f.type == "fact"]
     assert [(f.seq, f.index, f.type) for f in served] == [(f.seq, f.index, f.type) for f in stored]
+
+
+async def test_deltas_keep_their_place_among_facts_the_store_already_holds():
+    """The bus announces facts after their commits land, and an inference's deltas can be
+    published after the next commit has landed too: the stream serves the store's facts
+    up to the one announced, not past it, so a delta stays before the facts the bus put
+    after it (a reader that voids uncommitted text on a new execution relies on it)."""
+    bus, store = EmbeddedBus(), MemoryCommitStore()
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    @tool
+    async def slow() -> str:
+        entered.set()
+        await gate.wait()
+        return "ok"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("slow", "c"),)), ModelResponse(text="all done")]
+    )
+    # the runner publishes nothing: the test plays the bus, in its own order
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[slow]), store)
+    task = asyncio.create_task(runner.start("go", thread_id="t", run_id="r"))
+
+    async def stored() -> list[Frame]:
+        records = await store.read("t")
+        return [from_fact(f) for r in records for f in stamp_facts(r.commit, r.seq)]
+
+    await asyncio.wait_for(entered.wait(), 10)  # the Run waits in its tool
+    mark = (await stored())[-1].offset
+    following = asyncio.create_task(frames(store, "t", after=mark, bus=bus))
+    await until(lambda: "t" in bus._rings and bus._rings["t"].subscribers == 1)
+    gate.set()
+    await task  # every later commit has landed before the bus says a word
+    later = [f.event for f in await stored() if parse_offset(f.offset) > parse_offset(mark)]
+    delta = Delta(type="text_delta", run_id=RunId("r"), step=1, attempt=0, text="x")
+    await bus.publish("t", [later[0], delta, *later[1:]])
+    served = await asyncio.wait_for(following, 10)
+    assert [f.type == "delta" for f in served[1:]] == [False, True] + [False] * (len(later) - 1)
+    assert [f.event for f in served[1:] if f.type != "delta"] == later
