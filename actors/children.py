@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayError
 
 from actors.wire import SystemSpec, host_index, unwrap
 from runtime.delegation import CHILD_OUTCOME, ChildOutcome, ChildRequest
@@ -39,9 +39,10 @@ class RayChildRunner:
         host = self.host_for(request.child_thread)
         try:
             raw = unwrap(await host.run_child.remote(request.model_dump(mode="json")))
-        except RayActorError as exc:
-            # the child's host died: the child recovers on its own (the supervisor or
-            # Ray's restart); the parent's durable_request policy reconnects to it
+        except RayError as exc:
+            # the child's host died, or its answer was lost: the child recovers on its own
+            # (the supervisor or Ray's restart); the parent's durable_request policy
+            # reconnects to it (the same call names the same child)
             self._hosts.clear()
             return Lost(message=f"host of child {request.child_thread} lost: {exc}")
         return CHILD_OUTCOME.validate_python(raw)
@@ -49,5 +50,5 @@ class RayChildRunner:
     async def cancel(self, child_thread: ThreadId) -> None:
         try:
             unwrap(await self.host_for(child_thread).cancel_run.remote(child_thread))
-        except RayActorError as exc:
+        except RayError as exc:
             log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)

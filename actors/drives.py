@@ -5,6 +5,13 @@ settles a Run itself. What reaches a drive's task is what the engine could not s
 — fenced, refused, corrupt, the store out for too long — and it goes to whoever
 awaits the drive (``first_commit``), never reported as success. The host's
 reconciliation reads ``paused`` (drive it again) and ``quarantined`` (never again).
+
+**Which drives are stale.** Each engine reaches the store through a ``Holding``, which
+notes the owner epoch the engine holds the thread at, from the moment its claim
+landed (a recovery's ``claim``, or the claim its first commit carries). A drive is
+fenced once the stored thread has moved past that epoch (``Drives.fenced``): another
+owner claimed it, or ended the Run. A drive that holds no epoch yet has taken
+nothing: its own compare-and-set decides, so it is never taken for stale.
 """
 
 from __future__ import annotations
@@ -19,19 +26,77 @@ from typing import Any
 from actors.waves import RayToolRunner, WaveDispatcher
 from actors.wire import AtRest, SystemSpec
 from runtime.agent import Agent, load_agent
-from runtime.commit import Frontier
+from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.delegation import ChildRunner, ParentLink
 from runtime.engine import Engine
-from runtime.errors import CorruptRecord, InvalidTransition, StoreLost, StoreUnavailable
+from runtime.errors import (
+    CorruptRecord,
+    Fenced,
+    InvalidTransition,
+    RatchetError,
+    RunEnded,
+    StoreLost,
+    StoreUnavailable,
+)
 from runtime.faults import FaultPlan
 from runtime.ids import RunId, ThreadId
-from runtime.ports import CommitStore, StreamCheckpointStore
+from runtime.ports import (
+    CommitStore,
+    CommittedRecord,
+    RunSummary,
+    StreamCheckpointStore,
+)
 from runtime.publish import Publisher
 
 log = logging.getLogger("ratchet.run_host")
 FaultSpec = tuple[str, int, str]
 """(fault point, occurrence, action): action ``exit`` ends the process (os._exit)."""
 Go = Callable[[Engine], Awaitable[Frontier]]
+STOP_S = 5.0
+"""How long stopping a fenced drive waits for its task to end before going on without it."""
+
+
+class Holding:
+    """An engine's store, noting the owner epoch the engine holds its thread at.
+
+    Set when the engine's claim lands — ``claim`` (a recovery) or the first commit,
+    which carries the claim of a start or a resume — and kept by its later commits,
+    which all write at that epoch. Everything else passes through unchanged.
+    """
+
+    def __init__(self, store: CommitStore) -> None:
+        self.store = store
+        self.epoch: int | None = None
+
+    def __getattr__(self, name: str) -> Any:  # e.g. payload_limit, read by the Engine
+        return getattr(self.store, name)
+
+    async def append(
+        self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
+    ) -> Receipt:
+        receipt = await self.store.append(commit, expected_version, epoch, claim=claim)
+        self.epoch = epoch + 1 if claim is not None else epoch
+        return receipt
+
+    async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+        claimed = await self.store.claim(thread, owner, supersedes)
+        self.epoch = claimed.epoch
+        return claimed
+
+    async def load(self, thread: ThreadId) -> Frontier:
+        return await self.store.load(thread)
+
+    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
+        return await self.store.read(thread, after_seq)
+
+    async def list_runs(self, state: Any = None, *, host: str | None = None) -> list[RunSummary]:
+        return await self.store.list_runs(state, host=host)
+
+    async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
+        return await self.store.thread_ids(after, limit)
+
+    async def close(self) -> None:
+        """The host owns the store: an engine's view has nothing to close."""
 
 
 @dataclass
@@ -39,6 +104,13 @@ class Drive:
     engine: Engine
     task: asyncio.Task[Any]
     run_id: RunId | None
+    holding: Holding
+
+    @property
+    def epoch(self) -> int | None:
+        """The owner epoch this drive's engine holds the thread at; None: it has claimed
+        nothing yet (its first compare-and-set decides whether it may go on)."""
+        return self.holding.epoch
 
 
 class Drives:
@@ -88,11 +160,13 @@ class Drives:
             self.agents[ref] = (agent, RayToolRunner(ref, agent, self.waves))
         return self.agents[ref]
 
-    def engine(self, ref: str, faults: FaultPlan, link: ParentLink | None = None) -> Engine:
+    def engine(
+        self, ref: str, faults: FaultPlan, link: ParentLink | None, store: CommitStore
+    ) -> Engine:
         agent, tools = self.agent(ref)
         return Engine(
             agent,
-            self.store,
+            store,
             tools,
             publisher=self.publisher,
             faults=faults,
@@ -119,10 +193,11 @@ class Drives:
         # one drive per thread and host: a second engine here would fence the first
         if thread in self.table:
             raise InvalidTransition(f"thread {thread} is already being driven here")
-        engine = self.engine(ref, _faults(faults), link)
+        holding = Holding(self.store)
+        engine = self.engine(ref, _faults(faults), link, holding)
         task = asyncio.create_task(self._run(thread, engine, go, after))
         task.add_done_callback(_retrieve)
-        drive = Drive(engine, task, run_id)
+        drive = Drive(engine, task, run_id, holding)
         self.table[thread] = drive
         return drive
 
@@ -156,26 +231,47 @@ class Drives:
             self.finished += 1
             self.on_idle()
 
-    async def first_commit(self, drive: Drive) -> Any:
+    async def first_commit(self, drive: Drive, stopped: RatchetError | None = None) -> Any:
         """Once the drive's first commit landed, or the drive is over: True; or the error
-        that ended the drive before it committed anything (never reported as success)."""
+        that ended the drive before it committed anything (never reported as success) —
+        ``stopped`` (default InvalidTransition) if the drive was stopped before that."""
         committed = asyncio.ensure_future(drive.engine.committed.wait())
         try:
             await asyncio.wait({drive.task, committed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             committed.cancel()
         if drive.task.done() and not drive.engine.committed.is_set():
+            if drive.task.cancelled():  # never a CancelledError out of an actor call
+                raise stopped or InvalidTransition(
+                    f"the drive of run {drive.run_id} was stopped before its first commit"
+                )
             drive.task.result()  # re-raise what ended the drive before its first commit
         return True
 
-    async def stop(self, thread: ThreadId, drive: Drive) -> None:
-        """Cancel a fenced drive here (its waves are cancelled on the executors)."""
+    def fenced(self, drive: Drive, frontier: Frontier) -> bool:
+        """Whether the stored ``frontier`` has moved past the epoch ``drive`` holds: another
+        claim since (another owner's, or an end at rest). A drive holding none is not."""
+        held = drive.epoch
+        return held is not None and (frontier.epoch != held or frontier.owner != self.owner)
+
+    async def stop(self, thread: ThreadId, drive: Drive, *, idle: bool = True) -> None:
+        """Cancel a fenced drive here (its waves are cancelled on the executors). A drive
+        that does not end within ``STOP_S`` is let go: fenced, it can commit nothing.
+        ``idle``: tell the host once the thread is free (False when the caller goes on
+        to act on the thread itself)."""
         self.replacing.add(thread)
         try:
             drive.task.cancel()
-            await asyncio.wait({drive.task})
+            _, running = await asyncio.wait({drive.task}, timeout=STOP_S)
+            if running:
+                log.warning("the fenced drive of %s did not stop within %gs", thread, STOP_S)
+                if self.table.get(thread) is drive:
+                    del self.table[thread]
         finally:
             self.replacing.discard(thread)
+            self.paused.discard(thread)  # another owner has it: not ours to drive again
+        if idle:
+            self.on_idle()
 
 
 def rested(task: asyncio.Task[Any]) -> AtRest | None:
@@ -187,6 +283,24 @@ def rested(task: asyncio.Task[Any]) -> AtRest | None:
     if state is not None and state.kind != "running":
         return AtRest(frontier.model_dump_json())
     return None
+
+
+FOLLOWED: tuple[type[RatchetError], ...] = (Fenced, RunEnded, StoreUnavailable)
+"""A child's drive that ended so is settled by another (an owner, or this host again)."""
+
+
+def drove(task: asyncio.Task[Any]) -> Frontier | None:
+    """The frontier a child's finished drive returned; None when the store must say (the
+    drive was stopped, fenced, or paused); else raises what ended it."""
+    if task.cancelled():
+        return None
+    error = task.exception()
+    if error is None:
+        result: Frontier = task.result()
+        return result
+    if isinstance(error, FOLLOWED):
+        return None
+    raise error
 
 
 def _faults(spec: FaultSpec | None) -> FaultPlan:

@@ -12,25 +12,37 @@ running again.
 reset by any progress). The ``DEAD_LETTER_AFTER``-th loss in a row ends the Run
 ``failed(recovery)`` with the last reason instead (``ratchet runs --failed``): a Run
 that kills its host every time, or that no host can rebuild, stops being retried.
+A failed recovery counts too, whether it failed in the host (``again``) or took its
+host down with it before the Run was running again: the Run is then still marked
+lost, by an owner that is gone, and whoever finds it so marks it again.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
-from runtime.commit import assemble_commit
+from runtime.commit import Frontier, ThreadCommit, assemble_commit
+from runtime.context import RunContext
 from runtime.control import control_engine
-from runtime.errors import Fenced, VersionConflict
+from runtime.delegation import ChildRunner
+from runtime.engine import RACES, Engine
+from runtime.errors import Fenced, RunEnded, VersionConflict
+from runtime.hooks import ExecutionState
 from runtime.ids import ThreadId
 from runtime.lifecycle import Failed, RunningState
 from runtime.limits import printable
 from runtime.ports import CommitStore, RunSummary
+from runtime.publish import Publisher
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.ownership")
 EXECUTION_LOST = "execution_lost"
 DEAD_LETTER_AFTER = 3
 """Losses in a row (no progress between them) after which a Run is ended failed(recovery)."""
+Marked = Literal["lost", "dead_lettered"]
+"""What ``mark_lost`` wrote: ``lost`` — the Run is settled failed and claimed by the
+caller, who recovers it now; ``dead_lettered`` — it is ended, nothing is left to recover."""
 
 
 async def running_owned_by(store: CommitStore, host_id: str) -> list[RunSummary]:
@@ -47,37 +59,46 @@ async def mark_lost(
     reason: str = EXECUTION_LOST,
     again: bool = False,
     dead_letter_after: int = DEAD_LETTER_AFTER,
-) -> bool:
+    publisher: Publisher | None = None,
+    children: ChildRunner | None = None,
+) -> Marked | None:
     """Commit ``failed/<reason>`` for a Run whose execution under ``lost_owner`` is gone,
     claiming it for ``owner`` in the same step; or end it ``failed(recovery)`` when this
-    is its ``dead_letter_after``-th loss in a row. False (nothing written) if the thread
+    is its ``dead_letter_after``-th loss in a row. None (nothing written) if the thread
     is no longer ``lost_owner``'s running Run, or another claim won the race. A Run
-    marked already is marked again only with ``again`` (a recovery of it failed)."""
-    frontier = await store.load(thread)
-    state = frontier.run_state
-    if frontier.owner != lost_owner or not isinstance(state, RunningState):
-        return False
-    if frontier.status.state != "running" and not again:
-        return False  # marked already; whoever marked it recovers it
-    if frontier.failed_recoveries + 1 >= dead_letter_after:
-        cause = Failed(
-            failure="recovery",
-            code=printable(reason.partition(":")[0], 80),
-            message=printable(
-                f"lost or failed to recover {dead_letter_after} times in a row; last: {reason}"
-            ),
-        )
+    marked already is marked again only with ``again`` (a recovery of it failed, or
+    died with the owner that marked it): each failed attempt is counted once, by
+    whoever saw it fail, since only one caller's compare-and-set on the owner wins.
+
+    Each decision is one append at the version it was made from; if the thread moved
+    meanwhile (say the lost owner, still alive, made progress, which resets the count)
+    the decision is made again from where the thread is now.
+    """
+    for _ in range(RACES):
+        frontier = await store.load(thread)
+        state = frontier.run_state
+        if frontier.owner != lost_owner or not isinstance(state, RunningState):
+            return None
+        if frontier.status.state != "running" and not again:
+            return None  # marked already; whoever marked it recovers it
         try:
-            ended = await control_engine(store, owner=owner).terminate(
-                thread, cause, supersedes=frontier.epoch
-            )
-        except (Fenced, VersionConflict) as exc:
-            log.info("dead-lettering %s lost the race: %s", thread, exc)
-            return False
-        log.error("run %s on %s dead-lettered: %s", state.run_id, thread, cause.message)
-        return ended.ended
-    commit = assemble_commit(
-        thread_id=thread,
+            if frontier.failed_recoveries + 1 >= dead_letter_after:
+                engine = control_engine(store, owner=owner, publisher=publisher, children=children)
+                await _dead_letter(engine, frontier, state, reason, dead_letter_after)
+                return "dead_lettered"
+            commit = _lost(frontier, state, owner, reason)
+            await store.append(commit, frontier.version, frontier.epoch, claim=owner)
+            return "lost"
+        except (Fenced, VersionConflict, RunEnded) as exc:  # it moved: decide again from there
+            log.info("marking %s lost raced a commit (%s); looking again", thread, exc)
+    log.warning("thread %s kept moving; not marked lost", thread)
+    return None
+
+
+def _lost(frontier: Frontier, state: RunningState, owner: str, reason: str) -> ThreadCommit:
+    """The status commit that settles a Run ``failed/<reason>`` and claims it for ``owner``."""
+    return assemble_commit(
+        thread_id=frontier.thread_id,
         run_id=state.run_id,
         ordinal=frontier.next_ordinal,
         label="status",
@@ -87,9 +108,21 @@ async def mark_lost(
         epoch=frontier.epoch + 1,  # the claim this commit carries
         claim=owner,
     )
-    try:
-        await store.append(commit, frontier.version, frontier.epoch, claim=owner)
-    except (Fenced, VersionConflict) as exc:  # someone newer took the thread over: theirs
-        log.info("marking %s lost lost the race: %s", thread, exc)
-        return False
-    return True
+
+
+async def _dead_letter(
+    engine: Engine, frontier: Frontier, state: RunningState, reason: str, after: int
+) -> None:
+    """End the Run ``failed(recovery)`` by one append at ``frontier``'s version and epoch
+    (``Engine.terminate`` would retry on a conflict, ending a Run that has just made
+    progress); the end claims the thread, cancels its children and is published."""
+    cause = Failed(
+        failure="recovery",
+        code=printable(reason.partition(":")[0], 80),
+        message=printable(f"lost or failed to recover {after} times in a row; last: {reason}"),
+    )
+    await engine.store.read(frontier.thread_id)  # no engine acts on a log that does not verify
+    execution = ExecutionState(state.run_id, frontier.thread_id, (), engine.cancel_event)
+    ctx = RunContext(frontier=frontier, epoch=frontier.epoch, execution=execution)
+    await engine.end(ctx, cause, claim=True)
+    log.error("run %s on %s dead-lettered: %s", state.run_id, frontier.thread_id, cause.message)

@@ -5,7 +5,10 @@ Every pass (at start, then every ``SystemSpec.reconcile_s``):
 - a Run this host owns but does not drive is driven again: a previous incarnation's
   (Ray restarted the host, or the system came up again) or one whose drive stopped
   (a bug; ``paused`` drives, stopped by a long store outage, are not counted) is first
-  marked lost (``actors.ownership.mark_lost``, which dead-letters a Run lost too often);
+  marked lost (``actors.ownership.mark_lost``, which dead-letters a Run lost too often).
+  One a previous incarnation had marked lost already is marked again: its recovery
+  died with that incarnation, and that counts. One this incarnation marked is not
+  (its failed recovery was counted when it failed);
 - a drive of a Run that another owner has claimed since is stopped now, rather than at
   its next commit (which a long tool call can put off indefinitely): its waves are
   cancelled on the executors;
@@ -47,16 +50,20 @@ class Reconciler:
 
     async def once(self) -> None:
         owned = await running_owned_by(self.store, self.host_id)
-        await self._stop_fenced({s.thread_id for s in owned if s.owner == self.owner})
+        ours = {s.thread_id for s in owned if s.owner == self.owner}
+        # a paused drive whose Run another owner took, or that ended, is not ours to resume
+        self.drives.paused &= ours
+        await self._stop_fenced(ours)
         await asyncio.gather(*(self._take_back(s) for s in owned))
 
     async def _stop_fenced(self, ours: set[ThreadId]) -> None:
         for thread, drive in list(self.drives.table.items()):
-            if thread in ours or not drive.engine.committed.is_set() or drive.task.done():
+            # a drive that holds no epoch yet has claimed nothing: its own CAS decides
+            if thread in ours or drive.epoch is None or drive.task.done():
                 continue
             frontier = await self.store.load(thread)
             # claimed by another owner since (it may even have ended the Run): fenced
-            if frontier.owner != self.owner and self.drives.get(thread) is drive:
+            if self.drives.fenced(drive, frontier) and self.drives.get(thread) is drive:
                 log.info("drive of %s was fenced by %s: stopping it", thread, frontier.owner)
                 await self.drives.stop(thread, drive)
 
@@ -67,14 +74,21 @@ class Reconciler:
         if thread in drives or thread in drives.quarantined or thread in drives.replacing:
             return
         try:
-            paused = summary.owner == self.owner and thread in drives.paused
-            if not paused and summary.status.state == "running":
-                reason = EXECUTION_LOST if summary.owner != self.owner else "execution_stopped"
+            ours = summary.owner == self.owner
+            marked_already = summary.status.state != "running"
+            if not (ours and (marked_already or thread in drives.paused)):
                 marked = await mark_lost(
-                    self.store, thread, self.owner, lost_owner=summary.owner, reason=reason
+                    self.store,
+                    thread,
+                    self.owner,
+                    lost_owner=summary.owner,
+                    reason="execution_stopped" if ours else EXECUTION_LOST,
+                    again=marked_already,
+                    publisher=drives.publisher,
+                    children=drives.children,
                 )
-                if not marked:
-                    return
+                if marked != "lost":
+                    return  # another owner has it, or it was dead-lettered: nothing to do
             drives.paused.discard(thread)
             if thread in drives:  # a request spawned a drive meanwhile
                 return
@@ -96,4 +110,6 @@ class Reconciler:
                 lost_owner=self.owner,
                 reason=f"recovery_failed:{error.name}",
                 again=True,
+                publisher=self.drives.publisher,
+                children=self.drives.children,
             )

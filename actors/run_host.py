@@ -7,6 +7,10 @@ carry strings. Every failure inside a Run is settled by its Engine; what a drive
 cannot settle goes back to whoever asked — a start or resume refused, fenced or
 racing another — as a typed error, never as success.
 
+A drive still held here after another owner took its Run (this host was only slow)
+does not answer for it: a cancel, stop, pause or resume that finds it stale
+(``Drives.fenced``) stops it and acts as if there were no drive here.
+
 Liveness: one heartbeat per host renews its lease with the Supervisor. Every
 ``reconcile_s`` the host compares what it owns with what it drives
 (``actors.reconcile``).
@@ -25,7 +29,8 @@ from typing import Any
 import ray
 
 from actors.children import RayChildRunner
-from actors.drives import Drive, Drives, FaultSpec, rested
+from actors.deliveries import deliver, failed_delegation
+from actors.drives import Drive, Drives, FaultSpec, drove, rested
 from actors.heap import freeze_startup_heap
 from actors.reconcile import Reconciler
 from actors.spare import replace_spare_if_restarted
@@ -38,23 +43,28 @@ from actors.wire import (
     RemoteError,
     RunMeta,
     SystemSpec,
+    checkpoint_store,
+    live_bus,
     owner_id,
     run_meta,
-    unwrap,
 )
-from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.control import control_engine
 from runtime.delegation import (
     CHILD_OUTCOME,
     ChildRequest,
     ParentLink,
-    delivery,
     outcome_of,
     parent_link,
 )
 from runtime.engine import Engine
-from runtime.errors import AgentImportError, InvalidTransition, RatchetError, ResumeRejected
+from runtime.errors import (
+    AgentImportError,
+    InvalidTransition,
+    RatchetError,
+    ResumeRejected,
+    StoreUnavailable,
+)
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -65,7 +75,6 @@ from runtime.lifecycle import (
     Stopped,
     validate_resume,
 )
-from runtime.ports import Finished, LiveBus, StreamCheckpointStore
 from runtime.publish import Publisher
 from runtime.resume import check_command
 from runtime.timeutil import now_us
@@ -73,6 +82,7 @@ from runtime.timeutil import now_us
 log = logging.getLogger("ratchet.run_host")
 FINISHING_S = 5.0
 """How long a start waits for this host's drive of the thread's previous Run to wind up."""
+UNTRUSTED = "child {} cannot be trusted: its records did not verify on this host"
 
 
 def _remote(exc: Exception) -> RemoteError:
@@ -92,7 +102,7 @@ class RunHost:
         self.store = await open_system_store(spec)
         self.waves = WaveDispatcher(ExecutorPools(spec))
         self.children = RayChildRunner(spec)
-        bus = _live_bus(spec)
+        bus = live_bus(spec)
         self.publisher = Publisher(bus) if bus is not None else None
         self.drives = Drives(
             spec,
@@ -101,7 +111,7 @@ class RunHost:
             self.waves,
             self.children,
             self.publisher,
-            _checkpoint_store(spec),
+            checkpoint_store(spec),
             self._retire_if_idle,
         )
         self.recovered = 0
@@ -177,12 +187,12 @@ class RunHost:
             frontier = await self.store.load(thread)
             stale = self.drives.get(thread)
             if stale is not None:
-                if frontier.owner == self.owner:
+                if not self.drives.fenced(stale, frontier):
                     return True  # driven here, and still ours: nothing to recover
                 # Someone claimed the thread past this drive (the Supervisor took this host
                 # for lost while it was only slow): the drive is fenced and would only find
                 # out at its next commit, which a long tool call can put off indefinitely.
-                await self.drives.stop(thread, stale)
+                await self.drives.stop(thread, stale, idle=False)
                 if thread in self.drives:  # a concurrent recovery got here first
                     return True
                 frontier = await self.store.load(thread)
@@ -207,7 +217,10 @@ class RunHost:
             state = frontier.run_state
             ticket = state.ticket if isinstance(state, AwaitingState) else None
             validate_resume(ticket, command, now_us())
-            if command.thread_id in self.drives:  # checked after the load: no await between
+            local = self.drives.get(command.thread_id)
+            if local is not None and self.drives.fenced(local, frontier):
+                await self.drives.stop(command.thread_id, local, idle=False)
+            if command.thread_id in self.drives:  # checked last: no await after it
                 raise ResumeRejected("ticket", "the run is being driven here, not awaiting")
             drive = self.drives.spawn(
                 _ref_of(frontier),
@@ -217,7 +230,8 @@ class RunHost:
                 parent_link(frontier),
                 after=self._after,
             )
-            return await self.drives.first_commit(drive)
+            stopped = ResumeRejected("ticket", "the resume was stopped before it landed")
+            return await self.drives.first_commit(drive, stopped)
         except Exception as exc:
             return _remote(exc)
 
@@ -234,11 +248,11 @@ class RunHost:
     async def _end_run(
         self, thread: ThreadId, cause: EndCause, ended: str, signal: Callable[[Engine], None]
     ) -> Any:
-        drive = self.drives.get(thread)
-        if drive is not None:
-            signal(drive.engine)
-            return "signalled"
         try:
+            drive = await self._answering(thread)
+            if drive is not None:
+                signal(drive.engine)
+                return "signalled"
             frontier = await self.store.load(thread)
             if not isinstance(frontier.run_state, RunningState | AwaitingState):
                 return "not_running"
@@ -246,30 +260,50 @@ class RunHost:
             engine = control_engine(
                 self.store, owner=self.owner, publisher=self.publisher, children=self.children
             )
-            await engine.terminate(thread, cause)
+            self._hand_back(await engine.terminate(thread, cause))
             return ended
         except Exception as exc:
             return _remote(exc)
         finally:
             self._retire_if_idle()
 
-    async def pause_run(self, thread: ThreadId) -> str:
+    async def pause_run(self, thread: ThreadId) -> Any:
         """A manual pause: the Run driven here awaits at its next Step boundary."""
+        try:
+            drive = await self._answering(thread)
+        except Exception as exc:
+            return _remote(exc)
+        if drive is not None:
+            drive.engine.pause()
+        return "not_running" if drive is None else "signalled"
+
+    async def _answering(self, thread: ThreadId) -> Drive | None:
+        """This host's drive of ``thread``, if it still answers for the Run. A stale one
+        (the thread claimed past it since) is stopped now: only the stored thread then
+        decides, through a path that carries its own claim."""
         drive = self.drives.get(thread)
-        if drive is None:
-            return "not_running"
-        drive.engine.pause()
-        return "signalled"
+        if drive is None or drive.epoch is None:  # nothing claimed yet: it can be told
+            return drive
+        if not self.drives.fenced(drive, await self.store.load(thread)):
+            return drive
+        log.info("the drive of %s here is stale: stopping it", thread)
+        await self.drives.stop(thread, drive, idle=False)
+        return self.drives.get(thread)  # one a request spawned meanwhile answers
 
     async def _after_reclaim(self) -> None:
         with contextlib.suppress(Exception):  # its failures are logged where they happen
             await asyncio.shield(self._reconciled)
 
     async def run_child(self, raw: dict[str, Any]) -> Any:
-        """Drive (or join, or read back) a child Run; answer its outcome once it is at rest."""
+        """Drive (or join, or read back) a child Run; answer its outcome once it is at rest.
+        A child that cannot run (agent, input, records that do not verify) is a failed
+        tool result; one driven elsewhere (this drive stopped or fenced) is followed in
+        the store; only a store outage or a bug of ours reaches the parent as an error."""
         try:
             request = ChildRequest.model_validate(raw)
             thread = request.child_thread
+            if thread in self.drives.quarantined:
+                return failed_delegation(UNTRUSTED.format(thread))
             drive = self.drives.get(thread)
             if drive is None:
                 message_id = RunMeta(agent_ref=request.agent).message_id(request.child_run)
@@ -283,48 +317,55 @@ class RunHost:
                     ParentLink.of(request),
                     after=self._after,
                 )
-            # shielded: a parent that stops waiting cancels its children explicitly
-            frontier: Frontier | None = None
-            with contextlib.suppress(RatchetError):  # taken over or refused: the store says
-                frontier = await asyncio.shield(drive.task)
-            if frontier is None or frontier.run_state is None or not _at_rest(frontier):
+            # waited on, not awaited: a parent that stops waiting cancels its children
+            # explicitly, and a drive stopped here is not this call being cancelled
+            await asyncio.wait({drive.task})
+            frontier = drove(drive.task)
+            if frontier is None or not _at_rest(frontier):
                 frontier = await self._until_at_rest(thread)
+            if frontier is None:
+                return failed_delegation(UNTRUSTED.format(thread))
             return CHILD_OUTCOME.dump_python(outcome_of(frontier), mode="json")
-        except AgentImportError as exc:
-            failed = Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
-            return CHILD_OUTCOME.dump_python(failed, mode="json")
+        except StoreUnavailable as exc:  # the parent's drive pauses, and asks again later
+            return _remote(exc)
+        except RatchetError as exc:  # corrupt, store lost, refused input, agent not built
+            return failed_delegation(str(exc))
         except Exception as exc:
             return _remote(exc)
 
-    async def _until_at_rest(self, thread: ThreadId) -> Frontier:
-        """Another owner drives the child (or will recover it): follow the store."""
+    async def _until_at_rest(self, thread: ThreadId) -> Frontier | None:
+        """Another owner drives the child (or will recover it): follow the store. None
+        once this host has quarantined the child (no engine here drives it again)."""
         delay = 0.02
-        while True:
+        while thread not in self.drives.quarantined:
             frontier = await self.store.load(thread)
-            if frontier.run_state is not None and _at_rest(frontier):
+            if _at_rest(frontier):
                 return frontier
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+        return None
 
     async def _after(self, engine: Engine, child: Frontier) -> None:
         """After a drive: a lone child that surfaced a human wait and has ended resumes
-        its waiting parent."""
+        its waiting parent — apart from the drive, which is over."""
+        if engine.parent is not None:
+            self._hand_back(child)
+
+    def _hand_back(self, child: Frontier) -> None:
+        """An ended child hands its outcome to the parent awaiting it, in the background."""
         link = parent_link(child)
-        if engine.parent is None or link is None or not child.ended:
+        if link is None or not child.ended:
             return
-        try:
-            parent = await self.store.load(link.thread)
-            command = delivery(child, parent)
-            if command is None:
-                return
-            parent_meta = run_meta(parent)
-            if parent_meta is not None and parent_meta.placement == "dedicated":
-                host = dedicated_host(self.spec, link.thread)
-            else:
-                host = self.children.host_for(link.thread)
-            unwrap(await host.resume_run.remote(command))
-        except Exception as exc:  # the parent stays awaiting; a later resume delivers
-            log.warning("delivering %s to its parent failed: %s", child.thread_id, exc)
+        task = asyncio.create_task(deliver(self.store, child, link, self._host_of))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _host_of(self, frontier: Frontier) -> Any:
+        """The host a Run is placed on (by its recorded placement)."""
+        meta = run_meta(frontier)
+        if meta is not None and meta.placement == "dedicated":
+            return dedicated_host(self.spec, frontier.thread_id)
+        return self.children.host_for(frontier.thread_id)
 
     async def driving(self) -> list[str]:
         return sorted(self.drives.table)
@@ -409,24 +450,6 @@ class RunHost:
                 await self.reconciler.once()
             except Exception as exc:  # the next pass tries again; Runs stay as committed
                 log.warning("reconciling %s failed: %s", self.host_id, exc)
-
-
-def _live_bus(spec: SystemSpec) -> LiveBus | None:
-    """Redis Streams when Redis is configured; otherwise clients read facts from the store."""
-    if not spec.redis_url:
-        return None
-    from storage.bus import RedisStreamBus
-
-    return RedisStreamBus.connect(spec.redis_url)
-
-
-def _checkpoint_store(spec: SystemSpec) -> StreamCheckpointStore | None:
-    """Stream checkpoints live in Redis when it is configured (best effort either way)."""
-    if not spec.redis_url:
-        return None
-    from storage.redis_checkpoints import RedisCheckpointStore
-
-    return RedisCheckpointStore.connect(spec.redis_url)
 
 
 RemoteRunHost = ray.remote(RunHost)

@@ -11,9 +11,12 @@ store (``open_system_store``).
 
 Errors keep their types end to end: a RatchetError raised in the actor comes back
 as a ``RemoteError`` value and is re-raised as itself; a dead or unreachable store
-actor, or one that does not answer within ``RemoteCommitStore.timeout_s``, is
-``StoreUnavailable``, which the engine retries with backoff (an append retried after a
-lost answer is harmless: idempotent by operation id).
+actor, one that does not answer within ``RemoteCommitStore.timeout_s``, or an answer
+lost on the way (any Ray error but the actor's own task failing) is
+``StoreUnavailable``, which the engine retries with backoff. The call may have been
+carried out all the same: an append retried after a lost answer is harmless
+(idempotent by operation id); a claim retried so is refused ``Fenced`` by its own
+earlier claim, which the caller recognises by the stored owner and epoch.
 
 **A restarted in-memory store is not the truth.** Ray restarts a crashed store actor,
 and an in-memory store then starts empty: every Run it held is gone, and an empty
@@ -29,7 +32,7 @@ import logging
 from typing import Any, Literal
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
 from actors.heap import freeze_startup_heap
 from actors.spare import replace_spare_if_restarted, restarted
@@ -174,10 +177,10 @@ class RemoteCommitStore:
             ref = getattr(self.handle, method).remote(*args)
             async with asyncio.timeout(self.timeout_s):
                 return unwrap(await ref)
-        except RayTaskError as exc:
+        except RayTaskError as exc:  # the actor's own method raised: not a lost answer
             cause = exc.cause
             raise (cause if isinstance(cause, Exception) else exc) from None
-        except (RayActorError, GetTimeoutError) as exc:
+        except RayError as exc:  # dead, restarting, unreachable, or its answer lost
             raise StoreUnavailable(f"store actor unreachable: {type(exc).__name__}") from exc
         except TimeoutError:
             raise StoreUnavailable(

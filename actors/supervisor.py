@@ -11,7 +11,16 @@ actor restart is the fast path and usually wins; this is the path for everything
 Every ``reconcile_s`` the Supervisor also looks, through the owner index, for every
 running Run of this system whose owner is not a live host (it died while this
 Supervisor was down, or a re-placement failed) and does the same. A Run whose
-recovery keeps failing is dead-lettered (``failed(recovery)``) by ``mark_lost``.
+recovery keeps failing is dead-lettered (``failed(recovery)``) by ``mark_lost``: a
+recovery counts as failed when the host refuses it or dies doing it. The same sweep
+hands an ended child's outcome to a parent still awaiting it, should the hand-over of
+the child's host have been lost (``actors.deliveries``).
+
+Take-overs run in the background, ``TAKE_OVERS`` at a time, each re-placement within
+``SystemSpec.recover_timeout_s``: a hung host delays only the Runs sent to it, never
+the watch. What goes wrong with one Run stays with it: a thread whose records do not
+verify is quarantined (never taken over by this Supervisor), any other error is
+logged and the Run tried again at the next sweep; a store outage ends the pass.
 """
 
 from __future__ import annotations
@@ -24,20 +33,34 @@ from collections import Counter
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RayActorError
 
-from actors.ownership import mark_lost
+from actors.children import RayChildRunner
+from actors.deliveries import AWAITING_DELEGATION, redeliver
+from actors.ownership import EXECUTION_LOST, mark_lost
 from actors.run_host import dedicated_host, hosted_host
 from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
-from actors.wire import NAMESPACE, RemoteError, SystemSpec, pick_live, run_meta
-from runtime.errors import RatchetError
+from actors.wire import (
+    NAMESPACE,
+    RemoteError,
+    RunMeta,
+    SystemSpec,
+    live_bus,
+    pick_live,
+    run_meta,
+)
+from runtime.commit import Frontier
+from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.ports import RunSummary, host_of
+from runtime.publish import Publisher
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.supervisor")
 PING_TIMEOUT_S = 2.0
+TAKE_OVERS = 8
+"""Take-overs under way at once (each one is a few store calls and one host call)."""
 
 
 class Supervisor:
@@ -46,11 +69,23 @@ class Supervisor:
         self.spec = spec
         self.owner = spec.supervisor_name
         self.store = await open_system_store(spec)
+        # what a dead letter needs: its children are cancelled, its end is published
+        self.children = RayChildRunner(spec)
+        bus = live_bus(spec)
+        self.publisher = Publisher(bus) if bus is not None else None
         self.leases: dict[str, float] = {}
         """host id → monotonic time its lease expires."""
         self.kinds: dict[str, str] = {}
         self.counts: Counter[str] = Counter()
         self.events: list[dict[str, Any]] = []
+        self.quarantined: set[ThreadId] = set()
+        """Threads whose records do not verify: this Supervisor never takes them over."""
+        self._taking: set[ThreadId] = set()
+        """Threads with a take-over queued or under way (one at a time per thread)."""
+        self._recovering: Counter[str] = Counter()
+        """host id → our ``recover_run`` calls in flight there (such a host never retires)."""
+        self._slots = asyncio.Semaphore(TAKE_OVERS)
+        self._background: set[asyncio.Task[Any]] = set()
         self._started = self._last_sweep = time.monotonic()
         self._task = asyncio.create_task(self._watch())
 
@@ -58,12 +93,29 @@ class Supervisor:
         self.leases[host_id] = time.monotonic() + self.spec.lease_ttl_s
         self.kinds[host_id] = kind
 
-    async def retire(self, host_id: str) -> None:
-        """A dedicated host whose Run is over: forget its lease and end the process."""
+    async def retire(self, host_id: str) -> bool:
+        """A dedicated host whose Run is over: forget its lease and end the process, if it
+        is idle still (nothing driven there, no running Run of its own in the store, no
+        recovery of ours on its way to it). False if not: it asks again once idle."""
+        if not await self._idle(host_id):
+            return False
+        if self._recovering[host_id]:  # checked after the last await: nothing slips in
+            return False
         self.leases.pop(host_id, None)
         self.kinds.pop(host_id, None)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ValueError):  # gone already
             ray.kill(ray.get_actor(host_id, namespace=NAMESPACE), no_restart=True)
+        return True
+
+    async def _idle(self, host_id: str) -> bool:
+        try:
+            handle = ray.get_actor(host_id, namespace=NAMESPACE)
+            driving = await asyncio.wait_for(handle.driving.remote(), PING_TIMEOUT_S)
+        except ValueError:  # gone already: nothing to end
+            return True
+        except Exception:  # slow to answer, or restarting: not idle, as far as we know
+            return False
+        return not driving and not await self.store.list_runs("running", host=host_id)
 
     async def report(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -71,6 +123,8 @@ class Supervisor:
             "live": sorted(h for h, t in self.leases.items() if t > now),
             "counts": dict(self.counts),
             "events": list(self.events),
+            "quarantined": sorted(self.quarantined),
+            "taking": len(self._taking),
         }
 
     # ---- the watch ---------------------------------------------------------------
@@ -119,64 +173,9 @@ class Supervisor:
     async def _host_lost(self, host_id: str, why: str) -> None:
         runs = await self.store.list_runs("running", host=host_id)
         log.warning("host %s lost (%s): %d running runs", host_id, why, len(runs))
-        settled = 0
-        for summary in runs:
-            settled += await self._take_over(summary)
         self.counts["hosts_lost"] += 1
-        self.counts["runs_settled"] += settled
         self.events.append({"host": host_id, "why": why, "runs": len(runs), "at": now_us()})
-
-    async def _take_over(self, summary: RunSummary) -> bool:
-        """Mark a Run whose owner is lost (if still its owner's) and re-place it."""
-        if summary.status.state == "running":
-            marked = await mark_lost(
-                self.store, summary.thread_id, self.owner, lost_owner=summary.owner
-            )
-            if not marked:
-                return False  # someone else has it now, or it ended
-        await self._replace(summary.thread_id)
-        return True
-
-    async def _replace(self, thread: ThreadId) -> None:
-        meta = run_meta(await self.store.load(thread))
-        if meta is None:
-            log.error("thread %s records no agent reference; cannot re-place it", thread)
-            return
-        if meta.placement == "dedicated":
-            host = dedicated_host(self.spec, thread)
-        else:
-            host = self._live_hosted(thread)
-        try:
-            answer = await host.recover_run.remote(thread, meta.agent_ref)
-        except Exception as exc:  # the next sweep tries again
-            log.warning("re-placing %s failed: %s", thread, exc)
-            return
-        if isinstance(answer, RemoteError):  # the host could not recover it: that counts
-            log.warning("recovering %s failed: %s.%s", thread, answer.module, answer.name)
-            with contextlib.suppress(RatchetError):
-                await mark_lost(
-                    self.store,
-                    thread,
-                    self.owner,
-                    lost_owner=self.owner,
-                    reason=f"recovery_failed:{answer.name}",
-                    again=True,
-                )
-            return
-        self.counts["runs_replaced"] += 1
-
-    def _live_hosted(self, thread: ThreadId) -> Any:
-        now = time.monotonic()
-        live = [h for h, t in self.leases.items() if t > now and self.kinds.get(h) == "hosted"]
-        if not live:
-            # no lease heard yet (the pool is still starting) or none left: any pool
-            # host that exists, before bringing back one that is gone
-            pool = [self.spec.host_name(i) for i in range(self.spec.hosts)]
-            live = [name for name in pool if _exists(name)]
-        if live:
-            return ray.get_actor(pick_live(thread, live), namespace=NAMESPACE)
-        index = int(pick_live(thread, [str(i) for i in range(self.spec.hosts)]))
-        return hosted_host(self.spec, index)
+        self._take_over_all(runs, settled="runs_settled")
 
     async def _sweep(self) -> None:
         """Every running Run of this system whose owner is not a live host (the owner
@@ -184,15 +183,33 @@ class Supervisor:
         now = time.monotonic()
         by_host: dict[str, list[RunSummary]] = {}
         for summary in await self.store.list_runs("running"):
-            host = host_of(summary.owner) or ""
-            if host.startswith(f"{self.spec.name}:"):  # this system's hosts, and this actor
-                by_host.setdefault(host, []).append(summary)
-        for host, runs in sorted(by_host.items()):
-            if host != self.owner and await self._alive(host, now):
-                continue  # a live host reconciles its own Runs
-            for summary in runs:
-                self.counts["orphans"] += 1
-                await self._take_over(summary)
+            if self._ours(summary):
+                by_host.setdefault(host_of(summary.owner) or "", []).append(summary)
+        hosts = sorted(by_host)
+        orphaned = await asyncio.gather(*(self._orphaned(h, now) for h in hosts))
+        for host, lost in zip(hosts, orphaned, strict=True):
+            if lost:  # a live host reconciles its own Runs
+                self.counts["orphans"] += self._take_over_all(by_host[host])
+        # parents at rest until a child's outcome comes, whose hand-over may have been lost
+        parents = [
+            s.thread_id
+            for s in await self.store.list_runs("awaiting")
+            if s.status.reason == AWAITING_DELEGATION and self._ours(s)
+        ]
+        self.counts["outcomes_handed"] += await redeliver(self.store, parents, self._host_of)
+
+    def _ours(self, summary: RunSummary) -> bool:
+        """Owned by this system's hosts (or this actor)."""
+        return (host_of(summary.owner) or "").startswith(f"{self.spec.name}:")
+
+    def _host_of(self, frontier: Frontier) -> Any:
+        meta = run_meta(frontier)
+        return None if meta is None else self._target(frontier.thread_id, meta)[1]
+
+    async def _orphaned(self, host: str, now: float) -> bool:
+        """Runs of ``host`` have no live owner: it is this Supervisor (a re-placement of
+        ours did not finish) or a host that is not alive."""
+        return host == self.owner or not await self._alive(host, now)
 
     async def _alive(self, host: str, now: float) -> bool:
         """A lease, or (none heard: this Supervisor restarted, or the host is new) an answer."""
@@ -204,6 +221,146 @@ class Supervisor:
         except Exception:  # gone, restarting or hung: its Runs are taken over (CAS)
             return False
         return True
+
+    # ---- taking Runs over -----------------------------------------------------------
+
+    def _take_over_all(self, runs: list[RunSummary], settled: str | None = None) -> int:
+        """Take these Runs over in the background (a thread being taken over already, or
+        quarantined, is left alone); how many were queued. ``settled`` counts those
+        re-placed."""
+        todo = [s for s in runs if s.thread_id not in self._taking | self.quarantined]
+        self._taking.update(s.thread_id for s in todo)
+        task = asyncio.create_task(self._take_batch(todo, settled))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return len(todo)
+
+    async def _take_batch(self, runs: list[RunSummary], settled: str | None) -> None:
+        store_out = asyncio.Event()  # the store is out: the rest waits for the next pass
+
+        async def one(summary: RunSummary) -> None:
+            try:
+                async with self._slots:
+                    if not store_out.is_set() and await self._safely(summary, store_out):
+                        self.counts[settled or "taken_over"] += 1
+            finally:
+                self._taking.discard(summary.thread_id)
+
+        await asyncio.gather(*(one(s) for s in runs))
+
+    async def _safely(self, summary: RunSummary, store_out: asyncio.Event) -> bool:
+        """One take-over; what goes wrong with it stays with its Run."""
+        thread = summary.thread_id
+        try:
+            return await self._take_over(summary)
+        except CorruptRecord as exc:  # fail closed: no engine acts on it (DESIGN §5)
+            log.error("thread %s cannot be trusted (%s); not taking it over", thread, exc)
+            self.quarantined.add(thread)
+        except StoreUnavailable as exc:
+            log.warning("store unavailable taking %s over (%s); next sweep", thread, exc)
+            store_out.set()
+        except Exception:  # a bug, a host gone between two calls: tried again next sweep
+            log.exception("taking %s over failed", thread)
+        return False
+
+    async def _take_over(self, summary: RunSummary) -> bool:
+        """Mark a Run whose owner is lost (if still its owner's) and re-place it.
+
+        One that another owner marked lost already is marked again if that owner is dead
+        (its recovery died with it: that counts); if it is only silent (a lease expired:
+        it may be slow, in the middle of that recovery) it is re-placed as it is, the new
+        owner's claim fencing the old. One we marked is re-placed as it is (our
+        re-placement timed out, or this Supervisor restarted): our recoveries of it that
+        failed were counted when they failed."""
+        thread, lost_owner = summary.thread_id, summary.owner
+        marked_already = summary.status.state != "running"
+        if not marked_already or (lost_owner != self.owner and await self._owner_dead(summary)):
+            marked = await mark_lost(
+                self.store,
+                thread,
+                self.owner,
+                lost_owner=lost_owner,
+                again=marked_already,
+                publisher=self.publisher,
+                children=self.children,
+            )
+            if marked != "lost":
+                return False  # someone else has it now, or it ended (a dead letter, say)
+        await self._replace(thread)
+        return True
+
+    async def _owner_dead(self, summary: RunSummary) -> bool:
+        """Whether the host process that owns the Run is gone: the host is dead, or it
+        answers as another incarnation (Ray restarted it). Not known: False."""
+        try:
+            handle = ray.get_actor(host_of(summary.owner) or "", namespace=NAMESPACE)
+            info = await asyncio.wait_for(handle.info.remote(), PING_TIMEOUT_S)
+        except (ValueError, ActorDiedError):
+            return True
+        except Exception:  # slow, restarting or unreachable
+            return False
+        return summary.owner != f"{info['host']}#{info['pid']}"
+
+    async def _replace(self, thread: ThreadId) -> None:
+        meta = run_meta(await self.store.load(thread))
+        if meta is None:
+            log.error("thread %s records no agent reference; cannot re-place it", thread)
+            return
+        name, host = self._target(thread, meta)
+        self._recovering[name] += 1
+        try:
+            answer = await asyncio.wait_for(
+                host.recover_run.remote(thread, meta.agent_ref), self.spec.recover_timeout_s
+            )
+        except RayActorError as exc:  # the host died taking it over: that attempt counts
+            log.warning("host %s died re-placing %s: %s", name, thread, exc)
+            await self._recovery_failed(thread, EXECUTION_LOST)
+            return
+        except TimeoutError:  # hung or slow: the next sweep tries again, unless it is dead
+            log.warning("re-placing %s on %s: no answer in time", thread, name)
+            if await self._dead(name):
+                await self._recovery_failed(thread, EXECUTION_LOST)
+            return
+        finally:
+            self._recovering[name] -= 1
+            if not self._recovering[name]:
+                del self._recovering[name]
+        if isinstance(answer, RemoteError):  # the host could not recover it: that counts
+            log.warning("recovering %s failed: %s.%s", thread, answer.module, answer.name)
+            await self._recovery_failed(thread, f"recovery_failed:{answer.name}")
+            return
+        self.counts["runs_replaced"] += 1
+
+    async def _recovery_failed(self, thread: ThreadId, reason: str) -> None:
+        """A recovery of ours failed: it counts (if the Run is still ours as we marked it)."""
+        with contextlib.suppress(RatchetError):  # not counted now: the next sweep retries
+            await mark_lost(
+                self.store,
+                thread,
+                self.owner,
+                lost_owner=self.owner,
+                reason=reason,
+                again=True,
+                publisher=self.publisher,
+                children=self.children,
+            )
+
+    def _target(self, thread: ThreadId, meta: RunMeta) -> tuple[str, Any]:
+        """The host to re-place a Run on: its name and handle."""
+        if meta.placement == "dedicated":
+            return self.spec.dedicated_name(thread), dedicated_host(self.spec, thread)
+        now = time.monotonic()
+        live = [h for h, t in self.leases.items() if t > now and self.kinds.get(h) == "hosted"]
+        if not live:
+            # no lease heard yet (the pool is still starting) or none left: any pool
+            # host that exists, before bringing back one that is gone
+            pool = [self.spec.host_name(i) for i in range(self.spec.hosts)]
+            live = [name for name in pool if _exists(name)]
+        if live:
+            name = pick_live(thread, live)
+            return name, ray.get_actor(name, namespace=NAMESPACE)
+        index = int(pick_live(thread, [str(i) for i in range(self.spec.hosts)]))
+        return self.spec.host_name(index), hosted_host(self.spec, index)
 
 
 def _exists(name: str) -> bool:

@@ -19,6 +19,7 @@ from runtime.commit import Frontier
 from runtime.errors import RatchetError
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
+from runtime.ports import LiveBus, StreamCheckpointStore
 
 NAMESPACE = "ratchet"
 Placement = Literal["hosted", "dedicated"]
@@ -43,6 +44,10 @@ class SystemSpec:
     reconcile_s: float = 2.0
     """How often each host compares the Runs it owns with those it drives, and the
     Supervisor looks for Runs whose owner is not a live host."""
+    recover_timeout_s: float = 30.0
+    """How long the Supervisor waits for a host to take a Run over (``recover_run``)
+    before it tries again at a later sweep: a hung or slowly restarting host delays
+    only the Runs sent to it."""
     limits: Limits = DEFAULT_LIMITS
     """The limits on input, model and tool output, ids and JSON (``runtime.limits``)."""
     host_options: tuple[Mapping[str, Any], ...] = ()
@@ -170,3 +175,21 @@ def unwrap(value: Any) -> Any:
     if isinstance(value, RemoteError):
         raise value.rebuild()
     return value
+
+
+def live_bus(spec: SystemSpec) -> LiveBus | None:
+    """Redis Streams when Redis is configured; otherwise clients read facts from the store."""
+    if not spec.redis_url:
+        return None
+    from storage.bus import RedisStreamBus
+
+    return RedisStreamBus.connect(spec.redis_url)
+
+
+def checkpoint_store(spec: SystemSpec) -> StreamCheckpointStore | None:
+    """Stream checkpoints live in Redis when it is configured (best effort either way)."""
+    if not spec.redis_url:
+        return None
+    from storage.redis_checkpoints import RedisCheckpointStore
+
+    return RedisCheckpointStore.connect(spec.redis_url)

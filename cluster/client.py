@@ -383,15 +383,24 @@ class RunHandle:
         by the host, which is authoritative. ``host`` picks a host of the pool; if the
         chosen host dies before it answered, the committed ``resumed`` fact says whether
         this resume landed (each call carries its own ``request_id``): if another one
-        did, this one is ResumeRejected; if none did, it goes to the next host.
+        did, this one is ResumeRejected; if none did, it goes to the next host. Every
+        ResumeRejected is checked against that fact too: a resume with this request id
+        that landed (through a host that died before it answered, or another call with
+        the same ``request_id``) is this call's success, not a rejection.
         """
         check_command(command, self.client.spec.limits)  # InputRefused: nothing is sent
         if command.request_id is None:
             command = command.model_copy(update={"request_id": uuid.uuid4().hex})
-        frontier = await self.frontier()
-        validate_resume(_ticket_of(frontier), command, now_us())
+        try:
+            await self._resume(command, host)
+        except ResumeRejected:
+            if await self._applied(command):
+                return  # this request's resume landed: the rejection was of a repeat
+            raise
+
+    async def _resume(self, command: ResumeCommand, index: int | None) -> None:
+        validate_resume(_ticket_of(await self.frontier()), command, now_us())
         placement = await self._placement()
-        index = host
         for _ in range(max(len(self.client.hosts), 1) + 1):
             target = self.client._host_for(self.thread_id, placement, index)
             try:
@@ -414,12 +423,20 @@ class RunHandle:
 
     async def _landed(self, command: ResumeCommand) -> None:
         """The ticket is gone: whose resume was applied? Ours: return; else ResumeRejected."""
+        applied = await self._applied(command)
+        if applied:
+            return
+        if applied is False:
+            raise ResumeRejected("ticket", "another resume of this ticket was applied")
+        raise ResumeRejected("ticket", "the run stopped awaiting without this resume")
+
+    async def _applied(self, command: ResumeCommand) -> bool | None:
+        """Whose resume of the command's ticket the log holds: True ours (its request id),
+        False another's, None none."""
         for fact in reversed(await self.events()):
             if fact.type == "resumed" and fact.data.get("correlation") == command.correlation:
-                if fact.data.get("request_id") == command.request_id:
-                    return
-                raise ResumeRejected("ticket", "another resume of this ticket was applied")
-        raise ResumeRejected("ticket", "the run stopped awaiting without this resume")
+                return bool(fact.data.get("request_id") == command.request_id)
+        return None
 
     async def respond(self, payload: ResumePayload, *, host: int | None = None) -> ResumeCommand:
         """Answer the committed ticket with ``payload`` (ids and call id taken from it)."""

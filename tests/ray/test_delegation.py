@@ -7,7 +7,14 @@ import json
 import pytest
 
 from cluster.cli_view import run_tree
-from runtime.lifecycle import AwaitingState, EndedState, PermissionDecision, ResumeCommand
+from runtime.control import control_engine
+from runtime.lifecycle import (
+    AwaitingState,
+    EndedState,
+    PermissionDecision,
+    ResumeCommand,
+    Stopped,
+)
 from tests.ray.conftest import wait_for
 
 HERE = "tests.runtime.delegation_agents"
@@ -98,3 +105,48 @@ async def test_a_hundred_parents_with_four_children_each_finish(make_system):
     assert [r.cause for r in rows] == ["natural"] * 100
     listed = await client.store.list_runs("ended")
     assert len(listed) == 500  # 100 parents + 400 children, each exactly once
+
+
+async def _a_parent_awaiting_its_needy_child(client):
+    handle = await client.start(f"{HERE}:lone_needy", "go")
+    f = await handle.result(timeout_s=60)
+    assert isinstance(f.run_state, AwaitingState)
+    assert f.run_state.ticket.target.wait == "delegation"
+    (kid,) = await children_of(client.store, f)
+    assert isinstance(kid.run_state, AwaitingState)
+    return handle, kid
+
+
+async def _parent_answer(client, handle) -> str:
+    async def parent_ended() -> bool:
+        return (await client.store.load(handle.thread_id)).ended
+
+    await wait_for(parent_ended, timeout_s=60, what="the child's outcome to resume the parent")
+    parent = await client.store.load(handle.thread_id)
+    assert parent.run_state.cause.kind == "natural"
+    (answer,) = json.loads(parent.messages[-1].text)
+    return answer
+
+
+async def test_cancelling_a_waiting_child_at_rest_answers_its_parent(make_system):
+    """A child ended at rest (no drive ends it) still hands its end to the parent that
+    awaits it: the parent does not wait for good."""
+    client = await make_system()
+    handle, kid = await _a_parent_awaiting_its_needy_child(client)
+    assert await client.handle(kid.thread_id).cancel() == "cancelled"
+    answer = await _parent_answer(client, handle)
+    assert answer.startswith("child run ended without an answer") and "cancelled" in answer
+
+
+async def test_a_child_ended_outside_any_host_still_answers_its_parent(make_system):
+    """The hand-over can be lost (the child's host died right after the child's end, or
+    a tool ended it outside any host): the Supervisor's sweep finds the parent awaiting
+    a child that has ended and hands the outcome over."""
+    client = await make_system()
+    handle, kid = await _a_parent_awaiting_its_needy_child(client)
+    ended = await control_engine(client.store, owner="an-operator").terminate(
+        kid.thread_id, Stopped(reason="by hand")
+    )
+    assert ended.ended
+    answer = await _parent_answer(client, handle)
+    assert answer.startswith("child run ended without an answer") and "by hand" in answer

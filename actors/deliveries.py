@@ -1,0 +1,104 @@
+"""Handing an ended child's outcome to the parent that awaits it (DESIGN §7).
+
+A lone child that surfaced a human wait leaves its parent at rest, ``awaiting`` a
+``delegation`` ticket; nothing in the parent's drive is left to ask for the answer.
+Whoever ends the child hands it over: the host whose drive ended it, or the host that
+ended it at rest (a cancel or a stop), in the background, asking again while the
+parent still awaits it (``deliver``). A hand-over can still be lost — the host died
+between the child's end and the parent's resume, or the child was ended by a tool
+outside any host — so the Supervisor's sweep also looks for parents awaiting a child
+that has ended (``redeliver``). Of several hand-overs of one ticket only one lands:
+the resume is compare-and-set on the ticket, and the others are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from actors.wire import unwrap
+from runtime.batch import ToolOutput
+from runtime.commit import Frontier
+from runtime.delegation import CHILD_OUTCOME, CHILDREN_KEY, ParentLink, delivery
+from runtime.errors import RatchetError
+from runtime.ids import ThreadId
+from runtime.lifecycle import AwaitingState, ToolWaitTarget
+from runtime.ports import CommitStore, Finished
+
+log = logging.getLogger("ratchet.deliveries")
+DELIVERY_S = 30.0
+"""The deadline of one call handing an ended child's outcome to its parent's host."""
+DELIVERING_S = 600.0
+"""How long a child's host keeps asking while its parent still awaits the outcome."""
+AWAITING_DELEGATION = "awaiting_delegation"
+"""The status reason of a parent at rest until a child's outcome comes."""
+HostOf = Callable[[Frontier], Any]
+"""The host actor a Run is placed on (by its recorded placement), or None if unknown."""
+
+
+def failed_delegation(why: str) -> Any:
+    """A delegation that failed, as the parent's tool call reads it."""
+    failed = Finished(output=ToolOutput(content=f"delegation failed: {why}", is_error=True))
+    return CHILD_OUTCOME.dump_python(failed, mode="json")
+
+
+async def deliver(store: CommitStore, child: Frontier, link: ParentLink, host_of: HostOf) -> None:
+    """Resume the parent with the ended child's outcome, asking again (each call with
+    a deadline) while the parent still awaits it."""
+    loop = asyncio.get_running_loop()
+    give_up, delay = loop.time() + DELIVERING_S, 0.05
+    while True:
+        try:
+            # nothing to do once delivered (by an earlier call), or not awaited
+            await _hand_over(child, await store.load(link.thread), host_of)
+            return
+        except Exception as exc:
+            if loop.time() > give_up:
+                log.error("delivering %s to its parent failed: %s", child.thread_id, exc)
+                return
+            log.info("delivering %s to its parent: %r; again", child.thread_id, exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+async def redeliver(store: CommitStore, parents: list[ThreadId], host_of: HostOf) -> int:
+    """For each of these threads that awaits a child which has ended, hand the child's
+    outcome over (one call each; the next sweep asks again); how many were handed."""
+    handed = 0
+    for thread in parents:
+        try:
+            parent = await store.load(thread)
+            child = awaited_child(parent)
+            if child is not None and await _hand_over(await store.load(child), parent, host_of):
+                log.warning("the outcome of child %s had not reached %s: handed", child, thread)
+                handed += 1
+        except RatchetError as exc:  # refused (delivered meanwhile), corrupt, store out
+            log.info("handing %s its child's outcome: %s", thread, exc)
+        except Exception:  # a host gone, slow or restarting: the next sweep asks again
+            log.exception("handing %s its child's outcome failed", thread)
+    return handed
+
+
+def awaited_child(parent: Frontier) -> ThreadId | None:
+    """The child thread a parent at rest awaits (its ticket names the delegating call)."""
+    state = parent.run_state
+    if not isinstance(state, AwaitingState):
+        return None
+    target = state.ticket.target
+    if not isinstance(target, ToolWaitTarget) or target.wait != "delegation":
+        return None
+    child = parent.state["run"].get(CHILDREN_KEY, {}).get(target.call_id)
+    return ThreadId(child) if isinstance(child, str) else None
+
+
+async def _hand_over(child: Frontier, parent: Frontier, host_of: HostOf) -> bool:
+    """Resume ``parent`` with ``child``'s outcome if it awaits exactly that: whether asked."""
+    command = delivery(child, parent)
+    host = host_of(parent) if command is not None else None
+    if command is None or host is None:
+        return False
+    async with asyncio.timeout(DELIVERY_S):
+        unwrap(await host.resume_run.remote(command))
+    return True

@@ -1,0 +1,70 @@
+"""Agents for the host edge tests (``tests.ray.edge_agents:name``).
+
+Every tool records its attempts in the EffectLedger (``tests.ray.agents``), which is
+how a test knows where a Run is without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from runtime.agent import Agent
+from runtime.delegation import delegate_tool
+from runtime.models import InferenceRequest, ModelResponse, ScriptedModel, call
+from runtime.tools import ToolContext, tool
+
+from .agents import BLOCK_S, _book, drop_table, long_nap
+
+HERE = "tests.ray.edge_agents"
+
+
+@tool(recovery=("replay_safe",))
+async def doze(ctx: ToolContext) -> str:
+    """replay_safe: every attempt records that it started, then blocks for a minute."""
+    _book().record(ctx, "doze", note="started")
+    await asyncio.sleep(BLOCK_S)
+    return "woke"
+
+
+dozing_agent = Agent(
+    name="dozing",
+    model=ScriptedModel(
+        (ModelResponse(text="doze", tool_calls=(call("doze", "c1"),)), ModelResponse(text="woke"))
+    ),
+    tools=(doze,),
+)
+"""Stays inside its tool on every attempt, wherever it is driven, until it is ended."""
+
+
+nap_then_ask_agent = Agent(
+    name="nap-then-ask",
+    model=ScriptedModel(
+        (
+            ModelResponse(text="nap", tool_calls=(call("long_nap", "c1"),)),
+            ModelResponse(text="may I?", tool_calls=(call("drop_table", "c2", name="users"),)),
+            ModelResponse(text="as you wished"),
+        )
+    ),
+    tools=(long_nap, drop_table),
+)
+"""Naps a minute on its first attempt only (a replay returns at once), then awaits a
+permission: a Run taken over mid-nap comes to rest at its new owner quickly."""
+
+
+worker = Agent(name="edge-worker", model=ScriptedModel((ModelResponse(text="worked"),)))
+
+
+def _results(request: InferenceRequest) -> ModelResponse:
+    contents = [m.content for m in request.messages if m.kind == "tool_result"]
+    return ModelResponse(text=json.dumps(contents))
+
+
+def _delegating(name: str, child: str) -> Agent:
+    """One delegation (call id ``d0``) to ``child``; answers with the tool results."""
+    first = ModelResponse(tool_calls=(call("delegate", "d0", agent=child, input="task"),))
+    return Agent(name=name, model=ScriptedModel((first, _results)), tools=(delegate_tool(),))
+
+
+parent_of_napper = _delegating("parent-of-napper", "tests.ray.agents:long_napping_agent")
+parent_of_worker = _delegating("parent-of-worker", f"{HERE}:worker")

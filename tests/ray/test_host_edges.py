@@ -1,0 +1,159 @@
+"""Edges of a host's drives: stale drives, stopped and untrusted children, lost answers.
+
+A host is made stale the way the Supervisor makes one: another host recovers (claims)
+its Run while the first is inside a tool call; ``reconcile_s`` long keeps the stale
+drive in place for the test to address it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from sqlalchemy import select, update
+
+from actors.store_actor import RemoteCommitStore, store_actor
+from actors.wire import host_index, unwrap
+from cluster.client import Ratchet, command_for
+from runtime.agent import Agent
+from runtime.delegation import child_ids
+from runtime.errors import StoreUnavailable
+from runtime.ids import CallId, RunId, ThreadId
+from runtime.lifecycle import AwaitingState, PermissionDecision
+from runtime.models import ModelResponse, ScriptedModel
+from runtime.runner import InProcessRunner
+from storage.schema import commits
+
+from .checks import check_log
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+HERE = "tests.ray.edge_agents"
+STALE = {"reconcile_s": 600.0}
+"""No reconciliation pass after the first: a stale drive stays until a request meets it."""
+
+
+def _attempts(ledger, run_id: str) -> list[int]:
+    return [attempt for _, _, attempt, _, note in ledger.rows(f":{run_id}:") if note == "started"]
+
+
+async def _started(ledger, run_id: str, attempt: int) -> None:
+    async def started() -> bool:
+        return attempt in _attempts(ledger, run_id)
+
+    await wait_for(started, what=f"attempt {attempt} of {run_id}'s tool to start")
+
+
+async def _moved_to_host1(client: Ratchet, ledger, agent: str, thread: str) -> object:
+    """A Run started on host 0, inside its first tool call, recovered by host 1."""
+    handle = await client.start(f"{HERE}:{agent}", "go", thread_id=thread, host=0)
+    await _started(ledger, handle.run_id, 1)
+    assert unwrap(await client.hosts[1].recover_run.remote(handle.thread_id))
+    assert handle.thread_id in await client.hosts[0].driving.remote()  # stale, still there
+    return handle
+
+
+async def test_a_cancel_sent_to_a_stale_host_ends_the_run_where_it_moved(make_system, ledger):
+    client = await make_system(**STALE)
+    handle = await _moved_to_host1(client, ledger, "dozing_agent", "edge-cancel")
+    await _started(ledger, handle.run_id, 2)  # host 1 drives it now, inside its tool
+    answer = unwrap(await client.hosts[0].cancel_run.remote(handle.thread_id))
+    assert answer == "cancelled"  # ended through the claim-carrying path, not "signalled"
+    assert handle.thread_id not in await client.hosts[0].driving.remote()
+    frontier = await handle.result(timeout_s=30)
+    assert frontier.run_state.cause.kind == "cancelled"
+    assert frontier.owner.startswith(client.spec.host_name(0))
+    await check_log(client.store, handle.thread_id)
+
+
+async def test_a_resume_sent_to_a_stale_host_is_applied(make_system, ledger):
+    client = await make_system(**STALE)
+    handle = await _moved_to_host1(client, ledger, "nap_then_ask_agent", "edge-resume")
+
+    async def awaiting() -> bool:
+        return isinstance((await handle.frontier()).run_state, AwaitingState)
+
+    await wait_for(awaiting, what="the Run to await its permission at host 1")
+    ticket = await handle.ticket()
+    await handle.resume(command_for(ticket, PermissionDecision(approve=True)), host=0)
+    frontier = await handle.result(timeout_s=30)
+    assert frontier.run_state.cause.kind == "natural"
+    assert [m.text for m in frontier.messages if m.kind == "assistant"][-1] == "as you wished"
+    drops = [row for row in ledger.rows(f":{handle.run_id}:") if row[1] == "drop_table"]
+    assert len(drops) == 1
+
+
+async def test_one_resume_through_two_hosts_at_once_lands_once_and_both_succeed(
+    make_system, ledger
+):
+    client = await make_system()
+    handle = await client.start("tests.ray.agents:permission_agent", "go")
+    awaiting = await handle.result(timeout_s=30)
+    command = command_for(awaiting.run_state.ticket, PermissionDecision(approve=True))
+    command = command.model_copy(update={"request_id": "edge-request"})
+    await asyncio.gather(handle.resume(command, host=0), handle.resume(command, host=1))
+    frontier = await handle.result(timeout_s=30)
+    assert frontier.run_state.cause.kind == "natural"
+    resumed = [f for f in await handle.events() if f.type == "resumed"]
+    assert [f.data["request_id"] for f in resumed] == ["edge-request"]
+    drops = [row for row in ledger.rows(f":{handle.run_id}:") if row[1] == "drop_table"]
+    assert len(drops) == 1
+
+
+async def test_a_child_drive_stopped_under_its_parent_is_followed_in_the_store(make_system, ledger):
+    """The child's host stops its fenced drive (cancelled) while the parent waits on it:
+    the parent's delegation follows the child to its new owner, and gets its answer."""
+    client = await make_system(reconcile_s=0.3)
+    parent, run = ThreadId("edge-parent-1"), RunId("edge-parent-run-1")
+    child, child_run = child_ids(parent, run, CallId("d0"))
+    handle = await client.start(f"{HERE}:parent_of_napper", "go", thread_id=parent, run_id=run)
+    await _started(ledger, child_run, 1)
+    home = host_index(child, client.spec.hosts)
+    assert unwrap(await client.hosts[1 - home].recover_run.remote(child))
+    frontier = await handle.result(timeout_s=40)
+    assert frontier.run_state.cause.kind == "natural"
+    assert json.loads(frontier.messages[-1].text) == ["rested"]
+    kid = await client.store.load(child)
+    assert kid.owner.startswith(client.spec.host_name(1 - home))
+    assert child not in await client.hosts[home].driving.remote()
+
+
+async def _plant_corrupt_thread(store, thread: ThreadId) -> None:
+    """A thread whose first record no longer matches its hash (a disk gone bad)."""
+    agent = Agent(name="planted", model=ScriptedModel((ModelResponse(text="planted"),)))
+    await InProcessRunner(agent, store).start("planted input", thread_id=thread)
+    first = (commits.c.thread_id == thread) & (commits.c.seq == 1)
+    async with store.engine.begin() as conn:
+        body = (await conn.execute(select(commits.c.body).where(first))).scalar_one()
+        assert "planted input" in body
+        await conn.execute(update(commits).where(first).values(body=body.replace("planted", "x")))
+
+
+async def test_a_child_whose_records_do_not_verify_fails_its_delegation(make_system):
+    client = await make_system()
+    parent, run = ThreadId("edge-parent-2"), RunId("edge-parent-run-2")
+    child, _ = child_ids(parent, run, CallId("d0"))
+    await _plant_corrupt_thread(client.store, child)
+    handle = await client.start(f"{HERE}:parent_of_worker", "go", thread_id=parent, run_id=run)
+    frontier = await handle.result(timeout_s=40)
+    assert frontier.run_state.cause.kind == "natural"  # the parent went on
+    (result,) = json.loads(frontier.messages[-1].text)
+    assert result.startswith("delegation failed") and "corrupt record" in result
+    info = await client.hosts[host_index(child, client.spec.hosts)].info.remote()
+    assert child in info["quarantined"]
+
+
+async def test_a_claim_whose_answer_is_lost_is_store_unavailable(make_system):
+    """The proxy's deadline passes before the store actor's answer arrives: the caller
+    hears StoreUnavailable, though the claim landed (a retry must recognise it)."""
+    client = await make_system(sqlite_writer="actor")
+    hasty = RemoteCommitStore(store_actor(client.spec), timeout_s=1e-6)
+    thread = ThreadId("edge-lost-claim")
+    with pytest.raises(StoreUnavailable):
+        await hasty.claim(thread, "edge-owner", 0)
+
+    async def landed() -> bool:
+        return (await client.store.load(thread)).owner == "edge-owner"
+
+    await wait_for(landed, what="the claim whose answer was lost to land")

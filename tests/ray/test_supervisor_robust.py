@@ -1,0 +1,200 @@
+"""The Supervisor and the dead letter under hostile Runs: a recovery that kills its host
+counts; one corrupt thread does not stop the take-over of the others; a dead letter
+lands only at the frontier it was decided from; a busy host is never retired."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import ray
+
+from actors.ownership import DEAD_LETTER_AFTER, mark_lost
+from actors.supervisor import supervisor
+from runtime import Agent, Crash, FaultPlan, InProcessRunner, ModelResponse, call, tool
+from runtime.lifecycle import EndedState, RunningState
+from storage.memory import MemoryCommitStore
+
+from .conftest import actor_gone, wait_for
+from .crashing_agents import recovery_kills
+
+pytestmark = pytest.mark.ray
+
+
+def _killer() -> tuple[str, str]:
+    token = uuid.uuid4().hex[:10]
+    return token, f"tests.ray.crashing_agents:recovery_killer_{token}"
+
+
+def _assert_dead_lettered(frontier: Any) -> None:
+    state = frontier.run_state
+    assert isinstance(state, EndedState), state
+    cause = state.cause
+    assert (cause.kind, cause.failure, cause.code) == ("failed", "recovery", "execution_lost")
+    assert f"{DEAD_LETTER_AFTER} times in a row" in cause.message, cause.message
+
+
+@pytest.mark.timeout(150)
+async def test_a_run_whose_recovery_kills_its_host_is_dead_lettered(make_system):
+    """Ray restarts the host each time; each new process marks the Run lost (the last
+    one had marked it already, then died recovering it) and dies recovering it."""
+    client = await make_system(hosts=1, reconcile_s=0.5, heartbeat_s=0.25)
+    token, ref = _killer()
+    handle = await client.start(ref, "go", thread_id=f"rk-{token}", host=0)
+    ray.kill(client.hosts[0], no_restart=False)  # the first loss: Ray restarts it
+    _assert_dead_lettered(await handle.result(timeout_s=120))
+    kills = recovery_kills(token)
+    for r in await client.store.read(handle.thread_id):  # DEBUG
+        c = r.commit
+        print("DEBUG", r.seq, c.label, c.status, c.epoch, c.claim)
+    # the first loss was the kill; each recovery after it died once, counted once
+    assert len(kills) == DEAD_LETTER_AFTER - 1 and len(set(kills)) == len(kills), kills
+    assert await client.runs("running") == []
+
+
+@pytest.mark.timeout(150)
+async def test_a_run_whose_recovery_kills_every_host_it_is_sent_to_is_dead_lettered(
+    make_system,
+):
+    """No restarts: the Supervisor re-places the Run, and each host it sends it to dies
+    recovering it (the call fails with a RayActorError): each of those counts."""
+    client = await make_system(hosts=2, host_max_restarts=0, reconcile_s=0.5, heartbeat_s=0.25)
+    token, ref = _killer()
+    handle = await client.start(ref, "go", thread_id=f"rk-{token}", host=0)
+    ray.kill(client.hosts[0], no_restart=True)  # the first loss
+    _assert_dead_lettered(await handle.result(timeout_s=120))
+    kills = recovery_kills(token)
+    assert len(kills) == DEAD_LETTER_AFTER - 1 and len(set(kills)) == len(kills), kills
+    assert await client.runs("running") == []
+
+
+async def _napping(client, ledger, thread: str) -> Any:
+    handle = await client.start(
+        "tests.ray.agents:long_napping_agent", "nap", thread_id=thread, host=0
+    )
+    prefix = f"tool-batch:{handle.run_id}:"
+
+    async def napping() -> bool:
+        return any(note == "started" for *_, note in ledger.rows(prefix))
+
+    await wait_for(napping, what=f"the first nap of {thread}")
+    return handle
+
+
+@pytest.mark.timeout(120)
+async def test_a_corrupt_thread_does_not_stop_the_take_over_of_the_others(make_system, ledger):
+    """Host 0 dies for good owning three Runs; the first in every listing's order has a
+    record that no longer verifies. It is quarantined; the others are taken over."""
+    client = await make_system(hosts=2, host_max_restarts=0, reconcile_s=0.5, heartbeat_s=0.25)
+    tag = uuid.uuid4().hex[:8]
+    corrupt = f"a-corrupt-{tag}"
+    await _napping(client, ledger, corrupt)
+    healthy = [await _napping(client, ledger, f"{c}-healthy-{tag}") for c in "bc"]
+    path = client.spec.store_url.removeprefix("sqlite:///")
+    with contextlib.closing(sqlite3.connect(path, timeout=30)) as db, db:
+        db.execute("UPDATE ratchet_threads SET checksum = 'x' WHERE thread_id = ?", (corrupt,))
+    ray.kill(client.hosts[0], no_restart=True)
+
+    for handle in healthy:
+        frontier = await handle.result(timeout_s=90)
+        assert frontier.run_state.cause.kind == "natural", frontier.run_state
+        assert frontier.owner.startswith(client.spec.host_name(1))
+    report = await supervisor(client.spec).report.remote()
+    assert report["quarantined"] == [corrupt], report
+
+
+class _HeldModel:
+    """Asks for ``wait`` once; answers at once unless ``hold`` (then once ``release``)."""
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.release = asyncio.Event()
+
+    async def stream(self, request: Any) -> AsyncIterator[ModelResponse]:
+        if self.hold:
+            await self.release.wait()
+        yield ModelResponse(text="waiting", tool_calls=(call("wait", "c1"),))
+
+
+class _ProgressFirst:
+    """The store, except that the first log read (the dead letter checks the log between
+    deciding and appending) lets the live owner make progress, and waits for it."""
+
+    def __init__(self, inner: MemoryCommitStore, model: _HeldModel, busy: asyncio.Event):
+        self.inner, self.model, self.busy = inner, model, busy
+        self.raced = False
+
+    async def read(self, thread: Any, after_seq: int = 0) -> Any:
+        if not self.raced:
+            self.raced = True
+            self.model.release.set()
+            await asyncio.wait_for(self.busy.wait(), 10)  # its inference has committed
+        return await self.inner.read(thread, after_seq)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_dead_letter_never_ends_a_run_that_made_progress_meanwhile():
+    """The Run has been lost twice; its owner, taken for lost but alive, commits an
+    inference (progress: the count starts again) between the dead letter's decision and
+    its append. The end does not land; the Run is marked lost once, as it is now."""
+    busy = asyncio.Event()
+    forever = asyncio.Event()
+
+    @tool(recovery=("replay_safe",))
+    async def wait() -> str:
+        busy.set()
+        await forever.wait()
+        return "never"
+
+    store = MemoryCommitStore()
+    model = _HeldModel()
+    runner = InProcessRunner(Agent(name="held", model=model, tools=(wait,)), store)
+    with pytest.raises(Crash):
+        await runner.start("go", thread_id="t", faults=FaultPlan(crash_at=("before:inference", 1)))
+    assert await mark_lost(store, "t", "supervisor", lost_owner=(await store.load("t")).owner)
+    with pytest.raises(Crash):
+        await runner.recover("t", faults=FaultPlan(crash_at=("before:inference", 1)))
+    assert await mark_lost(store, "t", "supervisor", lost_owner=(await store.load("t")).owner)
+    assert (await store.load("t")).failed_recoveries == DEAD_LETTER_AFTER - 1
+
+    model.hold = True
+    live = asyncio.create_task(runner.recover("t"))
+    try:
+
+        async def recovered() -> bool:
+            f = await store.load("t")
+            return f.owner != "supervisor" and f.status.state == "running"
+
+        await wait_for(recovered, timeout_s=10, what="the live owner's recovery")
+        owner = (await store.load("t")).owner
+        raced = _ProgressFirst(store, model, busy)
+        marked = await mark_lost(raced, "t", "supervisor", lost_owner=owner)  # type: ignore[arg-type]
+        assert marked == "lost"
+        assert raced.raced
+        frontier = await store.load("t")
+        assert isinstance(frontier.run_state, RunningState), frontier.run_state
+        assert frontier.steps == 1 and frontier.failed_recoveries == 1
+        assert (frontier.status.state, frontier.owner) == ("failed", "supervisor")
+    finally:
+        live.cancel()
+        with contextlib.suppress(BaseException):
+            await live
+
+
+async def test_a_busy_host_is_not_retired(make_system, ledger):
+    """A host asks to retire, but work arrived meanwhile: the Supervisor refuses; an idle
+    one it ends."""
+    client = await make_system()
+    handle = await _napping(client, ledger, f"busy-{uuid.uuid4().hex[:8]}")
+    boss = supervisor(client.spec)
+    assert await boss.retire.remote(client.spec.host_name(0)) is False
+    assert handle.thread_id in await client.hosts[0].driving.remote()
+    assert await boss.retire.remote(client.spec.host_name(1)) is True
+    await wait_for(actor_gone(client.spec.host_name(1)), what="the idle host to end")
