@@ -22,6 +22,9 @@ from runtime.limits import Limits
 from runtime.ports import ToolRunner
 from runtime.state import Command
 
+STEP_ENDED = "step_ended"
+"""Run-state key: the batch id whose Step's StepEnd hooks ran last."""
+
 T = TypeVar("T")
 
 
@@ -49,9 +52,21 @@ class RunContext:
     pending: list[Command] = field(default_factory=list)
     """Hook commands staged for the next commit."""
     step_ended: str | None = None
-    """Batch id whose StepEnd hooks already ran (they run once per Step)."""
+    """Batch id whose StepEnd hooks already ran (they run once per Step).
+
+    Kept across a wait those hooks asked for in the run state's ``STEP_ENDED``, which
+    is committed with the wait (``RunContext.ended_step``)."""
 
     _running: RunningState | None = field(default=None, init=False, repr=False)
+
+    def ends_step(self, batch_id: str) -> bool:
+        """Whether the StepEnd hooks of ``batch_id``'s Step are still to run."""
+        return batch_id not in (self.step_ended, self.frontier.state["run"].get(STEP_ENDED))
+
+    def ended_step(self, batch_id: str) -> None:
+        """The StepEnd hooks of ``batch_id``'s Step ran and asked for a wait: the note is
+        committed with it, so the resume does not end that Step a second time."""
+        self.pending.append(Command(key=STEP_ENDED, scope="run", value=batch_id))
 
     @property
     def run_id(self) -> RunId:

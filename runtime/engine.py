@@ -371,11 +371,12 @@ class Engine(Committing):
         f = ctx.frontier
         prior = f.batch
         hooks = HookResults()
-        if prior is not None and ctx.step_ended != prior.batch_id:
+        if prior is not None and ctx.ends_step(prior.batch_id):
             ctx.step_ended = prior.batch_id
             await self.hooks(ctx, "StepEnd", hooks, step=prior.step)
             if ctx.execution.wait_request is not None or ctx.execution.stopped:
                 ctx.pending.extend(hooks.commands)  # committed with the wait or the end
+                ctx.ended_step(prior.batch_id)
                 return
         step = f.steps
         results = result_messages(prior)

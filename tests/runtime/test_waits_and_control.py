@@ -112,6 +112,37 @@ async def test_user_input_requested_by_a_hook_then_resumed_with_text():
     assert isinstance(done.messages[3], UserMessage) and done.messages[3].text == "savings"
 
 
+@pytest.mark.parametrize(
+    ("wait", "payload"),
+    [
+        (lambda execution: execution.request_input("Which account?"), UserInput(text="savings")),
+        (lambda execution: execution.pause(), Unpause()),
+    ],
+    ids=["user_input", "pause"],
+)
+async def test_step_end_hooks_that_wait_run_once_per_step_across_the_resume(wait, payload):
+    """The wait a StepEnd hook asks for is committed as that Step's end: resuming it goes
+    on to the next Step, it does not end the Step (and run its hooks) a second time."""
+    ended_steps = []
+
+    def ask_at_first(hook_input):
+        ended_steps.append(hook_input.step)
+        if hook_input.step == 0:
+            wait(hook_input.execution)
+
+    @tool
+    def noop(x: int) -> str:
+        return "ok"
+
+    agent = one_tool_agent(noop, hooks=[Hook(point="StepEnd", fn=ask_at_first)])
+    runner = InProcessRunner(agent, MemoryCommitStore())
+    f = await runner.start("go", thread_id="t")
+    assert f.run_state.ticket.target.kind == payload.kind
+    done = await runner.resume(command_for(f, payload))
+    assert done.run_state.cause.kind == "natural"
+    assert ended_steps == [0, 1]
+
+
 async def test_manual_pause_waits_at_the_step_boundary_and_unpauses():
     @tool
     def noop(x: int) -> str:
