@@ -223,6 +223,8 @@ class Engine(Committing):
         if not isinstance(frontier.run_state, RunningState):
             return frontier
         claimed = await self._claimed(thread, frontier.epoch)
+        if claimed.version > frontier.version:  # its owner went on meanwhile: verify that too
+            await self._retrying(lambda: self.store.read(thread, after_seq=frontier.version))
         if not isinstance(claimed.run_state, RunningState):
             return claimed  # it came to rest between the load and the claim
         ctx = self._context(claimed)

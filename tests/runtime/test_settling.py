@@ -18,6 +18,7 @@ from runtime import (
     DEFAULT_LIMITS,
     Agent,
     Command,
+    CorruptRecord,
     Crash,
     Engine,
     FaultPlan,
@@ -36,9 +37,9 @@ from runtime import (
     call,
     tool,
 )
-from runtime.commit import Frontier, replay
+from runtime.commit import Frontier, assemble_commit, replay
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import Unpause
+from runtime.lifecycle import RunningState, Unpause
 from runtime.messages import ContextMessage
 from storage.memory import MemoryCommitStore
 from tests.storage.conftest import make_store, pg_conformance_url  # noqa: F401 (a fixture)
@@ -512,3 +513,35 @@ async def test_a_claim_whose_answer_was_lost_is_the_recoverers_own():
     done = await engine(agent(), store).recover(ThreadId("t"))
     assert done.run_state.kind == "ended" and done.run_state.cause.kind == "natural"
     assert store.refused == 1 and (await at_rest(store.inner)).epoch == 2
+
+
+async def test_records_landed_between_the_verify_and_the_claim_are_verified_too():
+    """A recovery verifies the log, then claims at the epoch it read. The owner may have
+    committed in between (its epoch did not change): those records are verified before
+    the recovery acts on them, so a corrupt one stops it (CorruptRecord)."""
+
+    class CommitsBeforeTheClaim(FlakyStore):
+        async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
+            f = await self.inner.load(thread)
+            assert isinstance(f.run_state, RunningState)
+            late = assemble_commit(
+                thread_id=thread,
+                run_id=f.run_state.run_id,
+                ordinal=f.next_ordinal,
+                label="status",
+                disposition=f.run_state,
+                status=f.status,
+                prev=f.head,
+                epoch=f.epoch,
+            )
+            await self.inner.append(late, f.version, f.epoch)  # the owner, still at work
+            self.inner.corrupt(thread, f.version + 1, "{}")  # and the disk mangles it
+            return await self.inner.claim(thread, owner, supersedes)
+
+    store = CommitsBeforeTheClaim()
+    a = agent()
+    crashing = Engine(a, store, LocalToolRunner(a.tools), faults=FaultPlan(("after:inference", 1)))
+    with pytest.raises(Crash):
+        await crashing.start(ThreadId("t"), "go", run_id=RunId("r"))
+    with pytest.raises(CorruptRecord):
+        await engine(agent(), store).recover(ThreadId("t"))
