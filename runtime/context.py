@@ -63,9 +63,11 @@ class RunContext:
         """Whether the StepEnd hooks of ``batch_id``'s Step are still to run."""
         return batch_id not in (self.step_ended, self.frontier.state["run"].get(STEP_ENDED))
 
-    def ended_step(self, batch_id: str) -> None:
-        """The StepEnd hooks of ``batch_id``'s Step ran and asked for a wait: the note is
-        committed with it, so the resume does not end that Step a second time."""
+    def ended_step(self, batch_id: str, commands: Sequence[Command]) -> None:
+        """The StepEnd hooks of ``batch_id``'s Step ran before a wait or an end: their
+        ``commands`` and a note that the Step ended are committed with it, so a resume
+        does not end that Step a second time."""
+        self.pending.extend(commands)
         self.pending.append(Command(key=STEP_ENDED, scope="run", value=batch_id))
 
     @property

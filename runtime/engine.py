@@ -337,7 +337,13 @@ class Engine(Committing):
                 elif f.batch is not None and not f.batch.all_terminal:
                     await self._ending_on(ctx, advance_batch(self, ctx))
                 elif self.pause_requested or ctx.execution.wait_request is not None:
-                    await self._await_at_boundary(ctx)
+                    # the Step that just finished ends (its StepEnd hooks) before the wait
+                    hooks = HookResults()
+                    ended = await self._end_step(ctx, hooks)
+                    if ended is not None:
+                        ctx.ended_step(ended, hooks.commands)
+                    if not ctx.execution.stopped:
+                        await self._await_at_boundary(ctx)
                 else:
                     await self._ending_on(ctx, self._step(ctx))
         except CancelledSignal:
@@ -373,13 +379,10 @@ class Engine(Committing):
         f = ctx.frontier
         prior = f.batch
         hooks = HookResults()
-        if prior is not None and ctx.ends_step(prior.batch_id):
-            ctx.step_ended = prior.batch_id
-            await self.hooks(ctx, "StepEnd", hooks, step=prior.step)
-            if ctx.execution.wait_request is not None or ctx.execution.stopped:
-                ctx.pending.extend(hooks.commands)  # committed with the wait or the end
-                ctx.ended_step(prior.batch_id)
-                return
+        ended = await self._end_step(ctx, hooks)
+        if ended is not None and (ctx.execution.wait_request or ctx.execution.stopped):
+            ctx.ended_step(ended, hooks.commands)  # committed with the wait or the end
+            return
         step = f.steps
         results = result_messages(prior)
         if step >= self.agent.max_steps:
@@ -409,6 +412,16 @@ class Engine(Committing):
         # the inference commit is made with the batch's first wave (see advance_batch)
         opening = Opening(batch, messages, tuple(hooks.commands), response.refused)
         await advance_batch(self, ctx, opening)
+
+    async def _end_step(self, ctx: RunContext, hooks: HookResults) -> str | None:
+        """Run the StepEnd hooks of the Step whose batch just finished, once per Step:
+        the batch id if they ran now."""
+        prior = ctx.frontier.batch
+        if prior is None or not ctx.ends_step(prior.batch_id):
+            return None
+        ctx.step_ended = prior.batch_id
+        await self.hooks(ctx, "StepEnd", hooks, step=prior.step)
+        return prior.batch_id
 
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)

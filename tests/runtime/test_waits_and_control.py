@@ -143,6 +143,30 @@ async def test_step_end_hooks_that_wait_run_once_per_step_across_the_resume(wait
     assert ended_steps == [0, 1]
 
 
+async def test_a_wait_asked_for_during_the_tools_comes_after_the_steps_end_hooks():
+    """A wait an AfterTool hook asks for is taken at the Step boundary: the Step ends
+    first (its StepEnd hooks run, once), then the Run waits."""
+    seen = []
+
+    def ask_after_the_tool(hook_input):
+        seen.append((hook_input.point, hook_input.step))
+        if hook_input.point == "AfterTool":
+            hook_input.execution.request_input("Which account?")
+
+    @tool
+    def noop(x: int) -> str:
+        return "ok"
+
+    hooks = [Hook(point=p, fn=ask_after_the_tool) for p in ("AfterTool", "StepEnd")]
+    runner = InProcessRunner(one_tool_agent(noop, hooks=hooks), MemoryCommitStore())
+    f = await runner.start("go", thread_id="t")
+    assert f.run_state.ticket.target.kind == "user_input"
+    assert seen == [("AfterTool", 0), ("StepEnd", 0)]
+    done = await runner.resume(command_for(f, UserInput(text="savings")))
+    assert done.run_state.cause.kind == "natural"
+    assert seen == [("AfterTool", 0), ("StepEnd", 0), ("StepEnd", 1)]
+
+
 async def test_manual_pause_waits_at_the_step_boundary_and_unpauses():
     @tool
     def noop(x: int) -> str:
