@@ -25,6 +25,7 @@ class Agent:
     """Per tool id, overrides the tool's default recovery policy."""
     hooks: Sequence[Hook] = ()
     system: str = ""
+    """The system prompt, sent with every inference (``InferenceRequest.system``)."""
     inference_attempts: int = 2
     """Attempts per inference before the Run ends failed(inference)."""
     delegation: DelegationLimits = field(default_factory=DelegationLimits)

@@ -399,13 +399,17 @@ class Engine(Committing):
             history = (*f.messages, *results, *context)
             response = await self.inference.infer(ctx, step, history, last)
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
+        # Tools were withheld on the last Step: calls the model makes anyway are dropped,
+        # never committed without results (every provider refuses a history with a
+        # tool call left unanswered); the Run ends max_steps.
+        calls = () if last else response.tool_calls
         # the admitted response's parts are checked text and records: not validated again
-        assistant = trusted(AssistantMessage, text=response.text, tool_calls=response.tool_calls)
+        assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls)
         messages: tuple[Message, ...] = (*results, assistant)
-        if not assistant.tool_calls or last:
-            if not assistant.tool_calls:
+        if not calls:
+            if not response.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
-            cause = MaxSteps() if assistant.tool_calls else Natural()
+            cause = MaxSteps() if response.tool_calls else Natural()
             await self.end(ctx, cause, messages=messages, batch=prior, commands=hooks.commands)
             return
         batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])

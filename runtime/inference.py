@@ -165,7 +165,13 @@ def _request(
     the tool schemas, as validation would give it, so a model cannot alter them.
     """
     tools = None if last else tuple(dict(t.schema()) for t in agent.tools)
-    parts = {"run_id": ctx.run_id, "step": step, "attempt": attempt, "tools": tools}
+    parts = {
+        "run_id": ctx.run_id,
+        "step": step,
+        "attempt": attempt,
+        "tools": tools,
+        "system": agent.system,
+    }
     if all(type(m) in _MESSAGE_TYPES for m in history):
         return trusted(InferenceRequest, messages=history, **parts)
     return InferenceRequest(messages=history, **parts)

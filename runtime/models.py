@@ -21,6 +21,9 @@ class InferenceRequest(Frozen):
     messages: tuple[RequestMessage, ...]
     tools: tuple[dict[str, Any], ...] | None
     """Tool schemas, or None when tools are withheld (the last allowed step)."""
+    system: str = ""
+    """The agent's system prompt (``Agent.system``); an adapter sends it as the
+    provider's system message."""
 
 
 class ModelDelta(Frozen):

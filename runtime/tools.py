@@ -10,9 +10,12 @@ call whose error the model sees (its effect may have happened: it is never re-ru
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args, get_type_hints
 
@@ -137,13 +140,32 @@ class Tool:
         }
 
     async def invoke(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+        """Call the tool: a coroutine function on the event loop, any other function in
+        the process's tool threads (``SYNC_TOOL_THREADS``), so a blocking call never
+        stalls the other calls of this process. A synchronous call that times out or
+        is cancelled cannot be interrupted: its thread runs it to its end, and what it
+        returns is dropped."""
         kwargs = dict(arguments)
         if self.context_param is not None:
             kwargs[self.context_param] = ctx
-        result = self.fn(**kwargs)
+        if inspect.iscoroutinefunction(self.fn):
+            return await self.fn(**kwargs)
+        call = functools.partial(contextvars.copy_context().run, self.fn, **kwargs)
+        result = await asyncio.get_running_loop().run_in_executor(_tool_threads(), call)
         if inspect.isawaitable(result):
             result = await result
         return result
+
+
+SYNC_TOOL_THREADS = 32
+"""Threads per process that run synchronous tools: at most this many at once."""
+_threads: list[ThreadPoolExecutor] = []
+
+
+def _tool_threads() -> ThreadPoolExecutor:
+    if not _threads:  # made when first needed: most processes run no synchronous tool
+        _threads.append(ThreadPoolExecutor(SYNC_TOOL_THREADS, thread_name_prefix="ratchet-tool"))
+    return _threads[0]
 
 
 def tool(

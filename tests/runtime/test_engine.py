@@ -129,6 +129,38 @@ async def test_max_steps_withholds_tools_on_the_last_step():
     assert seen_tools[0] is not None and seen_tools[1] is not None
     assert seen_tools[2] is None
     assert f.steps == 3
+    # the calls the model made anyway are dropped: none is committed without a result,
+    # so the thread's history stays valid for the next Run on any provider
+    last = f.messages[-1]
+    assert last.kind == "assistant" and last.tool_calls == ()
+    called = [c.call_id for m in f.messages if m.kind == "assistant" for c in m.tool_calls]
+    answered = [m.call_id for m in f.messages if m.kind == "tool_result"]
+    assert called == answered == ["c0", "c1"]
+
+
+async def test_an_answer_on_the_last_step_ends_naturally():
+    @tool
+    def noop() -> str:
+        return "ok"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("noop", "c0"),)), ModelResponse(text="ok")]
+    )
+    agent = Agent(name="a", model=model, tools=[noop], max_steps=2)
+    f = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert cause(f) == "natural" and f.messages[-1].text == "ok"
+
+
+async def test_the_system_prompt_goes_with_every_inference():
+    seen: list[str] = []
+
+    def answer(request):
+        seen.append(request.system)
+        return ModelResponse(text="hi")
+
+    agent = Agent(name="a", model=ScriptedModel([answer]), system="You are terse.")
+    await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert seen == ["You are terse."]
 
 
 async def test_exclusive_state_conflict_ends_failed_and_keeps_earlier_steps():
