@@ -10,6 +10,11 @@
     ├── AgentImportError         an agent reference ``module:attr`` cannot be resolved
     ├── InputRefused             input refused at the edge: a limit, bad text, deep JSON
     │                            (names the limit; nothing was committed)
+    ├── ModelError               a model provider's failure, classified by its adapter
+    │   ├── ModelRefused         permanent: a bad request, context too long, auth (ends
+    │   │                        the Run failed(inference) at once)
+    │   └── ModelUnavailable     transient: timeout, dropped stream, 5xx (a new attempt)
+    │       └── ModelRateLimited 429 / overloaded (backs off, then pauses the Run)
     └── StoreError               raised by every store backend, never a driver error
         ├── VersionConflict      the thread is not at the expected version
         ├── Fenced               the writer's owner epoch is stale
@@ -85,6 +90,41 @@ class InputRefused(RatchetError):
     def __init__(self, what: str, limit: str, detail: str) -> None:
         super().__init__(f"{what} refused ({limit}): {detail}")
         self.what, self.limit, self.detail = what, limit, detail
+
+
+class ModelError(RatchetError):
+    """A model provider failed; ``code`` names how (``rate_limit``, ``status_500``,
+    ``invalid_request``, ...). The message is the provider's, never a credential."""
+
+    def __init__(self, code: str, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+class ModelRefused(ModelError):
+    """The provider refuses the request for good (400, context too long, 401/403): asking
+    again cannot help, so the Run ends ``failed(inference, code)`` at once."""
+
+
+class ModelUnavailable(ModelError):
+    """A transient failure (timeout, dropped or malformed stream, 5xx): the inference is
+    tried again as a new attempt (its partial deltas replaced)."""
+
+
+class ModelRateLimited(ModelUnavailable):
+    """Rate limited or overloaded (429, 529); ``retry_after_s`` is the provider's hint
+    (``Retry-After``), if it gave one."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(code, message, status=status)
+        self.retry_after_s = retry_after_s
 
 
 class StoreError(RatchetError):
