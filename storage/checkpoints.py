@@ -18,7 +18,8 @@ from sqlalchemy import Connection, bindparam, delete, select
 from runtime.ids import ThreadId
 from runtime.ports import StreamCheckpoint
 from storage.schema import checkpoints
-from storage.sql_engine import SQL_DIALECTS, Database, translate, upsert_replace
+from storage.sql_engine import SQL_DIALECTS, Database, upsert_replace
+from storage.sql_errors import translate
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

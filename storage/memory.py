@@ -69,6 +69,8 @@ class MemoryCommitStore:
         t = self._threads.get(thread)  # a look-up creates nothing
         if t is None:
             return Frontier(thread_id=thread)
+        if t.frontier.version == 0 and t.log:  # check_head takes version 0 as empty
+            raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
         last = t.log[-1] if t.log else None
         check_head(
             thread,
@@ -127,6 +129,10 @@ class MemoryCommitStore:
     def delete(self, thread: ThreadId, seq: int) -> None:
         """Drop a stored record (later records keep their seq)."""
         del self._stored(thread, seq)[seq - 1]
+
+    def drop_frontier(self, thread: ThreadId) -> None:
+        """Forget the thread's frontier, leaving its log (a thread row deleted by hand)."""
+        self._thread(thread).frontier = Frontier(thread_id=thread)
 
     def _stored(self, thread: ThreadId, seq: int) -> list[RawRecord]:
         log = self._thread(thread).log

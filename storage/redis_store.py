@@ -19,9 +19,11 @@ monotonic — an operation id stays known, epochs and versions only grow, an end
 stays ended until the version moves — so the second look refuses too. The script
 reads and type-checks every key before its first write, so a refused or failed
 append writes nothing. The epoch lives outside the frontier JSON (its own hash
-field). **A claim** is one script too: it checks the epoch it supersedes and the
-version the claimer saw (the new run-index entry is built from that frontier), bumps
-the epoch, and moves the thread in the owner index, or answers ``fenced``/``moved``.
+field). **A claim** is one script too, a compare-and-set on the epoch alone: it checks
+the epoch it supersedes, never the version the claimer loaded (as in SQL and memory,
+appends of the superseded owner that land in between do not refuse it; the script
+answers the frontier they left), bumps the epoch, patches the new owner into the
+thread's run-index entry and moves the thread in the owner index, or answers ``fenced``.
 
 **Key layout** (``P`` is the prefix, default ``ratchet``; ``T`` the thread id)::
 
@@ -41,10 +43,12 @@ the epoch, and moves the thread in the owner index, or answers ``fenced``/``move
     P:owner:HOST          hash    thread id -> "1": running threads whose owner
                                   belongs to HOST (``runtime.ports.host_of``)
     P:schema              string  "2" once the layout above is in place
+    P:upgrading           string  the layout upgrade's lock (``storage.redis_upgrade``)
 
 A store of the earlier layout (no ``sums``, no checksums) is upgraded at connect
-(``_upgrade``). A test corrupts a record with ``LSET P:thread:T:log (seq - 1) TEXT``
-and a frontier with ``HSET P:thread:T:meta frontier TEXT``.
+(``storage.redis_upgrade``); a store of a newer layout is refused. A test corrupts a
+record with ``LSET P:thread:T:log (seq - 1) TEXT`` and a frontier with
+``HSET P:thread:T:meta frontier TEXT``.
 
 **Errors.** Driver exceptions become Ratchet's in ``storage.redis_client.translated``;
 script "refused" -> whatever admit raises on a fresh load: Fenced, DuplicateOperation,
@@ -53,16 +57,14 @@ RunEnded, VersionConflict; "corrupt KEY" -> CorruptRecord.
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
-from typing import Literal
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
-    FRONTIER_SCHEMA,
     Frontier,
     Receipt,
     ThreadCommit,
@@ -72,11 +74,10 @@ from runtime.commit import (
     receipt_of,
     with_claim,
 )
-from runtime.errors import CorruptRecord, Fenced, StoreError, StoreUnavailable
+from runtime.errors import CorruptRecord, Fenced, StoreError
 from runtime.ids import ThreadId
 from runtime.integrity import (
     RawRecord,
-    body_hash,
     check_frontier_text,
     check_head,
     frontier_checksum,
@@ -84,14 +85,11 @@ from runtime.integrity import (
 )
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.redis_client import open_client, translated
-from storage.summary import summarize
+from storage.redis_upgrade import upgrade_layout
+from storage.summary import RUN_STATES, RunStateKind, summarize
 from storage.url import redact
 
 log = logging.getLogger("ratchet.storage.redis")
-
-RunStateKind = Literal["running", "awaiting", "ended"]
-RUN_STATES: tuple[RunStateKind, ...] = ("running", "awaiting", "ended")
-LAYOUT = "2"
 
 # ---- the scripts ------------------------------------------------------------------------
 
@@ -129,26 +127,49 @@ if ARGV[13] == '1' then redis.call('HSET', KEYS[9], ARGV[12], '1') end
 return 'ok'
 """
 
-# KEYS: meta runs:running runs:awaiting runs:ended owner:OLD owner:NEW
-_CLAIM_LUA = """#!lua
-local meta = KEYS[1]
-local want = {'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}
-for i = 1, 6 do
+# KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW
+# ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded.
+# The run-index entry is the last append's summary with the owner patched in: it ends
+# with the owner, RunSummary's last field (a string holds no bare `,"owner":`); an entry
+# that does not end in a JSON string or null there is reported, never rewritten.
+# Appends that moved the thread since the claimer's load: the reply carries what they
+# left (version, frontier, checksum, head, hash-list length, last hash) to verify.
+_CLAIM_LUA = r"""#!lua
+local meta, sums, thread = KEYS[1], KEYS[2], ARGV[3]
+local want = {'hash', 'list', 'hash', 'hash', 'hash', 'hash', 'hash'}
+for i = 1, 7 do
   local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
+  if t ~= 'none' and t ~= want[i] then return {'corrupt', KEYS[i]} end
 end
-local f = redis.call('HMGET', meta, 'epoch', 'version')
+local f = redis.call('HMGET', meta, 'epoch', 'version', 'frontier', 'checksum', 'head')
 local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-if not epoch or not version then return 'corrupt ' .. meta end
-if epoch ~= tonumber(ARGV[1]) then return 'fenced ' .. tostring(epoch) end
-if version ~= tonumber(ARGV[2]) then return 'moved' end
-redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[3])
-if ARGV[5] ~= '0' then
-  redis.call('HSET', KEYS[1 + tonumber(ARGV[5])], ARGV[4], ARGV[6])
-  redis.call('HDEL', KEYS[5], ARGV[4])
-  if ARGV[5] == '1' then redis.call('HSET', KEYS[6], ARGV[4], '1') end
+if not epoch or not version then return {'corrupt', meta} end
+if epoch ~= tonumber(ARGV[1]) then return {'fenced', tostring(epoch)} end
+local state, entry = 0, nil
+for i = 3, 5 do
+  local s = redis.call('HGET', KEYS[i], thread)
+  if s then
+    local at, from = nil, 1
+    repeat
+      local found = string.find(s, ',"owner":', from, true)
+      if found then at, from = found, found + 1 end
+    until not found
+    local tail = at and string.gsub(string.sub(s, at + 9), '\\.', '')
+    if not tail or (tail ~= 'null}' and not string.find(tail, '^"[^"]*"}$')) then
+      return {'corrupt', KEYS[i]}
+    end
+    state, entry = i - 2, string.sub(s, 1, at + 8) .. ARGV[4] .. '}'
+  end
 end
-return 'ok'
+redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[2])
+if state > 0 then
+  redis.call('HSET', KEYS[2 + state], thread, entry)
+  redis.call('HDEL', KEYS[6], thread)
+  if state == 1 then redis.call('HSET', KEYS[7], thread, '1') end
+end
+if version == tonumber(ARGV[5]) then return {'ok'} end
+return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
+        redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false}
 """
 _ATTEMPTS = 3
 """A refusal is re-examined by loading again, and that look decides (the refusal
@@ -186,11 +207,15 @@ class RedisCommitStore:
         cls, url: str, *, payload_limit: int = DEFAULT_PAYLOAD_LIMIT, prefix: str = "ratchet"
     ) -> RedisCommitStore:
         """Open a client, check the server answers (StoreUnavailable if it does not) and
-        bring an earlier key layout up to date."""
+        bring an earlier key layout up to date (StoreError if the layout is newer)."""
         store = cls(open_client(url), where=redact(url), payload_limit=payload_limit, prefix=prefix)
-        with translated(store.where):
-            await store.client.ping()
-            await store._upgrade()
+        try:
+            with translated(store.where):
+                await store.client.ping()
+                await upgrade_layout(store.client, store.prefix, store.where)
+        except StoreError:
+            await store.client.aclose()
+            raise
         await store._warn_unless_durable()
         return store
 
@@ -260,38 +285,35 @@ class RedisCommitStore:
         return verified_records(thread, rows, after_seq, stored)
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
-        """Epoch + 1 (as ``runtime.commit.with_claim``), atomically, if the thread's epoch
-        is still ``supersedes``; the run and owner indexes follow in the same step."""
+        """Epoch + 1 (as ``runtime.commit.with_claim``) if the thread's epoch is still
+        ``supersedes``, else Fenced; StoreUnavailable if the server does not answer (the
+        claim may have landed or not). The load before the script only refuses early:
+        the script decides alone, one compare-and-set on the epoch, whatever version the
+        load saw (appends of the superseded owner may land in between), moves the run and
+        owner indexes in the same step, and answers the frontier it landed on."""
         with translated(self.where):
-            for _ in range(_ATTEMPTS):
-                snap = await self._snapshot(thread, None)
-                check_claim(snap.frontier, supersedes)
-                claimed = with_claim(snap.frontier, owner)
-                summary = summarize(claimed)
-                state = 0 if summary is None else 1 + RUN_STATES.index(summary.state)
-                keys = [
-                    self._key(thread, "meta"),
-                    *(self._index(s) for s in RUN_STATES),
-                    self._owners(snap.frontier.owner),
-                    self._owners(owner),
-                ]
-                args: list[str | int] = [
-                    supersedes,
-                    snap.frontier.version,
-                    owner,
-                    thread,
-                    state,
-                    "" if summary is None else summary.model_dump_json(),
-                ]
-                reply = await self._claim_script(keys=keys, args=args)
-                if reply == "ok":
-                    return claimed
-                if reply.startswith("fenced"):
-                    current = _number(thread, "owner epoch", reply.partition(" ")[2])
-                    raise Fenced(thread, supersedes, current)
-                if reply != "moved":
-                    raise CorruptRecord(thread, 0, f"unexpected shape of {reply.partition(' ')[2]}")
-        raise StoreError(f"thread {thread}: the claim script kept finding the thread moved")
+            snap = await self._snapshot(thread, None)
+            check_claim(snap.frontier, supersedes)
+            return await self._claim(snap.frontier, owner)
+
+    async def _claim(self, loaded: Frontier, owner: str) -> Frontier:
+        """Run the claim script, superseding the epoch of ``loaded``: the frontier as
+        claimed, ``loaded`` itself unless appends moved the thread since it was read."""
+        thread = loaded.thread_id
+        keys = [self._key(thread, "meta"), self._key(thread, "sums")]
+        keys += [self._index(s) for s in RUN_STATES]
+        keys += [self._owners(loaded.owner), self._owners(owner)]
+        args: list[str | int] = [loaded.epoch, owner, thread, json.dumps(owner), loaded.version]
+        reply = await self._claim_script(keys=keys, args=args)
+        if reply[0] == "fenced":
+            raise Fenced(thread, loaded.epoch, _number(thread, "owner epoch", reply[1]))
+        if reply[0] != "ok":
+            raise CorruptRecord(thread, 0, f"unexpected shape of {reply[1]}")
+        if len(reply) == 1:
+            return with_claim(loaded, owner)
+        version, text, checksum, head, n, last = reply[1:]
+        moved = _verified(thread, text, version, str(loaded.epoch), checksum, head, n, last)
+        return with_claim(moved.model_copy(update={"owner": loaded.owner}), owner)
 
     async def list_runs(
         self, state: RunStateKind | None = None, *, host: str | None = None
@@ -351,10 +373,7 @@ class RedisCommitStore:
             pipe.llen(self._key(thread, "sums"))
             pipe.lindex(self._key(thread, "sums"), -1)
             (text, version, epoch, owner, checksum, head), known, n, last = await pipe.execute()
-        frontier = _decode_frontier(thread, text, version, epoch, checksum)
-        check_head(thread, frontier, last if n == frontier.version else None)
-        if frontier.version and head != frontier.head:
-            raise CorruptRecord(thread, frontier.version, "the stored head is not the frontier's")
+        frontier = _verified(thread, text, version, epoch, checksum, head, n, last)
         frontier = frontier.model_copy(update={"owner": owner})
         return _Snapshot(frontier, _decode_receipt(thread, known) if op and known else None)
 
@@ -398,71 +417,29 @@ class RedisCommitStore:
             return None
         raise CorruptRecord(thread, receipt.seq, f"unexpected shape of {reply.partition(' ')[2]}")
 
-    # ---- upgrading an earlier layout -----------------------------------------------------
-
-    async def _upgrade(self) -> None:
-        """Bring a store of the layout before the hash chain up to date: every thread gets
-        its hash list (the hashes of its stored bodies), a schema-2 frontier with its head
-        and checksum, and its entry in the owner index. Idempotent; one upgrader at a
-        time (a lock key), the others wait for the layout key."""
-        schema_key = f"{self.prefix}:schema"
-        if await self.client.get(schema_key) == LAYOUT:
-            return
-        lock = f"{self.prefix}:upgrading"
-        if not await self.client.set(lock, "1", nx=True, ex=300):
-            await self._upgraded_elsewhere(schema_key)
-            return
-        try:
-            async for meta in self.client.scan_iter(match=f"{self.prefix}:thread:*:meta"):
-                await self._upgrade_thread(meta[len(f"{self.prefix}:thread:") : -len(":meta")])
-            await self.client.set(schema_key, LAYOUT)
-        finally:
-            await self.client.delete(lock)
-
-    async def _upgraded_elsewhere(self, schema_key: str, timeout_s: float = 300.0) -> None:
-        """Another process upgrades the layout: wait for it (the old layout cannot be used)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while await self.client.get(schema_key) != LAYOUT:
-            if loop.time() > deadline:
-                raise StoreUnavailable(f"redis at {self.where}: the layout upgrade did not finish")
-            await asyncio.sleep(0.1)
-
-    async def _upgrade_thread(self, thread: str) -> None:
-        meta = self._key(thread, "meta")
-        text, owner, checksum = await self.client.hmget(meta, ["frontier", "owner", "checksum"])
-        if text is None or checksum is not None:
-            return
-        bodies = await self.client.lrange(self._key(thread, "log"), 0, -1)
-        sums = [body_hash(str(b)) for b in bodies]
-        try:
-            frontier = Frontier.model_validate_json(text)
-        except ValidationError:
-            return  # left as it is: a load reports it corrupt
-        upgraded = frontier.model_copy(
-            update={"schema_version": FRONTIER_SCHEMA, "head": sums[-1] if sums else ""}
-        ).model_dump_json()
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key(thread, "sums"))
-            if sums:
-                pipe.rpush(self._key(thread, "sums"), *sums)
-            pipe.hset(
-                meta,
-                mapping={
-                    "frontier": upgraded,
-                    "checksum": frontier_checksum(upgraded),
-                    "head": sums[-1] if sums else "",
-                },
-            )
-            summary = summarize(frontier.model_copy(update={"owner": owner}))
-            if summary is not None:
-                pipe.hset(self._index(summary.state), thread, summary.model_dump_json())
-                if summary.state == "running":
-                    pipe.hset(self._owners(None if owner is None else str(owner)), thread, "1")
-            await pipe.execute()
-
 
 # ---- decoding: every stored shape is re-validated and fails closed ----------------------
+
+
+def _verified(
+    thread: str,
+    text: str | None,
+    version: str | None,
+    epoch: str | None,
+    checksum: str | None,
+    head: str | None,
+    n: int,
+    last: str | None,
+) -> Frontier:
+    """The stored frontier, as one atomic read found it with the head stored beside it
+    and the hash list's length ``n`` and last entry; fails closed on any mismatch."""
+    frontier = _decode_frontier(thread, text, version, epoch, checksum)
+    if frontier.version == 0 and n:  # check_head takes version 0 as empty
+        raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
+    check_head(thread, frontier, last if n == frontier.version else None)
+    if frontier.version and head != frontier.head:
+        raise CorruptRecord(thread, frontier.version, "the stored head is not the frontier's")
+    return frontier
 
 
 def _decode_frontier(

@@ -3,7 +3,8 @@
 Migrations: a versioned migration table, not alembic. ``ratchet_schema_version``
 holds one row per applied migration; ``MIGRATIONS`` is an ordered list of
 (version, step) and ``migrate`` applies, in one transaction, every step above the
-highest recorded version. A new schema change is a new entry at the end of the
+highest recorded version, and refuses a store whose recorded version is higher
+than its own. A new schema change is a new entry at the end of the
 list — never an edit of an old one. We chose this over alembic because the schema
 is three tables, it must migrate on connect in an embedded SQLite file with no
 tool installed, and the same few lines run on both dialects. On PostgreSQL an
@@ -51,6 +52,7 @@ from runtime.commit import FRONTIER_SCHEMA
 from runtime.errors import CorruptRecord
 from runtime.integrity import frontier_checksum
 from runtime.ports import host_of
+from storage.errors import StoreTooNew
 from storage.frontiers import decode_frontier
 
 metadata = MetaData()
@@ -191,15 +193,20 @@ _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet 
 
 
 def migrate(conn: Connection) -> int:
-    """Apply pending migrations in one transaction; returns the schema version."""
+    """Apply pending migrations in one transaction; returns the schema version.
+
+    A store whose schema is newer than this code is refused (``StoreTooNew``), and
+    nothing is written: by the rules of an older schema this code would corrupt it."""
     with conn.begin():
         if conn.dialect.name == "postgresql":
             conn.execute(text(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})"))
         schema_version.create(conn, checkfirst=True)
         current = conn.execute(select(func.max(schema_version.c.version))).scalar() or 0
+        if current > SCHEMA_VERSION:
+            raise StoreTooNew(current, SCHEMA_VERSION)
         for version, step in MIGRATIONS:
             if version > current:
                 step(conn)
                 applied = time.time_ns() // 1000
                 conn.execute(schema_version.insert().values(version=version, applied=applied))
-    return max(current, SCHEMA_VERSION)
+    return SCHEMA_VERSION

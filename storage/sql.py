@@ -58,7 +58,7 @@ thread — the single-writer funnel DESIGN §5 asks for, serialised across proce
 by a file lock — and reads on a dedicated reader thread, which in WAL mode never
 waits for the writer.
 
-Errors are translated in ``storage.sql_engine.translate``; messages name the
+Errors are translated in ``storage.sql_errors.translate``; messages name the
 store by ``redact(url)`` only. Every call has a deadline (``timeout_s``): a caller
 whose group or read has not answered by then gets StoreUnavailable (a hung server or
 SQLite file lock), and an append retried after it is harmless (idempotent by
@@ -85,7 +85,8 @@ from runtime.ports import CommittedRecord, RunSummary
 from storage.checkpoints import SqlCheckpointStore
 from storage.frontiers import FrontierCache
 from storage.schema import migrate
-from storage.sql_engine import Database, translate
+from storage.sql_engine import Database
+from storage.sql_errors import translate
 from storage.sql_statements import PG_PLANNED, pg_plan_refused
 from storage.sql_txn import (
     AppendRequest,

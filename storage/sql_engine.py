@@ -1,17 +1,8 @@
-"""Engines for SQLite and PostgreSQL, where transaction bodies run, and the one
-translation of driver errors.
+"""Engines for SQLite and PostgreSQL, and where transaction bodies run.
 
 Dialect differences are kept here as small overrides: URL mapping, SQLite's
 pragmas and BEGIN IMMEDIATE, where a transaction body runs (``Database``), the
-upsert construct. Error translation::
-
-    IntegrityError on (thread_id, operation_id)     -> DuplicateOperation
-    IntegrityError on (thread_id, seq), thread id   -> VersionConflict
-    any other IntegrityError (a trigger, a check)   -> StoreError (the commit refused)
-    connection refused / lost / reset, timeouts,
-    server shutting down or starting, too many
-    connections, deadlock, SQLite busy or locked    -> StoreUnavailable
-    any other driver error                          -> StoreError
+upsert construct. Driver errors are translated in ``storage.sql_errors``.
 
 Nothing above storage/ ever sees a sqlalchemy, asyncpg or sqlite3 exception.
 """
@@ -30,10 +21,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql.dml import Insert
 
-from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, VersionConflict
 from storage.url import redact, scheme_of
 
 if TYPE_CHECKING:  # the asyncio extension costs a process ~0.2 s to import: SQLite hosts
@@ -42,14 +32,7 @@ if TYPE_CHECKING:  # the asyncio extension costs a process ~0.2 s to import: SQL
         AsyncEngine,
     )
 
-# SQLSTATE classes that mean "try again later", never "your data is wrong":
-# 08 connection exception, 53 insufficient resources, 57 operator intervention
-# (admin shutdown, cannot connect now), 40 transaction rollback (deadlock, serialization).
-_TRANSIENT_SQLSTATE = ("08", "53", "57", "40")
-_TRANSIENT_WORDS = ("database is locked", "database is busy", "connection", "closed")
 _SYNCHRONOUS = ("off", "normal", "full", "extra")
-_OUR_KEYS = ("ratchet_commits.seq", "pk_ratchet_commits", "ratchet_threads")
-"""How SQLite and PostgreSQL name the keys whose violation means "someone wrote first"."""
 
 
 SQL_DIALECTS = ("sqlite", "postgresql")
@@ -411,65 +394,3 @@ def upsert_replace(dialect: str, table: Any, key: str, columns: list[str]) -> In
         index_elements=[key], set_={c: stmt.excluded[c] for c in columns}
     )
     return stmt  # type: ignore[no-any-return]
-
-
-def translate(
-    exc: BaseException,
-    where: str,
-    *,
-    thread: str = "?",
-    operation: str = "?",
-    expected: int = -1,
-    actual: int = -1,
-) -> StoreError:
-    """The one translation of a driver exception into Ratchet's error vocabulary."""
-    if isinstance(exc, StoreError):
-        return exc
-    if isinstance(exc, IntegrityError):
-        words = str(exc.orig)
-        if "operation" in words:
-            return DuplicateOperation(operation)
-        if any(key in words for key in _OUR_KEYS):
-            return VersionConflict(thread, expected, actual)
-        return StoreError(f"store {where} refused the commit: {_describe(exc)}")
-    if _transient(exc):
-        return StoreUnavailable(f"store {where} unavailable: {_describe(exc)}")
-    return StoreError(f"store {where} failed: {_describe(exc)}")
-
-
-def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, OSError | TimeoutError | ConnectionError):
-        return True
-    if isinstance(exc, DBAPIError):
-        if exc.connection_invalidated:
-            return True
-        return _transient_answer(_sqlstate(exc), str(exc.orig))
-    if isinstance(exc, SQLAlchemyError):
-        return False
-    if type(exc).__module__.startswith("asyncpg"):  # raised as is: Database.write_statement
-        state = getattr(exc, "sqlstate", None)
-        return _transient_answer(state if isinstance(state, str) else None, str(exc))
-    cause = exc.__cause__ or exc.__context__
-    return cause is not None and _transient(cause)
-
-
-def _transient_answer(state: str | None, message: str) -> bool:
-    """A driver's error by its SQLSTATE, or by its words where it carries none."""
-    if state is not None:
-        return state.startswith(_TRANSIENT_SQLSTATE)
-    return any(word in message.lower() for word in _TRANSIENT_WORDS)
-
-
-def _sqlstate(exc: DBAPIError) -> str | None:
-    for candidate in (exc.orig, getattr(exc.orig, "__cause__", None)):
-        state = getattr(candidate, "sqlstate", None) or getattr(candidate, "pgcode", None)
-        if isinstance(state, str):
-            return state
-    return None
-
-
-def _describe(exc: BaseException) -> str:
-    """Type and first line of the driver's message (never a URL: drivers do not echo it)."""
-    inner = getattr(exc, "orig", None) or exc
-    first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-    return f"{type(inner).__name__}: {first}"[:300]

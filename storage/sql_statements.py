@@ -95,9 +95,29 @@ LOAD = (
 HEAD = select(_t.version, _t.head).where(_t.thread_id == bindparam("thread"))
 READ = (
     select(_c.seq, _c.body, _c.payload_hash, _c.operation_id)
-    .where(_c.thread_id == bindparam("thread"), _c.seq >= bindparam("first"))
+    .where(
+        _c.thread_id == bindparam("thread"),
+        _c.seq >= bindparam("first"),
+        _c.seq <= bindparam("last"),
+    )
     .order_by(_c.seq)
 )
+"""The records from ``first`` up to ``last``, the head read before (later ones may be a
+concurrent append's)."""
+UNVOUCHED = select(
+    select(_t.version)
+    .where(_t.thread_id == bindparam("thread"))
+    .scalar_subquery()
+    .label("version"),
+    select(func.min(_c.seq))
+    .where(_c.thread_id == bindparam("thread"))
+    .scalar_subquery()
+    .label("first_seq"),
+)
+"""The thread row's version (None: no row) and its first record's seq, in one snapshot:
+asked only when a first look found no row, or one at version 0, which vouches for no
+record (a row that has moved on since is the thread's first append, landed after the
+look)."""
 _LISTED = select(_t.thread_id, _t.run_id, _t.run_state, _t.status, _t.version, _t.cause, _t.owner)
 LIST_ALL = _LISTED.where(_t.run_state.is_not(None)).order_by(_t.thread_id)
 LIST_STATE = _LISTED.where(_t.run_state == bindparam("state")).order_by(_t.thread_id)

@@ -34,7 +34,7 @@ from runtime.integrity import RawRecord, check_head, verified_records
 from runtime.ports import CommittedRecord, host_of
 from storage.frontiers import FrontierCache
 from storage.schema import commits, threads
-from storage.sql_engine import translate
+from storage.sql_errors import translate
 from storage.sql_statements import (
     HEAD,
     INSERT_COMMITS,
@@ -52,6 +52,7 @@ from storage.sql_statements import (
     SQLITE_RECEIPTS,
     SQLITE_ROWS,
     THREAD_IDS,
+    UNVOUCHED,
     UPDATE_THREADS,
     UPDATE_UNCHANGED,
 )
@@ -391,6 +392,8 @@ def _receipts(found: Iterable[DbRow]) -> Known:
 
 def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Frontier:
     row = conn.execute(LOAD, {"thread": thread}).first()
+    if row is None or row.version == 0:
+        _check_unvouched(conn, thread)
     if row is None:
         return Frontier(thread_id=thread)
     frontier = cache.decode(thread, row.frontier, row.version, row.checksum)
@@ -401,14 +404,30 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
 
 
 def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[CommittedRecord]:
-    """The log after ``after_seq``, verified. The head is read first: the log only grows,
-    so every record up to it is there when the records are read (two statements, each
-    its own snapshot)."""
+    """The log after ``after_seq`` up to the head, verified. The head is read first: the
+    log only grows, so every record up to it is there when the records are read (two
+    statements, each its own snapshot), and records past it, a concurrent append's, are
+    not read. A log that no thread row vouches for (none, version 0, no head) fails
+    closed."""
     head = conn.execute(HEAD, {"thread": thread}).first()
-    rows = conn.execute(READ, {"thread": thread, "first": max(after_seq, 1)})
+    if head is None or head.version == 0:
+        _check_unvouched(conn, thread)
+        return []
+    if head.head is None:  # a row migration 4 could not upgrade
+        raise CorruptRecord(thread, head.version, "the thread row names no head")
+    bounds = {"thread": thread, "first": max(after_seq, 1), "last": head.version}
+    rows = conn.execute(READ, bounds)
     raw = (RawRecord(r.seq, r.body, r.payload_hash, r.operation_id) for r in rows)
-    version = (head.version, head.head) if head is not None and head.head is not None else None
-    return verified_records(thread, raw, after_seq, version or (0, ""), exact=False)
+    return verified_records(thread, raw, after_seq, (head.version, head.head))
+
+
+def _check_unvouched(conn: Connection, thread: ThreadId) -> None:
+    """A first look found no thread row, or one at version 0: CorruptRecord if records
+    are stored all the same (``check_head`` and ``verified_records`` take version 0 for
+    an empty thread). A row found at a later version now is an append landed since."""
+    found = conn.execute(UNVOUCHED, {"thread": thread}).one()
+    if found.first_seq is not None and not found.version:
+        raise CorruptRecord(thread, found.first_seq, "the log has records no frontier vouches for")
 
 
 def thread_ids_body(conn: Connection, after: str, limit: int) -> list[ThreadId]:

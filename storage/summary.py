@@ -9,6 +9,7 @@ from runtime.lifecycle import EndedState
 from runtime.ports import RunSummary
 
 RunStateKind = Literal["running", "awaiting", "ended"]
+RUN_STATES: tuple[RunStateKind, ...] = ("running", "awaiting", "ended")
 
 
 def summarize(frontier: Frontier) -> RunSummary | None:

@@ -110,6 +110,21 @@ async def store(backend: str, backend_url: str) -> AsyncIterator[Any]:
         await s.close()
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+async def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """A fresh SQL store on each database in turn."""
+    backend = str(request.param)
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path}/sql.db"
+    else:
+        url = str(request.getfixturevalue("pg_conformance_url"))
+    s = await make_store(backend, url)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
 @pytest.fixture
 def corrupt(store: Any, backend: str) -> Corruptor:
     """Overwrite a stored commit record behind the store's back, as a disk might."""

@@ -133,6 +133,71 @@ async def test_of_two_claims_of_one_epoch_exactly_one_lands(store: Any) -> None:
     assert (await store.load(T)).owner == won[0].owner
 
 
+CLAIMS = 30
+
+
+async def test_a_claim_lands_while_the_owner_keeps_appending(store: Any) -> None:
+    """A claim decides by the epoch alone: appends of the owner it supersedes that the
+    claimer never saw (landed since it looked, or while the claim is on its way) neither
+    refuse it nor go missing from the frontier it returns. The owner appends without
+    pause, under the epoch of the last claim once it has heard of it; each claim waits
+    for an append under the epoch it supersedes and goes while the next one is under
+    way. (Redis, where a claim reads before its script writes: test_redis_store.py.)"""
+    first = await _started(store)
+    shared = asyncio.Condition()
+    epoch, done = first, False
+    landed: dict[int, int] = {}
+    """Appends landed under each epoch."""
+    last = 1
+    """The version the owner's last landed append made."""
+
+    async def owner() -> None:
+        nonlocal last
+        f = await store.load(T)
+        version, prev, ordinal = f.version, f.head, f.next_ordinal
+        while not done:
+            mine = epoch
+            commit = step(T, "run-1", ordinal, "on", prev=prev, epoch=mine)
+            try:
+                receipt = await store.append(commit, version, mine)
+            except Fenced:  # a claim landed: go on under its epoch, once the claimer says
+                async with shared:
+                    await shared.wait_for(lambda mine=mine: epoch != mine or done)
+                continue
+            version, prev, ordinal = receipt.seq, receipt.payload_hash, ordinal + 1
+            await asyncio.sleep(0)  # the in-memory store never yields by itself
+            async with shared:  # the claimer wakes once the next append is on its way
+                landed[mine], last = landed.get(mine, 0) + 1, version
+                shared.notify_all()
+
+    overlapped = 0
+    writer = asyncio.create_task(owner())
+    try:
+        async with asyncio.timeout(60):
+            for i in range(CLAIMS):
+                async with shared:
+                    await shared.wait_for(lambda now=epoch: landed.get(now, 0) > 0)
+                    before = last
+                claimed = await store.claim(T, f"claimer-{i}", epoch)
+                assert (claimed.epoch, claimed.owner) == (first + i + 1, f"claimer-{i}")
+                overlapped += claimed.version > before
+                records = await store.read(T)  # what it returns is the log's fold at its version
+                _same_log(claimed, replay(T, [r.commit for r in records[: claimed.version]]))
+                async with shared:
+                    epoch = claimed.epoch
+                    shared.notify_all()
+    finally:
+        async with shared:
+            done = True
+            shared.notify_all()
+        await writer
+    assert sum(landed.values()) >= CLAIMS
+    assert overlapped > 0, "no claim met an append its claimer had not seen"
+    frontier = await store.load(T)
+    assert (frontier.epoch, frontier.owner) == (first + CLAIMS, f"claimer-{CLAIMS - 1}")
+    _same_log(frontier, replay(T, [r.commit for r in await store.read(T)]))
+
+
 async def test_an_append_carries_its_own_claim(store: Any) -> None:
     epoch = await _started(store)
     assert (await store.load(T)).owner == "owner-1"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -31,20 +30,14 @@ POISON = "POISON-PILL"
 SLOW = "SLOW-COMMIT"
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def sql_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    backend = str(request.param)
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path}/poison.db"
-    else:
-        url = str(request.getfixturevalue("pg_conformance_url"))
-    store = await make_store(backend, url)
-    await _install_poison(store)
+@pytest.fixture
+async def sql_store(sql_store: SqlCommitStore) -> AsyncIterator[SqlCommitStore]:
+    """conftest's store on each database, with the poison trigger."""
+    await _install_poison(sql_store)
     try:
-        yield store
+        yield sql_store
     finally:
-        await _remove_poison(store)
-        await store.close()
+        await _remove_poison(sql_store)
 
 
 async def _install_poison(store: SqlCommitStore) -> None:

@@ -39,7 +39,7 @@ from runtime import (
 from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
-from runtime.integrity import audit
+from runtime.integrity import audit, frontier_checksum
 from runtime.lifecycle import AwaitingState, answer
 from storage.schema import commits, threads
 
@@ -152,6 +152,15 @@ class SqlTamper:
         """Columns of the thread row: frontier, checksum, version, head."""
         await self._run(update(threads).where(threads.c.thread_id == self.thread).values(values))
 
+    async def drop_thread(self) -> None:
+        """Delete the thread row, leaving its log."""
+        await self._run(delete(threads).where(threads.c.thread_id == self.thread))
+
+    async def reset_frontier(self, empty: Frontier) -> None:
+        """The thread row put back at version 0 with a frontier that checks out."""
+        text = empty.model_dump_json()
+        await self.set_meta(frontier=text, checksum=frontier_checksum(text), version=0, head="")
+
     async def snapshot(self) -> Any:
         rows = await self._run(select(commits).order_by(commits.c.thread_id, commits.c.seq))
         return [tuple(r) for r in rows], [tuple(r) for r in await self._run(select(threads))]
@@ -183,6 +192,14 @@ class RedisTamper:
     async def set_meta(self, **values: Any) -> None:
         await self.client.hset(self.meta, mapping={k: str(v) for k, v in values.items()})
 
+    async def drop_thread(self) -> None:
+        """Delete the meta hash (frontier, head, version), leaving the log and its hashes."""
+        await self.client.delete(self.meta)
+
+    async def reset_frontier(self, empty: Frontier) -> None:
+        text = empty.model_copy(update={"epoch": 0, "owner": None}).model_dump_json()
+        await self.set_meta(frontier=text, checksum=frontier_checksum(text), version=0, head="")
+
     async def snapshot(self) -> Any:
         dump = {}
         async for key in self.client.scan_iter(match=f"{self.prefix}:*"):
@@ -207,6 +224,12 @@ class MemoryTamper:
 
     async def delete(self, seq: int) -> None:
         self.store.delete(self.thread, seq)
+
+    async def drop_thread(self) -> None:
+        self.store.drop_frontier(self.thread)
+
+    async def reset_frontier(self, empty: Frontier) -> None:
+        self.store._threads[self.thread].frontier = empty  # no test aid: a frontier object
 
     async def snapshot(self) -> Any:
         t = self.store._threads[self.thread]  # no public view of the raw log

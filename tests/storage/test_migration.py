@@ -8,7 +8,8 @@ only, and the thread table the shape schema 3 gave it (migration 1 creates today
 tables, so the columns migration 4 adds are dropped again). Then connecting must
 migrate, every read and load must verify, ``ratchet verify --all`` must pass, the
 Runs must go on (a recovery, a resume, a new Run: each new commit chains from the
-stored head), and a second connect must change nothing.
+stored head), and a second connect must change nothing; a store of a newer schema is
+refused, untouched. The Redis layout's upgrade, on the same old data: test_redis_upgrade.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,21 +29,20 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from runtime import Agent, Crash, FaultPlan, InProcessRunner, ModelResponse, ScriptedModel
 from runtime.base import canonical_json
-from runtime.commit import Frontier, Receipt
+from runtime.commit import Frontier
+from runtime.errors import StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.integrity import frontier_checksum
 from runtime.lifecycle import AwaitingState, PermissionDecision, answer
 from runtime.ports import host_of
+from storage.errors import StoreTooNew
 from storage.memory import MemoryCommitStore
-from storage.redis_store import RedisCommitStore
 from storage.schema import MIGRATIONS, SCHEMA_VERSION, commits, schema_version, threads
 from storage.sql import SqlCommitStore
-from storage.summary import listing, summarize
+from storage.summary import listing
 from tests.storage.test_integrity import permission_agent
 from tests.storage.test_verify_cli import ratchet
 
-REDIS_DB = 13
-"""This file's own Redis database (flushed before and after each test)."""
 OLD_COMMIT_KEYS = frozenset(
     {"thread_id", "run_id", "ordinal", "label", "disposition", "messages", "commands"}
     | {"batch", "status", "events"}
@@ -94,6 +94,17 @@ def old_body(encoded: str) -> str:
     return canonical_json({"schema_version": 1, **data})
 
 
+async def as_old(store: MemoryCommitStore, thread: ThreadId) -> Old:
+    """A thread of the memory store as the old stores held it."""
+    records = await store.read(thread)
+    return Old(
+        await store.load(thread),
+        [old_body(r.commit.encoded) for r in records],
+        [r.commit.operation_id for r in records],
+        [r.commit.label for r in records],
+    )
+
+
 async def old_threads(ran: list[str], *, claimed: bool = True) -> list[Old]:
     """Real Runs: one awaiting permission, one whose driver died, one ended, and a thread
     only claimed (no Run yet)."""
@@ -109,17 +120,7 @@ async def old_threads(ran: list[str], *, claimed: bool = True) -> list[Old]:
     if claimed:
         await store.claim(CLAIMED, "host-a#1", 0)
         names.append(CLAIMED)
-    olds = []
-    for name in names:
-        records = await store.read(name)
-        olds.append(
-            Old(
-                await store.load(name),
-                [old_body(r.commit.encoded) for r in records],
-                [r.commit.operation_id for r in records],
-                [r.commit.label for r in records],
-            )
-        )
+    olds = [await as_old(store, name) for name in names]
     assert [o.frontier.run_state and o.frontier.run_state.kind for o in olds][:3] == [
         "awaiting",
         "running",
@@ -166,6 +167,23 @@ async def verify_all(url: str, threads_: int) -> None:
     result = await ratchet("verify", "--all", "--store", url)
     assert result.exit_code == 0, result.output
     assert f"{threads_} threads audited, 0 with problems" in result.stdout
+
+
+Upgraded = Callable[[str, list[str]], Awaitable[tuple[Any, list[Old]]]]
+"""Writes the old data at a URL and connects: the store upgraded, the old threads."""
+
+
+async def verifies_and_runs_go_on(url: str, upgraded: Upgraded) -> None:
+    """``ratchet verify --all`` passes on the upgraded store; after ``go_on`` every old
+    thread ends in a schema-2 commit, and it passes again."""
+    ran: list[str] = []
+    store, olds = await upgraded(url, ran)
+    try:
+        await verify_all(url, len(olds))
+        await go_on(store, ran, olds)
+    finally:
+        await store.close()
+    await verify_all(url, len(olds))
 
 
 # ---- SQL: schema 3 ------------------------------------------------------------------------
@@ -260,20 +278,8 @@ async def test_a_schema_3_store_migrates_and_verifies(sql_url: str) -> None:
         await store.close()
 
 
-async def test_ratchet_verify_passes_on_a_migrated_store(sql_url: str) -> None:
-    store, olds = await migrated_sql(sql_url, [])
-    await store.close()
-    await verify_all(sql_url, len(olds))
-
-
-async def test_runs_go_on_on_a_migrated_store(sql_url: str) -> None:
-    ran: list[str] = []
-    store, olds = await migrated_sql(sql_url, ran)
-    try:
-        await go_on(store, ran, olds)
-    finally:
-        await store.close()
-    await verify_all(sql_url, len(olds))  # every old thread now ends in a schema-2 commit
+async def test_a_migrated_store_verifies_and_its_runs_go_on(sql_url: str) -> None:
+    await verifies_and_runs_go_on(sql_url, migrated_sql)
 
 
 async def test_connecting_again_changes_nothing(sql_url: str) -> None:
@@ -312,92 +318,22 @@ async def test_one_bad_old_frontier_does_not_keep_the_store_shut(sql_url: str) -
     assert result.exit_code == 1 and f"thread '{DONE}' seq 2:" in result.stderr
 
 
-# ---- Redis: the layout before the chain ---------------------------------------------------
-
-
-@pytest.fixture
-async def redis_old(redis_url: str) -> AsyncIterator[str]:
-    url = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    client = (await RedisCommitStore.connect(url)).client
-    await client.flushdb()  # (that connect saw an empty store: nothing was upgraded)
+async def test_a_store_of_a_newer_schema_is_refused(sql_url: str) -> None:
+    """A store migrated by a later Ratchet: this one must not write it by older rules."""
+    await (await SqlCommitStore.connect(sql_url)).close()
+    engine = create_async_engine(_driver(sql_url))
     try:
-        yield url
+        async with engine.begin() as conn:
+            newer = schema_version.insert().values(version=SCHEMA_VERSION + 1, applied=0)
+            await conn.execute(newer)
+            before = await conn.run_sync(_dump)
+        with pytest.raises(StoreTooNew) as info:
+            await SqlCommitStore.connect(sql_url)
+        assert (info.value.found, info.value.known) == (SCHEMA_VERSION + 1, SCHEMA_VERSION)
+        words = f"store schema {SCHEMA_VERSION + 1} is newer than this Ratchet ({SCHEMA_VERSION})"
+        assert str(info.value) == f"{words}: upgrade Ratchet"
+        assert not isinstance(info.value, StoreUnavailable)  # retrying will not help
+        async with engine.connect() as conn:
+            assert await conn.run_sync(_dump) == before
     finally:
-        await client.flushdb()
-        await client.aclose()
-
-
-async def write_old_redis(store: RedisCommitStore, olds: list[Old]) -> None:
-    """The keys of the layout before the chain: no sums, no checksum, no head, no owner
-    index, no schema key; the frontier text at schema 1, its epoch and owner beside it."""
-    client, prefix = store.client, store.prefix
-    await client.delete(f"{prefix}:schema")
-    for old in olds:
-        f, key = old.frontier, f"{prefix}:thread:{old.thread}"
-        meta = {"frontier": json.dumps(old.frontier_json(ownerless=True))}
-        meta |= {"epoch": str(f.epoch), "owner": f.owner or "", "version": str(f.version)}
-        meta |= {"run_id": f.run_id or "", "ended": "1" if f.ended else "0"}
-        await client.hset(f"{key}:meta", mapping=meta)
-        await client.rpush(f"{key}:log", *old.bodies)
-        receipts = {
-            op: Receipt(thread_id=f.thread_id, seq=seq, operation_id=op, payload_hash=sha(b))
-            for seq, (b, op) in enumerate(zip(old.bodies, old.operations, strict=True), 1)
-        }
-        await client.hset(
-            f"{key}:ops", mapping={k: r.model_dump_json() for k, r in receipts.items()}
-        )
-        summary = summarize(f)
-        assert summary is not None
-        await client.hset(f"{prefix}:runs:{summary.state}", old.thread, summary.model_dump_json())
-
-
-async def _redis_dump(store: RedisCommitStore) -> dict[str, Any]:
-    from tests.storage.test_integrity import RedisTamper
-
-    return dict(await RedisTamper(store, ThreadId("-")).snapshot())
-
-
-async def upgraded_redis(url: str, ran: list[str]) -> tuple[RedisCommitStore, list[Old]]:
-    olds = await old_threads(ran, claimed=False)
-    writer = await RedisCommitStore.connect(url)
-    await write_old_redis(writer, olds)
-    await writer.close()
-    return await RedisCommitStore.connect(url), olds
-
-
-async def test_an_old_redis_layout_upgrades_and_verifies(redis_old: str) -> None:
-    store, olds = await upgraded_redis(redis_old, [])
-    try:
-        client, prefix = store.client, store.prefix
-        assert await client.get(f"{prefix}:schema") == "2"
-        for old in olds:
-            key = f"{prefix}:thread:{old.thread}"
-            assert await client.lrange(f"{key}:sums", 0, -1) == [sha(b) for b in old.bodies]
-            meta = await client.hgetall(f"{key}:meta")
-            assert meta["head"] == old.head
-            assert meta["checksum"] == frontier_checksum(meta["frontier"])
-        crashed = next(o.frontier for o in olds if o.thread == CRASHED)
-        owners = await client.hkeys(f"{prefix}:owner:{host_of(crashed.owner)}")
-        assert owners == [CRASHED]  # the running Run is in its host's owner index
-        await check_verified(store, olds)
-        upgraded = await _redis_dump(store)
-        await (await RedisCommitStore.connect(redis_old)).close()
-        assert await _redis_dump(store) == upgraded  # a second connect changes nothing
-    finally:
-        await store.close()
-
-
-async def test_ratchet_verify_passes_on_an_upgraded_redis_store(redis_old: str) -> None:
-    store, olds = await upgraded_redis(redis_old, [])
-    await store.close()
-    await verify_all(redis_old, len(olds))
-
-
-async def test_runs_go_on_on_an_upgraded_redis_store(redis_old: str) -> None:
-    ran: list[str] = []
-    store, olds = await upgraded_redis(redis_old, ran)
-    try:
-        await go_on(store, ran, olds)
-    finally:
-        await store.close()
-    await verify_all(redis_old, len(olds))
+        await engine.dispose()

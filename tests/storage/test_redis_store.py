@@ -26,9 +26,10 @@ from runtime.errors import (
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import Cancelled, EndedState, RunningState
 from runtime.messages import UserMessage
-from runtime.ports import StreamCheckpoint
+from runtime.ports import RunSummary, StreamCheckpoint
 from storage.redis_checkpoints import RedisCheckpointStore
 from storage.redis_store import RedisCommitStore
+from tests.storage.builders import activation, step
 
 TEST_DB = 12
 """This file's own Redis database; keys carry a per-test prefix as well."""
@@ -199,6 +200,55 @@ async def test_claims_never_touch_the_frontier(store: RedisCommitStore) -> None:
     assert unowned(after) == unowned(before)
     text = await store.client.hget(f"{store.prefix}:thread:claims:meta", "frontier")
     assert '"owner":null' in text  # ownership lives beside the frontier, not in it
+
+
+async def test_a_claim_lands_on_appends_made_after_its_load(store: RedisCommitStore) -> None:
+    """The claim script decides by the epoch alone: appends of the superseded owner that
+    land between the claimer's load and its script neither refuse the claim nor go
+    missing from the frontier it answers; the run and owner indexes follow the claim,
+    the new owner written into the run-index entry as JSON (a quote, a non-ASCII char)."""
+    thread = ThreadId("claimed-late")
+    epoch = (await store.claim(thread, "host-a#1", 0)).epoch
+    r1 = await store.append(activation(thread, "run-1", epoch=epoch), 0, epoch)
+    looked = await store.load(thread)  # the claimer's look
+    r2 = await store.append(step(thread, "run-1", 1, prev=r1.payload_hash, epoch=epoch), 1, epoch)
+    owner = 'host-b#2 "the \\ second" \u00e9'
+    claimed = await store._claim(looked, owner)
+    assert (claimed.version, claimed.head) == (2, r2.payload_hash)
+    assert (claimed.epoch, claimed.owner) == (epoch + 1, owner)
+    assert claimed == await store.load(thread)
+    (listed,) = await store.list_runs("running")
+    assert (listed.version, listed.owner) == (2, owner)
+    assert await store.list_runs("running", host="host-b") == [listed]
+    assert await store.list_runs("running", host="host-a") == []
+    with pytest.raises(Fenced) as stale:  # the look's epoch is superseded now
+        await store._claim(looked, "host-c#3")
+    assert (stale.value.epoch, stale.value.current) == (epoch, epoch + 1)
+    assert await store.list_runs("running") == [listed]  # and a refused claim wrote nothing
+    await store.claim(thread, "host-c#3", epoch + 1)  # it finds the escaped owner's end
+    assert [r.owner for r in await store.list_runs("running")] == ["host-c#3"]
+
+
+def test_the_claim_script_patches_the_last_field_of_a_run_summary() -> None:
+    """The claim script rewrites the owner at the end of a run-index entry in place: it
+    must stay RunSummary's last field (an entry with more after it is reported corrupt)."""
+    assert list(RunSummary.model_fields)[-1] == "owner"
+
+
+async def test_a_run_index_entry_not_ending_in_its_owner_is_reported_not_rewritten(
+    store: RedisCommitStore,
+) -> None:
+    thread = ThreadId("odd-entry")
+    epoch = (await store.claim(thread, "host-a#1", 0)).epoch
+    await store.append(activation(thread, "run-1", epoch=epoch), 0, epoch)
+    index = f"{store.prefix}:runs:running"
+    entry = str(await store.client.hget(index, thread))
+    for odd in (entry[:-1] + ',"later":1}', entry.replace(',"owner":', ',"OWNER":')):
+        await store.client.hset(index, thread, odd)
+        with pytest.raises(CorruptRecord):
+            await store.claim(thread, "host-b#2", epoch)
+        assert (await store.load(thread)).epoch == epoch  # nothing written
+        assert await store.client.hget(index, thread) == odd
 
 
 def dead_url() -> str:

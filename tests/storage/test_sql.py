@@ -22,7 +22,7 @@ from runtime.errors import (
 from runtime.ids import ThreadId
 from storage.schema import SCHEMA_VERSION, commits, schema_version
 from storage.sql import LINGER_TURNS, SqlCommitStore
-from storage.sql_engine import translate
+from storage.sql_errors import translate
 from tests.storage.builders import activation, ended, head, step
 from tests.storage.conftest import make_store
 
