@@ -14,7 +14,8 @@ Supervisor was down, or a re-placement failed) and does the same. A Run whose
 recovery keeps failing is dead-lettered (``failed(recovery)``) by ``mark_lost``: a
 recovery counts as failed when the host refuses it or dies doing it. The same sweep
 hands an ended child's outcome to a parent still awaiting it, should the hand-over of
-the child's host have been lost (``actors.deliveries``).
+the child's host have been lost (``actors.deliveries``), and resumes a Run paused until
+a time that has come (``actors.schedule``).
 
 Take-overs run in the background, ``TAKE_OVERS`` at a time, each re-placement within
 ``SystemSpec.recover_timeout_s``: a hung host delays only the Runs sent to it, never
@@ -39,6 +40,7 @@ from actors.children import RayChildRunner
 from actors.deliveries import AWAITING_DELEGATION, redeliver
 from actors.ownership import EXECUTION_LOST, mark_lost
 from actors.run_host import dedicated_host, hosted_host
+from actors.schedule import AWAITING_PAUSE, fire_due
 from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
 from actors.wire import (
@@ -190,13 +192,13 @@ class Supervisor:
         for host, lost in zip(hosts, orphaned, strict=True):
             if lost:  # a live host reconciles its own Runs
                 self.counts["orphans"] += self._take_over_all(by_host[host])
-        # parents at rest until a child's outcome comes, whose hand-over may have been lost
-        parents = [
-            s.thread_id
-            for s in await self.store.list_runs("awaiting")
-            if s.status.reason == AWAITING_DELEGATION and self._ours(s)
-        ]
+        # Runs at rest that wait for the system, not for a person: parents awaiting a
+        # child's outcome (its hand-over may have been lost) and Runs paused until a time
+        awaiting = [s for s in await self.store.list_runs("awaiting") if self._ours(s)]
+        parents = [s.thread_id for s in awaiting if s.status.reason == AWAITING_DELEGATION]
+        paused = [s.thread_id for s in awaiting if s.status.reason == AWAITING_PAUSE]
         self.counts["outcomes_handed"] += await redeliver(self.store, parents, self._host_of)
+        self.counts["pauses_resumed"] += await fire_due(self.store, paused, self._host_of, now_us())
 
     def _ours(self, summary: RunSummary) -> bool:
         """Owned by this system's hosts (or this actor)."""

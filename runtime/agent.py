@@ -28,6 +28,9 @@ class Agent:
     """The system prompt, sent with every inference (``InferenceRequest.system``)."""
     inference_attempts: int = 2
     """Attempts per inference before the Run ends failed(inference)."""
+    rate_limit_wait_s: float = 60.0
+    """Seconds a Run may spend waiting out rate limits (``ModelRateLimited``) in all;
+    a wait beyond it pauses the Run ``awaiting(pause(rate_limit))`` instead."""
     delegation: DelegationLimits = field(default_factory=DelegationLimits)
     """Limits on the child Runs this agent's Runs may start."""
     _by_id: Mapping[str, Tool] = field(init=False, repr=False, compare=False)

@@ -71,7 +71,15 @@ from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, result_messages, resume_commit
-from runtime.signals import CancelledSignal, CancelSignal, EndRun, RunOver, cancelling, guarded
+from runtime.signals import (
+    CancelledSignal,
+    CancelSignal,
+    EndRun,
+    PauseRun,
+    RunOver,
+    cancelling,
+    guarded,
+)
 from runtime.timeutil import now_us
 from runtime.toolbatch import Opening, advance_batch, run_wave
 
@@ -397,7 +405,14 @@ class Engine(Committing):
         else:
             context = (*hooks.context, *([salvaged] if salvaged else []))
             history = (*f.messages, *results, *context)
-            response = await self.inference.infer(ctx, step, history, last)
+            try:
+                response = await self.inference.infer(ctx, step, history, last)
+            except PauseRun as pause:  # the Step starts over when the Run is resumed
+                ctx.execution.wait_request = pause.target
+                ctx.pending.extend(hooks.commands)
+                if prior is not None:  # its StepEnd hooks ran: not again on the resume
+                    ctx.ended_step(prior.batch_id, ())
+                return
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
         # Tools were withheld on the last Step: calls the model makes anyway are dropped,
         # never committed without results (every provider refuses a history with a

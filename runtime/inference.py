@@ -12,10 +12,10 @@ from runtime.agent import Agent
 from runtime.base import evolve, trusted
 from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
 from runtime.context import RunContext
-from runtime.errors import InputRefused
+from runtime.errors import InputRefused, ModelError, ModelRateLimited, ModelRefused
 from runtime.events import Delta
 from runtime.ids import CallId, ThreadId
-from runtime.lifecycle import Failed
+from runtime.lifecycle import Failed, PauseTarget
 from runtime.limits import (
     CONTROL_CHARS,
     Limits,
@@ -33,7 +33,8 @@ from runtime.messages import (
     UserMessage,
 )
 from runtime.models import InferenceRequest, ModelResponse
-from runtime.signals import CancelledSignal, EndRun, cancelling
+from runtime.signals import CancelledSignal, EndRun, PauseRun, cancelling
+from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -64,6 +65,8 @@ class Inference:
         self.use_checkpoint = False
         """Set by a recovery: the first Step may use the stream checkpoint."""
         self.checkpointed = False
+        self.rate_limit_waited = 0.0
+        """Seconds this engine's Run has spent waiting out rate limits."""
 
     async def salvage(self, ctx: RunContext, step: int) -> Admitted | ContextMessage | None:
         """On the first Step after recovery only: what the stream checkpoint offers (a
@@ -100,15 +103,22 @@ class Inference:
         raising, or answering what cannot be committed — is the model's: the inference is
         tried again, and after the last attempt the Run ends failed(inference)."""
         error: BaseException | None = None
-        for attempt in range(1, self.agent.inference_attempts + 1):
+        attempt = failures = 0
+        while failures < self.agent.inference_attempts:
             if self.is_cancelled():
                 raise CancelledSignal
+            attempt += 1
             request = _request(self.agent, ctx, step, attempt, history, last)
             try:
                 response = await self.guard(self._stream(ctx, request))
                 return admit_response(response, self.limits)
             except CancelledSignal:
                 raise
+            except ModelRefused as exc:  # asking again cannot help: the Run ends now
+                raise EndRun(_failed(exc)) from None
+            except ModelRateLimited as exc:  # wait it out, within the Run's budget
+                await self._back_off(ctx, exc, attempt)
+                continue
             except asyncio.CancelledError as exc:
                 if cancelling():
                     raise  # the Run's task is being cancelled: it goes on unwinding
@@ -117,9 +127,22 @@ class Inference:
             except Exception as exc:  # a model failure of any kind is the model's, not ours
                 error = exc
                 log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
+            failures += 1
         assert error is not None
-        code = error.limit if isinstance(error, InputRefused) else type(error).__name__
-        raise EndRun(Failed(failure="inference", code=code, message=printable(str(error))))
+        raise EndRun(_failed(error))
+
+    async def _back_off(self, ctx: RunContext, limited: ModelRateLimited, attempt: int) -> None:
+        """Wait as the provider asks (else 1, 2, 4 … s, at most 60); a wait past the Run's
+        budget pauses the Run ``awaiting(pause(rate_limit))`` until then instead."""
+        wait = limited.retry_after_s
+        if wait is None or wait < 0:
+            wait = min(2.0 ** min(attempt - 1, 6), 60.0)
+        log.info("run %s rate limited (%s): waiting %.1fs", ctx.run_id, limited.code, wait)
+        if self.rate_limit_waited + wait > self.agent.rate_limit_wait_s:
+            resume_at = now_us() + int(wait * 1_000_000)
+            raise PauseRun(PauseTarget(reason="rate_limit", resume_at_us=resume_at))
+        self.rate_limit_waited += wait
+        await self.guard(asyncio.sleep(wait))  # a cancel ends the wait
 
     async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
         response: ModelResponse | None = None
@@ -175,6 +198,15 @@ def _request(
     if all(type(m) in _MESSAGE_TYPES for m in history):
         return trusted(InferenceRequest, messages=history, **parts)
     return InferenceRequest(messages=history, **parts)
+
+
+def _failed(error: BaseException) -> Failed:
+    """The end of a Run whose inference failed: the provider's code where it gave one."""
+    if isinstance(error, ModelError):
+        code = error.code
+    else:
+        code = error.limit if isinstance(error, InputRefused) else type(error).__name__
+    return Failed(failure="inference", code=printable(code, 80), message=printable(str(error)))
 
 
 # ---- what of a response may be committed --------------------------------------------

@@ -84,6 +84,9 @@ PauseReason = Literal["manual", "rate_limit", "budget"]
 class PauseTarget(Frozen):
     kind: Literal["pause"] = "pause"
     reason: PauseReason = "manual"
+    resume_at_us: int | None = None
+    """When the Run may go on (microseconds since the epoch): on a cluster the
+    Supervisor resumes it then; None: only a caller's ``Unpause`` does."""
 
 
 ResumeTarget = Annotated[

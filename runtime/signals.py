@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from runtime.lifecycle import EndCause
+from runtime.lifecycle import EndCause, PauseTarget
 
 T = TypeVar("T")
 
@@ -26,6 +26,15 @@ class EndRun(Exception):
     def __init__(self, cause: EndCause) -> None:
         super().__init__(cause.kind)
         self.cause = cause
+
+
+class PauseRun(Exception):
+    """Carrying out a Step decided that the Run must pause at this Step's start
+    (``target``: a rate limit that outlasted the Run's backoff budget, say)."""
+
+    def __init__(self, target: PauseTarget) -> None:
+        super().__init__(target.reason)
+        self.target = target
 
 
 def cancelling() -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from runtime.agent import Agent
 from runtime.delegation import delegate_tool
@@ -68,3 +69,21 @@ def _delegating(name: str, child: str) -> Agent:
 
 parent_of_napper = _delegating("parent-of-napper", "tests.ray.agents:long_napping_agent")
 parent_of_worker = _delegating("parent-of-worker", f"{HERE}:worker")
+
+
+class _LimitedUntil:
+    """Rate limited until the time its Run's input names (``until:<epoch seconds>``),
+    wherever and however often it is asked: the same on any host, after any resume."""
+
+    async def stream(self, request: InferenceRequest):  # type: ignore[no-untyped-def]
+        from runtime.errors import ModelRateLimited
+
+        until = float(request.messages[0].text.partition(":")[2])
+        left = until - time.time()
+        if left > 0:
+            raise ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=left)
+        yield ModelResponse(text="served")
+
+
+rate_limited_agent = Agent(name="rate_limited", model=_LimitedUntil(), rate_limit_wait_s=0.0)
+"""Pauses ``awaiting(pause(rate_limit))`` at once: it may not wait in the Run at all."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from sqlalchemy import select, update
@@ -157,3 +158,28 @@ async def test_a_claim_whose_answer_is_lost_is_store_unavailable(make_system):
         return (await client.store.load(thread)).owner == "edge-owner"
 
     await wait_for(landed, what="the claim whose answer was lost to land")
+
+
+async def test_a_run_paused_by_a_rate_limit_is_resumed_when_its_time_comes(make_system):
+    """The model is rate limited for two seconds more than the Run may wait in memory:
+    the Run pauses at rest with the time it may go on, and the Supervisor resumes it."""
+    client = await make_system()
+    until = time.time() + 2.0
+    handle = await client.start(f"{HERE}:rate_limited_agent", f"until:{until}")
+    paused = await handle.result(timeout_s=60)  # at rest: paused, until its time comes
+    assert isinstance(paused.run_state, AwaitingState)
+
+    async def ended() -> bool:
+        return (await handle.frontier()).ended
+
+    await wait_for(ended, what="the Supervisor to resume the paused Run")
+    done = await handle.frontier()
+    assert done.run_state.cause.kind == "natural" and done.messages[-1].text == "served"
+    assert time.time() >= until
+    pauses = [
+        r.commit.disposition.ticket.target
+        for r in await client.store.read(handle.thread_id)
+        if isinstance(r.commit.disposition, AwaitingState)
+    ]
+    assert [(p.kind, p.reason) for p in pauses] == [("pause", "rate_limit")]
+    assert pauses[0].resume_at_us >= int(until * 1e6) - 1_000_000

@@ -1,0 +1,112 @@
+"""What each classified model failure does to a Run: a refusal ends it at once, a
+transient failure is tried again, a rate limit is waited out within the Run's budget
+and past it pauses the Run until the time the provider named."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from runtime import (
+    Agent,
+    InferenceRequest,
+    InProcessRunner,
+    ModelDelta,
+    ModelRateLimited,
+    ModelRefused,
+    ModelResponse,
+    ModelUnavailable,
+    answer,
+    call,
+    tool,
+)
+from runtime.lifecycle import Unpause
+from runtime.timeutil import now_us
+from storage.memory import MemoryCommitStore
+
+
+class FailingModel:
+    """Raises the errors planned for a Step, one per request, then answers it."""
+
+    def __init__(
+        self,
+        errors: list[Exception],
+        respond: Callable[[InferenceRequest], ModelResponse],
+        at_step: int = 0,
+    ) -> None:
+        self.errors, self.respond, self.at_step = errors, respond, at_step
+        self.requests: list[InferenceRequest] = []
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        self.requests.append(request)
+        if request.step == self.at_step and self.errors:
+            raise self.errors.pop(0)
+        yield ModelDelta(text="partial ")
+        yield self.respond(request)
+
+
+def say(text: str) -> Callable[[InferenceRequest], ModelResponse]:
+    return lambda request: ModelResponse(text=text)
+
+
+def failure(f) -> tuple[str, str, str]:
+    cause = f.run_state.cause
+    return cause.failure, cause.code, cause.message
+
+
+async def run(model, **agent) -> tuple[InProcessRunner, object]:
+    runner = InProcessRunner(Agent(name="a", model=model, **agent), MemoryCommitStore())
+    return runner, await runner.start("go", thread_id="t")
+
+
+async def test_a_refused_request_ends_the_run_at_once_with_the_providers_message():
+    model = FailingModel([ModelRefused("context_length", "too many tokens", status=400)], say("x"))
+    _, f = await run(model, inference_attempts=5)
+    assert failure(f) == ("inference", "context_length", "too many tokens")
+    assert len(model.requests) == 1  # never asked again
+
+
+async def test_a_transient_failure_is_tried_again_as_a_new_attempt():
+    model = FailingModel([ModelUnavailable("status_500", "server error", status=500)], say("ok"))
+    _, f = await run(model)
+    assert f.run_state.cause.kind == "natural" and f.messages[-1].text == "ok"
+    assert [r.attempt for r in model.requests] == [1, 2]
+
+
+async def test_transient_failures_on_every_attempt_end_the_run_with_the_last_code():
+    errors = [ModelUnavailable("timeout", "timed out"), ModelUnavailable("stream_cut", "cut")]
+    _, f = await run(FailingModel(errors, say("never")))
+    assert failure(f) == ("inference", "stream_cut", "cut")
+
+
+async def test_a_rate_limit_within_the_budget_is_waited_out_without_using_an_attempt():
+    limited = [ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=0.01)] * 3
+    model = FailingModel(list(limited), say("ok"))
+    _, f = await run(model, inference_attempts=1)
+    assert f.run_state.cause.kind == "natural"
+    assert [r.attempt for r in model.requests] == [1, 2, 3, 4]  # each try its own attempt
+
+
+async def test_a_rate_limit_past_the_budget_pauses_the_run_until_the_named_time():
+    @tool
+    def noop() -> str:
+        return "ok"
+
+    hour = 3600.0
+    limited = ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=hour)
+
+    def respond(request: InferenceRequest) -> ModelResponse:
+        if request.step == 0:
+            return ModelResponse(tool_calls=(call("noop", "c1"),))
+        return ModelResponse(text="done")
+
+    # step 0 runs its tool; step 1 is rate limited for an hour: past the budget
+    model = FailingModel([limited], respond, at_step=1)
+    before = now_us()
+    runner, f = await run(model, tools=[noop], rate_limit_wait_s=10)
+    target = f.run_state.ticket.target
+    assert (target.kind, target.reason) == ("pause", "rate_limit")
+    assert before + hour * 1e6 <= target.resume_at_us <= now_us() + hour * 1e6
+    assert (f.status.state, f.status.reason) == ("idle", "awaiting_pause")
+    done = await runner.resume(answer(f.run_state.ticket, Unpause()))
+    assert done.run_state.cause.kind == "natural" and done.messages[-1].text == "done"
+    assert [r.step for r in model.requests] == [0, 1, 1]  # the paused Step asked again
