@@ -31,7 +31,15 @@ from rich.console import Console
 from rich.table import Table
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from
-from cluster.cli_view import WatchView, console, message_line, print_rest, run_tree, when
+from cluster.cli_view import (
+    WatchView,
+    console,
+    message_line,
+    print_rest,
+    run_tree,
+    usage_text,
+    when,
+)
 from cluster.config import ClusterUnavailable, redis_url_from, store_url_from
 from cluster.report import analyse, phase_text
 from runtime.agent import load_agent
@@ -46,6 +54,7 @@ from runtime.lifecycle import (
 )
 from runtime.stream import parse_offset
 from runtime.timeutil import now_us
+from runtime.usage import USAGE_KEY, step_usage
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
 app = typer.Typer(
@@ -212,6 +221,9 @@ async def _show(thread: str, store: str | None) -> None:
         )
         for call in c.batch.calls if c.batch else ():
             console.print(f"      {call.call_id} {call.tool}: {phase_text(call)}", highlight=False)
+        used = step_usage(c.commands)
+        if used is not None:
+            console.print(f"      usage: {usage_text(used[0])} ({used[1] or '?'})", highlight=False)
     report = analyse(thread, records)
     console.rule("status")
     s = frontier.status
@@ -223,6 +235,10 @@ async def _show(thread: str, store: str | None) -> None:
     console.print(f"status: {s.state} reason={s.reason} since={when(s.since)}")
     history = " → ".join(f"{a}({b})" if b else a for a, b in report.statuses)
     console.print(f"status history: {history}", highlight=False)
+    for scope in ("run", "thread"):
+        total = frontier.state[scope].get(USAGE_KEY)
+        if total:
+            console.print(f"usage ({scope}): {usage_text(total)}", highlight=False)
     if len(tree) > 1:
         console.rule("run tree (delegation)")
         for line in tree:

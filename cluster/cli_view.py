@@ -120,3 +120,11 @@ def when(since_us: int) -> str:
     if not since_us:
         return "-"
     return dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def usage_text(counted: Any) -> str:
+    """Token counts as ``ratchet show`` prints them."""
+    return (
+        f"{counted.get('input_tokens', 0)} in ({counted.get('cached_tokens', 0)} cached), "
+        f"{counted.get('output_tokens', 0)} out, {counted.get('inferences', 0)} inference(s)"
+    )

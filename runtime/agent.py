@@ -12,6 +12,7 @@ from runtime.errors import AgentImportError
 from runtime.hooks import Hook
 from runtime.models import Model
 from runtime.tools import Tool
+from runtime.usage import Budget
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Agent:
     """The system prompt, sent with every inference (``InferenceRequest.system``)."""
     inference_attempts: int = 2
     """Attempts per inference before the Run ends failed(inference)."""
+    budget: Budget | None = None
+    """Bounds on each Run's tokens and cost; past them the Run pauses (``runtime.usage``)."""
     rate_limit_wait_s: float = 60.0
     """Seconds a Run may spend waiting out rate limits (``ModelRateLimited``) in all;
     a wait beyond it pauses the Run ``awaiting(pause(rate_limit))`` instead."""

@@ -64,13 +64,12 @@ from runtime.lifecycle import (
     ResumeTicket,
     RunningState,
     Stopped,
-    validate_resume,
 )
-from runtime.limits import DEFAULT_LIMITS, Limits, check_id, check_text
+from runtime.limits import DEFAULT_LIMITS, Limits, check_id, check_room, check_text
 from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
-from runtime.resume import check_command, result_messages, resume_commit
+from runtime.resume import check_command, result_messages, resume_commit, validate_ticket
 from runtime.signals import (
     CancelledSignal,
     CancelSignal,
@@ -82,6 +81,7 @@ from runtime.signals import (
 )
 from runtime.timeutil import now_us
 from runtime.toolbatch import Opening, advance_batch, run_wave
+from runtime.usage import over_budget, usage_commands
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -113,7 +113,7 @@ class Engine(Committing):
     ) -> None:
         self.agent = agent
         self.store = store
-        _check_room(store, limits)
+        check_room(store, limits)
         self.tools = tools
         self.publisher = publisher or (Publisher(bus) if bus is not None else None)
         self.faults = faults
@@ -261,7 +261,7 @@ class Engine(Committing):
         """The resume commit, made on the frontier its ticket was validated against."""
         for _ in range(RACES):
             frontier = await self._verified(command.thread_id)
-            ticket = _validate(frontier, command)
+            ticket = validate_ticket(frontier, command)
             ctx = self._context(frontier)
             try:
                 return ctx, await resume_commit(self, ctx, ticket, command)
@@ -396,6 +396,9 @@ class Engine(Committing):
         if step >= self.agent.max_steps:
             await self.end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
             return
+        if over_budget(self.agent.budget, f):
+            self._pause_step(ctx, PauseTarget(reason="budget"), hooks)
+            return
         await self.hooks(ctx, "StepStart", hooks, step=step)
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
         last = step == self.agent.max_steps - 1
@@ -407,11 +410,8 @@ class Engine(Committing):
             history = (*f.messages, *results, *context)
             try:
                 response = await self.inference.infer(ctx, step, history, last)
-            except PauseRun as pause:  # the Step starts over when the Run is resumed
-                ctx.execution.wait_request = pause.target
-                ctx.pending.extend(hooks.commands)
-                if prior is not None:  # its StepEnd hooks ran: not again on the resume
-                    ctx.ended_step(prior.batch_id, ())
+            except PauseRun as pause:
+                self._pause_step(ctx, pause.target, hooks)
                 return
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
         # Tools were withheld on the last Step: calls the model makes anyway are dropped,
@@ -421,16 +421,27 @@ class Engine(Committing):
         # the admitted response's parts are checked text and records: not validated again
         assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls)
         messages: tuple[Message, ...] = (*results, assistant)
+        usage = usage_commands(response.usage)  # the Step's record of what it used
         if not calls:
             if not response.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
             cause = MaxSteps() if response.tool_calls else Natural()
-            await self.end(ctx, cause, messages=messages, batch=prior, commands=hooks.commands)
+            commands = (*hooks.commands, *usage)
+            await self.end(ctx, cause, messages=messages, batch=prior, commands=commands)
             return
         batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
         # the inference commit is made with the batch's first wave (see advance_batch)
-        opening = Opening(batch, messages, tuple(hooks.commands), response.refused)
+        opening = Opening(batch, messages, (*hooks.commands, *usage), response.refused)
         await advance_batch(self, ctx, opening)
+
+    def _pause_step(self, ctx: RunContext, target: PauseTarget, hooks: HookResults) -> None:
+        """Pause before this Step's inference; the Step starts over on the resume (its
+        StepEnd hooks, which ran, not again)."""
+        ctx.execution.wait_request = target
+        ctx.pending.extend(hooks.commands)
+        prior = ctx.frontier.batch
+        if prior is not None:
+            ctx.ended_step(prior.batch_id, ())
 
     async def _end_step(self, ctx: RunContext, hooks: HookResults) -> str | None:
         """Run the StepEnd hooks of the Step whose batch just finished, once per Step:
@@ -480,26 +491,6 @@ class Engine(Committing):
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
         return await guarded(self.cancel_event, work)
-
-
-def _check_room(store: CommitStore, limits: Limits) -> None:
-    """Every commit a Run can make under ``limits`` must fit the store: else a Step's end
-    could be refused for its size, and the Run could not end as the design says."""
-    payload_limit = getattr(store, "payload_limit", None)
-    if isinstance(payload_limit, int) and payload_limit < limits.commit_bytes():
-        raise ValueError(
-            f"the store's payload limit ({payload_limit} bytes) is below the largest commit "
-            f"these limits allow ({limits.commit_bytes()} bytes): lower the limits "
-            "(runtime.limits.Limits) or raise the store's payload_limit"
-        )
-
-
-def _validate(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
-    state = frontier.run_state
-    ticket = state.ticket if isinstance(state, AwaitingState) else None
-    validate_resume(ticket, command, now_us())
-    assert ticket is not None
-    return ticket
 
 
 __all__ = ["Engine", "RunContext", "StoreRetry", "now_us"]

@@ -35,6 +35,7 @@ from runtime.messages import (
 from runtime.models import InferenceRequest, ModelResponse
 from runtime.signals import CancelledSignal, EndRun, PauseRun, cancelling
 from runtime.timeutil import now_us
+from runtime.usage import admitted_usage
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -268,6 +269,7 @@ def admit_response(response: ModelResponse, limits: Limits) -> Admitted:
         text=response.text,
         tool_calls=unique,
         refused={unique[i].call_id: why for i, why in refused.items()},
+        usage=admitted_usage(response.usage) if response.usage is not None else None,
     )
 
 

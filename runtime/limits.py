@@ -238,3 +238,15 @@ __all__: Sequence[str] = (
     "stored_size",
     "utf8_problem",
 )
+
+
+def check_room(store: object, limits: Limits) -> None:
+    """Every commit a Run can make under ``limits`` must fit the store: else a Step's end
+    could be refused for its size, and the Run could not end as the design says."""
+    payload_limit = getattr(store, "payload_limit", None)
+    if isinstance(payload_limit, int) and payload_limit < limits.commit_bytes():
+        raise ValueError(
+            f"the store's payload limit ({payload_limit} bytes) is below the largest commit "
+            f"these limits allow ({limits.commit_bytes()} bytes): lower the limits "
+            "(runtime.limits.Limits) or raise the store's payload_limit"
+        )

@@ -36,11 +36,24 @@ class ModelDelta(Frozen):
     """tool_call_delta only: the tool's name (on the call's first fragment at least)."""
 
 
+class Usage(Frozen):
+    """What one inference used, as its provider counted it."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    """Input tokens the provider served from its prompt cache (where it says)."""
+    model: str = ""
+    """The model id the provider answered with."""
+
+
 class ModelResponse(Frozen):
     """The complete response: text, tool calls, or both."""
 
     text: str = ""
     tool_calls: tuple[ToolUse, ...] = ()
+    usage: Usage | None = None
+    """The provider's count of tokens, where it gives one (committed with the Step)."""
 
 
 class Model(Protocol):

@@ -19,6 +19,7 @@ from runtime.batch import (
     mark_awaiting,
     mark_executing,
 )
+from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
 from runtime.events import Fact
 from runtime.gates import admit_outcome
@@ -27,16 +28,20 @@ from runtime.lifecycle import (
     AwaitingState,
     DelegationOutcome,
     ExternalResult,
+    PauseTarget,
     PermissionDecision,
     ResumeCommand,
     ResumeTicket,
     ToolWaitTarget,
     UserInput,
+    validate_resume,
 )
 from runtime.limits import Limits, check_id, check_json_value, check_text
 from runtime.messages import Message, ToolResultMessage, UserMessage
 from runtime.ports import Finished
+from runtime.state import Command
 from runtime.timeutil import now_us
+from runtime.usage import budget_granted
 
 
 def check_command(command: ResumeCommand, limits: Limits) -> None:
@@ -105,10 +110,13 @@ async def resume_commit(
     messages: tuple[Message, ...] = ()
     batch = ctx.frontier.batch
     run_now: CallId | None = None
+    commands: tuple[Command, ...] = ()
     if not isinstance(target, ToolWaitTarget):
         # user input or a pause: new user text follows the last batch's results, so those
         # are published (and the batch finalized) in the same commit
         batch = None
+        if isinstance(target, PauseTarget) and target.reason == "budget":
+            commands = (budget_granted(ctx.frontier),)  # a new allowance from here
         if isinstance(payload, UserInput):
             prior = ctx.frontier.batch
             if prior is not None:
@@ -134,6 +142,7 @@ async def resume_commit(
         claim=True,
         messages=messages,
         batch=batch,
+        commands=commands,
         extra_facts=(resumed,),
     )
     return run_now
@@ -165,3 +174,12 @@ def result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, .
         for c in batch.calls
         for out in (c.to_model_output(),)
     )
+
+
+def validate_ticket(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
+    """The committed ticket ``command`` answers; ResumeRejected (naming the axis) if not."""
+    state = frontier.run_state
+    ticket = state.ticket if isinstance(state, AwaitingState) else None
+    validate_resume(ticket, command, now_us())
+    assert ticket is not None
+    return ticket

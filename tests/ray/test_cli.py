@@ -62,3 +62,27 @@ def test_run_then_runs_then_show(tmp_path):
     shown = runner.invoke(app, ["show", "cli-1", "--store", store])
     assert shown.exit_code == 0
     assert "echo: completed" in shown.output and "running → idle(natural)" in shown.output
+
+
+def test_show_prints_usage_per_step_and_in_total(tmp_path):
+    import asyncio
+
+    from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
+    from runtime.models import Usage
+    from storage.url import open_store
+
+    store_url = f"sqlite:///{tmp_path}/usage.db"
+    used = Usage(input_tokens=120, output_tokens=7, cached_tokens=100, model="gpt-test")
+
+    async def run() -> None:
+        store = await open_store(store_url)
+        agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi", usage=used)]))
+        await InProcessRunner(agent, store).start("go", thread_id="u-1")
+        await store.close()
+
+    asyncio.run(run())
+    shown = CliRunner().invoke(app, ["show", "u-1", "--store", store_url])
+    assert shown.exit_code == 0, shown.output
+    assert "usage: 120 in (100 cached), 7 out, 1 inference(s) (gpt-test)" in shown.output
+    assert "usage (run): 120 in (100 cached), 7 out, 1 inference(s)" in shown.output
+    assert "usage (thread): 120 in" in shown.output
