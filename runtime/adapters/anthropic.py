@@ -1,0 +1,322 @@
+"""``AnthropicModel``: the Model port on Anthropic's Messages API, streamed.
+
+Uses the official ``anthropic`` SDK (``pip install ratchet[anthropic]``), imported only
+when an adapter is constructed, and reads its raw event stream
+(``messages.create(stream=True)``) so that every delta is ours to forward.
+
+The request, from an ``InferenceRequest``:
+
+- ``system`` → ``system=`` (left out when empty);
+- ``UserMessage`` and hook ``ContextMessage`` → ``user`` text blocks;
+- ``AssistantMessage`` → ``assistant``: a text block, then a ``tool_use`` block
+  ``{id, name, input}`` per call, ``input`` being the raw arguments parsed (``{}`` when
+  they are not a JSON object: the API accepts nothing else, and the engine has already
+  answered such a call with a tool error);
+- ``ToolResultMessage`` → a ``user`` message of ``tool_result`` blocks ``{tool_use_id,
+  content, is_error}``;
+- messages of the same role in a row are merged into one, since the API requires the
+  roles to alternate; in a merged user message the ``tool_result`` blocks come first, as
+  the API requires of the message answering a tool use. A message with nothing to say
+  (an empty text, no calls) is left out: the API refuses empty content;
+- tool schemas → ``tools: [{name, description, input_schema}]``, left out when withheld.
+
+The events: ``content_block_start`` opens a text or ``tool_use`` block (its id and
+name); ``content_block_delta`` carries ``text_delta`` → ``text_delta``,
+``input_json_delta`` → ``tool_call_delta``, ``thinking_delta`` → ``reasoning_delta``;
+``message_delta`` the stop reason and output usage; ``message_stop`` ends it. A stream
+that ends before ``message_stop`` was cut (ModelUnavailable); an ``error`` event is
+classified by its type (``overloaded_error`` → ModelRateLimited, ...). Event types this
+adapter does not know (``ping``, future ones) are skipped, as the API reference asks.
+
+Not done: prompt caching (``cache_control``), extended thinking (thinking blocks are
+streamed as reasoning but not sent back, so do not enable ``thinking`` with tools).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+from runtime.adapters.errors import SdkErrors, translate
+from runtime.adapters.usage import Usage, log
+from runtime.errors import ModelError, ModelUnavailable
+from runtime.ids import CallId
+from runtime.messages import (
+    AssistantMessage,
+    ContextMessage,
+    RequestMessage,
+    ToolResultMessage,
+    ToolUse,
+    UserMessage,
+)
+from runtime.models import InferenceRequest, ModelDelta, ModelResponse
+
+if TYPE_CHECKING:
+    from anthropic import AsyncAnthropic, AsyncStream
+    from anthropic.types import MessageParam, RawMessageStreamEvent, ToolParam
+
+
+class AnthropicModel:
+    """A Model on Anthropic's Messages API, streamed.
+
+    Its client's pooled connections belong to the event loop that opened them: use an
+    adapter on one loop (an actor's, a runner's), and ``aclose`` it there when done.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        client: AsyncAnthropic | None = None,
+        max_tokens: int = 1024,
+        timeout_s: float = 60,
+    ) -> None:
+        import anthropic
+        import httpx2
+
+        self.model = model
+        self.max_tokens = max_tokens
+        self._owns_client = client is None
+        if client is None:
+            # credentials and ANTHROPIC_BASE_URL from the environment are the SDK's to find
+            client = anthropic.AsyncAnthropic(
+                api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0
+            )
+        else:  # the engine retries; two layers of retries would multiply the waits
+            client = client.with_options(max_retries=0)
+        self._client = client
+        secrets = tuple(s for s in (client.api_key, client.auth_token) if s)
+        self._errors = SdkErrors(
+            provider="anthropic",
+            status=anthropic.APIStatusError,
+            api=anthropic.APIError,
+            timeout=anthropic.APITimeoutError,
+            connection=anthropic.APIConnectionError,
+            transport_timeout=httpx2.TimeoutException,
+            transport=httpx2.RequestError,
+            secrets=secrets,
+        )
+
+    async def aclose(self) -> None:
+        """Close the connections of the client this adapter made (one passed in is the
+        caller's to close)."""
+        if self._owns_client:
+            await self._client.close()
+
+    def __repr__(self) -> str:  # never the key
+        return f"AnthropicModel(model={self.model!r}, base_url={str(self._client.base_url)!r})"
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        fold = MessagesFold()
+        started = False
+        try:
+            stream = await self._open(request)
+            started = True
+            async with stream:
+                async for event in stream:
+                    for delta in fold.add(event):
+                        yield delta
+        except ModelError:
+            raise
+        except Exception as exc:
+            error = translate(exc, self._errors, streaming=started)
+            if error is None:
+                raise
+            raise error from exc
+        response = fold.response()
+        log.debug("anthropic usage for %s step %d: %r", request.run_id, request.step, fold.usage)
+        yield response
+
+    async def _open(self, request: InferenceRequest) -> AsyncStream[RawMessageStreamEvent]:
+        from anthropic import omit
+
+        tools = anthropic_tools(request.tools)
+        return await self._client.messages.create(
+            model=self.model,
+            max_tokens=self.max_tokens,
+            messages=cast("list[MessageParam]", anthropic_messages(request.messages)),
+            system=request.system or omit,
+            tools=cast("list[ToolParam]", tools) if tools else omit,
+            stream=True,
+        )
+
+
+# ---- the request ----------------------------------------------------------------------
+
+
+def anthropic_messages(messages: tuple[RequestMessage, ...]) -> list[dict[str, Any]]:
+    """The Messages API ``messages`` of a history: alternating roles, content blocks."""
+    turns: list[dict[str, Any]] = []
+    for message in messages:
+        role, blocks = _blocks(message)
+        if not blocks:
+            continue
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+    for turn in turns:
+        if turn["role"] == "user":  # tool results first, each group in its own order
+            turn["content"].sort(key=lambda b: b["type"] != "tool_result")
+    return turns
+
+
+def _blocks(message: RequestMessage) -> tuple[str, list[dict[str, Any]]]:
+    if isinstance(message, UserMessage | ContextMessage):
+        return "user", _text(message.text)
+    if isinstance(message, AssistantMessage):
+        uses = [
+            {"type": "tool_use", "id": u.call_id, "name": u.tool, "input": parsed_input(u)}
+            for u in message.tool_calls
+        ]
+        return "assistant", _text(message.text) + uses
+    assert isinstance(message, ToolResultMessage)
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.call_id}
+    if message.content:  # the API refuses an empty text; no content is allowed
+        result["content"] = message.content
+    result["is_error"] = message.is_error
+    return "user", [result]
+
+
+def _text(text: str) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": text}] if text else []
+
+
+def parsed_input(use: ToolUse) -> dict[str, Any]:
+    """A call's raw arguments as the object ``tool_use.input`` must be; {} otherwise."""
+    try:
+        parsed = json.loads(use.arguments)
+    except (ValueError, RecursionError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def anthropic_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]:
+    """The ``tools`` list for Ratchet's tool schemas (empty when withheld)."""
+    return [
+        {
+            "name": t["name"],
+            "description": t.get("description", ""),
+            "input_schema": t.get("parameters", {"type": "object", "properties": {}}),
+        }
+        for t in tools or ()
+    ]
+
+
+# ---- the stream -----------------------------------------------------------------------
+
+
+@dataclass
+class _Use:
+    id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+    started_with: str = ""
+    """``content_block_start``'s ``input`` as JSON, for a call that streams no input."""
+
+
+@dataclass
+class MessagesFold:
+    """Folds a stream's events into deltas as they come and the response at the end."""
+
+    text: list[str] = field(default_factory=list)
+    uses: dict[int, _Use] = field(default_factory=dict)
+    stopped: bool = False
+    stop_reason: str | None = None
+    model: str = ""
+    start_usage: Any = None
+    end_usage: Any = None
+
+    def add(self, event: RawMessageStreamEvent) -> list[ModelDelta]:
+        try:
+            return self._add(event)
+        except (AttributeError, TypeError, KeyError, ValueError) as exc:  # JSON, not an event
+            message = f"anthropic: unreadable event: {exc}"
+            raise ModelUnavailable("malformed_stream", message) from exc
+
+    def _add(self, event: RawMessageStreamEvent) -> list[ModelDelta]:
+        if event.type == "message_start":
+            self.model, self.start_usage = event.message.model, event.message.usage
+        elif event.type == "content_block_start":
+            return self._start(event.index, event.content_block)
+        elif event.type == "content_block_delta":
+            return self._delta(event.index, event.delta)
+        elif event.type == "message_delta":
+            self.stop_reason, self.end_usage = event.delta.stop_reason, event.usage
+        elif event.type == "message_stop":
+            self.stopped = True
+        return []
+
+    def _start(self, index: int, block: Any) -> list[ModelDelta]:
+        if block.type == "text" and block.text:
+            self.text.append(block.text)
+            return [ModelDelta(text=block.text)]
+        if block.type == "tool_use":
+            use = _Use(id=block.id, name=block.name, started_with=_json(block.input))
+            self.uses[index] = use
+            return [ModelDelta(type="tool_call_delta", call_id=use.id, tool=use.name, text="")]
+        return []
+
+    def _delta(self, index: int, delta: Any) -> list[ModelDelta]:
+        if delta.type == "text_delta":
+            self.text.append(delta.text)
+            return [ModelDelta(text=delta.text)]
+        if delta.type == "input_json_delta" and index in self.uses:
+            use = self.uses[index]
+            use.arguments.append(delta.partial_json)
+            return [
+                ModelDelta(
+                    type="tool_call_delta", call_id=use.id, tool=use.name, text=delta.partial_json
+                )
+            ]
+        if delta.type == "thinking_delta":
+            return [ModelDelta(type="reasoning_delta", text=delta.thinking)]
+        return []
+
+    def response(self) -> ModelResponse:
+        if not self.stopped:
+            raise ModelUnavailable("stream_cut", "anthropic: the stream ended before message_stop")
+        uses = tuple(
+            ToolUse(
+                call_id=CallId(use.id),
+                tool=use.name,
+                arguments="".join(use.arguments) or use.started_with or "{}",
+            )
+            for _, use in sorted(self.uses.items())
+        )
+        return ModelResponse(text="".join(self.text), tool_calls=uses, usage=self.usage)
+
+    @property
+    def usage(self) -> Usage | None:
+        return usage_of(self.start_usage, self.end_usage, self.model)
+
+
+def _json(value: object) -> str:
+    return json.dumps(value) if value else ""
+
+
+def usage_of(start: Any, end: Any, model: str) -> Usage | None:
+    """The usage of a message from its ``message_start`` and ``message_delta`` usage
+    (the latter's counts are cumulative, so they win where given)."""
+    if start is None and end is None:
+        return None
+
+    def count(name: str) -> int:
+        for usage in (end, start):
+            value = getattr(usage, name, None)
+            if isinstance(value, int):
+                return value
+        return 0
+
+    cached = count("cache_read_input_tokens")
+    total_in = count("input_tokens") + cached + count("cache_creation_input_tokens")
+    return Usage(
+        input_tokens=total_in,
+        output_tokens=count("output_tokens"),
+        cached_tokens=cached,
+        model=model,
+    )

@@ -1,0 +1,307 @@
+"""``OpenAICompatible``: the Model port on the Chat Completions streaming API.
+
+Speaks to OpenAI and to any server with the same wire format (vLLM, Ollama, LiteLLM,
+llama.cpp ...) through the official ``openai`` SDK (``pip install ratchet[openai]``),
+imported only when an adapter is constructed.
+
+The request, from an ``InferenceRequest``:
+
+- ``system`` → a first ``system`` message (none when the prompt is empty);
+- ``UserMessage`` and hook ``ContextMessage`` → ``user`` messages;
+- ``AssistantMessage`` → ``assistant`` with ``tool_calls`` ``[{id, type: function,
+  function: {name, arguments}}]``; its ``content`` is null when it has calls and no text
+  (OpenAI refuses an empty string next to calls, and null without them);
+- ``ToolResultMessage`` → ``tool`` with ``tool_call_id``; a failed call's content is sent
+  as ``"error: <content>"``, since the format has no error flag and the model must
+  be able to tell a failure from a result;
+- tool schemas → ``tools: [{type: function, function: {name, description,
+  parameters}}]``, left out when withheld (``request.tools is None``) or empty (OpenAI
+  refuses an empty list).
+
+The stream: ``delta.content`` → ``text_delta``; ``reasoning_content``/``reasoning`` (an
+extra field of vLLM, DeepSeek, OpenRouter) → ``reasoning_delta``; each fragment of
+``delta.tool_calls[i]`` → ``tool_call_delta`` named by the call's id and tool (both
+arrive on the call's first fragment); then one ``ModelResponse`` with the calls in
+index order. A stream that ends without a ``finish_reason`` was cut (ModelUnavailable).
+
+Retries are Ratchet's (``Agent.inference_attempts``, rate-limit backoff), so the SDK's
+are off. ``timeout_s`` bounds connecting and every wait for the next chunk, not the
+whole stream. Usage: ``runtime.adapters.usage``, returned on the response.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+from runtime.adapters.errors import SdkErrors, translate
+from runtime.adapters.usage import Usage, log
+from runtime.errors import ModelError, ModelUnavailable
+from runtime.ids import CallId
+from runtime.messages import (
+    AssistantMessage,
+    ContextMessage,
+    RequestMessage,
+    ToolResultMessage,
+    ToolUse,
+    UserMessage,
+)
+from runtime.models import InferenceRequest, ModelDelta, ModelResponse
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI, AsyncStream
+    from openai.types.chat import (
+        ChatCompletionChunk,
+        ChatCompletionMessageParam,
+        ChatCompletionToolParam,
+    )
+    from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
+PLACEHOLDER_KEY = "unused"
+"""The key sent to a gateway (``base_url`` given) when none is configured: the SDK needs
+one, and vLLM or Ollama accept any."""
+
+
+class OpenAICompatible:
+    """A Model on an OpenAI-compatible Chat Completions endpoint, streamed.
+
+    Its client's pooled connections belong to the event loop that opened them: use an
+    adapter on one loop (an actor's, a runner's), and ``aclose`` it there when done.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        client: AsyncOpenAI | None = None,
+        timeout_s: float = 60,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        import httpx2
+        import openai
+
+        self.model = model
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.extra_body = dict(extra_body) if extra_body else None
+        self._owns_client = client is None
+        if client is None:
+            client = _client(openai, base_url, api_key, timeout_s)
+        else:  # the engine retries; two layers of retries would multiply the waits
+            client = client.with_options(max_retries=0)
+        self._client = client
+        self._errors = SdkErrors(
+            provider="openai",
+            status=openai.APIStatusError,
+            api=openai.APIError,
+            timeout=openai.APITimeoutError,
+            connection=openai.APIConnectionError,
+            transport_timeout=httpx2.TimeoutException,
+            transport=httpx2.RequestError,
+            secrets=(client.api_key,) if client.api_key else (),
+        )
+
+    async def aclose(self) -> None:
+        """Close the connections of the client this adapter made (one passed in is the
+        caller's to close)."""
+        if self._owns_client:
+            await self._client.close()
+
+    def __repr__(self) -> str:  # never the key
+        return f"OpenAICompatible(model={self.model!r}, base_url={str(self._client.base_url)!r})"
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        fold = ChatFold()
+        started = False
+        try:
+            stream = await self._open(request)
+            started = True
+            async with stream:
+                async for chunk in stream:
+                    for delta in fold.add(chunk):
+                        yield delta
+        except ModelError:
+            raise
+        except Exception as exc:
+            error = translate(exc, self._errors, streaming=started)
+            if error is None:
+                raise
+            raise error from exc
+        response = fold.response()
+        if fold.usage is not None:
+            log.debug("openai usage for %s step %d: %r", request.run_id, request.step, fold.usage)
+        yield response
+
+    async def _open(self, request: InferenceRequest) -> AsyncStream[ChatCompletionChunk]:
+        from openai import omit
+
+        tools = chat_tools(request.tools)
+        return await self._client.chat.completions.create(
+            model=self.model,
+            messages=cast("list[ChatCompletionMessageParam]", chat_messages(request)),
+            stream=True,
+            stream_options={"include_usage": True},
+            tools=cast("list[ChatCompletionToolParam]", tools) if tools else omit,
+            max_tokens=omit if self.max_tokens is None else self.max_tokens,
+            temperature=omit if self.temperature is None else self.temperature,
+            extra_body=self.extra_body,
+        )
+
+
+def _client(sdk: Any, base_url: str | None, api_key: str | None, timeout_s: float) -> AsyncOpenAI:
+    base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
+    api_key = api_key or os.environ.get("OPENAI_API_KEY") or None
+    if api_key is None and base_url is not None:
+        api_key = PLACEHOLDER_KEY
+    if api_key is None:
+        raise ValueError("OpenAICompatible needs api_key=, OPENAI_API_KEY, or a base_url")
+    client: AsyncOpenAI = sdk.AsyncOpenAI(
+        api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0
+    )
+    return client
+
+
+# ---- the request ----------------------------------------------------------------------
+
+
+def chat_messages(request: InferenceRequest) -> list[dict[str, Any]]:
+    """The Chat Completions ``messages`` of a request: its system prompt and history."""
+    system = request.system
+    out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    out.extend(_chat_message(m) for m in request.messages)
+    return out
+
+
+def _chat_message(message: RequestMessage) -> dict[str, Any]:
+    if isinstance(message, UserMessage | ContextMessage):
+        return {"role": "user", "content": message.text}
+    if isinstance(message, AssistantMessage):
+        return _assistant(message)
+    assert isinstance(message, ToolResultMessage)
+    content = f"error: {message.content}" if message.is_error else message.content
+    return {"role": "tool", "tool_call_id": message.call_id, "content": content}
+
+
+def _assistant(message: AssistantMessage) -> dict[str, Any]:
+    if not message.tool_calls:
+        return {"role": "assistant", "content": message.text}
+    calls = [
+        {
+            "id": use.call_id,
+            "type": "function",
+            "function": {"name": use.tool, "arguments": use.arguments},
+        }
+        for use in message.tool_calls
+    ]
+    return {"role": "assistant", "content": message.text or None, "tool_calls": calls}
+
+
+def chat_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]:
+    """The ``tools`` list for Ratchet's tool schemas (empty when withheld)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t["name"],
+                "description": t.get("description", ""),
+                "parameters": t.get("parameters", {"type": "object", "properties": {}}),
+            },
+        }
+        for t in tools or ()
+    ]
+
+
+# ---- the stream -----------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ChatFold:
+    """Folds a stream's chunks into deltas as they come and the response at the end."""
+
+    text: list[str] = field(default_factory=list)
+    calls: dict[int, _Call] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, chunk: ChatCompletionChunk) -> list[ModelDelta]:
+        try:
+            return self._add(chunk)
+        except (AttributeError, TypeError, KeyError, ValueError) as exc:  # JSON, not a chunk
+            raise ModelUnavailable("malformed_stream", f"openai: unreadable chunk: {exc}") from exc
+
+    def _add(self, chunk: ChatCompletionChunk) -> list[ModelDelta]:
+        if chunk.usage is not None:
+            self.usage = usage_of(chunk)
+        deltas: list[ModelDelta] = []
+        for choice in chunk.choices:
+            if choice.index != 0:  # one choice is asked for (n=1); ignore any other
+                continue
+            if choice.delta is not None:
+                deltas.extend(self._delta(choice.delta))
+            if choice.finish_reason:
+                self.finish_reason = choice.finish_reason
+        return deltas
+
+    def _delta(self, delta: ChoiceDelta) -> list[ModelDelta]:
+        out: list[ModelDelta] = []
+        reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
+        if isinstance(reasoning, str) and reasoning:
+            out.append(ModelDelta(type="reasoning_delta", text=reasoning))
+        for text in (delta.content, delta.refusal):
+            if text:
+                self.text.append(text)
+                out.append(ModelDelta(text=text))
+        for fragment in delta.tool_calls or ():
+            call = self.calls.setdefault(fragment.index, _Call())
+            call.id = call.id or fragment.id or ""
+            function = fragment.function
+            call.name = call.name or (function.name if function and function.name else "")
+            arguments = (function.arguments if function else None) or ""
+            call.arguments.append(arguments)
+            # a gateway that sends no id gets one by index, so the deltas still group
+            call_id = call.id or f"call_{fragment.index}"
+            out.append(
+                ModelDelta(type="tool_call_delta", call_id=call_id, tool=call.name, text=arguments)
+            )
+        return out
+
+    def response(self) -> ModelResponse:
+        if self.finish_reason is None:
+            raise ModelUnavailable("stream_cut", "openai: the stream ended before a finish_reason")
+        uses = tuple(
+            ToolUse(
+                call_id=CallId(call.id or f"call_{index}"),
+                tool=call.name,
+                # no argument text at all means no arguments: the tool gets {}
+                arguments="".join(call.arguments) or "{}",
+            )
+            for index, call in sorted(self.calls.items())
+        )
+        return ModelResponse(text="".join(self.text), tool_calls=uses, usage=self.usage)
+
+
+def usage_of(chunk: ChatCompletionChunk) -> Usage | None:
+    """The usage a chunk reports (the last one, with ``include_usage``), if any."""
+    usage = chunk.usage
+    if usage is None:
+        return None
+    details = usage.prompt_tokens_details
+    return Usage(
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        cached_tokens=(details.cached_tokens or 0) if details else 0,
+        model=chunk.model or "",
+    )

@@ -1,0 +1,385 @@
+"""AnthropicModel over real HTTP, on the real ``anthropic`` SDK, against the fake server."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+from runtime import (
+    AssistantMessage,
+    ModelDelta,
+    ModelError,
+    ModelRateLimited,
+    ModelRefused,
+    ModelUnavailable,
+    ToolResultMessage,
+    ToolUse,
+    UserMessage,
+)
+from runtime.adapters import AnthropicModel
+from runtime.adapters.anthropic import usage_of
+from runtime.adapters.usage import Usage
+from runtime.ids import CallId
+from runtime.messages import ContextMessage
+
+from .conftest import API_KEY
+from .fake_provider import (
+    PING,
+    FakeProvider,
+    Sse,
+    Stall,
+    Status,
+    anthropic_error,
+    anthropic_stream,
+    event,
+    message_start,
+    text_block,
+    tool_use_block,
+)
+from .helpers import ADD_SCHEMA, collect, free_port, request
+
+
+@pytest.fixture
+def make(provider: FakeProvider, closing):
+    """Builds an adapter on the test's server, closed after the test."""
+
+    def build(**options) -> AnthropicModel:
+        model = AnthropicModel("claude-test", base_url=provider.url, api_key=API_KEY, **options)
+        return closing(model)
+
+    return build
+
+
+def use(call_id: str, arguments: str) -> ToolUse:
+    return ToolUse(call_id=CallId(call_id), tool="add", arguments=arguments)
+
+
+async def test_the_request_maps_system_blocks_tool_uses_and_merges_roles(provider, make):
+    provider.reply(anthropic_stream(text_block(0, "ok")))
+    history = (
+        UserMessage(id="u1", text="add twice"),
+        AssistantMessage(
+            text="adding", tool_calls=(use("tu_a", '{"a":2,"b":3}'), use("tu_b", "{bad"))
+        ),
+        ToolResultMessage(call_id=CallId("tu_a"), tool="add", content="5"),
+        ToolResultMessage(call_id=CallId("tu_b"), tool="add", content="bad JSON", is_error=True),
+        ContextMessage(text="hook says: be brief"),
+        AssistantMessage(text=""),  # nothing to say: left out
+        UserMessage(id="u2", text="and again"),
+    )
+    await collect(make(max_tokens=77), request(*history, system="You add numbers."))
+
+    (received,) = provider.received
+    assert received.path == "/v1/messages"
+    # how the key travels is the SDK's choice (x-api-key, or a bearer token in 2.x)
+    sent = {received.headers.get("x-api-key"), received.headers.get("authorization")}
+    assert sent & {API_KEY, f"Bearer {API_KEY}"}
+    body = received.body
+    assert (body["model"], body["max_tokens"], body["stream"]) == ("claude-test", 77, True)
+    assert body["system"] == "You add numbers."
+    assert body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "add twice"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "adding"},
+                {"type": "tool_use", "id": "tu_a", "name": "add", "input": {"a": 2, "b": 3}},
+                {"type": "tool_use", "id": "tu_b", "name": "add", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "tu_a", "content": "5", "is_error": False},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "tu_b",
+                    "content": "bad JSON",
+                    "is_error": True,
+                },
+                {"type": "text", "text": "hook says: be brief"},
+                {"type": "text", "text": "and again"},
+            ],
+        },
+    ]
+    assert body["tools"] == [
+        {
+            "name": "add",
+            "description": ADD_SCHEMA["description"],
+            "input_schema": ADD_SCHEMA["parameters"],
+        }
+    ]
+
+
+async def test_tool_results_come_first_in_a_merged_user_message(provider, make):
+    provider.reply(anthropic_stream(text_block(0, "ok")))
+    history = (
+        UserMessage(id="u1", text="go"),
+        AssistantMessage(tool_calls=(use("tu_a", "{}"),)),
+        ContextMessage(text="context before the result"),
+        ToolResultMessage(call_id=CallId("tu_a"), tool="add", content=""),
+    )
+    await collect(make(), request(*history))
+    last = provider.received[0].body["messages"][-1]
+    assert last == {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "tu_a", "is_error": False},
+            {"type": "text", "text": "context before the result"},
+        ],
+    }
+
+
+@pytest.mark.parametrize("tools", [None, ()], ids=["withheld", "none-defined"])
+async def test_tools_and_an_empty_system_are_left_out(provider, make, tools):
+    provider.reply(anthropic_stream(text_block(0, "ok")))
+    await collect(make(), request(tools=tools))
+    body = provider.received[0].body
+    assert "tools" not in body and "system" not in body
+
+
+async def test_text_and_tool_use_stream_as_deltas_then_one_response(provider, make):
+    provider.reply(
+        anthropic_stream(
+            text_block(0, "Let me ", "add."),
+            tool_use_block(1, "toolu_1", "add", "", '{"a": 1, ', '"b": 2}'),
+            [PING],
+            tool_use_block(2, "toolu_2", "add"),  # no input streamed: {}
+            stop_reason="tool_use",
+        )
+    )
+    deltas, response = await collect(make(), request())
+    assert [(d.type, d.call_id, d.tool, d.text) for d in deltas] == [
+        ("text_delta", None, None, "Let me "),
+        ("text_delta", None, None, "add."),
+        ("tool_call_delta", "toolu_1", "add", ""),
+        ("tool_call_delta", "toolu_1", "add", ""),
+        ("tool_call_delta", "toolu_1", "add", '{"a": 1, '),
+        ("tool_call_delta", "toolu_1", "add", '"b": 2}'),
+        ("tool_call_delta", "toolu_2", "add", ""),
+    ]
+    assert response.text == "Let me add."
+    assert response.tool_calls == (use("toolu_1", '{"a": 1, "b": 2}'), use("toolu_2", "{}"))
+
+
+async def test_thinking_streams_as_reasoning(provider, make):
+    thinking = [
+        event(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+            },
+        ),
+        event(
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "thinking_delta", "thinking": "2+3=5"},
+            },
+        ),
+        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ]
+    provider.reply(anthropic_stream(thinking, text_block(1, "5")))
+    deltas, response = await collect(make(), request())
+    assert [(d.type, d.text) for d in deltas] == [("reasoning_delta", "2+3=5"), ("text_delta", "5")]
+    assert response.text == "5"
+
+
+async def test_event_types_it_does_not_know_are_skipped(provider, make):
+    future = event("content_block_future", {"type": "content_block_future", "index": 0})
+    provider.reply(anthropic_stream([future], text_block(1, "ok")))
+    deltas, response = await collect(make(), request())
+    assert [d.text for d in deltas] == ["ok"] and response.text == "ok"
+
+
+def test_usage_adds_cache_reads_to_input_and_takes_the_final_output_count():
+    from anthropic.types import MessageDeltaUsage
+    from anthropic.types import Usage as StartUsage
+
+    start = StartUsage(input_tokens=25, output_tokens=1, cache_read_input_tokens=10)
+    end = MessageDeltaUsage(output_tokens=15)
+    assert usage_of(start, end, "claude-test-2025") == Usage(
+        input_tokens=35, output_tokens=15, cached_tokens=10, model="claude-test-2025"
+    )
+    assert usage_of(None, None, "") is None
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+ERRORS = [
+    pytest.param(
+        Status(
+            429,
+            anthropic_error("rate_limit_error", "Number of requests has exceeded"),
+            {"retry-after": "7"},
+        ),
+        ModelRateLimited,
+        "rate_limit",
+        "Number of requests has exceeded",
+        id="429",
+    ),
+    pytest.param(
+        Status(529, anthropic_error("overloaded_error", "Overloaded"), {"retry-after": "7"}),
+        ModelRateLimited,
+        "overloaded",
+        "Overloaded",
+        id="529",
+    ),
+    pytest.param(
+        Status(500, anthropic_error("api_error", "Internal server error")),
+        ModelUnavailable,
+        "status_500",
+        "Internal server error",
+        id="500",
+    ),
+    pytest.param(
+        Status(400, anthropic_error("invalid_request_error", "messages: roles must alternate")),
+        ModelRefused,
+        "invalid_request",
+        "roles must alternate",
+        id="400",
+    ),
+    pytest.param(
+        Status(
+            400,
+            anthropic_error("invalid_request_error", "prompt is too long: 210000 tokens > 200000"),
+        ),
+        ModelRefused,
+        "context_length",
+        "prompt is too long",
+        id="400-context",
+    ),
+    pytest.param(
+        Status(401, anthropic_error("authentication_error", f"invalid x-api-key {API_KEY}")),
+        ModelRefused,
+        "auth",
+        "invalid x-api-key",
+        id="401",
+    ),
+    pytest.param(
+        Status(404, anthropic_error("not_found_error", "model: claude-nope")),
+        ModelRefused,
+        "not_found",
+        "model: claude-nope",
+        id="404",
+    ),
+]
+
+
+@pytest.mark.parametrize(("reply", "kind", "code", "says"), ERRORS)
+async def test_an_error_status_becomes_its_typed_error(provider, make, reply, kind, code, says):
+    provider.reply(reply)
+    with pytest.raises(ModelError) as caught:
+        await collect(make(), request())
+    error = caught.value
+    assert type(error) is kind and error.code == code
+    assert error.status == reply.status
+    assert says in str(error)
+    assert API_KEY not in str(error) and API_KEY not in repr(error.args)
+    if kind is ModelRateLimited:
+        assert error.retry_after_s == 7.0
+
+
+def error_event(type_: str, message: str) -> bytes:
+    return event("error", anthropic_error(type_, message))
+
+
+@pytest.mark.parametrize(
+    ("type_", "kind", "code"),
+    [
+        ("overloaded_error", ModelRateLimited, "overloaded"),
+        ("rate_limit_error", ModelRateLimited, "rate_limit"),
+        ("api_error", ModelUnavailable, "server_error"),
+        ("invalid_request_error", ModelRefused, "invalid_request"),
+        ("something_new_error", ModelUnavailable, "stream_error"),
+    ],
+)
+async def test_an_error_event_mid_stream_is_classified_by_its_type(
+    provider, make, type_, kind, code
+):
+    provider.reply(Sse([message_start(), *text_block(0, "Hel"), error_event(type_, "it broke")]))
+    with pytest.raises(ModelError) as caught:
+        await collect(make(), request())
+    assert type(caught.value) is kind and caught.value.code == code
+    assert caught.value.status is None and "it broke" in str(caught.value)
+
+
+STREAM_FAILURES = [
+    pytest.param(
+        Sse([message_start(), *text_block(0, "Hel")], ending="cut"), "stream_cut", id="cut"
+    ),
+    pytest.param(Sse([message_start(), *text_block(0, "Hel")]), "stream_cut", id="no-message-stop"),
+    pytest.param(
+        Sse(
+            [message_start(), *text_block(0, "Hel"), b"event: content_block_delta\ndata: {oops\n\n"]
+        ),
+        "malformed_stream",
+        id="not-json",
+    ),
+    pytest.param(
+        Sse(
+            [
+                message_start(),
+                *text_block(0, "Hel"),
+                event("content_block_delta", {"type": "content_block_delta", "index": 0}),
+            ]
+        ),
+        "malformed_stream",
+        id="not-an-event",
+    ),
+]
+
+
+@pytest.mark.parametrize(("reply", "code"), STREAM_FAILURES)
+async def test_a_broken_stream_is_transient(provider, make, reply, code):
+    provider.reply(reply)
+    seen: list[ModelDelta] = []
+    with pytest.raises(ModelUnavailable) as caught:
+        async for item in make().stream(request()):
+            seen.append(item)  # type: ignore[arg-type]
+    assert type(caught.value) is ModelUnavailable and caught.value.code == code
+    assert [d.text for d in seen] == ["Hel"]
+    assert API_KEY not in str(caught.value)
+
+
+async def test_a_server_that_never_answers_times_out(provider, make):
+    provider.reply(Stall())
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(timeout_s=0.3), request())
+    assert caught.value.code == "timeout"
+
+
+async def test_a_stream_that_stalls_mid_way_times_out(provider, make):
+    # the anthropic SDK lets the transport's read timeout escape mid-stream: still ours
+    provider.reply(Sse([message_start(), *text_block(0, "Hel")], ending="hang"))
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(timeout_s=0.3), request())
+    assert caught.value.code == "timeout"
+
+
+async def test_a_server_that_is_not_there_is_a_connection_error(closing):
+    model = closing(
+        AnthropicModel("claude-test", base_url=f"http://127.0.0.1:{free_port()}", api_key=API_KEY)
+    )
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(model, request())
+    assert caught.value.code == "connection" and API_KEY not in str(caught.value)
+
+
+async def test_the_sdk_does_not_retry_on_its_own(provider):
+    provider.reply(Status(529, anthropic_error("overloaded_error", "Overloaded")))
+    client = anthropic.AsyncAnthropic(base_url=provider.url, api_key=API_KEY, max_retries=5)
+    try:
+        with pytest.raises(ModelRateLimited):
+            await collect(AnthropicModel("claude-test", client=client), request())
+    finally:
+        await client.close()
+    assert len(provider.received) == 1
+
+
+async def test_the_repr_shows_no_key(make):
+    shown = repr(make())
+    assert "claude-test" in shown and API_KEY not in shown

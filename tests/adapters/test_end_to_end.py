@@ -1,0 +1,98 @@
+"""A Run of an Agent on each real adapter, driven by the in-process runner against the
+fake provider: a tool call Step, then an answer Step, ending ``natural``."""
+
+from __future__ import annotations
+
+import json
+
+from runtime import Agent, EndedState, InProcessRunner, ToolResultMessage, tool
+from runtime.adapters import AnthropicModel, OpenAICompatible
+from storage.memory import MemoryCommitStore
+
+from .conftest import API_KEY
+from .fake_provider import (
+    anthropic_stream,
+    openai_call_args,
+    openai_call_start,
+    openai_stream,
+    openai_text,
+    text_block,
+    tool_use_block,
+)
+
+
+@tool
+async def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def run(model) -> tuple[object, ToolResultMessage]:
+    agent = Agent(name="adder", model=model, tools=[add], system="You add numbers.")
+    frontier = await InProcessRunner(agent, MemoryCommitStore()).start("add 2 and 3", thread_id="t")
+    assert isinstance(frontier.run_state, EndedState)
+    assert frontier.run_state.cause.kind == "natural"
+    (result,) = [m for m in frontier.messages if isinstance(m, ToolResultMessage)]
+    assert frontier.messages[-1].text == "It is 5."
+    return frontier, result
+
+
+async def test_a_run_on_openai_compatible_calls_a_tool_then_answers(provider, closing):
+    provider.reply(
+        openai_stream(
+            openai_call_start(0, "call_add_1", "add"),
+            openai_call_args(0, '{"a": 2,'),
+            openai_call_args(0, ' "b": 3}'),
+            finish_reason="tool_calls",
+        ),
+        openai_text("It is ", "5."),
+    )
+    model = closing(OpenAICompatible("gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY))
+    frontier, result = await run(model)
+    assert (result.call_id, result.is_error) == ("call_add_1", False)
+    # each Step's usage (31 in, 12 of them cached, 9 out) committed and totalled
+    totals = {"input_tokens": 62, "output_tokens": 18, "cached_tokens": 24, "inferences": 2}
+    assert frontier.state["run"]["usage"] == totals
+
+    first, second = (r.body for r in provider.received)
+    assert first["messages"][0] == {"role": "system", "content": "You add numbers."}
+    assert [t["function"]["name"] for t in first["tools"]] == ["add"]
+    assistant, tool_message = second["messages"][-2:]
+    assert assistant["tool_calls"][0]["id"] == "call_add_1"
+    assert json.loads(assistant["tool_calls"][0]["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert tool_message == {"role": "tool", "tool_call_id": "call_add_1", "content": result.content}
+
+
+async def test_a_run_on_anthropic_calls_a_tool_then_answers(provider, closing):
+    provider.reply(
+        anthropic_stream(
+            tool_use_block(0, "toolu_add_1", "add", '{"a": 2,', ' "b": 3}'), stop_reason="tool_use"
+        ),
+        anthropic_stream(text_block(0, "It is ", "5.")),
+    )
+    model = closing(AnthropicModel("claude-test", base_url=provider.url, api_key=API_KEY))
+    frontier, result = await run(model)
+    assert (result.call_id, result.is_error) == ("toolu_add_1", False)
+    # 25 fresh + 10 cache reads in, 15 out, each Step; the model id as the provider said
+    totals = {"input_tokens": 70, "output_tokens": 30, "cached_tokens": 20, "inferences": 2}
+    assert frontier.state["run"]["usage"] == totals
+    assert frontier.state["run"]["model"] == "claude-test-2025"
+
+    first, second = (r.body for r in provider.received)
+    assert first["system"] == "You add numbers."
+    assert [t["name"] for t in first["tools"]] == ["add"]
+    assistant, user = second["messages"][-2:]
+    assert assistant["content"] == [
+        {"type": "tool_use", "id": "toolu_add_1", "name": "add", "input": {"a": 2, "b": 3}}
+    ]
+    assert user == {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_add_1",
+                "content": result.content,
+                "is_error": False,
+            }
+        ],
+    }

@@ -1,0 +1,433 @@
+"""OpenAICompatible over real HTTP, on the real ``openai`` SDK, against the fake server."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import openai
+import pytest
+
+from runtime import (
+    AssistantMessage,
+    ModelDelta,
+    ModelError,
+    ModelRateLimited,
+    ModelRefused,
+    ModelUnavailable,
+    ToolResultMessage,
+    ToolUse,
+    UserMessage,
+)
+from runtime.adapters import OpenAICompatible
+from runtime.adapters.openai_compat import PLACEHOLDER_KEY, usage_of
+from runtime.adapters.usage import Usage
+from runtime.ids import CallId
+from runtime.messages import ContextMessage
+
+from .conftest import API_KEY
+from .fake_provider import (
+    USAGE,
+    FakeProvider,
+    Sse,
+    Stall,
+    Status,
+    data,
+    openai_call_args,
+    openai_call_start,
+    openai_chunk,
+    openai_error,
+    openai_stream,
+    openai_text,
+)
+from .helpers import ADD_SCHEMA, collect, free_port, request
+
+
+@pytest.fixture
+def make(provider: FakeProvider, closing):
+    """Builds an adapter on the test's server, closed after the test."""
+
+    def build(**options) -> OpenAICompatible:
+        model = OpenAICompatible(
+            "gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY, **options
+        )
+        return closing(model)
+
+    return build
+
+
+async def test_the_request_maps_system_roles_tool_calls_results_and_schemas(provider, make):
+    provider.reply(openai_text("ok"))
+    history = (
+        UserMessage(id="u1", text="add 2 and 3"),
+        AssistantMessage(
+            text="adding",
+            tool_calls=(ToolUse(call_id=CallId("call_a"), tool="add", arguments='{"a":2,"b":3}'),),
+        ),
+        ToolResultMessage(call_id=CallId("call_a"), tool="add", content="5"),
+        AssistantMessage(
+            tool_calls=(ToolUse(call_id=CallId("call_b"), tool="add", arguments="{bad"),)
+        ),
+        ToolResultMessage(call_id=CallId("call_b"), tool="add", content="bad JSON", is_error=True),
+        ContextMessage(text="hook says: be brief"),
+    )
+    model = make(max_tokens=64, temperature=0.25, extra_body={"top_k": 5})
+    await collect(model, request(*history, system="You add numbers."))
+
+    (received,) = provider.received
+    assert received.path == "/v1/chat/completions"
+    assert received.headers["authorization"] == f"Bearer {API_KEY}"
+    body = received.body
+    assert (body["model"], body["stream"], body["stream_options"]) == (
+        "gpt-test",
+        True,
+        {"include_usage": True},
+    )
+    assert (body["max_tokens"], body["temperature"], body["top_k"]) == (64, 0.25, 5)
+    assert body["messages"] == [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "add 2 and 3"},
+        {
+            "role": "assistant",
+            "content": "adding",
+            "tool_calls": [
+                {
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a":2,"b":3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_a", "content": "5"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": "{bad"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_b", "content": "error: bad JSON"},
+        {"role": "user", "content": "hook says: be brief"},
+    ]
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": ADD_SCHEMA["description"],
+                "parameters": ADD_SCHEMA["parameters"],
+            },
+        }
+    ]
+
+
+@pytest.mark.parametrize("tools", [None, ()], ids=["withheld", "none-defined"])
+async def test_tools_are_left_out_when_withheld_or_empty(provider, tools, make):
+    provider.reply(openai_text("ok"))
+    await collect(make(), request(tools=tools))
+    body = provider.received[0].body
+    assert "tools" not in body
+    assert "max_tokens" not in body and "temperature" not in body
+    assert body["messages"] == [{"role": "user", "content": "hi"}]  # no empty system message
+
+
+async def test_text_streams_as_deltas_then_one_response(provider, make):
+    provider.reply(openai_text("Hel", "lo ", "there"))
+    deltas, response = await collect(make(), request())
+    assert [(d.type, d.text) for d in deltas] == [
+        ("text_delta", "Hel"),
+        ("text_delta", "lo "),
+        ("text_delta", "there"),
+    ]
+    assert response.text == "Hello there" and response.tool_calls == ()
+
+
+async def test_tool_call_fragments_group_by_call_and_come_back_in_index_order(provider, make):
+    provider.reply(
+        openai_stream(
+            openai_chunk({"content": "Let me add."}),
+            openai_call_start(1, "call_second", "add"),
+            openai_call_start(0, "call_first", "add"),
+            openai_call_args(0, '{"a": 1, '),
+            openai_call_args(1, '{"a": 10, "b": 20}'),
+            openai_call_args(0, '"b": 2}'),
+            finish_reason="tool_calls",
+        )
+    )
+    deltas, response = await collect(make(), request())
+    calls = [(d.call_id, d.tool, d.text) for d in deltas if d.type == "tool_call_delta"]
+    assert calls == [
+        ("call_second", "add", ""),
+        ("call_first", "add", ""),
+        ("call_first", "add", '{"a": 1, '),
+        ("call_second", "add", '{"a": 10, "b": 20}'),
+        ("call_first", "add", '"b": 2}'),
+    ]
+    assert response.text == "Let me add."
+    assert response.tool_calls == (
+        ToolUse(call_id=CallId("call_first"), tool="add", arguments='{"a": 1, "b": 2}'),
+        ToolUse(call_id=CallId("call_second"), tool="add", arguments='{"a": 10, "b": 20}'),
+    )
+
+
+async def test_reasoning_of_a_compatible_server_streams_as_reasoning_deltas(provider, make):
+    provider.reply(
+        openai_stream(
+            openai_chunk({"reasoning_content": "2+3 is 5"}), openai_chunk({"content": "5"})
+        )
+    )
+    deltas, response = await collect(make(), request())
+    assert [(d.type, d.text) for d in deltas] == [
+        ("reasoning_delta", "2+3 is 5"),
+        ("text_delta", "5"),
+    ]
+    assert response.text == "5"
+
+
+def test_usage_is_read_from_the_final_chunk():
+    from openai.types.chat import ChatCompletionChunk
+
+    final = ChatCompletionChunk.model_validate(openai_chunk(usage=USAGE))
+    assert usage_of(final) == Usage(
+        input_tokens=31, output_tokens=9, cached_tokens=12, model="gpt-test-2024"
+    )
+    assert usage_of(ChatCompletionChunk.model_validate(openai_chunk({"content": "x"}))) is None
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+ERRORS = [
+    pytest.param(
+        Status(
+            429,
+            openai_error("Rate limit reached for requests", "requests", "rate_limit_exceeded"),
+            {"retry-after": "7"},
+        ),
+        ModelRateLimited,
+        "rate_limit",
+        "Rate limit reached",
+        id="429",
+    ),
+    pytest.param(
+        Status(
+            429,
+            openai_error(
+                "You exceeded your current quota", "insufficient_quota", "insufficient_quota"
+            ),
+        ),
+        ModelRefused,
+        "insufficient_quota",
+        "exceeded your current quota",
+        id="429-quota",
+    ),
+    pytest.param(
+        Status(500, openai_error("The server had an error", "server_error")),
+        ModelUnavailable,
+        "status_500",
+        "The server had an error",
+        id="500",
+    ),
+    pytest.param(
+        Status(503, {"detail": "upstream down"}),
+        ModelUnavailable,
+        "status_503",
+        "upstream down",
+        id="503-foreign-body",
+    ),
+    pytest.param(
+        Status(400, openai_error("Invalid value for 'messages'", "invalid_request_error")),
+        ModelRefused,
+        "invalid_request",
+        "Invalid value for 'messages'",
+        id="400",
+    ),
+    pytest.param(
+        Status(
+            400,
+            openai_error(
+                "This model's maximum context length is 8192 tokens",
+                "invalid_request_error",
+                "context_length_exceeded",
+            ),
+        ),
+        ModelRefused,
+        "context_length",
+        "maximum context length is 8192",
+        id="400-context",
+    ),
+    pytest.param(
+        # a gateway that echoes the key it was sent
+        Status(
+            401,
+            openai_error(
+                f"Incorrect API key provided: {API_KEY}", "invalid_request_error", "invalid_api_key"
+            ),
+        ),
+        ModelRefused,
+        "auth",
+        "Incorrect API key provided",
+        id="401",
+    ),
+    pytest.param(
+        Status(
+            404,
+            openai_error(
+                "The model `gpt-nope` does not exist", "invalid_request_error", "model_not_found"
+            ),
+        ),
+        ModelRefused,
+        "not_found",
+        "does not exist",
+        id="404",
+    ),
+]
+
+
+@pytest.mark.parametrize(("reply", "kind", "code", "says"), ERRORS)
+async def test_an_error_status_becomes_its_typed_error(provider, reply, kind, code, says, make):
+    provider.reply(reply)
+    with pytest.raises(ModelError) as caught:
+        await collect(make(), request())
+    error = caught.value
+    assert type(error) is kind and error.code == code
+    assert error.status == reply.status
+    assert says in str(error)
+    assert API_KEY not in str(error) and API_KEY not in repr(error.args)
+    if kind is ModelRateLimited:
+        assert error.retry_after_s == 7.0
+
+
+async def test_retry_after_as_an_http_date(provider, make):
+    when = datetime.now(UTC) + timedelta(seconds=120)
+    provider.reply(
+        Status(
+            429, openai_error("slow down", "requests"), {"retry-after": format_datetime(when, True)}
+        )
+    )
+    with pytest.raises(ModelRateLimited) as caught:
+        await collect(make(), request())
+    assert caught.value.retry_after_s is not None and 100 < caught.value.retry_after_s <= 120
+
+
+STREAM_FAILURES = [
+    pytest.param(
+        Sse([data(openai_chunk({"content": "Hel"}))], ending="cut"),
+        "stream_cut",
+        id="connection-cut",
+    ),
+    pytest.param(
+        openai_stream(openai_chunk({"content": "Hel"}), finish_reason=None, done=False),
+        "stream_cut",
+        id="ended-without-finish",
+    ),
+    pytest.param(
+        Sse([data(openai_chunk({"content": "Hel"})), b"data: {not json\n\n"]),
+        "malformed_stream",
+        id="not-json",
+    ),
+    pytest.param(
+        Sse([data(openai_chunk({"content": "Hel"})), data({"choices": 7})]),
+        "malformed_stream",
+        id="not-a-chunk",
+    ),
+    pytest.param(
+        Sse(
+            [
+                data(openai_chunk({"content": "Hel"})),
+                data(openai_error("overloaded", "server_error")),
+            ]
+        ),
+        "server_error",
+        id="error-event",
+    ),
+]
+
+
+@pytest.mark.parametrize(("reply", "code"), STREAM_FAILURES)
+async def test_a_broken_stream_is_transient(provider, reply, code, make):
+    provider.reply(reply)
+    seen: list[ModelDelta] = []
+    with pytest.raises(ModelUnavailable) as caught:
+        async for item in make().stream(request()):
+            seen.append(item)  # type: ignore[arg-type]
+    assert type(caught.value) is ModelUnavailable and caught.value.code == code
+    assert [d.text for d in seen] == ["Hel"]  # the deltas before the break were streamed
+    assert API_KEY not in str(caught.value)
+
+
+async def test_a_mid_stream_rate_limit_event_is_rate_limited(provider, make):
+    event = openai_error("Rate limit reached", "requests", "rate_limit_exceeded")
+    provider.reply(Sse([data(openai_chunk({"content": "x"})), data(event)]))
+    with pytest.raises(ModelRateLimited) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "rate_limit" and "Rate limit reached" in str(caught.value)
+
+
+async def test_a_server_that_never_answers_times_out(provider, make):
+    provider.reply(Stall())
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(timeout_s=0.3), request())
+    assert caught.value.code == "timeout"
+
+
+async def test_a_server_that_is_not_there_is_a_connection_error(closing):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    model = closing(OpenAICompatible("gpt-test", base_url=url, api_key=API_KEY))
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(model, request())
+    assert caught.value.code == "connection" and API_KEY not in str(caught.value)
+
+
+async def test_the_sdk_does_not_retry_on_its_own(provider):
+    provider.reply(Status(500, openai_error("boom", "server_error")), openai_text("late"))
+    client = openai.AsyncOpenAI(base_url=f"{provider.url}/v1", api_key=API_KEY, max_retries=5)
+    try:
+        with pytest.raises(ModelUnavailable):
+            await collect(OpenAICompatible("gpt-test", client=client), request())
+    finally:
+        await client.close()
+    assert len(provider.received) == 1  # Ratchet's engine decides whether to ask again
+    assert client.max_retries == 5  # the caller's client is left as it was
+
+
+# ---- configuration --------------------------------------------------------------------
+
+
+async def test_base_url_and_key_come_from_the_environment(provider, monkeypatch, closing):
+    monkeypatch.setenv("OPENAI_BASE_URL", f"{provider.url}/v1")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env-0000000000")
+    provider.reply(openai_text("ok"))
+    await collect(closing(OpenAICompatible("gpt-test")), request())
+    assert provider.received[0].headers["authorization"] == "Bearer sk-from-env-0000000000"
+
+
+async def test_a_gateway_without_a_key_gets_a_placeholder(provider, monkeypatch, closing):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    provider.reply(openai_text("ok"))
+    await collect(closing(OpenAICompatible("llama", base_url=f"{provider.url}/v1")), request())
+    assert provider.received[0].headers["authorization"] == f"Bearer {PLACEHOLDER_KEY}"
+
+
+def test_no_key_and_no_gateway_is_refused_at_construction(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with pytest.raises(ValueError, match="api_key"):
+        OpenAICompatible("gpt-test")
+
+
+async def test_the_repr_shows_no_key(make):
+    shown = repr(make())
+    assert "gpt-test" in shown and API_KEY not in shown
+
+
+def test_chunk_json_of_the_fake_server_is_what_the_sdk_parses():
+    # guards the fake server itself: its chunks validate as the SDK's own type
+    from openai.types.chat import ChatCompletionChunk
+
+    for chunk in (openai_call_start(0, "c", "add"), openai_chunk({}, "stop")):
+        ChatCompletionChunk.model_validate(json.loads(json.dumps(chunk)))
