@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from runtime.agent import Agent
 from runtime.delegation import delegate_tool
@@ -71,19 +70,24 @@ parent_of_napper = _delegating("parent-of-napper", "tests.ray.agents:long_nappin
 parent_of_worker = _delegating("parent-of-worker", f"{HERE}:worker")
 
 
-class _LimitedUntil:
-    """Rate limited until the time its Run's input names (``until:<epoch seconds>``),
-    wherever and however often it is asked: the same on any host, after any resume."""
+class _LimitedOnce:
+    """Rate limited for ``WAIT_S`` on its first request of each Run, then serves. The Run
+    pauses and is resumed on the host that holds it (hosted placement is by thread), so
+    the note of which Runs were limited may live in the host process."""
+
+    WAIT_S = 1.5
+
+    def __init__(self) -> None:
+        self.limited: set[str] = set()
 
     async def stream(self, request: InferenceRequest):  # type: ignore[no-untyped-def]
         from runtime.errors import ModelRateLimited
 
-        until = float(request.messages[0].text.partition(":")[2])
-        left = until - time.time()
-        if left > 0:
-            raise ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=left)
+        if request.run_id not in self.limited:
+            self.limited.add(request.run_id)
+            raise ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=self.WAIT_S)
         yield ModelResponse(text="served")
 
 
-rate_limited_agent = Agent(name="rate_limited", model=_LimitedUntil(), rate_limit_wait_s=0.0)
+rate_limited_agent = Agent(name="rate_limited", model=_LimitedOnce(), rate_limit_wait_s=0.0)
 """Pauses ``awaiting(pause(rate_limit))`` at once: it may not wait in the Run at all."""
