@@ -80,6 +80,7 @@ from runtime.runner import InProcessRunner
 from runtime.state import Command
 from runtime.tools import (
     LocalToolRunner,
+    OutcomeUnknown,
     Tool,
     ToolContext,
     ToolResult,
@@ -134,6 +135,7 @@ __all__ = [
     "ModelResponse",
     "ModelUnavailable",
     "OperationId",
+    "OutcomeUnknown",
     "PayloadTooLarge",
     "PermissionDecision",
     "RatchetError",

@@ -36,6 +36,12 @@ class UnavailableBeforeDispatch(Exception):
     """Raised by a tool before any external effect: the call may safely be retried."""
 
 
+class OutcomeUnknown(Exception):
+    """Raised by a tool that lost touch with what it called after the request left (a
+    connection dropped mid-call): it may have run, so the call is lost and its pinned
+    recovery policy decides (``never_replay``: indeterminate)."""
+
+
 @dataclass(frozen=True)
 class ToolContext:
     """What a running tool may know about its call."""
@@ -283,6 +289,8 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         return Unavailable(message=printable(str(exc)) or "unavailable before dispatch")
     except TimeoutError:
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
+    except OutcomeUnknown as exc:
+        return Lost(message=printable(f"tool {t.id}: {exc}") or f"tool {t.id}: outcome unknown")
     except asyncio.CancelledError as exc:
         if cancelling():
             raise  # the wave is being cancelled: it goes on unwinding

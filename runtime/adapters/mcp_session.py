@@ -1,0 +1,380 @@
+"""The sessions behind ``runtime.adapters.mcp``: one per process and server, opened by
+the first call in the running event loop, shared by concurrent calls, and replaced by
+a fresh one after it dies (never mended under a call).
+
+Which calls the session had handed to its transport is noted as they go
+(``_NotingWrite``), so that a session that ends tells a call that cannot have reached
+the server (``McpUnavailable``: sent again as usual) from one the server may have run
+(``McpConnectionLost``: the call is Lost and its pinned recovery policy decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
+from urllib.parse import urlsplit
+
+from runtime.limits import printable
+from runtime.tools import OutcomeUnknown, ToolContext, ToolResult, UnavailableBeforeDispatch
+
+if TYPE_CHECKING:
+    from mcp import ClientSession
+    from mcp.shared.message import SessionMessage
+    from mcp.types import CallToolResult, ContentBlock, RequestParamsMeta
+    from mcp.types import Tool as ListedTool
+
+
+log = logging.getLogger("ratchet.mcp")
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""The tool names every model provider Ratchet talks to accepts (MCP also allows dots)."""
+CONTEXT_PARAM = "__ratchet_context__"
+"""Where Tool.invoke hands a call its ToolContext (it replaces an argument of that name,
+which no listed schema may declare)."""
+OPEN_TIMEOUT_S = 30.0
+"""How long a server may take to answer initialize and tools/list."""
+
+_T = TypeVar("_T")
+
+
+class McpUnavailable(UnavailableBeforeDispatch):
+    """Nothing reached the MCP server: the call may be sent again."""
+
+
+class McpConnectionLost(OutcomeUnknown):
+    """The session ended while the server had the call: it may have run (the call is
+    Lost: ``runtime.tools.invoke_safely``)."""
+
+
+# ---- servers and their sessions ---------------------------------------------------------
+
+
+def _stdio_streams(
+    command: str, args: tuple[str, ...], env: dict[str, str] | None, cwd: str | None
+) -> AbstractAsyncContextManager[Any]:
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    return stdio_client(StdioServerParameters(command=command, args=[*args], env=env, cwd=cwd))
+
+
+@asynccontextmanager
+async def _http_streams(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's: a response may stream for long
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=timeout) as client,
+        streamable_http_client(url, http_client=client) as streams,
+    ):
+        yield streams
+
+
+def _url_label(url: str) -> str:
+    """The URL without what may hold a credential (userinfo, query, fragment)."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
+
+
+class McpServer:
+    """An MCP server to list and call, and the one session per process its calls share.
+
+    A copy sent to another process (pickled) carries no session: it opens its own."""
+
+    def __init__(
+        self,
+        label: str,
+        connect: Callable[[], AbstractAsyncContextManager[Any]],
+        *,
+        failing: str = "reached",
+        open_timeout_s: float = OPEN_TIMEOUT_S,
+    ) -> None:
+        """Prefer ``stdio`` or ``http``. ``connect`` opens the transport's streams (a
+        picklable callable, so that the server can be sent to another process)."""
+        self.label = label
+        self._connect = connect
+        self._failing = failing
+        self.open_timeout_s = open_timeout_s
+        self._link: _Link | None = None
+
+    @classmethod
+    def stdio(
+        cls,
+        command: str,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        cwd: str | None = None,
+        open_timeout_s: float = OPEN_TIMEOUT_S,
+    ) -> McpServer:
+        """A subprocess speaking MCP on stdin/stdout; ``env`` is added to the few
+        variables the SDK passes on (PATH, HOME, ...)."""
+        connect = partial(
+            _stdio_streams, command, tuple(args), None if env is None else dict(env), cwd
+        )
+        label = " ".join((command, *args))
+        return cls(label, connect, failing="started", open_timeout_s=open_timeout_s)
+
+    @classmethod
+    def http(
+        cls,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        open_timeout_s: float = OPEN_TIMEOUT_S,
+    ) -> McpServer:
+        """A server speaking streamable HTTP at ``url``."""
+        connect = partial(_http_streams, url, dict(headers or {}))
+        return cls(_url_label(url), connect, open_timeout_s=open_timeout_s)
+
+    def __repr__(self) -> str:
+        return f"McpServer({self.label!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "_link": None}
+
+    @property
+    def connected(self) -> bool:
+        """Whether this process holds a live session to the server."""
+        link = self._link
+        return link is not None and link.pid == os.getpid() and link.live
+
+    async def list_tools(self) -> list[ListedTool]:
+        """Every tool the server lists, over a session of its own, closed after."""
+        async with AsyncExitStack() as stack:
+            return await self._listing(await self._open(stack, None))
+
+    async def call(self, name: str, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """One tools/call on this process's session, its operation id in ``_meta``."""
+        from mcp import MCPError
+        from mcp.types import CONNECTION_CLOSED
+
+        link, session = await self._session()
+        meta = {"idempotency_key": ctx.operation_id, "attempt": ctx.attempt, "epoch": ctx.epoch}
+        key = (str(ctx.operation_id), ctx.attempt)
+        try:
+            # an open map on the wire; the SDK types it as a TypedDict of its reserved keys
+            result = await session.call_tool(name, arguments, meta=cast("RequestParamsMeta", meta))
+        except MCPError as exc:
+            if exc.code != CONNECTION_CLOSED:  # the server answered, with an error
+                return ToolResult(printable(f"MCP error {exc.code}: {exc.message}"), is_error=True)
+            if key in link.sent:
+                why = f"the session to MCP server {self.label} ended during the call"
+                raise McpConnectionLost(why) from exc
+            why = f"the session to MCP server {self.label} had ended before the call was sent"
+            raise McpUnavailable(why) from exc
+        finally:
+            link.sent.discard(key)
+        return ToolResult(content=_result_text(result), is_error=result.is_error)
+
+    async def aclose(self) -> None:
+        """Close this process's session (a stdio server is stopped and reaped)."""
+        link, self._link = self._link, None
+        if link is None or link.pid != os.getpid() or link.loop.is_closed():
+            return
+        if link.loop is not asyncio.get_running_loop():
+            link.loop.call_soon_threadsafe(link.ended.set)
+            return
+        link.ended.set()
+        await link.task
+
+    async def _session(self) -> tuple[_Link, ClientSession]:
+        loop = asyncio.get_running_loop()
+        link = self._link
+        if link is None or not link.serves(loop):
+            # made and started with no await in between: concurrent callers find this one
+            link = self._link = _Link(loop)
+            link.task = loop.create_task(self._hold(link), name=f"mcp session {self.label}")
+        # shielded: one caller's cancellation must not cancel the opening its peers await
+        return link, await asyncio.shield(link.ready)
+
+    async def _hold(self, link: _Link) -> None:
+        """Hold one session open until it ends or is closed: anyio's scopes must be left
+        by the task that entered them, so no one caller can own the session."""
+        try:
+            async with AsyncExitStack() as stack:
+                link.ready.set_result(await self._open(stack, link))
+                link.live = True
+                await link.ended.wait()
+        except Exception as exc:
+            if not link.ready.done():
+                why = f"MCP server {self.label} cannot be {self._failing}"
+                link.ready.set_exception(McpUnavailable(printable(f"{why}: {reason(exc)}")))
+            else:  # the calls it failed learnt it from their own requests
+                log.debug("session to MCP server %s ended: %s", self.label, reason(exc))
+        finally:
+            link.end()
+            if not link.ready.done():  # cancelled while opening (its loop is closing)
+                link.ready.set_exception(McpUnavailable(f"MCP server {self.label}: closed"))
+
+    async def _open(self, stack: AsyncExitStack, link: _Link | None) -> ClientSession:
+        """Start the transport and a session on ``stack``, initialized; a link's session
+        is also listed, or the SDK would list it after a call, to check the result
+        against the tool's outputSchema."""
+        from mcp import ClientSession
+
+        read, write = await stack.enter_async_context(self._connect())
+        if link is not None:
+            read, write = _WatchedRead(read, link.end), _NotingWrite(write, link.sent)
+        session = await stack.enter_async_context(ClientSession(read, write))
+        await self._within(session.initialize())
+        if link is not None:
+            await self._listing(session)
+        return session
+
+    async def _listing(self, session: ClientSession) -> list[ListedTool]:
+        from mcp.types import PaginatedRequestParams
+
+        page = await self._within(session.list_tools())
+        tools = list(page.tools)
+        while page.next_cursor:
+            cursor = PaginatedRequestParams(cursor=page.next_cursor)
+            page = await self._within(session.list_tools(params=cursor))
+            tools.extend(page.tools)
+        return tools
+
+    async def _within(self, work: Coroutine[Any, Any, _T]) -> _T:
+        try:
+            return await asyncio.wait_for(work, self.open_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer within {self.open_timeout_s}s") from None
+
+
+class _Link:
+    """One session in one event loop of one process."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pid = os.getpid()
+        self.ready: asyncio.Future[ClientSession] = loop.create_future()
+        # a failed opening nobody awaits any more (its callers were cancelled) is no error
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.ended = asyncio.Event()
+        """Set when the server's stream ends or the session is closed."""
+        self.live = False
+        self.sent: set[tuple[str, int]] = set()
+        """(operation id, attempt) of each call whose request reached the transport."""
+        self.task: asyncio.Task[None]
+
+    def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
+        return self.loop is loop and self.pid == os.getpid() and not self.ended.is_set()
+
+    def end(self) -> None:
+        self.live = False
+        self.ended.set()
+
+
+class _Stream:
+    """A stream of the session's, passed through (``last_context`` included)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class _WatchedRead(_Stream):
+    """The session's read stream, telling its link when the server's stream ends (the
+    SDK's dispatcher then fails the calls in flight; nothing else would notice)."""
+
+    def __init__(self, inner: Any, on_end: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self._on_end = on_end
+
+    async def receive(self) -> SessionMessage | Exception:
+        return await self._watch(self._inner.receive())
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> SessionMessage | Exception:
+        return await self._watch(self._inner.__anext__())
+
+    async def _watch(self, step: Coroutine[Any, Any, Any]) -> SessionMessage | Exception:
+        import anyio
+
+        try:
+            return cast("SessionMessage | Exception", await step)
+        except (StopAsyncIteration, anyio.EndOfStream, anyio.ClosedResourceError):
+            self._on_end()
+            raise
+
+
+class _NotingWrite(_Stream):
+    """The session's write stream, noting each tools/call it hands to the transport: a
+    call whose session then ends may have reached the server; one not handed over has not."""
+
+    def __init__(self, inner: Any, sent: set[tuple[str, int]]) -> None:
+        super().__init__(inner)
+        self._sent = sent
+
+    async def send(self, item: SessionMessage, /) -> None:
+        import anyio
+
+        key = _call_key(item)
+        if key is not None:
+            self._sent.add(key)  # before the send: a cancelled send may still deliver
+        try:
+            await self._inner.send(item)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            if key is not None:  # refused whole: nothing left this process
+                self._sent.discard(key)
+            raise
+
+
+def _call_key(item: SessionMessage) -> tuple[str, int] | None:
+    from mcp.types import JSONRPCRequest
+
+    message = item.message
+    if not isinstance(message, JSONRPCRequest) or message.method != "tools/call":
+        return None
+    meta = (message.params or {}).get("_meta") or {}
+    return str(meta.get("idempotency_key")), int(meta.get("attempt", 0))
+
+
+def reason(exc: BaseException) -> str:
+    """The innermost causes of a failure the SDK's task groups may have wrapped."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(reason(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _result_text(result: CallToolResult) -> str:
+    """What the model sees of a CallToolResult: its text blocks, the others summarised;
+    the structured content when there is no content at all."""
+    if not result.content and result.structured_content is not None:
+        return json.dumps(result.structured_content)
+    return "\n".join(_block_text(block) for block in result.content)
+
+
+def _block_text(block: ContentBlock) -> str:
+    from mcp.types import EmbeddedResource, ResourceLink, TextContent, TextResourceContents
+
+    if isinstance(block, TextContent):
+        return block.text
+    if isinstance(block, ResourceLink):
+        return f"[resource link {block.name}: {block.uri}]"
+    if isinstance(block, EmbeddedResource):
+        resource = block.resource
+        if isinstance(resource, TextResourceContents):
+            return f"[resource {resource.uri}]\n{resource.text}"
+        return f"[resource {resource.uri}: {resource.mime_type or 'binary'}, not shown]"
+    return f"[{block.type} {block.mime_type}, {len(block.data)} base64 characters, not shown]"

@@ -1,0 +1,251 @@
+"""The MCP adapter against a real MCP server (``server.py``, run as a subprocess)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel, call
+from runtime.adapters.mcp import McpServer, McpUnavailable, mcp_tools
+from runtime.commit import Frontier
+from runtime.errors import ToolDefinitionError
+from runtime.ids import CallId, OperationId, RunId, ThreadId
+from runtime.messages import ToolResultMessage
+from runtime.ports import Finished, Lost, ToolInvocation, Unavailable
+from runtime.tools import LocalToolRunner, Tool, ToolContext
+from storage.memory import MemoryCommitStore
+from tests.mcp.conftest import DEADLINE_S, SERVER, started_pids
+from tests.runtime.agents import until
+
+ROOT = Path(__file__).parents[2]
+ADD_SCHEMA = {
+    "properties": {
+        "a": {"title": "A", "type": "integer"},
+        "b": {"title": "B", "type": "integer"},
+    },
+    "required": ["a", "b"],
+    "type": "object",
+    "title": "addArguments",
+}
+
+
+def runner_for(
+    tools: list[Tool], *steps: ModelResponse
+) -> tuple[InProcessRunner, MemoryCommitStore]:
+    store = MemoryCommitStore()
+    script = ScriptedModel([*steps, ModelResponse(text="done")])
+    return InProcessRunner(Agent(name="mcp", model=script, tools=tools), store), store
+
+
+def results(frontier: Frontier) -> dict[str, ToolResultMessage]:
+    return {m.call_id: m for m in frontier.messages if isinstance(m, ToolResultMessage)}
+
+
+async def operation_id(store: MemoryCommitStore, thread: str, call_id: str) -> str:
+    for record in await store.read(ThreadId(thread)):
+        batch = record.commit.batch
+        for c in batch.calls if batch else ():
+            if c.call_id == call_id:
+                return c.operation_id
+    raise AssertionError(f"no call {call_id} in thread {thread}")
+
+
+def invocation(tool: str, call_id: str, **arguments: object) -> ToolInvocation:
+    return ToolInvocation(
+        tool=tool,
+        arguments=arguments,
+        call_id=CallId(call_id),
+        operation_id=OperationId(f"op-{call_id}"),
+        attempt=1,
+        run_id=RunId("r"),
+        thread_id=ThreadId("t"),
+    )
+
+
+def test_listing_gives_each_tool_the_servers_schema_and_description(stdio_server, records):
+    listed = mcp_tools(
+        stdio_server(), recovery={"add": ("idempotent", "never_replay")}, timeouts={"hang": 5.0}
+    )
+    tools = {t.id: t for t in listed}
+    assert list(tools) == ["record", "add", "fail", "hang"]
+    add = tools["add"]
+    assert add.schema() == {
+        "name": "add",
+        "description": "Adds two integers.",
+        "parameters": ADD_SCHEMA,
+    }
+    assert add.recovery == ("idempotent", "never_replay") and add.timeout_s is None
+    assert tools["record"].recovery == ("never_replay",) and tools["hang"].timeout_s == 5.0
+    assert len(started_pids(records)) == 1  # the listing's own server, gone again (fixture)
+
+
+def test_names_ratchet_cannot_use_and_unknown_overrides_are_refused(stdio_server):
+    dotted = stdio_server(MCP_TEST_DOTTED="1")
+    with pytest.raises(ToolDefinitionError, match=r"'files\.read'.*include="):
+        mcp_tools(dotted)
+    assert [t.id for t in mcp_tools(dotted, include=["add", "record"])] == ["record", "add"]
+    with pytest.raises(ToolDefinitionError, match=r"no tool named \['nope'\]"):
+        mcp_tools(dotted, recovery={"nope": ("replay_safe",)})
+    with pytest.raises(ToolDefinitionError, match="unknown or empty recovery modes"):
+        mcp_tools(dotted, include=["add"], recovery={"add": ("sometimes",)})  # type: ignore[dict-item]
+
+
+def test_a_server_that_cannot_be_listed_is_a_definition_error():
+    with pytest.raises(ToolDefinitionError, match="cannot list the tools of MCP server"):
+        mcp_tools(McpServer.stdio("/nonexistent/mcp-server"))
+
+
+async def test_a_run_commits_the_result_and_the_server_sees_the_operation_id(server):
+    tools = mcp_tools(server)  # inside a running loop: listed on a private one
+    runner, store = runner_for(tools, ModelResponse(tool_calls=(call("record", "c1", note="hi"),)))
+    frontier = await runner.start("go", thread_id="t1")
+    result = results(frontier)["c1"]
+    assert not result.is_error and frontier.run_state.cause.kind == "natural"
+    answer = json.loads(result.content)
+    assert answer["note"] == "hi"
+    op = await operation_id(store, "t1", "c1")
+    assert answer["meta"] == {"idempotency_key": op, "attempt": 1, "epoch": frontier.epoch}
+
+
+async def test_a_tool_error_is_an_error_result(server):
+    runner, _ = runner_for(
+        mcp_tools(server), ModelResponse(tool_calls=(call("fail", "c1", reason="why"),))
+    )
+    result = results(await runner.start("go", thread_id="t1"))["c1"]
+    assert result.is_error and "failed on purpose: why" in result.content
+
+
+async def test_arguments_that_break_the_schema_never_reach_the_server(server, records):
+    runner, _ = runner_for(
+        mcp_tools(server),
+        ModelResponse(tool_calls=(call("add", "bad", a="one", b=2), call("add", "short", a=1))),
+        ModelResponse(tool_calls=(call("add", "good", a=1, b=2),)),
+    )
+    by_call = results(await runner.start("go", thread_id="t1"))
+    assert (
+        by_call["bad"].is_error and "$.a: 'one' is not of type 'integer'" in by_call["bad"].content
+    )
+    assert by_call["short"].is_error and "'b' is a required property" in by_call["short"].content
+    assert not by_call["good"].is_error and by_call["good"].content == "3"
+    assert (records / "add.log").read_text() == "1+2\n"  # only the good call was served
+
+
+async def test_concurrent_calls_share_one_session(server, records):
+    wave = [invocation("record", f"c{i}", note=str(i)) for i in range(4)]
+    outcomes = await LocalToolRunner(mcp_tools(server)).run(wave)
+    pids = {json.loads(o.output.content)["pid"] for o in outcomes if isinstance(o, Finished)}
+    assert len(pids) == 1 and server.connected
+    assert not pickle.loads(pickle.dumps(server)).connected  # a copy opens its own
+    assert len(started_pids(records)) == 2  # the listing's server, then the session's
+
+
+async def test_a_server_killed_between_calls_is_restarted_for_the_next(server):
+    runner, _ = runner_for(
+        mcp_tools(server), ModelResponse(tool_calls=(call("record", "c1", note="a"),))
+    )
+    first = json.loads(results(await runner.start("go", thread_id="t1"))["c1"].content)["pid"]
+    os.kill(first, signal.SIGKILL)
+    await until(lambda: not server.connected, DEADLINE_S)
+    second = results(await runner.start("go", thread_id="t2"))["c1"]
+    assert not second.is_error and json.loads(second.content)["pid"] != first
+
+
+async def test_a_server_killed_during_a_call_leaves_that_call_indeterminate(server, records):
+    tools = mcp_tools(server)
+    runner, _ = runner_for(tools, ModelResponse(tool_calls=(call("hang", "c1"),)))
+    run = asyncio.create_task(runner.start("go", thread_id="t1"))
+    hanging = records / "hang.pid"
+    await until(hanging.exists, DEADLINE_S)
+    os.kill(int(hanging.read_text()), signal.SIGKILL)
+    lost = results(await run)["c1"]  # never_replay: Lost, so indeterminate; the Run goes on
+    assert lost.is_error and lost.content.startswith("tool outcome unknown")
+    assert "hang" in lost.content and "timed out" not in lost.content  # says what happened
+    runner, _ = runner_for(tools, ModelResponse(tool_calls=(call("record", "c1", note="again"),)))
+    after = results(await runner.start("go", thread_id="t2"))["c1"]
+    assert not after.is_error and json.loads(after.content)["note"] == "again"
+
+
+async def test_a_call_past_its_timeout_is_lost_and_its_session_lives_on(server):
+    runner = LocalToolRunner(mcp_tools(server, timeouts={"hang": 0.5}))
+
+    async def pid(call_id: str) -> int:
+        (outcome,) = await runner.run([invocation("record", call_id, note="x")])
+        assert isinstance(outcome, Finished)
+        return int(json.loads(outcome.output.content)["pid"])
+
+    before = await pid("c1")  # the session is open: the timeout bounds the call alone
+    (lost,) = await runner.run([invocation("hang", "c2")])
+    assert isinstance(lost, Lost) and "timed out after 0.5s" in lost.message
+    assert await pid("c3") == before  # the same session, the same server process
+
+
+async def test_a_server_that_cannot_start_is_unavailable_before_dispatch(server, records):
+    runner = LocalToolRunner(mcp_tools(server))
+    (records / "refuse").touch()  # from now on the server exits as it starts
+    (outcome,) = await runner.run([invocation("record", "c1", note="x")])
+    assert isinstance(outcome, Unavailable) and "cannot be started" in outcome.message
+    (records / "refuse").unlink()
+    (outcome,) = await runner.run([invocation("record", "c2", note="y")])
+    assert isinstance(outcome, Finished) and not outcome.output.is_error
+
+
+async def test_a_missing_command_is_unavailable_with_its_reason():
+    missing = McpServer.stdio("/nonexistent/mcp-server")
+    ctx = ToolContext(OperationId("op"), 1, CallId("c"), RunId("r"), ThreadId("t"))
+    with pytest.raises(McpUnavailable, match=r"cannot be started.*mcp-server"):
+        await missing.call("record", {"note": "x"}, ctx)
+    assert not missing.connected
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+async def test_over_streamable_http(records: Path):
+    port = free_port()
+    env = {**os.environ, "MCP_TEST_DIR": str(records)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, SERVER, "http", str(port), env=env
+    )
+    server = McpServer.http(f"http://127.0.0.1:{port}/mcp", headers={"x-test": "1"})
+    try:
+        await until(lambda: answers(port), DEADLINE_S)
+        tools = {t.id: t for t in mcp_tools(server)}
+        assert tools["add"].schema()["parameters"] == ADD_SCHEMA
+        (outcome,) = await LocalToolRunner(list(tools.values())).run(
+            [invocation("record", "c1", note="http")]
+        )
+        assert isinstance(outcome, Finished)
+        assert json.loads(outcome.output.content)["meta"]["idempotency_key"] == "op-c1"
+    finally:
+        await server.aclose()
+        process.terminate()
+        await asyncio.wait_for(process.wait(), DEADLINE_S)
+
+
+def test_importing_the_adapter_does_not_import_the_sdk():
+    sdk = ("mcp", "mcp_types", "httpx2", "jsonschema")
+    code = f"import sys, runtime.adapters.mcp; print([m for m in {sdk!r} if m in sys.modules])"
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.stdout.strip() == "[]"
