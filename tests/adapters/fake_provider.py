@@ -47,6 +47,8 @@ class Sse:
 
     frames: Sequence[bytes]
     ending: Literal["eof", "cut", "hang"] = "eof"
+    gap_s: float = 0.0
+    """A pause between frames, as a model that generates slowly has."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,9 @@ class FakeProvider:
     async def _stream(self, request: web.Request, reply: Sse) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for frame in reply.frames:
+        for i, frame in enumerate(reply.frames):
+            if i and reply.gap_s:
+                await asyncio.sleep(reply.gap_s)  # the server's pace, not a test's wait
             await response.write(frame)
         if reply.ending == "hang":
             await self._release.wait()
