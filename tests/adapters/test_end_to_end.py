@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import json
 
-from runtime import Agent, EndedState, InProcessRunner, ToolResultMessage, tool
+from runtime import Agent, EndedState, InProcessRunner, ToolResultMessage, answer, tool
 from runtime.adapters import AnthropicModel, OpenAICompatible
+from runtime.lifecycle import Unpause
+from runtime.timeutil import now_us
+from runtime.usage import Budget
 from storage.memory import MemoryCommitStore
 
 from .conftest import API_KEY
 from .fake_provider import (
+    Status,
     anthropic_stream,
     openai_call_args,
     openai_call_start,
+    openai_error,
     openai_stream,
     openai_text,
     text_block,
@@ -96,3 +101,61 @@ async def test_a_run_on_anthropic_calls_a_tool_then_answers(provider, closing):
             }
         ],
     }
+
+
+async def test_a_provider_rate_limit_pauses_the_run_until_its_retry_after(provider, closing):
+    """429 with ``Retry-After: 30``: more than the Run may wait in memory, so it pauses at
+    rest with the time it may go on; the resume asks again and the Run ends."""
+    provider.reply(
+        Status(429, openai_error("Rate limit reached", "requests"), {"retry-after": "30"}),
+        openai_text("It is ", "5."),
+    )
+    model = closing(OpenAICompatible("gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY))
+    agent = Agent(name="adder", model=model, tools=[add], rate_limit_wait_s=5)
+    runner = InProcessRunner(agent, MemoryCommitStore())
+    before = now_us()
+    paused = await runner.start("add 2 and 3", thread_id="t")
+    target = paused.run_state.ticket.target
+    assert (target.kind, target.reason) == ("pause", "rate_limit")
+    assert before + 30_000_000 <= target.resume_at_us <= now_us() + 30_000_000
+    done = await runner.resume(answer(paused.run_state.ticket, Unpause()))
+    assert done.run_state.cause.kind == "natural" and done.messages[-1].text == "It is 5."
+    assert len(provider.received) == 2
+
+
+async def test_a_refusal_ends_the_run_with_the_providers_code_and_message(provider, closing):
+    provider.reply(
+        Status(
+            400,
+            openai_error("maximum context length exceeded", "invalid", "context_length_exceeded"),
+        )
+    )
+    model = closing(OpenAICompatible("gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY))
+    f = await InProcessRunner(
+        Agent(name="a", model=model, inference_attempts=3), MemoryCommitStore()
+    ).start("hi", thread_id="t")
+    cause = f.run_state.cause
+    assert (cause.kind, cause.failure, cause.code) == ("failed", "inference", "context_length")
+    assert "maximum context length" in cause.message and API_KEY not in cause.message
+    assert len(provider.received) == 1  # never asked again
+
+
+async def test_a_token_budget_pauses_on_the_providers_usage(provider, closing):
+    """Each answer uses 40 tokens (the fake's usage chunk): with 60 allowed, the second
+    inference would pass the budget, so the Run pauses before it."""
+    provider.reply(
+        openai_stream(
+            openai_call_start(0, "call_1", "add"),
+            openai_call_args(0, '{"a": 1, "b": 1}'),
+            finish_reason="tool_calls",
+        ),
+        openai_text("It is 2."),
+    )
+    model = closing(OpenAICompatible("gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY))
+    agent = Agent(name="adder", model=model, tools=[add], budget=Budget(max_tokens=60))
+    runner = InProcessRunner(agent, MemoryCommitStore())
+    paused = await runner.start("add 1 and 1", thread_id="t")
+    assert paused.run_state.ticket.target.reason == "budget"
+    assert len(provider.received) == 1
+    done = await runner.resume(answer(paused.run_state.ticket, Unpause()))
+    assert done.messages[-1].text == "It is 2." and done.state["run"]["usage"]["inferences"] == 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from runtime.adapters import OpenAICompatible
+from runtime.adapters import AnthropicModel, OpenAICompatible
 from runtime.agent import Agent
 
 PROVIDER_ENV = "RATCHET_TEST_PROVIDER"
@@ -20,3 +20,10 @@ def openai_agent() -> Agent:
     base_url = f"{os.environ[PROVIDER_ENV]}/v1"
     model = OpenAICompatible("gpt-test", base_url=base_url, api_key="sk-test", timeout_s=30)
     return Agent(name="on_openai", model=model, system="You answer.")
+
+
+def anthropic_agent() -> Agent:
+    model = AnthropicModel(
+        "claude-test", base_url=os.environ[PROVIDER_ENV], api_key="sk-test", timeout_s=30
+    )
+    return Agent(name="on_anthropic", model=model, system="You answer.")

@@ -1,4 +1,4 @@
-"""A Run on the OpenAI-compatible adapter across a host kill mid-stream.
+"""A Run on each real adapter (OpenAI-compatible, Anthropic) across a host kill mid-stream.
 
 The host is killed (SIGKILL) while the model's answer streams; Ray restarts it, the
 Run is recovered, and the recovered Step goes on from the stream checkpoint the dead
@@ -13,13 +13,22 @@ import signal
 import pytest
 
 from storage.redis_checkpoints import RedisCheckpointStore
-from tests.adapters.fake_provider import FakeProvider, openai_chunk, openai_stream, openai_text
+from tests.adapters.fake_provider import (
+    FakeProvider,
+    Sse,
+    anthropic_stream,
+    message_start,
+    openai_chunk,
+    openai_stream,
+    openai_text,
+    text_block,
+)
 
 from .conftest import wait_for
 from .model_agents import PROVIDER_ENV
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
-AGENT = "tests.ray.model_agents:openai_agent"
+AGENTS = "tests.ray.model_agents"
 
 
 @pytest.fixture
@@ -32,22 +41,44 @@ async def provider():
         await server.stop()
 
 
+PARTS = ("The answer ", "is ", "forty")
+
+
+def openai_replies() -> tuple[Sse, Sse]:
+    first = openai_stream(
+        *(openai_chunk({"content": p}) for p in PARTS), finish_reason=None, done=False
+    )
+    return Sse(first.frames, ending="hang", gap_s=0.4), openai_text("forty-two.")
+
+
+def anthropic_replies() -> tuple[Sse, Sse]:
+    started = [message_start(), *text_block(0, *PARTS)[:-1]]  # no block stop, no message stop
+    return Sse(started, ending="hang", gap_s=0.4), anthropic_stream(text_block(0, "forty-two."))
+
+
+def system_prompt(body: dict) -> str:
+    """The system prompt as each provider's request carries it."""
+    if "system" in body:
+        return str(body["system"])
+    return str(body["messages"][0]["content"])
+
+
+@pytest.mark.parametrize(
+    ("agent", "replies"),
+    [("openai_agent", openai_replies), ("anthropic_agent", anthropic_replies)],
+    ids=["openai", "anthropic"],
+)
 async def test_a_host_killed_mid_stream_recovers_the_step_from_its_checkpoint(
-    make_system, redis_url, provider, monkeypatch
+    make_system, redis_url, provider, monkeypatch, agent, replies
 ):
     # the first answer streams slowly (a checkpoint is taken every 0.25 s), then stalls
-    first = openai_stream(
-        *(openai_chunk({"content": p}) for p in ("The answer ", "is ", "forty")),
-        finish_reason=None,
-        done=False,
-    )
-    provider.reply(type(first)(first.frames, ending="hang", gap_s=0.4), openai_text("forty-two."))
+    provider.reply(*replies())
     monkeypatch.setenv(PROVIDER_ENV, provider.url)  # the client builds the agent to check it
     env = {"runtime_env": {"env_vars": {PROVIDER_ENV: provider.url}}}
     client = await make_system(redis_url=redis_url, host_options=(env, env))
     checkpoints = RedisCheckpointStore.connect(redis_url)
     try:
-        handle = await client.start(AGENT, "what is it?", host=0)
+        handle = await client.start(f"{AGENTS}:{agent}", "what is it?", host=0)
 
         async def checkpointed() -> bool:
             cp = await checkpoints.get(handle.thread_id)
@@ -63,7 +94,7 @@ async def test_a_host_killed_mid_stream_recovers_the_step_from_its_checkpoint(
     assert done.messages[-1].text == "forty-two."
     assert len(provider.received) == 2
     again = provider.received[1].body["messages"]
-    assert again[0] == {"role": "system", "content": "You answer."}
+    assert system_prompt(provider.received[1].body) == "You answer."
     # the recovered Step was asked to go on from what the dead host had streamed
     assert any("interrupted after" in str(m.get("content")) for m in again)
     assert any("The answer is" in str(m.get("content")) for m in again)
