@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from runtime.batch import ToolRecoveryPolicy
 from runtime.delegation import DelegationLimits
 from runtime.errors import AgentImportError
-from runtime.hooks import Hook
+from runtime.hooks import Gate, Hook, RunEndGuard
 from runtime.models import Model
+from runtime.plugins import DuplicateId, Plugin, PluginRefused, ResolvedExecutionEnv, resolve
 from runtime.tools import Tool
 from runtime.usage import Budget
 
@@ -25,6 +26,12 @@ class Agent:
     policies: Mapping[str, ToolRecoveryPolicy] = field(default_factory=dict)
     """Per tool id, overrides the tool's default recovery policy."""
     hooks: Sequence[Hook] = ()
+    plugins: Sequence[Plugin] = ()
+    """Resolved when the agent is made (``resolved``, ``plugins_refused``)."""
+    gates: Sequence[Gate] = ()
+    """Tool gates, run for every requested call where the permission gate runs."""
+    run_end_guards: Sequence[RunEndGuard] = ()
+    """Checked before a natural end; a guard's reason refuses it (``runtime.hooks``)."""
     system: str = ""
     """The system prompt, sent with every inference (``InferenceRequest.system``)."""
     inference_attempts: int = 2
@@ -41,14 +48,42 @@ class Agent:
     delegating: bool = field(init=False, repr=False, compare=False)
     """Whether any tool starts child Runs (if none, no call needs looking at for that)."""
 
+    resolved: ResolvedExecutionEnv | None = field(init=False, repr=False, compare=False)
+    """The plugins, resolved (``runtime.plugins``): their tools, hooks, gates and guards
+    are the agent's too (plugins' hooks before its own); None without plugins."""
+    plugins_refused: PluginRefused | None = field(init=False, repr=False, compare=False)
+    """Why the plugins cannot be resolved: a Run of this agent is committed as ended
+    ``failed(capability_bound)`` at its start instead of executing."""
+
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ValueError("max_steps must be at least 1")
+        self._resolve_plugins()
         ids = [t.id for t in self.tools]
         if len(set(ids)) != len(ids):
             raise ValueError(f"agent {self.name}: duplicate tool ids {ids}")
         object.__setattr__(self, "_by_id", {t.id: t for t in self.tools})
         object.__setattr__(self, "delegating", any(t.delegates for t in self.tools))
+
+    def _resolve_plugins(self) -> None:
+        env, refused = None, None
+        if self.plugins:
+            try:
+                env = resolve(self.plugins)
+            except PluginRefused as exc:
+                refused = exc
+        own = {t.id for t in self.tools}
+        clash = next((t.id for t in env.tools if t.id in own), None) if env else None
+        if clash is not None:
+            env, refused = None, DuplicateId("(agent)", f"tool {clash!r}", "the agent has one")
+        object.__setattr__(self, "resolved", env)
+        object.__setattr__(self, "plugins_refused", refused)
+        if env is not None:  # every part of the Run sees one set of tools, hooks, gates
+            object.__setattr__(self, "tools", (*self.tools, *env.tools))
+            object.__setattr__(self, "hooks", (*env.hooks, *self.hooks))
+            object.__setattr__(self, "gates", (*self.gates, *env.gates))
+            guards = (*self.run_end_guards, *env.run_end_guards)
+            object.__setattr__(self, "run_end_guards", guards)
 
     def tool(self, tool_id: str) -> Tool | None:
         return self._by_id.get(tool_id)

@@ -17,7 +17,7 @@ from runtime.delegation import ChildRunner
 from runtime.faults import FaultPlan
 from runtime.hooks import ExecutionState, HookPoint, HookResults
 from runtime.ids import RunId
-from runtime.lifecycle import RunDisposition, RunningState
+from runtime.lifecycle import PauseTarget, RunDisposition, RunningState
 from runtime.limits import Limits
 from runtime.ports import ToolRunner
 from runtime.state import Command
@@ -62,6 +62,14 @@ class RunContext:
     def ends_step(self, batch_id: str) -> bool:
         """Whether the StepEnd hooks of ``batch_id``'s Step are still to run."""
         return batch_id not in (self.step_ended, self.frontier.state["run"].get(STEP_ENDED))
+
+    def pause_step(self, target: PauseTarget, commands: Sequence[Command]) -> None:
+        """Pause before this Step's inference (the hooks' ``commands`` are committed with
+        the wait); the Step starts over on the resume, its StepEnd hooks not again."""
+        self.execution.wait_request = target
+        self.pending.extend(commands)
+        if self.frontier.batch is not None:
+            self.ended_step(self.frontier.batch.batch_id, ())
 
     def ended_step(self, batch_id: str, commands: Sequence[Command]) -> None:
         """The StepEnd hooks of ``batch_id``'s Step ran before a wait or an end: their

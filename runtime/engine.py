@@ -58,7 +58,6 @@ from runtime.lifecycle import (
     EndCause,
     EndedState,
     MaxSteps,
-    Natural,
     PauseTarget,
     ResumeCommand,
     ResumeTicket,
@@ -67,6 +66,7 @@ from runtime.lifecycle import (
 )
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id, check_room, check_text
 from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
+from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, result_messages, resume_commit, validate_ticket
@@ -204,7 +204,7 @@ class Engine(Committing):
                     RunningState(run_id=run_id),
                     claim=True,
                     messages=(user,),
-                    commands=link,
+                    commands=(*link, *pin(self.agent.resolved)),
                     run_id=run_id,
                 )
             except (VersionConflict, Fenced):
@@ -334,6 +334,10 @@ class Engine(Committing):
 
     async def _loop(self, ctx: RunContext, first: Callable[[], Awaitable[None]] | None) -> None:
         try:
+            refused = refusal(self.agent.resolved, self.agent.plugins_refused, ctx.frontier)
+            if refused is not None and isinstance(ctx.frontier.run_state, RunningState):
+                await self.end(ctx, refused)  # with these plugins this Run may not execute
+                return
             if first is not None:
                 await self._ending_on(ctx, first())
             while True:
@@ -397,7 +401,7 @@ class Engine(Committing):
             await self.end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
             return
         if over_budget(self.agent.budget, f):
-            self._pause_step(ctx, PauseTarget(reason="budget"), hooks)
+            ctx.pause_step(PauseTarget(reason="budget"), hooks.commands)
             return
         await self.hooks(ctx, "StepStart", hooks, step=step)
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
@@ -411,7 +415,7 @@ class Engine(Committing):
             try:
                 response = await self.inference.infer(ctx, step, history, last)
             except PauseRun as pause:
-                self._pause_step(ctx, pause.target, hooks)
+                ctx.pause_step(pause.target, hooks.commands)
                 return
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
         # Tools were withheld on the last Step: calls the model makes anyway are dropped,
@@ -425,7 +429,7 @@ class Engine(Committing):
         if not calls:
             if not response.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
-            cause = MaxSteps() if response.tool_calls else Natural()
+            cause = MaxSteps() if response.tool_calls else guarded_end(self.agent, ctx, messages)
             commands = (*hooks.commands, *usage)
             await self.end(ctx, cause, messages=messages, batch=prior, commands=commands)
             return
@@ -433,15 +437,6 @@ class Engine(Committing):
         # the inference commit is made with the batch's first wave (see advance_batch)
         opening = Opening(batch, messages, (*hooks.commands, *usage), response.refused)
         await advance_batch(self, ctx, opening)
-
-    def _pause_step(self, ctx: RunContext, target: PauseTarget, hooks: HookResults) -> None:
-        """Pause before this Step's inference; the Step starts over on the resume (its
-        StepEnd hooks, which ran, not again)."""
-        ctx.execution.wait_request = target
-        ctx.pending.extend(hooks.commands)
-        prior = ctx.frontier.batch
-        if prior is not None:
-            ctx.ended_step(prior.batch_id, ())
 
     async def _end_step(self, ctx: RunContext, hooks: HookResults) -> str | None:
         """Run the StepEnd hooks of the Step whose batch just finished, once per Step:

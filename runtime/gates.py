@@ -21,9 +21,10 @@ from runtime.batch import ActiveToolBatch, Completed, ToolOutput, complete, mark
 from runtime.context import StepServices
 from runtime.delegation import CHILDREN_KEY, refusal
 from runtime.errors import InputRefused
+from runtime.hooks import Gate, GateInput
 from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
-from runtime.limits import Limits, check_id, check_json_value, check_text, stored_size
+from runtime.limits import Limits, check_id, check_json_value, check_text, printable, stored_size
 from runtime.ports import Finished
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
 from runtime.signals import EndRun
@@ -96,6 +97,11 @@ def _gate(
         why = _delegation_refusal(services, state, out.batch, call_id)
         if why is not None:
             return _fail(out, call_id, why)
+    for gate in agent.gates:
+        seen = GateInput(out.batch.run_id, call_id, call.tool, out.parsed[call_id], state)
+        why = _gated(gate, seen)
+        if why is not None:
+            return _fail(out, call_id, f"blocked: {why}")
     if not tool.supports(call.policy.mode):
         return _fail(
             out,
@@ -104,6 +110,15 @@ def _gate(
             f"{call.policy.mode} (it declares {list(tool.recovery)})",
         )
     return "wait" if tool.wait is not None else "ready"
+
+
+def _gated(gate: Gate, seen: GateInput) -> str | None:
+    """A tool gate's verdict: a reason denies the call (a gate that raises denies it)."""
+    try:
+        why = gate(seen)
+    except Exception as exc:  # a gate that cannot tell denies: fail closed
+        return printable(f"the gate raised {type(exc).__name__}: {exc}")
+    return None if why is None else printable(str(why)) or "denied"
 
 
 def _fail(out: CallPlan, call_id: CallId, text: str) -> str:

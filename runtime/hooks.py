@@ -3,8 +3,9 @@
 A hook returns data (state commands, request-only context); it mutates nothing: the
 state it is shown is immutable (``runtime.frozen``). What it returns is checked
 (``runtime.limits``); a hook that raises or returns something unusable fails the Run
-``failed(hook)`` (``HookFailed``, settled by the engine). Hooks run as a plain ordered
-list for now; plugin resolution comes later (DESIGN §8).
+``failed(hook)`` (``HookFailed``, settled by the engine). Hooks run in order: those
+of the agent's plugins first, in their dependency order (``runtime.plugins``), then the
+agent's own. Plugins also contribute tool gates and run-end guards (defined here).
 """
 
 from __future__ import annotations
@@ -96,6 +97,38 @@ class HookOutput:
 
 
 HookFn = Callable[[HookInput], "HookOutput | Awaitable[HookOutput | None] | None"]
+
+
+@dataclass(frozen=True)
+class GateInput:
+    """What a tool gate sees of a requested call (the arguments as validated)."""
+
+    run_id: RunId
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    state: StateView
+
+
+Gate = Callable[[GateInput], "str | None"]
+"""A tool gate (contributed by a plugin): None lets the call run; a reason denies it,
+and the model sees ``blocked: <reason>`` as the call's result."""
+
+
+@dataclass(frozen=True)
+class RunEndInput:
+    """What a run-end guard sees of a Run about to end naturally."""
+
+    run_id: RunId
+    thread_id: ThreadId
+    answer: str
+    state: StateView
+    messages: Sequence[Message]
+
+
+RunEndGuard = Callable[[RunEndInput], "str | None"]
+"""A run-end guard (contributed by a plugin): None lets the Run end naturally; a reason
+refuses the end, and the Run ends ``failed(hook, run_end_guard)`` with it instead."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,65 @@
+"""An agent's plugins in its Runs: pinned at activation, checked again by every resume
+and recovery (``runtime.plugins``), and the run-end guards they contribute."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime.agent import Agent
+from runtime.commit import Frontier
+from runtime.context import RunContext
+from runtime.hooks import RunEndInput
+from runtime.lifecycle import EndCause, Failed, Natural
+from runtime.limits import printable
+from runtime.messages import AssistantMessage, Message
+from runtime.plugins import PluginRefused, ResolvedExecutionEnv
+from runtime.state import Command
+
+PLUGINS_KEY = "plugins"
+"""Run-state key: the resolved plugins, ``[[id, version], ...]``, pinned at activation."""
+
+
+def pin(env: ResolvedExecutionEnv | None) -> tuple[Command, ...]:
+    """The activation's record of the resolved plugins."""
+    if env is None:
+        return ()
+    return (Command(key=PLUGINS_KEY, scope="run", value=[list(p) for p in env.pins]),)
+
+
+def refusal(
+    env: ResolvedExecutionEnv | None, refused: PluginRefused | None, frontier: Frontier
+) -> Failed | None:
+    """Why this Run may not execute with this code's plugins, or None."""
+    if refused is not None:
+        return Failed(failure="capability_bound", code=refused.rule, message=str(refused))
+    stored = frontier.state["run"].get(PLUGINS_KEY)
+    pinned = [list(p) for p in stored] if stored is not None else None
+    now = [list(p) for p in env.pins] if env is not None else None
+    if pinned != now:
+        detail = f"the Run was started with plugins {pinned}; this code resolves {now}"
+        return Failed(failure="capability_bound", code="plugins_changed", message=printable(detail))
+    return None
+
+
+def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> EndCause:
+    """A natural end, unless a run-end guard refuses it: then ``failed(hook,
+    run_end_guard)`` with the guard's reason (a guard that raises refuses too)."""
+    if not agent.run_end_guards:
+        return Natural()
+    final = messages[-1] if messages else None
+    seen = RunEndInput(
+        run_id=ctx.run_id,
+        thread_id=ctx.frontier.thread_id,
+        answer=final.text if isinstance(final, AssistantMessage) else "",
+        state=ctx.frontier.state,
+        messages=(*ctx.frontier.messages, *messages),
+    )
+    for guard in agent.run_end_guards:
+        try:
+            why = guard(seen)
+        except Exception as exc:  # a guard that cannot tell refuses: fail closed
+            why = f"the guard raised {type(exc).__name__}: {exc}"
+        if why is not None:
+            text = printable(str(why)) or "refused"
+            return Failed(failure="hook", code="run_end_guard", message=text)
+    return Natural()

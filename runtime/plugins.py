@@ -1,0 +1,211 @@
+"""Plugins with capability bounds, resolved into the environment a Run executes in
+(DESIGN §8).
+
+A ``Plugin`` is a manifest ``{id, version, requires, bound}`` and a function returning
+its ``Contributions``: tools, hooks, state keys with their merge policy, tool gates,
+action kinds and run-end guards. ``resolve(plugins)`` makes a ``ResolvedExecutionEnv``
+or refuses, with a ``PluginRefused`` naming the plugin and the item:
+
+- ``MissingDependency``  a plugin requires one that is not selected;
+- ``DependencyCycle``    the requirements form a cycle;
+- ``DuplicateId``        two plugins, tools or action kinds share an id (a state key
+                         declared twice with different policies, too);
+- ``OutsideBound``       a contribution the plugin's ``CapabilityBound`` does not
+                         allow: a bound limits what a plugin may contribute, it grants
+                         nothing.
+
+Hooks run in dependency order (a plugin's after those it requires), ties by the order
+the plugins were given, and an agent's own hooks after every plugin's.
+
+An agent's plugins are resolved when its engine is built (``prepare``); a refusal is
+committed when a Run starts — its activation, with the input, then
+``ended(failed(capability_bound, <rule>))`` — so the request is on record. The
+resolved plugins (ids and versions) are pinned in the activation's run state
+(``run:plugins``); a Run resumed or recovered by code that resolves differently ends
+``failed(capability_bound, plugins_changed)`` instead of running with other hooks.
+
+Declared, not yet enforced while a Run executes: action kinds (Ratchet has no actions
+yet) and state keys (their policies are checked against each other, not against the
+commands that write them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import RatchetError
+from runtime.hooks import Gate, Hook, HookPoint, RunEndGuard
+from runtime.limits import printable
+from runtime.state import MergePolicy
+from runtime.tools import Tool
+
+
+class PluginRefused(RatchetError):
+    """The plugins cannot be resolved; ``rule`` names which rule, ``plugin`` and ``item``
+    what broke it."""
+
+    rule = "plugin_refused"
+
+    def __init__(self, plugin: str, item: str, detail: str) -> None:
+        super().__init__(printable(f"plugin {plugin!r}, {item}: {detail}"))
+        self.plugin, self.item = plugin, item
+
+
+class MissingDependency(PluginRefused):
+    rule = "missing_dependency"
+
+
+class DependencyCycle(PluginRefused):
+    rule = "dependency_cycle"
+
+
+class DuplicateId(PluginRefused):
+    rule = "duplicate_id"
+
+
+class OutsideBound(PluginRefused):
+    rule = "outside_bound"
+
+
+@dataclass(frozen=True)
+class CapabilityBound:
+    """What a plugin may contribute (nothing, by default)."""
+
+    tools: frozenset[str] = frozenset()
+    hook_points: frozenset[HookPoint] = frozenset()
+    state_keys: frozenset[str] = frozenset()
+    """``"scope:key"``, e.g. ``"thread:notes"``."""
+    gates: bool = False
+    actions: frozenset[str] = frozenset()
+    run_end_guards: bool = False
+
+
+@dataclass(frozen=True)
+class PluginManifest:
+    id: str
+    version: str = "0"
+    requires: tuple[str, ...] = ()
+    bound: CapabilityBound = field(default_factory=CapabilityBound)
+
+
+@dataclass(frozen=True)
+class Contributions:
+    tools: Sequence[Tool] = ()
+    hooks: Sequence[Hook] = ()
+    state_keys: Mapping[str, MergePolicy] = field(default_factory=dict)
+    gates: Sequence[Gate] = ()
+    actions: Sequence[str] = ()
+    run_end_guards: Sequence[RunEndGuard] = ()
+
+
+@dataclass(frozen=True)
+class Plugin:
+    manifest: PluginManifest
+    contribute: Callable[[], Contributions]
+
+
+@dataclass(frozen=True)
+class ResolvedExecutionEnv:
+    pins: tuple[tuple[str, str], ...]
+    """(id, version) of each plugin, in dependency order."""
+    tools: tuple[Tool, ...] = ()
+    hooks: tuple[Hook, ...] = ()
+    state_keys: Mapping[str, MergePolicy] = field(default_factory=dict)
+    gates: tuple[Gate, ...] = ()
+    actions: tuple[str, ...] = ()
+    run_end_guards: tuple[RunEndGuard, ...] = ()
+
+
+def resolve(plugins: Sequence[Plugin]) -> ResolvedExecutionEnv:
+    """The environment the selected plugins make, or PluginRefused (see the module)."""
+    by_id: dict[str, Plugin] = {}
+    for plugin in plugins:
+        pid = plugin.manifest.id
+        if pid in by_id:
+            raise DuplicateId(pid, "its id", "two plugins have this id")
+        by_id[pid] = plugin
+    order = _dependency_order(plugins, by_id)
+    env: dict[str, Any] = {"tools": [], "hooks": [], "gates": [], "actions": [], "guards": []}
+    keys: dict[str, MergePolicy] = {}
+    owners: dict[str, str] = {}
+    for plugin in order:
+        made = plugin.contribute()
+        if not isinstance(made, Contributions):
+            kind = type(made).__name__
+            raise OutsideBound(
+                plugin.manifest.id, "its contributions", f"a {kind}, not Contributions"
+            )
+        _within_bound(plugin.manifest, made)
+        for tool in made.tools:
+            _claim(owners, f"tool {tool.id!r}", plugin.manifest.id)
+        for action in made.actions:
+            _claim(owners, f"action {action!r}", plugin.manifest.id)
+        for key, policy in made.state_keys.items():
+            if keys.setdefault(key, policy) != policy:
+                raise DuplicateId(
+                    plugin.manifest.id, f"state key {key!r}", f"declared {keys[key]} elsewhere"
+                )
+        env["tools"] += made.tools
+        env["hooks"] += made.hooks
+        env["gates"] += made.gates
+        env["actions"] += made.actions
+        env["guards"] += made.run_end_guards
+    return ResolvedExecutionEnv(
+        pins=tuple((p.manifest.id, p.manifest.version) for p in order),
+        tools=tuple(env["tools"]),
+        hooks=tuple(env["hooks"]),
+        state_keys=keys,
+        gates=tuple(env["gates"]),
+        actions=tuple(env["actions"]),
+        run_end_guards=tuple(env["guards"]),
+    )
+
+
+def _dependency_order(plugins: Sequence[Plugin], by_id: Mapping[str, Plugin]) -> list[Plugin]:
+    """A topological order of the requirements; among plugins free to go, the one given
+    first goes first (so hooks keep declaration order where nothing constrains them)."""
+    for plugin in plugins:
+        for need in plugin.manifest.requires:
+            if need not in by_id:
+                raise MissingDependency(plugin.manifest.id, f"requirement {need!r}", "not selected")
+    placed: list[Plugin] = []
+    done: set[str] = set()
+    while len(placed) < len(plugins):
+        ready = next(
+            (p for p in plugins if p.manifest.id not in done and set(p.manifest.requires) <= done),
+            None,
+        )
+        if ready is None:
+            stuck = [p.manifest.id for p in plugins if p.manifest.id not in done]
+            raise DependencyCycle(stuck[0], "its requirements", f"a cycle among {stuck}")
+        placed.append(ready)
+        done.add(ready.manifest.id)
+    return placed
+
+
+def _within_bound(manifest: PluginManifest, made: Contributions) -> None:
+    bound, pid = manifest.bound, manifest.id
+    for tool in made.tools:
+        if tool.id not in bound.tools:
+            raise OutsideBound(pid, f"tool {tool.id!r}", "not in its capability bound")
+    for hook in made.hooks:
+        if hook.point not in bound.hook_points:
+            raise OutsideBound(pid, f"a {hook.point} hook", "not in its capability bound")
+    for key in made.state_keys:
+        if key not in bound.state_keys:
+            raise OutsideBound(pid, f"state key {key!r}", "not in its capability bound")
+    if made.gates and not bound.gates:
+        raise OutsideBound(pid, "a tool gate", "its capability bound allows none")
+    for action in made.actions:
+        if action not in bound.actions:
+            raise OutsideBound(pid, f"action {action!r}", "not in its capability bound")
+    if made.run_end_guards and not bound.run_end_guards:
+        raise OutsideBound(pid, "a run-end guard", "its capability bound allows none")
+
+
+def _claim(owners: dict[str, str], item: str, plugin: str) -> None:
+    if item in owners:
+        raise DuplicateId(plugin, item, f"contributed by {owners[item]!r} too")
+    owners[item] = plugin
