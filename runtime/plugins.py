@@ -12,7 +12,8 @@ or refuses, with a ``PluginRefused`` naming the plugin and the item:
                          declared twice with different policies, too);
 - ``OutsideBound``       a contribution the plugin's ``CapabilityBound`` does not
                          allow: a bound limits what a plugin may contribute, it grants
-                         nothing.
+                         nothing;
+- ``ContributionFailed`` the plugin's function raised or returned no Contributions.
 
 Hooks run in dependency order (a plugin's after those it requires), ties by the order
 the plugins were given, and an agent's own hooks after every plugin's.
@@ -67,6 +68,12 @@ class DuplicateId(PluginRefused):
 
 class OutsideBound(PluginRefused):
     rule = "outside_bound"
+
+
+class ContributionFailed(PluginRefused):
+    """The plugin's function raised, or returned something other than Contributions."""
+
+    rule = "contribution_failed"
 
 
 @dataclass(frozen=True)
@@ -131,12 +138,7 @@ def resolve(plugins: Sequence[Plugin]) -> ResolvedExecutionEnv:
     keys: dict[str, MergePolicy] = {}
     owners: dict[str, str] = {}
     for plugin in order:
-        made = plugin.contribute()
-        if not isinstance(made, Contributions):
-            kind = type(made).__name__
-            raise OutsideBound(
-                plugin.manifest.id, "its contributions", f"a {kind}, not Contributions"
-            )
+        made = _contributions(plugin)
         _within_bound(plugin.manifest, made)
         for tool in made.tools:
             _claim(owners, f"tool {tool.id!r}", plugin.manifest.id)
@@ -183,6 +185,18 @@ def _dependency_order(plugins: Sequence[Plugin], by_id: Mapping[str, Plugin]) ->
         placed.append(ready)
         done.add(ready.manifest.id)
     return placed
+
+
+def _contributions(plugin: Plugin) -> Contributions:
+    pid = plugin.manifest.id
+    try:
+        made = plugin.contribute()
+    except Exception as exc:  # the plugin's bug is a refusal naming it, never a crash
+        raise ContributionFailed(pid, "its contributions", f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(made, Contributions):
+        kind = type(made).__name__
+        raise ContributionFailed(pid, "its contributions", f"a {kind}, not Contributions")
+    return made
 
 
 def _within_bound(manifest: PluginManifest, made: Contributions) -> None:

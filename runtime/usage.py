@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
 from runtime.base import Frozen
 from runtime.limits import printable
 from runtime.models import Usage
@@ -36,12 +38,12 @@ MAX_TOKENS = 2**40
 class Budget(Frozen):
     """Bounds on one Run's model use; costs are per million tokens, in any currency."""
 
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
     """Input plus output tokens."""
-    max_cost: float | None = None
-    input_cost: float = 0.0
-    output_cost: float = 0.0
-    cached_cost: float = 0.0
+    max_cost: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    input_cost: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    output_cost: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    cached_cost: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """Per million cached input tokens (they are not counted at ``input_cost`` too)."""
 
     def cost(self, spent: Mapping[str, int]) -> float:

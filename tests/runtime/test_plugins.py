@@ -21,6 +21,7 @@ from runtime import (
 )
 from runtime.plugins import (
     CapabilityBound,
+    ContributionFailed,
     Contributions,
     DependencyCycle,
     DuplicateId,
@@ -314,3 +315,13 @@ async def test_a_run_recovered_by_code_that_resolves_differently_fails_closed():
         "plugins_changed",
     )
     assert "['kit', '1']" in cause.message and "['kit', '2']" in cause.message
+
+
+def test_a_plugin_whose_function_fails_is_refused_naming_it():
+    def broken() -> Contributions:
+        raise RuntimeError("no config")
+
+    with pytest.raises(ContributionFailed, match=r"plugin 'b'.*RuntimeError: no config"):
+        resolve([Plugin(PluginManifest(id="b"), broken)])
+    with pytest.raises(ContributionFailed, match="a dict, not Contributions"):
+        resolve([Plugin(PluginManifest(id="c"), lambda: {"tools": []})])

@@ -82,3 +82,12 @@ async def test_a_cost_budget_counts_cached_input_at_its_own_price():
     # 131e-6 an inference: two make 262e-6, a third would pass 300e-6
     assert f.run_state.ticket.target.reason == "budget"
     assert f.state["run"]["usage"]["inferences"] == 2
+
+
+def test_a_budget_that_cannot_be_is_refused_when_made():
+    import pytest
+    from pydantic import ValidationError
+
+    for bad in ({"max_tokens": -1}, {"max_cost": float("nan")}, {"input_cost": -0.5}):
+        with pytest.raises(ValidationError):
+            Budget(**bad)
