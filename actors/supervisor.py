@@ -309,12 +309,17 @@ class Supervisor:
             log.error("thread %s records no agent reference; cannot re-place it", thread)
             return
         name, host = self._target(thread, meta)
+        try:  # a host that is down or restarting is not sent it: no attempt to count
+            await asyncio.wait_for(host.ping.remote(), PING_TIMEOUT_S)
+        except Exception as exc:
+            log.info("host %s not answering (%r); %s waits for the next sweep", name, exc, thread)
+            return
         self._recovering[name] += 1
         try:
             answer = await asyncio.wait_for(
                 host.recover_run.remote(thread, meta.agent_ref), self.spec.recover_timeout_s
             )
-        except RayActorError as exc:  # the host died taking it over: that attempt counts
+        except RayActorError as exc:  # the host answered, then died taking it over: counts
             log.warning("host %s died re-placing %s: %s", name, thread, exc)
             await self._recovery_failed(thread, EXECUTION_LOST)
             return

@@ -49,9 +49,6 @@ async def test_a_run_whose_recovery_kills_its_host_is_dead_lettered(make_system)
     ray.kill(client.hosts[0], no_restart=False)  # the first loss: Ray restarts it
     _assert_dead_lettered(await handle.result(timeout_s=120))
     kills = recovery_kills(token)
-    for r in await client.store.read(handle.thread_id):  # DEBUG
-        c = r.commit
-        print("DEBUG", r.seq, c.label, c.status, c.epoch, c.claim)
     # the first loss was the kill; each recovery after it died once, counted once
     assert len(kills) == DEAD_LETTER_AFTER - 1 and len(set(kills)) == len(kills), kills
     assert await client.runs("running") == []
