@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from runtime.adapters.mcp import McpServer
+from tests.support.servers import wait_until
 
 SERVER = str(Path(__file__).with_name("server.py"))
 DEADLINE_S = 10.0
@@ -29,15 +29,6 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = DEADLINE_S) -> None:
-    """Wait for a condition with a deadline, outside an event loop."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -64,4 +55,8 @@ async def server(stdio_server: Callable[..., McpServer], records: Path) -> Async
 @pytest.fixture(autouse=True)
 def no_server_outlives_its_test(records: Path) -> object:
     yield None
-    wait_until(lambda: not any(alive(pid) for pid in started_pids(records)))
+    wait_until(
+        lambda: not any(alive(pid) for pid in started_pids(records)),
+        "the MCP server processes to end",
+        DEADLINE_S,
+    )

@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from runtime.tools import LocalToolRunner, Tool, ToolContext
 from storage.memory import MemoryCommitStore
 from tests.mcp.conftest import DEADLINE_S, SERVER, started_pids
 from tests.runtime.agents import until
+from tests.support.servers import answers, free_port
 
 ROOT = Path(__file__).parents[2]
 ADD_SCHEMA = {
@@ -204,20 +204,6 @@ async def test_a_missing_command_is_unavailable_with_its_reason():
     with pytest.raises(McpUnavailable, match=r"cannot be started.*mcp-server"):
         await missing.call("record", {"note": "x"}, ctx)
     assert not missing.connected
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 async def test_over_streamable_http(records: Path):
