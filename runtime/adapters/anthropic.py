@@ -39,9 +39,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from runtime.adapters.errors import SdkErrors, translate
+from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.usage import Usage, log
-from runtime.errors import ModelError, ModelUnavailable
+from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
 from runtime.messages import (
     AssistantMessage,
@@ -112,24 +112,9 @@ class AnthropicModel:
 
     async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
         fold = MessagesFold()
-        started = False
-        try:
-            stream = await self._open(request)
-            started = True
-            async with stream:
-                async for event in stream:
-                    for delta in fold.add(event):
-                        yield delta
-        except ModelError:
-            raise
-        except Exception as exc:
-            error = translate(exc, self._errors, streaming=started)
-            if error is None:
-                raise
-            raise error from exc
-        response = fold.response()
+        async for item in folded(self._open(request), fold, self._errors):
+            yield item
         log.debug("anthropic usage for %s step %d: %r", request.run_id, request.step, fold.usage)
-        yield response
 
     async def _open(self, request: InferenceRequest) -> AsyncStream[RawMessageStreamEvent]:
         from anthropic import omit

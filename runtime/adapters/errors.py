@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Protocol
 
 from runtime.errors import ModelError, ModelRateLimited, ModelRefused, ModelUnavailable
+from runtime.models import ModelDelta, ModelResponse
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,37 @@ def _with_context_length(
     if "context_length_exceeded" in (named or []) or _CONTEXT_LENGTH.search(message):
         return ModelRefused, "context_length"
     return decided
+
+
+class Fold(Protocol):
+    """What an adapter folds its SDK's stream into: deltas as they come, then one response."""
+
+    def add(self, item: Any) -> list[ModelDelta]: ...
+
+    def response(self) -> ModelResponse: ...
+
+
+async def folded(
+    opening: Awaitable[Any], fold: Fold, sdk: SdkErrors
+) -> AsyncIterator[ModelDelta | ModelResponse]:
+    """The Model port's stream for an SDK's: its items folded into deltas, then the
+    response; the SDK's failures, opening or mid-stream, as ModelErrors."""
+    started = False
+    try:
+        stream = await opening
+        started = True
+        async with stream:
+            async for item in stream:
+                for delta in fold.add(item):
+                    yield delta
+    except ModelError:
+        raise
+    except Exception as exc:  # translated if it is the SDK's, else raised as it is
+        error = translate(exc, sdk, streaming=started)
+        if error is None:
+            raise
+        raise error from exc
+    yield fold.response()
 
 
 def translate(exc: BaseException, sdk: SdkErrors, *, streaming: bool) -> ModelError | None:

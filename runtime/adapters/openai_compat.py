@@ -36,9 +36,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from runtime.adapters.errors import SdkErrors, translate
+from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.usage import Usage, log
-from runtime.errors import ModelError, ModelUnavailable
+from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
 from runtime.messages import (
     AssistantMessage,
@@ -118,25 +118,9 @@ class OpenAICompatible:
 
     async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
         fold = ChatFold()
-        started = False
-        try:
-            stream = await self._open(request)
-            started = True
-            async with stream:
-                async for chunk in stream:
-                    for delta in fold.add(chunk):
-                        yield delta
-        except ModelError:
-            raise
-        except Exception as exc:
-            error = translate(exc, self._errors, streaming=started)
-            if error is None:
-                raise
-            raise error from exc
-        response = fold.response()
-        if fold.usage is not None:
-            log.debug("openai usage for %s step %d: %r", request.run_id, request.step, fold.usage)
-        yield response
+        async for item in folded(self._open(request), fold, self._errors):
+            yield item
+        log.debug("openai usage for %s step %d: %r", request.run_id, request.step, fold.usage)
 
     async def _open(self, request: InferenceRequest) -> AsyncStream[ChatCompletionChunk]:
         from openai import omit
