@@ -154,7 +154,11 @@ class Tool:
         kwargs = dict(arguments)
         if self.context_param is not None:
             kwargs[self.context_param] = ctx
-        if inspect.iscoroutinefunction(self.fn):
+        on_loop: bool | None = self.__dict__.get("_on_loop")  # asked for every call
+        if on_loop is None:
+            on_loop = inspect.iscoroutinefunction(self.fn)
+            object.__setattr__(self, "_on_loop", on_loop)
+        if on_loop:
             return await self.fn(**kwargs)
         call = functools.partial(contextvars.copy_context().run, self.fn, **kwargs)
         result = await asyncio.get_running_loop().run_in_executor(_tool_threads(), call)
