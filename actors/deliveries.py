@@ -54,7 +54,7 @@ async def deliver(store: CommitStore, child: Frontier, link: ParentLink, host_of
             # nothing to do once delivered (by an earlier call), or not awaited
             await _hand_over(child, await store.load(link.thread), host_of)
             return
-        except Exception as exc:
+        except Exception as exc:  # a host or the store out: asked again until give_up
             if loop.time() > give_up:
                 log.error("delivering %s to its parent failed: %s", child.thread_id, exc)
                 return

@@ -163,7 +163,7 @@ class RunHost:
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
                 return rested(drive.task) or started
             return started
-        except Exception as exc:
+        except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return _remote(exc)
 
     async def _finishing(self, thread: ThreadId, drive: Drive) -> Drive | None:
@@ -203,7 +203,7 @@ class RunHost:
             )
             self.recovered += 1
             return True
-        except Exception as exc:
+        except Exception as exc:  # the caller gets it as its own type (RemoteError)
             self._retire_if_idle()  # a dedicated host whose stale drive was dropped
             return _remote(exc)
 
@@ -232,7 +232,7 @@ class RunHost:
             )
             stopped = ResumeRejected("ticket", "the resume was stopped before it landed")
             return await self.drives.first_commit(drive, stopped)
-        except Exception as exc:
+        except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return _remote(exc)
 
     async def cancel_run(self, thread: ThreadId) -> Any:
@@ -262,7 +262,7 @@ class RunHost:
             )
             self._hand_back(await engine.terminate(thread, cause))
             return ended
-        except Exception as exc:
+        except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return _remote(exc)
         finally:
             self._retire_if_idle()
@@ -271,7 +271,7 @@ class RunHost:
         """A manual pause: the Run driven here awaits at its next Step boundary."""
         try:
             drive = await self._answering(thread)
-        except Exception as exc:
+        except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return _remote(exc)
         if drive is not None:
             drive.engine.pause()
@@ -330,7 +330,7 @@ class RunHost:
             return _remote(exc)
         except RatchetError as exc:  # corrupt, store lost, refused input, agent not built
             return failed_delegation(str(exc))
-        except Exception as exc:
+        except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return _remote(exc)
 
     async def _until_at_rest(self, thread: ThreadId) -> Frontier | None:

@@ -311,7 +311,7 @@ class Supervisor:
         name, host = self._target(thread, meta)
         try:  # a host that is down or restarting is not sent it: no attempt to count
             await asyncio.wait_for(host.ping.remote(), PING_TIMEOUT_S)
-        except Exception as exc:
+        except Exception as exc:  # the Run stays as committed, for the next sweep
             log.info("host %s not answering (%r); %s waits for the next sweep", name, exc, thread)
             return
         self._recovering[name] += 1

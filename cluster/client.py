@@ -491,7 +491,7 @@ async def _open_store(spec: SystemSpec) -> CommitStore:
         return await open_system_store(spec)
     except StoreError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # re-raised typed: a store that cannot be opened is out
         detail = str(getattr(exc, "cause", None) or exc).strip().splitlines()
         reason = detail[-1] if detail else type(exc).__name__
         raise StoreUnavailable(f"cannot open store {redact(spec.store_url)}: {reason}") from exc
