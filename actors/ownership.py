@@ -28,7 +28,7 @@ from runtime.control import control_engine
 from runtime.delegation import ChildRunner
 from runtime.engine import RACES, Engine
 from runtime.errors import Fenced, RunEnded, VersionConflict
-from runtime.hooks import ExecutionState
+from runtime.execution import ExecutionState
 from runtime.ids import ThreadId
 from runtime.lifecycle import Failed, RunningState
 from runtime.limits import printable

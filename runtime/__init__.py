@@ -46,8 +46,19 @@ from runtime.errors import (
     VersionConflict,
 )
 from runtime.events import AgentEvent, Delta, Fact
+from runtime.execution import (
+    DenyCall,
+    ExecutionState,
+    ForceTurn,
+    InjectMessage,
+    Pause,
+    RequestInput,
+    StopRun,
+    StopSession,
+    ToolExecution,
+)
 from runtime.faults import Crash, FaultPlan
-from runtime.hooks import ExecutionState, Hook, HookInput, HookOutput
+from runtime.hooks import Hook, HookInput, HookOutput
 from runtime.ids import CallId, CorrelationId, OperationId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -108,6 +119,7 @@ __all__ = [
     "Crash",
     "Decision",
     "Delta",
+    "DenyCall",
     "DuplicateOperation",
     "EndedState",
     "Engine",
@@ -116,12 +128,14 @@ __all__ = [
     "Fact",
     "FaultPlan",
     "Fenced",
+    "ForceTurn",
     "Frontier",
     "Hook",
     "HookInput",
     "HookOutput",
     "InProcessRunner",
     "InferenceRequest",
+    "InjectMessage",
     "InputRefused",
     "InvalidTransition",
     "Limits",
@@ -136,10 +150,12 @@ __all__ = [
     "ModelUnavailable",
     "OperationId",
     "OutcomeUnknown",
+    "Pause",
     "PayloadTooLarge",
     "PermissionDecision",
     "RatchetError",
     "Receipt",
+    "RequestInput",
     "ResumeCommand",
     "ResumeRejected",
     "ResumeTicket",
@@ -151,6 +167,8 @@ __all__ = [
     "ScriptExhausted",
     "ScriptedModel",
     "StateConflict",
+    "StopRun",
+    "StopSession",
     "StoreError",
     "StoreLost",
     "StoreRetry",
@@ -164,6 +182,7 @@ __all__ = [
     "ToolCall",
     "ToolContext",
     "ToolDefinitionError",
+    "ToolExecution",
     "ToolInvocation",
     "ToolOutput",
     "ToolRecoveryPolicy",

@@ -14,8 +14,9 @@ from typing import Any, Protocol, TypeVar
 from runtime.agent import Agent
 from runtime.commit import CommitLabel, Frontier
 from runtime.delegation import ChildRunner
+from runtime.execution import ExecutionState
 from runtime.faults import FaultPlan
-from runtime.hooks import ExecutionState, HookPoint, HookResults
+from runtime.hooks import HookPoint, HookResults
 from runtime.ids import RunId
 from runtime.lifecycle import PauseTarget, RunDisposition, RunningState
 from runtime.limits import Limits

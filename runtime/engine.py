@@ -47,11 +47,13 @@ from runtime.errors import (
     RunEnded,
     VersionConflict,
 )
+from runtime.execution import ExecutionState
 from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
-from runtime.hooks import ExecutionState, HookInput, HookPoint, HookResults, run_hooks
+from runtime.hooks import HookInput, HookPoint, HookResults, run_hooks
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
 from runtime.inference import Admitted, Inference
+from runtime.injection import inject_commands, live_history, restaged, take_injected
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
@@ -390,6 +392,7 @@ class Engine(Committing):
     async def _step(self, ctx: RunContext) -> None:
         f = ctx.frontier
         prior = f.batch
+        ctx.execution.step_count = ctx.execution.side_a_step_count = f.steps
         hooks = HookResults()
         ended = await self._end_step(ctx, hooks)
         if ended is not None and (ctx.execution.wait_request or ctx.execution.stopped):
@@ -405,13 +408,16 @@ class Engine(Committing):
             return
         await self.hooks(ctx, "StepStart", hooks, step=step)
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
+        # messages injected so far join the history now, after the results
+        injected, staged = take_injected(ctx.run_id, f.state, hooks.commands)
+        hooks.commands[:] = staged
         last = step == self.agent.max_steps - 1
         salvaged = await self.inference.salvage(ctx, step)
         if isinstance(salvaged, Admitted):
             response = salvaged
         else:
             context = (*hooks.context, *([salvaged] if salvaged else []))
-            history = (*f.messages, *results, *context)
+            history = (*f.messages, *results, *injected, *context)
             try:
                 response = await self.inference.infer(ctx, step, history, last)
             except PauseRun as pause:
@@ -424,8 +430,9 @@ class Engine(Committing):
         calls = () if last else response.tool_calls
         # the admitted response's parts are checked text and records: not validated again
         assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls)
-        messages: tuple[Message, ...] = (*results, assistant)
+        messages: tuple[Message, ...] = (*results, *injected, assistant)
         usage = usage_commands(response.usage)  # the Step's record of what it used
+        hooks.commands[:] = restaged(hooks.commands)  # AfterInference's wait for the next
         if not calls:
             if not response.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
@@ -435,7 +442,9 @@ class Engine(Committing):
             return
         batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
         # the inference commit is made with the batch's first wave (see advance_batch)
-        opening = Opening(batch, messages, (*hooks.commands, *usage), response.refused)
+        refused: dict[CallId, str] = dict(response.refused)
+        refused.update((CallId(c), f"denied: {why}") for c, why in hooks.denied.items())
+        opening = Opening(batch, messages, (*hooks.commands, *usage), refused)
         await advance_batch(self, ctx, opening)
 
     async def _end_step(self, ctx: RunContext, hooks: HookResults) -> str | None:
@@ -469,8 +478,11 @@ class Engine(Committing):
         hooks = self.agent.hooks
         if not hooks or not any(h.point == point for h in hooks):
             return
-        ctx.execution.step_count = step
-        ctx.execution.message_history = ctx.frontier.messages
+        execution = ctx.execution
+        execution.step_count = execution.side_a_step_count = step
+        execution.show_history(
+            lambda: live_history(ctx.frontier, (*ctx.pending, *into.commands), execution.injected)
+        )
         hook_input = HookInput(
             point=point,
             run_id=ctx.run_id,
@@ -481,7 +493,12 @@ class Engine(Committing):
             response=response,
             call=call,
         )
-        await run_hooks(self.agent.hooks, hook_input, into, self.limits)
+        try:
+            await run_hooks(self.agent.hooks, hook_input, into, self.limits)
+        finally:  # what the hooks injected is staged with their commands
+            source = f"{step:06d}:{point}:{call.call_id if call is not None else '-'}"
+            into.commands.extend(inject_commands(ctx.frontier.version, source, execution.injected))
+            execution.injected.clear()
 
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""

@@ -28,7 +28,7 @@ from runtime.limits import Limits, check_id, check_json_value, check_text, print
 from runtime.ports import Finished
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
 from runtime.signals import EndRun
-from runtime.state import StateView
+from runtime.state import MergePolicy, StateView, check_writable
 
 
 @dataclass
@@ -179,11 +179,18 @@ def waves(agent: Agent, batch: ActiveToolBatch, ready: Sequence[CallId]) -> list
     return out
 
 
-def admit_outcome(outcome: Finished, limits: Limits, batch: ActiveToolBatch) -> Finished:
+def admit_outcome(
+    outcome: Finished,
+    limits: Limits,
+    batch: ActiveToolBatch,
+    declared: Mapping[str, MergePolicy] | None = None,
+) -> Finished:
     """A tool's finished outcome as it may be committed: a result over
     ``tool_result_bytes`` or that cannot be stored, one that would take the batch's
-    results over ``batch_result_bytes``, or state commands beyond the state limits,
-    become a model-visible error naming the limit (the commands are dropped)."""
+    results over ``batch_result_bytes``, state commands beyond the state limits or on
+    keys the tool may not write (``declared``: its plugin's keys), or requests of its
+    Run beyond the limits, become a model-visible error naming the limit (the commands
+    and requests are dropped)."""
     try:
         content = outcome.output.content
         check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")
@@ -199,7 +206,11 @@ def admit_outcome(outcome: Finished, limits: Limits, batch: ActiveToolBatch) -> 
                 f"the Step's results would be {so_far + stored_size(content)} bytes; "
                 f"the limit is {limits.batch_result_bytes}",
             )
+        for request in outcome.requests:
+            text = getattr(request, "text", None) or getattr(request, "reason", "")
+            check_text(f"a {request.kind} request", text, limits.input_bytes, "input_bytes")
         for cmd in outcome.commands:
+            check_writable(cmd, declared)
             check_id("state key", cmd.key, limits)
             check_json_value(
                 f"state command {cmd.key!r}",

@@ -1,18 +1,21 @@
-"""The five hook points, the one input object each hook takes, and ExecutionState.
+"""The five hook points and the one input object each hook takes.
 
-A hook returns data (state commands, request-only context); it mutates nothing: the
-state it is shown is immutable (``runtime.frozen``). What it returns is checked
-(``runtime.limits``); a hook that raises or returns something unusable fails the Run
-``failed(hook)`` (``HookFailed``, settled by the engine). Hooks run in order: those
-of the agent's plugins first, in their dependency order (``runtime.plugins``), then the
-agent's own. Plugins also contribute tool gates and run-end guards (defined here).
+A hook returns data — state commands, request-only context, reactions
+(``runtime.execution``: stop the Run, request input, deny a call, inject a message,
+...) — and mutates nothing: the state it is shown is immutable (``runtime.frozen``).
+What it returns is checked (``runtime.limits``; no hook writes a key Ratchet keeps, and
+a plugin's hooks write only the keys the plugin declared, with the declared policy); a
+hook that raises or returns something unusable fails the Run ``failed(hook)``
+(``HookFailed``, settled by the engine). Hooks run in order: those of the agent's
+plugins first, in their dependency order (``runtime.plugins``), then the agent's own.
+Plugins also contribute tool gates and run-end guards (defined here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,12 +23,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from runtime.batch import ToolCall
 from runtime.errors import InputRefused
+from runtime.execution import DenyCall, ExecutionState, InjectMessage, Reaction
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import PauseReason, PauseTarget, UserInputTarget
 from runtime.limits import Limits, check_id, check_json_value, check_text, printable
 from runtime.messages import ContextMessage, Message
 from runtime.signals import cancelling
-from runtime.state import Command, StateView
+from runtime.state import Command, MergePolicy, StateView, check_writable
 
 HookPoint = Literal["StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd"]
 HOOK_POINTS: tuple[HookPoint, ...] = (
@@ -35,42 +38,6 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
     "AfterTool",
     "StepEnd",
 )
-
-
-class ExecutionState:
-    """What tools and hooks see of a Run while it executes (DESIGN §9)."""
-
-    def __init__(
-        self,
-        run_id: RunId,
-        thread_id: ThreadId,
-        prompt_path: Sequence[str],
-        cancel: asyncio.Event,
-    ) -> None:
-        self.run_id = run_id
-        self.thread_id = thread_id
-        self.prompt_path = tuple(prompt_path)
-        self.step_count = 0
-        self.message_history: tuple[Message, ...] = ()
-        self.cancel_signal = cancel
-        self.stop_reason: str | None = None
-        self.wait_request: UserInputTarget | PauseTarget | None = None
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_reason is not None
-
-    def stop(self, reason: str = "stopped from inside the run") -> None:
-        """End the loop after the current operation (the Run ends ``stopped(reason)``)."""
-        self.stop_reason = reason
-
-    def request_input(self, prompt: str = "") -> None:
-        """At the next Step boundary the Run awaits remote user input."""
-        self.wait_request = UserInputTarget(prompt=prompt)
-
-    def pause(self, reason: PauseReason = "manual") -> None:
-        """At the next Step boundary the Run awaits an explicit unpause."""
-        self.wait_request = PauseTarget(reason=reason)
 
 
 @dataclass(frozen=True)
@@ -94,6 +61,8 @@ class HookOutput:
     commands: Sequence[Command] = ()
     context: Sequence[ContextMessage] = ()
     """Request-only context for the next inference; never committed."""
+    reactions: Sequence[Reaction] = ()
+    """Requests of the Run (``runtime.execution``); ``DenyCall`` at AfterInference only."""
 
 
 HookFn = Callable[[HookInput], "HookOutput | Awaitable[HookOutput | None] | None"]
@@ -136,12 +105,17 @@ class Hook:
     point: HookPoint
     fn: HookFn
     name: str = ""
+    keys: Mapping[str, MergePolicy] | None = None
+    """A plugin's hook: the state keys (``scope:key``) its plugin declared, the only ones
+    it may write (set by ``runtime.plugins.resolve``); None for the agent's own hooks."""
 
 
 @dataclass
 class HookResults:
     commands: list[Command] = field(default_factory=list)
     context: list[ContextMessage] = field(default_factory=list)
+    denied: dict[str, str] = field(default_factory=dict)
+    """Call id → reason, from ``DenyCall`` reactions (the gates complete them)."""
 
 
 class HookFailed(Exception):
@@ -155,12 +129,14 @@ class HookFailed(Exception):
 
 _COMMANDS: TypeAdapter[list[Command]] = TypeAdapter(list[Command])
 _CONTEXT: TypeAdapter[list[ContextMessage]] = TypeAdapter(list[ContextMessage])
+_REACTIONS: TypeAdapter[list[Reaction]] = TypeAdapter(list[Reaction])
 
 
 async def run_hooks(
     hooks: Sequence[Hook], hook_input: HookInput, into: HookResults, limits: Limits
 ) -> None:
-    """Run the hooks of one point in list order, collecting what they return."""
+    """Run the hooks of one point in list order, collecting what they return and applying
+    their reactions (the one place hook reactions take effect)."""
     for hook in hooks:
         if hook.point != hook_input.point:
             continue
@@ -170,7 +146,7 @@ async def run_hooks(
                 out = await out
             if out is None:
                 continue
-            commands, context = _admitted(out, limits)
+            commands, context, reactions = _admitted(out, hook, hook_input, limits)
         except asyncio.CancelledError as exc:
             if cancelling():
                 raise  # the Run's task is being cancelled: it goes on unwinding
@@ -179,19 +155,31 @@ async def run_hooks(
             raise HookFailed(hook, hook_input.point, exc) from exc
         into.commands.extend(commands)
         into.context.extend(context)
+        for reaction in reactions:
+            if isinstance(reaction, DenyCall):
+                into.denied.setdefault(reaction.call_id, reaction.reason)
+            else:
+                hook_input.execution.react(reaction)
 
 
-def _admitted(out: object, limits: Limits) -> tuple[list[Command], list[ContextMessage]]:
-    """A hook's output, validated: Commands within the state limits, context text that
-    can be sent. Raises (the caller blames the hook)."""
+def _admitted(
+    out: object, hook: Hook, seen: HookInput, limits: Limits
+) -> tuple[list[Command], list[ContextMessage], list[Reaction]]:
+    """A hook's output, validated: Commands within the state limits and on keys it may
+    write, context text that can be sent, reactions this point can apply. Raises (the
+    caller blames the hook)."""
     if not isinstance(out, HookOutput):
         raise TypeError(f"a hook returns a HookOutput or None, not {type(out).__name__}")
     try:
         commands = _COMMANDS.validate_python(list(out.commands))
         context = _CONTEXT.validate_python(list(out.context))
+        reactions = _REACTIONS.validate_python(list(out.reactions))
     except ValidationError as exc:
         raise InputRefused("hook output", "type", printable(str(exc), 500)) from None
+    for reaction in reactions:
+        _check_reaction(reaction, seen, limits)
     for cmd in commands:
+        check_writable(cmd, hook.keys)
         check_id("state key", cmd.key, limits)
         check_json_value(
             f"state command {cmd.key!r}",
@@ -202,4 +190,24 @@ def _admitted(out: object, limits: Limits) -> tuple[list[Command], list[ContextM
         )
     for message in context:
         check_text("context message", message.text, limits.model_text_bytes, "model_text_bytes")
-    return commands, context
+    return commands, context, reactions
+
+
+def _check_reaction(reaction: Reaction, seen: HookInput, limits: Limits) -> None:
+    if isinstance(reaction, DenyCall):
+        calls = getattr(seen.response, "tool_calls", ()) if seen.point == "AfterInference" else ()
+        if all(c.call_id != reaction.call_id for c in calls):
+            raise InputRefused(
+                "a deny_call reaction",
+                "reaction",
+                f"call {reaction.call_id!r} is not one the model just asked for "
+                "(deny_call is an AfterInference reaction)",
+            )
+        check_text("deny reason", reaction.reason, limits.model_text_bytes, "model_text_bytes")
+    elif isinstance(reaction, InjectMessage):
+        check_text("injected message", reaction.text, limits.input_bytes, "input_bytes")
+    else:
+        text = getattr(reaction, "reason", None) or getattr(reaction, "prompt", "")
+        check_text(
+            f"a {reaction.kind} reaction", str(text), limits.model_text_bytes, "model_text_bytes"
+        )

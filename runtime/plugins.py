@@ -25,15 +25,17 @@ resolved plugins (ids and versions) are pinned in the activation's run state
 (``run:plugins``); a Run resumed or recovered by code that resolves differently ends
 ``failed(capability_bound, plugins_changed)`` instead of running with other hooks.
 
-Declared, not yet enforced while a Run executes: action kinds (Ratchet has no actions
-yet) and state keys (their policies are checked against each other, not against the
-commands that write them).
+While a Run executes, a plugin's hooks and tools write only the state keys the plugin
+declared, each with its declared merge policy (``runtime.state.check_writable``: a
+hook's other command fails the Run ``failed(hook)``, a tool's makes its result a
+model-visible error). Action kinds are declared and checked for duplicates; Ratchet
+runs no actions yet, so nothing executes them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runtime.errors import RatchetError
@@ -123,6 +125,8 @@ class ResolvedExecutionEnv:
     gates: tuple[Gate, ...] = ()
     actions: tuple[str, ...] = ()
     run_end_guards: tuple[RunEndGuard, ...] = ()
+    tool_keys: Mapping[str, Mapping[str, MergePolicy]] = field(default_factory=dict)
+    """Tool id → the state keys its plugin declared (the only ones its results write)."""
 
 
 def resolve(plugins: Sequence[Plugin]) -> ResolvedExecutionEnv:
@@ -136,6 +140,7 @@ def resolve(plugins: Sequence[Plugin]) -> ResolvedExecutionEnv:
     order = _dependency_order(plugins, by_id)
     env: dict[str, Any] = {"tools": [], "hooks": [], "gates": [], "actions": [], "guards": []}
     keys: dict[str, MergePolicy] = {}
+    tool_keys: dict[str, Mapping[str, MergePolicy]] = {}
     owners: dict[str, str] = {}
     for plugin in order:
         made = _contributions(plugin)
@@ -149,8 +154,10 @@ def resolve(plugins: Sequence[Plugin]) -> ResolvedExecutionEnv:
                 raise DuplicateId(
                     plugin.manifest.id, f"state key {key!r}", f"declared {keys[key]} elsewhere"
                 )
+        declared = dict(made.state_keys)
+        tool_keys.update((tool.id, declared) for tool in made.tools)
         env["tools"] += made.tools
-        env["hooks"] += made.hooks
+        env["hooks"] += [replace(hook, keys=declared) for hook in made.hooks]
         env["gates"] += made.gates
         env["actions"] += made.actions
         env["guards"] += made.run_end_guards
@@ -162,6 +169,7 @@ def resolve(plugins: Sequence[Plugin]) -> ResolvedExecutionEnv:
         gates=tuple(env["gates"]),
         actions=tuple(env["actions"]),
         run_end_guards=tuple(env["guards"]),
+        tool_keys=tool_keys,
     )
 
 

@@ -11,6 +11,7 @@ from runtime.base import Frozen
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.events import Delta, Fact
+from runtime.execution import ExecutionSnapshot, ToolRequest
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.lifecycle import ThreadStatus
 from runtime.state import Command
@@ -124,6 +125,8 @@ class ToolInvocation(Frozen):
     epoch: int = 0
     """The owner epoch of the engine that sent it: with the operation id, what lets a
     downstream system refuse a zombie (an older epoch) after a takeover."""
+    execution: ExecutionSnapshot | None = None
+    """The Run's ExecutionState as the call was sent (the tool's ``ctx.execution``)."""
 
 
 class Finished(Frozen):
@@ -132,6 +135,9 @@ class Finished(Frozen):
     kind: Literal["finished"] = "finished"
     output: ToolOutput
     commands: tuple[Command, ...] = ()
+    requests: tuple[ToolRequest, ...] = ()
+    """What the tool asked of its Run (``ctx.execution.stop()``, ...), applied when the
+    result is committed."""
 
 
 class Unavailable(Frozen):

@@ -25,13 +25,13 @@ Merge policies decide how the commands of one commit that touch the same key com
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import JsonValue, model_validator
 
 from runtime.base import Frozen, canonical_json
-from runtime.errors import StateConflict
+from runtime.errors import InputRefused, StateConflict
 from runtime.frozen import FrozenDict, freeze
 
 Scope = Literal["run", "thread"]
@@ -72,6 +72,49 @@ def _commutative_problem(value: Any) -> str | None:
             if problem is not None:
                 return f"field {field!r}: {problem}"
     return None
+
+
+RESERVED_KEYS = frozenset(
+    {
+        *(
+            f"run:{key}"
+            for key in (
+                "plugins",  # runtime.plugin_env: the pinned plugins
+                "usage",  # runtime.usage: what the Run used, and its model
+                "model",
+                "budget_from",
+                "step_ended",  # runtime.context: StepEnd hooks ran once per Step
+                "children",  # runtime.delegation: the Run's children and its parent
+                "parent",
+                "injected",  # runtime.injection: messages injected, not yet in history
+                "session",  # runtime.session: whose turn, how many turns
+            )
+        ),
+        "thread:usage",
+        "thread:session",
+    }
+)
+"""``scope:key`` of the state Ratchet itself keeps: no hook or tool writes these."""
+
+
+def check_writable(cmd: Command, declared: Mapping[str, MergePolicy] | None = None) -> None:
+    """Refuse a hook's or tool's command on a reserved key; with ``declared`` (a plugin's
+    state keys, ``scope:key`` → policy), also on a key it did not declare, or with
+    another merge policy than it declared (InputRefused)."""
+    name = f"{cmd.scope}:{cmd.key}"
+    if name in RESERVED_KEYS:
+        raise InputRefused(f"state command {name!r}", "reserved_key", "Ratchet keeps this key")
+    if declared is None:
+        return
+    policy = declared.get(name)
+    if policy is None:
+        raise InputRefused(
+            f"state command {name!r}", "undeclared_key", "the plugin did not declare this key"
+        )
+    if policy != cmd.merge:
+        raise InputRefused(
+            f"state command {name!r}", "merge_policy", f"declared {policy}, written {cmd.merge}"
+        )
 
 
 def empty_state() -> StateView:

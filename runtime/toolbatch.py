@@ -16,6 +16,7 @@ from typing import Any
 
 from runtime.batch import (
     ActiveToolBatch,
+    ToolCall,
     ToolOutput,
     complete,
     mark_awaiting,
@@ -24,9 +25,11 @@ from runtime.batch import (
 )
 from runtime.context import RunContext, StepServices
 from runtime.delegation import CHILDREN_KEY, ChildRequest, ChildWaiting, child_ids
+from runtime.execution import ExecutionSnapshot, InjectMessage, ToolRequest, snapshot
 from runtime.gates import admit_outcome, delegates, plan, waves
 from runtime.hooks import HookResults
 from runtime.ids import CallId
+from runtime.injection import inject_commands, live_history
 from runtime.lifecycle import IndeterminateEnd
 from runtime.limits import printable
 from runtime.messages import Message
@@ -139,7 +142,7 @@ async def run_wave(
         retry: list[CallId] = []
         undispatched = set()
         for call_id, outcome in zip(wave, outcomes, strict=True):
-            batch = _record(services, batch, call_id, outcome, retry, undispatched, commands)
+            batch = _record(services, ctx, batch, call_id, outcome, retry, undispatched, commands)
         wave = retry
     if batch.awaiting_call() is not None:
         # a lone child that surfaced a human wait: its wait is committed together with
@@ -170,7 +173,10 @@ async def _dispatch(
     agent = services.agent
     children = [c for c in wave if delegates(agent, batch, c)]
     ordinary = [c for c in wave if c not in children]
-    invocations = [_invocation(services, ctx, batch, c, parsed.pop(c, None)) for c in ordinary]
+    seen = snapshot(ctx.execution) if ordinary else None
+    invocations = [
+        _invocation(services, ctx, batch, c, parsed.pop(c, None), seen) for c in ordinary
+    ]
     runs: list[Awaitable[Any]] = [services.tools.run(invocations)] if invocations else []
     child_runner = services.children
     assert child_runner is not None or not children
@@ -228,6 +234,7 @@ def _refuse_parallel_waits(wave: list[CallId], outcomes: Sequence[object]) -> No
 
 def _record(
     services: StepServices,
+    ctx: RunContext,
     batch: ActiveToolBatch,
     call_id: CallId,
     outcome: object,
@@ -241,8 +248,11 @@ def _record(
     if isinstance(outcome, ChildWaiting):  # a lone child surfaces its wait to the parent
         return mark_awaiting(batch, call_id, "delegation", outcome.ticket.correlation)
     if isinstance(outcome, Finished):
-        admitted = admit_outcome(outcome, services.limits, batch)
+        agent = services.agent
+        declared = agent.resolved.tool_keys.get(call.tool) if agent.resolved else None
+        admitted = admit_outcome(outcome, services.limits, batch, declared)
         commands.extend(admitted.commands)
+        _requested(ctx, call, admitted.requests, commands)
         return complete(batch, call_id, admitted.output)
     if isinstance(outcome, Lost):
         if call.policy.mode != "never_replay" and budget_left:
@@ -259,16 +269,32 @@ def _record(
     return complete(batch, call_id, ToolOutput(content=printable(text), is_error=True))
 
 
+def _requested(
+    ctx: RunContext, call: ToolCall, requests: Sequence[ToolRequest], commands: list[Command]
+) -> None:
+    """What a finished call asked of its Run: injections are staged with its result, the
+    rest applied to the ExecutionState (the loop acts on it after the results commit)."""
+    texts = [r.text for r in requests if isinstance(r, InjectMessage)]
+    source = f"tool:{call.operation_id}:{call.attempts}"
+    commands.extend(inject_commands(ctx.frontier.version, source, texts))
+    for request in requests:
+        if not isinstance(request, InjectMessage):
+            ctx.execution.react(request)
+
+
 def _invocation(
     services: StepServices,
     ctx: RunContext,
     batch: ActiveToolBatch,
     call_id: CallId,
     arguments: dict[str, Any] | None,
+    seen: ExecutionSnapshot | None,
 ) -> ToolInvocation:
     call = batch.call(call_id)
     tool = services.agent.tool(call.tool)
     assert tool is not None
+    if tool.sees_history:
+        seen = snapshot(ctx.execution, live_history(ctx.frontier, ctx.pending))
     return ToolInvocation(
         tool=call.tool,
         arguments=tool.parse(call.arguments, services.limits) if arguments is None else arguments,
@@ -280,4 +306,5 @@ def _invocation(
         thread_id=ctx.frontier.thread_id,
         prompt_path=services.prompt_path,
         timeout_s=tool.timeout_s,
+        execution=seen,
     )

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy, WaitKind
 from runtime.errors import ToolDefinitionError
+from runtime.execution import AbortSignal, ToolExecution, ToolRequest
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.limits import DEFAULT_LIMITS, Limits, json_depth, printable
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
@@ -57,6 +58,9 @@ class ToolContext:
     """The owner epoch of the engine that sent this call. It only grows: a downstream
     system that records the highest epoch seen per operation id can refuse a call from a
     zombie engine (a lower epoch) after another took the Run over."""
+    execution: ToolExecution | None = None
+    """The Run's ExecutionState as the call was sent, the call's abort signal, and the
+    requests the tool may make of its Run (``runtime.execution``)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ class Tool:
     description: str = ""
     delegates: bool = False
     """A delegation tool: its calls start child Runs (runtime.delegation)."""
+    sees_history: bool = False
+    """Its calls are sent the Run's live message history (``ctx.execution``); off by
+    default, since the history would travel with every call."""
 
     def with_delegation(self) -> Tool:
         return replace(self, delegates=True)
@@ -189,6 +196,7 @@ def tool(
     wait_deadline_s: float | None = None,
     resources: Mapping[str, float] | None = None,
     timeout_s: float | None = None,
+    sees_history: bool = False,
 ) -> Any:
     """Declare a tool; usable bare (``@tool``) or with options (``@tool(recovery=...)``).
 
@@ -203,7 +211,9 @@ def tool(
         built = _build_tool(
             f, name or f.__name__, tuple(recovery), concurrency, dict(resources or {}), timeout_s
         )
-        return replace(built, wait=declared, wait_deadline_s=wait_deadline_s)
+        return replace(
+            built, wait=declared, wait_deadline_s=wait_deadline_s, sees_history=sees_history
+        )
 
     return build(fn) if fn is not None else build
 
@@ -259,14 +269,15 @@ def _raised(exc: BaseException) -> str:
     return printable(f"{type(exc).__name__}: {exc}")
 
 
-def outcome_of(result: Any) -> Finished:
-    """Turn a tool's return value into a finished outcome."""
+def outcome_of(result: Any, requests: Sequence[ToolRequest] = ()) -> Finished:
+    """Turn a tool's return value (and what it asked of its Run) into a finished outcome."""
     if isinstance(result, ToolResult):
         return Finished(
             output=ToolOutput(content=_to_text(result.content), is_error=result.is_error),
             commands=tuple(result.commands),
+            requests=tuple(requests),
         )
-    return Finished(output=ToolOutput(content=_to_text(result)))
+    return Finished(output=ToolOutput(content=_to_text(result)), requests=tuple(requests))
 
 
 def _to_text(value: Any) -> str:
@@ -274,7 +285,12 @@ def _to_text(value: Any) -> str:
 
 
 async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
-    """Run one invocation and classify how it ended; never raises an ordinary exception."""
+    """Run one invocation and classify how it ended; never raises an ordinary exception.
+
+    A call that times out or is cancelled has its abort signal set first; what it asked
+    of its Run is kept only if it finished (a retried call asks again)."""
+    abort = AbortSignal()
+    execution = None if inv.execution is None else ToolExecution(inv.execution, abort)
     ctx = ToolContext(
         operation_id=inv.operation_id,
         attempt=inv.attempt,
@@ -283,8 +299,10 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         thread_id=inv.thread_id,
         prompt_path=inv.prompt_path,
         epoch=inv.epoch,
+        execution=execution,
     )
     timeout = inv.timeout_s if inv.timeout_s is not None else t.timeout_s
+    requests = () if execution is None else execution.requests
     try:
         work = t.invoke(inv.arguments, ctx)
         # with no timeout, wait_for would only await it, one frame further down
@@ -292,17 +310,22 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
     except UnavailableBeforeDispatch as exc:
         return Unavailable(message=printable(str(exc)) or "unavailable before dispatch")
     except TimeoutError:
+        abort.set()  # a synchronous tool still running in its thread can see it
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
     except OutcomeUnknown as exc:
         return Lost(message=printable(f"tool {t.id}: {exc}") or f"tool {t.id}: outcome unknown")
     except asyncio.CancelledError as exc:
+        abort.set()
         if cancelling():
             raise  # the wave is being cancelled: it goes on unwinding
-        return Finished(output=ToolOutput(content=_raised(exc), is_error=True))
+        return Finished(
+            output=ToolOutput(content=_raised(exc), is_error=True), requests=tuple(requests)
+        )
     except Exception as exc:  # the tool's failure is the model's to see, never a crash
-        return Finished(output=ToolOutput(content=_raised(exc), is_error=True))
+        out = ToolOutput(content=_raised(exc), is_error=True)
+        return Finished(output=out, requests=tuple(requests))
     try:
-        return outcome_of(result)
+        return outcome_of(result, requests)
     except Exception as exc:  # a result that cannot be turned into text is the tool's error
         text = printable(f"tool {t.id} returned what cannot be a result: {exc}")
         return Finished(output=ToolOutput(content=text, is_error=True))

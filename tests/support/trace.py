@@ -39,10 +39,16 @@ _LEAVES = {"activation": ("running", "ended"), "awaiting": ("awaiting",), "ended
 """The dispositions a commit of each label may leave: running for the labels not named,
 the one it found for a status commit."""
 
-_MESSAGE_SHAPES = {"activation": "u+", "inference": "t*at*", "resume": "t*u*", "ended": "t*a?t*"}
+_MESSAGE_SHAPES = {
+    "activation": "u+",
+    "inference": "t*u*at*",
+    "resume": "t*u*",
+    "ended": "t*u*a?t*",
+}
 """Messages a label may carry, one letter per kind (user, assistant, tool result):
-results of the finished batch come first, then the one new input or answer, then the
-results of a batch opened and finalized by the same commit. Other labels carry none."""
+results of the finished batch come first, then messages injected during it
+(``runtime.injection``), then the one new input or answer, then the results of a batch
+opened and finalized by the same commit. Other labels carry none."""
 _KIND_LETTER = {"user": "u", "assistant": "a", "tool_result": "t"}
 
 _OPENING_PHASES = {"requested", "executing", "completed"}

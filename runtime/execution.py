@@ -1,0 +1,293 @@
+"""ExecutionState: what tools and hooks see of a Run while it executes (DESIGN §9, seed
+``execution-state-and-run-status`` §2-3), and the reactions that control it.
+
+A hook returns data: its ``HookOutput.reactions`` (``StopRun``, ``RequestInput``,
+``Pause``, ``DenyCall``, ``InjectMessage``, ``ForceTurn``, ``StopSession``) are applied
+by the engine in one place, ``ExecutionState.react``. The seed's controls
+(``stop()``, ``force_turn()``, ``stop_session()``, ``inject_message()``) are the same
+requests made by a call; a tool makes them on its ``ToolContext.execution``, a
+``ToolExecution``, whose requests travel back with the call's result (a tool may run in
+another process) and are applied when that result is committed. A request of a call
+that did not finish (lost, unavailable) is dropped with it: a retry asks again.
+
+``message_history`` is the live persisted history: the committed messages, the results
+of the Step's finished calls, then the messages injected so far (committed with the
+next commit; ``runtime.injection``). Request-only context never appears in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from runtime.base import Frozen
+from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import PauseReason, PauseTarget, UserInputTarget
+from runtime.messages import Message, UserMessage
+
+Side = Literal["a", "b"]
+SIDES: tuple[Side, ...] = ("a", "b")
+
+
+class StopRun(Frozen):
+    """End the loop after the current operation: the Run ends ``stopped(reason)``."""
+
+    kind: Literal["stop"] = "stop"
+    reason: str = "stopped from inside the run"
+
+
+class StopSession(Frozen):
+    """End the agent session terminally (the Run ends ``stopped(reason)`` and no side
+    takes another turn); in a single-side Run the same as ``StopRun``."""
+
+    kind: Literal["stop_session"] = "stop_session"
+    reason: str = "session stopped"
+
+
+class ForceTurn(Frozen):
+    """The next turn of a session goes to ``side``, whoever's turn it would be."""
+
+    kind: Literal["force_turn"] = "force_turn"
+    side: Side
+
+
+class InjectMessage(Frozen):
+    """Add a user message to the persisted history (visible to later tools and hooks at
+    once, committed with the next commit, sent with the next inference)."""
+
+    kind: Literal["inject_message"] = "inject_message"
+    text: str
+
+
+class RequestInput(Frozen):
+    """At the next Step boundary the Run awaits remote user input."""
+
+    kind: Literal["request_input"] = "request_input"
+    prompt: str = ""
+
+
+class Pause(Frozen):
+    """At the next Step boundary the Run awaits an explicit unpause."""
+
+    kind: Literal["pause"] = "pause"
+    reason: PauseReason = "manual"
+
+
+class DenyCall(Frozen):
+    """AfterInference only: the call does not run; the model sees ``denied: reason``."""
+
+    kind: Literal["deny_call"] = "deny_call"
+    call_id: str
+    reason: str
+
+
+Reaction = Annotated[
+    StopRun | StopSession | ForceTurn | InjectMessage | RequestInput | Pause | DenyCall,
+    Field(discriminator="kind"),
+]
+ToolRequest = Annotated[
+    StopRun | StopSession | ForceTurn | InjectMessage, Field(discriminator="kind")
+]
+"""What a tool may ask of its Run (through ``ToolExecution``)."""
+
+
+class ExecutionState:
+    """A Run seen from inside, while it executes (``None`` at rest: there is none)."""
+
+    def __init__(
+        self,
+        run_id: RunId,
+        thread_id: ThreadId,
+        prompt_path: Sequence[str],
+        cancel: asyncio.Event,
+    ) -> None:
+        self.run_id = run_id
+        self.thread_id = thread_id
+        self.prompt_path = tuple(prompt_path)
+        self.current_side: Side = "a"
+        self.step_count = 0
+        self.side_a_step_count = 0
+        self.side_b_step_count = 0
+        self.abort_signal = cancel
+        """Set when the Run is cancelled or stopped from outside: await or poll it."""
+        self.stop_reason: str | None = None
+        self.stopped_by: Side | None = None
+        self.session_stopped = False
+        self.forced_side: Side | None = None
+        self.wait_request: UserInputTarget | PauseTarget | None = None
+        self.injected: list[str] = []
+        """Injected texts not yet staged for a commit (the engine takes them)."""
+        self._history: Callable[[], tuple[Message, ...]] = tuple
+
+    @property
+    def flow_id(self) -> str:
+        """The execution flow: the Run's id (a resumed or recovered Run keeps it)."""
+        return self.run_id
+
+    @property
+    def cancel_signal(self) -> asyncio.Event:
+        return self.abort_signal
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def message_history(self) -> tuple[Message, ...]:
+        return self._history()
+
+    def show_history(self, history: Callable[[], tuple[Message, ...]]) -> None:
+        """Where ``message_history`` comes from (the engine's live view of the Run)."""
+        self._history = history
+
+    def stop(self, reason: str = "stopped from inside the run") -> None:
+        self.react(StopRun(reason=reason))
+
+    def stop_session(self, reason: str = "session stopped") -> None:
+        self.react(StopSession(reason=reason))
+
+    def force_turn(self, side: Side) -> None:
+        self.react(ForceTurn(side=side))
+
+    def inject_message(self, text: str) -> None:
+        self.react(InjectMessage(text=text))
+
+    def request_input(self, prompt: str = "") -> None:
+        self.react(RequestInput(prompt=prompt))
+
+    def pause(self, reason: PauseReason = "manual") -> None:
+        self.react(Pause(reason=reason))
+
+    def react(
+        self,
+        reaction: StopRun
+        | StopSession
+        | ForceTurn
+        | InjectMessage
+        | RequestInput
+        | Pause
+        | DenyCall,
+    ) -> None:
+        """Apply one reaction (the one place they take effect; ``DenyCall`` is applied
+        where the calls are gated, and is refused here)."""
+        if isinstance(reaction, StopRun | StopSession):
+            if self.stop_reason is None:
+                self.stop_reason, self.stopped_by = reaction.reason, self.current_side
+            self.session_stopped = self.session_stopped or isinstance(reaction, StopSession)
+        elif isinstance(reaction, ForceTurn):
+            self.forced_side = reaction.side
+        elif isinstance(reaction, InjectMessage):
+            self.injected.append(reaction.text)
+        elif isinstance(reaction, RequestInput):
+            self.wait_request = UserInputTarget(prompt=reaction.prompt)
+        elif isinstance(reaction, Pause):
+            self.wait_request = PauseTarget(reason=reaction.reason)
+        else:
+            raise TypeError(f"{type(reaction).__name__} is not a reaction this point can apply")
+
+
+class ExecutionSnapshot(Frozen):
+    """The ExecutionState a call is sent with (it may run in another process)."""
+
+    flow_id: str
+    current_side: Side = "a"
+    step_count: int = 0
+    side_a_step_count: int = 0
+    side_b_step_count: int = 0
+    stopped: bool = False
+    stopped_by: Side | None = None
+    prompt_path: tuple[str, ...] = ()
+    message_history: tuple[Message, ...] | None = None
+    """Only for tools declared ``@tool(sees_history=True)``: None for the others."""
+
+
+def snapshot(
+    execution: ExecutionState, history: tuple[Message, ...] | None = None
+) -> ExecutionSnapshot:
+    return ExecutionSnapshot(
+        flow_id=execution.flow_id,
+        current_side=execution.current_side,
+        step_count=execution.step_count,
+        side_a_step_count=execution.side_a_step_count,
+        side_b_step_count=execution.side_b_step_count,
+        stopped=execution.stopped,
+        stopped_by=execution.stopped_by,
+        prompt_path=execution.prompt_path,
+        message_history=history,
+    )
+
+
+class AbortSignal:
+    """Set when a call is cancelled or times out: ``await wait()`` on the loop, or poll
+    ``is_set()`` from a synchronous tool's thread (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+        self._event = asyncio.Event()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def set(self) -> None:
+        self._flag.set()
+        self._event.set()
+
+    async def wait(self) -> bool:
+        return await self._event.wait()
+
+
+class ToolExecution:
+    """A tool's view of its Run: the snapshot it was sent with, its abort signal, and
+    the requests it makes (returned with its result: ``requests``)."""
+
+    def __init__(self, seen: ExecutionSnapshot, abort: AbortSignal) -> None:
+        self._seen = seen
+        self.abort_signal = abort
+        self.requests: list[StopRun | StopSession | ForceTurn | InjectMessage] = []
+        self._lock = threading.Lock()  # a synchronous tool asks from its own thread
+
+    flow_id = property(lambda self: self._seen.flow_id)
+    current_side = property(lambda self: self._seen.current_side)
+    step_count = property(lambda self: self._seen.step_count)
+    side_a_step_count = property(lambda self: self._seen.side_a_step_count)
+    side_b_step_count = property(lambda self: self._seen.side_b_step_count)
+    stopped_by = property(lambda self: self._seen.stopped_by)
+    prompt_path = property(lambda self: self._seen.prompt_path)
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped when the call was sent, or by this call since."""
+        asked = any(isinstance(r, StopRun | StopSession) for r in self.requests)
+        return self._seen.stopped or asked
+
+    @property
+    def message_history(self) -> tuple[Message, ...]:
+        history = self._seen.message_history
+        if history is None:
+            raise AttributeError(
+                "message_history is sent only to tools declared @tool(sees_history=True)"
+            )
+        injected = tuple(r for r in self.requests if isinstance(r, InjectMessage))
+        if not injected:
+            return history
+        return (*history, *(UserMessage(id="", text=r.text) for r in injected))
+
+    def _ask(self, request: StopRun | StopSession | ForceTurn | InjectMessage) -> None:
+        with self._lock:
+            self.requests.append(request)
+
+    def stop(self, reason: str = "stopped by a tool") -> None:
+        self._ask(StopRun(reason=reason))
+
+    def stop_session(self, reason: str = "session stopped by a tool") -> None:
+        self._ask(StopSession(reason=reason))
+
+    def force_turn(self, side: Side) -> None:
+        self._ask(ForceTurn(side=side))
+
+    def inject_message(self, text: str) -> None:
+        self._ask(InjectMessage(text=text))
