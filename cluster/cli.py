@@ -2,7 +2,9 @@
 
     ratchet demo                      the README's main job: no set-up, one crash, a summary
     ratchet run MODULE:AGENT "input"  start a Run on the cluster and print its transcript
-    ratchet runs [--failed]           every thread's latest Run: state and status
+    ratchet runs                      every thread's latest Run: state, status, steps, agent
+                                      (--state, --status, --agent, --failed; pages of
+                                      --limit N (50), the next after --after CURSOR)
     ratchet show THREAD               transcript, tool-batch phases, status
     ratchet verify THREAD | --all     audit the store: hashes, the chain, the frontiers
     ratchet resume THREAD --approve   answer the Run's ticket (--deny, --input TEXT,
@@ -15,11 +17,20 @@
 directly and need no Ray. Every expected failure (a bad import path, an unreachable store or
 cluster, an unknown thread, a resume the ticket rejects, bad input) is one line on
 stderr and exit code 1, never a traceback.
+
+``runs``, ``show`` and ``watch`` take ``--json``: one JSON object per line, valid UTF-8
+(``cluster.cli_json``). ``runs --json`` prints one object per thread
+(``cluster.cli_runs.RunRow.json``) and last ``{"next": CURSOR or null}``; ``show
+--json`` the thread's object, its messages and its commits (``cli_json.show_objects``);
+``watch --json`` each stream frame as it arrives (``runtime.stream.Frame`` as JSON).
+A reader that goes away (``| head``) ends the command quietly, exit code 141.
+Thread and run ids are never cut, in any terminal width, so each pastes as printed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import sys
@@ -28,33 +39,24 @@ from typing import Any, Literal
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from
-from cluster.cli_view import (
-    WatchView,
-    console,
-    message_line,
-    print_rest,
-    run_tree,
-    usage_text,
-    when,
-)
+from cluster.cli_json import emit, show_objects
+from cluster.cli_runs import DEFAULT_LIMIT, run_page, run_query, run_row
+from cluster.cli_view import WatchView, console, print_rest, print_runs, print_thread, run_tree
 from cluster.config import ClusterUnavailable, redis_url_from, store_url_from
-from cluster.report import analyse, phase_text
+from cluster.report import analyse
 from runtime.agent import load_agent
 from runtime.commit import Frontier
 from runtime.errors import RatchetError
 from runtime.ids import ThreadId
 from runtime.integrity import audit
 from runtime.lifecycle import (
-    AwaitingState,
     EndedState,
     validate_resume,
 )
 from runtime.stream import parse_offset
 from runtime.timeutil import now_us
-from runtime.usage import USAGE_KEY, step_usage
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
 app = typer.Typer(
@@ -71,6 +73,7 @@ AddressOption = typer.Option(
 RedisOption = typer.Option(
     None, "--redis", help="Redis URL of the live bus (default: RATCHET_REDIS_URL, or none)"
 )
+JsonOption = typer.Option(False, "--json", help="One JSON object per line, for scripts")
 
 
 def _cli(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
@@ -91,8 +94,18 @@ def _cli(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
+        except BrokenPipeError:  # the reader left (``| head``): nothing more to say
+            _quiet_stdout()
+            raise typer.Exit(141) from None
 
     return wrapper
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 @app.command()
@@ -158,91 +171,66 @@ async def _run(
 @app.command()
 def runs(
     state: str | None = typer.Option(None, "--state", help="running, awaiting or ended"),
+    status: str | None = typer.Option(
+        None, "--status", help="idle, running or failed: the thread's run status"
+    ),
+    agent: str | None = typer.Option(
+        None, "--agent", help="Only Runs started with this agent reference (MODULE:ATTR)"
+    ),
     failed: bool = typer.Option(
         False, "--failed", help="Only Runs that ended failed (dead letters among them)"
     ),
+    limit: int = typer.Option(DEFAULT_LIMIT, "--limit", help="At most this many threads"),
+    after: str | None = typer.Option(
+        None, "--after", help="The next page: the cursor the last page printed"
+    ),
+    as_json: bool = JsonOption,
     store: str | None = StoreOption,
 ) -> None:
-    """List every thread's latest Run with its state and run status."""
-    _cli(_runs)(state, failed, store)
+    """List every thread's latest Run, in thread-id order, a page at a time."""
+    _cli(_runs)((state, status, agent, failed, limit, after), as_json, store)
 
 
-async def _runs(state: str | None, failed: bool, store: str | None) -> None:
-    if state not in (None, "running", "awaiting", "ended"):
-        raise BadInput(f"--state must be running, awaiting or ended, not {state!r}")
-    if failed and state not in (None, "ended"):
-        raise BadInput("--failed lists ended Runs: it does not go with --state " + str(state))
+async def _runs(flags: tuple[Any, ...], as_json: bool, store: str | None) -> None:
+    query = run_query(*flags)  # bad input fails before the store is opened
     db = await _open(store)
     try:
-        rows = await db.list_runs("ended" if failed else state)
+        rows, next_cursor = await run_page(db, query)
     finally:
         await db.close()
-    if failed:
-        rows = [r for r in rows if r.cause == "failed"]
-    table = Table(title=f"{len(rows)} runs")
-    for column in ("thread", "run", "state", "end", "status", "since", "version"):
-        table.add_column(column)
-    for r in rows:
-        status = r.status.state + (f" ({r.status.reason})" if r.status.reason else "")
-        table.add_row(
-            r.thread_id,
-            r.run_id,
-            r.state,
-            r.cause or "",
-            status,
-            when(r.status.since),
-            str(r.version),
-        )
-    console.print(table)
+    if as_json:
+        for row in rows:
+            emit(row.json())
+        emit({"next": next_cursor})
+        return
+    print_runs(rows, next_cursor)
 
 
 @app.command()
-def show(thread: str = typer.Argument(...), store: str | None = StoreOption) -> None:
+def show(
+    thread: str = typer.Argument(...),
+    as_json: bool = JsonOption,
+    store: str | None = StoreOption,
+) -> None:
     """Show a thread: transcript, tool-batch phases per commit, and run status."""
-    _cli(_show)(thread, store)
+    _cli(_show)(thread, store, as_json)
 
 
-async def _show(thread: str, store: str | None) -> None:
+async def _show(thread: str, store: str | None, as_json: bool = False) -> None:
     db = await _open(store)
     frontier = await db.load(ThreadId(thread))
     records = await db.read(ThreadId(thread))
     tree = await run_tree(db, frontier)
     await db.close()
-    if not records:
+    row = run_row(frontier)
+    if not records or row is None:
         raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
-    console.rule(f"thread {thread}")
-    for message in frontier.messages:
-        console.print(message_line(message), highlight=False)
-    console.rule("commits")
-    for record in records:
-        c = record.commit
-        console.print(
-            f"[dim]{record.seq:>3}[/dim] {c.label:<10} {c.disposition.kind}", highlight=False
-        )
-        for call in c.batch.calls if c.batch else ():
-            console.print(f"      {call.call_id} {call.tool}: {phase_text(call)}", highlight=False)
-        used = step_usage(c.commands)
-        if used is not None:
-            console.print(f"      usage: {usage_text(used[0])} ({used[1] or '?'})", highlight=False)
     report = analyse(thread, records)
-    console.rule("status")
-    s = frontier.status
-    state = frontier.run_state
-    where = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
-    if isinstance(state, AwaitingState):
-        where += f" ({state.ticket.payload_kind}, correlation {state.ticket.correlation})"
-    console.print(f"run {frontier.run_id}: {where}")
-    console.print(f"status: {s.state} reason={s.reason} since={when(s.since)}")
-    history = " → ".join(f"{a}({b})" if b else a for a, b in report.statuses)
-    console.print(f"status history: {history}", highlight=False)
-    for scope in ("run", "thread"):
-        total = frontier.state[scope].get(USAGE_KEY)
-        if total:
-            console.print(f"usage ({scope}): {usage_text(total)}", highlight=False)
-    if len(tree) > 1:
-        console.rule("run tree (delegation)")
-        for line in tree:
-            console.print(line, highlight=False)
+    if as_json:
+        for obj in show_objects(row.json(), frontier, records, report):
+            emit(obj)
+        return
+    print_thread(frontier, records, report, tree)
 
 
 @app.command()
@@ -401,14 +389,17 @@ def watch(
     after: str | None = typer.Option(
         None, "--after", help="Only facts after this offset SEQ:INDEX (as printed)"
     ),
+    as_json: bool = JsonOption,
     store: str | None = StoreOption,
     redis: str | None = RedisOption,
 ) -> None:
     """Follow THREAD live: status frames, facts and streamed text, until the Run rests."""
-    _cli(_watch)(thread, after, store, redis)
+    _cli(_watch)(thread, after, store, redis, as_json)
 
 
-async def _watch(thread: str, after: str | None, store: str | None, redis: str | None) -> None:
+async def _watch(
+    thread: str, after: str | None, store: str | None, redis: str | None, as_json: bool = False
+) -> None:
     from cluster.stream import StreamText, follow_thread
 
     try:
@@ -418,12 +409,16 @@ async def _watch(thread: str, after: str | None, store: str | None, redis: str |
     db = await _open(store)
     try:
         await _frontier(thread, store, db)
-        view = WatchView(StreamText())
-        async for frame in follow_thread(
-            db, ThreadId(thread), after, redis_url=redis_url_from(redis)
-        ):
-            view.show(frame)
-        view.close_line()
+        frames = follow_thread(db, ThreadId(thread), after, redis_url=redis_url_from(redis))
+        async with contextlib.aclosing(frames):
+            if as_json:  # each frame as the stream serves it, and nothing else
+                async for frame in frames:
+                    emit(frame.model_dump(mode="json"))
+                return
+            view = WatchView(StreamText())
+            async for frame in frames:
+                view.show(frame)
+            view.close_line()
         print_rest(thread, await db.load(ThreadId(thread)), prefix="at rest: ")
     finally:
         await db.close()
@@ -462,6 +457,7 @@ def _register_bench() -> None:
 
 
 _register_bench()
+
 
 if __name__ == "__main__":
     app()

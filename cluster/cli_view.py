@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape as rich_escape
+from rich.segment import Segments
+from rich.table import Table
+from rich.text import Text
 
-from cluster.report import cause_text, fact_text, status_text, ticket_text
+from cluster.report import (
+    RunReport,
+    cause_text,
+    fact_text,
+    phase_text,
+    status_text,
+    ticket_text,
+)
 from runtime.commit import Frontier
 from runtime.events import Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
+from runtime.ports import CommittedRecord
 from runtime.stream import Frame
+from runtime.usage import USAGE_KEY, step_usage
 
 console = Console()
 
@@ -26,6 +40,124 @@ RESUME_FLAGS = {
     "pause": "--unpause",
 }
 """The flag that answers each ticket kind (a delegation wait is answered by its child)."""
+
+
+RUN_COLUMNS: tuple[tuple[str, int], ...] = (
+    ("thread", 0),
+    ("run", 0),
+    ("state", 8),
+    ("status", 8),
+    ("steps", 5),
+    ("since", 10),
+    ("agent", 12),
+)
+"""The columns of ``ratchet runs``, each but the ids with the width it may fold down to;
+those after the first four go, last first, when the terminal is too narrow for them."""
+KEPT_COLUMNS = 4
+
+
+def runs_table(rows: Sequence[Any], width: int, title: str) -> tuple[Table, int]:
+    """The ``ratchet runs`` table and the width to print it at.
+
+    Ids are never folded or cut (a cut id cannot be pasted into ``ratchet show``): the
+    other columns fold, then give way, and should the ids alone be wider than the
+    terminal the table is printed wider than it (the terminal wraps its lines).
+    """
+    ids = (
+        _widest("thread", [row.summary.thread_id for row in rows]),
+        _widest("run", [row.summary.run_id for row in rows]),
+    )
+    columns = list(RUN_COLUMNS)
+    while len(columns) > KEPT_COLUMNS and _needed(columns, ids) > width:
+        columns.pop()
+    table = Table(title=title)
+    for name, _ in columns:
+        if name in ("thread", "run"):
+            table.add_column(name, no_wrap=True)
+        else:
+            table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in _cells(row)[: len(columns)]))
+    return table, max(width, _needed(columns, ids))
+
+
+def _widest(header: str, cells: Sequence[str]) -> int:
+    return max(cell_len(text) for text in (header, *cells))
+
+
+def _needed(columns: Sequence[tuple[str, int]], ids: Sequence[int]) -> int:
+    """The narrowest the table can be with its ids whole: rich's box takes one cell
+    between columns and at each edge, and each column has a cell of padding each side."""
+    return sum(ids) + sum(fold for _, fold in columns) + 3 * len(columns) + 1
+
+
+def _cells(row: Any) -> tuple[str, ...]:
+    s = row.summary
+    return (
+        s.thread_id,
+        s.run_id,
+        s.state + (f" {s.cause}" if s.cause else ""),
+        status_text(s.status),
+        str(row.steps),
+        when(s.status.since),
+        row.agent or "-",
+    )
+
+
+def print_runs(rows: Sequence[Any], next_cursor: str | None) -> None:
+    """``ratchet runs``: the table, then the cursor to the next page if there is one."""
+    title = f"{len(rows)} runs" + (" (more: see below)" if next_cursor else "")
+    table, width = runs_table(rows, console.width, title)
+    print_wide(table, width)
+    if next_cursor:
+        console.print(f"next page: --after {next_cursor}", highlight=False, soft_wrap=True)
+
+
+def print_wide(renderable: Any, width: int) -> None:
+    """Print at ``width`` even beyond the terminal's (``console.print`` would crop it)."""
+    if width <= console.width:
+        console.print(renderable)
+        return
+    lines = console.render(renderable, console.options.update(width=width))
+    console.print(Segments(lines), crop=False)
+
+
+def print_thread(
+    frontier: Frontier, records: Sequence[CommittedRecord], report: RunReport, tree: list[str]
+) -> None:
+    """``ratchet show``: transcript, each commit with its calls' phases, status, usage."""
+    console.rule(f"thread {frontier.thread_id}")
+    for message in frontier.messages:
+        console.print(message_line(message), highlight=False)
+    console.rule("commits")
+    for record in records:
+        c = record.commit
+        console.print(
+            f"[dim]{record.seq:>3}[/dim] {c.label:<10} {c.disposition.kind}", highlight=False
+        )
+        for call in c.batch.calls if c.batch else ():
+            console.print(f"      {call.call_id} {call.tool}: {phase_text(call)}", highlight=False)
+        used = step_usage(c.commands)
+        if used is not None:
+            console.print(f"      usage: {usage_text(used[0])} ({used[1] or '?'})", highlight=False)
+    console.rule("status")
+    s = frontier.status
+    state = frontier.run_state
+    where = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
+    if isinstance(state, AwaitingState):
+        where += f" ({state.ticket.payload_kind}, correlation {state.ticket.correlation})"
+    console.print(f"run {frontier.run_id}: {where}")
+    console.print(f"status: {s.state} reason={s.reason} since={when(s.since)}")
+    history = " → ".join(f"{a}({b})" if b else a for a, b in report.statuses)
+    console.print(f"status history: {history}", highlight=False)
+    for scope in ("run", "thread"):
+        total = frontier.state[scope].get(USAGE_KEY)
+        if total:
+            console.print(f"usage ({scope}): {usage_text(total)}", highlight=False)
+    if len(tree) > 1:
+        console.rule("run tree (delegation)")
+        for line in tree:
+            console.print(line, highlight=False)
 
 
 async def run_tree(db: Any, frontier: Any, depth: int = 0) -> list[str]:

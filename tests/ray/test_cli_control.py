@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 
 from cluster.cli import app
 from cluster.client import Ratchet, RunHandle
+from runtime.events import Fact
 from runtime.lifecycle import AwaitingState, EndedState
 from runtime.messages import ToolResultMessage, UserMessage
+from runtime.stream import Frame, parse_offset
 
 from .wait_agents import ANSWER, gate_path
 
@@ -166,6 +168,21 @@ def test_watch_to_rest_then_from_an_offset(system):
     assert "tool_result [c1] drop_table: dropped users" in rest.output
     assert "● status idle (natural)" in rest.output
     assert "at rest: run " in rest.output and "ended natural" in rest.output
+
+
+def test_watch_json_is_one_frame_per_line_until_rest(system):
+    handle = start(system, PERMISSION, rest=False)
+    result = ratchet(system, "watch", handle.thread_id, "--json")
+    assert result.exit_code == 0, result.output
+    frames = [Frame.model_validate_json(line) for line in result.stdout.splitlines()]
+    assert frames[0].type == "thread_status" and frames[0].offset is None
+    offsets = [parse_offset(frame.offset) for frame in frames[1:]]
+    assert offsets == sorted(set(offsets))  # every fact once, in order
+    statuses = [frame.status.state for frame in frames if frame.type == "thread_status"]
+    assert "running" in statuses and statuses[-1] == "idle"
+    last = frames[-1].event
+    assert isinstance(last, Fact) and last.type == "awaiting"
+    assert last.data["ticket"]["target"]["tool"] == "drop_table"
 
 
 async def _until(condition, timeout_s: float = 30.0) -> None:
