@@ -83,7 +83,7 @@ class ToolExecutor:
 
     @staticmethod
     async def _one(agent: Agent, inv: ToolInvocation) -> ToolOutcome:
-        tool = agent.tool(inv.tool)
+        tool = agent.deployed_tool(inv.tool)
         if tool is None:
             text = f"tool {inv.tool!r} is not deployed on this executor"
             return Finished(output=ToolOutput(content=text, is_error=True))

@@ -170,7 +170,7 @@ class RayToolRunner:
         return [o for o in outcomes if o is not None]
 
     def _resources(self, tool_id: str) -> Mapping[str, float]:
-        tool: Tool | None = self.agent.tool(tool_id)
+        tool: Tool | None = self.agent.deployed_tool(tool_id)
         return tool.resources if tool is not None else {}
 
 

@@ -3,17 +3,84 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from runtime.batch import ToolRecoveryPolicy
 from runtime.delegation import DelegationLimits
 from runtime.errors import AgentImportError
+from runtime.execution import ExecutionState, Side
 from runtime.hooks import Gate, Hook, RunEndGuard
+from runtime.ids import RunId, ThreadId
+from runtime.messages import Message
 from runtime.models import Model
 from runtime.plugins import DuplicateId, Plugin, PluginRefused, ResolvedExecutionEnv, resolve
 from runtime.tools import Tool
 from runtime.usage import Budget
+
+
+@dataclass(frozen=True)
+class HandlerInput:
+    """What a handler-backed side sees when its turn comes."""
+
+    run_id: RunId
+    thread_id: ThreadId
+    turn: int
+    """Turns taken so far in the session (this one is the next)."""
+    messages: Sequence[Message]
+    """The session as this side sees it: its own turns as assistant messages, the other
+    side's answers as user messages (``runtime.session.view``)."""
+    execution: ExecutionState
+
+
+Handler = Callable[[HandlerInput], "str | Awaitable[str | None] | None"]
+"""A handler's turn: its message, or None to end the session (the Run ends naturally)."""
+
+
+@dataclass(frozen=True)
+class SessionSide:
+    """Side ``b`` of a session: backed by a model (an Agent), a handler, or a human."""
+
+    agent: Agent | None = None
+    handler: Handler | None = None
+    human: str | None = None
+    """A human: the prompt of the ``user_input`` ticket the Run awaits on its turn."""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.agent, self.handler, self.human)) != 1:
+            raise ValueError("a session side is backed by exactly one of agent, handler, human")
+        if self.agent is not None and self.agent.plugins:
+            raise ValueError(
+                "a session side's agent may not have plugins (they are pinned per Run, by "
+                "the session's own agent): give them to that agent"
+            )
+        if self.agent is not None and self.agent.session is not None:
+            raise ValueError("a session side's agent cannot hold a session of its own")
+        if not self.name:
+            default = self.agent.name if self.agent is not None else self.backing
+            object.__setattr__(self, "name", default)
+
+    @property
+    def backing(self) -> Literal["model", "handler", "human"]:
+        return "model" if self.agent else "handler" if self.handler else "human"
+
+
+@dataclass(frozen=True)
+class Session:
+    """A dual-side session (``runtime.session``): the agent is side ``a``; turns
+    alternate with ``b`` until ``max_session_turns`` turns (of any backing) were taken."""
+
+    b: SessionSide
+    max_session_turns: int = 8
+    first: Side = "a"
+
+    def __post_init__(self) -> None:
+        if self.max_session_turns < 1:
+            raise ValueError("max_session_turns must be at least 1")
+        if self.first not in ("a", "b"):
+            raise ValueError("first is 'a' or 'b'")
 
 
 @dataclass(frozen=True)
@@ -43,10 +110,14 @@ class Agent:
     a wait beyond it pauses the Run ``awaiting(pause(rate_limit))`` instead."""
     delegation: DelegationLimits = field(default_factory=DelegationLimits)
     """Limits on the child Runs this agent's Runs may start."""
+    session: Session | None = None
+    """Make each Run a dual-side session with this agent as side ``a``."""
     _by_id: Mapping[str, Tool] = field(init=False, repr=False, compare=False)
     """The tools by id: looked up several times for every call of every Step."""
     delegating: bool = field(init=False, repr=False, compare=False)
     """Whether any tool starts child Runs (if none, no call needs looking at for that)."""
+    deployed_tools: tuple[Tool, ...] = field(init=False, repr=False, compare=False)
+    """Its tools and those of its session's other side: what its executors run."""
 
     resolved: ResolvedExecutionEnv | None = field(init=False, repr=False, compare=False)
     """The plugins, resolved (``runtime.plugins``): their tools, hooks, gates and guards
@@ -64,6 +135,12 @@ class Agent:
             raise ValueError(f"agent {self.name}: duplicate tool ids {ids}")
         object.__setattr__(self, "_by_id", {t.id: t for t in self.tools})
         object.__setattr__(self, "delegating", any(t.delegates for t in self.tools))
+        deployed = dict(self._by_id)
+        other = self.session.b.agent if self.session is not None else None
+        for t in other.tools if other is not None else ():
+            if deployed.setdefault(t.id, t) is not t:
+                raise ValueError(f"agent {self.name}: the sides have different tools {t.id!r}")
+        object.__setattr__(self, "deployed_tools", tuple(deployed.values()))
 
     def _resolve_plugins(self) -> None:
         env, refused = None, None
@@ -86,7 +163,15 @@ class Agent:
             object.__setattr__(self, "run_end_guards", guards)
 
     def tool(self, tool_id: str) -> Tool | None:
+        """The tool this agent's model may call."""
         return self._by_id.get(tool_id)
+
+    def deployed_tool(self, tool_id: str) -> Tool | None:
+        """A tool any side of its Runs may call (what executors run for this agent)."""
+        found = self._by_id.get(tool_id)
+        if found is None and len(self.deployed_tools) > len(self._by_id):
+            found = next((t for t in self.deployed_tools if t.id == tool_id), None)
+        return found
 
     def policy_for(self, tool: Tool) -> ToolRecoveryPolicy:
         return self.policies.get(tool.id, tool.default_policy)

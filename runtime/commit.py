@@ -46,14 +46,23 @@ from runtime.frozen import FrozenDict, freeze
 from runtime.ids import OperationId, RunId, ThreadId, commit_operation_id
 from runtime.lifecycle import AwaitingState, EndedState, Natural, RunDisposition, ThreadStatus
 from runtime.messages import AssistantMessage, Message
-from runtime.state import Command, StateView, apply_commands, empty_state
+from runtime.state import SESSION_KEY, Command, StateView, apply_commands, empty_state
 
 DEFAULT_PAYLOAD_LIMIT = 1 << 20
 """Largest encoded commit, in bytes, that any backend accepts by default."""
 
 CommitLabel = Literal[
-    "activation", "inference", "executing", "results", "awaiting", "resume", "ended", "status"
+    "activation",
+    "inference",
+    "executing",
+    "results",
+    "awaiting",
+    "resume",
+    "turn",
+    "ended",
+    "status",
 ]
+"""``turn``: a session's handler-backed side took its turn (``runtime.session``)."""
 
 
 COMMIT_SCHEMA: Literal[2] = 2
@@ -134,10 +143,24 @@ def _check_legal(commit: ThreadCommit) -> None:
     if isinstance(disposition, EndedState):
         if batch is not None and batch.status != "finalized":
             raise ValueError("an ended run's batch must be sealed and finalized")
-        if isinstance(disposition.cause, Natural) and not any(
-            isinstance(m, AssistantMessage) for m in commit.messages
+        if (
+            isinstance(disposition.cause, Natural)
+            and not any(isinstance(m, AssistantMessage) for m in commit.messages)
+            and not closes_session(commit)
         ):
             raise ValueError("a natural end requires committed assistant output")
+
+
+def closes_session(commit: ThreadCommit) -> bool:
+    """A session's natural end follows its last turn, committed before it
+    (``runtime.session``): it carries the session's close instead of an answer."""
+    return any(
+        c.scope == "thread"
+        and c.key == SESSION_KEY
+        and isinstance(c.value, dict)
+        and c.value.get("ended") is True
+        for c in commit.commands
+    )
 
 
 _LABELS: frozenset[str] = frozenset(get_args(CommitLabel))

@@ -31,6 +31,7 @@ from runtime.lifecycle import (
     RunDisposition,
     RunningState,
     ThreadStatus,
+    UserInputTarget,
 )
 from runtime.messages import Message
 from runtime.ports import CommitStore
@@ -256,6 +257,9 @@ def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) 
     if isinstance(disposition, RunningState):
         return current.moved_to("running", None, now)
     if isinstance(disposition, AwaitingState):
+        target = disposition.ticket.target
+        if isinstance(target, UserInputTarget) and target.side is not None:
+            return current.moved_to("idle", "awaiting_human", now)  # a session's human side
         return current.moved_to("idle", f"awaiting_{disposition.ticket.payload_kind}", now)
     cause = disposition.cause
     if isinstance(cause, Failed):

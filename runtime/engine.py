@@ -36,7 +36,6 @@ from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import (
     Frontier,
 )
-from runtime.committing import Committing
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
 from runtime.delegation import ChildRunner, ParentLink
 from runtime.errors import (
@@ -72,6 +71,8 @@ from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, result_messages, resume_commit, validate_ticket
+from runtime.session import closing, counted, opening, stage_forced, stepped, view
+from runtime.sides import Sides
 from runtime.signals import (
     CancelledSignal,
     CancelSignal,
@@ -91,7 +92,7 @@ RACES = 8
 """How often a way in looks again after losing a race, before it gives up."""
 
 
-class Engine(Committing):
+class Engine(Sides):
     """Drives one Run. Create one per Run attempt; crash it by abandoning it."""
 
     def __init__(
@@ -113,6 +114,8 @@ class Engine(Committing):
         parent: ParentLink | None = None,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
+        self.root = agent
+        """The Run's agent; ``agent`` is the one whose turn it is (a session's other side)."""
         self.agent = agent
         self.store = store
         check_room(store, limits)
@@ -137,8 +140,7 @@ class Engine(Committing):
         publish = self.publisher.offer if self.publisher is not None else None
         # nothing here refers back to the engine: an engine must be freed by reference
         # counting when its drive is over, not wait for the cycle collector
-        self.inference = Inference(
-            agent,
+        self._inference_parts = (
             limits,
             SafeCheckpoints(checkpoints),
             checkpoint_interval_s,
@@ -146,6 +148,8 @@ class Engine(Committing):
             self.cancel_event.is_set,
             publish,
         )
+        self.inference = Inference(agent, *self._inference_parts)
+        self._sides: dict[str, tuple[Agent, Inference, tuple[str, ...]]] = {}
 
     # ---- control --------------------------------------------------------------------
 
@@ -206,7 +210,7 @@ class Engine(Committing):
                     RunningState(run_id=run_id),
                     claim=True,
                     messages=(user,),
-                    commands=(*link, *pin(self.agent.resolved)),
+                    commands=(*link, *pin(self.root.resolved), *opening(self.root, frontier)),
                     run_id=run_id,
                 )
             except (VersionConflict, Fenced):
@@ -314,7 +318,10 @@ class Engine(Committing):
             RunId(frontier.run_id or ""), frontier.thread_id, self.prompt_path, self.cancel_event
         )
         self._execution = execution
-        return RunContext(frontier=frontier, epoch=frontier.epoch, execution=execution)
+        ctx = RunContext(frontier=frontier, epoch=frontier.epoch, execution=execution)
+        if self.root.session is not None:
+            self._use_side(ctx)
+        return ctx
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -336,7 +343,8 @@ class Engine(Committing):
 
     async def _loop(self, ctx: RunContext, first: Callable[[], Awaitable[None]] | None) -> None:
         try:
-            refused = refusal(self.agent.resolved, self.agent.plugins_refused, ctx.frontier)
+            root = self.root
+            refused = refusal(root.resolved, root.plugins_refused, ctx.frontier)
             if refused is not None and isinstance(ctx.frontier.run_state, RunningState):
                 await self.end(ctx, refused)  # with these plugins this Run may not execute
                 return
@@ -346,6 +354,8 @@ class Engine(Committing):
                 f = ctx.frontier
                 if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
                     return
+                if root.session is not None:
+                    self._use_side(ctx)
                 if self.ending:
                     await self.end(ctx, self._control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
@@ -373,6 +383,8 @@ class Engine(Committing):
             await self.end(ctx, end.cause)
 
     def _control_cause(self, ctx: RunContext) -> EndCause:
+        if ctx.execution.session_stopped and self.root.session is not None:
+            ctx.pending.append(closing())  # stop_session: no later Run continues it
         reason = self.stop_reason or ctx.execution.stop_reason
         return Stopped(reason=reason) if reason is not None else Cancelled()
 
@@ -392,18 +404,20 @@ class Engine(Committing):
     async def _step(self, ctx: RunContext) -> None:
         f = ctx.frontier
         prior = f.batch
-        ctx.execution.step_count = ctx.execution.side_a_step_count = f.steps
         hooks = HookResults()
         ended = await self._end_step(ctx, hooks)
         if ended is not None and (ctx.execution.wait_request or ctx.execution.stopped):
             ctx.ended_step(ended, hooks.commands)  # committed with the wait or the end
             return
-        step = f.steps
+        root, side, step = self.root, ctx.execution.current_side, f.steps
+        counted(ctx.execution, root, f, step)
+        if root.session is not None and await self._other_turn(ctx, side, hooks.commands):
+            return  # the session ended, or a handler or human took the turn
         results = result_messages(prior)
-        if step >= self.agent.max_steps:
+        if step >= root.max_steps:
             await self.end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
             return
-        if over_budget(self.agent.budget, f):
+        if over_budget(root.budget, f):
             ctx.pause_step(PauseTarget(reason="budget"), hooks.commands)
             return
         await self.hooks(ctx, "StepStart", hooks, step=step)
@@ -411,13 +425,15 @@ class Engine(Committing):
         # messages injected so far join the history now, after the results
         injected, staged = take_injected(ctx.run_id, f.state, hooks.commands)
         hooks.commands[:] = staged
-        last = step == self.agent.max_steps - 1
+        last = step == root.max_steps - 1
         salvaged = await self.inference.salvage(ctx, step)
         if isinstance(salvaged, Admitted):
             response = salvaged
         else:
             context = (*hooks.context, *([salvaged] if salvaged else []))
             history = (*f.messages, *results, *injected, *context)
+            if root.session is not None:  # each side's model sees the session its way
+                history = view(history, side)
             try:
                 response = await self.inference.infer(ctx, step, history, last)
             except PauseRun as pause:
@@ -429,14 +445,19 @@ class Engine(Committing):
         # tool call left unanswered); the Run ends max_steps.
         calls = () if last else response.tool_calls
         # the admitted response's parts are checked text and records: not validated again
-        assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls)
+        answered = side if root.session is not None else None
+        assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls, side=answered)
         messages: tuple[Message, ...] = (*results, *injected, assistant)
-        usage = usage_commands(response.usage)  # the Step's record of what it used
+        # the Step's record of what it used, and (in a session) that this side took a Step
+        usage = (*usage_commands(response.usage), *stepped(root, f, side))
         hooks.commands[:] = restaged(hooks.commands)  # AfterInference's wait for the next
         if not calls:
             if not response.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
-            cause = MaxSteps() if response.tool_calls else guarded_end(self.agent, ctx, messages)
+                if root.session is not None:  # the answer ends this side's turn
+                    await self._hand_over(ctx, side, messages, prior, (*hooks.commands, *usage))
+                    return
+            cause = MaxSteps() if response.tool_calls else guarded_end(root, ctx, messages)
             commands = (*hooks.commands, *usage)
             await self.end(ctx, cause, messages=messages, batch=prior, commands=commands)
             return
@@ -479,7 +500,7 @@ class Engine(Committing):
         if not hooks or not any(h.point == point for h in hooks):
             return
         execution = ctx.execution
-        execution.step_count = execution.side_a_step_count = step
+        counted(execution, self.root, ctx.frontier, step)
         execution.show_history(
             lambda: live_history(ctx.frontier, (*ctx.pending, *into.commands), execution.injected)
         )
@@ -499,6 +520,8 @@ class Engine(Committing):
             source = f"{step:06d}:{point}:{call.call_id if call is not None else '-'}"
             into.commands.extend(inject_commands(ctx.frontier.version, source, execution.injected))
             execution.injected.clear()
+            if self.root.session is not None:
+                stage_forced(execution, into.commands)
 
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""

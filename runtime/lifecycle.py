@@ -76,6 +76,9 @@ class ToolWaitTarget(Frozen):
 class UserInputTarget(Frozen):
     kind: Literal["user_input"] = "user_input"
     prompt: str = ""
+    side: Literal["a", "b"] | None = None
+    """A session's human-backed side whose turn it is (the status reason is then
+    ``awaiting_human``); None: input a hook or the caller asked for."""
 
 
 PauseReason = Literal["manual", "rate_limit", "budget"]

@@ -15,6 +15,8 @@ class UserMessage(Frozen):
     id: str
     """Message id; delivering the same input twice is idempotent by this id."""
     text: str
+    side: Literal["a", "b"] | None = None
+    """In a session: the handler- or human-backed side whose turn this was."""
 
 
 class ToolUse(Frozen):
@@ -30,6 +32,8 @@ class AssistantMessage(Frozen):
     kind: Literal["assistant"] = "assistant"
     text: str = ""
     tool_calls: tuple[ToolUse, ...] = ()
+    side: Literal["a", "b"] | None = None
+    """In a session: the model-backed side that answered (None: side ``a``)."""
 
 
 class ToolResultMessage(Frozen):

@@ -34,11 +34,13 @@ from runtime.lifecycle import (
     ResumeTicket,
     ToolWaitTarget,
     UserInput,
+    UserInputTarget,
     validate_resume,
 )
 from runtime.limits import Limits, check_id, check_json_value, check_text
 from runtime.messages import Message, ToolResultMessage, UserMessage
 from runtime.ports import Finished
+from runtime.session import human_answer
 from runtime.state import Command
 from runtime.timeutil import now_us
 from runtime.usage import budget_granted
@@ -123,6 +125,9 @@ async def resume_commit(
                 batch = finalize(prior)
                 messages = result_messages(prior)
             user = UserMessage(id=f"{ticket.correlation}:input", text=payload.text)
+            if isinstance(target, UserInputTarget) and target.side is not None:
+                # a session's human side answered: its turn ends with this commit
+                user, commands = human_answer(target, ctx.frontier, payload.text, user.id)
             messages = (*messages, user)
     else:
         assert batch is not None

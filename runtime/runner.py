@@ -49,7 +49,7 @@ class InProcessRunner:
     ) -> None:
         self.agent = agent
         self.store = store
-        self.tools = tools or LocalToolRunner(agent.tools)
+        self.tools = tools or LocalToolRunner(agent.deployed_tools)
         self.bus = bus
         self.publisher = Publisher(bus) if bus is not None else None
         """Every engine of this runner publishes through it, off the commit path."""
@@ -122,7 +122,7 @@ class InProcessChildren:
         return Engine(
             agent,
             self.store,
-            LocalToolRunner(agent.tools),
+            LocalToolRunner(agent.deployed_tools),
             publisher=self.publisher,
             faults=faults or self.faults,
             children=self,

@@ -74,6 +74,9 @@ def _commutative_problem(value: Any) -> str | None:
     return None
 
 
+SESSION_KEY = "session"
+"""Thread-state key of a dual-side session (``runtime.session``)."""
+
 RESERVED_KEYS = frozenset(
     {
         *(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.batch import ActiveToolBatch, Awaiting, Executing, ToolCall
-from runtime.commit import Frontier, ThreadCommit
+from runtime.commit import Frontier, ThreadCommit, closes_session
 from runtime.ids import batch_id, call_operation_id
 from runtime.lifecycle import AwaitingState, EndedState, MaxSteps, Natural, ToolWaitTarget
 from runtime.messages import AssistantMessage, Message, ToolResultMessage, UserMessage
@@ -44,6 +44,7 @@ _MESSAGE_SHAPES = {
     "inference": "t*u*at*",
     "resume": "t*u*",
     "ended": "t*u*a?t*",
+    "turn": "u",
 }
 """Messages a label may carry, one letter per kind (user, assistant, tool result):
 results of the finished batch come first, then messages injected during it
@@ -166,7 +167,7 @@ def _messages(m: _Move) -> Iterator[str]:
     yield from _input_once(m)
     assistant, disposition = m.assistant, commit.disposition
     natural = isinstance(disposition, EndedState) and isinstance(disposition.cause, Natural)
-    if natural and (assistant is None or assistant.tool_calls):
+    if natural and (assistant is None or assistant.tool_calls) and not closes_session(commit):
         yield "end: a natural end carries an assistant answer without tool calls"
     at_max_steps = isinstance(disposition, EndedState) and isinstance(disposition.cause, MaxSteps)
     if assistant is not None and assistant.tool_calls and m.opened is None and not at_max_steps:
