@@ -459,5 +459,13 @@ def _register_bench() -> None:
 _register_bench()
 
 
+def _register_serve() -> None:
+    from edge.cli import serve  # imports no web framework until the command runs
+
+    app.command("serve")(serve)
+
+
+_register_serve()
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,141 @@
+"""The FastAPI application of ``ratchet serve``: routes, problems, the guard, a console.
+
+``create_app(client, options)`` serves one connected ``cluster.client.Ratchet``: the
+caller connects it (on the event loop the server runs on) and closes it. Every
+response goes through the guard (``edge.guard``: bearer token, body size), every error
+is a problem (``edge.problems``). If the module ``edge.console`` exists, its
+``router`` is included (a web console); until then ``/`` is a 404 problem like any
+unknown path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from cluster.client import Ratchet
+from cluster.config import ClusterUnavailable
+from edge import routes, streams
+from edge.guard import BodyTooLarge, Guard
+from edge.options import ServeOptions
+from edge.problems import (
+    HttpProblem,
+    Problem,
+    http_problem,
+    internal_problem,
+    problem_response,
+    ratchet_problem,
+    starlette_problem,
+    validation_problem,
+)
+from runtime.errors import RatchetError
+from runtime.limits import KIB, Limits
+
+TITLE = "Ratchet"
+DESCRIPTION = (
+    "Durable agent Runs over HTTP: start, follow (SSE, AG-UI), resume, cancel, stop. "
+    "Every route needs `Authorization: Bearer <token>` unless the server runs with "
+    "--no-auth on a loopback address; every error is an RFC 9457 problem."
+)
+
+
+def max_body_bytes(limits: Limits) -> int:
+    """The largest body any route takes: its largest text three times over (a JSON
+    client may escape every character beyond ASCII, up to 12 bytes for a 4-byte one),
+    and room for the ids and keys around it."""
+    largest = max(limits.input_bytes, limits.resume_payload_bytes, limits.tool_result_bytes)
+    return 3 * largest + 16 * KIB
+
+
+def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] = ()) -> FastAPI:
+    """The service for ``client``; ``agents``, if any, are the only ``MODULE:ATTR`` it
+    starts (otherwise any agent the server can import)."""
+    options = options.checked()
+    app = FastAPI(title=TITLE, description=DESCRIPTION, version=_version())
+    app.state.ratchet = client
+    app.state.agents = frozenset(agents)
+    _handle_problems(app)
+    app.include_router(routes.router)
+    app.include_router(streams.router)
+    _include_console(app)
+    tokens = () if options.no_auth else options.tokens
+    app.add_middleware(Guard, tokens=tokens, max_body_bytes=max_body_bytes(client.spec.limits))
+    if options.cors_origins:  # outside the guard: a preflight carries no token
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Accept"],
+        )
+    _document(app, secured=bool(tokens))
+    return app
+
+
+def _handle_problems(app: FastAPI) -> None:
+    app.add_exception_handler(RatchetError, ratchet_problem)
+    app.add_exception_handler(ClusterUnavailable, ratchet_problem)
+    app.add_exception_handler(TimeoutError, ratchet_problem)
+    app.add_exception_handler(HttpProblem, http_problem)
+    app.add_exception_handler(RequestValidationError, validation_problem)
+    app.add_exception_handler(BodyTooLarge, _too_large)
+    app.add_exception_handler(HTTPException, starlette_problem)
+    app.add_exception_handler(Exception, internal_problem)
+
+
+def _too_large(request: Request, exc: Exception) -> JSONResponse:
+    detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
+    path = request.url.path
+    return problem_response(413, "InputRefused", detail, path, limit="body_bytes")
+
+
+def _include_console(app: FastAPI) -> None:
+    """The web console's routes, once ``edge/console.py`` exists (a console that fails
+    to import is a bug to see at start, not to hide)."""
+    if importlib.util.find_spec("edge.console") is None:
+        return
+    console = importlib.import_module("edge.console")
+    app.include_router(console.router)
+
+
+def _document(app: FastAPI, *, secured: bool) -> None:
+    """The OpenAPI schema with the Problem schema every error response names, and the
+    bearer scheme when tokens are required."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            components = schema.setdefault("components", {})
+            components.setdefault("schemas", {})["Problem"] = Problem.model_json_schema()
+            if secured:
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                schema["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("ratchet")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+__all__ = ["create_app", "max_body_bytes"]

@@ -1,0 +1,95 @@
+"""The ASGI guard in front of every route: the bearer token, then the body's size.
+
+It wraps the whole application (the OpenAPI schema, unknown paths, a console and any
+websocket included), so no route can forget it. Tokens are compared with
+``hmac.compare_digest`` against every configured token (no early exit: the time taken
+says nothing about which token nearly matched) and never logged or echoed. A body is
+refused with 413 before it is read past ``max_body_bytes``: at once by its
+Content-Length, or as it streams in without one (``BodyTooLarge``, answered by the
+app's problem handler).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from edge.problems import PROBLEM_JSON, problem_body
+
+
+class BodyTooLarge(HTTPException):
+    """A streamed body passed the cap. An HTTPException, so that the framework's body
+    parsing lets it through (it turns any other error into a 400)."""
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        got = f"{size} bytes" if size is not None else "more"
+        super().__init__(413, f"request body refused (body_bytes): {got}; the limit is {limit}")
+
+
+class Guard:
+    def __init__(self, app: ASGIApp, tokens: tuple[str, ...], max_body_bytes: int) -> None:
+        self.app = app
+        self._tokens = tuple(t.encode() for t in tokens)
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)  # lifespan
+            return
+        headers = {name.lower(): value for name, value in scope.get("headers", ())}
+        if self._tokens and not self._authorised(headers.get(b"authorization", b"")):
+            if scope["type"] == "websocket":  # closed before it is accepted: HTTP 403
+                await receive()
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await _problem(send, scope, 401, "Unauthorized", "a valid bearer token is required")
+            return
+        if scope["type"] == "websocket":
+            await self.app(scope, receive, send)
+            return
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            detail = BodyTooLarge(self.max_body_bytes, int(length)).detail
+            await _problem(send, scope, 413, "InputRefused", detail, limit="body_bytes")
+            return
+        await self.app(scope, self._capped(receive), send)
+
+    def _authorised(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return False
+        matches = [hmac.compare_digest(token.strip(), known) for known in self._tokens]
+        return any(matches)
+
+    def _capped(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def capped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        return capped
+
+
+async def _problem(
+    send: Send, scope: Scope, status: int, kind: str, detail: str, **extra: Any
+) -> None:
+    """The problem response, sent as is: the guard answers before the framework runs."""
+    payload = json.dumps(problem_body(status, kind, detail, scope.get("path"), **extra)).encode()
+    headers = [
+        (b"content-type", PROBLEM_JSON.encode()),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="ratchet"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

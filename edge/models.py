@@ -1,0 +1,152 @@
+"""The HTTP service's request and response bodies.
+
+Request bodies bound their fields by the documented limits (``runtime.limits``):
+an id by ``id_chars``, a text by its byte limit counted in characters (a character is
+at least one byte, so nothing within the limit is refused here). The exact rule (bytes
+as stored, unpaired surrogates, control characters) is the client's, applied when the
+request reaches it (``InputRefused``: 413 or 422). A resume payload is the runtime's
+own ``ResumePayload`` record, one shape per wait kind.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.wire import run_meta
+from runtime.commit import Frontier
+from runtime.ids import ThreadId
+from runtime.lifecycle import (
+    ExternalResult,
+    PermissionDecision,
+    RunState,
+    ScheduledFire,
+    ThreadStatus,
+    Unpause,
+    UserInput,
+)
+from runtime.limits import DEFAULT_LIMITS
+from runtime.ports import RunSummary
+
+LIMITS = DEFAULT_LIMITS
+"""The bounds the schemas declare: those of a system connected with the default limits,
+as ``ratchet serve`` connects."""
+
+Id = Annotated[str, Field(min_length=1, max_length=LIMITS.id_chars)]
+AGENT_REF_CHARS = 1024
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StartRun(Body):
+    agent: str = Field(
+        min_length=1,
+        max_length=AGENT_REF_CHARS,
+        description="The agent as MODULE:ATTR, as `ratchet run` takes it",
+        examples=["myapp.agents:support"],
+    )
+    input: str = Field(max_length=LIMITS.input_bytes, description="The user's input")
+    run_id: Id | None = Field(
+        None,
+        description="The Run's id: a start repeated with the same id returns the same Run "
+        "(never a second one). None: a new id, so a repeated request starts another Run.",
+    )
+    placement: Literal["hosted", "dedicated"] = "hosted"
+
+
+CallerPayload = Annotated[
+    PermissionDecision | ExternalResult | ScheduledFire | UserInput | Unpause,
+    Field(discriminator="kind"),
+]
+"""What a caller may answer a ticket with: ``permission`` (approve or deny, a note),
+``external_result`` (a client-executed tool's output), ``scheduled_action`` (fire),
+``user_input`` (text) or ``pause`` (unpause). A delegation's outcome is its child's."""
+
+
+class Resume(Body):
+    payload: CallerPayload
+    request_id: Id | None = Field(
+        None,
+        description="Your id for this resume: retried after a lost answer, a resume that "
+        "landed under it is a success, not a 409",
+    )
+
+
+class Stop(Body):
+    reason: str = Field(
+        min_length=1, max_length=LIMITS.input_bytes, pattern=r"\S", examples=["over budget"]
+    )
+
+
+class ThreadSummary(BaseModel):
+    """A thread's committed frontier in brief; ``status`` is the stream's status object."""
+
+    thread_id: str
+    version: int
+    """Commits on the thread; 0: none."""
+    run_id: str | None
+    agent: str | None
+    """The current Run's agent (``MODULE:ATTR``)."""
+    run_state: RunState | None
+    """``running``, ``awaiting`` (with the ticket a resume answers) or ``ended`` (with
+    its cause)."""
+    status: ThreadStatus
+    steps: int
+
+    @classmethod
+    def of(cls, frontier: Frontier) -> ThreadSummary:
+        meta = run_meta(frontier)
+        return cls(
+            thread_id=frontier.thread_id,
+            version=frontier.version,
+            run_id=frontier.run_id,
+            agent=meta.agent_ref if meta is not None else None,
+            run_state=frontier.run_state,
+            status=frontier.status,
+            steps=frontier.steps,
+        )
+
+
+class RunsPage(BaseModel):
+    runs: list[RunSummary]
+    next_cursor: ThreadId | None
+    """Pass as ``cursor`` for the next page; None: this was the last."""
+
+
+class CommitRecord(BaseModel):
+    seq: int
+    """The commit's sequence number; its facts' stream offsets are ``seq:index``."""
+    commit: dict[str, Any]
+    """The ThreadCommit as stored (label, disposition, messages, batch, events, hashes)."""
+
+
+class CommitsPage(BaseModel):
+    thread_id: str
+    commits: list[CommitRecord]
+    next_after: int | None
+    """Pass as ``after`` for the next page; None: this was the last."""
+
+
+class ControlResult(BaseModel):
+    outcome: Literal["signalled", "cancelled", "stopped", "not_running"]
+    """``signalled``: its driver was told and ends it at its next check; ``cancelled`` /
+    ``stopped``: it was at rest and is ended now; ``not_running``: nothing to do."""
+    thread: ThreadSummary
+
+
+__all__ = [
+    "AGENT_REF_CHARS",
+    "LIMITS",
+    "CallerPayload",
+    "CommitRecord",
+    "CommitsPage",
+    "ControlResult",
+    "Resume",
+    "RunsPage",
+    "StartRun",
+    "Stop",
+    "ThreadSummary",
+]

@@ -1,0 +1,202 @@
+"""The REST routes: start, read, resume, cancel and stop Runs, page the log.
+
+Each route is a thin call of the cluster client (``cluster.client.Ratchet`` and its
+``RunHandle``), which validates and decides; what it raises becomes a problem
+(``edge.problems``). ``wait=S`` on a control route waits up to S seconds for the Run to
+rest (ended or awaiting) and answers with the thread as it is then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+
+from actors.wire import run_meta
+from cluster.cli_args import awaiting_ticket
+from cluster.client import Ratchet, RunHandle, command_for
+from edge.models import (
+    AGENT_REF_CHARS,
+    LIMITS,
+    CommitRecord,
+    CommitsPage,
+    ControlResult,
+    Resume,
+    RunsPage,
+    StartRun,
+    Stop,
+    ThreadSummary,
+)
+from edge.problems import HttpProblem, problems
+from runtime.commit import Frontier
+from runtime.errors import AgentImportError
+from runtime.ids import ThreadId
+from runtime.lifecycle import EndedState, StatusState
+from runtime.limits import check_id
+from runtime.ports import RunSummary
+
+router = APIRouter()
+MAX_WAIT_S = 300.0
+RunStateName = Literal["running", "awaiting", "ended"]
+
+
+def client_of(request: Request) -> Ratchet:
+    client: Ratchet = request.app.state.ratchet
+    return client
+
+
+Client = Annotated[Ratchet, Depends(client_of)]
+
+
+def thread_of(
+    client: Client, thread: Annotated[str, Path(min_length=1, max_length=LIMITS.id_chars)]
+) -> ThreadId:
+    """The path's thread id, held to the system's id rule (InputRefused: 422)."""
+    return ThreadId(check_id("thread id", thread, client.spec.limits))
+
+
+Thread = Annotated[ThreadId, Depends(thread_of)]
+Wait = Annotated[
+    float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait for the Run to rest")
+]
+
+
+async def known(client: Ratchet, thread: ThreadId) -> Frontier:
+    """The thread's frontier; a thread with no commits is 404 ThreadNotFound."""
+    frontier = await client.store.load(thread)
+    if frontier.version == 0:
+        raise HttpProblem(404, "ThreadNotFound", f"thread {thread!r} has no commits")
+    return frontier
+
+
+async def at_rest(handle: RunHandle, wait_s: float) -> ThreadSummary:
+    """The thread once the Run rests, or as it is after ``wait_s`` (0: at once)."""
+    if wait_s > 0:
+        with contextlib.suppress(TimeoutError):
+            await handle.result(timeout_s=wait_s)
+    return ThreadSummary.of(await handle.frontier())
+
+
+@router.post(
+    "/threads/{thread}/runs",
+    status_code=201,
+    responses=problems(409, 413, 422, 503),
+    summary="Start a Run (idempotent by run_id)",
+)
+async def start_run(
+    request: Request, client: Client, thread: Thread, body: StartRun, wait: Wait = 0
+) -> ThreadSummary:
+    """Start a Run of ``agent`` on the thread; answered once its first commit landed.
+    The same ``run_id`` again returns that Run; a start while another Run of the thread
+    is active is 409 InvalidTransition."""
+    allowed = request.app.state.agents
+    if allowed and body.agent not in allowed:
+        raise AgentImportError(f"agent {body.agent!r} is not one this server may start")
+    handle = await client.start(
+        body.agent, body.input, thread_id=thread, run_id=body.run_id, placement=body.placement
+    )
+    return await at_rest(handle, wait)
+
+
+@router.get("/threads/{thread}", responses=problems(404, 422), summary="A thread's frontier")
+async def get_thread(client: Client, thread: Thread) -> ThreadSummary:
+    return ThreadSummary.of(await known(client, thread))
+
+
+@router.get("/runs", responses=problems(422), summary="Every thread's latest Run, paged")
+async def list_runs(
+    client: Client,
+    state: RunStateName | None = None,
+    status: StatusState | None = None,
+    agent: Annotated[str | None, Query(max_length=AGENT_REF_CHARS)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[str | None, Query(max_length=LIMITS.id_chars)] = None,
+) -> RunsPage:
+    """Pages in thread id order; ``cursor`` is the previous page's ``next_cursor``.
+    ``agent`` reads each candidate's frontier (the store's listing does not name it)."""
+    rows = sorted(await client.runs(state), key=lambda r: r.thread_id)
+    page: list[RunSummary] = []
+    for row in rows:
+        if cursor is not None and row.thread_id <= cursor:
+            continue
+        if status is not None and row.status.state != status:
+            continue
+        if agent is not None and await _agent_of(client, row.thread_id) != agent:
+            continue
+        if len(page) == limit:
+            return RunsPage(runs=page, next_cursor=page[-1].thread_id)
+        page.append(row)
+    return RunsPage(runs=page, next_cursor=None)
+
+
+async def _agent_of(client: Ratchet, thread: ThreadId) -> str | None:
+    meta = run_meta(await client.store.load(thread))
+    return meta.agent_ref if meta is not None else None
+
+
+@router.post(
+    "/threads/{thread}/resume",
+    responses=problems(404, 409, 413, 422, 503),
+    summary="Answer the awaiting Run's ticket",
+)
+async def resume(client: Client, thread: Thread, body: Resume, wait: Wait = 0) -> ThreadSummary:
+    """The ids come from the thread's committed ticket, the payload from the body. A
+    payload that does not fit the ticket is 409 ResumeRejected naming the ``axis``
+    (``payload``, ``ticket``, ``deadline``, …); the ticket stays as it was."""
+    ticket = awaiting_ticket(await known(client, thread))
+    command = command_for(ticket, body.payload)
+    if body.request_id is not None:
+        command = command.model_copy(update={"request_id": body.request_id})
+    handle = client.handle(thread)
+    await handle.resume(command)
+    return await at_rest(handle, wait)
+
+
+@router.post(
+    "/threads/{thread}/cancel",
+    responses=problems(404, 422, 503),
+    summary="Cancel the Run: a live one at its next check, an awaiting one at once",
+)
+async def cancel(client: Client, thread: Thread, wait: Wait = 0) -> ControlResult:
+    return await _end(client, thread, None, wait)
+
+
+@router.post(
+    "/threads/{thread}/stop",
+    responses=problems(404, 413, 422, 503),
+    summary="End the Run stopped(reason)",
+)
+async def stop(client: Client, thread: Thread, body: Stop, wait: Wait = 0) -> ControlResult:
+    return await _end(client, thread, body.reason, wait)
+
+
+async def _end(client: Ratchet, thread: ThreadId, reason: str | None, wait: float) -> ControlResult:
+    frontier = await known(client, thread)
+    if isinstance(frontier.run_state, EndedState):
+        # as `ratchet cancel` does: asking a host could create a dedicated one to say so
+        return ControlResult(outcome="not_running", thread=ThreadSummary.of(frontier))
+    handle = client.handle(thread)
+    outcome = await (handle.cancel() if reason is None else handle.stop(reason))
+    summary = await at_rest(handle, wait if outcome == "signalled" else 0)
+    return ControlResult.model_validate({"outcome": outcome, "thread": summary})
+
+
+@router.get(
+    "/threads/{thread}/commits",
+    responses=problems(404, 422),
+    summary="The committed log, paged",
+)
+async def commits(
+    client: Client,
+    thread: Thread,
+    after: Annotated[int, Query(ge=0, description="Only commits with seq > after")] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> CommitsPage:
+    await known(client, thread)
+    records = await client.store.read(thread, after)
+    page = [
+        CommitRecord(seq=r.seq, commit=r.commit.model_dump(mode="json")) for r in records[:limit]
+    ]
+    more = len(records) > limit
+    return CommitsPage(thread_id=thread, commits=page, next_after=page[-1].seq if more else None)

@@ -1,0 +1,137 @@
+"""The thread's stream over SSE, as Ratchet frames or as AG-UI events.
+
+``GET /threads/{thread}/stream`` sends ``RunHandle.stream`` frame by frame: first a
+``thread_status`` snapshot, then every committed fact after the cursor, then live
+deltas and facts, a status frame on every change. Each SSE event's ``event:`` is the
+frame's type, its ``data:`` the frame's JSON, and a fact's ``id:`` is its offset
+``SEQ:INDEX``: a client that reconnects with ``Last-Event-ID`` (as EventSource does by
+itself) gets every fact after it exactly once. The cursor is ``Last-Event-ID`` if
+sent, else ``?after=``, else the beginning. ``?until_rest=true`` ends the stream once
+the Run is at rest; by default it follows the thread's later Runs too.
+
+The same stream as AG-UI events (``edge.agui``) is ``GET /threads/{thread}/agui``, or
+``/stream`` asked with ``Accept: application/vnd.ag-ui+json``: each event is
+``data: <event JSON>`` as AG-UI's encoder writes it, and the last event of each fact
+carries the fact's offset as its ``id:``, so it reconnects the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from ag_ui.encoder import EventEncoder
+from fastapi import APIRouter, Header, Query
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from edge.agui import AguiState, transcode
+from edge.problems import HttpProblem, problems
+from edge.routes import Client, Thread, known
+from runtime.stream import Frame, parse_offset
+
+router = APIRouter()
+AGUI_MEDIA_TYPE = "application/vnd.ag-ui+json"
+"""Asked for in ``Accept``, ``/stream`` answers with AG-UI events (still as SSE)."""
+PING_S = 15
+SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Server-sent events",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+After = Annotated[
+    str | None,
+    Query(max_length=64, description="Only facts after this offset SEQ:INDEX"),
+]
+UntilRest = Annotated[bool, Query(description="End the stream when the Run is at rest")]
+LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)]
+
+
+@router.get(
+    "/threads/{thread}/stream",
+    responses={**SSE_RESPONSE, **problems(404, 422)},
+    response_class=EventSourceResponse,
+    summary="The thread's stream (SSE): status snapshot, facts, live deltas",
+)
+async def stream(
+    client: Client,
+    thread: Thread,
+    after: After = None,
+    until_rest: UntilRest = False,
+    last_event_id: LastEventId = None,
+    accept: Annotated[str | None, Header(max_length=1024)] = None,
+) -> EventSourceResponse:
+    frames = await _frames(client, thread, last_event_id or after, until_rest)
+    if accept is not None and AGUI_MEDIA_TYPE in accept:
+        return EventSourceResponse(_agui_events(thread, frames), ping=PING_S)
+    return EventSourceResponse(_ratchet_events(frames), ping=PING_S)
+
+
+@router.get(
+    "/threads/{thread}/agui",
+    responses={**SSE_RESPONSE, **problems(404, 422)},
+    response_class=EventSourceResponse,
+    summary="The thread's stream as AG-UI events (SSE)",
+)
+async def agui_stream(
+    client: Client,
+    thread: Thread,
+    after: After = None,
+    until_rest: UntilRest = False,
+    last_event_id: LastEventId = None,
+) -> EventSourceResponse:
+    frames = await _frames(client, thread, last_event_id or after, until_rest)
+    return EventSourceResponse(_agui_events(thread, frames), ping=PING_S)
+
+
+async def _frames(
+    client: Client, thread: Thread, after: str | None, until_rest: bool
+) -> AsyncIterator[Frame]:
+    """The thread's frames after the cursor; checked before the response starts, so a
+    bad cursor or an unknown thread is a problem, not a stream that breaks off."""
+    try:
+        parse_offset(after)
+    except ValueError as exc:
+        raise HttpProblem(422, "ValidationError", str(exc)) from None
+    await known(client, thread)
+    return client.handle(thread).stream(after, until_rest=until_rest)
+
+
+async def _ratchet_events(frames: AsyncIterator[Frame]) -> AsyncIterator[ServerSentEvent]:
+    async with _closing(frames):
+        async for frame in frames:
+            yield ServerSentEvent(data=frame_json(frame), event=frame.type, id=frame.offset)
+
+
+def frame_json(frame: Frame) -> str:
+    """The frame without its empty members (a snapshot has no offset, no event); what is
+    inside is left whole, so its status object is the one ``GET /threads/{thread}`` has."""
+    members = {k: v for k, v in frame.model_dump(mode="json").items() if v is not None}
+    return json.dumps(members, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _agui_events(thread: str, frames: AsyncIterator[Frame]) -> AsyncIterator[bytes]:
+    encoder = EventEncoder()
+    state = AguiState(thread_id=thread)
+    async with _closing(frames):
+        async for frame in frames:
+            state, events = transcode(state, frame)
+            for i, event in enumerate(events):
+                chunk = encoder.encode(event)
+                if frame.offset is not None and i == len(events) - 1:
+                    chunk = f"id: {frame.offset}\n{chunk}"  # reconnect after this fact
+                yield chunk.encode()
+
+
+@contextlib.asynccontextmanager
+async def _closing(frames: AsyncIterator[Frame]) -> AsyncIterator[None]:
+    """Close the follower (and its bus connection) when the client goes away."""
+    try:
+        yield
+    finally:
+        close = getattr(frames, "aclose", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,162 @@
+"""The AG-UI transcoder: Ratchet frames in, events the protocol's own models accept out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ag_ui.core import Event, EventType
+from pydantic import TypeAdapter
+
+from edge.agui import transcode_all
+from runtime.events import Delta, Fact
+from runtime.lifecycle import (
+    AwaitingState,
+    EndedState,
+    Natural,
+    ResumeTicket,
+    ThreadStatus,
+    ToolWaitTarget,
+)
+from runtime.stream import Frame, from_fact
+
+EVENTS = TypeAdapter(Event)
+RUN = "run-1"
+TICKET = ResumeTicket(
+    correlation="tool-batch:run-1:1:c1:permission",
+    run_id=RUN,
+    thread_id="t1",
+    deadline_us=1_900_000_000_000_000,
+    target=ToolWaitTarget(wait="permission", call_id="c1", tool="drop", arguments='{"n": 1}'),
+)
+
+
+def fact(seq: int, index: int, type_: str, **data: Any) -> Frame:
+    return from_fact(Fact(type=type_, run_id=RUN, data=data, seq=seq, index=index))
+
+
+def status(seq: int, index: int, state: str, reason: str | None = None) -> Frame:
+    s = ThreadStatus(state=state, since=seq, reason=reason)
+    return fact(seq, index, "status", **s.frame())
+
+
+def delta(text: str, step: int = 1, attempt: int = 1) -> Frame:
+    event = Delta(type="text_delta", run_id=RUN, step=step, attempt=attempt, text=text)
+    return Frame(type="delta", event=event)
+
+
+def round_trip(events: list[Any]) -> list[Any]:
+    """Every event dumped as the wire has it and validated back by the protocol's models."""
+    out = []
+    for event in events:
+        wire = event.model_dump(mode="json", by_alias=True)
+        again = EVENTS.validate_python(wire)
+        assert again.model_dump(mode="json", by_alias=True) == wire
+        out.append(again)
+    return out
+
+
+A_RUN = [
+    Frame(type="thread_status", status=ThreadStatus()),
+    fact(1, 0, "run_started", input="drop it"),
+    status(1, 1, "running"),
+    delta("may "),
+    delta("I?"),  # the first attempt breaks off here; the retry streams anew
+    delta("may I", attempt=2),
+    fact(2, 0, "assistant_message", text="may I?"),
+    fact(2, 1, "tool_call", call_id="c1", tool="drop", arguments='{"n": 1}'),
+    status(2, 2, "idle", "awaiting_permission"),
+    fact(2, 3, "awaiting", ticket=TICKET.model_dump(mode="json")),
+    fact(3, 0, "resumed", correlation=TICKET.correlation, kind="permission", approve=True),
+    status(3, 1, "running"),
+    fact(4, 0, "tool_result", kind="tool_result", call_id="c1", tool="drop", content="dropped"),
+    fact(4, 1, "assistant_message", text="done"),
+    status(4, 2, "idle", "natural"),
+    fact(4, 3, "run_finished", cause=EndedState(run_id=RUN, cause=Natural()).cause.model_dump()),
+]
+
+
+def test_a_run_with_a_wait_becomes_two_agui_runs_that_validate():
+    events = round_trip(transcode_all("t1", A_RUN))
+    types = [e.type for e in events]
+    T = EventType
+    assert types == [
+        T.RUN_STARTED, T.STATE_SNAPSHOT,
+        T.TEXT_MESSAGE_START, T.TEXT_MESSAGE_CONTENT, T.TEXT_MESSAGE_END,  # the input
+        T.STATE_SNAPSHOT,  # running
+        T.TEXT_MESSAGE_START, T.TEXT_MESSAGE_CONTENT, T.TEXT_MESSAGE_CONTENT,  # attempt 1
+        T.TEXT_MESSAGE_END,
+        T.TEXT_MESSAGE_START, T.TEXT_MESSAGE_CONTENT,  # attempt 2 ...
+        T.TEXT_MESSAGE_CONTENT, T.TEXT_MESSAGE_END,  # ... completed by the commit: "?"
+        T.TOOL_CALL_START, T.TOOL_CALL_ARGS, T.TOOL_CALL_END,
+        T.STATE_SNAPSHOT, T.RUN_FINISHED,  # awaiting: an interrupt
+        T.RUN_STARTED, T.STATE_SNAPSHOT, T.STATE_SNAPSHOT,  # resumed
+        T.TOOL_CALL_RESULT,
+        T.TEXT_MESSAGE_START, T.TEXT_MESSAGE_CONTENT, T.TEXT_MESSAGE_END,
+        T.STATE_SNAPSHOT, T.RUN_FINISHED,
+    ]  # fmt: skip
+    started, finished = events[0], events[18]
+    assert (started.thread_id, started.run_id, started.protocol_version) == ("t1", RUN, "1.0")
+    interrupt = finished.outcome.interrupts[0]
+    assert finished.outcome.type == "interrupt"
+    assert interrupt.id == TICKET.correlation and interrupt.reason == "permission"
+    assert interrupt.tool_call_id == f"{RUN}:c1" == events[14].tool_call_id
+    assert interrupt.metadata["ticket"]["target"]["call_id"] == "c1"
+    assert events[12].delta == "?"  # only what the retry's stream lacked
+    assert events[14].parent_message_id == events[10].message_id
+    assert events[22].tool_call_id == f"{RUN}:c1" and events[22].content == "dropped"
+    assert events[-1].outcome.type == "success"
+    assert events[-2].snapshot["status"]["reason"] == "natural"
+
+
+def test_a_stream_joined_midway_opens_the_run_first():
+    joined = [
+        Frame(type="thread_status", status=ThreadStatus(state="running", since=5)),
+        *A_RUN[12:],
+    ]
+    events = round_trip(transcode_all("t1", joined))
+    assert [e.type for e in events[:3]] == [
+        EventType.RUN_STARTED,
+        EventType.STATE_SNAPSHOT,
+        EventType.TOOL_CALL_RESULT,
+    ]
+    assert events[-1].type == EventType.RUN_FINISHED
+
+
+def test_ends_that_are_not_success():
+    cancelled = fact(2, 0, "run_finished", cause={"kind": "stopped", "reason": "budget"})
+    failed = fact(2, 0, "run_failed", cause={"kind": "failed", "failure": "inference",
+                                             "code": "auth", "message": "bad key"})  # fmt: skip
+    start = [A_RUN[1]]
+    stop = round_trip(transcode_all("t1", [*start, cancelled]))[-1]
+    assert stop.type == EventType.RUN_FINISHED and stop.outcome.type == "cancelled"
+    error = round_trip(transcode_all("t1", [*start, failed]))[-1]
+    assert error.type == EventType.RUN_ERROR
+    assert (error.message, error.code) == ("bad key", "auth")
+
+
+def test_awaiting_user_input_and_its_resume_text():
+    ticket = AwaitingState(
+        run_id=RUN,
+        ticket=ResumeTicket.model_validate(
+            {
+                "correlation": "ask:1",
+                "run_id": RUN,
+                "thread_id": "t1",
+                "target": {"kind": "user_input", "prompt": "Which account?"},
+            }
+        ),
+    ).ticket
+    frames = [
+        A_RUN[1],
+        fact(2, 0, "awaiting", ticket=ticket.model_dump(mode="json")),
+        fact(3, 0, "resumed", correlation="ask:1", kind="user_input", text="savings"),
+    ]
+    events = round_trip(transcode_all("t1", frames))
+    interrupt = events[4].outcome.interrupts[0]
+    assert (interrupt.reason, interrupt.message, interrupt.tool_call_id) == (
+        "user_input",
+        "Which account?",
+        None,
+    )
+    assert events[5].type == EventType.RUN_STARTED
+    assert events[-2].delta == "savings" and events[-3].role == "user"

@@ -1,0 +1,307 @@
+"""``ratchet serve`` end to end: real uvicorn servers, a real HTTP client, Runs on Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import pytest
+from ag_ui.core import Event, EventType
+from pydantic import TypeAdapter
+
+from cluster.client import Ratchet
+from edge.app import max_body_bytes
+from edge.options import ServeOptions
+from runtime.limits import DEFAULT_LIMITS
+from tests.ray.conftest import ray_session  # noqa: F401  (the session's Ray)
+from tests.support.servers import free_port
+
+from .server import ServerThread
+
+pytestmark = pytest.mark.ray
+TOKEN, OTHER = f"tok-{uuid.uuid4().hex}", f"tok-{uuid.uuid4().hex}"
+PERMISSION = "tests.ray.agents:permission_agent"
+QUICK = "tests.ray.agents:quick_agent"
+ORIGIN = "http://console.example"
+APPROVE = {"payload": {"kind": "permission", "approve": True}}
+AGUI_EVENTS = TypeAdapter(Event)
+
+
+@dataclass(frozen=True)
+class Service:
+    url: str
+    open_url: str
+    """A server with --no-auth on loopback, without CORS, that starts QUICK only."""
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    store_url = f"sqlite:///{tmp_path_factory.mktemp('edge')}/store.db"
+    port, open_port = free_port(), free_port()
+    secured = ServeOptions(tokens=(TOKEN, OTHER), cors_origins=(ORIGIN,))
+    servers = ServerThread(
+        store_url, [(port, secured, ()), (open_port, ServeOptions(no_auth=True), (QUICK,))]
+    )
+    servers.start()
+    yield Service(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{open_port}")
+    servers.stop()
+    asyncio.run(_shutdown(store_url))
+
+
+async def _shutdown(store_url: str) -> None:
+    client = await Ratchet.connect(store_url=store_url, quiet=True)
+    await client.shutdown()
+
+
+@pytest.fixture
+def http(service: Service) -> Iterator[httpx2.Client]:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx2.Client(base_url=service.url, headers=headers, timeout=60) as client:
+        yield client
+
+
+def new_thread() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+def start(http: httpx2.Client, agent: str = PERMISSION) -> dict[str, Any]:
+    """A Run started and at rest (a permission Run awaits its approval)."""
+    body = {"agent": agent, "input": "go"}
+    response = http.post(f"/threads/{new_thread()}/runs", params={"wait": 30}, json=body)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def problem(response: httpx2.Response, status: int, kind: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body = response.json()
+    assert body["status"] == status and body["kind"] == kind
+    assert body["type"] == f"urn:ratchet:problem:{kind}"
+    assert body["title"] and body["detail"] and body["instance"]
+    return body
+
+
+def log_offsets(http: httpx2.Client, thread: str) -> list[str]:
+    commits = http.get(f"/threads/{thread}/commits", params={"limit": 500}).json()["commits"]
+    return [f"{c['seq']}:{i}" for c in commits for i in range(len(c["commit"]["events"]))]
+
+
+async def test_start_is_idempotent_by_run_id(service, http):
+    thread, body = new_thread(), {"agent": PERMISSION, "input": "go", "run_id": "run-once"}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx2.AsyncClient(base_url=service.url, headers=headers, timeout=60) as client:
+        both = await asyncio.gather(
+            *(client.post(f"/threads/{thread}/runs", json=body) for _ in range(2))
+        )
+    assert [r.status_code for r in both] == [201, 201], [r.text for r in both]
+    assert {r.json()["run_id"] for r in both} == {"run-once"}
+    assert both[0].json()["agent"] == PERMISSION
+    commits = http.get(f"/threads/{thread}/commits").json()["commits"]
+    assert [c["commit"]["label"] for c in commits].count("activation") == 1
+    another = http.post(f"/threads/{thread}/runs", json={**body, "run_id": "run-two"})
+    problem(another, 409, "InvalidTransition")
+
+
+def test_a_resume_that_does_not_fit_is_409_and_the_ticket_stays(http):
+    thread = start(http)["thread_id"]
+    before = http.get(f"/threads/{thread}").json()
+    assert before["run_state"]["kind"] == "awaiting"
+    assert before["run_state"]["ticket"]["target"]["wait"] == "permission"
+    wrong = {"payload": {"kind": "user_input", "text": "sure, go"}}
+    body = problem(http.post(f"/threads/{thread}/resume", json=wrong), 409, "ResumeRejected")
+    assert body["axis"] == "payload"
+    assert body["detail"] == (
+        "resume rejected on payload: expected a permission payload, got user_input"
+    )
+    assert http.get(f"/threads/{thread}").json() == before  # nothing was committed
+    right = http.post(f"/threads/{thread}/resume", params={"wait": 30}, json=APPROVE)
+    assert right.status_code == 200, right.text
+    done = right.json()
+    assert done["run_state"]["kind"] == "ended"
+    assert done["run_state"]["cause"] == {"kind": "natural"}
+    assert done["status"]["state"] == "idle"
+    again = http.post(f"/threads/{thread}/resume", json=APPROVE)
+    assert problem(again, 409, "ResumeRejected")["axis"] == "ticket"
+
+
+def test_the_stream_reconnects_with_last_event_id_exactly_once(http):
+    thread = start(http)["thread_id"]
+    seen: list[httpx2.ServerSentEvent] = []
+    with http.stream("GET", f"/threads/{thread}/stream") as response:
+        assert response.status_code == 200
+        events = iter(httpx2.EventSource(response))
+        snapshot = next(events)
+        assert snapshot.event == "thread_status" and "offset" not in snapshot.json()
+        assert snapshot.json()["status"] == http.get(f"/threads/{thread}").json()["status"]
+        assert snapshot.json()["status"]["reason"] == "awaiting_permission"
+        for event in events:
+            seen.append(event)
+            if len(seen) == 3:
+                break  # disconnect midway through the log
+    assert all(e.id == e.json()["offset"] for e in seen)
+    http.post(f"/threads/{thread}/resume", params={"wait": 30}, json=APPROVE)
+    last = {"Last-Event-ID": seen[-1].id}
+    query = {"until_rest": "true", "after": "1:0"}  # the header wins over ?after=
+    with http.stream("GET", f"/threads/{thread}/stream", params=query, headers=last) as response:
+        again = list(httpx2.EventSource(response))
+    assert again[0].event == "thread_status" and "offset" not in again[0].json()
+    assert again[-1].json()["event"]["type"] == "run_finished"
+    offsets = [e.json()["offset"] for e in [*seen, *again[1:]]]
+    assert offsets == log_offsets(http, thread)  # every fact, in order, once
+
+
+@pytest.mark.parametrize("asked", ["path", "accept"])
+def test_the_agui_stream_of_a_real_run_validates(http, asked):
+    thread = start(http)["thread_id"]
+    http.post(f"/threads/{thread}/resume", params={"wait": 30}, json=APPROVE)
+    path, headers = (
+        (f"/threads/{thread}/agui", {})
+        if asked == "path"
+        else (f"/threads/{thread}/stream", {"Accept": "application/vnd.ag-ui+json"})
+    )
+    with http.stream("GET", path, params={"until_rest": "true"}, headers=headers) as response:
+        sent = list(httpx2.EventSource(response))
+    events = [AGUI_EVENTS.validate_json(e.data) for e in sent]
+    for event, raw in zip(events, sent, strict=True):
+        assert event.model_dump(mode="json", by_alias=True) == json.loads(raw.data)
+    types = [e.type for e in events]
+    assert types[0] == EventType.RUN_STARTED and types[-1] == EventType.RUN_FINISHED
+    assert types.count(EventType.RUN_STARTED) == types.count(EventType.RUN_FINISHED) == 2
+    waited = events[types.index(EventType.RUN_FINISHED)]
+    call = events[types.index(EventType.TOOL_CALL_START)]
+    result = events[types.index(EventType.TOOL_CALL_RESULT)]
+    assert waited.outcome.type == "interrupt"
+    assert waited.outcome.interrupts[0].tool_call_id == call.tool_call_id == result.tool_call_id
+    assert (call.tool_call_name, result.content) == ("drop_table", "dropped users")
+    assert events[-1].outcome.type == "success"
+    texts = [e.delta for e in events if e.type == EventType.TEXT_MESSAGE_CONTENT]
+    assert texts == ["go", "may I?", "as you wished"]
+    assert sent[-1].id == log_offsets(http, thread)[-1]
+
+
+def test_stop_and_cancel(http):
+    thread = start(http)["thread_id"]
+    problem(http.post(f"/threads/{thread}/stop", json={"reason": "  "}), 422, "ValidationError")
+    stopped = http.post(f"/threads/{thread}/stop", json={"reason": "over budget"})
+    assert stopped.status_code == 200, stopped.text
+    assert stopped.json()["outcome"] == "stopped"
+    cause = stopped.json()["thread"]["run_state"]["cause"]
+    assert cause == {"kind": "stopped", "reason": "over budget"}
+    assert http.post(f"/threads/{thread}/cancel").json()["outcome"] == "not_running"
+    problem(http.post("/threads/no-such-thread/cancel"), 404, "ThreadNotFound")
+
+
+def test_every_route_needs_a_token_unless_no_auth_on_loopback(service):
+    wrong = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {TOKEN}x"},
+             {"Authorization": f"Basic {TOKEN}"}]  # fmt: skip
+    for headers in wrong:
+        for method, path in [("GET", "/runs"), ("GET", "/openapi.json"), ("GET", "/"),
+                             ("POST", "/threads/t/runs")]:  # fmt: skip
+            response = httpx2.request(method, service.url + path, headers=headers)
+            problem(response, 401, "Unauthorized")
+            assert response.headers["www-authenticate"].startswith("Bearer")
+            assert TOKEN not in response.text
+    other = httpx2.get(f"{service.url}/runs", headers={"Authorization": f"Bearer {OTHER}"})
+    assert other.status_code == 200
+    assert httpx2.get(f"{service.open_url}/runs").status_code == 200
+    problem(httpx2.get(f"{service.open_url}/"), 404, "NotFound")  # until a console exists
+    not_allowed = {"agent": PERMISSION, "input": "x"}
+    refused = httpx2.post(f"{service.open_url}/threads/t/runs", json=not_allowed)
+    assert "not one this server may start" in problem(refused, 422, "AgentImportError")["detail"]
+
+
+def test_cors_is_off_unless_an_origin_is_given(service):
+    asked = {"Origin": ORIGIN, "Access-Control-Request-Method": "GET",
+             "Access-Control-Request-Headers": "authorization"}  # fmt: skip
+    preflight = httpx2.options(f"{service.url}/runs", headers=asked)  # carries no token
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    denied = httpx2.get(f"{service.url}/runs", headers={"Origin": ORIGIN})
+    assert denied.status_code == 401  # readable by the console: CORS wraps the guard
+    assert denied.headers["access-control-allow-origin"] == ORIGIN
+    stranger = httpx2.get(f"{service.url}/runs", headers={"Origin": "http://elsewhere.example"})
+    assert "access-control-allow-origin" not in stranger.headers
+    closed = httpx2.get(f"{service.open_url}/runs", headers={"Origin": ORIGIN})
+    assert closed.status_code == 200 and "access-control-allow-origin" not in closed.headers
+
+
+def test_bad_input_is_a_problem_and_nothing_is_started(http):
+    problem(http.get("/threads/no-such-thread"), 404, "ThreadNotFound")
+    no_input = http.post("/threads/t/runs", json={"agent": PERMISSION})
+    missing = problem(no_input, 422, "ValidationError")
+    assert missing["errors"][0]["loc"] == ["body", "input"]
+    problem(http.get("/runs", params={"state": "asleep"}), 422, "ValidationError")
+    problem(http.get("/threads/t/stream", params={"after": "yesterday"}), 422, "ValidationError")
+    bad_agent = {"agent": "no_such_module:agent", "input": "x"}
+    problem(http.post("/threads/t/runs", json=bad_agent), 422, "AgentImportError")
+    control = http.post("/threads/a%01b/runs", json={"agent": PERMISSION, "input": "x"})
+    assert problem(control, 422, "InputRefused")["limit"] == "control_chars"
+    quoted = {"agent": PERMISSION, "input": '"' * 70_000}  # 70,000 characters, 140,000 bytes
+    assert problem(http.post("/threads/t/runs", json=quoted), 413, "InputRefused")["limit"] == (
+        "input_bytes"
+    )
+    cap = max_body_bytes(DEFAULT_LIMITS)
+    declared = http.post("/threads/t/runs", content=b" " * (cap + 1))
+    assert problem(declared, 413, "InputRefused")["limit"] == "body_bytes"
+    chunks = (b" " * 65_536 for _ in range(cap // 65_536 + 2))  # no Content-Length
+    streamed = http.post("/threads/t/runs", content=chunks)
+    assert problem(streamed, 413, "InputRefused")["limit"] == "body_bytes"
+    problem(http.get("/threads/t"), 404, "ThreadNotFound")  # none of it started a Run
+
+
+def test_runs_and_commits_are_paged(http):
+    thread = start(http, QUICK)["thread_id"]
+    pages, cursor = [], None
+    while True:
+        params = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+        page = http.get("/runs", params=params).json()
+        pages.append([r["thread_id"] for r in page["runs"]])
+        if (cursor := page["next_cursor"]) is None:
+            break
+    listed = [t for page in pages for t in page]
+    assert listed == sorted(set(listed)) and thread in listed
+    assert all(len(page) == 2 for page in pages[:-1])
+    everything = http.get("/runs", params={"limit": 1000}).json()["runs"]
+    assert [r["thread_id"] for r in everything] == listed
+    quick = http.get("/runs", params={"state": "ended", "agent": QUICK}).json()["runs"]
+    assert [r["thread_id"] for r in quick] == [thread]
+    seqs, after = [], 0
+    while after is not None:
+        page = http.get(f"/threads/{thread}/commits", params={"after": after, "limit": 2}).json()
+        seqs += [c["seq"] for c in page["commits"]]
+        after = page["next_after"]
+    assert seqs == list(range(1, http.get(f"/threads/{thread}").json()["version"] + 1))
+
+
+def test_the_openapi_schema_names_every_route_and_its_problems(http):
+    spec = http.get("/openapi.json").json()
+    routes = {(method.upper(), path) for path, ops in spec["paths"].items() for method in ops}
+    assert routes == {
+        ("POST", "/threads/{thread}/runs"),
+        ("GET", "/threads/{thread}"),
+        ("GET", "/runs"),
+        ("POST", "/threads/{thread}/resume"),
+        ("POST", "/threads/{thread}/cancel"),
+        ("POST", "/threads/{thread}/stop"),
+        ("GET", "/threads/{thread}/commits"),
+        ("GET", "/threads/{thread}/stream"),
+        ("GET", "/threads/{thread}/agui"),
+    }
+    as_problem = {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
+    for ops in spec["paths"].values():
+        for op in ops.values():
+            for status in ("401", "422"):
+                assert op["responses"][status]["content"] == as_problem
+            assert "HTTPValidationError" not in json.dumps(op)
+    schemas = spec["components"]["schemas"]
+    assert {"type", "title", "status", "detail", "kind"} <= set(schemas["Problem"]["required"])
+    assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    kinds = schemas["Resume"]["properties"]["payload"]["discriminator"]["mapping"]
+    callers = {"permission", "external_result", "scheduled_action", "user_input", "pause"}
+    assert set(kinds) == callers  # a delegation's outcome is not a caller's to give
