@@ -95,6 +95,8 @@ class RunContext:
 class StepServices(Protocol):
     """What carrying out a Step's batch needs from its driver."""
 
+    root: Agent
+    """The Run's agent (``agent`` is the one whose turn it is, in a session)."""
     agent: Agent
     tools: ToolRunner
     children: ChildRunner | None

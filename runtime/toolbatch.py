@@ -35,6 +35,7 @@ from runtime.limits import printable
 from runtime.messages import Message
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.resume import await_call
+from runtime.session import stage_forced
 from runtime.signals import EndRun
 from runtime.state import Command
 
@@ -252,7 +253,7 @@ def _record(
         declared = agent.resolved.tool_keys.get(call.tool) if agent.resolved else None
         admitted = admit_outcome(outcome, services.limits, batch, declared)
         commands.extend(admitted.commands)
-        _requested(ctx, call, admitted.requests, commands)
+        _requested(ctx, call, admitted.requests, commands, services.root.session is not None)
         return complete(batch, call_id, admitted.output)
     if isinstance(outcome, Lost):
         if call.policy.mode != "never_replay" and budget_left:
@@ -270,7 +271,11 @@ def _record(
 
 
 def _requested(
-    ctx: RunContext, call: ToolCall, requests: Sequence[ToolRequest], commands: list[Command]
+    ctx: RunContext,
+    call: ToolCall,
+    requests: Sequence[ToolRequest],
+    commands: list[Command],
+    root_session: bool,
 ) -> None:
     """What a finished call asked of its Run: injections are staged with its result, the
     rest applied to the ExecutionState (the loop acts on it after the results commit)."""
@@ -280,6 +285,8 @@ def _requested(
     for request in requests:
         if not isinstance(request, InjectMessage):
             ctx.execution.react(request)
+    if root_session:
+        stage_forced(ctx.execution, commands)  # a forced turn survives a crash from here
 
 
 def _invocation(

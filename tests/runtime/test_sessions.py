@@ -283,3 +283,36 @@ async def test_a_session_survives_a_crash_at_every_fault_point(kind, point):
         f = await run_to_end(fresh, f)
     assert isinstance(f.run_state, EndedState) and f.run_state.cause.kind == "natural"
     assert lines(f) == CLEAN[kind][1]
+
+
+@tool(recovery=("replay_safe",))
+def keep_the_floor(ctx: ToolContext) -> str:
+    ctx.execution.force_turn("a")
+    return "floor kept"
+
+
+def floor_keeper() -> Agent:
+    def respond(request):
+        if request.step == 0:
+            return ModelResponse(tool_calls=(call("keep_the_floor", "k1"),))
+        return ModelResponse(text=f"writer@{request.step}")
+
+    return Agent(
+        name="writer",
+        model=ScriptedModel([respond] * 8),
+        tools=[keep_the_floor],
+        session=Session(b=SessionSide(handler=echo_handler), max_session_turns=3),
+    )
+
+
+@pytest.mark.parametrize("crash", [None, ("after:results", 1)])
+async def test_a_tools_forced_turn_is_committed_with_its_result(crash):
+    store = MemoryCommitStore()
+    try:
+        f = await start(floor_keeper(), store, faults=FaultPlan(crash_at=crash))
+        assert crash is None
+    except Crash:
+        f = await InProcessRunner(floor_keeper(), store).recover("t")
+    sides = [side for kind, side, text in lines(f) if kind in ("assistant", "user") and side]
+    assert [s for s in sides] == ["a", "a", "a", "b"]  # the call, its answer, a again, b
+    assert f.run_state.cause.kind == "natural"
