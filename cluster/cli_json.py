@@ -25,6 +25,7 @@ import orjson
 from cluster.report import RunReport
 from runtime.commit import Frontier
 from runtime.delegation import CHILDREN_KEY
+from runtime.limits import DEFAULT_LIMITS, history_headroom
 from runtime.ports import CommittedRecord
 from runtime.usage import USAGE_KEY
 
@@ -67,7 +68,9 @@ def show_objects(
       ``run_state`` (the stored RunState: its ticket or cause in full),
       ``status_history`` (``[{"state", "reason"}]``, every committed status change of
       the latest Run), ``thread_usage`` (the thread's usage totals, or null) and
-      ``children`` (``{call id: child thread id}`` of its delegations);
+      ``children`` (``{call id: child thread id}`` of its delegations) and ``history``
+      (``{"bytes", "bytes_limit", "commits", "commits_limit"}``, against the default
+      limits: how close the thread is to ``failed(history_limit)``);
     - ``{"type": "message", "index": i, "message": {...}}`` for each message of the
       transcript, oldest first;
     - ``{"type": "commit", "seq": n, "commit": {...}}`` for each committed record (the
@@ -81,6 +84,7 @@ def show_objects(
         "status_history": [{"state": s, "reason": r} for s, r in report.statuses],
         "thread_usage": frontier.state["thread"].get(USAGE_KEY) or None,
         "children": dict(frontier.state["run"].get(CHILDREN_KEY, {})),
+        "history": history_headroom(frontier.messages, frontier.version, DEFAULT_LIMITS),
     }
     for index, message in enumerate(frontier.messages):
         yield {"type": "message", "index": index, "message": message.model_dump(mode="json")}

@@ -25,6 +25,7 @@ from runtime.commit import Frontier
 from runtime.events import Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
+from runtime.limits import DEFAULT_LIMITS, history_headroom
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
 from runtime.ports import CommittedRecord
 from runtime.stream import Frame
@@ -154,6 +155,12 @@ def print_thread(
         total = frontier.state[scope].get(USAGE_KEY)
         if total:
             console.print(f"usage ({scope}): {usage_text(total)}", highlight=False)
+    room = history_headroom(frontier.messages, frontier.version, DEFAULT_LIMITS)
+    console.print(
+        f"history: {room['bytes']:,} of {room['bytes_limit']:,} bytes, "
+        f"{room['commits']:,} of {room['commits_limit']:,} commits (default limits)",
+        highlight=False,
+    )
     if len(tree) > 1:
         console.rule("run tree (delegation)")
         for line in tree:

@@ -18,7 +18,14 @@ from runtime.batch import ActiveToolBatch, seal
 from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts, with_claim
 from runtime.context import RunContext, StoreRetry
 from runtime.delegation import CHILDREN_KEY, ChildRunner
-from runtime.errors import Fenced, PayloadTooLarge, RunEnded, StoreUnavailable, VersionConflict
+from runtime.errors import (
+    Fenced,
+    HistoryLimitReached,
+    PayloadTooLarge,
+    RunEnded,
+    StoreUnavailable,
+    VersionConflict,
+)
 from runtime.events import Fact
 from runtime.faults import FaultPlan
 from runtime.ids import RunId, ThreadId
@@ -33,6 +40,7 @@ from runtime.lifecycle import (
     ThreadStatus,
     UserInputTarget,
 )
+from runtime.limits import Limits, history_size
 from runtime.messages import Message
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
@@ -55,6 +63,7 @@ class Committing:
     children: ChildRunner | None
     store_retry: StoreRetry
     committed: asyncio.Event
+    limits: Limits
 
     async def end(
         self,
@@ -165,6 +174,28 @@ class Committing:
     ) -> None:
         await self._commit(ctx, label, disposition, claim=claim, **parts)
 
+    def _within_history(self, ctx: RunContext, messages: Sequence[Message]) -> int:
+        """The size ``messages`` add to the thread's history, or HistoryLimitReached if
+        the commit would take the thread past a history limit (an end never is)."""
+        limits, f = self.limits, ctx.frontier
+        if f.version + 1 > limits.history_commits:
+            raise HistoryLimitReached(
+                f"commit {f.version + 1} of thread {f.thread_id}",
+                "history_commits",
+                f"the limit is {limits.history_commits} commits per thread",
+            )
+        if ctx.history_bytes is None:
+            ctx.history_bytes = history_size(f.messages)
+        added = history_size(messages) if messages else 0
+        if ctx.history_bytes + added > limits.history_bytes:
+            raise HistoryLimitReached(
+                f"the history of thread {f.thread_id}",
+                "history_bytes",
+                f"it would hold {ctx.history_bytes + added} bytes; the limit is "
+                f"{limits.history_bytes}",
+            )
+        return added
+
     async def _commit(
         self,
         ctx: RunContext,
@@ -179,6 +210,7 @@ class Committing:
         extra_facts: Sequence[Fact] = (),
     ) -> None:
         f = ctx.frontier
+        added = 0 if label == "ended" else self._within_history(ctx, messages)
         run = run_id or ctx.run_id
         status = _status_after(f.status, disposition, now_us())
         changed = status if status is not f.status else None  # moved_to keeps it if unchanged
@@ -207,6 +239,8 @@ class Committing:
         self.faults.hit(f"after:{label}")
         ctx.pending.clear()
         ctx.frontier = new_frontier
+        if ctx.history_bytes is not None:
+            ctx.history_bytes += added
         ctx.epoch = new_frontier.epoch
         ctx.execution.run_id = run
         self.committed.set()

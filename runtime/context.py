@@ -58,6 +58,10 @@ class RunContext:
     Kept across a wait those hooks asked for in the run state's ``STEP_ENDED``, which
     is committed with the wait (``RunContext.ended_step``)."""
 
+    history_bytes: int | None = None
+    """The thread's history size (``runtime.limits.history_size``), measured once per
+    drive at its first commit and kept current by each commit after it."""
+
     _running: RunningState | None = field(default=None, init=False, repr=False)
 
     def ends_step(self, batch_id: str) -> bool:

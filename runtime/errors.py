@@ -9,7 +9,8 @@
     ├── ScriptExhausted          a ScriptedModel was asked for more than its script
     ├── AgentImportError         an agent reference ``module:attr`` cannot be resolved
     ├── InputRefused             input refused at the edge: a limit, bad text, deep JSON
-    │                            (names the limit; nothing was committed)
+    │   │                        (names the limit; nothing was committed)
+    │   └── HistoryLimitReached  the thread's history is at its size or commit limit
     ├── ModelError               a model provider's failure, classified by its adapter
     │   ├── ModelRefused         permanent: a bad request, context too long, auth (ends
     │   │                        the Run failed(inference) at once)
@@ -90,6 +91,12 @@ class InputRefused(RatchetError):
     def __init__(self, what: str, limit: str, detail: str) -> None:
         super().__init__(f"{what} refused ({limit}): {detail}")
         self.what, self.limit, self.detail = what, limit, detail
+
+
+class HistoryLimitReached(InputRefused):
+    """A commit would take the thread past ``history_bytes`` or ``history_commits``
+    (``runtime.limits``): a start is refused with nothing written, a Run that reaches
+    it ends ``failed(history_limit, <limit>)`` — never retried."""
 
 
 class ModelError(RatchetError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from runtime.errors import (
     CorruptRecord,
     Fenced,
+    HistoryLimitReached,
     InputRefused,
     PayloadTooLarge,
     RunEnded,
@@ -39,6 +40,8 @@ def failure_of(exc: BaseException) -> Failed:
         return Failed(failure="hook", code=exc.code, message=message)
     if isinstance(exc, StateConflict):
         return Failed(failure="state_conflict", code="state_conflict", message=message)
+    if isinstance(exc, HistoryLimitReached):
+        return Failed(failure="history_limit", code=exc.limit, message=message)
     if isinstance(exc, PayloadTooLarge):
         return Failed(failure="store", code="payload_too_large", message=message)
     if isinstance(exc, StoreError):

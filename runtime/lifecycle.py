@@ -34,7 +34,14 @@ class Stopped(Frozen):
 
 
 FailureKind = Literal[
-    "inference", "capability_bound", "state_conflict", "store", "hook", "recovery", "internal"
+    "inference",
+    "capability_bound",
+    "state_conflict",
+    "store",
+    "hook",
+    "recovery",
+    "history_limit",
+    "internal",
 ]
 """What failed: the model (``inference``), plugin resolution (``capability_bound``),
 state commands of one commit (``state_conflict``), the store refusing a commit

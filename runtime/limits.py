@@ -25,6 +25,7 @@ from runtime.base import canonical_json
 from runtime.errors import InputRefused
 
 KIB = 1024
+MIB = 1024 * KIB
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,14 @@ class Limits:
     """Nesting of any JSON: tool arguments, state values, resume payloads."""
     id_chars: int = 256
     """Thread, run, call, message and correlation ids (characters)."""
+    history_bytes: int = 64 * MIB
+    """A thread's message history (its texts, tool arguments and results, as stored):
+    a commit past it ends the Run ``failed(history_limit, history_bytes)`` (the end
+    itself lands, with the results of the Step it ends: at most ``batch_result_bytes``
+    more)."""
+    history_commits: int = 50_000
+    """Commits on one thread: past it the Run ends ``failed(history_limit,
+    history_commits)``. A Run's end is always committed, whatever the limits."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -250,3 +259,25 @@ def check_room(store: object, limits: Limits) -> None:
             f"these limits allow ({limits.commit_bytes()} bytes): lower the limits "
             "(runtime.limits.Limits) or raise the store's payload_limit"
         )
+
+
+def history_size(messages: Sequence[Any]) -> int:
+    """What ``history_bytes`` bounds: the stored size of the messages' texts, tool
+    arguments and results (the ids and keys around them are not counted)."""
+    size = 0
+    for m in messages:
+        text = getattr(m, "text", None)
+        size += stored_size(text if text is not None else getattr(m, "content", ""))
+        for use in getattr(m, "tool_calls", ()):
+            size += stored_size(use.arguments)
+    return size
+
+
+def history_headroom(messages: Sequence[Any], commits: int, limits: Limits) -> dict[str, int]:
+    """How close a thread is to its history limits (for ``ratchet show`` and the API)."""
+    return {
+        "bytes": history_size(messages),
+        "bytes_limit": limits.history_bytes,
+        "commits": commits,
+        "commits_limit": limits.history_commits,
+    }

@@ -75,6 +75,7 @@ def test_run_then_runs_then_show(tmp_path):
     shown = runner.invoke(app, ["show", "cli-1", "--store", store])
     assert shown.exit_code == 0
     assert "echo: completed" in shown.output and "running → idle(natural)" in shown.output
+    assert re.search(r"history: [\d,]+ of 67,108,864 bytes, \d+ of 50,000 commits", shown.output)
     agent = "tests.ray.agents:quick_agent"
     mine = runner.invoke(app, ["runs", "--json", "--agent", agent, "--store", store])
     row, last = (json.loads(line) for line in mine.stdout.splitlines())
@@ -273,6 +274,7 @@ def test_show_json_is_the_row_the_transcript_and_the_stored_commits(listed):
     assert head["run_state"]["kind"] == "awaiting"
     assert head["run_state"]["ticket"]["target"]["wait"] == "permission"
     assert [s["state"] for s in head["status_history"]] == ["running", "idle"]
+    assert head["history"]["commits"] == head["version"] and head["history"]["bytes"] > 0
     messages = [line for line in rest if line["type"] == "message"]
     commits = [line for line in rest if line["type"] == "commit"]
     assert [m["index"] for m in messages] == list(range(len(messages)))
