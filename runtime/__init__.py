@@ -3,7 +3,7 @@
 Nothing here imports ray, redis or sqlalchemy (a test asserts it).
 """
 
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent, HandlerInput, Session, SessionSide, load_agent
 from runtime.batch import (
     ActiveToolBatch,
     CallSpec,
@@ -130,6 +130,7 @@ __all__ = [
     "Fenced",
     "ForceTurn",
     "Frontier",
+    "HandlerInput",
     "Hook",
     "HookInput",
     "HookOutput",
@@ -166,6 +167,8 @@ __all__ = [
     "RunningState",
     "ScriptExhausted",
     "ScriptedModel",
+    "Session",
+    "SessionSide",
     "StateConflict",
     "StopRun",
     "StopSession",
