@@ -12,9 +12,13 @@
     ratchet cancel THREAD             end the Run cancelled
     ratchet stop THREAD --reason TEXT end the Run stopped(reason)
     ratchet watch THREAD [--after O]  follow the live stream until the Run is at rest
+    ratchet fork THREAD --at SEQ --to NEW   a new thread from a prefix of THREAD's log
+    ratchet export THREAD [--out FILE]      the thread's log as JSON lines
+    ratchet import FILE [--as THREAD]       a thread from an export (checked first)
+    ratchet serve                     the HTTP service (edge/: REST, SSE, AG-UI)
 
-``runs``, ``show``, ``verify`` and ``watch`` read the store (and the Redis bus)
-directly and need no Ray. Every expected failure (a bad import path, an unreachable store or
+``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export`` and ``import`` read
+the store (and the Redis bus) directly and need no Ray. Every expected failure (a bad import path, an unreachable store or
 cluster, an unknown thread, a resume the ticket rejects, bad input) is one line on
 stderr and exit code 1, never a traceback.
 
@@ -457,6 +461,15 @@ def _register_bench() -> None:
 
 
 _register_bench()
+
+
+def _register_history() -> None:
+    from cluster.cli_history import register
+
+    register(app)
+
+
+_register_history()
 
 
 def _register_serve() -> None:

@@ -207,6 +207,14 @@ class Ratchet:
     ) -> list[RunSummary]:
         return await self.store.list_runs(state)
 
+    async def fork(self, thread: str, at_seq: int, new_thread: str) -> Frontier:
+        """Start ``new_thread`` as ``thread``'s history up to commit ``at_seq``, where its
+        Run had ended (``runtime.history.fork``: ForkRefused names why not); a Run can then
+        be started on it like on any thread. Returns the new thread's frontier."""
+        from runtime.history import fork
+
+        return await fork(self.store, ThreadId(thread), at_seq, ThreadId(new_thread))
+
     async def wait_all(
         self, handles: Iterable[RunHandle], timeout_s: float | None = None
     ) -> list[RunSummary]:

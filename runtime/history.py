@@ -1,0 +1,466 @@
+"""Thread history: fork a thread where it was at rest; export a thread as JSON lines and
+import it again (a recorded production thread becomes a test fixture).
+
+Both write a new thread the way every thread is written: each record of the source
+re-made for the new thread (``assemble_commit``: its thread id, the hash chain, its
+writer) and appended through the store's ``append`` with compare-and-set expectations.
+The new thread verifies like any other (``ratchet verify``); the source is only read.
+Everything is checked before the first append: a refusal writes nothing. A fork and
+an export need the thread's whole log: one pruned (``storage.retention``) is refused.
+
+**At rest.** A fork starts at a commit where the thread's Run had *ended*: no batch
+open, no ticket, nothing of that Run left to happen. Refused there are a commit with
+an open batch (``batch_open``: calls in flight or awaiting, or results staged but not
+yet published — a Run awaiting with its batch fully terminal is not at rest), a Run
+awaiting with no batch (``run_awaiting``: a pause, user input) and a Run running
+between its commits (``run_running``). An awaiting Run is refused although it waits
+for someone else: its ticket and its run id would exist twice, and both threads,
+resumed, would send the same tool operation ids (``tool-batch:{run}:{step}:{call}``)
+for calls with diverging histories — a downstream system deduplicating by them would
+take the fork's call for the original's. A new Run on the fork has a new run id.
+
+**The writer.** The new thread is written by one owner, the fork or the import: its
+first record carries the claim (epoch 0 → 1) and every record names epoch 1. The
+source's epochs and claimants are not replayed: those owners never owned the new
+thread. The owner's name says where the thread came from (``fork_owner``:
+``ratchet-fork#{thread}@{seq}``; ``import_owner``: ``ratchet-import#{head}``); its
+host part has no ``:``, so no system's Supervisor takes over what it owns (a system's
+owners are ``{system}:...``, ``actors.supervisor``). A Run started or resumed on the
+new thread claims it from there (epoch 2), as on any thread.
+
+**Interrupted.** The records are a pure function of the source (and so is the owner's
+name): a fork or an import cut short (the store went out, the process died) is
+completed by running it again, which finds its own prefix and appends the rest; a
+repeat of one that finished writes nothing and returns the same frontier. A thread
+written by anyone else, or by another fork or import, is ``thread_exists``.
+
+**Export format**, one JSON object per line, UTF-8, no timestamps (an export of the
+same log is the same bytes)::
+
+    {"format":"ratchet-thread","version":1,"thread_id":T,"records":N,"head":H}
+    {"seq":1,"hash":H1,"body":"{...the commit's stored canonical JSON, as a string...}"}
+    ...
+
+The body is the stored text exactly as hashed, carried as a JSON string so that no
+encoder touches it. Import checks every line — JSON (orjson: malformed text, lone
+surrogates, nesting past its limit), the header's format and version, seq continuity,
+each body against its hash, the decoded record, its thread, the chain, the header's
+count and head, a replay of the whole log — and refuses naming the line (1 is the
+header).
+
+    RatchetError
+    └── HistoryRefused      a fork, export or import refused (``reason``; an export:
+        │                   unknown_thread, pruned)
+        ├── ForkRefused     unknown_thread, pruned, beyond_head, batch_open,
+        │                   run_awaiting, run_running, thread_exists, record, replay,
+        │                   too_large
+        └── ImportRefused   names the ``line``: malformed, header, format, version, seq,
+                            hash, record, thread, chain, truncated, replay, too_large;
+                            thread_exists (no line)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from runtime.base import evolve
+from runtime.commit import (
+    DEFAULT_PAYLOAD_LIMIT,
+    Frontier,
+    ThreadCommit,
+    advance,
+    assemble_commit,
+    decode_commit,
+    with_claim,
+)
+from runtime.errors import CorruptRecord, Fenced, InputRefused, RatchetError, VersionConflict
+from runtime.facts import facts_of
+from runtime.ids import ThreadId
+from runtime.integrity import body_hash
+from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
+from runtime.limits import DEFAULT_LIMITS, check_id
+from runtime.ports import CommitStore, CommittedRecord
+
+EXPORT_FORMAT = "ratchet-thread"
+EXPORT_VERSION = 1
+MAX_LINE_BYTES = 16 * DEFAULT_PAYLOAD_LIMIT
+"""A record line holds one commit as a JSON string: at most the payload limit, each
+byte escaped up to six times over (a control character), with room to spare."""
+
+
+def fork_owner(thread: ThreadId, at_seq: int) -> str:
+    """The owner that writes the fork of ``thread`` at ``at_seq``."""
+    return f"ratchet-fork#{thread}@{at_seq}"
+
+
+def import_owner(head: str) -> str:
+    """The owner that writes an import of the export whose last record is ``head``."""
+    return f"ratchet-import#{head}"
+
+
+class HistoryRefused(RatchetError):
+    """A fork, an export or an import refused; ``reason`` names the rule."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+class ForkRefused(HistoryRefused):
+    """A fork refused (before anything was written, but for ``thread_exists`` found
+    once its writing had begun: then the part it wrote stays)."""
+
+
+class ImportRefused(HistoryRefused):
+    """An import refused (before anything was written, but as for ForkRefused). ``line``
+    is the 1-based line of the input at fault (1: the header), None when the fault is
+    not the input's (``thread_exists``)."""
+
+    def __init__(self, line: int | None, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.line = line
+        if line is not None:
+            self.args = (f"line {line}: {reason}: {detail}",)
+
+
+Refuse = Callable[[int, str, str], HistoryRefused]
+"""Makes the caller's error from (seq of the source record, reason, detail); seq 0: not
+about a record (the thread written to)."""
+
+
+# ---- fork ---------------------------------------------------------------------------------
+
+
+async def fork(store: CommitStore, thread: ThreadId, at_seq: int, new_thread: ThreadId) -> Frontier:
+    """Start ``new_thread`` as ``thread``'s log up to commit ``at_seq``, where its Run had
+    ended; returns the new thread's frontier. ForkRefused names why it cannot be."""
+    check_id("thread id", new_thread)
+    records = await _whole_log(store, thread, ForkRefused)
+    if not 1 <= at_seq <= len(records):
+        raise ForkRefused(
+            "beyond_head", f"thread {thread!r} has commits 1 to {len(records)}, not {at_seq}"
+        )
+
+    def refuse(seq: int, reason: str, detail: str) -> HistoryRefused:
+        return ForkRefused(reason, f"thread {thread!r} seq {seq}: {detail}" if seq else detail)
+
+    owner = fork_owner(thread, at_seq)
+    planned = remade([r.commit for r in records[:at_seq]], new_thread, owner, refuse)
+    _check_at_rest(_folded(planned, new_thread, owner, refuse), thread, at_seq)
+    _check_sizes(store, planned, refuse)
+    return await _write(store, new_thread, planned, owner, refuse)
+
+
+def _check_at_rest(at: Frontier, thread: ThreadId, seq: int) -> None:
+    where = f"thread {thread!r} at seq {seq}: run {at.run_id}"
+    if at.batch is not None:
+        raise ForkRefused(
+            "batch_open",
+            f"{where} has its tool batch {at.batch.batch_id} open; fork where a Run ended",
+        )
+    state = at.run_state
+    if isinstance(state, AwaitingState):
+        raise ForkRefused(
+            "run_awaiting",
+            f"{where} awaits {state.ticket.payload_kind}; fork where a Run ended",
+        )
+    if isinstance(state, RunningState):
+        raise ForkRefused("run_running", f"{where} is running; fork where a Run ended")
+
+
+# ---- export and import --------------------------------------------------------------------
+
+
+async def export(store: CommitStore, thread: ThreadId) -> Iterator[str]:
+    """The thread as JSON lines (no newlines): the header, then one line per record.
+    The log is read (and verified) once, here; the lines are made as they are taken."""
+    return _lines(thread, await _whole_log(store, thread, HistoryRefused))
+
+
+async def _whole_log(
+    store: CommitStore, thread: ThreadId, error: type[HistoryRefused]
+) -> list[CommittedRecord]:
+    """The thread's log from its first record (verified by the store's ``read``)."""
+    records = await store.read(thread)
+    if not records:
+        raise error("unknown_thread", f"thread {thread!r} has no commits")
+    if records[0].seq != 1:  # pruned (``storage.retention``): the history is not whole
+        raise error("pruned", f"thread {thread!r} keeps its records from seq {records[0].seq} only")
+    return records
+
+
+def _lines(thread: ThreadId, records: Sequence[CommittedRecord]) -> Iterator[str]:
+    last = records[-1].commit
+    yield _dumps(
+        {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "thread_id": thread,
+            "records": len(records),
+            "head": last.payload_hash,
+        }
+    )
+    for r in records:
+        try:
+            yield _dumps({"seq": r.seq, "hash": r.commit.payload_hash, "body": r.commit.encoded})
+        except orjson.JSONEncodeError as exc:  # no store can hold it: only a test aid could
+            raise CorruptRecord(thread, r.seq, f"the body is not valid Unicode: {exc}") from exc
+
+
+def _dumps(value: dict[str, Any]) -> str:
+    return orjson.dumps(value).decode()
+
+
+async def import_thread(
+    store: CommitStore, lines: Iterable[str | bytes], thread: ThreadId | None = None
+) -> Frontier:
+    """Write the exported thread ``lines`` as ``thread`` (default: the exported id);
+    returns its frontier. ImportRefused names the first line that does not hold."""
+    exported = parse_export(lines)
+    target = exported.thread_id if thread is None else ThreadId(check_id("thread id", thread))
+
+    def refuse(seq: int, reason: str, detail: str) -> HistoryRefused:
+        if not seq:
+            return ImportRefused(None, reason, detail)
+        return ImportRefused(seq + 1, reason, f"record {seq}: {detail}")
+
+    commits = [r.commit for r in exported.records]
+    owner = import_owner(commits[-1].payload_hash)
+    planned = remade(commits, target, owner, refuse)
+    _folded(planned, target, owner, refuse)
+    _check_sizes(store, planned, refuse)
+    return await _write(store, target, planned, owner, refuse)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """An export, every line checked: the exported thread's id and its records."""
+
+    thread_id: ThreadId
+    records: tuple[CommittedRecord, ...]
+
+
+def parse_export(lines: Iterable[str | bytes]) -> Exported:
+    """The export in ``lines`` (with or without their newlines), checked line by line:
+    ImportRefused names the first line that does not hold (pure: no store)."""
+    numbered = enumerate(lines, start=1)
+    first = next(numbered, None)
+    if first is None:
+        raise ImportRefused(1, "header", "the input is empty")
+    thread, count, head = _header(_json_line(first[1], 1))
+    records: list[CommittedRecord] = []
+    prev, last = "", 1
+    for last, raw in numbered:
+        seq = len(records) + 1
+        if seq > count:
+            raise ImportRefused(last, "seq", f"record {seq} of an export of {count} records")
+        commit, stored = _record(_json_line(raw, last), last, thread, seq, prev)
+        records.append(CommittedRecord(seq=seq, commit=commit))
+        prev = stored
+    if len(records) != count or prev != head:
+        raise ImportRefused(
+            last + 1,
+            "truncated",
+            f"the input ends after line {last} with {len(records)} records; its header "
+            f"names {count} records ending in {head[:12]}",
+        )
+    return Exported(thread, tuple(records))
+
+
+def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
+    text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
+    if len(text) > MAX_LINE_BYTES:
+        raise ImportRefused(line, "too_large", f"the line is over {MAX_LINE_BYTES} bytes")
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ImportRefused(line, "malformed", f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ImportRefused(line, "malformed", "not a JSON object")
+    return value
+
+
+def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
+    if value.get("format") != EXPORT_FORMAT:
+        raise ImportRefused(1, "format", f"not a Ratchet thread export ({EXPORT_FORMAT!r})")
+    if value.get("version") != EXPORT_VERSION:
+        raise ImportRefused(
+            1,
+            "version",
+            f"format version {value.get('version')!r}; this Ratchet reads {EXPORT_VERSION}",
+        )
+    thread, count, head = value.get("thread_id"), value.get("records"), value.get("head")
+    try:
+        check_id("thread id", thread)
+    except InputRefused as exc:
+        raise ImportRefused(1, "header", str(exc)) from None
+    if not (isinstance(count, int) and _is_int(count) and count >= 1 and isinstance(head, str)):
+        raise ImportRefused(1, "header", "it needs records (a count of at least 1) and head")
+    if count > DEFAULT_LIMITS.history_commits:
+        raise ImportRefused(1, "too_large", f"{count} records: more than a thread may hold")
+    return ThreadId(str(thread)), count, head
+
+
+def _record(
+    value: dict[str, Any], line: int, thread: ThreadId, seq: int, prev: str
+) -> tuple[ThreadCommit, str]:
+    """The record on ``line``, which must be record ``seq`` and extend ``prev``."""
+    if value.keys() != {"seq", "hash", "body"}:
+        raise ImportRefused(line, "malformed", "a record line holds seq, hash and body")
+    found, stored, body = value["seq"], value["hash"], value["body"]
+    if not _is_int(found) or not isinstance(stored, str) or not isinstance(body, str):
+        raise ImportRefused(line, "malformed", "seq is a number, hash and body are text")
+    if found != seq:
+        raise ImportRefused(
+            line, "seq", f"record {found} where record {seq} belongs: the log has a gap"
+        )
+    if body_hash(body) != stored:
+        raise ImportRefused(line, "hash", f"record {seq}: the body does not match its hash")
+    try:
+        commit = decode_commit(body, thread, seq)
+    except CorruptRecord as exc:
+        raise ImportRefused(line, "record", str(exc)) from None
+    if commit.thread_id != thread:
+        raise ImportRefused(
+            line, "thread", f"record {seq} belongs to thread {commit.thread_id!r}, not {thread!r}"
+        )
+    if commit.schema_version >= 2 and commit.prev != prev:
+        raise ImportRefused(line, "chain", f"record {seq} does not name its predecessor's hash")
+    return commit, stored
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- the one write path -------------------------------------------------------------------
+
+
+def remade(
+    commits: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
+) -> list[ThreadCommit]:
+    """``commits`` re-made for ``thread``, written by ``owner``: its claim on the first,
+    epoch 1 on each, the chain recomputed. A ticket is re-addressed to ``thread``; all
+    else — run ids, ordinals, labels, messages, commands, batches, status — is kept."""
+    planned: list[ThreadCommit] = []
+    prev = ""
+    for seq, commit in enumerate(commits, start=1):
+        first = not planned
+        made = remake(commit, thread, prev, epoch=1, claim=owner if first else None)
+        if made is None:
+            raise refuse(seq, "record", "its facts are not the ones its parts make")
+        planned.append(made)
+        prev = made.payload_hash
+    return planned
+
+
+def remake(
+    commit: ThreadCommit, thread: ThreadId, prev: str, *, epoch: int, claim: str | None
+) -> ThreadCommit | None:
+    """One commit re-made for ``thread`` (None: its facts are not derived from it, which
+    no engine writes: such a record is refused, not copied blindly)."""
+    derived = facts_of(
+        commit.run_id, commit.label, commit.messages, commit.status, commit.disposition
+    )
+    if commit.events[: len(derived)] != derived:
+        return None
+    return assemble_commit(
+        thread_id=thread,
+        run_id=commit.run_id,
+        ordinal=commit.ordinal,
+        label=commit.label,
+        disposition=_readdressed(commit.disposition, thread),
+        messages=commit.messages,
+        commands=commit.commands,
+        batch=commit.batch,
+        status=commit.status,
+        extra_facts=commit.events[len(derived) :],
+        prev=prev,
+        epoch=epoch,
+        claim=claim,
+    )
+
+
+def _readdressed(disposition: RunDisposition, thread: ThreadId) -> RunDisposition:
+    if isinstance(disposition, AwaitingState):
+        return evolve(disposition, ticket=evolve(disposition.ticket, thread_id=thread))
+    return disposition
+
+
+def _folded(
+    planned: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
+) -> Frontier:
+    """The frontier the store will fold ``planned`` to (what it would refuse, refused
+    here, before anything is written)."""
+    frontier = with_claim(Frontier(thread_id=thread), owner)
+    for seq, commit in enumerate(planned, start=1):
+        try:
+            frontier = advance(frontier, commit)
+        except (RatchetError, ValueError) as exc:
+            raise refuse(seq, "replay", f"the log does not replay: {exc}") from None
+    return frontier
+
+
+def _check_sizes(store: CommitStore, planned: Sequence[ThreadCommit], refuse: Refuse) -> None:
+    # not part of the port: the stores that have a limit say so (as ``check_room`` reads)
+    limit = getattr(store, "payload_limit", None)
+    limit = limit if isinstance(limit, int) else DEFAULT_PAYLOAD_LIMIT
+    for seq, commit in enumerate(planned, start=1):
+        size = len(commit.encoded.encode())
+        if size > limit:
+            raise refuse(seq, "too_large", f"{size} bytes; the store takes {limit}")
+
+
+async def _write(
+    store: CommitStore,
+    thread: ThreadId,
+    planned: Sequence[ThreadCommit],
+    owner: str,
+    refuse: Refuse,
+) -> Frontier:
+    """Append what of ``planned`` the thread does not hold yet, each at the version and
+    epoch it must find: the first claims the thread for ``owner`` (epoch 0 → 1). A
+    refused append is looked into: another run of this same fork or import went ahead
+    (go on from where it is), or someone else wrote the thread (thread_exists)."""
+    version = await _written(store, thread, planned, owner, refuse)
+    while version < len(planned):
+        first = version == 0
+        try:
+            await store.append(
+                planned[version], version, 0 if first else 1, claim=owner if first else None
+            )
+            version += 1
+        except (VersionConflict, Fenced):
+            ahead = await _written(store, thread, planned, owner, refuse)
+            if ahead <= version:  # refused what it says it lacks: not ours to press on
+                raise
+            version = ahead
+    return await store.load(thread)
+
+
+async def _written(
+    store: CommitStore,
+    thread: ThreadId,
+    planned: Sequence[ThreadCommit],
+    owner: str,
+    refuse: Refuse,
+) -> int:
+    """How many of ``planned`` the thread holds already: 0 for a thread nobody wrote, the
+    prefix an interrupted run of this same fork or import wrote; else thread_exists."""
+    frontier = await store.load(thread)
+    if frontier.version == 0 and frontier.epoch == 0:
+        return 0
+    if frontier.owner == owner and frontier.epoch == 1 and frontier.version <= len(planned):
+        held = [r.commit.payload_hash for r in await store.read(thread)]
+        if held == [c.payload_hash for c in planned[: len(held)]]:
+            return len(held)
+    raise refuse(
+        0,
+        "thread_exists",
+        f"thread {thread!r} exists (version {frontier.version}, owner {frontier.owner!r}): "
+        "pick a new id",
+    )

@@ -1,0 +1,510 @@
+"""Thread history on every store: fork at rest, export and import (``runtime.history``).
+
+The threads are real Runs (``InProcessRunner``, ``ScriptedModel``): a two-Run thread
+whose Runs each look a key up and answer ("one", then "two"), and a Run that waits for
+permission to delete. The commands are driven through a fresh Typer app with
+``cluster.cli_history.register`` (``CliRunner``, in a worker thread: the CLI owns its
+event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import typer
+from click.testing import Result
+from typer.testing import CliRunner
+
+from cluster.cli_history import register
+from runtime import (
+    Agent,
+    InProcessRunner,
+    ModelResponse,
+    PermissionDecision,
+    ScriptedModel,
+    call,
+    tool,
+)
+from runtime.commit import Frontier, ThreadCommit, assemble_commit, replay
+from runtime.errors import InputRefused, StoreUnavailable
+from runtime.history import (
+    ForkRefused,
+    HistoryRefused,
+    ImportRefused,
+    export,
+    fork,
+    fork_owner,
+    import_thread,
+)
+from runtime.ids import RunId, ThreadId
+from runtime.integrity import audit
+from runtime.lifecycle import AwaitingState, RunningState, answer
+from runtime.messages import UserMessage
+from storage.memory import MemoryCommitStore
+from storage.sql import SqlCommitStore
+
+T = ThreadId("history")
+F = ThreadId("history-fork")
+REDIS_DB = 11
+"""This file's own Redis database (the shared fixture's db 9 is flushed by other suites)."""
+
+
+@pytest.fixture
+def redis_test_url(redis_url: str) -> str:
+    return redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+
+
+# ---- the threads ----------------------------------------------------------------------------
+
+
+def _input(request: Any) -> str:
+    return str([m for m in request.messages if m.kind == "user"][-1].text)
+
+
+def history_agent() -> Agent:
+    """Step 0 looks the input up (or asks to delete it), step 1 answers it."""
+
+    @tool(recovery=("replay_safe",))
+    def lookup(key: str) -> str:
+        return f"value of {key}"
+
+    @tool(needs_permission=True)
+    def delete(path: str) -> str:
+        return f"deleted {path}"
+
+    def first(request: Any) -> ModelResponse:
+        text = _input(request)
+        if text.startswith("delete "):
+            return ModelResponse(tool_calls=(call("delete", "c1", path=text[7:]),))
+        return ModelResponse(text="looking", tool_calls=(call("lookup", "c1", key=text),))
+
+    def second(request: Any) -> ModelResponse:
+        return ModelResponse(text=f"answered {_input(request)}")
+
+    return Agent(name="history", model=ScriptedModel([first, second]), tools=[lookup, delete])
+
+
+async def two_runs(store: Any) -> tuple[InProcessRunner, int]:
+    """Runs "one" and "two" on T; returns the runner and the seq where "one" ended."""
+    runner = InProcessRunner(history_agent(), store)
+    first = await runner.start("one", thread_id=T)
+    await runner.start("two", thread_id=T)
+    return runner, first.version
+
+
+async def stored(store: Any, thread: str) -> list[tuple[int, str, str]]:
+    """The records as the store holds them: seq, body text, hash."""
+    return [(r.seq, r.commit.encoded, r.commit.payload_hash) for r in await store.read(thread)]
+
+
+def history(frontier: Frontier) -> dict[str, Any]:
+    """A frontier but for what names its thread and owner."""
+    return frontier.model_dump(mode="json", exclude={"thread_id", "head", "epoch", "owner"})
+
+
+def texts(frontier: Frontier) -> list[str]:
+    return [m.text for m in frontier.messages if m.kind in ("user", "assistant")]
+
+
+# ---- fork ----------------------------------------------------------------------------------
+
+
+async def test_a_fork_at_rest_verifies_and_drives_on_apart(store: Any) -> None:
+    runner, end_of_one = await two_runs(store)
+    before, loaded = await stored(store, T), await store.load(T)
+    forked = await fork(store, T, end_of_one, F)
+    assert await audit(store, F) == []
+    originals = (await store.read(T))[:end_of_one]
+    assert history(forked) == history(replay(T, [r.commit for r in originals]))
+    assert (forked.version, forked.epoch, forked.owner) == (
+        end_of_one,
+        1,
+        fork_owner(T, end_of_one),
+    )
+    copies = await store.read(F)
+    for copy, original in zip(copies, originals, strict=True):
+        new, old = copy.commit, original.commit
+        assert new.thread_id == F and new.epoch == 1
+        parts = ("run_id", "ordinal", "label", "disposition", "messages", "batch", "events")
+        assert [getattr(new, p) for p in parts] == [getattr(old, p) for p in parts]
+    assert [r.commit.claim for r in copies] == [fork_owner(T, end_of_one)] + [None] * (
+        end_of_one - 1
+    )
+
+    driven = await runner.start("three", thread_id=F)
+    assert texts(driven) == ["one", "looking", "answered one", "three", "looking", "answered three"]
+    assert texts(await store.load(T))[3:] == ["two", "looking", "answered two"]
+    assert driven.epoch == 2 and driven.run_id != loaded.run_id
+    assert await stored(store, T) == before and await store.load(T) == loaded  # untouched
+    assert await audit(store, F) == [] and await audit(store, T) == []
+
+
+async def test_a_fork_is_refused_where_the_run_was_not_at_rest(store: Any) -> None:
+    _, end_of_one = await two_runs(store)
+    labels = [r.commit.label for r in await store.read(T)][:end_of_one]
+    assert labels == ["activation", "inference", "results", "ended"]
+    # results staged but not yet published: every call terminal, the batch still open
+    for seq, reason in ((1, "run_running"), (2, "batch_open"), (3, "batch_open")):
+        with pytest.raises(ForkRefused) as refused:
+            await fork(store, T, seq, F)
+        assert refused.value.reason == reason
+        assert f"seq {seq}" in str(refused.value) and reason in str(refused.value)
+    assert (await store.load(F)).version == 0 and F not in await store.thread_ids()
+
+
+async def test_an_awaiting_run_is_not_at_rest_for_a_fork(store: Any) -> None:
+    """Waiting for permission (its batch open) or paused (no batch): both refused, as the
+    Run's ticket and tool operation ids would be in two threads. Once it ended, the fork
+    carries its history, the ticket re-addressed to the new thread."""
+    runner = InProcessRunner(history_agent(), store)
+    waiting = await runner.start("delete SAFE", thread_id=T)
+    assert isinstance(waiting.run_state, AwaitingState)
+    with pytest.raises(ForkRefused) as refused:
+        await fork(store, T, waiting.version, F)
+    assert refused.value.reason == "batch_open"
+    engine = runner.engine()
+    engine.pause()
+    paused = await engine.start(ThreadId("paused"), "one")
+    assert isinstance(paused.run_state, AwaitingState) and paused.batch is None
+    with pytest.raises(ForkRefused) as refused:
+        await fork(store, ThreadId("paused"), paused.version, F)
+    assert refused.value.reason == "run_awaiting" and "awaits pause" in str(refused.value)
+
+    done = await runner.resume(answer(waiting.run_state.ticket, PermissionDecision(approve=True)))
+    forked = await fork(store, T, done.version, F)
+    assert history(forked) == history(done) and await audit(store, F) == []
+    waits = [r.commit for r in await store.read(F) if r.commit.label == "awaiting"]
+    assert len(waits) == 1 and isinstance(waits[0].disposition, AwaitingState)
+    assert waits[0].disposition.ticket.thread_id == F
+    fact = next(e for e in waits[0].events if e.type == "awaiting")
+    assert fact.data["ticket"]["thread_id"] == F
+
+
+async def test_a_fork_refuses_what_it_cannot_start_from(store: Any) -> None:
+    _, end_of_one = await two_runs(store)
+    await InProcessRunner(history_agent(), store).start("one", thread_id="other")
+    threads = await store.thread_ids()
+    cases: list[tuple[ThreadId, int, ThreadId, str]] = [
+        (ThreadId("nobody"), 1, F, "unknown_thread"),
+        (T, 0, F, "beyond_head"),
+        (T, 9, F, "beyond_head"),
+        (T, end_of_one, T, "thread_exists"),
+        (T, end_of_one, ThreadId("other"), "thread_exists"),
+    ]
+    for source, seq, target, reason in cases:
+        with pytest.raises(ForkRefused) as refused:
+            await fork(store, source, seq, target)
+        assert refused.value.reason == reason, (source, seq, target)
+    with pytest.raises(InputRefused):
+        await fork(store, T, end_of_one, ThreadId("bad\nid"))
+    assert await store.thread_ids() == threads
+
+
+class Pruned:
+    """The real store, as if its records 1 and 2 of every thread had been pruned."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def read(self, thread: ThreadId, after_seq: int = 0) -> Any:
+        return await self.store.read(thread, max(after_seq, 2))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+async def test_a_pruned_thread_is_neither_forked_nor_exported(store: Any) -> None:
+    _, end_of_one = await two_runs(store)
+    for attempt in (fork(Pruned(store), T, end_of_one, F), export(Pruned(store), T)):
+        with pytest.raises(HistoryRefused) as refused:
+            await attempt
+        assert refused.value.reason == "pruned" and "from seq 3" in str(refused.value)
+    assert F not in await store.thread_ids()
+
+
+class CutOff:
+    """The real store, out (StoreUnavailable) after ``left`` appends."""
+
+    def __init__(self, store: Any, left: int) -> None:
+        self.store, self.left = store, left
+
+    async def append(self, *args: Any, **kwargs: Any) -> Any:
+        if self.left == 0:
+            raise StoreUnavailable("cut off")
+        self.left -= 1
+        return await self.store.append(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+async def test_an_interrupted_fork_is_completed_by_running_it_again(store: Any) -> None:
+    runner, end_of_one = await two_runs(store)
+    with pytest.raises(StoreUnavailable):
+        await fork(CutOff(store, 2), T, end_of_one, F)
+    assert (await store.load(F)).version == 2
+    done = await fork(store, T, end_of_one, F)
+    assert done.version == end_of_one and await audit(store, F) == []
+    assert await fork(store, T, end_of_one, F) == done  # a repeat writes nothing
+    head = (await store.load(T)).version
+    with pytest.raises(ForkRefused) as refused:  # another fork to the same thread
+        await fork(store, T, head, F)
+    assert refused.value.reason == "thread_exists"
+    await runner.start("three", thread_id=F)
+    with pytest.raises(ForkRefused) as refused:  # the fork, driven on, is no fork's
+        await fork(store, T, end_of_one, F)
+    assert refused.value.reason == "thread_exists"
+
+
+async def test_forks_racing_to_one_thread_leave_one_fork(store: Any) -> None:
+    _, end_of_one = await two_runs(store)
+    same = await asyncio.gather(fork(store, T, end_of_one, F), fork(store, T, end_of_one, F))
+    assert same[0] == same[1] and same[0].version == end_of_one  # one fork, twice
+    head = (await store.load(T)).version
+    other = ThreadId("other-fork")
+    results = await asyncio.gather(
+        fork(store, T, end_of_one, other), fork(store, T, head, other), return_exceptions=True
+    )
+    refused = [r for r in results if isinstance(r, ForkRefused)]
+    assert len(refused) == 1 and refused[0].reason == "thread_exists", results
+    assert await audit(store, other) == [] and await audit(store, F) == []
+
+
+async def test_the_client_forks_on_its_store(store: Any) -> None:
+    from cluster.client import Ratchet
+
+    _, end_of_one = await two_runs(store)
+    client = Ratchet(None, store, [])  # type: ignore[arg-type]  # no cluster: its store only
+    forked = await client.fork(T, end_of_one, F)
+    assert forked == await store.load(F) and forked.version == end_of_one
+
+
+# ---- export and import -----------------------------------------------------------------------
+
+
+async def test_export_then_import_round_trips(store: Any) -> None:
+    await two_runs(store)
+    original = await store.load(T)
+    lines = list(await export(store, T))
+    assert lines == list(await export(store, T))  # the same log: the same bytes
+    assert orjson.loads(lines[0]) == {
+        "format": "ratchet-thread",
+        "version": 1,
+        "thread_id": T,
+        "records": original.version,
+        "head": original.head,
+    }
+    bodies = [orjson.loads(line)["body"] for line in lines[1:]]
+    assert bodies == [body for _, body, _ in await stored(store, T)]  # kept as text
+
+    copy = await import_thread(store, lines, ThreadId("copy"))
+    assert history(copy) == history(original) and await audit(store, ThreadId("copy")) == []
+    with pytest.raises(ImportRefused) as refused:  # by default its own id: it exists here
+        await import_thread(store, lines)
+    assert refused.value.reason == "thread_exists" and refused.value.line is None
+
+    fixture = MemoryCommitStore()  # a recorded thread becomes a test's fixture
+    same = await import_thread(fixture, lines)
+    assert same.thread_id == T and history(same) == history(original)
+    driven = await InProcessRunner(history_agent(), fixture).start("three", thread_id=T)
+    assert texts(driven)[-2:] == ["looking", "answered three"]
+
+
+async def test_an_imported_thread_mid_run_is_resumed_where_it_waits(store: Any) -> None:
+    waiting = await InProcessRunner(history_agent(), store).start("delete SAFE", thread_id=T)
+    lines = list(await export(store, T))
+    fixture = MemoryCommitStore()
+    copy = await import_thread(fixture, lines, ThreadId("replica"))
+    assert isinstance(copy.run_state, AwaitingState) and isinstance(
+        waiting.run_state, AwaitingState
+    )
+    assert copy.run_state.ticket.thread_id == "replica"
+    runner = InProcessRunner(history_agent(), fixture)
+    done = await runner.resume(answer(copy.run_state.ticket, PermissionDecision(approve=True)))
+    assert done.run_state is not None and done.run_state.kind == "ended"
+    assert texts(done)[-1] == "answered delete SAFE"
+    assert (await store.load(T)).run_state == waiting.run_state  # the source still waits
+
+
+# ---- import refuses bad input, naming the line -----------------------------------------------
+
+Edit = Callable[[list[Any]], list[Any]]
+
+
+def _line(seq: int, body: str, digest: str | None = None) -> str:
+    digest = digest or hashlib.sha256(body.encode()).hexdigest()
+    return orjson.dumps({"seq": seq, "hash": digest, "body": body}).decode()
+
+
+def _body(lines: list[Any], index: int) -> str:
+    return str(orjson.loads(lines[index])["body"])
+
+
+def _set(index: int, value: Any) -> Edit:
+    return lambda lines: [*lines[:index], value, *lines[index + 1 :]]
+
+
+def _header(**changes: Any) -> Edit:
+    return lambda lines: [orjson.dumps({**orjson.loads(lines[0]), **changes}).decode(), *lines[1:]]
+
+
+def _changed_body(rehash: bool) -> Edit:
+    def edit(lines: list[Any]) -> list[Any]:
+        old = orjson.loads(lines[2])
+        body = old["body"].replace('"looking"', '"lurking"', 1)
+        assert body != old["body"]
+        digest = None if rehash else old["hash"]
+        return _set(2, _line(2, body, digest))(lines)
+
+    return edit
+
+
+def _deep_body(lines: list[Any]) -> list[Any]:
+    body = _body(lines, 1).replace('"batch":null', '"batch":' + "[" * 400 + "]" * 400, 1)
+    assert body != _body(lines, 1)
+    return _set(1, _line(1, body))(lines)
+
+
+def _activation(run: str, prev: str) -> ThreadCommit:
+    return assemble_commit(
+        thread_id=T,
+        run_id=RunId(run),
+        ordinal=0,
+        label="activation",
+        disposition=RunningState(run_id=RunId(run)),
+        messages=(UserMessage(id=f"{run}:input", text="hello"),),
+        prev=prev,
+    )
+
+
+def _illegal_log(lines: list[Any]) -> list[Any]:
+    """Two activations, chained and hashed: every line holds, the log does not fold."""
+    one = _activation("run-1", "")
+    two = _activation("run-2", one.payload_hash)
+    header = {"format": "ratchet-thread", "version": 1, "thread_id": T, "records": 2}
+    return [
+        orjson.dumps({**header, "head": two.payload_hash}).decode(),
+        _line(1, one.encoded),
+        _line(2, two.encoded),
+    ]
+
+
+BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
+    "body changed": (_changed_body(rehash=False), 3, "hash"),
+    "body changed, hash too": (_changed_body(rehash=True), 4, "chain"),
+    "line removed": (lambda ls: [*ls[:3], *ls[4:]], 4, "seq"),
+    "last line removed": (lambda ls: ls[:-1], 9, "truncated"),
+    "line repeated": (lambda ls: [*ls[:4], ls[3], *ls[4:]], 5, "seq"),
+    "line past the count": (lambda ls: [*ls, ls[-1]], 10, "seq"),
+    "no header": (lambda ls: ls[1:], 1, "format"),
+    "empty": (lambda ls: [], 1, "header"),
+    "other format": (_header(format="jsonl"), 1, "format"),
+    "format version 2": (_header(version=2), 1, "version"),
+    "header without count": (_header(records=None), 1, "header"),
+    "another thread's records": (_header(thread_id="elsewhere"), 2, "thread"),
+    "malformed JSON": (lambda ls: _set(4, ls[4][:-3])(ls), 5, "malformed"),
+    "not a record": (_set(2, '{"seq": 2}'), 3, "malformed"),
+    "lone surrogate": (_set(2, '{"seq":2,"hash":"x","body":"\ud800"}'), 3, "malformed"),
+    "escaped lone surrogate": (_set(2, '{"seq":2,"hash":"x","body":"\\ud800"}'), 3, "malformed"),
+    "invalid UTF-8": (_set(2, b'{"seq":2,"hash":"x","body":"\xff"}'), 3, "malformed"),
+    "deep nesting": (_set(2, "[" * 5000 + "]" * 5000), 3, "malformed"),
+    "deep body": (_deep_body, 2, "record"),
+    "log that does not fold": (_illegal_log, 3, "replay"),
+}
+
+
+@pytest.fixture(scope="module")
+def recorded() -> list[str]:
+    """The two-Run thread's export: a header and eight records."""
+
+    async def record() -> list[str]:
+        store = MemoryCommitStore()
+        await two_runs(store)
+        return list(await export(store, T))
+
+    lines = asyncio.run(record())
+    assert len(lines) == 9
+    return lines
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+async def test_import_refuses_bad_input_naming_the_line(recorded: list[str], case: str) -> None:
+    edit, line, reason = BAD_INPUT[case]
+    target = MemoryCommitStore()
+    with pytest.raises(ImportRefused) as refused:
+        await import_thread(target, edit(list(recorded)))
+    assert (refused.value.line, refused.value.reason) == (line, reason), str(refused.value)
+    assert str(refused.value).startswith(f"line {line}: {reason}: ")
+    assert await target.thread_ids() == []
+
+
+async def test_a_refused_import_writes_nothing(store: Any, recorded: list[str]) -> None:
+    for case, (edit, line, _) in BAD_INPUT.items():
+        with pytest.raises(ImportRefused) as refused:
+            await import_thread(store, edit(list(recorded)))
+        assert refused.value.line == line, case
+    assert await store.thread_ids() == []
+    await import_thread(store, recorded)  # and the export itself goes in
+    assert await audit(store, T) == []
+
+
+async def test_an_unknown_thread_has_no_export(store: Any) -> None:
+    with pytest.raises(HistoryRefused) as refused:
+        await export(store, ThreadId("nobody"))
+    assert refused.value.reason == "unknown_thread"
+
+
+# ---- the commands ----------------------------------------------------------------------------
+
+
+async def ratchet(*args: str, stdin: bytes | None = None) -> Result:
+    app = typer.Typer()
+    register(app)
+    return await asyncio.to_thread(CliRunner().invoke, app, list(args), input=stdin)
+
+
+async def test_the_commands_fork_export_and_import(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/cli.db"
+    store = await SqlCommitStore.connect(url)
+    try:
+        _, end_of_one = await two_runs(store)
+        lines = list(await export(store, T))
+        forked = await ratchet("fork", T, "--at", str(end_of_one), "--to", F, "--store", url)
+        assert forked.exit_code == 0, forked.output
+        assert f"forked thread {T} at seq 4 to {F} (4 commits)" in forked.stdout
+        assert "ended natural" in forked.stdout and await audit(store, F) == []
+        refused = await ratchet("fork", T, "--at", "2", "--to", "x", "--store", url)
+        assert refused.exit_code == 1 and "batch_open" in refused.stderr
+
+        out = tmp_path / "history.jsonl"
+        to_file = await ratchet("export", T, "--out", str(out), "--store", url)
+        assert to_file.exit_code == 0, to_file.output
+        assert out.read_text().splitlines() == lines
+        to_stdout = await ratchet("export", T, "--store", url)
+        assert to_stdout.exit_code == 0 and to_stdout.stdout.splitlines() == lines
+        unknown = await ratchet("export", "nobody", "--out", str(tmp_path / "n"), "--store", url)
+        assert unknown.exit_code == 1 and not (tmp_path / "n").exists()
+
+        imported = await ratchet("import", str(out), "--as", "copy", "--store", url)
+        assert imported.exit_code == 0, imported.output
+        assert "imported thread copy (8 commits)" in imported.stdout
+        assert await audit(store, ThreadId("copy")) == []
+        piped = await ratchet(
+            "import", "-", "--as", "piped", "--store", url, stdin=out.read_bytes()
+        )
+        assert piped.exit_code == 0, piped.output
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text("\n".join(lines[:3] + lines[4:]) + "\n")
+        broken = await ratchet("import", str(bad), "--as", "broken", "--store", url)
+        assert broken.exit_code == 1 and "line 4: seq" in broken.stderr
+        missing = await ratchet("import", str(tmp_path / "none"), "--store", url)
+        assert missing.exit_code == 1 and "cannot read" in missing.stderr
+        assert ThreadId("broken") not in await store.thread_ids()
+    finally:
+        await store.close()
