@@ -109,6 +109,9 @@ class StoreActor:
     async def thread_ids(self, after: str, limit: int) -> Any:
         return await self._call("thread_ids", after, limit)
 
+    async def prune(self, thread: ThreadId, through_seq: int) -> Any:
+        return await self._call("prune", thread, through_seq)
+
     async def ping(self) -> Any:
         """True, or StoreLost for a restarted in-memory store (a connect fails at once)."""
         if self.lost:
@@ -221,6 +224,10 @@ class RemoteCommitStore:
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         result: list[ThreadId] = await self._call("thread_ids", after, limit)
         return result
+
+    async def prune(self, thread: ThreadId, through_seq: int) -> int:
+        removed: int = await self._call("prune", thread, through_seq)
+        return removed
 
     async def close(self) -> None:
         """The actor owns the store; a proxy has nothing to close."""

@@ -12,15 +12,17 @@
     ratchet cancel THREAD             end the Run cancelled
     ratchet stop THREAD --reason TEXT end the Run stopped(reason)
     ratchet watch THREAD [--after O]  follow the live stream until the Run is at rest
-    ratchet fork THREAD --at SEQ --to NEW   a new thread from a prefix of THREAD's log
-    ratchet export THREAD [--out FILE]      the thread's log as JSON lines
-    ratchet import FILE [--as THREAD]       a thread from an export (checked first)
+    ratchet fork THREAD --at SEQ --to NEW  a new thread from a prefix of THREAD's log
+    ratchet export THREAD [--out FILE]     the thread's log as JSON lines
+    ratchet import FILE [--as THREAD]      a thread from an export (checked first)
+    ratchet prune --ended-before DATE      remove the logs of Runs ended before DATE
     ratchet serve                     the HTTP service (edge/: REST, SSE, AG-UI)
 
-``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export`` and ``import`` read
-the store (and the Redis bus) directly and need no Ray. Every expected failure (a bad import path, an unreachable store or
-cluster, an unknown thread, a resume the ticket rejects, bad input) is one line on
-stderr and exit code 1, never a traceback.
+``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export``, ``import`` and
+``prune`` read the store (and the Redis bus) directly and need no Ray. Every expected
+failure (a bad import path, an unreachable store or cluster, an unknown thread, a
+resume the ticket rejects, bad input) is one line on stderr and exit code 1, never a
+traceback.
 
 ``runs``, ``show`` and ``watch`` take ``--json``: one JSON object per line, valid UTF-8
 (``cluster.cli_json``). ``runs --json`` prints one object per thread
@@ -465,8 +467,10 @@ _register_bench()
 
 def _register_history() -> None:
     from cluster.cli_history import register
+    from cluster.cli_prune import register as register_prune
 
     register(app)
+    register_prune(app)
 
 
 _register_history()

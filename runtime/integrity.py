@@ -9,6 +9,13 @@ log that does not reach the frontier's head, a frontier edited behind its checks
 
 ``audit`` is what ``ratchet verify`` runs per thread: the checks above, plus a replay
 of the whole log compared with the stored frontier.
+
+**Pruned threads** (``CommitStore.prune``, retention) keep the seq and stored hash of
+the last record removed beside their frontier, the *anchor*: their log is verified as
+a chain from it (the first record kept must name its hash), and a frontier whose head
+is the anchor itself names it. An audit cannot rebuild such a frontier from seq 1; it
+folds the records kept onto what the frontier says came before them, and reports the
+thread as pruned through the anchor's seq, which is no problem.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from runtime.commit import Frontier, advance, decode_commit, replay
+from runtime.commit import Frontier, ThreadCommit, advance, decode_commit, replay
 from runtime.errors import CorruptRecord, StoreError
 from runtime.ids import ThreadId
 from runtime.ports import CommitStore, CommittedRecord
@@ -42,6 +49,7 @@ def verified_records(
     head: tuple[int, str] | None,
     *,
     exact: bool = True,
+    anchor: tuple[int, str] | None = None,
 ) -> list[CommittedRecord]:
     """The records with seq > ``after``, each checked against its hash and the chain.
 
@@ -50,11 +58,22 @@ def verified_records(
     frontier's (version, head hash), when the caller read it: the log must reach it,
     and end there if ``exact`` (a reader whose head and rows are one snapshot); records
     past it are allowed otherwise (they landed between the two reads).
+
+    ``anchor`` is a pruned thread's (seq, stored hash) of the last record removed: when
+    ``after`` is not past it, ``rows`` begin at the record after it, whose ``prev``
+    must be that hash, and a head at the anchor's seq must be that hash.
     """
     records: list[CommittedRecord] = []
-    expected = max(after, 1)
+    floor = max(after, 1)
+    expected = floor
     prev: str | None = "" if after == 0 else None
     at_head: str | None = None
+    if anchor is not None and anchor[0] > 0 and after <= anchor[0]:
+        floor, expected, prev = anchor[0], anchor[0] + 1, anchor[1]
+        if head is not None and head[0] < anchor[0]:
+            raise CorruptRecord(thread, anchor[0], "the log is pruned past the frontier's head")
+        if head is not None and head[0] == anchor[0]:
+            at_head = anchor[1]
     for seq, body, stored, operation in rows:
         if seq != expected:
             missing = expected if seq > expected else seq
@@ -77,7 +96,7 @@ def verified_records(
             at_head = stored
         prev, expected = stored, seq + 1
     if head is not None:
-        _check_tail(thread, head, expected - 1, at_head, max(after, 1), exact)
+        _check_tail(thread, head, expected - 1, at_head, floor, exact)
     return records
 
 
@@ -132,18 +151,38 @@ class Problem(NamedTuple):
         return f"thread {self.thread!r} seq {self.seq}: {self.detail}"
 
 
+class Audit(NamedTuple):
+    """What ``audit_thread`` found."""
+
+    problems: list[Problem]
+    """Everything wrong with the thread (empty: it verifies)."""
+    pruned_through: int = 0
+    """The records up to this seq were pruned (retention; 0: none were): not a problem,
+    but the frontier could be checked only against the records after it."""
+
+
 async def audit(store: CommitStore, thread: ThreadId) -> list[Problem]:
     """Everything wrong with one stored thread (empty: it verifies)."""
+    return (await audit_thread(store, thread)).problems
+
+
+async def audit_thread(store: CommitStore, thread: ThreadId) -> Audit:
+    """``audit``, saying also how far the thread's log was pruned."""
     try:  # the log first: what it finds wrong is the cause of what a load would
         records = await store.read(thread)
         frontier = await store.load(thread)
     except CorruptRecord as exc:
-        return [Problem(thread, exc.seq, _detail(exc))]
+        return Audit([Problem(thread, exc.seq, _detail(exc))])
     except StoreError as exc:
-        return [Problem(thread, 0, f"unreadable: {exc}")]
+        return Audit([Problem(thread, 0, f"unreadable: {exc}")])
     if frontier.version == 0 and frontier.epoch == 0 and not records:
-        return [Problem(thread, 0, "no such thread in this store")]
-    return _compare(thread, frontier, records)
+        return Audit([Problem(thread, 0, "no such thread in this store")])
+    # a verified read begins after the anchor: a log that begins later, or none at all
+    # under a frontier with a version, is a pruned one (an unpruned one would not verify)
+    pruned = records[0].seq - 1 if records else frontier.version
+    if pruned == 0:
+        return Audit(_compare(thread, frontier, records))
+    return Audit(_compare_suffix(thread, frontier, records), pruned)
 
 
 def _compare(thread: str, frontier: Frontier, records: Sequence[CommittedRecord]) -> list[Problem]:
@@ -157,6 +196,47 @@ def _compare(thread: str, frontier: Frontier, records: Sequence[CommittedRecord]
     if rebuilt.model_dump(exclude=ownership) != frontier.model_dump(exclude=ownership):
         return [Problem(thread, frontier.version, "the frontier is not the fold of its log")]
     return []
+
+
+def _compare_suffix(
+    thread: str, frontier: Frontier, records: Sequence[CommittedRecord]
+) -> list[Problem]:
+    """A pruned thread's frontier against the records kept: they begin a Run (a prune
+    ends at a Run's end), so folded onto the messages the frontier holds from before
+    them, they determine all of it but the thread's state (folded onto what is gone)
+    and, unless they set it, its status."""
+    if not records:
+        return []  # the load checked the head against the anchor
+    first = records[0]
+    if first.commit.ordinal != 0:
+        return [Problem(thread, first.seq, "the log is pruned inside a Run")]
+    before = len(frontier.messages) - sum(len(r.commit.messages) for r in records)
+    if before < 0:
+        return [Problem(thread, frontier.version, "the frontier holds fewer messages than its log")]
+    base = Frontier(
+        thread_id=ThreadId(thread),
+        version=first.seq - 1,
+        head=first.commit.prev,
+        messages=frontier.messages[:before],
+    )
+    try:
+        rebuilt = _fold_onto(base, [r.commit for r in records])
+    except Exception as exc:  # a log the fold refuses is corrupt, whatever the reason
+        return [Problem(thread, first.seq, f"the log does not replay: {exc}")]
+    ignore = {"epoch", "owner", "state"}
+    if not any(r.commit.status is not None for r in records):
+        ignore.add("status")
+    same = rebuilt.model_dump(exclude=ignore) == frontier.model_dump(exclude=ignore)
+    if not same or rebuilt.state["run"] != frontier.state["run"]:
+        return [Problem(thread, frontier.version, "the frontier is not the fold of its log")]
+    return []
+
+
+def _fold_onto(base: Frontier, commits: Iterable[ThreadCommit]) -> Frontier:
+    frontier = base
+    for commit in commits:
+        frontier = advance(frontier, commit)
+    return frontier
 
 
 def _failing_seq(thread: str, records: Sequence[CommittedRecord]) -> int:

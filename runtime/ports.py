@@ -68,6 +68,16 @@ class CommitStore(Protocol):
         """Every thread the store holds, in id order, ``limit`` at a time after ``after``
         (for audits and maintenance: nothing is decoded, so a corrupt row is listed too)."""
 
+    async def prune(self, thread: ThreadId, through_seq: int) -> int:
+        """Retention: remove the thread's records up to ``through_seq``, in one atomic
+        step; returns how many went (0: none were left to remove). ``through_seq`` must
+        be the seq of a Run's ``ended`` commit (else InvalidTransition, nothing removed):
+        every record removed then belongs to a Run that had ended, and nothing of a Run
+        still active goes. The frontier stays as it is, and the seq and stored hash of
+        the last record removed stay beside it, so the records kept are verified as a
+        chain from it. Receipts of removed records go with them (a retry of one is no
+        longer recognised). Safe beside appends and other prunes of the same thread."""
+
     async def close(self) -> None: ...
 
 

@@ -26,6 +26,7 @@ from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import RawRecord, check_head, verified_records
 from runtime.ports import CommittedRecord, RunSummary, host_of
+from storage.retention import Cut, prune_thread
 from storage.summary import summarize
 
 
@@ -33,8 +34,14 @@ from storage.summary import summarize
 class _Thread:
     frontier: Frontier
     log: list[RawRecord] = field(default_factory=list)
-    """Encoded commits with their hashes; log[i] has seq i + 1."""
+    """Encoded commits with their hashes; log[i] has seq pruned + i + 1."""
     receipts: dict[str, Receipt] = field(default_factory=dict)
+    anchor: tuple[int, str] | None = None
+    """After a prune: the seq and stored hash of the last record removed."""
+
+    @property
+    def pruned(self) -> int:
+        return 0 if self.anchor is None else self.anchor[0]
 
 
 class MemoryCommitStore:
@@ -72,19 +79,19 @@ class MemoryCommitStore:
         if t.frontier.version == 0 and t.log:  # check_head takes version 0 as empty
             raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
         last = t.log[-1] if t.log else None
-        check_head(
-            thread,
-            t.frontier,
-            last.payload_hash if last and last.seq == t.frontier.version else None,
-        )
+        at_head = last.payload_hash if last and last.seq == t.frontier.version else None
+        if not t.log and t.anchor is not None and t.anchor[0] == t.frontier.version:
+            at_head = t.anchor[1]  # pruned through its head
+        check_head(thread, t.frontier, at_head)
         return t.frontier
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
         t = self._threads.get(thread)
         if t is None:
             return []
-        rows = t.log[max(after_seq, 1) - 1 :]
-        return verified_records(thread, rows, after_seq, (t.frontier.version, t.frontier.head))
+        rows = t.log[max(after_seq - t.pruned - 1, 0) :]
+        head = (t.frontier.version, t.frontier.head)
+        return verified_records(thread, rows, after_seq, head, anchor=t.anchor)
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         async with self._lock:
@@ -111,6 +118,23 @@ class MemoryCommitStore:
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         return [ThreadId(t) for t in sorted(self._threads) if t > after][:limit]
 
+    async def prune(self, thread: ThreadId, through_seq: int) -> int:
+        return await prune_thread(self, thread, through_seq, self._cut)
+
+    async def _cut(self, cut: Cut) -> bool:
+        async with self._lock:
+            t = self._threads.get(cut.thread)
+            if t is None or t.pruned != cut.after:
+                return False
+            n = cut.removed
+            if len(t.log) < n or t.log[n - 1].payload_hash != cut.hash:
+                return False  # changed since the read: read (and verify) again
+            del t.log[:n]
+            for operation in cut.operations:
+                t.receipts.pop(operation, None)
+            t.anchor = (cut.through, cut.hash)
+            return True
+
     async def close(self) -> None:
         return None
 
@@ -120,22 +144,28 @@ class MemoryCommitStore:
         self, thread: ThreadId, seq: int, text: str | None = None, payload_hash: str | None = None
     ) -> None:
         """Overwrite a stored record's body and/or its stored hash."""
-        log = self._stored(thread, seq)
-        old = log[seq - 1]
-        log[seq - 1] = RawRecord(
+        log, i = self._stored(thread, seq)
+        old = log[i]
+        log[i] = RawRecord(
             seq, old.body if text is None else text, payload_hash or old.payload_hash
         )
 
     def delete(self, thread: ThreadId, seq: int) -> None:
         """Drop a stored record (later records keep their seq)."""
-        del self._stored(thread, seq)[seq - 1]
+        log, i = self._stored(thread, seq)
+        del log[i]
 
     def drop_frontier(self, thread: ThreadId) -> None:
         """Forget the thread's frontier, leaving its log (a thread row deleted by hand)."""
         self._thread(thread).frontier = Frontier(thread_id=thread)
 
-    def _stored(self, thread: ThreadId, seq: int) -> list[RawRecord]:
-        log = self._thread(thread).log
-        if not 1 <= seq <= len(log):
+    def set_anchor(self, thread: ThreadId, anchor: tuple[int, str] | None) -> None:
+        """Overwrite a pruned thread's anchor (its row edited by hand)."""
+        self._thread(thread).anchor = anchor
+
+    def _stored(self, thread: ThreadId, seq: int) -> tuple[list[RawRecord], int]:
+        """The log holding record ``seq``, and the record's index in it."""
+        t = self._thread(thread)
+        if not 1 <= seq - t.pruned <= len(t.log):
             raise CorruptRecord(thread, seq, "no such record")
-        return log
+        return t.log, seq - t.pruned - 1

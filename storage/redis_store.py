@@ -35,20 +35,30 @@ thread's run-index entry and moves the thread in the owner index, or answers ``f
                                   version   thread version (= log length)
                                   run_id    current run id
                                   ended     "1" when the current run has ended
-    P:thread:T:log        list    encoded ThreadCommits; index i holds seq i + 1
+                                  pruned    seq of the last record a prune removed
+                                            (absent: none was; ``storage.retention``)
+                                  pruned_hash  its stored hash (the chain's anchor)
+    P:thread:T:log        list    encoded ThreadCommits; index i holds seq
+                                  pruned + i + 1
     P:thread:T:sums       list    their hashes, index for index (the chain)
     P:thread:T:ops        hash    operation id -> Receipt JSON
     P:runs:STATE          hash    thread id -> RunSummary JSON, STATE one of
                                   running | awaiting | ended (a thread is in one)
     P:owner:HOST          hash    thread id -> "1": running threads whose owner
                                   belongs to HOST (``runtime.ports.host_of``)
-    P:schema              string  "2" once the layout above is in place
+    P:schema              string  "3" once the layout above is in place
     P:upgrading           string  the layout upgrade's lock (``storage.redis_upgrade``)
 
-A store of the earlier layout (no ``sums``, no checksums) is upgraded at connect
-(``storage.redis_upgrade``); a store of a newer layout is refused. A test corrupts a
-record with ``LSET P:thread:T:log (seq - 1) TEXT`` and a frontier with
-``HSET P:thread:T:meta frontier TEXT``.
+A store of an earlier layout (no ``sums``, no checksums; or "2", which had no prunes)
+is upgraded at connect (``storage.redis_upgrade``); a store of a newer layout is
+refused. A test corrupts a record with ``LSET P:thread:T:log (seq - pruned - 1) TEXT``
+and a frontier with ``HSET P:thread:T:meta frontier TEXT``.
+
+**A prune** (``storage.retention``) is one script too: it trims the first records off
+``log`` and ``sums`` (LTRIM), deletes their receipts from ``ops`` and moves the anchor
+(``pruned``, ``pruned_hash``), if the anchor is still the one the prune read and the
+hash list still holds the hash it read at the new anchor; else it answers ``moved``
+and the prune reads again. The append script counts the lists from the anchor.
 
 **Errors.** Driver exceptions become Ratchet's in ``storage.redis_client.translated``;
 script "refused" -> whatever admit raises on a fresh load: Fenced, DuplicateOperation,
@@ -86,6 +96,7 @@ from runtime.integrity import (
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.redis_client import open_client, translated
 from storage.redis_upgrade import upgrade_layout
+from storage.retention import Cut, prune_thread
 from storage.summary import RUN_STATES, RunStateKind, summarize
 from storage.url import redact
 
@@ -103,15 +114,16 @@ for i = 1, 9 do
   local t = redis.call('TYPE', KEYS[i])['ok']
   if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
 end
-local f = redis.call('HMGET', meta, 'epoch', 'version', 'run_id', 'ended')
-local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-if not epoch or not version then return 'corrupt ' .. meta end
+local f = redis.call('HMGET', meta, 'epoch', 'version', 'run_id', 'ended', 'pruned')
+local epoch, version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[5] or '0')
+if not epoch or not version or not pruned then return 'corrupt ' .. meta end
+local kept = version - pruned
 if redis.call('HEXISTS', ops, ARGV[4]) == 1 or epoch ~= tonumber(ARGV[2])
    or (f[4] == '1' and f[3] == ARGV[3]) or version ~= tonumber(ARGV[1]) then
   return 'refused'
 end
-if redis.call('LLEN', log) ~= version then return 'corrupt ' .. log end
-if redis.call('LLEN', sums) ~= version then return 'corrupt ' .. sums end
+if redis.call('LLEN', log) ~= kept then return 'corrupt ' .. log end
+if redis.call('LLEN', sums) ~= kept then return 'corrupt ' .. sums end
 redis.call('RPUSH', log, ARGV[5])
 redis.call('RPUSH', sums, ARGV[6])
 redis.call('HSET', ops, ARGV[4], ARGV[7])
@@ -141,7 +153,8 @@ for i = 1, 7 do
   local t = redis.call('TYPE', KEYS[i])['ok']
   if t ~= 'none' and t ~= want[i] then return {'corrupt', KEYS[i]} end
 end
-local f = redis.call('HMGET', meta, 'epoch', 'version', 'frontier', 'checksum', 'head')
+local f = redis.call('HMGET', meta, 'epoch', 'version', 'frontier', 'checksum', 'head',
+                     'pruned', 'pruned_hash')
 local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 if not epoch or not version then return {'corrupt', meta} end
 if epoch ~= tonumber(ARGV[1]) then return {'fenced', tostring(epoch)} end
@@ -169,11 +182,41 @@ if state > 0 then
 end
 if version == tonumber(ARGV[5]) then return {'ok'} end
 return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
-        redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false}
+        redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false,
+        f[6] or '0', f[7] or false}
+"""
+
+# KEYS: meta log sums ops
+# ARGV: the anchor as read, the seq to prune through, the stored hash there, then the
+# operation ids of the records removed. 'moved': the anchor or the record is not as read.
+_PRUNE_LUA = """#!lua
+local meta, log, sums, ops = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local want = {'hash', 'list', 'list', 'hash'}
+for i = 1, 4 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
+end
+local f = redis.call('HMGET', meta, 'version', 'pruned')
+local version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+if not version or not pruned then return 'corrupt ' .. meta end
+local after, through = tonumber(ARGV[1]), tonumber(ARGV[2])
+local n = through - after
+if pruned ~= after or through > version or redis.call('LINDEX', sums, n - 1) ~= ARGV[3] then
+  return 'moved'
+end
+redis.call('LTRIM', log, n, -1)
+redis.call('LTRIM', sums, n, -1)
+for i = 4, #ARGV, 1000 do
+  redis.call('HDEL', ops, unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('HSET', meta, 'pruned', ARGV[2], 'pruned_hash', ARGV[3])
+return 'ok'
 """
 _ATTEMPTS = 3
 """A refusal is re-examined by loading again, and that look decides (the refusal
 conditions are monotonic); the bound only guards against keys edited by hand."""
+_READS = 5
+"""Reads of a log whose anchor a prune moved between two reads (it only moves on)."""
 
 
 class _Snapshot:
@@ -201,6 +244,7 @@ class RedisCommitStore:
         self.prefix = prefix
         self._append_script = client.register_script(_APPEND_LUA)
         self._claim_script = client.register_script(_CLAIM_LUA)
+        self._prune_script = client.register_script(_PRUNE_LUA)
 
     @classmethod
     async def connect(
@@ -268,21 +312,27 @@ class RedisCommitStore:
             return (await self._snapshot(thread, None)).frontier
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        first = max(after_seq, 1)
+        """The lists begin after the anchor, so where a read starts in them depends on
+        it: read with the anchor last seen (none at first), again if it was another."""
+        pruned = 0
         with translated(self.where):
-            async with self.client.pipeline(transaction=True) as pipe:
-                pipe.hmget(self._key(thread, "meta"), ["version", "head"])
-                pipe.lrange(self._key(thread, "log"), first - 1, -1)
-                pipe.lrange(self._key(thread, "sums"), first - 1, -1)
-                (version, head), bodies, sums = await pipe.execute()
-        paired = min(len(bodies), len(sums))
-        pairs = zip(bodies, sums, strict=False)  # unequal lengths are reported below
-        rows = [RawRecord(first + i, b, h) for i, (b, h) in enumerate(pairs)]
-        stored = (_number(thread, "version", version), head or "")
-        if len(bodies) != len(sums):  # what pairs up is checked first: it names the culprit
-            verified_records(thread, rows[:paired], after_seq, None)
-            raise CorruptRecord(thread, first + paired, "the log and its hashes differ in length")
-        return verified_records(thread, rows, after_seq, stored)
+            for _ in range(_READS):
+                start = max(after_seq - pruned - 1, 0)
+                async with self.client.pipeline(transaction=True) as pipe:
+                    pipe.hmget(
+                        self._key(thread, "meta"), ["version", "head", "pruned", "pruned_hash"]
+                    )
+                    pipe.lrange(self._key(thread, "log"), start, -1)
+                    pipe.lrange(self._key(thread, "sums"), start, -1)
+                    (version, head, *anchored), bodies, sums = await pipe.execute()
+                anchor = _anchor(thread, *anchored)
+                pruned = anchor[0] if anchor else 0
+                if max(after_seq - pruned - 1, 0) == start:
+                    stored = (_number(thread, "version", version), head or "")
+                    return _read_rows(
+                        thread, after_seq, pruned + start + 1, bodies, sums, stored, anchor
+                    )
+        raise StoreError(f"thread {thread}: prunes kept moving its log under a read")
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         """Epoch + 1 (as ``runtime.commit.with_claim``) if the thread's epoch is still
@@ -311,8 +361,10 @@ class RedisCommitStore:
             raise CorruptRecord(thread, 0, f"unexpected shape of {reply[1]}")
         if len(reply) == 1:
             return with_claim(loaded, owner)
-        version, text, checksum, head, n, last = reply[1:]
-        moved = _verified(thread, text, version, str(loaded.epoch), checksum, head, n, last)
+        version, text, checksum, head, n, last, pruned, pruned_hash = reply[1:]
+        anchor = _anchor(thread, pruned, pruned_hash)
+        epoch = str(loaded.epoch)
+        moved = _verified(thread, text, version, epoch, checksum, head, n, last, anchor)
         return with_claim(moved.model_copy(update={"owner": loaded.owner}), owner)
 
     async def list_runs(
@@ -348,6 +400,20 @@ class RedisCommitStore:
         threads = sorted(str(k)[len(first) : -len(last)] for k in keys)
         return [ThreadId(t) for t in threads if t > after][:limit]
 
+    async def prune(self, thread: ThreadId, through_seq: int) -> int:
+        with translated(self.where):
+            return await prune_thread(self, thread, through_seq, self._cut)
+
+    async def _cut(self, cut: Cut) -> bool:
+        keys = [self._key(cut.thread, p) for p in ("meta", "log", "sums", "ops")]
+        args: list[str | int] = [cut.after, cut.through, cut.hash, *cut.operations]
+        reply = await self._prune_script(keys=keys, args=args)
+        if reply.startswith("corrupt"):
+            raise CorruptRecord(
+                cut.thread, cut.through, f"{reply.partition(' ')[2]} is of the wrong type"
+            )
+        return bool(reply == "ok")
+
     async def close(self) -> None:
         with translated(self.where):
             await self.client.aclose()
@@ -355,9 +421,11 @@ class RedisCommitStore:
     async def corrupt(self, thread: ThreadId, seq: int, text: str) -> None:
         """Test aid: overwrite a stored record, as a disk or a hand edit might."""
         with translated(self.where):
-            if not 1 <= seq <= await self.client.llen(self._key(thread, "log")):
+            stored = await self.client.hget(self._key(thread, "meta"), "pruned")
+            pruned = _number(thread, "pruned seq", None if stored is None else str(stored))
+            if not 1 <= seq - pruned <= await self.client.llen(self._key(thread, "log")):
                 raise CorruptRecord(thread, seq, "no such record")
-            await self.client.lset(self._key(thread, "log"), seq - 1, text)
+            await self.client.lset(self._key(thread, "log"), seq - pruned - 1, text)
 
     # ---- inside an append ---------------------------------------------------------------
 
@@ -367,13 +435,28 @@ class RedisCommitStore:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hmget(
                 self._key(thread, "meta"),
-                ["frontier", "version", "epoch", "owner", "checksum", "head"],
+                [
+                    "frontier",
+                    "version",
+                    "epoch",
+                    "owner",
+                    "checksum",
+                    "head",
+                    "pruned",
+                    "pruned_hash",
+                ],
             )
             pipe.hget(self._key(thread, "ops"), op or "")
             pipe.llen(self._key(thread, "sums"))
             pipe.lindex(self._key(thread, "sums"), -1)
-            (text, version, epoch, owner, checksum, head), known, n, last = await pipe.execute()
-        frontier = _verified(thread, text, version, epoch, checksum, head, n, last)
+            (
+                (text, version, epoch, owner, checksum, head, *anchored),
+                known,
+                n,
+                last,
+            ) = await pipe.execute()
+        anchor = _anchor(thread, *anchored)
+        frontier = _verified(thread, text, version, epoch, checksum, head, n, last, anchor)
         frontier = frontier.model_copy(update={"owner": owner})
         return _Snapshot(frontier, _decode_receipt(thread, known) if op and known else None)
 
@@ -430,13 +513,17 @@ def _verified(
     head: str | None,
     n: int,
     last: str | None,
+    anchor: tuple[int, str] | None,
 ) -> Frontier:
-    """The stored frontier, as one atomic read found it with the head stored beside it
-    and the hash list's length ``n`` and last entry; fails closed on any mismatch."""
+    """The stored frontier, as one atomic read found it with the head stored beside it,
+    the hash list's length ``n`` and last entry, and the anchor of a pruned thread (the
+    list begins after it); fails closed on any mismatch."""
     frontier = _decode_frontier(thread, text, version, epoch, checksum)
-    if frontier.version == 0 and n:  # check_head takes version 0 as empty
+    pruned = anchor[0] if anchor else 0
+    if frontier.version == 0 and (n or pruned):  # check_head takes version 0 as empty
         raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
-    check_head(thread, frontier, last if n == frontier.version else None)
+    at_head = last if n else anchor[1] if anchor else None
+    check_head(thread, frontier, at_head if pruned + n == frontier.version else None)
     if frontier.version and head != frontier.head:
         raise CorruptRecord(thread, frontier.version, "the stored head is not the frontier's")
     return frontier
@@ -462,6 +549,35 @@ def _decode_frontier(
     if frontier.thread_id != thread or frontier.version != stored_version:
         raise CorruptRecord(thread, stored_version, "stored frontier names another thread/version")
     return frontier.model_copy(update={"epoch": current})
+
+
+def _anchor(thread: str, pruned: str | None, pruned_hash: str | None) -> tuple[int, str] | None:
+    """A pruned thread's anchor, as stored in its meta (None: never pruned)."""
+    through = _number(thread, "pruned seq", pruned)
+    if not through:
+        return None
+    if not pruned_hash:
+        raise CorruptRecord(thread, through, "the pruned thread names no anchor hash")
+    return through, pruned_hash
+
+
+def _read_rows(
+    thread: str,
+    after_seq: int,
+    first: int,
+    bodies: list[str],
+    sums: list[str],
+    stored: tuple[int, str],
+    anchor: tuple[int, str] | None,
+) -> list[CommittedRecord]:
+    """The records read (from seq ``first`` on), verified."""
+    paired = min(len(bodies), len(sums))
+    pairs = zip(bodies, sums, strict=False)  # unequal lengths are reported below
+    rows = [RawRecord(first + i, b, h) for i, (b, h) in enumerate(pairs)]
+    if len(bodies) != len(sums):  # what pairs up is checked first: it names the culprit
+        verified_records(thread, rows[:paired], after_seq, None, anchor=anchor)
+        raise CorruptRecord(thread, first + paired, "the log and its hashes differ in length")
+    return verified_records(thread, rows, after_seq, stored, anchor=anchor)
 
 
 def _number(thread: str, name: str, text: str | None) -> int:

@@ -1,8 +1,12 @@
-"""Bringing a Redis store of the layout before the hash chain up to date, at connect.
+"""Bringing a Redis store of an earlier layout up to date, at connect.
 
-Layout "1" kept no ``sums`` list and no frontier checksum or head; layout "2"
-(``storage.redis_store``) has them, and the owner index. ``upgrade_layout`` runs on
-every connect and returns at once once ``P:schema`` says "2".
+Layout "1" kept no ``sums`` list and no frontier checksum or head; layout "2" has
+them, and the owner index; layout "3" (``storage.redis_store``) may also have pruned
+threads (an anchor in the meta, lists that begin after it). A "2" store reads as a
+"3" one with nothing pruned, so it is upgraded by setting ``P:schema`` alone (a
+compare-and-set: no lock, nothing else written); a "1" store as below, straight to
+"3". ``upgrade_layout`` runs on every connect and returns at once once ``P:schema``
+says "3".
 
 - **One upgrader at a time, none for ever.** The lock ``P:upgrading`` holds a random
   token under a short lease (``LEASE_MS``) that its holder renews while it lives and
@@ -46,7 +50,9 @@ from storage.summary import RUN_STATES, summarize
 
 log = logging.getLogger("ratchet.storage.redis")
 
-LAYOUT = "2"
+LAYOUT = "3"
+CHAINED = "2"
+"""The layout before retention: the same keys, nothing pruned."""
 LEASE_MS = 2000
 """The upgrade lock's lease: how long a dead upgrader keeps the others waiting."""
 WAIT_S = 300.0
@@ -60,6 +66,10 @@ Outcome = Literal["upgraded", "skipped", "damaged"]
 
 _RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_BUMP_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) end
 return 0
 """
 _RELEASE_LUA = """
@@ -143,7 +153,10 @@ async def upgrade_layout(
     schema, lock = f"{prefix}:schema", f"{prefix}:upgrading"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    while not check_layout(await client.get(schema), where):
+    while not check_layout(layout := await client.get(schema), where):
+        if layout in (CHAINED, CHAINED.encode()):
+            await client.eval(_BUMP_LUA, 1, schema, CHAINED, LAYOUT)
+            continue
         token = secrets.token_hex(16)
         if await client.set(lock, token, nx=True, px=LEASE_MS):
             try:

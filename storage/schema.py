@@ -17,7 +17,11 @@ Tables:
   ``checksum`` its SHA-256 (a load verifies it); ``head`` is the hash of the latest
   commit; the other columns are copies for locking, listing and fencing queries, and
   ``host`` (the owner's host, ``runtime.ports.host_of``) with ``run_state`` is the
-  owner index hosts and the Supervisor reconcile by.
+  owner index hosts and the Supervisor reconcile by. ``pruned_through`` and
+  ``pruned_hash`` are the retention anchor (``storage.retention``): the seq and stored
+  hash of the last record a prune removed (NULL: none was). Only a prune writes them:
+  the appends write the columns of ``ROW_COLUMNS`` alone (a planned append compares
+  version, epoch and owner only, so a column it rewrote would undo a prune).
 - ``ratchet_commits``: the append-only log; (thread_id, seq) is the optimistic
   version rule, (thread_id, operation_id) the idempotency rule; ``body`` is the
   commit's canonical JSON exactly as hashed, ``payload_hash`` its SHA-256, which the
@@ -73,8 +77,13 @@ threads = Table(
     Column("head", String, nullable=True),
     Column("checksum", String, nullable=True),
     Column("host", String, nullable=True),
+    Column("pruned_through", BigInteger, nullable=True),
+    Column("pruned_hash", String, nullable=True),
     Index("ix_ratchet_threads_host", "host", "run_state"),
 )
+ANCHOR_COLUMNS = ("pruned_through", "pruned_hash")
+ROW_COLUMNS = [c for c in threads.columns if c.name not in ANCHOR_COLUMNS]
+"""The thread row's columns an append writes (all but the retention anchor)."""
 
 commits = Table(
     "ratchet_commits",
@@ -182,11 +191,23 @@ def _v4_chain_checksums_owner_index(conn: Connection) -> None:
         )
 
 
+def _v5_retention_anchor(conn: Connection) -> None:
+    """Retention (``ratchet prune``): the anchor columns ``pruned_through`` and
+    ``pruned_hash``, NULL in every existing row (nothing pruned). Adding a nullable
+    column rewrites no row on either database."""
+    have = {c["name"] for c in inspect(conn).get_columns(threads.name)}
+    kinds = {"pruned_through": "BIGINT", "pruned_hash": "TEXT"}
+    for name in ANCHOR_COLUMNS:
+        if name not in have:
+            conn.execute(text(f"ALTER TABLE {threads.name} ADD COLUMN {name} {kinds[name]}"))
+
+
 MIGRATIONS: list[tuple[int, Step]] = [
     (1, _v1_initial),
     (2, _v2_thread_rows_leave_room),
     (3, _v3_lz4_for_long_text),
     (4, _v4_chain_checksums_owner_index),
+    (5, _v5_retention_anchor),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator

@@ -43,6 +43,13 @@ runs/s). A frontier edited by hand at the same
 version, epoch and owner is overwritten by the next planned write; a load still
 decodes it and fails closed.
 
+**A prune** (``storage.retention``) is a transaction of its own on the writer, beside
+the groups: it deletes the records of its cut and moves the thread row's anchor
+(``pruned_through``, ``pruned_hash``) only if the anchor is still where the prune read
+it. No append writes those two columns, so a planned write, which compares version,
+epoch and owner only, never undoes a prune; a read that meets a log a prune cut
+between its two statements reads again (``sql_txn.read_body``).
+
 **Decoded frontiers are cached** per process (``storage.frontiers``), keyed by the
 exact stored text, so neither a group transaction nor a load re-validates a
 frontier this process wrote — a row written by anyone else is decoded afresh —
@@ -84,6 +91,7 @@ from runtime.lifecycle import ThreadStatus
 from runtime.ports import CommittedRecord, RunSummary
 from storage.checkpoints import SqlCheckpointStore
 from storage.frontiers import FrontierCache
+from storage.retention import Cut, prune_thread
 from storage.schema import migrate
 from storage.sql_engine import Database
 from storage.sql_errors import translate
@@ -99,6 +107,7 @@ from storage.sql_txn import (
     load_body,
     pg_planned_args,
     plan_group,
+    prune_txn,
     read_body,
     thread_ids_body,
     transact,
@@ -222,6 +231,19 @@ class SqlCommitStore:
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         return await self._read(thread_ids_body, after, limit)
+
+    async def prune(self, thread: ThreadId, through_seq: int) -> int:
+        return await prune_thread(self, thread, through_seq, self._cut)
+
+    async def _cut(self, cut: Cut) -> bool:
+        """One transaction on the writer, beside the group writers' (``prune_txn``)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._write(prune_txn, cut)
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"store {self.where} did not answer within {self.timeout_s:g}s"
+            ) from None
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -27,10 +27,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.dml import Insert
 
-from storage.schema import commits, threads
+from storage.schema import ROW_COLUMNS, commits, threads
 from storage.sql_engine import SQL_DIALECTS, upsert_ignore
 
 _t, _c = threads.c, commits.c
+_ANCHOR = (_t.pruned_through, _t.pruned_hash)
 _IDS = ARRAY(String)
 
 
@@ -66,12 +67,12 @@ class _Many:
         return self._compiled[key]
 
 
-_THREAD_COLUMNS = [c.name for c in threads.columns if c.name != "thread_id"]
+_THREAD_COLUMNS = [c.name for c in ROW_COLUMNS if c.name != "thread_id"]
 UPDATE_THREADS = _Many(
     threads.update().where(_t.thread_id == bindparam("b_thread")), [*_THREAD_COLUMNS, "b_thread"]
 )
 INSERT_COMMITS = _Many(commits.insert(), [c.name for c in commits.columns])
-INSERT_THREADS = _Many(threads.insert(), [c.name for c in threads.columns])
+INSERT_THREADS = _Many(threads.insert(), [c.name for c in ROW_COLUMNS])
 UPDATE_UNCHANGED = _Many(
     threads.update().where(
         _t.thread_id == bindparam("b_thread"),
@@ -85,14 +86,33 @@ UPDATE_UNCHANGED = _Many(
 started from."""
 LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
 LOAD = (
-    select(_t.version, _t.frontier, _t.checksum, _t.head, _c.payload_hash)
+    select(_t.version, _t.frontier, _t.checksum, _t.head, _c.payload_hash, *_ANCHOR)
     .select_from(
         threads.outerjoin(commits, and_(_c.thread_id == _t.thread_id, _c.seq == _t.version))
     )
     .where(_t.thread_id == bindparam("thread"))
 )
 """The thread row, with the stored hash of the record at its version (one statement)."""
-HEAD = select(_t.version, _t.head).where(_t.thread_id == bindparam("thread"))
+HEAD = select(_t.version, _t.head, *_ANCHOR).where(_t.thread_id == bindparam("thread"))
+ANCHOR = select(*_ANCHOR).where(_t.thread_id == bindparam("thread"))
+MOVE_ANCHOR = (
+    threads.update()
+    .where(
+        _t.thread_id == bindparam("thread"),
+        func.coalesce(_t.pruned_through, 0) == bindparam("after"),
+        _t.version >= bindparam("through"),
+    )
+    .values(pruned_through=bindparam("through"), pruned_hash=bindparam("hash"))
+)
+"""A prune's compare-and-set: the anchor moves only if it is still where the prune read it."""
+HASH_AT = select(_c.payload_hash).where(
+    _c.thread_id == bindparam("thread"), _c.seq == bindparam("seq")
+)
+DELETE_PRUNED = commits.delete().where(
+    _c.thread_id == bindparam("thread"),
+    _c.seq > bindparam("after"),
+    _c.seq <= bindparam("through"),
+)
 READ = (
     select(_c.seq, _c.body, _c.payload_hash, _c.operation_id)
     .where(
@@ -230,7 +250,7 @@ def _pg_planned_statement() -> PgStatement:
         columns_as = [c.name for c in columns] + [f"b_{c.name}" for c in extra]
         return f"unnest({', '.join(arrays)}) AS v({', '.join(columns_as)})"
 
-    row_cols = list(threads.columns)
+    row_cols = list(ROW_COLUMNS)
     set_cols = ", ".join(f"{c} = v.{c}" for c in _THREAD_COLUMNS)
     thread_names = ", ".join(c.name for c in row_cols)
     commit_names = ", ".join(c.name for c in commits.columns)

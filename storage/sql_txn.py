@@ -33,9 +33,13 @@ from runtime.ids import OperationId, ThreadId
 from runtime.integrity import RawRecord, check_head, verified_records
 from runtime.ports import CommittedRecord, host_of
 from storage.frontiers import FrontierCache
-from storage.schema import commits, threads
+from storage.retention import ATTEMPTS, Cut
+from storage.schema import ROW_COLUMNS, commits
 from storage.sql_errors import translate
 from storage.sql_statements import (
+    ANCHOR,
+    DELETE_PRUNED,
+    HASH_AT,
     HEAD,
     INSERT_COMMITS,
     INSERT_FRESH,
@@ -46,6 +50,7 @@ from storage.sql_statements import (
     LIST_HOST_STATE,
     LIST_STATE,
     LOAD,
+    MOVE_ANCHOR,
     PG_LOCK,
     PG_PLANNED,
     READ,
@@ -269,7 +274,7 @@ def pg_planned_args(plan: Plan) -> list[Any]:
     # thread rows in id order: the UPDATE then locks them as the read-first path does
     updates = sorted(plan.updates, key=lambda r: r["b_thread"])
     params: dict[str, Any] = {"n_updates": len(updates)}
-    for c in threads.columns:
+    for c in ROW_COLUMNS:
         key = "b_thread" if c.name == "thread_id" else c.name
         params[f"u_{c.name}"] = [r[key] for r in updates]
         params[f"f_{c.name}"] = [r[c.name] for r in plan.fresh]
@@ -397,7 +402,10 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
     if row is None:
         return Frontier(thread_id=thread)
     frontier = cache.decode(thread, row.frontier, row.version, row.checksum)
-    check_head(thread, frontier, row.payload_hash)
+    at_head = row.payload_hash
+    if at_head is None and row.pruned_through is not None and row.pruned_through == row.version:
+        at_head = row.pruned_hash  # pruned through its head
+    check_head(thread, frontier, at_head)
     if row.head != frontier.head:
         raise CorruptRecord(thread, row.version, "the stored head is not the frontier's")
     return frontier
@@ -408,17 +416,36 @@ def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[Commit
     log only grows, so every record up to it is there when the records are read (two
     statements, each its own snapshot), and records past it, a concurrent append's, are
     not read. A log that no thread row vouches for (none, version 0, no head) fails
-    closed."""
-    head = conn.execute(HEAD, {"thread": thread}).first()
+    closed. A prune between the two statements removes records the head's anchor does
+    not account for: a log that fails under an anchor that has moved since is read again
+    (an anchor only moves forward, and a cut happens once)."""
+    for _ in range(ATTEMPTS - 1):
+        head = conn.execute(HEAD, {"thread": thread}).first()
+        try:
+            return _read_under(conn, thread, after_seq, head)
+        except CorruptRecord:
+            now = conn.execute(ANCHOR, {"thread": thread}).first()
+            if head is None or now is None or now.pruned_through == head.pruned_through:
+                raise
+    return _read_under(conn, thread, after_seq, conn.execute(HEAD, {"thread": thread}).first())
+
+
+def _read_under(
+    conn: Connection, thread: ThreadId, after_seq: int, head: DbRow
+) -> list[CommittedRecord]:
     if head is None or head.version == 0:
         _check_unvouched(conn, thread)
         return []
     if head.head is None:  # a row migration 4 could not upgrade
         raise CorruptRecord(thread, head.version, "the thread row names no head")
-    bounds = {"thread": thread, "first": max(after_seq, 1), "last": head.version}
-    rows = conn.execute(READ, bounds)
+    anchor = None
+    if head.pruned_through is not None:
+        anchor = (int(head.pruned_through), str(head.pruned_hash))
+    first = max(after_seq, 1, (anchor[0] + 1) if anchor else 0)
+    bounds = {"thread": thread, "first": first, "last": head.version}
+    rows = conn.execute(READ, bounds).all()  # all: an open cursor would hold its snapshot
     raw = (RawRecord(r.seq, r.body, r.payload_hash, r.operation_id) for r in rows)
-    return verified_records(thread, raw, after_seq, (head.version, head.head))
+    return verified_records(thread, raw, after_seq, (head.version, head.head), anchor=anchor)
 
 
 def _check_unvouched(conn: Connection, thread: ThreadId) -> None:
@@ -444,3 +471,32 @@ def list_body(conn: Connection, state: str | None, host: str | None) -> list[DbR
     if state is None:
         return list(conn.execute(LIST_ALL))
     return list(conn.execute(LIST_STATE, {"state": state}))
+
+
+# ---- retention ---------------------------------------------------------------------------
+
+
+class _Moved(Exception):
+    """The anchor moved since the prune read the log: roll its cut back."""
+
+
+def prune_txn(conn: Connection, cut: Cut) -> bool:
+    """Remove the records of ``cut`` and move the anchor, in one transaction; False (and
+    nothing removed) if the anchor is no longer where the prune read it. The anchor's
+    row is updated last, so appends to the thread wait for its lock only while the
+    transaction commits (PostgreSQL); SQLite's one writer waits for the whole of it."""
+    params = {"thread": cut.thread, "after": cut.after, "through": cut.through}
+    try:
+        with conn.begin():
+            # gone (another prune) or changed (tampered with): the prune reads again,
+            # and that read verifies the log
+            if conn.execute(HASH_AT, {"thread": cut.thread, "seq": cut.through}).scalar() != (
+                cut.hash
+            ):
+                raise _Moved
+            conn.execute(DELETE_PRUNED, params)
+            if conn.execute(MOVE_ANCHOR, {**params, "hash": cut.hash}).rowcount != 1:
+                raise _Moved
+    except _Moved:
+        return False
+    return True

@@ -35,6 +35,7 @@ from storage.memory import MemoryCommitStore
 from storage.redis_client import open_client
 from storage.redis_store import RedisCommitStore
 from storage.redis_upgrade import (
+    LAYOUT,
     LEASE_MS,
     plan_upgrade,
     read_thread,
@@ -120,7 +121,7 @@ async def test_an_old_redis_layout_upgrades_and_verifies(redis_old: str) -> None
     store, olds = await upgraded_redis(redis_old, [])
     try:
         client, prefix = store.client, store.prefix
-        assert await client.get(f"{prefix}:schema") == "2"
+        assert await client.get(f"{prefix}:schema") == LAYOUT
         for old in olds:
             key = f"{prefix}:thread:{old.thread}"
             assert await client.lrange(f"{key}:sums", 0, -1) == [sha(b) for b in old.bodies]
@@ -263,10 +264,10 @@ async def test_an_upgrader_killed_half_way_is_taken_over(
     assert await client.pttl(f"{prefix}:upgrading") > 0  # its lock, held by no one alive
     store = await asyncio.wait_for(RedisCommitStore.connect(redis_old), LEASE_MS / 1000 + 20)
     try:
-        assert await client.get(f"{prefix}:schema") == "2"
+        assert await client.get(f"{prefix}:schema") == LAYOUT
         assert not await client.exists(f"{prefix}:upgrading")  # released by the new holder
         done = [r.args for r in caplog.records if r.msg == "redis key layout %s: %s"]
-        assert done == [("2", {"upgraded": len(olds) - by_the_dead, "damaged": 0})]
+        assert done == [(LAYOUT, {"upgraded": len(olds) - by_the_dead, "damaged": 0})]
     finally:
         await store.close()
         await writer.close()
@@ -308,7 +309,7 @@ async def test_damage_in_an_old_store_is_not_blessed(redis_old: str) -> None:
     for _ in range(2):
         store = await RedisCommitStore.connect(redis_old)
         try:
-            assert await client.get(f"{prefix}:schema") == "2"
+            assert await client.get(f"{prefix}:schema") == LAYOUT
             assert await client.hget(f"{prefix}:thread:{DONE}:meta", "checksum") is None
             assert await client.hget(f"{prefix}:thread:{CRASHED}:meta", "checksum") is None
             with pytest.raises(CorruptRecord) as info:
@@ -325,7 +326,7 @@ async def test_damage_in_an_old_store_is_not_blessed(redis_old: str) -> None:
     assert f"thread '{WAITING}'" not in result.stderr
 
 
-@pytest.mark.parametrize("layout", ["3", "banana"])
+@pytest.mark.parametrize("layout", ["4", "banana"])
 async def test_a_store_of_a_newer_redis_layout_is_refused(redis_old: str, layout: str) -> None:
     """Refused before anything is written: an old-layout thread beside it stays as it was."""
     writer, _ = await old_redis(redis_old)
@@ -341,5 +342,5 @@ async def test_a_store_of_a_newer_redis_layout_is_refused(redis_old: str, layout
         assert type(info.value) is StoreError and "unknown store layout" in str(info.value)
         return
     assert isinstance(info.value, StoreTooNew)
-    assert (info.value.found, info.value.known) == (3, 2)
-    assert str(info.value) == "store schema 3 is newer than this Ratchet (2): upgrade Ratchet"
+    assert (info.value.found, info.value.known) == (4, 3)
+    assert str(info.value) == "store schema 4 is newer than this Ratchet (3): upgrade Ratchet"

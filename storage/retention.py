@@ -1,0 +1,137 @@
+"""Retention: pruning the commit logs of ended Runs, the rule every backend shares.
+
+**The rule.** A prune removes a thread's records 1..N, where N is the seq of a Run's
+``ended`` commit. Runs of a thread follow one another (a Run starts only once the one
+before has ended, and an ended Run commits nothing more: ``runtime.commit.admit``), so
+every record up to N belongs to a Run that had ended by N, and every record of a Run
+still running or awaiting lies after N: nothing it needs goes. The frontier stays as
+it is (it holds the messages, the state and the status), and the thread keeps the seq
+and stored hash of record N beside it, its *anchor*: reads verify the records kept as
+a chain from it (``runtime.integrity.verified_records``).
+
+**One atomic cut, compare-and-set on the anchor.** ``prune_thread`` reads the log
+(verified: a damaged log is never pruned, so the damage stays for ``ratchet verify``
+to name), checks the rule and hands the backend a ``Cut``: remove the records after
+the anchor as read, up to N, if the anchor is still that one and record N still has
+the hash read. The cut does not depend on the thread's version: records never change,
+so an ``ended`` record stays the end of a Run however far the thread has moved on,
+and appends land after N meanwhile. Of two prunes of one thread the second finds the
+anchor moved, reads again and removes only what is left (or nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple
+
+from runtime.errors import InvalidTransition, StoreError
+from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import EndedState
+from runtime.ports import CommitStore, CommittedRecord
+
+ATTEMPTS = 5
+"""Cuts refused because another prune moved the anchor first, before giving up."""
+
+
+class Cut(NamedTuple):
+    """One prune as decided: what the backend removes, if the thread is still as read."""
+
+    thread: ThreadId
+    after: int
+    """The anchor as read: the records after it are stored (0: the thread was never pruned)."""
+    through: int
+    """The seq of the ``ended`` record the prune ends with: the new anchor."""
+    hash: str
+    """The stored hash of the record at ``through``."""
+    operations: tuple[str, ...]
+    """The operation ids of the records removed (their receipts go with them)."""
+
+    @property
+    def removed(self) -> int:
+        return self.through - self.after
+
+
+def plan_cut(thread: ThreadId, records: Sequence[CommittedRecord], through: int) -> Cut | None:
+    """The cut that prunes through ``through``, from the thread's verified log as read;
+    None when nothing up to it is left to remove. InvalidTransition if ``through`` is
+    not the seq of an ``ended`` commit among the records kept."""
+    anchor = records[0].seq - 1 if records else None
+    if anchor is not None and through <= anchor:
+        return None
+    if anchor is None or through > records[-1].seq:
+        raise InvalidTransition(f"thread {thread}: no record {through} to prune through")
+    kept = records[: through - anchor]
+    end = kept[-1]
+    if not isinstance(end.commit.disposition, EndedState):
+        raise InvalidTransition(
+            f"thread {thread}: record {through} does not end a Run; only ended Runs are pruned"
+        )
+    ops = tuple(r.commit.operation_id for r in kept)
+    return Cut(thread, anchor, through, end.commit.payload_hash, ops)
+
+
+async def prune_thread(
+    store: CommitStore,
+    thread: ThreadId,
+    through: int,
+    cut: Callable[[Cut], Awaitable[bool]],
+) -> int:
+    """``CommitStore.prune`` on a backend whose ``cut`` applies a Cut atomically (False:
+    the anchor moved since the read, nothing was removed)."""
+    if through < 1:
+        raise InvalidTransition(f"thread {thread}: cannot prune through seq {through}")
+    for _ in range(ATTEMPTS):
+        records = await store.read(thread)
+        if not records:
+            frontier = await store.load(thread)  # pruned through its head, or empty
+            if through <= frontier.version:
+                return 0
+        planned = plan_cut(thread, records, through)
+        if planned is None:
+            return 0
+        if await cut(planned):
+            return planned.removed
+    raise StoreError(f"thread {thread}: other prunes kept moving its anchor")
+
+
+# ---- choosing what to prune --------------------------------------------------------------
+
+
+class RunLog(NamedTuple):
+    """One Run whose records a thread still keeps."""
+
+    run_id: RunId
+    first: int
+    """The seq of its first record kept."""
+    end: int | None
+    """The seq of its ``ended`` record; None while it has not ended."""
+    ended_at: int | None
+    """When it ended (µs since the epoch): the thread status's ``since`` after its
+    ``ended`` commit; None if not ended, or if no record kept ever set a status."""
+
+
+def run_logs(records: Sequence[CommittedRecord]) -> list[RunLog]:
+    """The Runs of a verified log, in order."""
+    runs: list[RunLog] = []
+    since = 0
+    for record in records:
+        commit = record.commit
+        if commit.status is not None:
+            since = commit.status.since
+        if not runs or runs[-1].run_id != commit.run_id:
+            runs.append(RunLog(commit.run_id, record.seq, None, None))
+        if isinstance(commit.disposition, EndedState):
+            runs[-1] = runs[-1]._replace(end=record.seq, ended_at=since or None)
+    return runs
+
+
+def prune_point(runs: Sequence[RunLog], ended_before_us: int, keep_last: int = 0) -> int:
+    """The seq to prune through: the end of the latest Run that, with every Run before
+    it, ended before ``ended_before_us`` and is not among the last ``keep_last`` Runs
+    (whether ended or not); 0: nothing to prune."""
+    point = 0
+    for run in runs[: max(len(runs) - keep_last, 0)]:
+        if run.end is None or run.ended_at is None or run.ended_at >= ended_before_us:
+            break
+        point = run.end
+    return point

@@ -1,0 +1,449 @@
+"""Retention: ``CommitStore.prune`` on every backend, and ``ratchet prune``.
+
+A thread of three Runs (two ended, the last ended or still running) is pruned through
+a Run's end: the frontier loads exactly as before, the records kept read (by cursor
+too) and verify as a chain from the anchor, ``audit`` passes and says how far the log
+was pruned, and an engine starts a new Run on it. A prune never reaches into a Run
+that has not ended, two prunes at once remove each record once, and an anchor edited
+by hand makes reads fail closed. The CLI walks the store in pages: ``--dry-run`` says
+what would go and removes nothing, ``--keep-last`` keeps the last Runs' logs, and bad
+input is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import typer
+from click.testing import Result
+from sqlalchemy import update
+from typer.testing import CliRunner
+
+from cluster.cli_prune import register
+from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
+from runtime.commit import Frontier, ThreadCommit
+from runtime.errors import CorruptRecord, InvalidTransition
+from runtime.ids import RunId, ThreadId
+from runtime.integrity import audit, audit_thread
+from runtime.lifecycle import EndedState, Natural, RunningState, ThreadStatus
+from runtime.messages import AssistantMessage, UserMessage
+from storage.retention import prune_point, run_logs
+from storage.schema import threads
+
+T = ThreadId("pruned")
+DAY_US = 86_400_000_000
+JAN_1 = int(datetime(2025, 1, 1, tzinfo=UTC).timestamp() * 1_000_000)
+
+
+# ---- threads of Runs, made of real commits -----------------------------------------------
+
+
+def _commit(
+    frontier: Frontier,
+    run: str,
+    label: Any,
+    disposition: Any,
+    text: str,
+    status: ThreadStatus | None,
+) -> ThreadCommit:
+    new_run = frontier.run_id != run
+    message: Any = UserMessage(id=f"{run}:input", text=text) if new_run else None
+    return ThreadCommit(
+        thread_id=frontier.thread_id,
+        run_id=RunId(run),
+        ordinal=0 if new_run else frontier.next_ordinal,
+        label=label,
+        disposition=disposition,
+        messages=(message or AssistantMessage(text=text),),
+        status=status,
+        prev=frontier.head,
+        epoch=frontier.epoch,
+    )
+
+
+async def _append(store: Any, thread: ThreadId, commit_of: Any) -> int:
+    frontier = await store.load(thread)
+    receipt = await store.append(commit_of(frontier), frontier.version, frontier.epoch)
+    return int(receipt.seq)
+
+
+async def run_on(
+    store: Any, thread: ThreadId, run: str, ended_at: int | None = JAN_1, steps: int = 1
+) -> int:
+    """A Run of ``steps`` inferences, ended at ``ended_at`` (None: left running); returns
+    the seq of its last record."""
+    running = RunningState(run_id=RunId(run))
+    status = ThreadStatus(state="running", since=(ended_at or JAN_1) - 1000)
+    seq = await _append(
+        store, thread, lambda f: _commit(f, run, "activation", running, "go", status)
+    )
+    for i in range(steps):
+        seq = await _append(
+            store, thread, lambda f, i=i: _commit(f, run, "inference", running, f"s{i}", None)
+        )
+    if ended_at is None:
+        return seq
+    end = EndedState(run_id=RunId(run), cause=Natural())
+    idle = ThreadStatus(state="idle", since=ended_at, reason="natural")
+    return await _append(store, thread, lambda f: _commit(f, run, "ended", end, "done", idle))
+
+
+async def three_runs(store: Any, thread: ThreadId = T, last_ends: bool = True) -> list[int]:
+    """Runs ended on Jan 1st and 2nd, then one ended on the 3rd (or running): their ends."""
+    return [
+        await run_on(store, thread, "r1", JAN_1),
+        await run_on(store, thread, "r2", JAN_1 + DAY_US, steps=2),
+        await run_on(store, thread, "r3", JAN_1 + 2 * DAY_US if last_ends else None),
+    ]
+
+
+def _same(a: Frontier, b: Frontier) -> None:
+    assert a.model_dump() == b.model_dump()
+
+
+# ---- the store ---------------------------------------------------------------------------
+
+
+async def test_pruning_an_ended_run_keeps_the_frontier_and_the_rest_verifies(store: Any) -> None:
+    ends = await three_runs(store)
+    before = await store.load(T)
+    everything = await store.read(T)
+    assert await store.prune(T, ends[0]) == ends[0]
+    _same(await store.load(T), before)
+    kept = await store.read(T)
+    assert kept == everything[ends[0] :]
+    assert kept[0].commit.prev == everything[ends[0] - 1].commit.payload_hash  # the anchor
+    for after in (0, 1, ends[0], ends[0] + 1, ends[2]):  # cursors before, at, past the anchor
+        assert await store.read(T, after_seq=after) == everything[max(after, ends[0]) :]
+    assert await audit_thread(store, T) == ([], ends[0])
+    assert await store.prune(T, ends[0]) == 0  # nothing left to remove there
+    assert await store.prune(T, ends[2]) == ends[2] - ends[0]  # the whole log
+    _same(await store.load(T), before)
+    assert await store.read(T) == [] and await store.read(T, after_seq=ends[1]) == []
+    assert await audit_thread(store, T) == ([], ends[2])
+
+
+async def test_only_the_end_of_an_ended_run_can_be_pruned_through(store: Any) -> None:
+    ends = await three_runs(store, last_ends=False)
+    everything = await store.read(T)
+    for seq in (0, 1, ends[0] + 1, ends[1] + 1, ends[2], ends[2] + 1):
+        with pytest.raises(InvalidTransition):
+            await store.prune(T, seq)
+    with pytest.raises(InvalidTransition):
+        await store.prune(ThreadId("nobody"), 1)
+    assert await store.read(T) == everything  # nothing removed
+    assert await store.prune(T, ends[1]) == ends[1]
+    with pytest.raises(InvalidTransition):  # the running Run's records stay, all of them
+        await store.prune(T, ends[2])
+    assert [r.seq for r in await store.read(T)] == list(range(ends[1] + 1, ends[2] + 1))
+    assert await audit(store, T) == []
+
+
+async def test_a_running_run_goes_on_after_earlier_runs_are_pruned(store: Any) -> None:
+    ends = await three_runs(store, last_ends=False)
+    assert await store.prune(T, ends[1]) == ends[1]
+    running = RunningState(run_id=RunId("r3"))
+    seq = await _append(store, T, lambda f: _commit(f, "r3", "inference", running, "on", None))
+    end = EndedState(run_id=RunId("r3"), cause=Natural())
+    idle = ThreadStatus(state="idle", since=JAN_1 + 3 * DAY_US, reason="natural")
+    seq = await _append(store, T, lambda f: _commit(f, "r3", "ended", end, "done", idle))
+    records = await store.read(T)
+    assert [r.seq for r in records] == list(range(ends[1] + 1, seq + 1))
+    assert [r.commit.run_id for r in records] == ["r3"] * len(records)
+    assert await audit(store, T) == []
+
+
+async def test_an_engine_starts_a_new_run_on_a_pruned_thread(store: Any) -> None:
+    ends = await three_runs(store)
+    assert await store.prune(T, ends[2]) == ends[2]
+    pruned = await store.load(T)
+    anchor = pruned.head
+    agent = Agent(name="again", model=ScriptedModel([ModelResponse(text="hi again")]))
+    frontier = await InProcessRunner(agent, store).start("once more", thread_id=T)
+    assert isinstance(frontier.run_state, EndedState) and frontier.messages[-1].text == "hi again"
+    records = await store.read(T)
+    assert records[0].seq == ends[2] + 1 and records[0].commit.prev == anchor
+    assert frontier.messages[:-2] == pruned.messages  # every Run's messages are kept
+    assert await audit_thread(store, T) == ([], ends[2])
+    done = await store.load(T)
+    assert await store.prune(T, done.version) == done.version - ends[2]
+    assert await audit_thread(store, T) == ([], done.version)
+    _same(await store.load(T), done)
+
+
+async def test_two_prunes_at_once_remove_each_record_once(store: Any) -> None:
+    ends = await three_runs(store)
+    before = await store.load(T)
+    same = await asyncio.gather(store.prune(T, ends[0]), store.prune(T, ends[0]))
+    assert sorted(same) == [0, ends[0]]
+    other = ThreadId("other")
+    far = await three_runs(store, other)
+    both = await asyncio.gather(*(store.prune(other, e) for e in (far[1], far[0], far[2])))
+    assert sum(both) == far[2]
+    racing = await asyncio.gather(*(store.prune(T, ends[2]) for _ in range(4)))
+    assert sum(racing) == ends[2] - ends[0]
+    for thread in (T, other):
+        assert await store.read(thread) == []
+        assert await audit_thread(store, thread) == ([], ends[2])
+    _same(await store.load(T), before)
+
+
+async def test_a_prune_beside_appends_to_the_same_thread(store: Any) -> None:
+    """The running Run appends while its thread's ended Runs are pruned: both land."""
+    ends = await three_runs(store, last_ends=False)
+    running = RunningState(run_id=RunId("r3"))
+
+    async def appends() -> None:
+        for i in range(10):
+            await _append(
+                store, T, lambda f, i=i: _commit(f, "r3", "inference", running, f"{i}", None)
+            )
+            await asyncio.sleep(0)
+
+    pruned, _ = await asyncio.gather(store.prune(T, ends[1]), appends())
+    assert pruned == ends[1]
+    frontier = await store.load(T)
+    assert frontier.version == ends[2] + 10
+    assert [r.seq for r in await store.read(T)] == list(range(ends[1] + 1, frontier.version + 1))
+    assert await audit(store, T) == []
+
+
+async def test_reads_beside_prunes_see_a_log_that_verifies(store: Any) -> None:
+    """Every read and load while prunes cut the log Run by Run returns a suffix of it
+    that verifies (SQL reads the anchor and the records in two statements: a cut in
+    between is read again, never taken for damage)."""
+    ends = [await run_on(store, T, f"r{i}", JAN_1 + i, steps=3) for i in range(12)]
+    everything = await store.read(T)
+    before = await store.load(T)
+    done = False
+
+    async def reads() -> int:
+        n = 0
+        while not done:
+            for after in (0, 5, 20):
+                got = await store.read(T, after_seq=after)
+                assert got == everything[len(everything) - len(got) :] and got
+                assert got[0].seq > after
+            _same(await store.load(T), before)
+            n += 1
+            await asyncio.sleep(0)  # the in-memory store never yields by itself
+        return n
+
+    async def prunes() -> None:
+        nonlocal done
+        for end in ends[:-1]:
+            assert await store.prune(T, end) > 0
+            await asyncio.sleep(0)
+        done = True
+
+    counted, _ = await asyncio.gather(reads(), prunes())
+    assert counted > 0
+    assert await audit_thread(store, T) == ([], ends[-2])
+
+
+async def _set_anchor(store: Any, backend: str, through: int, hash_: str) -> None:
+    """Hand-edit a pruned thread's anchor where the backend keeps it."""
+    if backend == "memory":
+        store.set_anchor(T, (through, hash_))
+    elif backend == "redis":
+        await store.client.hset(
+            f"ratchet:thread:{T}:meta", mapping={"pruned": through, "pruned_hash": hash_}
+        )
+    else:
+        async with store.engine.begin() as conn:
+            stmt = update(threads).where(threads.c.thread_id == T)
+            await conn.execute(stmt.values(pruned_through=through, pruned_hash=hash_))
+
+
+async def test_an_anchor_edited_by_hand_fails_closed(store: Any, backend: str) -> None:
+    ends = await three_runs(store)
+    everything = await store.read(T)
+    await store.prune(T, ends[0])
+    anchor = everything[ends[0] - 1].commit.payload_hash
+    bad = "0" * 64
+    await _set_anchor(store, backend, ends[0], bad)  # the first record kept does not name it
+    with pytest.raises(CorruptRecord) as info:
+        await store.read(T)
+    assert (info.value.thread, info.value.seq) == (T, ends[0] + 1)
+    assert [p.seq for p in await audit(store, T)] == [ends[0] + 1]
+    # says a record is kept that is gone, or one is gone that is kept (a Redis list holds
+    # no seqs: it may name another seq of the thread)
+    for through in (ends[0] - 1, ends[0] + 1):
+        await _set_anchor(store, backend, through, anchor)
+        with pytest.raises(CorruptRecord) as info:
+            await store.read(T)
+        assert info.value.thread == T
+        assert [p.thread for p in await audit(store, T)] == [T]
+    await _set_anchor(store, backend, ends[0], anchor)
+    assert await audit(store, T) == []
+    await store.prune(T, ends[2])  # pruned through its head: the load checks the anchor
+    await _set_anchor(store, backend, ends[2], bad)
+    with pytest.raises(CorruptRecord) as info:
+        await store.load(T)
+    assert (info.value.thread, info.value.seq) == (T, ends[2])
+    with pytest.raises(CorruptRecord):
+        await store.read(T)
+    agent = Agent(name="again", model=ScriptedModel([ModelResponse(text="no")]))
+    with pytest.raises(CorruptRecord):  # no engine acts on it
+        await InProcessRunner(agent, store).start("once more", thread_id=T)
+
+
+# ---- choosing what to prune --------------------------------------------------------------
+
+
+async def test_the_prune_point_keeps_runs_ended_after_the_date_and_the_last_ones(
+    store: Any,
+) -> None:
+    if store.__class__.__name__ != "MemoryCommitStore":
+        pytest.skip("a pure choice: one backend shows it")
+    ends = await three_runs(store)
+    runs = run_logs(await store.read(T))
+    assert [(r.run_id, r.end, r.ended_at) for r in runs] == [
+        ("r1", ends[0], JAN_1),
+        ("r2", ends[1], JAN_1 + DAY_US),
+        ("r3", ends[2], JAN_1 + 2 * DAY_US),
+    ]
+    assert prune_point(runs, JAN_1) == 0  # before: not ended before it
+    assert prune_point(runs, JAN_1 + 1) == ends[0]
+    assert prune_point(runs, JAN_1 + 5 * DAY_US) == ends[2]
+    assert prune_point(runs, JAN_1 + 5 * DAY_US, keep_last=1) == ends[1]
+    assert prune_point(runs, JAN_1 + 5 * DAY_US, keep_last=3) == 0
+    running = [*runs[:2], runs[2]._replace(end=None, ended_at=None)]
+    assert prune_point(running, JAN_1 + 5 * DAY_US) == ends[1]
+
+
+# ---- the command -------------------------------------------------------------------------
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    register(app)
+
+    @app.command()
+    def other() -> None:  # with two commands, ``prune`` is named on the command line
+        """Nothing."""
+
+    return app
+
+
+async def ratchet(*args: str) -> Result:
+    """``ratchet ARGS`` in-process (its own loop, in a worker thread)."""
+    return await asyncio.to_thread(CliRunner().invoke, _app(), list(args))
+
+
+@pytest.fixture
+def url(backend: str, backend_url: str) -> str:
+    if backend == "memory":
+        pytest.skip("an in-memory store lives in one process: the command cannot open it")
+    return backend_url
+
+
+async def test_the_command_dry_run_then_prune(store: Any, url: str) -> None:
+    ends = await three_runs(store)
+    others = [ThreadId(f"t{i}") for i in range(5)]
+    for thread in others:
+        await three_runs(store, thread, last_ends=False)
+    before = {t: await store.read(t) for t in (T, *others)}
+    jan_2 = "2025-01-02T12:00:00+00:00"  # after r1 and r2 ended, before r3
+
+    dry = await ratchet(
+        "prune", "--ended-before", jan_2, "--batch", "2", "--dry-run", "--store", url
+    )
+    assert dry.exit_code == 0, dry.output
+    assert {t: await store.read(t) for t in before} == before  # nothing removed
+    assert "round 3: 6 threads scanned" in dry.stdout  # pages of two
+    removed = 6 * ends[1]
+    assert f"dry run: 6 of 6 threads would be pruned, {removed} records" in dry.stdout
+
+    kept = await ratchet("prune", "--ended-before", jan_2, "--keep-last", "2", "--store", url)
+    assert kept.exit_code == 0, kept.output
+    assert f"pruned 6 of 6 threads, {6 * ends[0]} records removed" in kept.stdout
+    done = await ratchet("prune", "--ended-before", "2025-01-02", "--store", url)  # r1 only
+    assert "pruned 0 of 6 threads, 0 records removed" in done.stdout, done.output
+    real = await ratchet("prune", "--ended-before", jan_2, "--store", url)
+    assert real.exit_code == 0, real.output
+    assert f"pruned 6 of 6 threads, {6 * (ends[1] - ends[0])} records removed" in real.stdout
+    for thread in (T, *others):
+        assert await store.read(thread) == before[thread][ends[1] :]
+        assert await audit_thread(store, thread) == ([], ends[1])
+    again = await ratchet("prune", "--ended-before", jan_2, "--store", url)
+    assert "pruned 0 of 6 threads, 0 records removed" in again.stdout, again.output
+
+
+async def test_the_command_names_a_thread_it_cannot_prune_and_goes_on(
+    store: Any, url: str, corrupt: Any
+) -> None:
+    await three_runs(store)
+    ends = await three_runs(store, ThreadId("fine"))
+    await corrupt(T, 2, '{"not": "a commit"}')
+    result = await ratchet("prune", "--ended-before", "2030-01-01", "--store", url)
+    assert result.exit_code == 1
+    assert f"skipped: thread {T!r}" in result.stderr and "seq 2" in result.stderr
+    assert f"pruned 1 of 2 threads, {ends[2]} records removed, 1 skipped" in result.stdout
+    assert await store.read(ThreadId("fine")) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--ended-before", "yesterday"], "--ended-before must be a date"),
+        (["--ended-before", "2025-01-01", "--keep-last", "-1"], "--keep-last must be 0 or more"),
+        (["--ended-before", "2025-01-01", "--batch", "0"], "--batch must be 1 or more"),
+    ],
+)
+async def test_bad_input_is_one_line(tmp_path: Any, args: list[str], words: str) -> None:
+    result = await ratchet("prune", *args, "--store", f"sqlite:///{tmp_path}/s.db")
+    assert result.exit_code == 1
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "s.db").exists()  # refused before the store is opened
+
+
+# ---- upgrading a store written before retention ------------------------------------------
+
+
+async def test_a_store_from_before_retention_upgrades(
+    store: Any, backend: str, backend_url: str
+) -> None:
+    """SQL schema 4 (no anchor columns) and Redis layout 2 (no anchors) open as stores
+    with nothing pruned; their threads then prune like any other."""
+    if backend == "memory":
+        pytest.skip("nothing is stored to upgrade")
+    ends = await three_runs(store)
+    everything = await store.read(T)
+    await store.close()
+    if backend == "redis":
+        from storage.redis_store import RedisCommitStore
+
+        old = await RedisCommitStore.connect(backend_url)
+        await old.client.set("ratchet:schema", "2")
+        await old.close()
+        store = await RedisCommitStore.connect(backend_url)
+        assert await store.client.get("ratchet:schema") == "3"
+    else:
+        from sqlalchemy import delete as sql_delete
+        from sqlalchemy import inspect, text
+
+        from storage.schema import schema_version
+        from storage.sql import SqlCommitStore
+
+        old = await SqlCommitStore.connect(backend_url)
+        async with old.engine.begin() as conn:
+            await conn.execute(sql_delete(schema_version).where(schema_version.c.version == 5))
+            for column in ("pruned_through", "pruned_hash"):
+                await conn.execute(text(f"ALTER TABLE ratchet_threads DROP COLUMN {column}"))
+        await old.close()
+        store = await SqlCommitStore.connect(backend_url)
+        async with store.engine.connect() as conn:
+            names = await conn.run_sync(
+                lambda c: {col["name"] for col in inspect(c).get_columns("ratchet_threads")}
+            )
+        assert {"pruned_through", "pruned_hash"} <= names
+    try:
+        assert await store.read(T) == everything
+        assert await store.prune(T, ends[1]) == ends[1]
+        assert await audit_thread(store, T) == ([], ends[1])
+    finally:
+        await store.close()
