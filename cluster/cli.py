@@ -16,10 +16,11 @@
     ratchet export THREAD [--out FILE]     the thread's log as JSON lines
     ratchet import FILE [--as THREAD]      a thread from an export (checked first)
     ratchet prune --ended-before DATE      remove the logs of Runs ended before DATE
+    ratchet replay THREAD --agent M:A      re-run its decisions on this code; first divergence
     ratchet serve                     the HTTP service (edge/: REST, SSE, AG-UI)
 
-``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export``, ``import`` and
-``prune`` read the store (and the Redis bus) directly and need no Ray. Every expected
+``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export``, ``import``,
+``prune`` and ``replay`` read the store (and the Redis bus) directly and need no Ray. Every expected
 failure (a bad import path, an unreachable store or cluster, an unknown thread, a
 resume the ticket rejects, bad input) is one line on stderr and exit code 1, never a
 traceback.
@@ -468,9 +469,11 @@ _register_bench()
 def _register_history() -> None:
     from cluster.cli_history import register
     from cluster.cli_prune import register as register_prune
+    from cluster.cli_replay import register as register_replay
 
     register(app)
     register_prune(app)
+    register_replay(app)
 
 
 _register_history()
