@@ -57,7 +57,7 @@ from runtime.agent import load_agent
 from runtime.commit import Frontier
 from runtime.errors import RatchetError
 from runtime.ids import ThreadId
-from runtime.integrity import audit
+from runtime.integrity import audit_thread
 from runtime.lifecycle import (
     EndedState,
     validate_resume,
@@ -257,17 +257,23 @@ async def _verify(thread: str | None, every: bool, store: str | None) -> None:
         raise BadInput("give a THREAD or --all (not both)")
     db = await _open(store)
     problems = []
-    audited = 0
+    audited = pruned = 0
     try:
         async for name in _threads(db, thread):
             audited += 1
-            problems += await audit(db, name)
+            found = await audit_thread(db, name)
+            problems += found.problems
+            if found.pruned_through:
+                pruned += 1
+                if thread is not None:
+                    console.print(f"{name}: pruned through seq {found.pruned_through}")
     finally:
         await db.close()
     for problem in problems:
         errors.print(f"[red]corrupt:[/red] {problem}", highlight=False, soft_wrap=True)
     bad = len({p.thread for p in problems})
-    console.print(f"{audited} threads audited, {bad} with problems", highlight=False)
+    note = f" ({pruned} pruned: checked from their anchor)" if pruned else ""
+    console.print(f"{audited} threads audited, {bad} with problems{note}", highlight=False)
     if problems:
         raise typer.Exit(1)
 

@@ -371,6 +371,14 @@ async def test_the_command_dry_run_then_prune(store: Any, url: str) -> None:
         assert await audit_thread(store, thread) == ([], ends[1])
     again = await ratchet("prune", "--ended-before", jan_2, "--store", url)
     assert "pruned 0 of 6 threads, 0 records removed" in again.stdout, again.output
+    from cluster.cli import app as ratchet_app  # ratchet verify on what is left
+
+    verify = CliRunner().invoke
+    one = await asyncio.to_thread(verify, ratchet_app, ["verify", T, "--store", url])
+    assert one.exit_code == 0, one.output
+    assert f"{T}: pruned through seq {ends[1]}" in one.stdout
+    every = await asyncio.to_thread(verify, ratchet_app, ["verify", "--all", "--store", url])
+    assert "6 threads audited, 0 with problems (6 pruned" in every.stdout, every.output
 
 
 async def test_the_command_names_a_thread_it_cannot_prune_and_goes_on(
