@@ -4,8 +4,9 @@
 caller connects it (on the event loop the server runs on) and closes it. Every
 response goes through the guard (``edge.guard``: bearer token, body size), every error
 is a problem (``edge.problems``). If the module ``edge.console`` exists, its
-``router`` is included (a web console); until then ``/`` is a 404 problem like any
-unknown path.
+``router`` is included (the web console), and the guard serves the requests its
+``is_public`` names (the console's shell and assets, which hold no data) without a
+token; without it ``/`` is a 404 problem like any unknown path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -68,9 +69,11 @@ def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] 
     _handle_problems(app)
     app.include_router(routes.router)
     app.include_router(streams.router)
-    _include_console(app)
+    public = _include_console(app)
     tokens = () if options.no_auth else options.tokens
-    app.add_middleware(Guard, tokens=tokens, max_body_bytes=max_body_bytes(client.spec.limits))
+    app.add_middleware(
+        Guard, tokens=tokens, max_body_bytes=max_body_bytes(client.spec.limits), public=public
+    )
     if options.cors_origins:  # outside the guard: a preflight carries no token
         app.add_middleware(
             CORSMiddleware,
@@ -99,13 +102,16 @@ def _too_large(request: Request, exc: Exception) -> JSONResponse:
     return problem_response(413, "InputRefused", detail, path, limit="body_bytes")
 
 
-def _include_console(app: FastAPI) -> None:
+def _include_console(app: FastAPI) -> Callable[[str, str], bool] | None:
     """The web console's routes, once ``edge/console.py`` exists (a console that fails
-    to import is a bug to see at start, not to hide)."""
+    to import is a bug to see at start, not to hide), and the rule naming the requests
+    it serves without a token (its shell and assets, which hold no data)."""
     if importlib.util.find_spec("edge.console") is None:
-        return
+        return None
     console = importlib.import_module("edge.console")
     app.include_router(console.router)
+    public: Callable[[str, str], bool] = console.is_public
+    return public
 
 
 def _document(app: FastAPI, *, secured: bool) -> None:

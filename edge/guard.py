@@ -1,7 +1,9 @@
 """The ASGI guard in front of every route: the bearer token, then the body's size.
 
-It wraps the whole application (the OpenAPI schema, unknown paths, a console and any
-websocket included), so no route can forget it. Tokens are compared with
+It wraps the whole application (the OpenAPI schema, unknown paths, the console and any
+websocket included), so no route can forget it. The one exception is ``public``: the
+requests it names (the console's shell and assets, ``edge.console.is_public``, which
+hold no data) are served without a token. Tokens are compared with
 ``hmac.compare_digest`` against every configured token (no early exit: the time taken
 says nothing about which token nearly matched) and never logged or echoed. A body is
 refused with 413 before it is read past ``max_body_bytes``: at once by its
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -31,17 +34,25 @@ class BodyTooLarge(HTTPException):
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, tokens: tuple[str, ...], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        tokens: tuple[str, ...],
+        max_body_bytes: int,
+        public: Callable[[str, str], bool] | None = None,
+    ) -> None:
+        """``public(method, path)``: whether an HTTP request needs no token."""
         self.app = app
         self._tokens = tuple(t.encode() for t in tokens)
         self.max_body_bytes = max_body_bytes
+        self._public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)  # lifespan
             return
         headers = {name.lower(): value for name, value in scope.get("headers", ())}
-        if self._tokens and not self._authorised(headers.get(b"authorization", b"")):
+        if self._tokens and not self._open(scope, headers):
             if scope["type"] == "websocket":  # closed before it is accepted: HTTP 403
                 await receive()
                 await send({"type": "websocket.close", "code": 1008})
@@ -57,6 +68,17 @@ class Guard:
             await _problem(send, scope, 413, "InputRefused", detail, limit="body_bytes")
             return
         await self.app(scope, self._capped(receive), send)
+
+    def _open(self, scope: Scope, headers: dict[bytes, bytes]) -> bool:
+        """A valid token, or an HTTP request the public rule names."""
+        if self._authorised(headers.get(b"authorization", b"")):
+            return True
+        public = self._public
+        return (
+            public is not None
+            and scope["type"] == "http"
+            and public(scope["method"], scope["path"])
+        )
 
     def _authorised(self, header: bytes) -> bool:
         scheme, _, token = header.partition(b" ")

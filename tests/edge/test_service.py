@@ -201,8 +201,8 @@ def test_every_route_needs_a_token_unless_no_auth_on_loopback(service):
     wrong = [{}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {TOKEN}x"},
              {"Authorization": f"Basic {TOKEN}"}]  # fmt: skip
     for headers in wrong:
-        for method, path in [("GET", "/runs"), ("GET", "/openapi.json"), ("GET", "/"),
-                             ("POST", "/threads/t/runs")]:  # fmt: skip
+        for method, path in [("GET", "/runs"), ("GET", "/openapi.json"), ("POST", "/"),
+                             ("GET", "/no-such-path"), ("POST", "/threads/t/runs")]:  # fmt: skip
             response = httpx2.request(method, service.url + path, headers=headers)
             problem(response, 401, "Unauthorized")
             assert response.headers["www-authenticate"].startswith("Bearer")
@@ -210,7 +210,8 @@ def test_every_route_needs_a_token_unless_no_auth_on_loopback(service):
     other = httpx2.get(f"{service.url}/runs", headers={"Authorization": f"Bearer {OTHER}"})
     assert other.status_code == 200
     assert httpx2.get(f"{service.open_url}/runs").status_code == 200
-    problem(httpx2.get(f"{service.open_url}/"), 404, "NotFound")  # until a console exists
+    problem(httpx2.get(f"{service.open_url}/no-such-path"), 404, "NotFound")
+    assert httpx2.get(f"{service.url}/").status_code == 200  # the console's shell: no data
     not_allowed = {"agent": PERMISSION, "input": "x"}
     refused = httpx2.post(f"{service.open_url}/threads/t/runs", json=not_allowed)
     assert "not one this server may start" in problem(refused, 422, "AgentImportError")["detail"]
