@@ -25,6 +25,7 @@ from typing import Any
 
 from actors.waves import RayToolRunner, WaveDispatcher
 from actors.wire import AtRest, SystemSpec
+from runtime import tracing_env
 from runtime.agent import Agent, load_agent
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.delegation import ChildRunner, ParentLink
@@ -127,6 +128,7 @@ class Drives:
         checkpoints: StreamCheckpointStore | None,
         on_idle: Callable[[], None],
     ) -> None:
+        tracing_env.configure_from_env()  # the host's OTEL_* (its runtime_env) asks for spans
         self.spec = spec
         self.store = store
         self.owner = owner

@@ -48,6 +48,7 @@ from actors.wire import (
     owner_id,
     run_meta,
 )
+from runtime import tracing_env
 from runtime.commit import Frontier
 from runtime.control import control_engine
 from runtime.delegation import (
@@ -137,6 +138,7 @@ class RunHost:
         placement: str = "hosted",
         faults: FaultSpec | None = None,
         wait: bool = False,
+        trace: dict[str, str] | None = None,  # the caller's span: the drive's parent
     ) -> Any:
         """Activate and drive a Run; returns once its first commit landed (or it ended),
         or with ``wait`` once this host's drive of it is over (``Ratchet.run``: one call
@@ -155,7 +157,9 @@ class RunHost:
                     agent_ref,
                     thread,
                     run_id,
-                    lambda e: e.start(thread, text, run_id=run_id, message_id=message),
+                    lambda e: tracing_env.within(
+                        trace, e.start(thread, text, run_id=run_id, message_id=message)
+                    ),
                     faults=faults,
                 )
             started = await self.drives.first_commit(drive)
@@ -207,7 +211,7 @@ class RunHost:
             self._retire_if_idle()  # a dedicated host whose stale drive was dropped
             return _remote(exc)
 
-    async def resume_run(self, command: ResumeCommand) -> Any:
+    async def resume_run(self, command: ResumeCommand, trace: dict[str, str] | None = None) -> Any:
         """Apply a ResumeCommand; a rejected one raises ResumeRejected at the caller. Of two
         resumes of one ticket (through this host or any other) exactly one is applied."""
         await self._after_reclaim()
@@ -226,7 +230,7 @@ class RunHost:
                 _ref_of(frontier),
                 command.thread_id,
                 frontier.run_id,
-                lambda e: e.resume(command),
+                lambda e: tracing_env.within(trace, e.resume(command)),
                 parent_link(frontier),
                 after=self._after,
             )

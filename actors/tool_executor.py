@@ -21,6 +21,7 @@ import ray
 from actors.heap import freeze_startup_heap
 from actors.spare import replace_spare_if_restarted
 from actors.wire import NAMESPACE, SystemSpec
+from runtime import tracing_env
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.errors import AgentImportError
@@ -34,6 +35,7 @@ class ToolExecutor:
     """Runs waves of tool calls; holds nothing but a cache of imported agents."""
 
     def __init__(self, warm_spares: bool = True) -> None:
+        tracing_env.configure_from_env()  # OTEL_* (the actor's runtime_env) asks for spans
         self._agents: dict[str, Agent] = {}
         self._waves: dict[str, asyncio.Task[list[Any]]] = {}
         """Waves running here, by id, so a host can cancel one (actors.waves)."""
@@ -87,7 +89,7 @@ class ToolExecutor:
         if tool is None:
             text = f"tool {inv.tool!r} is not deployed on this executor"
             return Finished(output=ToolOutput(content=text, is_error=True))
-        return await invoke_safely(tool, inv)
+        return await tracing_env.within(inv.trace_context, invoke_safely(tool, inv))
 
     async def where(self) -> dict[str, Any]:
         """Where this executor runs and with what (for tests and diagnostics)."""

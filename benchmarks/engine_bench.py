@@ -7,7 +7,12 @@ store in this process, and reports wall time and this process's CPU time per Run
 benchmarks.engine_bench``.
 
     python -m benchmarks.engine_bench [--store memory|sqlite|postgres|URL] [--runs R]
-        [--concurrency C] [--trials N] [--json]
+        [--concurrency C] [--trials N] [--tracing off|memory] [--json]
+
+``--tracing memory`` traces every Run into the SDK's in-memory exporter (a simple
+span processor: each span is exported as it ends), so the figures include what making
+the spans costs; ``off`` (the default) sets no tracer provider, as a process without
+one runs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import typer
 
 from benchmarks.w1_agent import W1
+from runtime import tracing
 from runtime.agent import load_agent
 from runtime.runner import InProcessRunner
 from storage.url import open_store
@@ -29,7 +35,8 @@ from storage.url import open_store
 WARMUP_RUNS = 10
 
 
-async def one_trial(url: str, runs: int, concurrency: int) -> dict[str, float]:
+async def one_trial(url: str, runs: int, concurrency: int, traced: str = "off") -> dict[str, float]:
+    spans = _trace_into_memory() if traced == "memory" else None
     w1 = W1()
     agent = load_agent(w1.ref)
     store = await open_store(url)
@@ -48,7 +55,24 @@ async def one_trial(url: str, runs: int, concurrency: int) -> dict[str, float]:
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     finally:
         await store.close()
-    return {"runs_per_s": runs / wall, "cpu_ms_per_run": 1000 * cpu / runs}
+        tracing.disable()
+    result = {"runs_per_s": runs / wall, "cpu_ms_per_run": 1000 * cpu / runs}
+    if spans is not None:
+        result["spans_per_run"] = len(spans.get_finished_spans()) / (runs + WARMUP_RUNS)
+    return result
+
+
+def _trace_into_memory() -> Any:
+    """Trace into the SDK's in-memory exporter; returns the exporter."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable(provider)
+    return exporter
 
 
 def store_url(store: str) -> str:
@@ -64,17 +88,25 @@ def main(
     runs: int = typer.Option(500, min=1),
     concurrency: int = typer.Option(50, min=1),
     trials: int = typer.Option(3, min=1),
+    traced: str = typer.Option("off", "--tracing", help="off, or memory: spans of every Run"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    results = [asyncio.run(one_trial(store_url(store), runs, concurrency)) for _ in range(trials)]
+    if traced not in ("off", "memory"):
+        raise typer.BadParameter("--tracing is off or memory")
+    results = [
+        asyncio.run(one_trial(store_url(store), runs, concurrency, traced)) for _ in range(trials)
+    ]
     summary: dict[str, Any] = {
         "store": store if "://" not in store else store.split("://")[0],
         "runs": runs,
         "concurrency": concurrency,
         "trials": trials,
+        "tracing": traced,
         "runs_per_s": round(statistics.median(r["runs_per_s"] for r in results), 1),
         "cpu_ms_per_run": round(statistics.median(r["cpu_ms_per_run"] for r in results), 2),
     }
+    if traced == "memory":
+        summary["spans_per_run"] = round(statistics.median(r["spans_per_run"] for r in results), 1)
     print(json.dumps(summary) if as_json else summary)
 
 

@@ -40,6 +40,7 @@ from cluster.config import (
 )
 from cluster.stream import follow_thread
 from cluster.waiting import on_a_live_host, patiently, polled, rests
+from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier, stamp_facts
 from runtime.errors import ResumeRejected, StoreError, StoreUnavailable
@@ -181,12 +182,12 @@ class Ratchet:
         check_id("run id", run, limits)
         check_text("input", input, limits.input_bytes, "input_bytes")
         args = (agent_ref, thread, run, input, placement)
-        armed = [faults]
+        armed, trace = [faults], tracing_env.carrier()  # the caller's span: the Run's parent
 
         async def start_run() -> Any:
             fault, armed[0] = armed[0], None  # a repeated start is not armed again
             target = self._host_for(thread, placement, host)
-            return unwrap(await target.start_run.remote(*args, fault, wait=wait))
+            return unwrap(await target.start_run.remote(*args, fault, wait=wait, trace=trace))
 
         # the host may die before it answers (or be restarting): start is idempotent
         answer = await on_a_live_host(start_run)
@@ -412,7 +413,7 @@ class RunHandle:
         for _ in range(max(len(self.client.hosts), 1) + 1):
             target = self.client._host_for(self.thread_id, placement, index)
             try:
-                unwrap(await target.resume_run.remote(command))
+                unwrap(await target.resume_run.remote(command, trace=tracing_env.carrier()))
                 return
             except RayActorError:
                 ticket = await self.ticket()

@@ -29,6 +29,7 @@ from edge.models import (
     ThreadSummary,
 )
 from edge.problems import HttpProblem, problems
+from runtime import tracing_env
 from runtime.commit import Frontier
 from runtime.errors import AgentImportError
 from runtime.ids import ThreadId
@@ -93,9 +94,10 @@ async def start_run(
     allowed = request.app.state.agents
     if allowed and body.agent not in allowed:
         raise AgentImportError(f"agent {body.agent!r} is not one this server may start")
-    handle = await client.start(
-        body.agent, body.input, thread_id=thread, run_id=body.run_id, placement=body.placement
-    )
+    with tracing_env.continued(request.headers):  # a traceparent header: the Run's parent
+        handle = await client.start(
+            body.agent, body.input, thread_id=thread, run_id=body.run_id, placement=body.placement
+        )
     return await at_rest(handle, wait)
 
 
@@ -140,7 +142,9 @@ async def _agent_of(client: Ratchet, thread: ThreadId) -> str | None:
     responses=problems(404, 409, 413, 422, 503),
     summary="Answer the awaiting Run's ticket",
 )
-async def resume(client: Client, thread: Thread, body: Resume, wait: Wait = 0) -> ThreadSummary:
+async def resume(
+    request: Request, client: Client, thread: Thread, body: Resume, wait: Wait = 0
+) -> ThreadSummary:
     """The ids come from the thread's committed ticket, the payload from the body. A
     payload that does not fit the ticket is 409 ResumeRejected naming the ``axis``
     (``payload``, ``ticket``, ``deadline``, …); the ticket stays as it was."""
@@ -149,7 +153,8 @@ async def resume(client: Client, thread: Thread, body: Resume, wait: Wait = 0) -
     if body.request_id is not None:
         command = command.model_copy(update={"request_id": body.request_id})
     handle = client.handle(thread)
-    await handle.resume(command)
+    with tracing_env.continued(request.headers):  # a traceparent header: the drive's parent
+        await handle.resume(command)
     return await at_rest(handle, wait)
 
 

@@ -10,6 +10,7 @@ failure ends a Run.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -47,6 +48,7 @@ from runtime.publish import Publisher
 from runtime.resume import result_messages
 from runtime.state import Command
 from runtime.timeutil import now_us
+from runtime.tracing import RunTrace
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -64,6 +66,8 @@ class Committing:
     store_retry: StoreRetry
     committed: asyncio.Event
     limits: Limits
+    trace: RunTrace | None = None
+    """The span of the drive in progress, while tracing is on (``runtime.tracing``)."""
 
     async def end(
         self,
@@ -214,6 +218,7 @@ class Committing:
         run = run_id or ctx.run_id
         status = _status_after(f.status, disposition, now_us())
         changed = status if status is not f.status else None  # moved_to keeps it if unchanged
+        traced = () if self.trace is None else self.trace.stamp(f, run, label)
         commit = assemble_commit(
             thread_id=f.thread_id,
             run_id=run,
@@ -221,7 +226,7 @@ class Committing:
             label=label,
             disposition=disposition,
             messages=tuple(messages),
-            commands=(*ctx.pending, *commands),
+            commands=(*ctx.pending, *commands, *traced),
             batch=batch,
             status=changed,
             extra_facts=tuple(extra_facts),
@@ -233,9 +238,11 @@ class Committing:
         new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)
         owner = self.owner if claim else None
         self.faults.hit(f"before:{label}")
-        receipt = await self._retrying(
-            lambda: self.store.append(commit, f.version, ctx.epoch, claim=owner)
-        )
+        append = functools.partial(self.store.append, commit, f.version, ctx.epoch, claim=owner)
+        if self.trace is None:
+            receipt = await self._retrying(append)
+        else:  # the append as a span of its own
+            receipt = await self.trace.commit(label, functools.partial(self._retrying, append))
         self.faults.hit(f"after:{label}")
         ctx.pending.clear()
         ctx.frontier = new_frontier

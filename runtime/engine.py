@@ -29,13 +29,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from runtime import tracing
 from runtime.agent import Agent
 from runtime.base import trusted
 from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch
 from runtime.checkpoint import SafeCheckpoints
-from runtime.commit import (
-    Frontier,
-)
+from runtime.commit import Frontier
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
 from runtime.delegation import ChildRunner, ParentLink
 from runtime.errors import (
@@ -173,6 +172,7 @@ class Engine(Sides):
 
     # ---- ways in: each takes the thread by compare-and-set -----------------------------
 
+    @tracing.drive
     async def start(
         self,
         thread: ThreadId,
@@ -229,6 +229,7 @@ class Engine(Sides):
         check_id("message id", message_id, Limits(id_chars=4 * limits.id_chars))
         check_text("input", text, limits.input_bytes, "input_bytes")
 
+    @tracing.drive
     async def recover(self, thread: ThreadId) -> Frontier:
         """Take over a running Run (its epoch as loaded: Fenced if the thread moved on
         meanwhile) and continue it from its frontier. A Run at rest is returned as is."""
@@ -251,6 +252,7 @@ class Engine(Sides):
             return await self._drive(ctx, status)
         return await self._drive(ctx)
 
+    @tracing.drive
     async def resume(self, command: ResumeCommand) -> Frontier:
         """Validate ``command`` against the committed ticket, commit it, and drive on.
 
@@ -359,7 +361,7 @@ class Engine(Sides):
                 if self.ending:
                     await self.end(ctx, self._control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
-                    await self._ending_on(ctx, advance_batch(self, ctx))
+                    await self._ending_on(ctx, tracing.step(self, ctx, advance_batch(self, ctx)))
                 elif self.pause_requested or ctx.execution.wait_request is not None:
                     # the Step that just finished ends (its StepEnd hooks) before the wait
                     hooks = HookResults()
@@ -369,7 +371,7 @@ class Engine(Sides):
                     if not ctx.execution.stopped:
                         await self._await_at_boundary(ctx)
                 else:
-                    await self._ending_on(ctx, self._step(ctx))
+                    await self._ending_on(ctx, tracing.step(self, ctx, self._step(ctx)))
         except CancelledSignal:
             await self.end(ctx, self._control_cause(ctx))
         except RunOver:

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from runtime import tracing
 from runtime.agent import Agent
 from runtime.base import evolve, trusted
 from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
@@ -111,7 +112,8 @@ class Inference:
             attempt += 1
             request = _request(self.agent, ctx, step, attempt, history, last)
             try:
-                response = await self.guard(self._stream(ctx, request))
+                work = tracing.inference(self.agent.model, ctx, request, self._stream(ctx, request))
+                response = await self.guard(work)
                 return admit_response(response, self.limits)
             except CancelledSignal:
                 raise

@@ -137,6 +137,9 @@ class ToolInvocation(Frozen):
     downstream system refuse a zombie (an older epoch) after a takeover."""
     execution: ExecutionSnapshot | None = None
     """The Run's ExecutionState as the call was sent (the tool's ``ctx.execution``)."""
+    trace_context: dict[str, str] | None = None
+    """The call's ``execute_tool`` span as W3C headers (``traceparent``), while tracing is
+    on: the tool runs as its child, wherever it runs (``runtime.tracing.within``)."""
 
 
 class Finished(Frozen):

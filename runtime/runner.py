@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+from runtime import tracing_env
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
@@ -47,6 +48,7 @@ class InProcessRunner:
         agent_ref: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
+        tracing_env.configure_from_env()  # OTEL_* asks for spans: the SDK's provider, once
         self.agent = agent
         self.store = store
         self.tools = tools or LocalToolRunner(agent.deployed_tools)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime import tracing
 from runtime.batch import (
     ActiveToolBatch,
     ToolCall,
@@ -138,12 +139,17 @@ async def run_wave(
             )
         marked = False
         services.faults.hit("during:tools")
-        outcomes = await services.guard(_dispatch(services, ctx, batch, wave, parsed))
-        _refuse_parallel_waits(wave, outcomes)
-        retry: list[CallId] = []
-        undispatched = set()
-        for call_id, outcome in zip(wave, outcomes, strict=True):
-            batch = _record(services, ctx, batch, call_id, outcome, retry, undispatched, commands)
+        with tracing.tool_calls(batch, wave) as spans:  # a no-op while tracing is off
+            work = _dispatch(services, ctx, batch, wave, parsed, spans)
+            outcomes = await services.guard(work)
+            _refuse_parallel_waits(wave, outcomes)
+            retry: list[CallId] = []
+            undispatched = set()
+            for call_id, outcome in zip(wave, outcomes, strict=True):
+                batch = _record(
+                    services, ctx, batch, call_id, outcome, retry, undispatched, commands
+                )
+            spans.done(batch, outcomes)
         wave = retry
     if batch.awaiting_call() is not None:
         # a lone child that surfaced a human wait: its wait is committed together with
@@ -169,6 +175,7 @@ async def _dispatch(
     batch: ActiveToolBatch,
     wave: list[CallId],
     parsed: dict[CallId, dict[str, Any]],
+    spans: tracing.ToolSpans,
 ) -> list[ToolOutcome | ChildWaiting]:
     """One executor round trip for ordinary calls; every child of the wave at once."""
     agent = services.agent
@@ -178,6 +185,7 @@ async def _dispatch(
     invocations = [
         _invocation(services, ctx, batch, c, parsed.pop(c, None), seen) for c in ordinary
     ]
+    invocations = spans.carried(invocations)  # each call's span travels with it
     runs: list[Awaitable[Any]] = [services.tools.run(invocations)] if invocations else []
     child_runner = services.children
     assert child_runner is not None or not children

@@ -29,6 +29,7 @@ from runtime.limits import DEFAULT_LIMITS, Limits, json_depth, printable
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.signals import cancelling
 from runtime.state import Command
+from runtime.tracing_env import within
 
 Concurrency = Literal["parallel", "serial"]
 
@@ -342,7 +343,10 @@ class LocalToolRunner:
         # context), awaited in order without gather's bookkeeping, which costs more than
         # the tasks; if this is cancelled, so are they, as with a cancelled gather.
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(invoke_safely(self.tools[i.tool], i)) for i in invocations]
+        tasks = [
+            loop.create_task(within(i.trace_context, invoke_safely(self.tools[i.tool], i)))
+            for i in invocations
+        ]
         try:
             return [await task for task in tasks]
         except asyncio.CancelledError:

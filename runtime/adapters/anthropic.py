@@ -65,6 +65,9 @@ class AnthropicModel:
     adapter on one loop (an actor's, a runner's), and ``aclose`` it there when done.
     """
 
+    provider_name = "anthropic"
+    """``gen_ai.provider.name`` on its inference spans (``runtime.tracing``)."""
+
     def __init__(
         self,
         model: str,

@@ -71,6 +71,9 @@ class OpenAICompatible:
     adapter on one loop (an actor's, a runner's), and ``aclose`` it there when done.
     """
 
+    provider_name = "openai"
+    """``gen_ai.provider.name`` on its inference spans (``runtime.tracing``)."""
+
     def __init__(
         self,
         model: str,
