@@ -26,7 +26,7 @@ from runtime.lifecycle import (
     Unpause,
     UserInput,
 )
-from runtime.limits import DEFAULT_LIMITS
+from runtime.limits import DEFAULT_LIMITS, Limits, history_headroom
 from runtime.ports import RunSummary
 
 LIMITS = DEFAULT_LIMITS
@@ -81,6 +81,15 @@ class Stop(Body):
     )
 
 
+class HistoryRoom(BaseModel):
+    """A thread's history against its limits (``runtime.limits``)."""
+
+    bytes: int
+    bytes_limit: int
+    commits: int
+    commits_limit: int
+
+
 class ThreadSummary(BaseModel):
     """A thread's committed frontier in brief; ``status`` is the stream's status object."""
 
@@ -95,11 +104,15 @@ class ThreadSummary(BaseModel):
     its cause)."""
     status: ThreadStatus
     steps: int
+    history: HistoryRoom
+    """How close the thread is to its history limits (``failed(history_limit)``)."""
 
     @classmethod
-    def of(cls, frontier: Frontier) -> ThreadSummary:
+    def of(cls, frontier: Frontier, limits: Limits = DEFAULT_LIMITS) -> ThreadSummary:
         meta = run_meta(frontier)
+        room = history_headroom(frontier.messages, frontier.version, limits)
         return cls(
+            history=HistoryRoom(**room),
             thread_id=frontier.thread_id,
             version=frontier.version,
             run_id=frontier.run_id,

@@ -76,7 +76,7 @@ async def at_rest(handle: RunHandle, wait_s: float) -> ThreadSummary:
     if wait_s > 0:
         with contextlib.suppress(TimeoutError):
             await handle.result(timeout_s=wait_s)
-    return ThreadSummary.of(await handle.frontier())
+    return ThreadSummary.of(await handle.frontier(), handle.client.spec.limits)
 
 
 @router.post(
@@ -103,7 +103,7 @@ async def start_run(
 
 @router.get("/threads/{thread}", responses=problems(404, 422), summary="A thread's frontier")
 async def get_thread(client: Client, thread: Thread) -> ThreadSummary:
-    return ThreadSummary.of(await known(client, thread))
+    return ThreadSummary.of(await known(client, thread), client.spec.limits)
 
 
 @router.get("/runs", responses=problems(422), summary="Every thread's latest Run, paged")
@@ -180,7 +180,8 @@ async def _end(client: Ratchet, thread: ThreadId, reason: str | None, wait: floa
     frontier = await known(client, thread)
     if isinstance(frontier.run_state, EndedState):
         # as `ratchet cancel` does: asking a host could create a dedicated one to say so
-        return ControlResult(outcome="not_running", thread=ThreadSummary.of(frontier))
+        summary = ThreadSummary.of(frontier, client.spec.limits)
+        return ControlResult(outcome="not_running", thread=summary)
     handle = client.handle(thread)
     outcome = await (handle.cancel() if reason is None else handle.stop(reason))
     summary = await at_rest(handle, wait if outcome == "signalled" else 0)

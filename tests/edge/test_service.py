@@ -113,6 +113,9 @@ def test_a_resume_that_does_not_fit_is_409_and_the_ticket_stays(http):
     before = http.get(f"/threads/{thread}").json()
     assert before["run_state"]["kind"] == "awaiting"
     assert before["run_state"]["ticket"]["target"]["wait"] == "permission"
+    room = before["history"]  # how close the thread is to failed(history_limit)
+    assert room["commits"] == before["version"] and room["commits_limit"] == 50_000
+    assert 0 < room["bytes"] < room["bytes_limit"] == 64 * 1024 * 1024
     wrong = {"payload": {"kind": "user_input", "text": "sure, go"}}
     body = problem(http.post(f"/threads/{thread}/resume", json=wrong), 409, "ResumeRejected")
     assert body["axis"] == "payload"
