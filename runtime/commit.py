@@ -246,6 +246,9 @@ class Receipt(Frozen):
     """The thread version this commit produced."""
     operation_id: OperationId
     payload_hash: str
+    group: int = 1
+    """Commits the store wrote in the same transaction as this one (its group writer's
+    group; 1 for a store without one, and for a retried commit found as already written)."""
 
 
 def _frozen_state(value: StateView) -> StateView:

@@ -236,6 +236,7 @@ class RunTrace:
         ) as span:
             receipt = await append()
             span.set_attribute("ratchet.commit.version", receipt.seq)
+            span.set_attribute("ratchet.commit.group_size", receipt.group)
         if self._offered is not None:  # this commit recorded the drive: link the earlier
             self.stamped = True
             for earlier in self._offered:

@@ -329,6 +329,8 @@ class SqlCommitStore:
             self.groups += 1
             self.appends += appends
         for item, outcome in zip(group, outcomes, strict=True):
+            if appends > 1 and isinstance(outcome, Receipt):  # for the commit's span
+                outcome = outcome.model_copy(update={"group": appends})
             _resolve(item, outcome)
 
     async def _write_planned(self, plan: Plan | None) -> list[Outcome] | None:

@@ -393,3 +393,23 @@ def test_the_otel_environment_configures_the_sdk(tmp_path):
 def test_otel_sdk_disabled_turns_tracing_off(tmp_path):
     stdout, spans = run_script(tmp_path, OTEL_TRACES_EXPORTER="console", OTEL_SDK_DISABLED="true")
     assert spans == [] and "ratchet" not in stdout
+
+
+async def test_a_commit_span_says_how_many_commits_shared_its_transaction(provider, tmp_path):
+    import asyncio
+
+    from storage.sql import SqlCommitStore
+
+    store = await SqlCommitStore.connect(f"sqlite:///{tmp_path}/group.db")
+    try:
+        runner = InProcessRunner(billing(), store)
+        await asyncio.gather(*(runner.start("go", thread_id=f"g{i}") for i in range(8)))
+        sizes = [
+            s.attributes["ratchet.commit.group_size"]
+            for s in finished(provider)
+            if s.name.startswith("ratchet.commit ")
+        ]
+        assert len(sizes) == 8 * 4 and all(n >= 1 for n in sizes)
+        assert max(sizes) > 1  # eight Runs at once: the group writer shared transactions
+    finally:
+        await store.close()
