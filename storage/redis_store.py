@@ -58,8 +58,10 @@ A store of an earlier layout (no ``sums``, no checksums; "2", which had no prune
 upgraded at connect (``storage.redis_upgrade``); a store of a newer layout is
 refused. An append writes the commit, its hash and receipt and the head: nothing
 that grows with the history. ``load_head`` reads the meta; ``load`` reads the log
-and the pruned history too, in the same MULTI, and takes the messages from them. A test corrupts a record with ``LSET P:thread:T:log (seq - pruned - 1) TEXT``
-and a frontier with ``HSET P:thread:T:meta frontier TEXT``.
+and the pruned history too, in the same MULTI, and takes the messages from them. A
+test corrupts a record with ``LSET P:thread:T:log (seq - pruned - 1) TEXT``, a frontier
+with ``HSET P:thread:T:meta frontier TEXT`` and a pruned message with ``LSET
+P:thread:T:history INDEX TEXT``.
 
 **A prune** (``storage.retention``) is one script too: it trims the first records off
 ``log`` and ``sums`` (LTRIM), appends their messages to ``history``, deletes their
@@ -81,6 +83,7 @@ import logging
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from runtime.base import evolve
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
     Frontier,
@@ -94,7 +97,6 @@ from runtime.commit import (
     receipt_of,
     with_claim,
 )
-from runtime.base import evolve
 from runtime.errors import CorruptRecord, Fenced, StoreError
 from runtime.ids import ThreadId
 from runtime.integrity import (
@@ -348,12 +350,17 @@ class RedisCommitStore:
                 pipe.lrange(self._key(thread, "log"), 0, -1)
                 pipe.lrange(self._key(thread, "sums"), 0, -1)
                 pipe.lrange(self._key(thread, "history"), 0, -1)
-                (text, version, epoch, owner, checksum, stored_head, *anchored), bodies, sums, texts = (
-                    await pipe.execute()
-                )
+                (
+                    (text, version, epoch, owner, checksum, stored_head, *anchored),
+                    bodies,
+                    sums,
+                    texts,
+                ) = await pipe.execute()
         anchor = _anchor(thread, *anchored[:2])
         last = sums[-1] if sums else None
-        head = _verified(thread, text, version, epoch, checksum, stored_head, len(sums), last, anchor)
+        head = _verified(
+            thread, text, version, epoch, checksum, stored_head, len(sums), last, anchor
+        )
         head = head.model_copy(update={"owner": owner})
         if not head.version:
             return head

@@ -4,10 +4,10 @@
 FOR UPDATE``; SQLite ``BEGIN IMMEDIATE``, one writer), look up a receipt already
 stored under the commit's operation id, apply ``admit`` from ``runtime.commit`` (the
 same pure rules every backend uses: an append's own claim, fencing, version, the
-hash chain, the fold), insert the commit row and write the new frontier's head (without messages) and its
-checksum into the thread row: an append writes its commit and a row that does not
-grow with the history. ``load_head`` reads that row alone; ``load`` adds the messages
-from the verified log (``sql_txn.load_body``).
+hash chain, the fold), insert the commit row and write the new frontier's head
+(without messages) and its checksum into the thread row: an append writes its commit
+and a row that does not grow with the history. ``load_head`` reads that row alone;
+``load`` adds the messages from the verified log (``sql_txn.load_body``).
 **A claim** locks the row the same way, checks the epoch it supersedes
 (``check_claim``) and writes the row back with the epoch bumped (``with_claim``).
 Every read is verified (``runtime.integrity``): a load checks the frontier against

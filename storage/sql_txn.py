@@ -425,7 +425,7 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
             return _whole(conn, thread, head, row)
         except CorruptRecord:
             now = conn.execute(ANCHOR, {"thread": thread}).first()
-            if now is None or now.pruned_through == row.pruned_through:
+            if row is None or now is None or now.pruned_through == row.pruned_through:
                 raise
     row = conn.execute(LOAD, {"thread": thread}).first()
     head = _head(conn, thread, row, cache)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from runtime.commit import head_only, Frontier, replay
+from runtime.commit import Frontier, head_only, replay
 from runtime.errors import (
     CorruptRecord,
     DuplicateOperation,
