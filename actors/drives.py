@@ -87,6 +87,9 @@ class Holding:
     async def load(self, thread: ThreadId) -> Frontier:
         return await self.store.load(thread)
 
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        return await self.store.load_head(thread)
+
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
         return await self.store.read(thread, after_seq)
 

@@ -97,6 +97,9 @@ class StoreActor:
     async def load(self, thread: ThreadId) -> Any:
         return await self._call("load", thread)
 
+    async def load_head(self, thread: ThreadId) -> Any:
+        return await self._call("load_head", thread)
+
     async def read(self, thread: ThreadId, after_seq: int) -> Any:
         return await self._call("read", thread, after_seq)
 
@@ -202,6 +205,10 @@ class RemoteCommitStore:
 
     async def load(self, thread: ThreadId) -> Frontier:
         result: Frontier = await self._call("load", thread)
+        return result
+
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        result: Frontier = await self._call("load_head", thread)
         return result
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:

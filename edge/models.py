@@ -133,7 +133,8 @@ class CommitRecord(BaseModel):
     seq: int
     """The commit's sequence number; its facts' stream offsets are ``seq:index``."""
     commit: dict[str, Any]
-    """The ThreadCommit as stored (label, disposition, messages, batch, events, hashes)."""
+    """The ThreadCommit (label, disposition, messages, batch, hashes), its ``events``
+    every fact of the commit, derived ones included (``ThreadCommit.facts``)."""
 
 
 class CommitsPage(BaseModel):

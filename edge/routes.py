@@ -9,7 +9,7 @@ rest (ended or awaiting) and answers with the thread as it is then.
 from __future__ import annotations
 
 import contextlib
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 
@@ -30,7 +30,7 @@ from edge.models import (
 )
 from edge.problems import HttpProblem, problems
 from runtime import tracing_env
-from runtime.commit import Frontier
+from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import AgentImportError
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState
@@ -188,6 +188,14 @@ async def _end(client: Ratchet, thread: ThreadId, reason: str | None, wait: floa
     return ControlResult.model_validate({"outcome": outcome, "thread": summary})
 
 
+def _served(commit: ThreadCommit) -> dict[str, Any]:
+    """A commit as the API serves it: ``events`` holds every fact of the commit (a
+    schema-3 record stores only those it cannot derive: ``ThreadCommit.facts``)."""
+    served = commit.model_dump(mode="json")
+    served["events"] = [fact.model_dump(mode="json") for fact in commit.facts]
+    return served
+
+
 @router.get(
     "/threads/{thread}/commits",
     responses=problems(404, 422),
@@ -201,8 +209,6 @@ async def commits(
 ) -> CommitsPage:
     await known(client, thread)
     records = await client.store.read(thread, after)
-    page = [
-        CommitRecord(seq=r.seq, commit=r.commit.model_dump(mode="json")) for r in records[:limit]
-    ]
+    page = [CommitRecord(seq=r.seq, commit=_served(r.commit)) for r in records[:limit]]
     more = len(records) > limit
     return CommitsPage(thread_id=thread, commits=page, next_after=page[-1].seq if more else None)

@@ -65,16 +65,20 @@ CommitLabel = Literal[
 """``turn``: a session's handler-backed side took its turn (``runtime.session``)."""
 
 
-COMMIT_SCHEMA: Literal[2] = 2
-"""Schema of the commits written now: 2 carries ``prev`` (the hash chain); 1, written
-before the chain, is still read (its records are checked against their own hash)."""
-FRONTIER_SCHEMA: Literal[2] = 2
+COMMIT_SCHEMA: Literal[3] = 3
+"""Schema of the commits written now: 3 stores only the facts ``facts_of`` cannot derive
+from the commit's own fields (``events``: a ``resumed``, say), so a message's text is in
+its body once; 2 carries ``prev`` (the hash chain) and every fact; 1, written before the
+chain, is still read (its records are checked against their own hash)."""
+FRONTIER_SCHEMA: Literal[3] = 3
+"""Schema of the frontiers stored now: 3 leaves the messages out (they are in the log:
+``message_count`` says how many there are); 2 held the whole history, and still reads."""
 
 
 class ThreadCommit(Frozen):
     """One atomic transition of a thread: lands whole or leaves nothing."""
 
-    schema_version: Literal[1, 2] = COMMIT_SCHEMA
+    schema_version: Literal[1, 2, 3] = COMMIT_SCHEMA
     thread_id: ThreadId
     run_id: RunId
     ordinal: int = Field(ge=0)
@@ -89,6 +93,8 @@ class ThreadCommit(Frozen):
     status: ThreadStatus | None = None
     """The thread's run status after this commit; None leaves it unchanged."""
     events: tuple[Fact, ...] = ()
+    """The facts stored with the commit: from schema 3 only those ``facts_of`` does not
+    derive from its fields (``facts`` is all of them, whatever the schema)."""
     prev: str = ""
     """Hash of the thread's previous commit ("" for its first): the hash chain. Schema 1
     records, written before the chain, have none (and are not checked against it)."""
@@ -117,6 +123,15 @@ class ThreadCommit(Frozen):
         return is_plain([c.value for c in self.commands]) and is_plain(
             [e.data for e in self.events]
         )
+
+    @cached_property
+    def facts(self) -> tuple[Fact, ...]:
+        """Every fact of the commit, in order: the derived ones (``facts_of``), then the
+        stored ones. Records before schema 3 stored both; the facts are read from them."""
+        if self.schema_version < 3:
+            return self.events
+        derived = facts_of(self.run_id, self.label, self.messages, self.status, self.disposition)
+        return (*derived, *self.events) if self.events else derived
 
     @cached_property
     def encoded(self) -> str:
@@ -183,8 +198,9 @@ def assemble_commit(
     epoch: int = 0,
     claim: str | None = None,
 ) -> ThreadCommit:
-    """The engine's commit, with the facts derived from it (``facts_of``) and then
-    ``extra_facts``: the same commit as ``ThreadCommit(...)``, at a fraction of the cost.
+    """The engine's commit, storing ``extra_facts`` (its ``facts`` are those derived
+    from it by ``facts_of``, then these): the same commit as ``ThreadCommit(...)``, at a
+    fraction of the cost.
 
     Its parts are records the engine made and validated as it made them; the
     constructor would re-check each nested record's type, which costs more than all the
@@ -192,8 +208,8 @@ def assemble_commit(
     label and ordinal, the commit's rules (``_legal``) and the batch invariants, as the
     constructor and a decode would. Commands may come from hooks as any object, so
     unless they are all Commands they are validated (and coerced) as the constructor
-    would. The derived facts are plain JSON by construction, so only command values and
-    extra facts are looked at for the encoder (``free_form_plain``).
+    would. Only command values and extra facts are looked at for the encoder
+    (``free_form_plain``).
     """
     if label not in _LABELS:
         raise ValueError(f"unknown commit label {label!r}")
@@ -214,7 +230,7 @@ def assemble_commit(
         commands=commands,
         batch=batch,
         status=status,
-        events=(*facts_of(run_id, label, messages, status, disposition), *extra_facts),
+        events=extra_facts,
         prev=prev,
         epoch=epoch,
         claim=claim,
@@ -257,9 +273,17 @@ def _frozen_state(value: StateView) -> StateView:
 
 
 class Frontier(Frozen):
-    """Everything recovery needs, kept current by every append (no log replay on load)."""
+    """Everything recovery needs, kept current by every append (no log replay on load).
 
-    schema_version: Literal[1, 2] = FRONTIER_SCHEMA
+    **Its head and its history.** A store keeps the frontier without its messages (its
+    *head*: ``message_count`` says how many there are) and the messages once, in the
+    log; ``CommitStore.load`` gives the whole frontier, messages included. A frontier
+    holds its history when ``len(messages) == message_count`` (``has_history``); a head
+    alone (``head_only``, what the stores admit appends against) holds none, and the
+    fold keeps it so: it never holds a part of the history.
+    """
+
+    schema_version: Literal[1, 2, 3] = FRONTIER_SCHEMA
     thread_id: ThreadId
     version: int = 0
     epoch: int = 0
@@ -272,6 +296,10 @@ class Frontier(Frozen):
     state: Annotated[StateView, AfterValidator(_frozen_state)] = Field(default_factory=empty_state)
     """Deeply immutable (``runtime.frozen``): nobody who reads it can change it."""
     messages: tuple[Message, ...] = ()
+    """The thread's messages, every Run's, in order; empty in a head (see above), and
+    never stored from schema 3 on."""
+    message_count: int = 0
+    """How many messages the thread holds (its history's length, stored in the head)."""
     run_start: int = 0
     """Index in ``messages`` where the current Run's messages begin."""
     steps: int = 0
@@ -284,9 +312,44 @@ class Frontier(Frozen):
     that settled it ``failed`` with no progress between them (``actors.ownership``
     ends the Run ``failed(recovery)`` when this reaches its limit)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data: object) -> object:
+        """A frontier stored before schema 3 holds its messages and no count of them."""
+        if isinstance(data, dict) and "message_count" not in data:
+            return {**data, "message_count": len(data.get("messages") or ())}
+        return data
+
     @property
     def ended(self) -> bool:
         return isinstance(self.run_state, EndedState)
+
+    @property
+    def has_history(self) -> bool:
+        return len(self.messages) == self.message_count
+
+
+def head_only(frontier: Frontier) -> Frontier:
+    """The frontier without its messages, at the current schema: what a store keeps
+    (and checksums)."""
+    if frontier.messages or frontier.schema_version != FRONTIER_SCHEMA:
+        return evolve(frontier, messages=(), schema_version=FRONTIER_SCHEMA)
+    return frontier
+
+
+def with_history(frontier: Frontier, messages: tuple[Message, ...]) -> Frontier:
+    """A head with its whole history (the caller read and verified ``messages``)."""
+    if len(messages) != frontier.message_count:
+        raise ValueError(f"{len(messages)} messages for a head of {frontier.message_count}")
+    return evolve(frontier, messages=messages)
+
+
+_HEAD_FIELDS = {"messages"}
+
+
+def frontier_text(frontier: Frontier) -> str:
+    """The stored text of a frontier (schema 3): its head, never its messages."""
+    return head_only(frontier).model_dump_json(exclude=_HEAD_FIELDS)
 
 
 TraceCheck = Callable[["Frontier", "ThreadCommit"], None]
@@ -431,7 +494,7 @@ def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
         batch = None
     elif batch is None and not new_run:
         batch = frontier.batch
-    commands, committed = commit.commands, frontier.messages
+    commands, committed, count = commit.commands, frontier.messages, frontier.message_count
     inferences = sum(isinstance(m, AssistantMessage) for m in messages)
     if commit.label != "status":
         failed_recoveries = 0  # progress, or a new Run
@@ -447,8 +510,10 @@ def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
         batch=batch,
         status=commit.status or frontier.status,
         state=apply_commands(state, commands) if commands else state,
-        messages=committed + messages,
-        run_start=len(committed) if new_run else frontier.run_start,
+        # a head stays a head; a whole history grows by the commit's messages
+        messages=committed + messages if len(committed) == count else (),
+        message_count=count + len(messages),
+        run_start=count if new_run else frontier.run_start,
         steps=(0 if new_run else frontier.steps) + inferences,
         next_ordinal=ordinal + 1,
         head=commit.payload_hash,
@@ -486,5 +551,6 @@ def replay(thread: ThreadId, commits: Iterable[ThreadCommit]) -> Frontier:
 
 
 def stamp_facts(commit: ThreadCommit, seq: int) -> tuple[Fact, ...]:
-    """The commit's facts with their stream offsets (seq, index)."""
-    return tuple(evolve(fact, seq=seq, index=i) for i, fact in enumerate(commit.events))
+    """The commit's facts (derived and stored: ``ThreadCommit.facts``) with their stream
+    offsets (seq, index)."""
+    return tuple(evolve(fact, seq=seq, index=i) for i, fact in enumerate(commit.facts))

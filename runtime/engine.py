@@ -2,7 +2,10 @@
 
 Every transition is committed before anything relies on it. The engine holds no
 truth of its own: it starts from ``store.load`` and after each commit folds that
-commit into its copy of the frontier with the same pure function the stores use.
+commit into its copy of the frontier with the same pure function the stores use. The
+load is the one read of the thread's history per way in: it verifies the whole log
+and takes the messages from it; from there on the engine keeps them itself (a store
+keeps only each message's one copy in the log, and writes only what a commit adds).
 The same engine runs under the in-process runner and inside a Ray RunHost.
 
 **Ownership.** Every way in takes the thread by compare-and-set: a start, a resume
@@ -34,7 +37,7 @@ from runtime.agent import Agent
 from runtime.base import trusted
 from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch
 from runtime.checkpoint import SafeCheckpoints
-from runtime.commit import Frontier
+from runtime.commit import Frontier, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
 from runtime.delegation import ChildRunner, ParentLink
 from runtime.errors import (
@@ -238,8 +241,14 @@ class Engine(Sides):
         if not isinstance(frontier.run_state, RunningState):
             return frontier
         claimed = await self._claimed(thread, frontier.epoch)
+        added: tuple[Message, ...] = ()
         if claimed.version > frontier.version:  # its owner went on meanwhile: verify that too
-            await self._retrying(lambda: self.store.read(thread, after_seq=frontier.version))
+            later = await self._retrying(
+                lambda: self.store.read(thread, after_seq=frontier.version)
+            )
+            added = tuple(m for r in later if r.seq <= claimed.version for m in r.commit.messages)
+        # a store answers a claim with the head alone: the messages are the ones loaded
+        claimed = with_history(claimed, (*frontier.messages, *added))
         if not isinstance(claimed.run_state, RunningState):
             return claimed  # it came to rest between the load and the claim
         ctx = self._context(claimed)
@@ -308,12 +317,10 @@ class Engine(Sides):
         raise InvalidTransition(f"thread {thread} kept moving; it was not ended")
 
     async def _verified(self, thread: ThreadId) -> Frontier:
-        """The thread's frontier, its whole log verified first (hashes, chain, head): no
-        engine acts on a thread whose records do not verify (CorruptRecord)."""
-        frontier = await self._retrying(lambda: self.store.load(thread))
-        if frontier.version:
-            await self._retrying(lambda: self.store.read(thread))
-        return frontier
+        """The thread's whole frontier; its load reads and verifies the whole log (hashes,
+        chain, head) to take the messages from it: no engine acts on a thread whose
+        records do not verify (CorruptRecord)."""
+        return await self._retrying(lambda: self.store.load(thread))
 
     def _context(self, frontier: Frontier) -> RunContext:
         execution = ExecutionState(

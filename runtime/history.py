@@ -363,11 +363,14 @@ def remake(
 ) -> ThreadCommit | None:
     """One commit re-made for ``thread`` (None: its facts are not derived from it, which
     no engine writes: such a record is refused, not copied blindly)."""
-    derived = facts_of(
-        commit.run_id, commit.label, commit.messages, commit.status, commit.disposition
-    )
-    if commit.events[: len(derived)] != derived:
-        return None
+    extra = commit.events  # from schema 3 on, the commit stores only these
+    if commit.schema_version < 3:
+        derived = facts_of(
+            commit.run_id, commit.label, commit.messages, commit.status, commit.disposition
+        )
+        if commit.events[: len(derived)] != derived:
+            return None
+        extra = commit.events[len(derived) :]
     return assemble_commit(
         thread_id=thread,
         run_id=commit.run_id,
@@ -378,7 +381,7 @@ def remake(
         commands=commit.commands,
         batch=commit.batch,
         status=commit.status,
-        extra_facts=commit.events[len(derived) :],
+        extra_facts=extra,
         prev=prev,
         epoch=epoch,
         claim=claim,

@@ -7,6 +7,13 @@ goes through ``check_frontier_text``. Whatever does not hold fails closed with
 stored hash replaced, a record deleted or reordered, a chain that does not link, a
 log that does not reach the frontier's head, a frontier edited behind its checksum.
 
+**The history** (the thread's messages) is kept once: in the records that committed
+them, and for a pruned thread, those of the records removed in its *pruned history*
+(one stored text per message, kept beside the anchor with ``history_digest`` of them
+all). ``whole_frontier`` puts a stored head together with its history: the records
+kept (verified as above) and the pruned history, which must match its digest; a count
+that does not add up to the head's ``message_count`` fails closed too.
+
 ``audit`` is what ``ratchet verify`` runs per thread: the checks above, plus a replay
 of the whole log compared with the stored frontier.
 
@@ -24,10 +31,15 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from runtime.commit import Frontier, ThreadCommit, advance, decode_commit, replay
+from pydantic import TypeAdapter, ValidationError
+
+from runtime.commit import Frontier, ThreadCommit, advance, decode_commit, replay, with_history
 from runtime.errors import CorruptRecord, StoreError
 from runtime.ids import ThreadId
+from runtime.messages import Message
 from runtime.ports import CommitStore, CommittedRecord
+
+_MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
 
 
 class RawRecord(NamedTuple):
@@ -132,6 +144,59 @@ def check_head(thread: str, frontier: Frontier, at_version: str | None) -> None:
         raise CorruptRecord(thread, frontier.version, "the frontier's head is not its last record")
 
 
+def message_text(message: Message) -> str:
+    """A message as a pruned history stores it (JSON)."""
+    return _MESSAGE.dump_json(message).decode()
+
+
+def history_digest(before: str, texts: Iterable[str]) -> str:
+    """The digest of a pruned history: ``before`` (that of the texts before them, "" for
+    none) chained over ``texts``, so a prune extends it by what it removes alone."""
+    digest = before
+    for text in texts:
+        digest = body_hash(digest + body_hash(text))
+    return digest
+
+
+class PrunedHistory(NamedTuple):
+    """A pruned thread's history as stored: the messages of the records removed."""
+
+    texts: Sequence[str]
+    """The stored texts, in order (a read may find more than it needs: a prune since)."""
+    digest: str | None
+    """``history_digest`` of them as stored beside the anchor read with the records."""
+
+
+def whole_frontier(
+    thread: str,
+    head: Frontier,
+    records: Sequence[CommittedRecord],
+    pruned: PrunedHistory | None,
+) -> Frontier:
+    """``head`` with its history: the pruned history's first messages (a pruned thread),
+    then those of ``records``, the verified log kept up to the head (from the anchor
+    read with ``pruned``); CorruptRecord unless they add up to ``head.message_count`` and
+    the pruned texts match their digest."""
+    kept = [m for r in records if r.seq <= head.version for m in r.commit.messages]
+    before = head.message_count - len(kept)
+    if before < 0 or (before and pruned is None):
+        raise CorruptRecord(thread, head.version, "the log holds other messages than its head")
+    if pruned is None:
+        return with_history(head, tuple(kept))
+    texts = pruned.texts[:before]
+    if len(texts) < before or history_digest("", texts) != (pruned.digest or ""):
+        raise CorruptRecord(thread, head.version, "the pruned history does not match its digest")
+    return with_history(head, (*(_message(thread, head.version, t) for t in texts), *kept))
+
+
+def _message(thread: str, version: int, text: str) -> Message:
+    try:
+        return _MESSAGE.validate_json(text)
+    except ValidationError as exc:
+        detail = str(exc.errors()[0].get("msg", exc))
+        raise CorruptRecord(thread, version, f"a pruned message: {detail}") from exc
+
+
 def frontier_checksum(text: str) -> str:
     return body_hash(text)
 
@@ -192,7 +257,7 @@ def _compare(thread: str, frontier: Frontier, records: Sequence[CommittedRecord]
         rebuilt = replay(ThreadId(thread), [r.commit for r in records])
     except Exception as exc:  # a log the fold refuses is corrupt, whatever the reason
         return [Problem(thread, _failing_seq(thread, records), f"the log does not replay: {exc}")]
-    ownership = {"epoch", "owner"}
+    ownership = {"epoch", "owner", "schema_version"}
     if rebuilt.model_dump(exclude=ownership) != frontier.model_dump(exclude=ownership):
         return [Problem(thread, frontier.version, "the frontier is not the fold of its log")]
     return []
@@ -223,7 +288,7 @@ def _compare_suffix(
         rebuilt = _fold_onto(base, [r.commit for r in records])
     except Exception as exc:  # a log the fold refuses is corrupt, whatever the reason
         return [Problem(thread, first.seq, f"the log does not replay: {exc}")]
-    ignore = {"epoch", "owner", "state"}
+    ignore = {"epoch", "owner", "state", "schema_version"}
     if not any(r.commit.status is not None for r in records):
         ignore.add("status")
     same = rebuilt.model_dump(exclude=ignore) == frontier.model_dump(exclude=ignore)

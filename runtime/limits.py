@@ -77,12 +77,13 @@ class Limits:
 
     def commit_bytes(self) -> int:
         """The largest commit a Run kept within these limits can make: a Step's results
-        three times (in the batch, the messages and the facts of the commit that
-        publishes them), a response or an input three times, and room for the records'
-        own fields. A store whose payload limit is below this is refused (``Engine``)."""
+        twice (in the batch and the messages of the commit that publishes them: a commit
+        stores no fact derived from its messages, schema 3), a response twice (its
+        message and its calls' arguments in the batch), and room for the records' own
+        fields. A store whose payload limit is below this is refused (``Engine``)."""
         per_call = 1 * KIB  # ids, phases and keys of one call, three times over
         largest = max(self.response_bytes, self.input_bytes)
-        return 3 * self.batch_result_bytes + 3 * largest + self.tool_calls * per_call
+        return 2 * self.batch_result_bytes + 2 * largest + self.tool_calls * per_call
 
 
 DEFAULT_LIMITS = Limits()

@@ -46,14 +46,21 @@ class CommitStore(Protocol):
         ``claim`` at epoch + 1 in the same atomic step (``runtime.commit.admit``)."""
 
     async def load(self, thread: ThreadId) -> Frontier:
-        """The committed frontier; an empty one (version 0) for an unknown thread."""
+        """The committed frontier, its messages included; an empty one (version 0) for an
+        unknown thread. The messages are kept once, in the log (and a pruned thread's
+        pruned history): a load reads and verifies the whole log, as ``read`` does."""
+
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        """The committed frontier without its messages (``message_count`` says how many
+        there are), checked as ``load`` checks it but for the log: it reads no history.
+        What a claim answers is a head too."""
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
         """Committed records with seq > after_seq, in order, verified against the chain."""
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         """Become the thread's owner if its owner epoch is still ``supersedes`` (else
-        Fenced, nothing written); returns the frontier as claimed (epoch + 1)."""
+        Fenced, nothing written); returns the frontier's head as claimed (epoch + 1)."""
 
     async def list_runs(
         self,

@@ -194,6 +194,9 @@ class _CheckingStore:
     async def load(self, thread: ThreadId) -> Frontier:
         return await self.inner.load(thread)
 
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        return await self.inner.load_head(thread)
+
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
         return await self.inner.read(thread, after_seq)
 

@@ -348,7 +348,7 @@ def resume_command(way: Way) -> ResumeCommand:
     """The ResumeCommand a recorded resume commit applied: its payload from the commit's
     ``resumed`` fact, its ids from the ticket it answered."""
     commit, before = way.first, way.before
-    fact = next((e for e in commit.events if e.type == "resumed"), None)
+    fact = next((e for e in commit.facts if e.type == "resumed"), None)
     ticket = (
         before.disposition.ticket
         if before and isinstance(before.disposition, AwaitingState)

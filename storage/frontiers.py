@@ -1,21 +1,17 @@
 """Stored frontiers: decoding, encoding, and the per-process cache that makes both cheap.
 
-Decoding a frontier re-validates the whole of it (message history included) and
-encoding it writes the whole history again; both grow with the thread and were the
-largest CPU costs of a load and of a group transaction. Yet most of the time the
-text in the row is the text this process wrote a moment ago, and the new frontier
-differs from the last by a few appended messages.
+A stored frontier is its head (``runtime.commit.frontier_text``, schema 3): the
+messages are in the log, so a frontier's text and the work of encoding, checksumming
+and decoding it do not grow with the thread's history. A frontier stored before
+schema 3 holds its messages; it still decodes, and is kept as its head.
 
-``FrontierCache`` keeps, per thread, the last text seen, the frontier decoded from
-it and (when this process encoded it) the JSON of its messages. A frontier is
-reused only when the row's text is *equal* to the cached text: a row rewritten by
-another process, left by a rolled-back transaction or edited by hand has other
-text, and is decoded (and fails closed with CorruptRecord) exactly as if there were
-no cache. Every stored frontier has a checksum beside it (``runtime.integrity``):
+``FrontierCache`` keeps, per thread, the last text seen and the head decoded from it.
+A head is reused only when the row's text is *equal* to the cached text: a row
+rewritten by another process, left by a rolled-back transaction or edited by hand has
+other text, and is decoded (and fails closed with CorruptRecord) exactly as if there
+were no cache. Every stored frontier has a checksum beside it (``runtime.integrity``):
 text that does not match its checksum is CorruptRecord, cached or not. Frontiers are
-immutable, so one object can be shared. Encoding reuses the cached messages JSON
-when the old messages are a prefix of the new ones, and encodes only the rest of the
-frontier and the new messages.
+immutable, so one object can be shared.
 """
 
 from __future__ import annotations
@@ -24,23 +20,20 @@ import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
-from runtime.commit import Frontier
+from runtime.commit import Frontier, frontier_text, head_only
 from runtime.errors import CorruptRecord
 from runtime.integrity import check_frontier_text, frontier_checksum
-from runtime.messages import Message
 
 DEFAULT_ENTRIES = 4096
 DEFAULT_CHARS = 64 << 20
 """Text held by the cache at most (the decoded objects take a few times more)."""
 
-_MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
-_ALL_BUT_MESSAGES = {"messages"}
-
 
 def decode_frontier(thread: str, text: str, version: int) -> Frontier:
-    """A stored frontier, re-validated; fails closed with CorruptRecord."""
+    """A stored frontier, re-validated; fails closed with CorruptRecord. One stored
+    before schema 3 comes with its messages (``decode_head`` drops them)."""
     try:
         frontier = Frontier.model_validate_json(text)
     except ValidationError as exc:
@@ -51,11 +44,15 @@ def decode_frontier(thread: str, text: str, version: int) -> Frontier:
     return frontier
 
 
+def decode_head(thread: str, text: str, version: int) -> Frontier:
+    """The head of a stored frontier (``decode_frontier`` without the messages)."""
+    return head_only(decode_frontier(thread, text, version))
+
+
 class _Entry(NamedTuple):
     text: str
     frontier: Frontier
-    messages: str | None
-    """The JSON array of ``frontier.messages`` as it appears in ``text``, if known."""
+    """A head (no messages)."""
     checksum: str
 
 
@@ -75,7 +72,7 @@ class FrontierCache:
         self._lock = threading.Lock()
 
     def decode(self, thread: str, text: str, version: int, checksum: str | None) -> Frontier:
-        """The frontier stored as ``text`` (with ``checksum``) in the row at ``version``."""
+        """The head stored as ``text`` (with ``checksum``) in the row at ``version``."""
         entry = self._get(thread)
         if (
             entry is not None
@@ -85,22 +82,22 @@ class FrontierCache:
         ):
             return entry.frontier
         check_frontier_text(thread, version, text, checksum)
-        frontier = decode_frontier(thread, text, version)
-        self._put(thread, _Entry(text, frontier, None, checksum or ""))
+        frontier = decode_head(thread, text, version)
+        self._put(thread, _Entry(text, frontier, checksum or ""))
         return frontier
 
     def known(self, thread: str) -> Frontier | None:
-        """The frontier this process last wrote or read for ``thread``."""
+        """The head this process last wrote or read for ``thread``."""
         entry = self._get(thread)
         return None if entry is None else entry.frontier
 
     def encode(self, thread: str, frontier: Frontier) -> tuple[str, str]:
-        """The text to store for ``frontier`` and its checksum; remembered as decoding to it."""
-        messages = _messages_json(frontier, self._get(thread))
-        head = frontier.model_dump_json(exclude=_ALL_BUT_MESSAGES)
-        text = f'{head[:-1]},"messages":{messages}}}'
+        """The text to store for ``frontier`` (its head) and its checksum; remembered as
+        decoding to it."""
+        head = head_only(frontier)
+        text = frontier_text(head)
         checksum = frontier_checksum(text)
-        self._put(thread, _Entry(text, frontier, messages, checksum))
+        self._put(thread, _Entry(text, head, checksum))
         return text, checksum
 
     def _get(self, thread: str) -> _Entry | None:
@@ -125,19 +122,3 @@ class FrontierCache:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-def _messages_json(frontier: Frontier, prior: _Entry | None) -> str:
-    """The messages array's JSON, reusing ``prior``'s when its messages are a prefix."""
-    messages = frontier.messages
-    if prior is not None and prior.messages is not None:
-        old = prior.frontier.messages
-        n = len(old)
-        # A fold appends to the same tuple of message objects, so this is an identity
-        # comparison per item in C; equal messages would encode equally anyway.
-        if messages[:n] == old:
-            if len(messages) == n:
-                return prior.messages
-            tail = ",".join(_MESSAGE.dump_json(m).decode() for m in messages[n:])
-            return f"{prior.messages[:-1]}{',' if n else ''}{tail}]"
-    return "[" + ",".join(_MESSAGE.dump_json(m).decode() for m in messages) + "]"

@@ -2,7 +2,9 @@
 
 It keeps records encoded with their hashes, exactly as the durable backends do, so
 decoding, the chain and the corruption checks run the same code; it passes the same
-conformance suite. Its frontiers are kept as (immutable) objects.
+conformance suite. Its frontiers are kept as (immutable) heads, without messages: a
+load takes the messages from the log (and a pruned thread's pruned history), as the
+durable backends do.
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ from runtime.commit import (
     admit,
     check_claim,
     check_size,
+    head_only,
     receipt_of,
     with_claim,
 )
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
-from runtime.integrity import RawRecord, check_head, verified_records
+from runtime.integrity import (
+    PrunedHistory,
+    RawRecord,
+    check_head,
+    history_digest,
+    verified_records,
+    whole_frontier,
+)
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.retention import Cut, prune_thread
 from storage.summary import summarize
@@ -38,6 +48,10 @@ class _Thread:
     receipts: dict[str, Receipt] = field(default_factory=dict)
     anchor: tuple[int, str] | None = None
     """After a prune: the seq and stored hash of the last record removed."""
+    history: list[str] = field(default_factory=list)
+    """After a prune: the texts of the messages of the records removed."""
+    digest: str = ""
+    """Their ``history_digest``."""
 
     @property
     def pruned(self) -> int:
@@ -69,10 +83,21 @@ class MemoryCommitStore:
             receipt = receipt_of(commit, outcome.version)
             t.log.append(RawRecord(receipt.seq, commit.encoded, commit.payload_hash))
             t.receipts[operation_id] = receipt
-            t.frontier = outcome
+            t.frontier = head_only(outcome)
             return receipt
 
     async def load(self, thread: ThreadId) -> Frontier:
+        """The whole frontier: the head with the messages of the verified log."""
+        head = await self.load_head(thread)
+        t = self._threads.get(thread)
+        if t is None or not head.version:
+            return head
+        records = await self.read(thread)
+        pruned = None if t.anchor is None else PrunedHistory(t.history, t.digest)
+        return whole_frontier(thread, head, records, pruned)
+
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        """The frontier without its messages (``message_count`` of them)."""
         t = self._threads.get(thread)  # a look-up creates nothing
         if t is None:
             return Frontier(thread_id=thread)
@@ -133,6 +158,8 @@ class MemoryCommitStore:
             for operation in cut.operations:
                 t.receipts.pop(operation, None)
             t.anchor = (cut.through, cut.hash)
+            t.history.extend(cut.messages)
+            t.digest = history_digest(t.digest, cut.messages)
             return True
 
     async def close(self) -> None:
@@ -158,6 +185,10 @@ class MemoryCommitStore:
     def drop_frontier(self, thread: ThreadId) -> None:
         """Forget the thread's frontier, leaving its log (a thread row deleted by hand)."""
         self._thread(thread).frontier = Frontier(thread_id=thread)
+
+    def corrupt_history(self, thread: ThreadId, index: int, text: str) -> None:
+        """Overwrite a message of a pruned thread's pruned history (``index`` from 0)."""
+        self._thread(thread).history[index] = text
 
     def set_anchor(self, thread: ThreadId, anchor: tuple[int, str] | None) -> None:
         """Overwrite a pruned thread's anchor (its row edited by hand)."""

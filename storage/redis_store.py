@@ -27,7 +27,8 @@ thread's run-index entry and moves the thread in the owner index, or answers ``f
 
 **Key layout** (``P`` is the prefix, default ``ratchet``; ``T`` the thread id)::
 
-    P:thread:T:meta       hash    frontier  Frontier JSON (epoch 0, owner null inside)
+    P:thread:T:meta       hash    frontier  the Frontier's head: JSON without messages
+                                            (epoch 0, owner null inside)
                                   checksum  SHA-256 of the frontier text
                                   head      hash of the latest commit
                                   epoch     owner epoch (decimal)
@@ -38,25 +39,34 @@ thread's run-index entry and moves the thread in the owner index, or answers ``f
                                   pruned    seq of the last record a prune removed
                                             (absent: none was; ``storage.retention``)
                                   pruned_hash  its stored hash (the chain's anchor)
+                                  pruned_digest  the ``history_digest`` of ``history``
     P:thread:T:log        list    encoded ThreadCommits; index i holds seq
-                                  pruned + i + 1
+                                  pruned + i + 1 (their messages: the history)
+    P:thread:T:history    list    the messages of the records a prune removed, one
+                                  JSON text each, in order (the pruned history)
     P:thread:T:sums       list    their hashes, index for index (the chain)
     P:thread:T:ops        hash    operation id -> Receipt JSON
     P:runs:STATE          hash    thread id -> RunSummary JSON, STATE one of
                                   running | awaiting | ended (a thread is in one)
     P:owner:HOST          hash    thread id -> "1": running threads whose owner
                                   belongs to HOST (``runtime.ports.host_of``)
-    P:schema              string  "3" once the layout above is in place
+    P:schema              string  "4" once the layout above is in place
     P:upgrading           string  the layout upgrade's lock (``storage.redis_upgrade``)
 
-A store of an earlier layout (no ``sums``, no checksums; or "2", which had no prunes)
-is upgraded at connect (``storage.redis_upgrade``); a store of a newer layout is
-refused. A test corrupts a record with ``LSET P:thread:T:log (seq - pruned - 1) TEXT``
-and a frontier with ``HSET P:thread:T:meta frontier TEXT``.
+A store of an earlier layout (no ``sums``, no checksums; "2", which had no prunes; or
+"3", whose frontiers held the messages and whose pruned threads no ``history``) is
+upgraded at connect (``storage.redis_upgrade``); a store of a newer layout is
+refused. An append writes the commit, its hash and receipt and the head: nothing
+that grows with the history. ``load_head`` reads the meta; ``load`` reads the log
+and the pruned history too, in the same MULTI, and takes the messages from them. A
+test corrupts a record with ``LSET P:thread:T:log (seq - pruned - 1) TEXT``, a frontier
+with ``HSET P:thread:T:meta frontier TEXT`` and a pruned message with ``LSET
+P:thread:T:history INDEX TEXT``.
 
 **A prune** (``storage.retention``) is one script too: it trims the first records off
-``log`` and ``sums`` (LTRIM), deletes their receipts from ``ops`` and moves the anchor
-(``pruned``, ``pruned_hash``), if the anchor is still the one the prune read and the
+``log`` and ``sums`` (LTRIM), appends their messages to ``history``, deletes their
+receipts from ``ops`` and moves the anchor (``pruned``, ``pruned_hash``,
+``pruned_digest``), if the anchor and digest are still the ones the prune read and the
 hash list still holds the hash it read at the new anchor; else it answers ``moved``
 and the prune reads again. The append script counts the lists from the anchor.
 
@@ -73,6 +83,7 @@ import logging
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
+from runtime.base import evolve
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
     Frontier,
@@ -81,17 +92,22 @@ from runtime.commit import (
     admit,
     check_claim,
     check_size,
+    frontier_text,
+    head_only,
     receipt_of,
     with_claim,
 )
 from runtime.errors import CorruptRecord, Fenced, StoreError
 from runtime.ids import ThreadId
 from runtime.integrity import (
+    PrunedHistory,
     RawRecord,
     check_frontier_text,
     check_head,
     frontier_checksum,
+    history_digest,
     verified_records,
+    whole_frontier,
 )
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.redis_client import open_client, translated
@@ -186,32 +202,50 @@ return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
         f[6] or '0', f[7] or false}
 """
 
-# KEYS: meta log sums ops
-# ARGV: the anchor as read, the seq to prune through, the stored hash there, then the
-# operation ids of the records removed. 'moved': the anchor or the record is not as read.
+# KEYS: meta log sums ops history
+# ARGV: the anchor as read, the seq to prune through, the stored hash there, the pruned
+# history's digest as read and after, the number M of messages removed, then those M
+# messages and the operation ids of the records removed. 'moved': the anchor, digest or
+# record is not as read.
 _PRUNE_LUA = """#!lua
-local meta, log, sums, ops = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local want = {'hash', 'list', 'list', 'hash'}
-for i = 1, 4 do
+local meta, log, sums, ops, history = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local want = {'hash', 'list', 'list', 'hash', 'list'}
+for i = 1, 5 do
   local t = redis.call('TYPE', KEYS[i])['ok']
   if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
 end
-local f = redis.call('HMGET', meta, 'version', 'pruned')
+local f = redis.call('HMGET', meta, 'version', 'pruned', 'pruned_digest')
 local version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0')
 if not version or not pruned then return 'corrupt ' .. meta end
-local after, through = tonumber(ARGV[1]), tonumber(ARGV[2])
+local after, through, m = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[6])
 local n = through - after
-if pruned ~= after or through > version or redis.call('LINDEX', sums, n - 1) ~= ARGV[3] then
+if pruned ~= after or (f[3] or '') ~= ARGV[4] or through > version
+   or redis.call('LINDEX', sums, n - 1) ~= ARGV[3] then
   return 'moved'
 end
 redis.call('LTRIM', log, n, -1)
 redis.call('LTRIM', sums, n, -1)
-for i = 4, #ARGV, 1000 do
+for i = 7, 6 + m, 1000 do
+  redis.call('RPUSH', history, unpack(ARGV, i, math.min(i + 999, 6 + m)))
+end
+for i = 7 + m, #ARGV, 1000 do
   redis.call('HDEL', ops, unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
-redis.call('HSET', meta, 'pruned', ARGV[2], 'pruned_hash', ARGV[3])
+redis.call('HSET', meta, 'pruned', ARGV[2], 'pruned_hash', ARGV[3], 'pruned_digest', ARGV[5])
 return 'ok'
 """
+_META = [
+    "frontier",
+    "version",
+    "epoch",
+    "owner",
+    "checksum",
+    "head",
+    "pruned",
+    "pruned_hash",
+    "pruned_digest",
+]
+"""The meta fields a load reads (a snapshot the first eight)."""
 _ATTEMPTS = 3
 """A refusal is re-examined by loading again, and that look decides (the refusal
 conditions are monotonic); the bound only guards against keys edited by hand."""
@@ -308,6 +342,36 @@ class RedisCommitStore:
         raise StoreError(f"thread {commit.thread_id}: the append script kept refusing")
 
     async def load(self, thread: ThreadId) -> Frontier:
+        """The whole frontier: the head, the log and the pruned history in one MULTI,
+        the log verified, the messages taken from it (``whole_frontier``)."""
+        with translated(self.where):
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hmget(self._key(thread, "meta"), _META)
+                pipe.lrange(self._key(thread, "log"), 0, -1)
+                pipe.lrange(self._key(thread, "sums"), 0, -1)
+                pipe.lrange(self._key(thread, "history"), 0, -1)
+                (
+                    (text, version, epoch, owner, checksum, stored_head, *anchored),
+                    bodies,
+                    sums,
+                    texts,
+                ) = await pipe.execute()
+        anchor = _anchor(thread, *anchored[:2])
+        last = sums[-1] if sums else None
+        head = _verified(
+            thread, text, version, epoch, checksum, stored_head, len(sums), last, anchor
+        )
+        head = head.model_copy(update={"owner": owner})
+        if not head.version:
+            return head
+        pruned = anchor[0] if anchor else 0
+        stored = (head.version, head.head)
+        records = _read_rows(thread, 0, pruned + 1, bodies, sums, stored, anchor)
+        history = None if anchor is None else PrunedHistory(texts, anchored[2])
+        return whole_frontier(thread, head, records, history)
+
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        """The frontier without its messages: the meta, and the hash list's tail."""
         with translated(self.where):
             return (await self._snapshot(thread, None)).frontier
 
@@ -360,7 +424,7 @@ class RedisCommitStore:
         if reply[0] != "ok":
             raise CorruptRecord(thread, 0, f"unexpected shape of {reply[1]}")
         if len(reply) == 1:
-            return with_claim(loaded, owner)
+            return with_claim(head_only(loaded), owner)
         version, text, checksum, head, n, last, pruned, pruned_hash = reply[1:]
         anchor = _anchor(thread, pruned, pruned_hash)
         epoch = str(loaded.epoch)
@@ -405,8 +469,13 @@ class RedisCommitStore:
             return await prune_thread(self, thread, through_seq, self._cut)
 
     async def _cut(self, cut: Cut) -> bool:
-        keys = [self._key(cut.thread, p) for p in ("meta", "log", "sums", "ops")]
-        args: list[str | int] = [cut.after, cut.through, cut.hash, *cut.operations]
+        """The script checks the digest read here is still the thread's (else ``moved``)."""
+        keys = [self._key(cut.thread, p) for p in ("meta", "log", "sums", "ops", "history")]
+        stored = await self.client.hget(keys[0], "pruned_digest")
+        before = "" if stored is None else str(stored)
+        after = history_digest(before, cut.messages)
+        args: list[str | int] = [cut.after, cut.through, cut.hash, before, after]
+        args += [len(cut.messages), *cut.messages, *cut.operations]
         reply = await self._prune_script(keys=keys, args=args)
         if reply.startswith("corrupt"):
             raise CorruptRecord(
@@ -433,19 +502,7 @@ class RedisCommitStore:
         """The frontier (verified, with its epoch and owner) and the receipt under ``op``,
         read at one instant."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hmget(
-                self._key(thread, "meta"),
-                [
-                    "frontier",
-                    "version",
-                    "epoch",
-                    "owner",
-                    "checksum",
-                    "head",
-                    "pruned",
-                    "pruned_hash",
-                ],
-            )
+            pipe.hmget(self._key(thread, "meta"), _META[:8])
             pipe.hget(self._key(thread, "ops"), op or "")
             pipe.llen(self._key(thread, "sums"))
             pipe.lindex(self._key(thread, "sums"), -1)
@@ -475,7 +532,7 @@ class RedisCommitStore:
         keys = [self._key(thread, p) for p in ("meta", "log", "sums", "ops")]
         keys += [self._index(s) for s in RUN_STATES]
         keys += [self._owners(loaded.owner), self._owners(new.owner)]
-        text = new.model_copy(update={"epoch": 0, "owner": None}).model_dump_json()
+        text = frontier_text(evolve(new, epoch=0, owner=None))
         args: list[str | int] = [
             loaded.version,
             loaded.epoch,
@@ -548,7 +605,7 @@ def _decode_frontier(
         ) from exc
     if frontier.thread_id != thread or frontier.version != stored_version:
         raise CorruptRecord(thread, stored_version, "stored frontier names another thread/version")
-    return frontier.model_copy(update={"epoch": current})
+    return evolve(head_only(frontier), epoch=current)  # a layout 3 frontier holds messages
 
 
 def _anchor(thread: str, pruned: str | None, pruned_hash: str | None) -> tuple[int, str] | None:

@@ -1,12 +1,18 @@
 """Bringing a Redis store of an earlier layout up to date, at connect.
 
 Layout "1" kept no ``sums`` list and no frontier checksum or head; layout "2" has
-them, and the owner index; layout "3" (``storage.redis_store``) may also have pruned
-threads (an anchor in the meta, lists that begin after it). A "2" store reads as a
-"3" one with nothing pruned, so it is upgraded by setting ``P:schema`` alone (a
-compare-and-set: no lock, nothing else written); a "1" store as below, straight to
-"3". ``upgrade_layout`` runs on every connect and returns at once once ``P:schema``
-says "3".
+them, and the owner index; layout "3" may also have pruned threads (an anchor in the
+meta, lists that begin after it); layout "4" (``storage.redis_store``) keeps each
+message once, in the log, the frontier holding its head alone, and a pruned thread's
+messages of the records removed in its ``history`` list. A "2" store reads as a "4"
+one with nothing pruned, so it is upgraded by setting ``P:schema`` alone (a
+compare-and-set: no lock, nothing else written); frontiers that hold their messages
+still read, and lose them at their next append. A "3" store's pruned threads held the
+messages of their records removed only in their frontier: under the lock below each
+gets its ``history`` from there (``upgrade_pruned``: one script per thread, a
+compare-and-set on its frontier text and anchor), checked against the records kept;
+a "1" store is upgraded as below, straight to "4". ``upgrade_layout`` runs on every
+connect and returns at once once ``P:schema`` says "4".
 
 - **One upgrader at a time, none for ever.** The lock ``P:upgrading`` holds a random
   token under a short lease (``LEASE_MS``) that its holder renews while it lives and
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 from dataclasses import dataclass
@@ -41,18 +48,21 @@ import redis.asyncio as aioredis
 import redis.exceptions as rex
 from pydantic import ValidationError
 
-from runtime.commit import FRONTIER_SCHEMA, Frontier, Receipt
+from runtime.commit import Frontier, Receipt
 from runtime.errors import StoreError, StoreUnavailable
-from runtime.integrity import body_hash, frontier_checksum
+from runtime.integrity import body_hash, frontier_checksum, history_digest, message_text
 from runtime.ports import host_of
 from storage.errors import StoreTooNew
 from storage.summary import RUN_STATES, summarize
 
 log = logging.getLogger("ratchet.storage.redis")
 
-LAYOUT = "3"
+LAYOUT = "4"
 CHAINED = "2"
 """The layout before retention: the same keys, nothing pruned."""
+RETAINED = "3"
+"""The layout before incremental history: pruned threads kept their messages in the
+frontier alone."""
 LEASE_MS = 2000
 """The upgrade lock's lease: how long a dead upgrader keeps the others waiting."""
 WAIT_S = 300.0
@@ -175,7 +185,11 @@ async def _as_holder(client: aioredis.Redis, prefix: str, lock: str, token: str)
     done = asyncio.Event()  # not a cancel: cancelling a command in flight can hang it
     renewer = asyncio.create_task(_keep_lease(client, lock, token, done))
     try:
-        outcomes = await upgrade_threads(client, prefix)
+        layout = await client.get(f"{prefix}:schema")
+        if layout in (RETAINED, RETAINED.encode()):
+            outcomes = await upgrade_pruned(client, prefix)
+        else:
+            outcomes = await upgrade_threads(client, prefix)
         await client.set(f"{prefix}:schema", LAYOUT)
     finally:
         done.set()
@@ -258,9 +272,7 @@ def plan_upgrade(old: OldThread) -> Upgrade:
         if vouched.get(seq) != digest:
             raise Damaged(f"record {seq} does not match the payload hash of its receipt")
     head = sums[-1] if sums else ""
-    text = frontier.model_copy(
-        update={"schema_version": FRONTIER_SCHEMA, "head": head}
-    ).model_dump_json()
+    text = frontier.model_copy(update={"schema_version": 2, "head": head}).model_dump_json()
     summary = summarize(frontier.model_copy(update={"owner": old.owner}))
     state = 0 if summary is None else 1 + RUN_STATES.index(summary.state)
     entry = "" if summary is None else summary.model_dump_json()
@@ -295,3 +307,76 @@ async def write_upgrade(client: aioredis.Redis, prefix: str, upgrade: Upgrade) -
     if reply.startswith("corrupt"):
         raise Damaged(f"{reply.partition(' ')[2]} is of the wrong type")
     return reply
+
+
+# ---- layout 3 to 4: the pruned threads' history ------------------------------------------
+
+# KEYS: meta history
+# ARGV: frontier as read, anchor as read, the digest, then the messages' texts
+_PRUNED_LUA = """#!lua
+local want = {'hash', 'list'}
+for i = 1, 2 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
+end
+local f = redis.call('HMGET', KEYS[1], 'frontier', 'pruned', 'pruned_digest')
+if f[3] then return 'done' end
+if f[1] ~= ARGV[1] or f[2] ~= ARGV[2] then return 'moved' end
+redis.call('DEL', KEYS[2])
+for i = 4, #ARGV, 1000 do
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('HSET', KEYS[1], 'pruned_digest', ARGV[3])
+return 'ok'
+"""
+
+
+async def upgrade_pruned(client: aioredis.Redis, prefix: str) -> dict[str, Outcome]:
+    """Give every pruned thread of a layout 3 store its pruned history (by thread id)."""
+    first, last = f"{prefix}:thread:", ":meta"
+    outcomes: dict[str, Outcome] = {}
+    async for meta in client.scan_iter(match=f"{first}*{last}"):
+        thread = str(meta)[len(first) : -len(last)]
+        if thread not in outcomes:  # SCAN may return a key twice
+            outcomes[thread] = await _pruned_thread(client, f"{first}{thread}", thread)
+    return outcomes
+
+
+async def _pruned_thread(client: aioredis.Redis, key: str, thread: str) -> Outcome:
+    for _ in range(_ATTEMPTS):
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.hmget(f"{key}:meta", ["frontier", "pruned", "pruned_digest"])
+            pipe.lrange(f"{key}:log", 0, -1)
+            found = await pipe.execute(raise_on_error=False)
+        if any(isinstance(v, rex.ResponseError) for v in found):
+            log.warning("redis thread %r left as it was: a key of the wrong type", thread)
+            return "damaged"
+        (text, pruned, digest), bodies = found
+        if text is None or not pruned or digest is not None:
+            return "skipped"
+        try:
+            texts = _pruned_texts(thread, text, bodies)
+        except Damaged as exc:
+            log.warning("redis thread %r left as it was (its load fails closed): %s", thread, exc)
+            return "damaged"
+        script = client.register_script(_PRUNED_LUA)
+        args = [text, pruned, history_digest("", texts), *texts]
+        reply = str(await script(keys=[f"{key}:meta", f"{key}:history"], args=args))
+        if reply.startswith("corrupt"):
+            return "damaged"
+        if reply != "moved":
+            return "upgraded" if reply == "ok" else "skipped"
+    return "damaged"
+
+
+def _pruned_texts(thread: str, text: str, bodies: list[str]) -> list[str]:
+    """The messages a layout 3 frontier holds from before the records kept."""
+    try:
+        frontier = Frontier.model_validate_json(text)
+        kept = sum(len(json.loads(b).get("messages", ())) for b in bodies)
+    except (ValidationError, ValueError, AttributeError) as exc:
+        raise Damaged(f"the frontier or a record does not decode: {exc}") from None
+    before = len(frontier.messages) - kept
+    if frontier.thread_id != thread or before < 0:
+        raise Damaged("the frontier holds fewer messages than the records kept")
+    return [message_text(m) for m in frontier.messages[:before]]

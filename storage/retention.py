@@ -5,9 +5,12 @@
 before has ended, and an ended Run commits nothing more: ``runtime.commit.admit``), so
 every record up to N belongs to a Run that had ended by N, and every record of a Run
 still running or awaiting lies after N: nothing it needs goes. The frontier stays as
-it is (it holds the messages, the state and the status), and the thread keeps the seq
-and stored hash of record N beside it, its *anchor*: reads verify the records kept as
-a chain from it (``runtime.integrity.verified_records``).
+it is (it holds the state and the status), and the thread keeps the seq and stored
+hash of record N beside it, its *anchor*: reads verify the records kept as a chain
+from it (``runtime.integrity.verified_records``). The messages of the records removed
+move, in the same atomic step, to the thread's *pruned history* beside the anchor (each
+message's text once, and their ``history_digest``), so a load still has every Run's
+messages (``runtime.integrity.whole_frontier``).
 
 **One atomic cut, compare-and-set on the anchor.** ``prune_thread`` reads the log
 (verified: a damaged log is never pruned, so the damage stays for ``ratchet verify``
@@ -26,6 +29,7 @@ from typing import NamedTuple
 
 from runtime.errors import InvalidTransition, StoreError
 from runtime.ids import RunId, ThreadId
+from runtime.integrity import message_text
 from runtime.lifecycle import EndedState
 from runtime.ports import CommitStore, CommittedRecord
 
@@ -45,6 +49,9 @@ class Cut(NamedTuple):
     """The stored hash of the record at ``through``."""
     operations: tuple[str, ...]
     """The operation ids of the records removed (their receipts go with them)."""
+    messages: tuple[str, ...] = ()
+    """The texts of the messages of the records removed, in order (``message_text``):
+    they join the thread's pruned history."""
 
     @property
     def removed(self) -> int:
@@ -67,7 +74,8 @@ def plan_cut(thread: ThreadId, records: Sequence[CommittedRecord], through: int)
             f"thread {thread}: record {through} does not end a Run; only ended Runs are pruned"
         )
     ops = tuple(r.commit.operation_id for r in kept)
-    return Cut(thread, anchor, through, end.commit.payload_hash, ops)
+    texts = tuple(message_text(m) for r in kept for m in r.commit.messages)
+    return Cut(thread, anchor, through, end.commit.payload_hash, ops, texts)
 
 
 async def prune_thread(

@@ -13,24 +13,31 @@ SQLite's BEGIN IMMEDIATE does the same there.
 
 Tables:
 - ``ratchet_threads``: one row per thread; ``frontier`` is the JSON of the current
-  Frontier (kept current by every append, so ``load`` never replays the log) and
+  Frontier's head, without its messages (kept current by every append, so neither an
+  append nor ``load`` replays the log, and the row does not grow with the history) and
   ``checksum`` its SHA-256 (a load verifies it); ``head`` is the hash of the latest
   commit; the other columns are copies for locking, listing and fencing queries, and
   ``host`` (the owner's host, ``runtime.ports.host_of``) with ``run_state`` is the
   owner index hosts and the Supervisor reconcile by. ``pruned_through`` and
   ``pruned_hash`` are the retention anchor (``storage.retention``): the seq and stored
-  hash of the last record a prune removed (NULL: none was). Only a prune writes them:
+  hash of the last record a prune removed (NULL: none was), and ``pruned_digest`` the
+  ``history_digest`` of the pruned history (below). Only a prune writes them:
   the appends write the columns of ``ROW_COLUMNS`` alone (a planned append compares
   version, epoch and owner only, so a column it rewrote would undo a prune).
 - ``ratchet_commits``: the append-only log; (thread_id, seq) is the optimistic
   version rule, (thread_id, operation_id) the idempotency rule; ``body`` is the
   commit's canonical JSON exactly as hashed, ``payload_hash`` its SHA-256, which the
   next commit's body names (the hash chain, ``runtime.integrity``).
+  A record holds its messages: the log is where a thread's history is kept, once.
+- ``ratchet_pruned_messages``: a pruned thread's *pruned history*, the messages of the
+  records a prune removed (``body``: one message's JSON; ``idx`` from 0 in thread
+  order), written by the prune that removes them.
 - ``ratchet_checkpoints``: best-effort stream checkpoints, one per thread.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -52,9 +59,8 @@ from sqlalchemy import (
     text,
 )
 
-from runtime.commit import FRONTIER_SCHEMA
 from runtime.errors import CorruptRecord
-from runtime.integrity import frontier_checksum
+from runtime.integrity import frontier_checksum, history_digest, message_text
 from runtime.ports import host_of
 from storage.errors import StoreTooNew
 from storage.frontiers import decode_frontier
@@ -79,9 +85,10 @@ threads = Table(
     Column("host", String, nullable=True),
     Column("pruned_through", BigInteger, nullable=True),
     Column("pruned_hash", String, nullable=True),
+    Column("pruned_digest", String, nullable=True),
     Index("ix_ratchet_threads_host", "host", "run_state"),
 )
-ANCHOR_COLUMNS = ("pruned_through", "pruned_hash")
+ANCHOR_COLUMNS = ("pruned_through", "pruned_hash", "pruned_digest")
 ROW_COLUMNS = [c for c in threads.columns if c.name not in ANCHOR_COLUMNS]
 """The thread row's columns an append writes (all but the retention anchor)."""
 
@@ -96,6 +103,15 @@ commits = Table(
     Column("body", Text, nullable=False),
     PrimaryKeyConstraint("thread_id", "seq", name="pk_ratchet_commits"),
     UniqueConstraint("thread_id", "operation_id", name="uq_ratchet_commits_operation"),
+)
+
+pruned_messages = Table(
+    "ratchet_pruned_messages",
+    metadata,
+    Column("thread_id", String, nullable=False),
+    Column("idx", BigInteger, nullable=False),
+    Column("body", Text, nullable=False),
+    PrimaryKeyConstraint("thread_id", "idx", name="pk_ratchet_pruned_messages"),
 )
 
 checkpoints = Table(
@@ -146,6 +162,11 @@ def _v3_lz4_for_long_text(conn: Connection) -> None:
             conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN {column} SET COMPRESSION lz4"))
 
 
+_V4_FRONTIER = 2
+"""The frontier schema migration 4 writes (with the messages: schema 6 leaves them out
+of the frontiers written after it, and reads these as they are)."""
+
+
 def _v4_chain_checksums_owner_index(conn: Connection) -> None:
     """The hash chain and the owner index (issue "No Run left behind").
 
@@ -171,13 +192,13 @@ def _v4_chain_checksums_owner_index(conn: Connection) -> None:
             frontier = decode_frontier(thread, stored, version)
         except CorruptRecord:
             continue  # left without a checksum: a load of this thread alone fails closed
-        if frontier.schema_version == FRONTIER_SCHEMA:
+        if frontier.schema_version >= _V4_FRONTIER:
             continue  # written by this schema already
         head = conn.execute(
             select(_c.payload_hash).where(_c.thread_id == thread, _c.seq == version)
         ).scalar()
         upgraded = frontier.model_copy(
-            update={"schema_version": FRONTIER_SCHEMA, "head": head or ""}
+            update={"schema_version": _V4_FRONTIER, "head": head or ""}
         ).model_dump_json()
         conn.execute(
             threads.update()
@@ -197,9 +218,53 @@ def _v5_retention_anchor(conn: Connection) -> None:
     column rewrites no row on either database."""
     have = {c["name"] for c in inspect(conn).get_columns(threads.name)}
     kinds = {"pruned_through": "BIGINT", "pruned_hash": "TEXT"}
-    for name in ANCHOR_COLUMNS:
+    for name in kinds:
         if name not in have:
             conn.execute(text(f"ALTER TABLE {threads.name} ADD COLUMN {name} {kinds[name]}"))
+
+
+def _v6_incremental_history(conn: Connection) -> None:
+    """Incremental history: each message is kept once, in the record that committed it,
+    and the frontier row holds the head alone (appends write schema 3 frontiers; the
+    schema 2 frontiers already there read as they are, and lose their messages at their
+    next append). Records removed by a prune took their messages with them, which only
+    the frontier kept: for every pruned thread, they are copied from its frontier into
+    ``ratchet_pruned_messages`` with their digest (``pruned_digest``), checked against
+    the records kept. A thread whose frontier or records do not decode is left without
+    (its load fails closed, as migration 4 leaves a row it cannot upgrade)."""
+    pruned_messages.create(conn, checkfirst=True)
+    have = {c["name"] for c in inspect(conn).get_columns(threads.name)}
+    if "pruned_digest" not in have:
+        conn.execute(text(f"ALTER TABLE {threads.name} ADD COLUMN pruned_digest TEXT"))
+    _c, _t = commits.c, threads.c
+    rows = conn.execute(
+        select(_t.thread_id, _t.version, _t.frontier, _t.pruned_through).where(
+            _t.pruned_through.is_not(None)
+        )
+    ).all()
+    for thread, version, stored, through in rows:
+        kept = conn.execute(
+            select(_c.body).where(_c.thread_id == thread, _c.seq > through).order_by(_c.seq)
+        ).scalars()
+        try:
+            frontier = decode_frontier(thread, stored, version)
+            count = sum(len(json.loads(body).get("messages", ())) for body in kept)
+        except (CorruptRecord, ValueError, AttributeError):
+            continue
+        before = len(frontier.messages) - count
+        if before < 0 or frontier.message_count != len(frontier.messages):
+            continue
+        texts = [message_text(m) for m in frontier.messages[:before]]
+        if texts:
+            conn.execute(
+                pruned_messages.insert(),
+                [{"thread_id": thread, "idx": i, "body": t} for i, t in enumerate(texts)],
+            )
+        conn.execute(
+            threads.update()
+            .where(_t.thread_id == thread)
+            .values(pruned_digest=history_digest("", texts))
+        )
 
 
 MIGRATIONS: list[tuple[int, Step]] = [
@@ -208,6 +273,7 @@ MIGRATIONS: list[tuple[int, Step]] = [
     (3, _v3_lz4_for_long_text),
     (4, _v4_chain_checksums_owner_index),
     (5, _v5_retention_anchor),
+    (6, _v6_incremental_history),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator

@@ -4,8 +4,10 @@
 FOR UPDATE``; SQLite ``BEGIN IMMEDIATE``, one writer), look up a receipt already
 stored under the commit's operation id, apply ``admit`` from ``runtime.commit`` (the
 same pure rules every backend uses: an append's own claim, fencing, version, the
-hash chain, the fold), insert the commit row and write the new frontier and its
-checksum into the thread row, so ``load`` reads one row and never replays the log.
+hash chain, the fold), insert the commit row and write the new frontier's head
+(without messages) and its checksum into the thread row: an append writes its commit
+and a row that does not grow with the history. ``load_head`` reads that row alone;
+``load`` adds the messages from the verified log (``sql_txn.load_body``).
 **A claim** locks the row the same way, checks the epoch it supersedes
 (``check_claim``) and writes the row back with the epoch bumped (``with_claim``).
 Every read is verified (``runtime.integrity``): a load checks the frontier against
@@ -105,6 +107,7 @@ from storage.sql_txn import (
     Request,
     list_body,
     load_body,
+    load_head_body,
     pg_planned_args,
     plan_group,
     prune_txn,
@@ -216,7 +219,13 @@ class SqlCommitStore:
         return await self._submit(item)
 
     async def load(self, thread: ThreadId) -> Frontier:
+        """The whole frontier: its head with the messages of the verified log (and of
+        a pruned thread's pruned history): reads the whole log."""
         return await self._read(load_body, thread, self._frontiers)
+
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        """The frontier without its messages (``message_count`` of them): one row."""
+        return await self._read(load_head_body, thread, self._frontiers)
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
         return await self._read(read_body, thread, after_seq)

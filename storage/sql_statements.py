@@ -27,11 +27,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.dml import Insert
 
-from storage.schema import ROW_COLUMNS, commits, threads
+from storage.schema import ROW_COLUMNS, commits, pruned_messages, threads
 from storage.sql_engine import SQL_DIALECTS, upsert_ignore
 
-_t, _c = threads.c, commits.c
-_ANCHOR = (_t.pruned_through, _t.pruned_hash)
+_t, _c, _m = threads.c, commits.c, pruned_messages.c
+_ANCHOR = (_t.pruned_through, _t.pruned_hash, _t.pruned_digest)
 _IDS = ARRAY(String)
 
 
@@ -100,11 +100,24 @@ MOVE_ANCHOR = (
     .where(
         _t.thread_id == bindparam("thread"),
         func.coalesce(_t.pruned_through, 0) == bindparam("after"),
+        func.coalesce(_t.pruned_digest, "") == bindparam("digest_before"),
         _t.version >= bindparam("through"),
     )
-    .values(pruned_through=bindparam("through"), pruned_hash=bindparam("hash"))
+    .values(
+        pruned_through=bindparam("through"),
+        pruned_hash=bindparam("hash"),
+        pruned_digest=bindparam("digest"),
+    )
 )
 """A prune's compare-and-set: the anchor moves only if it is still where the prune read it."""
+PRUNED_COUNT = select(func.count()).where(_m.thread_id == bindparam("thread"))
+INSERT_PRUNED = pruned_messages.insert()
+PRUNED_TEXTS = (
+    select(_m.body)
+    .where(_m.thread_id == bindparam("thread"), _m.idx < bindparam("count"))
+    .order_by(_m.idx)
+)
+"""The first ``count`` messages of a thread's pruned history."""
 HASH_AT = select(_c.payload_hash).where(
     _c.thread_id == bindparam("thread"), _c.seq == bindparam("seq")
 )

@@ -30,7 +30,14 @@ from runtime.commit import (
 )
 from runtime.errors import CorruptRecord, RatchetError, StoreError
 from runtime.ids import OperationId, ThreadId
-from runtime.integrity import RawRecord, check_head, verified_records
+from runtime.integrity import (
+    PrunedHistory,
+    RawRecord,
+    check_head,
+    history_digest,
+    verified_records,
+    whole_frontier,
+)
 from runtime.ports import CommittedRecord, host_of
 from storage.frontiers import FrontierCache
 from storage.retention import ATTEMPTS, Cut
@@ -43,6 +50,7 @@ from storage.sql_statements import (
     HEAD,
     INSERT_COMMITS,
     INSERT_FRESH,
+    INSERT_PRUNED,
     INSERT_THREADS,
     LATEST_SEQ,
     LIST_ALL,
@@ -53,6 +61,8 @@ from storage.sql_statements import (
     MOVE_ANCHOR,
     PG_LOCK,
     PG_PLANNED,
+    PRUNED_COUNT,
+    PRUNED_TEXTS,
     READ,
     SQLITE_RECEIPTS,
     SQLITE_ROWS,
@@ -395,8 +405,34 @@ def _receipts(found: Iterable[DbRow]) -> Known:
 # ---- read bodies (one statement each) ----------------------------------------------------
 
 
+def load_head_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Frontier:
+    """The frontier's head (no messages): the thread row alone, checked against its
+    checksum and the stored hash of the record at its version."""
+    return _head(conn, thread, conn.execute(LOAD, {"thread": thread}).first(), cache)
+
+
 def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Frontier:
+    """The whole frontier: the head, with the messages of its verified log and, for a
+    pruned thread, of its pruned history (``whole_frontier``). A prune between the row
+    and the records removes records the row's anchor does not account for: read again,
+    as ``read_body`` does."""
+    for _ in range(ATTEMPTS - 1):
+        row = conn.execute(LOAD, {"thread": thread}).first()
+        head = _head(conn, thread, row, cache)
+        if not head.version:
+            return head
+        try:
+            return _whole(conn, thread, head, row)
+        except CorruptRecord:
+            now = conn.execute(ANCHOR, {"thread": thread}).first()
+            if row is None or now is None or now.pruned_through == row.pruned_through:
+                raise
     row = conn.execute(LOAD, {"thread": thread}).first()
+    head = _head(conn, thread, row, cache)
+    return _whole(conn, thread, head, row) if head.version else head
+
+
+def _head(conn: Connection, thread: ThreadId, row: DbRow, cache: FrontierCache) -> Frontier:
     if row is None or row.version == 0:
         _check_unvouched(conn, thread)
     if row is None:
@@ -409,6 +445,19 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
     if row.head != frontier.head:
         raise CorruptRecord(thread, row.version, "the stored head is not the frontier's")
     return frontier
+
+
+def _whole(conn: Connection, thread: ThreadId, head: Frontier, row: DbRow) -> Frontier:
+    """``head`` with its history, the records read under the row's own anchor. The
+    pruned history only grows, so its first messages are those the anchor's digest
+    covers, whatever a prune added since."""
+    records = _read_under(conn, thread, 0, row)
+    pruned = None
+    if row.pruned_through is not None:
+        before = head.message_count - sum(len(r.commit.messages) for r in records)
+        texts = conn.execute(PRUNED_TEXTS, {"thread": thread, "count": before}).scalars().all()
+        pruned = PrunedHistory(list(texts), row.pruned_digest)
+    return whole_frontier(thread, head, records, pruned)
 
 
 def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[CommittedRecord]:
@@ -481,10 +530,12 @@ class _Moved(Exception):
 
 
 def prune_txn(conn: Connection, cut: Cut) -> bool:
-    """Remove the records of ``cut`` and move the anchor, in one transaction; False (and
-    nothing removed) if the anchor is no longer where the prune read it. The anchor's
-    row is updated last, so appends to the thread wait for its lock only while the
-    transaction commits (PostgreSQL); SQLite's one writer waits for the whole of it."""
+    """Remove the records of ``cut``, add their messages to the pruned history and move
+    the anchor (with the history's digest), in one transaction; False (and nothing
+    removed) if the anchor is no longer where the prune read it. The anchor's row is
+    updated last, so appends to the thread wait for its lock only while the transaction
+    commits (PostgreSQL); SQLite's one writer waits for the whole of it. Two prunes at
+    once add the same places of the history: the second fails on its key and reads again."""
     params = {"thread": cut.thread, "after": cut.after, "through": cut.through}
     try:
         with conn.begin():
@@ -494,9 +545,20 @@ def prune_txn(conn: Connection, cut: Cut) -> bool:
                 cut.hash
             ):
                 raise _Moved
-            conn.execute(DELETE_PRUNED, params)
-            if conn.execute(MOVE_ANCHOR, {**params, "hash": cut.hash}).rowcount != 1:
+            anchor = conn.execute(ANCHOR, {"thread": cut.thread}).first()
+            if anchor is None or (anchor.pruned_through or 0) != cut.after:
                 raise _Moved
-    except _Moved:
+            before = anchor.pruned_digest or ""
+            if cut.messages:
+                start = conn.execute(PRUNED_COUNT, {"thread": cut.thread}).scalar() or 0
+                texts = enumerate(cut.messages, start)
+                rows = [{"thread_id": cut.thread, "idx": i, "body": t} for i, t in texts]
+                conn.execute(INSERT_PRUNED, rows)
+            conn.execute(DELETE_PRUNED, params)
+            digest = history_digest(before, cut.messages)
+            moved = {**params, "hash": cut.hash, "digest_before": before, "digest": digest}
+            if conn.execute(MOVE_ANCHOR, moved).rowcount != 1:
+                raise _Moved
+    except (_Moved, IntegrityError):
         return False
     return True

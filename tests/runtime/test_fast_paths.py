@@ -136,11 +136,9 @@ def commits() -> list[ThreadCommit]:
     ]
     built = []
     for ordinal, p in enumerate(parts):
-        events = facts_of(R, p["label"], p.get("messages", ()), p.get("status"), p["disposition"])
+        # schema 3 stores only the facts not derived from the commit (``facts`` has all)
         resumed = Fact(type="resumed", run_id=R, data={"x": 0.1, "y": [1e-07]})
-        built.append(
-            ThreadCommit(thread_id=T, run_id=R, ordinal=ordinal, events=(*events, resumed), **p)
-        )
+        built.append(ThreadCommit(thread_id=T, run_id=R, ordinal=ordinal, events=(resumed,), **p))
     return built
 
 
@@ -216,11 +214,11 @@ def test_a_tool_results_fields_are_its_json_dump():
 
 
 def _parts(commit: ThreadCommit) -> dict[str, Any]:
-    """assemble_commit's arguments for ``commit`` (its facts past the derived ones are extra)."""
+    """assemble_commit's arguments for ``commit`` (its stored facts are the extra ones)."""
     parts = {name: getattr(commit, name) for name in commit.model_fields_set - {"events"}}
     derived = facts_of(R, commit.label, commit.messages, commit.status, commit.disposition)
-    assert commit.events[: len(derived)] == derived
-    return {**parts, "extra_facts": commit.events[len(derived) :]}
+    assert commit.facts == (*derived, *commit.events)
+    return {**parts, "extra_facts": commit.events}
 
 
 @pytest.mark.parametrize("index", range(5))
@@ -253,7 +251,7 @@ def test_commands_that_are_not_commands_yet_are_validated_as_the_constructor_wou
     parts = {**_parts(commits()[0]), "commands": ({"key": "k", "value": 1},)}
     assembled = assemble_commit(**parts)
     extra = parts.pop("extra_facts")
-    assert assembled == ThreadCommit(**parts, events=(*assembled.events[: -len(extra)], *extra))
+    assert assembled == ThreadCommit(**parts, events=extra)
     assert isinstance(assembled.commands[0], Command)
     with pytest.raises(ValueError):
         assemble_commit(**{**parts, "commands": ({"key": "k", "merge": "disjoint", "value": 1},)})

@@ -114,7 +114,7 @@ async def test_permission_round_trip(approve):
         assert ran == ["/tmp/x"] and result.content == "deleted /tmp/x"
     else:
         assert ran == [] and result.is_error and result.content.startswith("blocked")
-    facts = [e.type for r in await store.read("t") for e in r.commit.events]
+    facts = [e.type for r in await store.read("t") for e in r.commit.facts]
     assert "resumed" in facts
 
     with pytest.raises(ResumeRejected) as err:  # a second resume after success

@@ -303,6 +303,10 @@ class FlakyStore:
         self._gate()
         return await self.inner.load(thread)
 
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        self._gate()
+        return await self.inner.load_head(thread)
+
     async def read(self, thread: ThreadId, after_seq: int = 0) -> Any:
         self._gate()
         return await self.inner.read(thread, after_seq)

@@ -138,7 +138,7 @@ async def test_reconnect_after_a_crash_loses_no_fact_and_duplicates_none():
             "go", thread_id="t", run_id="r", faults=FaultPlan(crash_at=("before:executing", 2))
         )
     # a client was following when the host died: it saw every fact committed so far
-    last = max((r.seq, len(r.commit.events) - 1) for r in await store.read("t") if r.commit.events)
+    last = max((r.seq, len(r.commit.facts) - 1) for r in await store.read("t") if r.commit.facts)
     before = []
     async for frame in follow(store, "t", bus=bus, until_rest=False):
         before.append(frame)

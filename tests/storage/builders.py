@@ -18,7 +18,7 @@ from runtime.state import Command
 
 async def head(store: Any, thread: str) -> str:
     """The hash the thread's next commit must name."""
-    return str((await store.load(ThreadId(thread))).head)
+    return str((await store.load_head(ThreadId(thread))).head)
 
 
 def activation(

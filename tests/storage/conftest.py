@@ -70,7 +70,8 @@ async def _redis_store(url: str) -> CommitStore:
 async def _postgres_store(url: str) -> SqlCommitStore:
     store = await SqlCommitStore.connect(url)
     async with store.engine.begin() as conn:
-        await conn.execute(text("TRUNCATE ratchet_threads, ratchet_commits, ratchet_checkpoints"))
+        tables = "ratchet_threads, ratchet_commits, ratchet_pruned_messages, ratchet_checkpoints"
+        await conn.execute(text(f"TRUNCATE {tables}"))
     return store
 
 

@@ -182,7 +182,7 @@ async def test_an_awaiting_run_is_not_at_rest_for_a_fork(store: Any) -> None:
     waits = [r.commit for r in await store.read(F) if r.commit.label == "awaiting"]
     assert len(waits) == 1 and isinstance(waits[0].disposition, AwaitingState)
     assert waits[0].disposition.ticket.thread_id == F
-    fact = next(e for e in waits[0].events if e.type == "awaiting")
+    fact = next(e for e in waits[0].facts if e.type == "awaiting")
     assert fact.data["ticket"]["thread_id"] == F
 
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from runtime.commit import Frontier, advance, replay, with_claim
+from runtime.commit import Frontier, advance, frontier_text, head_only, replay, with_claim
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import frontier_checksum
-from storage.frontiers import FrontierCache, decode_frontier
+from storage.frontiers import FrontierCache, decode_frontier, decode_head
 from tests.storage.builders import activation, ended, step
 
 T = ThreadId("t-cache")
@@ -26,14 +26,32 @@ def _folds(n: int) -> list[Frontier]:
     return frontiers
 
 
-def test_encoding_folds_decodes_to_each_frontier() -> None:
+def test_encoding_folds_decodes_to_each_frontier_head() -> None:
     cache = FrontierCache()
     for frontier in _folds(8):
-        text, checksum = cache.encode(T, frontier)  # all but the first reuse the messages
+        text, checksum = cache.encode(T, frontier)
+        head = head_only(frontier)
         assert checksum == frontier_checksum(text)
-        assert json.loads(text) == json.loads(frontier.model_dump_json())
-        assert decode_frontier(T, text, frontier.version) == frontier
-        assert cache.decode(T, text, frontier.version, checksum) is frontier
+        assert json.loads(text) == json.loads(head.model_dump_json(exclude={"messages"}))
+        assert decode_frontier(T, text, frontier.version) == head
+        assert head.message_count == len(frontier.messages)
+        assert cache.decode(T, text, frontier.version, checksum) == head
+
+
+def test_the_stored_text_does_not_grow_with_the_history() -> None:
+    """A head's text is the same size whatever the messages before it (issue 20)."""
+    short, long = _folds(3)[-1], _folds(300)[-1]
+    assert len(frontier_text(long)) - len(frontier_text(short)) < 10  # the counts' digits
+
+
+def test_a_frontier_stored_with_its_messages_still_decodes() -> None:
+    """Schema 2 frontiers hold the history; they decode whole, and their head is kept."""
+    frontier = _folds(4)[-1]
+    old = frontier.model_dump_json(exclude={"message_count"})
+    decoded = decode_frontier(T, old, frontier.version)
+    assert decoded.messages == frontier.messages
+    assert decoded.message_count == len(frontier.messages)
+    assert decode_head(T, old, frontier.version) == head_only(frontier)
 
 
 def _sum(text: str) -> str:
@@ -42,9 +60,9 @@ def _sum(text: str) -> str:
 
 def test_text_written_elsewhere_is_decoded_not_trusted() -> None:
     cache = FrontierCache()
-    ours, theirs = _folds(3)[1:3]
+    ours, theirs = (head_only(f) for f in _folds(3)[1:3])
     cache.encode(T, ours)
-    other = theirs.model_dump_json()  # the same thread, advanced by another process
+    other = frontier_text(theirs)  # the same thread, advanced by another process
     decoded = cache.decode(T, other, theirs.version, _sum(other))
     assert decoded == theirs and decoded is not theirs
     stale = ours.model_dump_json()  # equal meaning, other text: decoded all the same
@@ -58,22 +76,14 @@ def test_text_written_elsewhere_is_decoded_not_trusted() -> None:
 
 def test_text_that_does_not_match_its_checksum_is_corrupt_cached_or_not() -> None:
     cache = FrontierCache()
-    frontier = _folds(3)[-1]
+    frontier = head_only(_folds(3)[-1])
     text, checksum = cache.encode(T, frontier)
-    flipped = text.replace("step 1", "step 9")
+    flipped = text.replace('"message_count":3', '"message_count":4')
+    assert flipped != text
     for edited, summed in ((flipped, checksum), (text, "0" * 64), (text, None)):
         with pytest.raises(CorruptRecord, match="checksum"):
             cache.decode(T, edited, frontier.version, summed)
     assert cache.decode(T, text, frontier.version, checksum) is frontier
-
-
-def test_messages_that_are_not_a_prefix_are_encoded_whole() -> None:
-    cache = FrontierCache()
-    first = _folds(4)[-1]
-    cache.encode(T, first)
-    rewritten = first.model_copy(update={"messages": first.messages[1:]})
-    text, _ = cache.encode(T, rewritten)
-    assert decode_frontier(T, text, rewritten.version) == rewritten
 
 
 def test_ended_runs_are_dropped_and_the_cache_stays_bounded() -> None:

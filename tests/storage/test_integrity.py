@@ -444,7 +444,7 @@ async def test_safe_to_evil_rewrite_never_runs_evil(
     victim = await make_victim(store)
     tamper = tamper_for(store, backend)
     text = await tamper.frontier()
-    assert text.count("SAFE") >= 3  # the batch, the ticket and the assistant's call
+    assert text.count("SAFE") >= 2  # the batch and the ticket (the assistant's call: the log)
     await tamper.set_meta(frontier=text.replace("SAFE", "EVIL"))
     if also_the_log:
         for seq, body in enumerate(victim.bodies, start=1):

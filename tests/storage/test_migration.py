@@ -134,8 +134,8 @@ async def old_threads(ran: list[str], *, claimed: bool = True) -> list[Old]:
 
 async def check_verified(store: Any, olds: list[Old]) -> None:
     for old in olds:
-        frontier = await store.load(old.thread)
-        assert (frontier.schema_version, frontier.head) == (2, old.head)
+        frontier = await store.load(old.thread)  # whole, at the schema of this code
+        assert (frontier.schema_version, frontier.head) == (3, old.head)
         same = {"schema_version", "head"}
         assert frontier.model_dump(exclude=same) == old.frontier.model_dump(exclude=same)
         records = await store.read(old.thread)
@@ -160,7 +160,7 @@ async def go_on(store: Any, ran: list[str], olds: list[Old]) -> None:
         old = before[thread]
         records = await store.read(thread)
         first_new = records[len(old.bodies)].commit
-        assert (first_new.schema_version, first_new.prev) == (2, old.head)
+        assert (first_new.schema_version, first_new.prev) == (3, old.head)
 
 
 async def verify_all(url: str, threads_: int) -> None:
@@ -268,7 +268,7 @@ async def test_a_schema_3_store_migrates_and_verifies(sql_url: str) -> None:
         async with store.engine.connect() as conn:
             versions = (await conn.execute(select(schema_version.c.version))).scalars().all()
             rows = {r.thread_id: r for r in await conn.execute(select(threads))}
-        assert sorted(versions) == [1, 2, 3, 4, 5] and SCHEMA_VERSION == 5
+        assert sorted(versions) == [1, 2, 3, 4, 5, 6] and SCHEMA_VERSION == 6
         for old in olds:
             row = rows[old.thread]
             assert (row.head, row.host) == (old.head, host_of(old.frontier.owner))

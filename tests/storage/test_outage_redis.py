@@ -61,6 +61,9 @@ class Watched:
     async def load(self, thread: ThreadId) -> Frontier:
         return await self._watch(self.inner.load(thread))
 
+    async def load_head(self, thread: ThreadId) -> Frontier:
+        return await self._watch(self.inner.load_head(thread))
+
     async def read(self, thread: ThreadId, after_seq: int = 0) -> Any:
         return await self._watch(self.inner.read(thread, after_seq))
 

@@ -429,7 +429,7 @@ async def test_a_store_from_before_retention_upgrades(
         await old.client.set("ratchet:schema", "2")
         await old.close()
         store = await RedisCommitStore.connect(backend_url)
-        assert await store.client.get("ratchet:schema") == "3"
+        assert await store.client.get("ratchet:schema") == "4"
     else:
         from sqlalchemy import delete as sql_delete
         from sqlalchemy import inspect, text
@@ -439,16 +439,17 @@ async def test_a_store_from_before_retention_upgrades(
 
         old = await SqlCommitStore.connect(backend_url)
         async with old.engine.begin() as conn:
-            await conn.execute(sql_delete(schema_version).where(schema_version.c.version == 5))
-            for column in ("pruned_through", "pruned_hash"):
+            await conn.execute(sql_delete(schema_version).where(schema_version.c.version >= 5))
+            for column in ("pruned_through", "pruned_hash", "pruned_digest"):
                 await conn.execute(text(f"ALTER TABLE ratchet_threads DROP COLUMN {column}"))
+            await conn.execute(text("DROP TABLE ratchet_pruned_messages"))
         await old.close()
         store = await SqlCommitStore.connect(backend_url)
         async with store.engine.connect() as conn:
             names = await conn.run_sync(
                 lambda c: {col["name"] for col in inspect(c).get_columns("ratchet_threads")}
             )
-        assert {"pruned_through", "pruned_hash"} <= names
+        assert {"pruned_through", "pruned_hash", "pruned_digest"} <= names
     try:
         assert await store.read(T) == everything
         assert await store.prune(T, ends[1]) == ends[1]

@@ -216,7 +216,7 @@ async def test_a_claim_lands_on_appends_made_after_its_load(store: RedisCommitSt
     claimed = await store._claim(looked, owner)
     assert (claimed.version, claimed.head) == (2, r2.payload_hash)
     assert (claimed.epoch, claimed.owner) == (epoch + 1, owner)
-    assert claimed == await store.load(thread)
+    assert claimed == await store.load_head(thread)  # a claim answers the head
     (listed,) = await store.list_runs("running")
     assert (listed.version, listed.owner) == (2, owner)
     assert await store.list_runs("running", host="host-b") == [listed]

@@ -326,7 +326,7 @@ async def test_damage_in_an_old_store_is_not_blessed(redis_old: str) -> None:
     assert f"thread '{WAITING}'" not in result.stderr
 
 
-@pytest.mark.parametrize("layout", ["4", "banana"])
+@pytest.mark.parametrize("layout", ["5", "banana"])
 async def test_a_store_of_a_newer_redis_layout_is_refused(redis_old: str, layout: str) -> None:
     """Refused before anything is written: an old-layout thread beside it stays as it was."""
     writer, _ = await old_redis(redis_old)
@@ -342,5 +342,5 @@ async def test_a_store_of_a_newer_redis_layout_is_refused(redis_old: str, layout
         assert type(info.value) is StoreError and "unknown store layout" in str(info.value)
         return
     assert isinstance(info.value, StoreTooNew)
-    assert (info.value.found, info.value.known) == (4, 3)
-    assert str(info.value) == "store schema 4 is newer than this Ratchet (3): upgrade Ratchet"
+    assert (info.value.found, info.value.known) == (5, 4)
+    assert str(info.value) == "store schema 5 is newer than this Ratchet (4): upgrade Ratchet"
