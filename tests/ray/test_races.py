@@ -266,7 +266,7 @@ class _HostDyingMidResume:
         self.other_host, self.other_command = other_host, other_command
         self.resume_run = _Remote(self._resume)
 
-    async def _resume(self, command: Any) -> Any:
+    async def _resume(self, command: Any, trace: Any = None) -> Any:
         unwrap(await self.other_host.resume_run.remote(self.other_command))
         raise ray.exceptions.RayActorError()
 
