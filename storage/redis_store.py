@@ -81,7 +81,6 @@ import json
 import logging
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
 from runtime.base import evolve
 from runtime.commit import (
@@ -101,16 +100,21 @@ from runtime.errors import CorruptRecord, Fenced, StoreError
 from runtime.ids import ThreadId
 from runtime.integrity import (
     PrunedHistory,
-    RawRecord,
-    check_frontier_text,
-    check_head,
     frontier_checksum,
     history_digest,
-    verified_records,
     whole_frontier,
 )
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.redis_client import open_client, translated
+from storage.redis_rows import (
+    anchor_of,
+    decode_receipt,
+    decode_summary,
+    number_of,
+    read_rows,
+    verified_frontier,
+)
+from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, PRUNE_LUA
 from storage.redis_upgrade import upgrade_layout
 from storage.retention import Cut, prune_thread
 from storage.summary import RUN_STATES, RunStateKind, summarize
@@ -118,122 +122,6 @@ from storage.url import redact
 
 log = logging.getLogger("ratchet.storage.redis")
 
-# ---- the scripts ------------------------------------------------------------------------
-
-# The shebang opts into Redis 7 script flags: without allow-oom the server refuses the
-# whole script up front when out of memory, instead of failing between two writes.
-# KEYS: meta log sums ops runs:running runs:awaiting runs:ended owner:OLD owner:NEW
-_APPEND_LUA = """#!lua
-local meta, log, sums, ops = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local want = {'hash', 'list', 'list', 'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}
-for i = 1, 9 do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
-end
-local f = redis.call('HMGET', meta, 'epoch', 'version', 'run_id', 'ended', 'pruned')
-local epoch, version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[5] or '0')
-if not epoch or not version or not pruned then return 'corrupt ' .. meta end
-local kept = version - pruned
-if redis.call('HEXISTS', ops, ARGV[4]) == 1 or epoch ~= tonumber(ARGV[2])
-   or (f[4] == '1' and f[3] == ARGV[3]) or version ~= tonumber(ARGV[1]) then
-  return 'refused'
-end
-if redis.call('LLEN', log) ~= kept then return 'corrupt ' .. log end
-if redis.call('LLEN', sums) ~= kept then return 'corrupt ' .. sums end
-redis.call('RPUSH', log, ARGV[5])
-redis.call('RPUSH', sums, ARGV[6])
-redis.call('HSET', ops, ARGV[4], ARGV[7])
-if ARGV[14] ~= '' then
-  redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[14])
-end
-redis.call('HSET', meta, 'frontier', ARGV[8], 'checksum', ARGV[9], 'head', ARGV[6],
-           'version', tostring(version + 1), 'run_id', ARGV[10], 'ended', ARGV[11])
-for i = 5, 7 do redis.call('HDEL', KEYS[i], ARGV[12]) end
-redis.call('HSET', KEYS[4 + tonumber(ARGV[13])], ARGV[12], ARGV[15])
-redis.call('HDEL', KEYS[8], ARGV[12])
-if ARGV[13] == '1' then redis.call('HSET', KEYS[9], ARGV[12], '1') end
-return 'ok'
-"""
-
-# KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW
-# ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded.
-# The run-index entry is the last append's summary with the owner patched in: it ends
-# with the owner, RunSummary's last field (a string holds no bare `,"owner":`); an entry
-# that does not end in a JSON string or null there is reported, never rewritten.
-# Appends that moved the thread since the claimer's load: the reply carries what they
-# left (version, frontier, checksum, head, hash-list length, last hash) to verify.
-_CLAIM_LUA = r"""#!lua
-local meta, sums, thread = KEYS[1], KEYS[2], ARGV[3]
-local want = {'hash', 'list', 'hash', 'hash', 'hash', 'hash', 'hash'}
-for i = 1, 7 do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= want[i] then return {'corrupt', KEYS[i]} end
-end
-local f = redis.call('HMGET', meta, 'epoch', 'version', 'frontier', 'checksum', 'head',
-                     'pruned', 'pruned_hash')
-local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-if not epoch or not version then return {'corrupt', meta} end
-if epoch ~= tonumber(ARGV[1]) then return {'fenced', tostring(epoch)} end
-local state, entry = 0, nil
-for i = 3, 5 do
-  local s = redis.call('HGET', KEYS[i], thread)
-  if s then
-    local at, from = nil, 1
-    repeat
-      local found = string.find(s, ',"owner":', from, true)
-      if found then at, from = found, found + 1 end
-    until not found
-    local tail = at and string.gsub(string.sub(s, at + 9), '\\.', '')
-    if not tail or (tail ~= 'null}' and not string.find(tail, '^"[^"]*"}$')) then
-      return {'corrupt', KEYS[i]}
-    end
-    state, entry = i - 2, string.sub(s, 1, at + 8) .. ARGV[4] .. '}'
-  end
-end
-redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[2])
-if state > 0 then
-  redis.call('HSET', KEYS[2 + state], thread, entry)
-  redis.call('HDEL', KEYS[6], thread)
-  if state == 1 then redis.call('HSET', KEYS[7], thread, '1') end
-end
-if version == tonumber(ARGV[5]) then return {'ok'} end
-return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
-        redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false,
-        f[6] or '0', f[7] or false}
-"""
-
-# KEYS: meta log sums ops history
-# ARGV: the anchor as read, the seq to prune through, the stored hash there, the pruned
-# history's digest as read and after, the number M of messages removed, then those M
-# messages and the operation ids of the records removed. 'moved': the anchor, digest or
-# record is not as read.
-_PRUNE_LUA = """#!lua
-local meta, log, sums, ops, history = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local want = {'hash', 'list', 'list', 'hash', 'list'}
-for i = 1, 5 do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
-end
-local f = redis.call('HMGET', meta, 'version', 'pruned', 'pruned_digest')
-local version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-if not version or not pruned then return 'corrupt ' .. meta end
-local after, through, m = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[6])
-local n = through - after
-if pruned ~= after or (f[3] or '') ~= ARGV[4] or through > version
-   or redis.call('LINDEX', sums, n - 1) ~= ARGV[3] then
-  return 'moved'
-end
-redis.call('LTRIM', log, n, -1)
-redis.call('LTRIM', sums, n, -1)
-for i = 7, 6 + m, 1000 do
-  redis.call('RPUSH', history, unpack(ARGV, i, math.min(i + 999, 6 + m)))
-end
-for i = 7 + m, #ARGV, 1000 do
-  redis.call('HDEL', ops, unpack(ARGV, i, math.min(i + 999, #ARGV)))
-end
-redis.call('HSET', meta, 'pruned', ARGV[2], 'pruned_hash', ARGV[3], 'pruned_digest', ARGV[5])
-return 'ok'
-"""
 _META = [
     "frontier",
     "version",
@@ -276,9 +164,9 @@ class RedisCommitStore:
         self.where = where
         self.payload_limit = payload_limit
         self.prefix = prefix
-        self._append_script = client.register_script(_APPEND_LUA)
-        self._claim_script = client.register_script(_CLAIM_LUA)
-        self._prune_script = client.register_script(_PRUNE_LUA)
+        self._append_script = client.register_script(APPEND_LUA)
+        self._claim_script = client.register_script(CLAIM_LUA)
+        self._prune_script = client.register_script(PRUNE_LUA)
 
     @classmethod
     async def connect(
@@ -356,9 +244,9 @@ class RedisCommitStore:
                     sums,
                     texts,
                 ) = await pipe.execute()
-        anchor = _anchor(thread, *anchored[:2])
+        anchor = anchor_of(thread, *anchored[:2])
         last = sums[-1] if sums else None
-        head = _verified(
+        head = verified_frontier(
             thread, text, version, epoch, checksum, stored_head, len(sums), last, anchor
         )
         head = head.model_copy(update={"owner": owner})
@@ -366,7 +254,7 @@ class RedisCommitStore:
             return head
         pruned = anchor[0] if anchor else 0
         stored = (head.version, head.head)
-        records = _read_rows(thread, 0, pruned + 1, bodies, sums, stored, anchor)
+        records = read_rows(thread, 0, pruned + 1, bodies, sums, stored, anchor)
         history = None if anchor is None else PrunedHistory(texts, anchored[2])
         return whole_frontier(thread, head, records, history)
 
@@ -389,11 +277,11 @@ class RedisCommitStore:
                     pipe.lrange(self._key(thread, "log"), start, -1)
                     pipe.lrange(self._key(thread, "sums"), start, -1)
                     (version, head, *anchored), bodies, sums = await pipe.execute()
-                anchor = _anchor(thread, *anchored)
+                anchor = anchor_of(thread, *anchored)
                 pruned = anchor[0] if anchor else 0
                 if max(after_seq - pruned - 1, 0) == start:
-                    stored = (_number(thread, "version", version), head or "")
-                    return _read_rows(
+                    stored = (number_of(thread, "version", version), head or "")
+                    return read_rows(
                         thread, after_seq, pruned + start + 1, bodies, sums, stored, anchor
                     )
         raise StoreError(f"thread {thread}: prunes kept moving its log under a read")
@@ -420,15 +308,15 @@ class RedisCommitStore:
         args: list[str | int] = [loaded.epoch, owner, thread, json.dumps(owner), loaded.version]
         reply = await self._claim_script(keys=keys, args=args)
         if reply[0] == "fenced":
-            raise Fenced(thread, loaded.epoch, _number(thread, "owner epoch", reply[1]))
+            raise Fenced(thread, loaded.epoch, number_of(thread, "owner epoch", reply[1]))
         if reply[0] != "ok":
             raise CorruptRecord(thread, 0, f"unexpected shape of {reply[1]}")
         if len(reply) == 1:
             return with_claim(head_only(loaded), owner)
         version, text, checksum, head, n, last, pruned, pruned_hash = reply[1:]
-        anchor = _anchor(thread, pruned, pruned_hash)
+        anchor = anchor_of(thread, pruned, pruned_hash)
         epoch = str(loaded.epoch)
-        moved = _verified(thread, text, version, epoch, checksum, head, n, last, anchor)
+        moved = verified_frontier(thread, text, version, epoch, checksum, head, n, last, anchor)
         return with_claim(moved.model_copy(update={"owner": loaded.owner}), owner)
 
     async def list_runs(
@@ -443,7 +331,7 @@ class RedisCommitStore:
                     pipe.hgetall(self._index(s))
                 indexes = await pipe.execute()
         rows = (item for index in indexes for item in sorted(index.items()))
-        found = [_decode_summary(thread, text) for thread, text in rows]
+        found = [decode_summary(thread, text) for thread, text in rows]
         return [r for r in found if host is None or host_of(r.owner) == host]
 
     async def _running_of(self, host: str) -> list[RunSummary]:
@@ -453,7 +341,7 @@ class RedisCommitStore:
             if not threads:
                 return []
             texts = await self.client.hmget(self._index("running"), threads)
-        found = [_decode_summary(str(t), str(x)) for t, x in zip(threads, texts, strict=True) if x]
+        found = [decode_summary(str(t), str(x)) for t, x in zip(threads, texts, strict=True) if x]
         return [r for r in found if host_of(r.owner) == host]
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
@@ -491,7 +379,7 @@ class RedisCommitStore:
         """Test aid: overwrite a stored record, as a disk or a hand edit might."""
         with translated(self.where):
             stored = await self.client.hget(self._key(thread, "meta"), "pruned")
-            pruned = _number(thread, "pruned seq", None if stored is None else str(stored))
+            pruned = number_of(thread, "pruned seq", None if stored is None else str(stored))
             if not 1 <= seq - pruned <= await self.client.llen(self._key(thread, "log")):
                 raise CorruptRecord(thread, seq, "no such record")
             await self.client.lset(self._key(thread, "log"), seq - pruned - 1, text)
@@ -512,10 +400,10 @@ class RedisCommitStore:
                 n,
                 last,
             ) = await pipe.execute()
-        anchor = _anchor(thread, *anchored)
-        frontier = _verified(thread, text, version, epoch, checksum, head, n, last, anchor)
+        anchor = anchor_of(thread, *anchored)
+        frontier = verified_frontier(thread, text, version, epoch, checksum, head, n, last, anchor)
         frontier = frontier.model_copy(update={"owner": owner})
-        return _Snapshot(frontier, _decode_receipt(thread, known) if op and known else None)
+        return _Snapshot(frontier, decode_receipt(thread, known) if op and known else None)
 
     async def _apply(
         self, commit: ThreadCommit, loaded: Frontier, new: Frontier, claim: str | None
@@ -559,104 +447,3 @@ class RedisCommitStore:
 
 
 # ---- decoding: every stored shape is re-validated and fails closed ----------------------
-
-
-def _verified(
-    thread: str,
-    text: str | None,
-    version: str | None,
-    epoch: str | None,
-    checksum: str | None,
-    head: str | None,
-    n: int,
-    last: str | None,
-    anchor: tuple[int, str] | None,
-) -> Frontier:
-    """The stored frontier, as one atomic read found it with the head stored beside it,
-    the hash list's length ``n`` and last entry, and the anchor of a pruned thread (the
-    list begins after it); fails closed on any mismatch."""
-    frontier = _decode_frontier(thread, text, version, epoch, checksum)
-    pruned = anchor[0] if anchor else 0
-    if frontier.version == 0 and (n or pruned):  # check_head takes version 0 as empty
-        raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
-    at_head = last if n else anchor[1] if anchor else None
-    check_head(thread, frontier, at_head if pruned + n == frontier.version else None)
-    if frontier.version and head != frontier.head:
-        raise CorruptRecord(thread, frontier.version, "the stored head is not the frontier's")
-    return frontier
-
-
-def _decode_frontier(
-    thread: str, text: str | None, version: str | None, epoch: str | None, checksum: str | None
-) -> Frontier:
-    """The stored frontier with the epoch kept beside it; fails closed on any mismatch."""
-    stored_version = _number(thread, "version", version)
-    current = _number(thread, "owner epoch", epoch)
-    if text is None:
-        if stored_version:
-            raise CorruptRecord(thread, stored_version, "the stored frontier is missing")
-        return Frontier(thread_id=ThreadId(thread), epoch=current)
-    check_frontier_text(thread, stored_version, text, checksum)
-    try:
-        frontier = Frontier.model_validate_json(text)
-    except ValidationError as exc:
-        raise CorruptRecord(
-            thread, stored_version, f"stored frontier: {_first_error(exc)}"
-        ) from exc
-    if frontier.thread_id != thread or frontier.version != stored_version:
-        raise CorruptRecord(thread, stored_version, "stored frontier names another thread/version")
-    return evolve(head_only(frontier), epoch=current)  # a layout 3 frontier holds messages
-
-
-def _anchor(thread: str, pruned: str | None, pruned_hash: str | None) -> tuple[int, str] | None:
-    """A pruned thread's anchor, as stored in its meta (None: never pruned)."""
-    through = _number(thread, "pruned seq", pruned)
-    if not through:
-        return None
-    if not pruned_hash:
-        raise CorruptRecord(thread, through, "the pruned thread names no anchor hash")
-    return through, pruned_hash
-
-
-def _read_rows(
-    thread: str,
-    after_seq: int,
-    first: int,
-    bodies: list[str],
-    sums: list[str],
-    stored: tuple[int, str],
-    anchor: tuple[int, str] | None,
-) -> list[CommittedRecord]:
-    """The records read (from seq ``first`` on), verified."""
-    paired = min(len(bodies), len(sums))
-    pairs = zip(bodies, sums, strict=False)  # unequal lengths are reported below
-    rows = [RawRecord(first + i, b, h) for i, (b, h) in enumerate(pairs)]
-    if len(bodies) != len(sums):  # what pairs up is checked first: it names the culprit
-        verified_records(thread, rows[:paired], after_seq, None, anchor=anchor)
-        raise CorruptRecord(thread, first + paired, "the log and its hashes differ in length")
-    return verified_records(thread, rows, after_seq, stored, anchor=anchor)
-
-
-def _number(thread: str, name: str, text: str | None) -> int:
-    try:
-        return int(text or 0)
-    except ValueError as exc:
-        raise CorruptRecord(thread, 0, f"stored {name} {text!r} is not a number") from exc
-
-
-def _decode_receipt(thread: str, text: str) -> Receipt:
-    try:
-        return Receipt.model_validate_json(text)
-    except ValidationError as exc:
-        raise CorruptRecord(thread, 0, f"stored receipt: {_first_error(exc)}") from exc
-
-
-def _decode_summary(thread: str, text: str) -> RunSummary:
-    try:
-        return RunSummary.model_validate_json(text)
-    except ValidationError as exc:
-        raise CorruptRecord(thread, 0, f"run index entry: {_first_error(exc)}") from exc
-
-
-def _first_error(exc: ValidationError) -> str:
-    return str(exc.errors()[0].get("msg", exc))

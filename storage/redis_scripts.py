@@ -1,0 +1,119 @@
+"""The Lua scripts of the Redis store (``storage.redis_store``): each is one atomic
+step of a thread (an append, a claim, a prune), run with EVALSHA."""
+
+from __future__ import annotations
+
+# The shebang opts into Redis 7 script flags: without allow-oom the server refuses the
+# whole script up front when out of memory, instead of failing between two writes.
+# KEYS: meta log sums ops runs:running runs:awaiting runs:ended owner:OLD owner:NEW
+APPEND_LUA = """#!lua
+local meta, log, sums, ops = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local want = {'hash', 'list', 'list', 'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}
+for i = 1, 9 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
+end
+local f = redis.call('HMGET', meta, 'epoch', 'version', 'run_id', 'ended', 'pruned')
+local epoch, version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[5] or '0')
+if not epoch or not version or not pruned then return 'corrupt ' .. meta end
+local kept = version - pruned
+if redis.call('HEXISTS', ops, ARGV[4]) == 1 or epoch ~= tonumber(ARGV[2])
+   or (f[4] == '1' and f[3] == ARGV[3]) or version ~= tonumber(ARGV[1]) then
+  return 'refused'
+end
+if redis.call('LLEN', log) ~= kept then return 'corrupt ' .. log end
+if redis.call('LLEN', sums) ~= kept then return 'corrupt ' .. sums end
+redis.call('RPUSH', log, ARGV[5])
+redis.call('RPUSH', sums, ARGV[6])
+redis.call('HSET', ops, ARGV[4], ARGV[7])
+if ARGV[14] ~= '' then
+  redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[14])
+end
+redis.call('HSET', meta, 'frontier', ARGV[8], 'checksum', ARGV[9], 'head', ARGV[6],
+           'version', tostring(version + 1), 'run_id', ARGV[10], 'ended', ARGV[11])
+for i = 5, 7 do redis.call('HDEL', KEYS[i], ARGV[12]) end
+redis.call('HSET', KEYS[4 + tonumber(ARGV[13])], ARGV[12], ARGV[15])
+redis.call('HDEL', KEYS[8], ARGV[12])
+if ARGV[13] == '1' then redis.call('HSET', KEYS[9], ARGV[12], '1') end
+return 'ok'
+"""
+
+# KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW
+# ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded.
+# The run-index entry is the last append's summary with the owner patched in: it ends
+# with the owner, RunSummary's last field (a string holds no bare `,"owner":`); an entry
+# that does not end in a JSON string or null there is reported, never rewritten.
+# Appends that moved the thread since the claimer's load: the reply carries what they
+# left (version, frontier, checksum, head, hash-list length, last hash) to verify.
+CLAIM_LUA = r"""#!lua
+local meta, sums, thread = KEYS[1], KEYS[2], ARGV[3]
+local want = {'hash', 'list', 'hash', 'hash', 'hash', 'hash', 'hash'}
+for i = 1, 7 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= want[i] then return {'corrupt', KEYS[i]} end
+end
+local f = redis.call('HMGET', meta, 'epoch', 'version', 'frontier', 'checksum', 'head',
+                     'pruned', 'pruned_hash')
+local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+if not epoch or not version then return {'corrupt', meta} end
+if epoch ~= tonumber(ARGV[1]) then return {'fenced', tostring(epoch)} end
+local state, entry = 0, nil
+for i = 3, 5 do
+  local s = redis.call('HGET', KEYS[i], thread)
+  if s then
+    local at, from = nil, 1
+    repeat
+      local found = string.find(s, ',"owner":', from, true)
+      if found then at, from = found, found + 1 end
+    until not found
+    local tail = at and string.gsub(string.sub(s, at + 9), '\\.', '')
+    if not tail or (tail ~= 'null}' and not string.find(tail, '^"[^"]*"}$')) then
+      return {'corrupt', KEYS[i]}
+    end
+    state, entry = i - 2, string.sub(s, 1, at + 8) .. ARGV[4] .. '}'
+  end
+end
+redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[2])
+if state > 0 then
+  redis.call('HSET', KEYS[2 + state], thread, entry)
+  redis.call('HDEL', KEYS[6], thread)
+  if state == 1 then redis.call('HSET', KEYS[7], thread, '1') end
+end
+if version == tonumber(ARGV[5]) then return {'ok'} end
+return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
+        redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false,
+        f[6] or '0', f[7] or false}
+"""
+
+# KEYS: meta log sums ops history
+# ARGV: the anchor as read, the seq to prune through, the stored hash there, the pruned
+# history's digest as read and after, the number M of messages removed, then those M
+# messages and the operation ids of the records removed. 'moved': the anchor, digest or
+# record is not as read.
+PRUNE_LUA = """#!lua
+local meta, log, sums, ops, history = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local want = {'hash', 'list', 'list', 'hash', 'list'}
+for i = 1, 5 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
+end
+local f = redis.call('HMGET', meta, 'version', 'pruned', 'pruned_digest')
+local version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+if not version or not pruned then return 'corrupt ' .. meta end
+local after, through, m = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[6])
+local n = through - after
+if pruned ~= after or (f[3] or '') ~= ARGV[4] or through > version
+   or redis.call('LINDEX', sums, n - 1) ~= ARGV[3] then
+  return 'moved'
+end
+redis.call('LTRIM', log, n, -1)
+redis.call('LTRIM', sums, n, -1)
+for i = 7, 6 + m, 1000 do
+  redis.call('RPUSH', history, unpack(ARGV, i, math.min(i + 999, 6 + m)))
+end
+for i = 7 + m, #ARGV, 1000 do
+  redis.call('HDEL', ops, unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('HSET', meta, 'pruned', ARGV[2], 'pruned_hash', ARGV[3], 'pruned_digest', ARGV[5])
+return 'ok'
+"""
