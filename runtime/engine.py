@@ -30,7 +30,7 @@ import logging
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from runtime import tracing
 from runtime.agent import Agent
@@ -51,10 +51,10 @@ from runtime.errors import (
 from runtime.execution import ExecutionState
 from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
-from runtime.hooks import HookInput, HookPoint, HookResults, run_hooks
+from runtime.hooks import HookResults
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
 from runtime.inference import Admitted, Inference
-from runtime.injection import inject_commands, live_history, restaged, take_injected
+from runtime.injection import restaged, take_injected
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
@@ -73,7 +73,7 @@ from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, result_messages, resume_commit, validate_ticket
-from runtime.session import closing, counted, opening, stage_forced, stepped, view
+from runtime.session import closing, counted, opening, stepped, view
 from runtime.sides import Sides
 from runtime.signals import (
     CancelledSignal,
@@ -477,16 +477,6 @@ class Engine(Sides):
         opening = Opening(batch, messages, (*hooks.commands, *usage), refused)
         await advance_batch(self, ctx, opening)
 
-    async def _end_step(self, ctx: RunContext, hooks: HookResults) -> str | None:
-        """Run the StepEnd hooks of the Step whose batch just finished, once per Step:
-        the batch id if they ran now."""
-        prior = ctx.frontier.batch
-        if prior is None or not ctx.ends_step(prior.batch_id):
-            return None
-        ctx.step_ended = prior.batch_id
-        await self.hooks(ctx, "StepEnd", hooks, step=prior.step)
-        return prior.batch_id
-
     def _spec(self, use: ToolUse) -> CallSpec:
         tool = self.agent.tool(use.tool)
         policy = self.agent.policy_for(tool) if tool else ToolRecoveryPolicy()
@@ -494,43 +484,6 @@ class Engine(Sides):
         return trusted(
             CallSpec, call_id=use.call_id, tool=use.tool, arguments=use.arguments, policy=policy
         )
-
-    async def hooks(
-        self,
-        ctx: RunContext,
-        point: HookPoint,
-        into: HookResults,
-        *,
-        step: int,
-        response: Any = None,
-        call: Any = None,
-    ) -> None:
-        hooks = self.agent.hooks
-        if not hooks or not any(h.point == point for h in hooks):
-            return
-        execution = ctx.execution
-        counted(execution, self.root, ctx.frontier, step)
-        execution.show_history(
-            lambda: live_history(ctx.frontier, (*ctx.pending, *into.commands), execution.injected)
-        )
-        hook_input = HookInput(
-            point=point,
-            run_id=ctx.run_id,
-            thread_id=ctx.frontier.thread_id,
-            step=step,
-            state=ctx.frontier.state,  # immutable: hooks return commands instead
-            execution=ctx.execution,
-            response=response,
-            call=call,
-        )
-        try:
-            await run_hooks(self.agent.hooks, hook_input, into, self.limits)
-        finally:  # what the hooks injected is staged with their commands
-            source = f"{step:06d}:{point}:{call.call_id if call is not None else '-'}"
-            into.commands.extend(inject_commands(ctx.frontier.version, source, execution.injected))
-            execution.injected.clear()
-            if self.root.session is not None:
-                stage_forced(execution, into.commands)
 
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""

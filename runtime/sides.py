@@ -8,9 +8,9 @@ from typing import Any
 
 from runtime.agent import Agent
 from runtime.batch import ActiveToolBatch, finalize
-from runtime.committing import Committing
 from runtime.context import RunContext
 from runtime.execution import Side
+from runtime.hooking import Hooking
 from runtime.inference import Inference
 from runtime.lifecycle import Natural
 from runtime.messages import Message
@@ -28,7 +28,7 @@ from runtime.session import (
 from runtime.state import Command
 
 
-class Sides(Committing):
+class Sides(Hooking):
     """The Engine's base: it switches the agent, the inference and the prompt path to
     the side whose turn it is."""
 

@@ -1,0 +1,68 @@
+"""The Engine's hook calls (``runtime.hooks``): one input per call, the ExecutionState
+made current first (step counts, live history), what the hooks inject or force staged
+with their commands; and the StepEnd hooks, once per Step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.agent import Agent
+from runtime.committing import Committing
+from runtime.context import RunContext
+from runtime.hooks import HookInput, HookPoint, HookResults, run_hooks
+from runtime.injection import inject_commands, live_history
+from runtime.session import counted, stage_forced
+
+
+class Hooking(Committing):
+    """The Engine's base (below ``runtime.sides.Sides``): how it calls hooks."""
+
+    root: Agent
+    agent: Agent
+
+    async def hooks(
+        self,
+        ctx: RunContext,
+        point: HookPoint,
+        into: HookResults,
+        *,
+        step: int,
+        response: Any = None,
+        call: Any = None,
+    ) -> None:
+        hooks = self.agent.hooks
+        if not hooks or not any(h.point == point for h in hooks):
+            return
+        execution = ctx.execution
+        counted(execution, self.root, ctx.frontier, step)
+        execution.show_history(
+            lambda: live_history(ctx.frontier, (*ctx.pending, *into.commands), execution.injected)
+        )
+        hook_input = HookInput(
+            point=point,
+            run_id=ctx.run_id,
+            thread_id=ctx.frontier.thread_id,
+            step=step,
+            state=ctx.frontier.state,  # immutable: hooks return commands instead
+            execution=ctx.execution,
+            response=response,
+            call=call,
+        )
+        try:
+            await run_hooks(self.agent.hooks, hook_input, into, self.limits)
+        finally:  # what the hooks injected is staged with their commands
+            source = f"{step:06d}:{point}:{call.call_id if call is not None else '-'}"
+            into.commands.extend(inject_commands(ctx.frontier.version, source, execution.injected))
+            execution.injected.clear()
+            if self.root.session is not None:
+                stage_forced(execution, into.commands)
+
+    async def _end_step(self, ctx: RunContext, hooks: HookResults) -> str | None:
+        """Run the StepEnd hooks of the Step whose batch just finished, once per Step:
+        the batch id if they ran now."""
+        prior = ctx.frontier.batch
+        if prior is None or not ctx.ends_step(prior.batch_id):
+            return None
+        ctx.step_ended = prior.batch_id
+        await self.hooks(ctx, "StepEnd", hooks, step=prior.step)
+        return prior.batch_id
