@@ -6,6 +6,7 @@ Step S; the tools return a small string. Defaults R=200, C=50, S=5, K=2.
 
     python -m benchmarks.load                               # SQLite, hosted, baseline
     python -m benchmarks.load --store postgres --json
+    python -m benchmarks.load --baseline both --trials 3   # plain Ray and commits off
     python -m benchmarks.load --chaos --runs 1000
     python -m benchmarks.load --runs 5000 --concurrency 5000 \\
         --model-latency-ms 20 --tool-latency-ms 10           # W1-io, the scale scenario
@@ -19,6 +20,11 @@ replays to its stored frontier, and the side-effect ledger (one O_APPEND file pe
 process, written by the tools themselves) holds every tool call's operation id
 exactly once — under ``--chaos``: every completed call at least once, replayed
 calls at most once per attempt, and never a ``never_replay`` call twice.
+
+Beside it, in the same Ray instance and interleaved per trial (``--baseline``): plain
+Ray, what a user would write (``benchmarks.baseline``: ``ratio_to_baseline``), and
+Ratchet's own hosts and wave dispatch with commits switched off
+(``benchmarks.same_dispatch``: ``ratio_to_same_dispatch``, what durability costs).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import json
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -39,9 +45,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchmarks.same_dispatch import run_same_dispatch
 from benchmarks.stores import store_answers
 from benchmarks.trials import combine
 from benchmarks.w1 import Config, run_baseline, run_store_limit, run_w1
+
+BASELINES = ("plain", "same-dispatch", "both", "none")
+SAME_DISPATCH = "same-dispatch"
+"""The sweep's name for the same-dispatch series."""
 
 # ---- sweeps and the plot -------------------------------------------------------------------
 
@@ -51,12 +62,14 @@ SWEEP_CONCURRENCY = (1, 5, 10, 25, 50, 100)
 async def run_sweep(
     cfg: Config, stores: Sequence[str], levels: Sequence[int], console: Console, progress: Progress
 ) -> list[dict[str, Any]]:
-    """One point per store (and the baseline) and level of C: the median runs/s of
+    """One point per store (and each baseline) and level of C: the median runs/s of
     ``cfg.trials`` trials, which alternate between the series."""
     points = []
     for c in levels:
         point = replace(cfg, concurrency=c, chaos=False)
-        series = (["baseline"] if cfg.baseline else []) + list(stores)
+        series = ["baseline"] if cfg.plain_baseline else []
+        series += [SAME_DISPATCH] if cfg.same_dispatch else []
+        series += list(stores)
         trials: dict[str, list[dict[str, Any]]] = {name: [] for name in series}
         for _ in range(cfg.trials):
             for name in series:
@@ -77,6 +90,9 @@ async def _sweep_trial(
     if name == "baseline":
         base = await run_baseline(point, progress)
         return {"runs_per_s": base["baseline_runs_per_s"], "ok": base["baseline_ok"]}
+    if name == SAME_DISPATCH:
+        off = await run_same_dispatch(point, progress)
+        return {"runs_per_s": off["same_dispatch_runs_per_s"], "ok": off["same_dispatch_ok"]}
     try:
         result = await run_w1(replace(point, store=name), console, progress)
     except Exception as exc:  # one failed point must not lose the sweep
@@ -99,7 +115,10 @@ def plot(points: Sequence[dict[str, Any]], path: str, cfg: Config) -> None:
     for name, values in series.items():
         xs, ys = zip(*sorted(values), strict=True)
         style = {"linestyle": "--", "color": "black"} if name == "baseline" else {}
-        label = "plain Ray, no durability" if name == "baseline" else f"Ratchet on {name}"
+        if name == SAME_DISPATCH:
+            style = {"linestyle": ":", "color": "gray"}
+        label = {"baseline": "plain Ray, no durability",
+                 SAME_DISPATCH: "Ratchet, commits off"}.get(name, f"Ratchet on {name}")  # fmt: skip
         ax.plot(xs, ys, marker="o", label=label, **style)
     ax.set_xscale("log")
     ax.set_xlabel("concurrent Runs (C)")
@@ -160,33 +179,43 @@ async def bench(cfg: Config, scenario: str, plot_file: str | None, console: Cons
             return {"scenario": "sweep", "ok": ok, "plot": plot_file, "points": points}
         trials = []
         for trial in range(cfg.trials):
-            # the baseline goes first every other trial: a drift in the machine's speed
-            # then falls on both alike
-            trials.append(await _w1_beside_baseline(cfg, console, progress, trial % 2 == 1))
+            # the arms run in reverse order every other trial: a drift in the machine's
+            # speed then falls on each alike
+            trials.append(await _w1_beside_baselines(cfg, console, progress, trial % 2 == 1))
         return combine(trials)
 
 
-async def _w1_beside_baseline(
-    cfg: Config, console: Console, progress: Progress, baseline_first: bool
+async def _w1_beside_baselines(
+    cfg: Config, console: Console, progress: Progress, reverse: bool
 ) -> dict[str, Any]:
-    if not cfg.baseline:
-        result = await run_w1(cfg, console, progress)
-        result.update(baseline_runs_per_s=None, ratio_to_baseline=None)
-        return result
-    if baseline_first:
-        base = await run_baseline(cfg, progress)
-        result = await run_w1(cfg, console, progress)
-    else:
-        result = await run_w1(cfg, console, progress)
-        base = await run_baseline(cfg, progress)
-    result.update(base)
-    result["ratio_to_baseline"] = round(result["runs_per_s"] / base["baseline_runs_per_s"], 3)
-    # CPU is what the two cores run out of; it is steadier than wall time on a shared
-    # machine (other tenants stall both alike, but not in the same second)
-    ours = sum(result["cpu_ms_per_run"].values())
-    theirs = sum(base["baseline_cpu_ms_per_run"].values())
-    result["cpu_ratio_to_baseline"] = round(theirs / ours, 3) if ours else None
+    """One trial: durable W1, then each baseline asked for (reversed: the other way)."""
+    arms: list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]] = [
+        ("durable", lambda: run_w1(cfg, console, progress))
+    ]
+    if cfg.plain_baseline:
+        arms.append(("plain", lambda: run_baseline(cfg, progress)))
+    if cfg.same_dispatch:
+        arms.append(("same", lambda: run_same_dispatch(cfg, progress)))
+    measured = {name: await arm() for name, arm in (arms[::-1] if reverse else arms)}
+    result = measured["durable"]
+    result.update(baseline_runs_per_s=None, ratio_to_baseline=None, ratio_to_same_dispatch=None)
+    if "plain" in measured:
+        result.update(measured["plain"])
+        _ratios(result, "baseline")
+    if "same" in measured:
+        result.update(measured["same"])
+        _ratios(result, "same_dispatch")
     return result
+
+
+def _ratios(result: dict[str, Any], arm: str) -> None:
+    """``ratio_to_<arm>`` of runs/s, and ``cpu_ratio_to_<arm>``: the arm's CPU per Run
+    over ours (CPU is what the two cores run out of; it is steadier than wall time on a
+    shared machine: other tenants stall both alike, but not in the same second)."""
+    result[f"ratio_to_{arm}"] = round(result["runs_per_s"] / result[f"{arm}_runs_per_s"], 3)
+    ours = sum(result["cpu_ms_per_run"].values())
+    theirs = sum(result[f"{arm}_cpu_ms_per_run"].values())
+    result[f"cpu_ratio_to_{arm}"] = round(theirs / ours, 3) if ours else None
 
 
 def bench_command(
@@ -209,7 +238,12 @@ def bench_command(
     ),
     chaos: bool = typer.Option(False, "--chaos", help="kill a RunHost or ToolExecutor often"),
     chaos_interval_s: float = typer.Option(2.0, "--chaos-interval-s"),
-    baseline: bool = typer.Option(True, "--baseline/--no-baseline"),
+    baseline: str | None = typer.Option(
+        None,
+        "--baseline",
+        help="plain (default: plain Ray) | same-dispatch (Ratchet, commits off) | both | none",
+    ),
+    no_baseline: bool = typer.Option(False, "--no-baseline", help="--baseline none"),
     trials: int = typer.Option(
         1, "--trials", min=1, help="repeat W1 and its baseline (each --plot point) N times"
     ),
@@ -229,6 +263,7 @@ def bench_command(
         raise typer.BadParameter("--scenario must be w1 or store")
     if trials > 1 and scenario != "w1":
         raise typer.BadParameter("--trials repeats W1 measurements: not with --scenario store")
+    baseline = _baseline_arms(baseline, no_baseline, chaos, placement)
     cfg = Config(
         runs=runs, concurrency=concurrency, steps=steps, tools=tools,
         model_latency_ms=model_latency_ms, tool_latency_ms=tool_latency_ms, store=store,
@@ -253,6 +288,20 @@ def bench_command(
         sys.stdout.flush()
     if not result.get("ok", True):
         raise typer.Exit(1)
+
+
+def _baseline_arms(baseline: str | None, no_baseline: bool, chaos: bool, placement: str) -> str:
+    """``--baseline`` checked against the other options: the arms to measure beside W1."""
+    if no_baseline and baseline not in (None, "none"):
+        raise typer.BadParameter(f"--no-baseline and --baseline {baseline} contradict each other")
+    arms = "none" if no_baseline else baseline or "plain"
+    if arms not in BASELINES:
+        raise typer.BadParameter(f"--baseline must be one of {', '.join(BASELINES)}")
+    if arms in (SAME_DISPATCH, "both") and (chaos or placement != "hosted"):
+        # nothing survives a host of that arm, and a dedicated Run is followed in the
+        # driver's store, which holds nothing there
+        raise typer.BadParameter("--baseline same-dispatch runs hosted and without --chaos")
+    return arms
 
 
 def _describe(cfg: Config, scenario: str) -> str:

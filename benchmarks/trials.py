@@ -2,9 +2,9 @@
 
 W1 at its defaults times 1 to 2 s of work: on a shared 2-core machine one such
 window can be stalled by another tenant, and the baseline's alone varies by a
-third between runs. ``--trials N`` repeats the pair (durable, baseline) N times in
-the same Ray instance, alternating which goes first so a drift in the machine's
-speed falls on both alike, and reports the median of each rate and of the
+third between runs. ``--trials N`` repeats the arms (durable, and each baseline) N
+times in the same Ray instance, in reverse order every other trial so a drift in the
+machine's speed falls on each alike, and reports the median of each rate and of the
 per-trial ratios; counts add up, and ``ok`` holds only if every trial was ok.
 """
 
@@ -19,18 +19,22 @@ MEDIAN = (
     "idle_rss_mb", "rss_per_active_run_kb", "waves_per_executor_call", "commits_per_group",
     "median_recovery_ms", "median_settled_ms", "baseline_wall_s", "baseline_runs_per_s",
     "baseline_p50_step_ms", "baseline_p99_step_ms", "ratio_to_baseline",
-    "cpu_ratio_to_baseline",
+    "cpu_ratio_to_baseline", "same_dispatch_wall_s", "same_dispatch_runs_per_s",
+    "same_dispatch_p50_step_ms", "same_dispatch_p99_step_ms",
+    "same_dispatch_waves_per_executor_call", "ratio_to_same_dispatch",
+    "cpu_ratio_to_same_dispatch",
 )  # fmt: skip
 TOTAL = (
     "commits", "lost_commits", "duplicate_never_replay", "checked_runs", "natural_runs",
     "exactly_once_calls", "ledger_violations", "kills", "host_kills", "executor_kills",
-    "recovered_runs", "replayed_calls", "indeterminate_calls",
+    "recovered_runs", "replayed_calls", "indeterminate_calls", "same_dispatch_commits",
 )  # fmt: skip
 LARGEST = ("peak_rss_mb", "peak_rss_total_mb", "peak_active_runs", "max_recovery_ms")
-MEDIAN_BY_KIND = ("cpu_ms_per_run", "baseline_cpu_ms_per_run")
-ALL_OK = ("ok", "baseline_ok")
+MEDIAN_BY_KIND = ("cpu_ms_per_run", "baseline_cpu_ms_per_run", "same_dispatch_cpu_ms_per_run")
+ALL_OK = ("ok", "baseline_ok", "same_dispatch_ok")
 PER_TRIAL = ("ok", "runs_per_s", "baseline_runs_per_s", "ratio_to_baseline",
-             "cpu_ratio_to_baseline", "p50_step_ms")  # fmt: skip
+             "cpu_ratio_to_baseline", "same_dispatch_runs_per_s", "ratio_to_same_dispatch",
+             "cpu_ratio_to_same_dispatch", "p50_step_ms")  # fmt: skip
 
 
 def combine(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -55,9 +59,10 @@ def combine(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in ALL_OK:
         if key in result:
             result[key] = all(t[key] for t in trials)
-    problems = [p for t in trials for p in t.get("problems", [])]
-    if problems:
-        result["problems"] = problems[:10]
+    for key in ("problems", "same_dispatch_problems"):
+        problems = [p for t in trials for p in t.get(key, [])]
+        if problems:
+            result[key] = problems[:10]
     result["trials"] = len(trials)
     result["per_trial"] = [{k: t.get(k) for k in PER_TRIAL} for t in trials]
     return result

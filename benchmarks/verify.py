@@ -8,7 +8,7 @@ import itertools
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,18 +78,7 @@ async def verify(
             return records, await patiently(lambda: store.load(ThreadId(thread)))
 
     fetched = await asyncio.gather(*(fetch(t) for t, _ in runs))
-    assert params.ledger is not None
-    effects: Counter[str] = Counter()
-    tool_of: dict[str, str] = {}
-    inferences: dict[str, dict[int, float]] = defaultdict(dict)
-    for line in read_ledger(params.ledger):
-        if line[0] == "t":
-            effects[line[1]] += 1
-            tool_of[line[1]] = line[2]
-        elif line[0] == "m":
-            steps = inferences[line[1]]
-            step = int(line[2])
-            steps[step] = min(steps.get(step, math.inf), float(line[3]))
+    effects, tool_of, inferences = _ledger(params)
     expected_ops: set[str] = set()
     for (thread, run), (records, frontier) in zip(runs, fetched, strict=True):
         verdict.commits += len(records)
@@ -110,14 +99,83 @@ async def verify(
         _recoveries(verdict, records, host_kills)
         if timed_runs is None or run in timed_runs:
             verdict.step_ms += intervals_ms(inferences.get(run, {}))
-    phantom = set(effects) - expected_ops
+    _phantoms_and_duplicates(verdict, effects, tool_of, expected_ops)
+    return verdict
+
+
+def verify_answers(
+    params: W1,
+    runs: Sequence[tuple[str, str]],
+    answers: Mapping[str, Frontier | None],
+    appends: int,
+    timed_runs: set[str],
+) -> Verdict:
+    """Check a Run of the same-dispatch arm (``noop://``: nothing to read back) by the
+    frontier its host answered with — ended naturally with its text, holding exactly
+    ``commits_per_run`` commits, and the hosts' stores together acknowledged no append
+    that is not in one of them — and by the ledger: every call's effect exactly once,
+    none of a call that was not made."""
+    verdict = Verdict()
+    effects, tool_of, inferences = _ledger(params)
+    per_run = params.commits_per_run()
+    expected_ops: set[str] = set()
+    for thread, run in runs:
+        frontier = answers.get(run)
+        if frontier is None:
+            verdict.problem(f"{thread}: its host gave no answer at rest")
+            continue
+        verdict.commits += frontier.version
+        if frontier.version != per_run:
+            verdict.lost_commits += abs(per_run - frontier.version)
+            verdict.problem(f"{thread}: {frontier.version} commits, not {per_run}")
+        _check_end(verdict, params, thread, run, frontier)
+        for op in params.operation_ids(run):
+            expected_ops.add(op)
+            if effects[op] == 1:
+                verdict.exactly_once_calls += 1
+            else:
+                verdict.ledger_violations += 1
+                verdict.problem(f"{op}: {effects[op]} effect(s) in the ledger")
+        if run in timed_runs:
+            verdict.step_ms += intervals_ms(inferences.get(run, {}))
+    if appends != verdict.commits:
+        verdict.lost_commits += abs(appends - verdict.commits)
+        verdict.problem(
+            f"the hosts acknowledged {appends} appends; the Runs hold {verdict.commits}"
+        )
+    _phantoms_and_duplicates(verdict, effects, tool_of, expected_ops)
+    return verdict
+
+
+def _ledger(params: W1) -> tuple[Counter[str], dict[str, str], dict[str, dict[int, float]]]:
+    """The ledger's effects by operation id, each operation's tool, and each Run's
+    inference starts by Step (the earliest, where a Step was asked again)."""
+    assert params.ledger is not None
+    effects: Counter[str] = Counter()
+    tool_of: dict[str, str] = {}
+    inferences: dict[str, dict[int, float]] = defaultdict(dict)
+    for line in read_ledger(params.ledger):
+        if line[0] == "t":
+            effects[line[1]] += 1
+            tool_of[line[1]] = line[2]
+        elif line[0] == "m":
+            steps = inferences[line[1]]
+            step = int(line[2])
+            steps[step] = min(steps.get(step, math.inf), float(line[3]))
+    return effects, tool_of, inferences
+
+
+def _phantoms_and_duplicates(
+    v: Verdict, effects: Counter[str], tool_of: dict[str, str], expected: set[str]
+) -> None:
+    """Effects of no call the Runs made; ``never_replay`` operations seen twice."""
+    phantom = set(effects) - expected
     if phantom:
-        verdict.ledger_violations += len(phantom)
-        verdict.problem(f"{len(phantom)} ledger effects of no committed call, e.g. {min(phantom)}")
-    verdict.duplicate_never_replay = sum(
+        v.ledger_violations += len(phantom)
+        v.problem(f"{len(phantom)} ledger effects of no committed call, e.g. {min(phantom)}")
+    v.duplicate_never_replay = sum(
         1 for op, n in effects.items() if n > 1 and tool_of[op] in NEVER_REPLAY
     )
-    return verdict
 
 
 def intervals_ms(starts: dict[int, float]) -> list[float]:
@@ -203,4 +261,4 @@ def quantile(values: Sequence[float], q: int) -> float:
     return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 2)
 
 
-__all__ = ["Verdict", "intervals_ms", "quantile", "verify"]
+__all__ = ["Verdict", "intervals_ms", "quantile", "verify", "verify_answers"]

@@ -30,6 +30,7 @@ from benchmarks.verify import intervals_ms, quantile, verify
 from benchmarks.w1_agent import W1, ledger_dir, new_ledger, read_ledger
 from cluster.client import Ratchet
 from cluster.waiting import patiently
+from runtime.commit import Frontier
 from storage.url import open_store
 
 WARMUP_RUNS = 4
@@ -52,9 +53,20 @@ class Config:
     chaos: bool = False
     chaos_interval_s: float = 2.0
     seed: int = 7
-    baseline: bool = True
+    baseline: str = "plain"
+    """The arms measured beside the durable one: ``plain`` (plain Ray, ``benchmarks.
+    baseline``), ``same-dispatch`` (Ratchet with commits off, ``benchmarks.same_dispatch``),
+    ``both`` or ``none``."""
     trials: int = 1
     timeout_s: float = 1800.0
+
+    @property
+    def plain_baseline(self) -> bool:
+        return self.baseline in ("plain", "both")
+
+    @property
+    def same_dispatch(self) -> bool:
+        return self.baseline in ("same-dispatch", "both")
 
     def params(self, ledger: str | None) -> W1:
         return W1(self.steps, self.tools, self.model_latency_ms, self.tool_latency_ms, ledger)
@@ -82,17 +94,33 @@ async def bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> 
     return peak
 
 
-async def run_durable(client: Ratchet, ref: str, thread: str, run: str, placement: str) -> None:
-    """``client.run``, retried (a start is idempotent by run id) while a host is down."""
+async def run_durable(
+    client: Ratchet,
+    ref: str,
+    thread: str,
+    run: str,
+    placement: str,
+    timeout_s: float | None = None,
+) -> Frontier | None:
+    """``client.run``, retried (a start is idempotent by run id) while a host is down; the
+    frontier the host answered with (None: not at rest within ``timeout_s``)."""
     for attempt in range(START_ATTEMPTS):
         try:
-            await client.run(ref, f"W1 input {thread}", thread_id=thread, run_id=run,
-                             placement=placement)  # type: ignore[arg-type]  # fmt: skip
-            return
+            return await client.run(
+                ref,
+                f"W1 input {thread}",
+                thread_id=thread,
+                run_id=run,
+                placement=placement,  # type: ignore[arg-type]
+                timeout_s=timeout_s,
+            )
+        except TimeoutError:
+            return None
         except Exception:
             if attempt == START_ATTEMPTS - 1:
                 raise
             await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+    return None
 
 
 @dataclass
@@ -143,20 +171,30 @@ class Timed:
     peak_rss_total: int = 0
     idle_rss: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)
+    answers: dict[str, Frontier | None] = field(default_factory=dict)
+    """By run id: the frontier the host answered with (None: not at rest in time)."""
 
 
-async def drive_durable(client: Ratchet, cfg: Config, ref: str, progress: Progress) -> Timed:
+async def drive_durable(
+    client: Ratchet,
+    cfg: Config,
+    ref: str,
+    progress: Progress,
+    label: str = "durable W1",
+    answer_timeout_s: float | None = None,
+) -> Timed:
     stamp = uuid.uuid4().hex[:8]
+    answers: dict[str, Frontier | None] = {}
 
     async def launch(prefix: str, i: int) -> None:
         thread, run = f"w1-{stamp}-{prefix}{i:05d}", f"run-{stamp}-{prefix}{i:05d}"
         # one call to the host, which answers when the Run is done; the store confirms
-        await run_durable(client, ref, thread, run, cfg.placement)
+        answers[run] = await run_durable(client, ref, thread, run, cfg.placement, answer_timeout_s)
 
     warm = [(f"w1-{stamp}-w{i:05d}", f"run-{stamp}-w{i:05d}") for i in range(WARMUP_RUNS)]
     threads = [(f"w1-{stamp}-r{i:05d}", f"run-{stamp}-r{i:05d}") for i in range(cfg.runs)]
     await bounded(WARMUP_RUNS, WARMUP_RUNS, lambda i: launch("w", i))
-    task = progress.add_task(f"durable W1 ({cfg.placement})", total=cfg.runs)
+    task = progress.add_task(f"{label} ({cfg.placement})", total=cfg.runs)
     kills: list[Kill] = []
     stop = asyncio.Event()
     monkey = asyncio.create_task(chaos_monkey(client, cfg, kills, stop)) if cfg.chaos else None
@@ -174,7 +212,7 @@ async def drive_durable(client: Ratchet, cfg: Config, ref: str, progress: Progre
     if monkey is not None:
         await monkey
     return Timed(wall, peak, threads, warm, kills, rss.peak_workers, rss.peak_total, idle,
-                 rss.cpu_seconds())  # fmt: skip
+                 rss.cpu_seconds(), answers)  # fmt: skip
 
 
 async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str, Any]:
@@ -194,7 +232,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         own = prepared.kind != "memory"
         timed = await drive_durable(client, cfg, params.ref, progress)
         report = await client.supervisor_report() if cfg.chaos else {}
-        coalescing, grouping = await _sharing(client)
+        coalescing, grouping = sharing(await host_counts(client))
         if own:
             await client.shutdown()
             client = None
@@ -249,7 +287,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         "ledger_violations": verdict.ledger_violations,
         "waves_per_executor_call": coalescing,
         "commits_per_group": grouping,
-        "cpu_ms_per_run": _per_run_ms(timed.cpu_s, cfg.runs),
+        "cpu_ms_per_run": per_run_ms(timed.cpu_s, cfg.runs),
     }
     if cfg.chaos:
         result.update(
@@ -269,22 +307,28 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
     return result
 
 
-def _per_run_ms(cpu_s: dict[str, float], runs: int) -> dict[str, float]:
+def per_run_ms(cpu_s: dict[str, float], runs: int) -> dict[str, float]:
     """CPU milliseconds per Run by kind of process, the largest first."""
     ranked = sorted(cpu_s.items(), key=lambda kv: -kv[1])
     return {kind: round(seconds * 1000 / runs, 2) for kind, seconds in ranked if seconds > 0}
 
 
-async def _sharing(client: Ratchet) -> tuple[float | None, float | None]:
-    """How many Runs' waves shared an executor round trip, and how many commits a group
-    transaction, on average (hosted pool; a host restarted by chaos counts from its
-    restart; None where nothing was counted, or the store keeps no count)."""
+async def host_counts(client: Ratchet) -> dict[str, int]:
+    """The hosted pool's counts of waves and executor calls, appends and group
+    transactions, summed (a host restarted by chaos counts from its restart)."""
     totals = {"waves_sent": 0, "executor_calls": 0, "store_appends": 0, "store_groups": 0}
     for host in client.hosts:
         with contextlib.suppress(Exception):
             info = await host.info.remote()
             for key in totals:
                 totals[key] += info.get(key) or 0
+    return totals
+
+
+def sharing(totals: dict[str, int]) -> tuple[float | None, float | None]:
+    """How many Runs' waves shared an executor round trip, and how many commits a group
+    transaction, on average (None where nothing was counted, or the store keeps no
+    count)."""
 
     def ratio(part: str, whole: str) -> float | None:
         return round(totals[part] / totals[whole], 2) if totals[whole] else None
@@ -339,7 +383,7 @@ async def run_baseline(cfg: Config, progress: Progress) -> dict[str, Any]:
         "baseline_runs_per_s": round(cfg.runs / wall, 1),
         "baseline_p50_step_ms": quantile(steps, 50),
         "baseline_p99_step_ms": quantile(steps, 99),
-        "baseline_cpu_ms_per_run": _per_run_ms(rss.cpu_seconds(), cfg.runs),
+        "baseline_cpu_ms_per_run": per_run_ms(rss.cpu_seconds(), cfg.runs),
     }
 
 
@@ -408,7 +452,11 @@ __all__ = [
     "Kill",
     "Timed",
     "bounded",
+    "drive_durable",
+    "host_counts",
+    "per_run_ms",
     "run_baseline",
     "run_store_limit",
     "run_w1",
+    "sharing",
 ]

@@ -5,6 +5,8 @@
     sqlite:////absolute/path.db
     postgresql://user:pw@host/db    SqlCommitStore on PostgreSQL (also postgres://)
     redis://host:port/db            RedisCommitStore
+    noop://[name]                   NoopCommitStore (benchmarks: commits switched off,
+                                    nothing kept beyond the process that opened it)
 
 Every log line and error message that names a store uses ``redact(url)``.
 """
@@ -17,7 +19,7 @@ from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit
 
 from runtime.ports import CommitStore
 
-SUPPORTED_SCHEMES = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss")
+SUPPORTED_SCHEMES = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss", "noop")
 DEFAULT_STORE_URL = "sqlite:///ratchet-data/ratchet.db"
 _SECRET_WORDS = ("password", "passwd", "secret", "token", "key")
 
@@ -77,6 +79,10 @@ async def open_store(url: str, **opts: Any) -> CommitStore:
         from storage.memory import MemoryCommitStore
 
         return MemoryCommitStore(**opts)
+    if scheme == "noop":
+        from storage.noop import NoopCommitStore
+
+        return NoopCommitStore(**opts)
     if scheme in ("sqlite", "postgresql", "postgres"):
         from storage.sql import SqlCommitStore
 
