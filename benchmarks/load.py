@@ -253,8 +253,24 @@ def bench_command(
     ),
     seed: int = typer.Option(7, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="one JSON line last on stdout"),
+    nodes: int = typer.Option(
+        0,
+        "--nodes",
+        help="W1 on a ray.cluster_utils.Cluster of N raylets on this machine "
+        "(benchmarks.nodes); --remove-node removes one mid-load",
+    ),
+    remove_node: bool = typer.Option(False, "--remove-node", help="with --nodes"),
 ) -> None:
     """Run workload W1 (or the store's raw limit) and report throughput and correctness."""
+    if nodes:  # a cluster of its own: the scale-out benchmark (benchmarks/nodes.py)
+        from benchmarks.nodes import main as nodes_main
+
+        argv = ["--nodes", str(nodes), "--store", store, "--runs", str(runs)]
+        argv += ["--concurrency", str(concurrency), "--steps", str(steps), "--tools", str(tools)]
+        argv += (["--remove-node"] if remove_node else []) + (["--json"] if as_json else [])
+        raise typer.Exit(nodes_main(argv))
+    if remove_node:
+        raise typer.BadParameter("--remove-node removes one of --nodes N")
     if placement not in ("hosted", "dedicated"):
         raise typer.BadParameter("--placement must be hosted or dedicated")
     if sqlite_writer not in ("direct", "actor"):
