@@ -314,5 +314,5 @@ async def test_a_tools_forced_turn_is_committed_with_its_result(crash):
     except Crash:
         f = await InProcessRunner(floor_keeper(), store).recover("t")
     sides = [side for kind, side, text in lines(f) if kind in ("assistant", "user") and side]
-    assert [s for s in sides] == ["a", "a", "a", "b"]  # the call, its answer, a again, b
+    assert sides == ["a", "a", "a", "b"]  # the call, its answer, a again, b
     assert f.run_state.cause.kind == "natural"
