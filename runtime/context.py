@@ -18,7 +18,7 @@ from runtime.execution import ExecutionState
 from runtime.faults import FaultPlan
 from runtime.hooks import HookPoint, HookResults
 from runtime.ids import RunId
-from runtime.lifecycle import PauseTarget, RunDisposition, RunningState
+from runtime.lifecycle import PauseTarget, RunDisposition, RunningState, UserInputTarget
 from runtime.limits import Limits
 from runtime.ports import ToolRunner
 from runtime.state import Command
@@ -68,7 +68,9 @@ class RunContext:
         """Whether the StepEnd hooks of ``batch_id``'s Step are still to run."""
         return batch_id not in (self.step_ended, self.frontier.state["run"].get(STEP_ENDED))
 
-    def pause_step(self, target: PauseTarget, commands: Sequence[Command]) -> None:
+    def pause_step(
+        self, target: PauseTarget | UserInputTarget, commands: Sequence[Command]
+    ) -> None:
         """Pause before this Step's inference (the hooks' ``commands`` are committed with
         the wait); the Step starts over on the resume, its StepEnd hooks not again."""
         self.execution.wait_request = target

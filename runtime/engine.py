@@ -65,7 +65,6 @@ from runtime.lifecycle import (
     ResumeCommand,
     ResumeTicket,
     RunningState,
-    Stopped,
 )
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id, check_room, check_text
 from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
@@ -73,7 +72,7 @@ from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, result_messages, resume_commit, validate_ticket
-from runtime.session import closing, counted, opening, stepped, view
+from runtime.session import counted, opening, stepped, view
 from runtime.sides import Sides
 from runtime.signals import (
     CancelledSignal,
@@ -391,12 +390,6 @@ class Engine(Sides):
         except EndRun as end:
             await self.end(ctx, end.cause)
 
-    def _control_cause(self, ctx: RunContext) -> EndCause:
-        if ctx.execution.session_stopped and self.root.session is not None:
-            ctx.pending.append(closing())  # stop_session: no later Run continues it
-        reason = self.stop_reason or ctx.execution.stop_reason
-        return Stopped(reason=reason) if reason is not None else Cancelled()
-
     async def _await_at_boundary(self, ctx: RunContext) -> None:
         """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing."""
         target = ctx.execution.wait_request or PauseTarget(reason="manual")
@@ -431,6 +424,8 @@ class Engine(Sides):
             return
         await self.hooks(ctx, "StepStart", hooks, step=step)
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
+        if await self._held_before_inference(ctx, prior, results, hooks):
+            return  # a hook stopped the Run, or asked for input or a pause
         # messages injected so far join the history now, after the results
         injected, staged = take_injected(ctx.run_id, f.state, hooks.commands)
         hooks.commands[:] = staged

@@ -7,11 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.agent import Agent
+from runtime.batch import ActiveToolBatch
 from runtime.committing import Committing
 from runtime.context import RunContext
 from runtime.hooks import HookInput, HookPoint, HookResults, run_hooks
 from runtime.injection import inject_commands, live_history
-from runtime.session import counted, stage_forced
+from runtime.lifecycle import Cancelled, EndCause, Stopped
+from runtime.messages import Message
+from runtime.session import closing, counted, stage_forced
 
 
 class Hooking(Committing):
@@ -19,6 +22,35 @@ class Hooking(Committing):
 
     root: Agent
     agent: Agent
+    stop_reason: str | None
+
+    def _control_cause(self, ctx: RunContext) -> EndCause:
+        """How a Run stopped or cancelled (from outside, by a hook or by a tool) ends."""
+        if ctx.execution.session_stopped and self.root.session is not None:
+            ctx.pending.append(closing())  # stop_session: no later Run continues it
+        reason = self.stop_reason or ctx.execution.stop_reason
+        return Stopped(reason=reason) if reason is not None else Cancelled()
+
+    async def _held_before_inference(
+        self,
+        ctx: RunContext,
+        prior: ActiveToolBatch | None,
+        results: tuple[Message, ...],
+        hooks: HookResults,
+    ) -> bool:
+        """A StepStart or BeforeInference hook stopped the Run, or asked for input or a
+        pause: the Step's inference does not run. A stop ends the Run now, with the
+        finished Step's results; a wait is committed before this Step, which starts over
+        on the resume."""
+        execution = ctx.execution
+        if execution.stopped:
+            cause = self._control_cause(ctx)
+            await self.end(ctx, cause, messages=results, batch=prior, commands=hooks.commands)
+            return True
+        if execution.wait_request is not None:
+            ctx.pause_step(execution.wait_request, hooks.commands)
+            return True
+        return False
 
     async def hooks(
         self,

@@ -24,6 +24,8 @@ from runtime import (
     StopRun,
     ToolContext,
     ToolResult,
+    UserInput,
+    answer,
     call,
     tool,
 )
@@ -369,3 +371,39 @@ async def test_a_plugins_tool_writing_an_undeclared_key_gets_a_model_visible_err
     result = next(m for m in f.messages if m.kind == "tool_result")
     assert result.is_error and "undeclared_key" in result.content
     assert "elsewhere" not in f.state["thread"]
+
+
+async def test_a_stop_or_a_wait_asked_at_step_start_comes_before_the_inference():
+    asked: list[int] = []
+
+    def count(request):
+        asked.append(request.step)
+        return ModelResponse(tool_calls=(call("note", f"c{request.step}", text="x"),))
+
+    def stop_at_one(h):
+        return HookOutput(reactions=[StopRun(reason="enough")]) if h.step == 1 else None
+
+    model = ScriptedModel([count] * 4)
+    agent = Agent(name="a", model=model, tools=[note], hooks=[Hook("StepStart", stop_at_one)])
+    f = await start(agent)
+    assert asked == [0]  # Step 1's inference never ran
+    assert (f.run_state.cause.kind, f.run_state.cause.reason) == ("stopped", "enough")
+    assert [m.content for m in f.messages if m.kind == "tool_result"] == ["noted"]
+
+    asked.clear()
+
+    def ask_at_one(h):  # the Step starts over on the resume: ask once
+        answered = any(m.kind == "user" and m.text == "yes" for m in h.execution.message_history)
+        if h.step == 1 and not answered:
+            return HookOutput(reactions=[RequestInput(prompt="more?")])
+        return None
+
+    model = ScriptedModel([count, ModelResponse(text="done")])
+    agent = Agent(name="a", model=model, tools=[note], hooks=[Hook("StepStart", ask_at_one)])
+    runner = InProcessRunner(agent, MemoryCommitStore())
+    f = await runner.start("go", thread_id="t", run_id="r")
+    assert asked == [0] and f.run_state.ticket.target.prompt == "more?"
+    f = await runner.resume(answer(f.run_state.ticket, UserInput(text="yes")))
+    assert f.run_state.cause.kind == "natural"
+    # the tool's injection is written by the next inference commit, after the answer
+    assert [m.text for m in f.messages if m.kind == "user"] == ["go", "yes", "x"]
