@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from runtime.base import Frozen, evolve
+from runtime.base import Frozen, evolve, trusted
 from runtime.errors import CorruptBatch, InvalidTransition
 from runtime.ids import (
     SCHEMA_VERSION,
@@ -24,6 +24,7 @@ from runtime.ids import (
     batch_id,
     call_operation_id,
 )
+from runtime.messages import ToolResultMessage
 
 RecoveryMode = Literal["never_replay", "replay_safe", "idempotent", "durable_request"]
 RECOVERY_MODES: tuple[RecoveryMode, ...] = (
@@ -317,3 +318,21 @@ def seal(batch: ActiveToolBatch, reason: str = SEALED_REASON) -> ActiveToolBatch
         if not call.terminal:
             batch = mark_indeterminate(batch, call.call_id, reason)
     return finalize(batch)
+
+
+def result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:
+    """A terminal batch's results, in the model's call order (made of the batch's
+    validated fields, so not validated again)."""
+    if batch is None:
+        return ()
+    return tuple(
+        trusted(
+            ToolResultMessage,
+            call_id=c.call_id,
+            tool=c.tool,
+            content=out.content,
+            is_error=out.is_error,
+        )
+        for c in batch.calls
+        for out in (c.to_model_output(),)
+    )

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from runtime.batch import ActiveToolBatch, seal
+from runtime.batch import ActiveToolBatch, result_messages, seal
 from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts, with_claim
 from runtime.context import RunContext, StoreRetry
 from runtime.delegation import CHILDREN_KEY, ChildRunner
@@ -45,7 +45,6 @@ from runtime.limits import Limits, history_size
 from runtime.messages import Message
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
-from runtime.resume import result_messages
 from runtime.state import Command
 from runtime.timeutil import now_us
 from runtime.tracing import RunTrace

@@ -35,7 +35,7 @@ from typing import TypeVar
 from runtime import tracing
 from runtime.agent import Agent
 from runtime.base import trusted
-from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch
+from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch, result_messages
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
@@ -71,7 +71,7 @@ from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
 from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
-from runtime.resume import check_command, result_messages, resume_commit, validate_ticket
+from runtime.resume import check_command, resume_commit, validate_ticket
 from runtime.session import counted, opening, stepped, view
 from runtime.sides import Sides
 from runtime.signals import (

@@ -17,10 +17,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from runtime.base import trusted
-from runtime.batch import ActiveToolBatch, Completed
+from runtime.batch import ActiveToolBatch, Completed, result_messages
 from runtime.commit import Frontier
 from runtime.messages import Message, ToolResultMessage, UserMessage
-from runtime.resume import result_messages
 from runtime.state import Command, StateView
 
 INJECTED_KEY = "injected"

@@ -9,7 +9,6 @@ lands and the other finds the ticket gone.
 
 from __future__ import annotations
 
-from runtime.base import trusted
 from runtime.batch import (
     ActiveToolBatch,
     Awaiting,
@@ -18,12 +17,14 @@ from runtime.batch import (
     finalize,
     mark_awaiting,
     mark_executing,
+    result_messages,
 )
 from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
 from runtime.events import Fact
 from runtime.gates import admit_outcome
 from runtime.ids import CallId, CorrelationId
+from runtime.injection import take_injected
 from runtime.lifecycle import (
     AwaitingState,
     DelegationOutcome,
@@ -38,7 +39,7 @@ from runtime.lifecycle import (
     validate_resume,
 )
 from runtime.limits import Limits, check_id, check_json_value, check_text
-from runtime.messages import Message, ToolResultMessage, UserMessage
+from runtime.messages import Message, UserMessage
 from runtime.ports import Finished
 from runtime.session import human_answer
 from runtime.state import Command
@@ -128,7 +129,9 @@ async def resume_commit(
             if isinstance(target, UserInputTarget) and target.side is not None:
                 # a session's human side answered: its turn ends with this commit
                 user, commands = human_answer(target, ctx.frontier, payload.text, user.id)
-            messages = (*messages, user)
+            # messages injected before the wait come before the answer
+            injected, commands = take_injected(ctx.run_id, ctx.frontier.state, commands)
+            messages = (*messages, *injected, user)
     else:
         assert batch is not None
         call_id = target.call_id
@@ -161,24 +164,6 @@ def _completed(
     model-visible error naming the limit."""
     admitted = admit_outcome(Finished(output=output), services.limits, batch)
     return complete(batch, call_id, admitted.output)
-
-
-def result_messages(batch: ActiveToolBatch | None) -> tuple[ToolResultMessage, ...]:
-    """A terminal batch's results, in the model's call order (made of the batch's
-    validated fields, so not validated again)."""
-    if batch is None:
-        return ()
-    return tuple(
-        trusted(
-            ToolResultMessage,
-            call_id=c.call_id,
-            tool=c.tool,
-            content=out.content,
-            is_error=out.is_error,
-        )
-        for c in batch.calls
-        for out in (c.to_model_output(),)
-    )
 
 
 def validate_ticket(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:

@@ -405,5 +405,5 @@ async def test_a_stop_or_a_wait_asked_at_step_start_comes_before_the_inference()
     assert asked == [0] and f.run_state.ticket.target.prompt == "more?"
     f = await runner.resume(answer(f.run_state.ticket, UserInput(text="yes")))
     assert f.run_state.cause.kind == "natural"
-    # the tool's injection is written by the next inference commit, after the answer
-    assert [m.text for m in f.messages if m.kind == "user"] == ["go", "yes", "x"]
+    # the tool's injection, staged before the wait, is written before the answer
+    assert [m.text for m in f.messages if m.kind == "user"] == ["go", "x", "yes"]
