@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from runtime.commit import Frontier, frontier_text, head_only
 from runtime.errors import CorruptRecord
 from runtime.integrity import check_frontier_text, frontier_checksum
+from runtime.lifecycle import AwaitingState
 
 DEFAULT_ENTRIES = 4096
 DEFAULT_CHARS = 64 << 20
@@ -59,9 +60,10 @@ class _Entry(NamedTuple):
 class FrontierCache:
     """Frontiers by thread, least recently used evicted; safe to share between threads.
 
-    Ended Runs are not kept: they are rarely read again, and a thread's next Run
-    starts with a claim that reads the row first (``sql_txn.Plan`` meets a row the
-    cache does not know), decoding it once.
+    Ended and awaiting Runs are not kept: an ended one is rarely read again, and an
+    awaiting one holds nothing in memory (ten thousand parked Runs must not fill every
+    host's cache: ``benchmarks.parked``); the next way in reads the row first
+    (``sql_txn.Plan`` meets a row the cache does not know), decoding it once.
     """
 
     def __init__(self, entries: int = DEFAULT_ENTRIES, chars: int = DEFAULT_CHARS) -> None:
@@ -112,7 +114,8 @@ class FrontierCache:
             old = self._entries.pop(thread, None)
             if old is not None:
                 self._chars -= len(old.text)
-            if entry.frontier.ended or len(entry.text) > self.max_chars:
+            resting = entry.frontier.ended or isinstance(entry.frontier.run_state, AwaitingState)
+            if resting or len(entry.text) > self.max_chars:
                 return
             self._entries[thread] = entry
             self._chars += len(entry.text)
