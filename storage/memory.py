@@ -35,9 +35,9 @@ from runtime.integrity import (
     verified_records,
     whole_frontier,
 )
-from runtime.ports import CommittedRecord, RunSummary, host_of
+from runtime.ports import CommittedRecord, RunSummary
 from storage.retention import Cut, prune_thread
-from storage.summary import summarize
+from storage.summary import summaries_of
 
 
 @dataclass
@@ -131,14 +131,7 @@ class MemoryCommitStore:
         *,
         host: str | None = None,
     ) -> list[RunSummary]:
-        summaries = (summarize(t.frontier) for t in self._threads.values())
-        return [
-            s
-            for s in summaries
-            if s is not None
-            and (state is None or s.state == state)
-            and (host is None or host_of(s.owner) == host)
-        ]
+        return summaries_of((t.frontier for t in self._threads.values()), state, host)
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         return [ThreadId(t) for t in sorted(self._threads) if t > after][:limit]

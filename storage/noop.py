@@ -36,8 +36,8 @@ from runtime.commit import (
     with_claim,
 )
 from runtime.ids import ThreadId
-from runtime.ports import CommittedRecord, RunSummary, host_of
-from storage.summary import summarize
+from runtime.ports import CommittedRecord, RunSummary
+from storage.summary import summaries_of
 
 
 @dataclass
@@ -102,14 +102,7 @@ class NoopCommitStore:
         *,
         host: str | None = None,
     ) -> list[RunSummary]:
-        summaries = (summarize(t.frontier) for t in self._threads.values())
-        return [
-            s
-            for s in summaries
-            if s is not None
-            and (state is None or s.state == state)
-            and (host is None or host_of(s.owner) == host)
-        ]
+        return summaries_of((t.frontier for t in self._threads.values()), state, host)
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         return [ThreadId(t) for t in sorted(self._threads) if t > after][:limit]

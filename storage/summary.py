@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from runtime.commit import Frontier
 from runtime.lifecycle import EndedState
-from runtime.ports import RunSummary
+from runtime.ports import RunSummary, host_of
 
 RunStateKind = Literal["running", "awaiting", "ended"]
 RUN_STATES: tuple[RunStateKind, ...] = ("running", "awaiting", "ended")
@@ -37,3 +38,17 @@ def listing(frontier: Frontier) -> tuple[RunStateKind | None, str | None]:
     if state is None or frontier.run_id is None:
         return None, None
     return state.kind, state.cause.kind if isinstance(state, EndedState) else None
+
+
+def summaries_of(
+    frontiers: Iterable[Frontier], state: RunStateKind | None, host: str | None
+) -> list[RunSummary]:
+    """``CommitStore.list_runs`` over frontiers held in process (the in-memory stores)."""
+    found = (summarize(f) for f in frontiers)
+    return [
+        s
+        for s in found
+        if s is not None
+        and (state is None or s.state == state)
+        and (host is None or host_of(s.owner) == host)
+    ]
