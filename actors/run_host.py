@@ -402,6 +402,9 @@ class RunHost:
             # group commit (SQL stores): transactions that carried appends, and the appends
             "store_groups": getattr(self.store, "groups", None),
             "store_appends": getattr(self.store, "appends", None),
+            # and the seconds the appends waited for their groups, the groups took to write
+            "store_waited_s": getattr(self.store, "waited_s", None),
+            "store_written_s": getattr(self.store, "written_s", None),
             "bus_dropped": self.publisher.dropped if self.publisher is not None else 0,
             "startup": self.startup,
         }

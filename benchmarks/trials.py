@@ -22,7 +22,7 @@ MEDIAN = (
     "cpu_ratio_to_baseline", "same_dispatch_wall_s", "same_dispatch_runs_per_s",
     "same_dispatch_p50_step_ms", "same_dispatch_p99_step_ms",
     "same_dispatch_waves_per_executor_call", "ratio_to_same_dispatch",
-    "cpu_ratio_to_same_dispatch",
+    "cpu_ratio_to_same_dispatch", "store_wait_ms_per_append", "group_write_ms",
 )  # fmt: skip
 TOTAL = (
     "commits", "lost_commits", "duplicate_never_replay", "checked_runs", "natural_runs",

@@ -232,7 +232,8 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         own = prepared.kind != "memory"
         timed = await drive_durable(client, cfg, params.ref, progress)
         report = await client.supervisor_report() if cfg.chaos else {}
-        coalescing, grouping = sharing(await host_counts(client))
+        counts = await host_counts(client)
+        coalescing, grouping = sharing(counts)
         if own:
             await client.shutdown()
             client = None
@@ -287,6 +288,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
         "ledger_violations": verdict.ledger_violations,
         "waves_per_executor_call": coalescing,
         "commits_per_group": grouping,
+        **store_times(counts),
         "cpu_ms_per_run": per_run_ms(timed.cpu_s, cfg.runs),
     }
     if cfg.chaos:
@@ -313,10 +315,12 @@ def per_run_ms(cpu_s: dict[str, float], runs: int) -> dict[str, float]:
     return {kind: round(seconds * 1000 / runs, 2) for kind, seconds in ranked if seconds > 0}
 
 
-async def host_counts(client: Ratchet) -> dict[str, int]:
+async def host_counts(client: Ratchet) -> dict[str, float]:
     """The hosted pool's counts of waves and executor calls, appends and group
-    transactions, summed (a host restarted by chaos counts from its restart)."""
-    totals = {"waves_sent": 0, "executor_calls": 0, "store_appends": 0, "store_groups": 0}
+    transactions, and the seconds appends waited for their groups and groups took to
+    write, summed (a host restarted by chaos counts from its restart)."""
+    keys = ("waves_sent", "executor_calls", "store_appends", "store_groups")
+    totals = dict.fromkeys((*keys, "store_waited_s", "store_written_s"), 0.0)
     for host in client.hosts:
         with contextlib.suppress(Exception):
             info = await host.info.remote()
@@ -325,7 +329,19 @@ async def host_counts(client: Ratchet) -> dict[str, int]:
     return totals
 
 
-def sharing(totals: dict[str, int]) -> tuple[float | None, float | None]:
+def store_times(totals: dict[str, float]) -> dict[str, float | None]:
+    """Per append, the ms it waited for its group (queue and linger); per group, the ms
+    its transaction took (commit and fsync included). None on stores that keep no count."""
+    appends, groups = totals["store_appends"], totals["store_groups"]
+    return {
+        "store_wait_ms_per_append": (
+            round(totals["store_waited_s"] * 1000 / appends, 3) if appends else None
+        ),
+        "group_write_ms": round(totals["store_written_s"] * 1000 / groups, 3) if groups else None,
+    }
+
+
+def sharing(totals: dict[str, float]) -> tuple[float | None, float | None]:
     """How many Runs' waves shared an executor round trip, and how many commits a group
     transaction, on average (None where nothing was counted, or the store keeps no
     count)."""

@@ -80,6 +80,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -140,6 +141,7 @@ class _Queued(Generic[R]):
     future: asyncio.Future[R] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    queued: float = field(default_factory=time.perf_counter)
 
 
 class SqlCommitStore:
@@ -166,6 +168,10 @@ class SqlCommitStore:
         self.appends = 0
         self.planned = 0
         """Groups written as planned (``sql_txn.Plan``), without reading their rows first."""
+        self.waited_s = 0.0
+        """Summed over appends: from the call to its group's transaction (queue and linger)."""
+        self.written_s = 0.0
+        """Summed over groups with appends: the transaction, commit and fsync included."""
         self._one_statement = db.dialect == "postgresql"
         """Planned groups go as one statement (``PG_PLANNED``), outside any body."""
         self._frontiers = FrontierCache()
@@ -307,6 +313,7 @@ class SqlCommitStore:
 
     async def _commit_group(self, group: list[_Queued[Any]]) -> None:
         """Commit a group and resolve every caller's future; never raises (but cancel)."""
+        began = time.perf_counter()
         requests = [item.request for item in group]
         plan = self._plan(requests)
         try:
@@ -337,6 +344,10 @@ class SqlCommitStore:
         if appends:
             self.groups += 1
             self.appends += appends
+            self.written_s += time.perf_counter() - began
+            self.waited_s += sum(
+                began - item.queued for item in group if isinstance(item.request, AppendRequest)
+            )
         for item, outcome in zip(group, outcomes, strict=True):
             if appends > 1 and isinstance(outcome, Receipt):  # for the commit's span
                 outcome = outcome.model_copy(update={"group": appends})
