@@ -16,8 +16,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from runtime.batch import ActiveToolBatch, result_messages, seal
-from runtime.commit import CommitLabel, Frontier, advance, assemble_commit, stamp_facts, with_claim
-from runtime.context import RunContext, StoreRetry
+from runtime.commit import (
+    CommitLabel,
+    Frontier,
+    Receipt,
+    ThreadCommit,
+    advance,
+    assemble_commit,
+    stamp_facts,
+    with_claim,
+)
+from runtime.context import Landing, RunContext, StoreRetry
 from runtime.delegation import CHILDREN_KEY, ChildRunner
 from runtime.errors import (
     Fenced,
@@ -173,9 +182,42 @@ class Committing:
         disposition: RunDisposition,
         *,
         claim: bool = False,
+        landing: bool = False,
         **parts: Any,
     ) -> None:
-        await self._commit(ctx, label, disposition, claim=claim, **parts)
+        """Commit and fold into ``ctx``. With ``landing`` (a Step's results, before its
+        next inference), return once the commit is folded and its append is under way,
+        where the Run allows it (``lands_later``): the next commit, or anything else
+        that relies on it (``landed``), waits for its receipt first, and should it not
+        land, the working copy goes back to before it and the error is raised there."""
+        await self._commit(ctx, label, disposition, claim=claim, landing=landing, **parts)
+
+    lands_later: bool = False
+    """Whether ``landing`` commits may be left under way: only where nothing between a
+    Step's results and its next inference can act on them (no hooks, no session, no
+    stream checkpoint, which a recovery would take up with results it never saw).
+    The Engine decides it."""
+
+    async def landed(self, ctx: RunContext) -> None:
+        """Wait for the commit under way, if any; its error, if it did not land, with the
+        working copy put back to before it."""
+        landing = ctx.landing
+        if landing is None:
+            return
+        ctx.landing = None
+        try:
+            await landing.task
+        except BaseException:
+            ctx.frontier, ctx.epoch = landing.frontier, landing.epoch
+            ctx.history_bytes = landing.history_bytes
+            raise
+
+    def abandon_landing(self, ctx: RunContext) -> None:
+        """A drive that stops early stops waiting for its commit under way (the store may
+        still write it, as with any append whose caller went away)."""
+        landing, ctx.landing = ctx.landing, None
+        if landing is not None and not landing.task.done():
+            landing.task.cancel()
 
     def _within_history(self, ctx: RunContext, messages: Sequence[Message]) -> int:
         """The size ``messages`` add to the thread's history, or HistoryLimitReached if
@@ -211,7 +253,9 @@ class Committing:
         commands: Sequence[Command] = (),
         run_id: RunId | None = None,
         extra_facts: Sequence[Fact] = (),
+        landing: bool = False,
     ) -> None:
+        await self.landed(ctx)  # the commit before this one has its receipt first
         f = ctx.frontier
         added = 0 if label == "ended" else self._within_history(ctx, messages)
         run = run_id or ctx.run_id
@@ -238,22 +282,29 @@ class Committing:
         owner = self.owner if claim else None
         self.faults.hit(f"before:{label}")
         append = functools.partial(self.store.append, commit, f.version, ctx.epoch, claim=owner)
+        if landing and self.lands_later and label == "results":
+            before = (f, ctx.epoch, ctx.history_bytes)
+            _fold(ctx, new_frontier, added, run)
+            task = asyncio.create_task(self._append(label, append, commit))
+            ctx.landing = Landing(task, *before)
+            return
+        await self._append(label, append, commit)
+        _fold(ctx, new_frontier, added, run)
+        if label in ("inference", "ended"):
+            await self.inference.step_committed(f.thread_id)
+
+    async def _append(
+        self, label: CommitLabel, append: Callable[[], Awaitable[Receipt]], commit: ThreadCommit
+    ) -> None:
+        """The append (retried while the store is out) and what its receipt lets go."""
         if self.trace is None:
             receipt = await self._retrying(append)
         else:  # the append as a span of its own
             receipt = await self.trace.commit(label, functools.partial(self._retrying, append))
         self.faults.hit(f"after:{label}")
-        ctx.pending.clear()
-        ctx.frontier = new_frontier
-        if ctx.history_bytes is not None:
-            ctx.history_bytes += added
-        ctx.epoch = new_frontier.epoch
-        ctx.execution.run_id = run
         self.committed.set()
-        if label in ("inference", "ended"):
-            await self.inference.step_committed(f.thread_id)
         if self.publisher is not None:  # stamping copies every fact: only for a listener
-            self.publisher.offer(f.thread_id, stamp_facts(commit, receipt.seq))
+            self.publisher.offer(commit.thread_id, stamp_facts(commit, receipt.seq))
 
     async def _claimed(self, thread: ThreadId, supersedes: int) -> Frontier:
         """Claim ``thread`` (compare-and-set on ``supersedes``), retried while the store is
@@ -291,6 +342,16 @@ class Committing:
                 log.warning("store unavailable (%s); retrying in %.2fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.store_retry.max_delay_s)
+
+
+def _fold(ctx: RunContext, frontier: Frontier, added: int, run: RunId) -> None:
+    """The working copy after a commit (its staged commands went with it)."""
+    ctx.pending.clear()
+    ctx.frontier = frontier
+    if ctx.history_bytes is not None:
+        ctx.history_bytes += added
+    ctx.epoch = frontier.epoch
+    ctx.execution.run_id = run
 
 
 def _status_after(current: ThreadStatus, disposition: RunDisposition, now: int) -> ThreadStatus:

@@ -7,6 +7,7 @@ than the Engine, so the import graph has no circle: engine → toolbatch → con
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -62,6 +63,10 @@ class RunContext:
     """The thread's history size (``runtime.limits.history_size``), measured once per
     drive at its first commit and kept current by each commit after it."""
 
+    landing: Landing | None = None
+    """A commit folded into this copy whose receipt has not come back yet
+    (``Committing.commit(..., landing=True)``): the next commit waits for it first."""
+
     _running: RunningState | None = field(default=None, init=False, repr=False)
 
     def ends_step(self, batch_id: str) -> bool:
@@ -98,6 +103,17 @@ class RunContext:
         return self._running
 
 
+@dataclass(frozen=True)
+class Landing:
+    """A commit on its way to the store, and the working copy as it was before it (what
+    the Run goes back to should the commit not land)."""
+
+    task: asyncio.Task[None]
+    frontier: Frontier
+    epoch: int
+    history_bytes: int | None
+
+
 class StepServices(Protocol):
     """What carrying out a Step's batch needs from its driver."""
 
@@ -122,9 +138,12 @@ class StepServices(Protocol):
         disposition: RunDisposition,
         *,
         claim: bool = False,
+        landing: bool = False,
         **parts: Any,
     ) -> None:
-        """Commit (and fold into ``ctx``); ``claim``: the commit also claims the thread."""
+        """Commit (and fold into ``ctx``); ``claim``: the commit also claims the thread;
+        ``landing``: return once the commit is folded and on its way, where nothing
+        before the next commit relies on its receipt (``Committing.commit``)."""
 
     async def hooks(
         self,

@@ -276,7 +276,7 @@ class _Replay:
 
     def _engine(self, way: Way) -> Engine:
         link = self.recording.links.get(way.first.run_id)
-        return Engine(
+        engine = Engine(
             self.agent,
             self.store,
             self.tools,
@@ -287,6 +287,9 @@ class _Replay:
             parent=link,
             limits=self.limits,
         )
+        # the feed follows the log in order: each commit lands before the code goes on
+        engine.lands_later = False
+        return engine
 
     async def _way_in(self, thread: ThreadId, way: Way, engine: Engine) -> None:
         first = way.first

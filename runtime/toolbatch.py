@@ -159,10 +159,12 @@ async def run_wave(
     if services.agent.hooks:  # else skip even building each call's arguments
         for call_id in members:
             await services.hooks(ctx, "AfterTool", hooks, step=batch.step, call=batch.call(call_id))
+    # the next inference may begin before this lands (Committing.commit, ``landing``)
     await services.commit(
         ctx,
         "results",
         ctx.running(),
+        landing=True,
         batch=batch,
         commands=(*commands, *hooks.commands),
     )
