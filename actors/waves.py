@@ -4,7 +4,8 @@ A plain Ray actor call costs about a millisecond of CPU at each end on our 2-cor
 machines, whatever it carries; with tools that answer at once that is most of what a
 Step costs. Group commit wakes many Runs of a host in the same event-loop turn, so
 their next waves are ready together: the ``WaveDispatcher`` holds a wave for two loop
-turns and sends every wave bound for the same executor pool in one streaming call.
+turns and sends every wave bound for the same executor pool in one streaming call (a
+lone wave in a plain call, which costs less).
 
 The executor runs the waves of a call concurrently and yields each as it finishes, so
 a slow tool holds back only its own wave, never the others in its call. A wave its
@@ -116,10 +117,15 @@ class WaveDispatcher:
     async def _call(self, executor: Any, waves: list[_Wave]) -> None:
         open_waves = {w.id: w for w in waves}
         try:
-            stream = executor.run_waves.remote([(w.id, w.agent_ref, w.invocations) for w in waves])
-            async for ref in stream:
-                for wave_id, outcomes in await ref:
-                    open_waves.pop(wave_id).settle(outcomes)
+            if len(waves) == 1:  # a lone wave: a plain call, cheaper than a stream
+                (wave,) = waves
+                outcomes = await executor.run_wave.remote(wave.id, wave.agent_ref, wave.invocations)
+                open_waves.pop(wave.id).settle(outcomes)
+            else:
+                calls = [(w.id, w.agent_ref, w.invocations) for w in waves]
+                async for ref in executor.run_waves.remote(calls):
+                    for wave_id, outcomes in await ref:
+                        open_waves.pop(wave_id).settle(outcomes)
         except RayActorError as exc:
             message = f"executor died mid-call ({type(exc).__name__})"
         except RayTaskError as exc:  # the executor itself failed around the tools

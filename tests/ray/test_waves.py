@@ -69,6 +69,22 @@ async def test_a_slow_wave_holds_back_only_itself_and_is_cancelled_where_it_runs
     await wait_for(lambda: _exists(f"{marker}.cancelled"), what="the tool to be cancelled")
 
 
+async def test_a_lone_wave_goes_in_a_plain_call_and_is_cancelled_where_it_runs(
+    make_system, tmp_path
+):
+    waves = await _dispatcher(make_system)
+    marker = str(tmp_path / "alone")
+    slow = asyncio.ensure_future(
+        waves.run({}, AGENT, _wave("linger", 0, seconds=120.0, marker=marker))
+    )
+    await wait_for(lambda: _exists(f"{marker}.started"), what="the lone tool to start")
+    assert waves.sent == {"waves": 1, "calls": 1}
+    slow.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+    await wait_for(lambda: _exists(f"{marker}.cancelled"), what="the lone tool to be cancelled")
+
+
 async def test_an_executor_that_cannot_answer_loses_the_wave_at_its_deadline(make_system):
     waves = await _dispatcher(make_system, grace_s=0.5)
     (outcome,) = await asyncio.wait_for(
