@@ -399,12 +399,9 @@ class RunHost:
             "quarantined": sorted(self.drives.quarantined),
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],
-            # group commit (SQL stores): transactions that carried appends, and the appends
-            "store_groups": getattr(self.store, "groups", None),
-            "store_appends": getattr(self.store, "appends", None),
-            # and the seconds the appends waited for their groups, the groups took to write
-            "store_waited_s": getattr(self.store, "waited_s", None),
-            "store_written_s": getattr(self.store, "written_s", None),
+            # group commit (SQL stores): transactions with appends, the appends, the seconds
+            # appends waited for their groups and the groups took to write
+            **{f"store_{k}": getattr(self.store, k, None) for k in GROUP_COUNTS},
             "bus_dropped": self.publisher.dropped if self.publisher is not None else 0,
             "startup": self.startup,
         }
@@ -459,6 +456,7 @@ class RunHost:
                 log.warning("reconciling %s failed: %s", self.host_id, exc)
 
 
+GROUP_COUNTS = ("groups", "appends", "waited_s", "written_s")
 RemoteRunHost = ray.remote(RunHost)
 
 

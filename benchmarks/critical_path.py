@@ -11,8 +11,10 @@ critical path, from the start of its inference to the start of the next Step's:
   the group writer's linger, the transaction with its fsync);
 - ``tools``: first ``execute_tool`` start to last end — the executor round trip
   through the wave dispatcher, the tools' own latency (``--tool-latency-ms``) included;
-- ``results_commit``: the ``ratchet.commit results`` span;
-- ``engine``: what else the Step span holds (gates, planning, folding, encoding);
+- ``results_commit``: the ``ratchet.commit results`` span (where it lands while the next
+  inference runs, only its part inside the Step span is on the critical path);
+- ``engine``: what else the Step span holds (gates, planning, folding, encoding, and
+  the wait for a results commit still on its way when the inference commit is made);
 - ``between``: from the Step span's end to the next inference's start (the loop, the
   next Step's hooks and checks, the event loop's other Runs).
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -97,7 +98,14 @@ def step_phases(spans: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
                     if key in took:
                         phases[f"last_{key}"].append(took[key] / 1000)
                 continue
-            took["engine"] = (step["t1"] - chat[0]) - sum(took.values())
+            # a results commit that lands during the next inference (runtime.committing,
+            # ``landing``) is on the critical path only for its part inside the Step span
+            inside = dict(took)
+            if "results" in commits:
+                inside["results_commit"] = max(
+                    0.0, min(commits["results"]["t1"], step["t1"]) - commits["results"]["t0"]
+                )
+            took["engine"] = (step["t1"] - chat[0]) - sum(inside.values())
             if i + 1 < len(steps):
                 following = _extent([p for p in children[steps[i + 1]["context"]["span_id"]]
                                      if p["name"].startswith("chat")])  # fmt: skip
@@ -124,7 +132,10 @@ def summarize(phases: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 
 async def measure(cfg: Config, trace_file: Path) -> dict[str, Any]:
-    os.environ[TRACE_FILE_ENV] = str(trace_file)  # before Ray starts: its workers inherit it
+    # the system's actors write their spans there (a Ray instance already running, the
+    # test suite's, has its workers' environment set already: runtime_env it is)
+    env = {"runtime_env": {"env_vars": {TRACE_FILE_ENV: str(trace_file)}}}
+    cfg.spec_options = {"host_options": (env,) * cfg.hosts, "core_options": env}
     console = Console(stderr=True)
     from benchmarks.load import _progress
 

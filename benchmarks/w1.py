@@ -59,6 +59,9 @@ class Config:
     ``both`` or ``none``."""
     trials: int = 1
     timeout_s: float = 1800.0
+    spec_options: dict[str, Any] = field(default_factory=dict)
+    """More ``SystemSpec`` options for the durable arm (``benchmarks.critical_path``
+    gives its actors a trace file through ``host_options`` and ``core_options``)."""
 
     @property
     def plain_baseline(self) -> bool:
@@ -228,6 +231,7 @@ async def run_w1(cfg: Config, console: Console, progress: Progress) -> dict[str,
             executors=cfg.executors,
             quiet=True,
             sqlite_writer=cfg.sqlite_writer,
+            **cfg.spec_options,
         )
         own = prepared.kind != "memory"
         timed = await drive_durable(client, cfg, params.ref, progress)

@@ -194,9 +194,14 @@ class Committing:
 
     lands_later: bool = False
     """Whether ``landing`` commits may be left under way: only where nothing between a
-    Step's results and its next inference can act on them (no hooks, no session, no
-    stream checkpoint, which a recovery would take up with results it never saw).
-    The Engine decides it."""
+    Step's results and its next commit can act on them but the model call (no hooks,
+    gates, end guards or session; the inference writes no stream checkpoint before they
+    land). The Engine decides it."""
+
+    chains: bool = False
+    """Whether a commit may be queued behind one on its way (``_behind``): where
+    ``lands_later`` and the store keeps each caller's appends in the order they were made
+    (``ordered_appends``). The Engine decides it."""
 
     async def landed(self, ctx: RunContext) -> None:
         """Wait for the commit under way, if any; its error, if it did not land, with the
@@ -255,7 +260,11 @@ class Committing:
         extra_facts: Sequence[Fact] = (),
         landing: bool = False,
     ) -> None:
-        await self.landed(ctx)  # the commit before this one has its receipt first
+        # the commit before this one has its receipt first, or (a store that keeps each
+        # caller's appends in order) this one is queued behind it (``_behind``)
+        before = ctx.landing if self.chains and not landing else None
+        if before is None:
+            await self.landed(ctx)
         f = ctx.frontier
         added = 0 if label == "ended" else self._within_history(ctx, messages)
         run = run_id or ctx.run_id
@@ -288,10 +297,37 @@ class Committing:
             task = asyncio.create_task(self._append(label, append, commit))
             ctx.landing = Landing(task, *before)
             return
-        await self._append(label, append, commit)
+        if before is None:
+            await self._append(label, append, commit)
+        else:
+            await self._behind(ctx, label, append, commit)
         _fold(ctx, new_frontier, added, run)
         if label in ("inference", "ended"):
             await self.inference.step_committed(f.thread_id)
+
+    async def _behind(
+        self,
+        ctx: RunContext,
+        label: CommitLabel,
+        append: Callable[[], Awaitable[Receipt]],
+        commit: ThreadCommit,
+    ) -> None:
+        """Append behind the commit on its way, without waiting for its receipt: the store
+        keeps the two in order (often in one group), and this one, made at the version
+        after that one, cannot land unless that one did. That one's error comes first (the
+        working copy back to before it); a refusal of this one while that one was still
+        being retried is asked again once it has landed."""
+        task = asyncio.create_task(self._append(label, append, commit))  # queued behind it
+        try:
+            await self.landed(ctx)
+        except BaseException:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        try:
+            await task
+        except (VersionConflict, StoreUnavailable):
+            await self._append(label, append, commit)
 
     async def _append(
         self, label: CommitLabel, append: Callable[[], Awaitable[Receipt]], commit: ThreadCommit

@@ -114,6 +114,16 @@ class Landing:
     history_bytes: int | None
 
 
+def has_landed(ctx: RunContext) -> bool:
+    """Whether everything folded into ``ctx`` is in the store: no commit is on its way,
+    or the one on its way has its receipt."""
+    landing = ctx.landing
+    if landing is None:
+        return True
+    task = landing.task
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
 class StepServices(Protocol):
     """What carrying out a Step's batch needs from its driver."""
 

@@ -150,10 +150,11 @@ class Engine(Sides):
             publish,
         )
         self.inference = Inference(agent, *self._inference_parts)
-        # a Step's results land while the next inference runs only where nothing between
-        # the two acts on them: no hook, no session, no stream checkpoint (a recovery
-        # would take a checkpoint up beside results the model never saw)
-        self.lands_later = checkpoints is None and not agent.hooks and agent.session is None
+        # a Step's results land while the next inference runs only where no code of the
+        # agent's runs before the next commit: no hook, gate, end guard or session (a
+        # stream checkpoint waits for them: runtime.inference)
+        self.lands_later = not (agent.hooks or agent.gates or agent.run_end_guards or agent.session)
+        self.chains = self.lands_later and getattr(store, "ordered_appends", False) is True
         self._sides: dict[str, tuple[Agent, Inference, tuple[str, ...]]] = {}
 
     # ---- control --------------------------------------------------------------------
@@ -344,15 +345,15 @@ class Engine(Sides):
         try:
             await self._loop(ctx, first)
         except NOT_OURS:
-            self.abandon_landing(ctx)
             raise
         except asyncio.CancelledError as exc:
             if cancelling():
-                self.abandon_landing(ctx)
                 raise  # the drive itself is being cancelled (a host stopping it)
             await self.settle(ctx, failure_of(exc), exc)  # raised by a part of ours
         except Exception as exc:
             await self.settle(ctx, failure_of(exc), exc)
+        finally:
+            self.abandon_landing(ctx)  # a drive stopped early leaves no append behind
         return ctx.frontier
 
     async def _loop(self, ctx: RunContext, first: Callable[[], Awaitable[None]] | None) -> None:
@@ -449,7 +450,6 @@ class Engine(Sides):
             except PauseRun as pause:
                 ctx.pause_step(pause.target, hooks.commands)
                 return
-        await self.landed(ctx)  # the results the model saw are committed before it is used
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
         # Tools were withheld on the last Step: calls the model makes anyway are dropped,
         # never committed without results (every provider refuses a history with a

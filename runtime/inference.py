@@ -12,7 +12,7 @@ from runtime import tracing
 from runtime.agent import Agent
 from runtime.base import evolve, trusted
 from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
-from runtime.context import RunContext
+from runtime.context import RunContext, has_landed
 from runtime.errors import InputRefused, ModelError, ModelRateLimited, ModelRefused
 from runtime.events import Delta
 from runtime.ids import CallId, ThreadId
@@ -160,7 +160,9 @@ class Inference:
                 continue
             if checkpointing:
                 partial.add(item)
-                if clock() - last_put >= self.checkpoint_interval_s:
+                # a checkpoint only of an inference whose input is committed: a recovery
+                # takes it up, and must not beside results that never landed
+                if clock() - last_put >= self.checkpoint_interval_s and has_landed(ctx):
                     await self.checkpoints.put(thread, partial.checkpoint())
                     self.checkpointed, last_put = True, clock()
             if self.publish is not None:

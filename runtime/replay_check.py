@@ -288,7 +288,7 @@ class _Replay:
             limits=self.limits,
         )
         # the feed follows the log in order: each commit lands before the code goes on
-        engine.lands_later = False
+        engine.lands_later = engine.chains = False
         return engine
 
     async def _way_in(self, thread: ThreadId, way: Way, engine: Engine) -> None:

@@ -69,6 +69,10 @@ class MemoryCommitStore:
             self._threads[thread] = _Thread(Frontier(thread_id=thread))
         return self._threads[thread]
 
+    ordered_appends = True
+    """One caller's appends apply in the order it made them (the lock is fair, and a call
+    takes it before it first waits): an engine may queue a commit behind one on its way."""
+
     async def append(
         self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
     ) -> Receipt:

@@ -179,6 +179,13 @@ class SqlCommitStore:
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
+    def ordered_appends(self) -> bool:
+        """Whether one caller's appends are written in the order it made them: one group
+        writer takes requests in the order they were queued, and a call queues its request
+        before it first waits (an engine then queues a commit behind one on its way)."""
+        return len(self._tasks) == 1
+
+    @property
     def engine(self) -> AsyncEngine:
         """The SQLAlchemy AsyncEngine on the same database (for tests and tools)."""
         return self.db.engine
