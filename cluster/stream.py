@@ -66,12 +66,19 @@ class StreamText:
     ``LiveText`` replaces the partial text of a retried inference (a newer attempt of
     the same Step). A Run whose execution was lost infers its Step again under a new
     engine, whose attempts start over; so when the thread goes running again, the
-    text of Steps not yet committed (no ``assistant_message`` fact) starts over too.
+    text of Steps not yet committed starts over too. A Step is committed once its
+    ``assistant_message`` fact has been seen: each model Step commits one, so a Run's
+    Steps below the number of its assistant messages seen are committed, whether their
+    deltas came before that fact or after it (the deltas come live, the facts from the
+    store). Following from an offset, earlier facts are not counted: fewer Steps are
+    known to be committed, never more.
     """
 
     def __init__(self) -> None:
         self._parts: dict[tuple[str, int], LiveText] = {}
         self._pending: set[tuple[str, int]] = set()
+        self._answered: dict[str, int] = {}
+        """Assistant messages seen per run: its Steps below this are committed."""
         self._running = False
 
     def add(self, frame: Frame) -> tuple[str, int] | None:
@@ -85,11 +92,13 @@ class StreamText:
                 self._pending.clear()
             self._running = running
         elif isinstance(event, Fact) and event.type == "assistant_message":
+            self._answered[event.run_id] = self._answered.get(event.run_id, 0) + 1
             self._pending = {key for key in self._pending if key[0] != event.run_id}
         elif isinstance(event, Delta) and event.type == "text_delta":
             key = (event.run_id, event.step)
             self._parts.setdefault(key, LiveText()).add(event)
-            self._pending.add(key)
+            if event.step >= self._answered.get(event.run_id, 0):
+                self._pending.add(key)
             return key
         return None
 

@@ -36,7 +36,12 @@ class RunSummary(Frozen):
 
 class CommitStore(Protocol):
     """The committed log and frontier of every thread. Whatever it hands back it has
-    verified (``runtime.integrity``): anything that does not hold is CorruptRecord."""
+    verified (``runtime.integrity``): anything that does not hold is CorruptRecord.
+
+    A store may say ``ordered_appends = True``: one caller's appends are applied in the
+    order the caller made them (each call queues its request before it first waits).
+    An engine then queues a commit behind one still on its way instead of waiting for
+    that one's receipt (``runtime.committing``); without it, it waits."""
 
     async def append(
         self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
