@@ -292,10 +292,10 @@ class Committing:
         self.faults.hit(f"before:{label}")
         append = functools.partial(self.store.append, commit, f.version, ctx.epoch, claim=owner)
         if landing and self.lands_later and label == "results":
-            before = (f, ctx.epoch, ctx.history_bytes)
+            epoch, history_bytes = ctx.epoch, ctx.history_bytes
             _fold(ctx, new_frontier, added, run)
             task = asyncio.create_task(self._append(label, append, commit))
-            ctx.landing = Landing(task, *before)
+            ctx.landing = Landing(task, f, epoch, history_bytes)
             return
         if before is None:
             await self._append(label, append, commit)
