@@ -154,7 +154,10 @@ class Engine(Sides):
         # agent's runs before the next commit: no hook, gate, end guard or session (a
         # stream checkpoint waits for them: runtime.inference)
         self.lands_later = not (agent.hooks or agent.gates or agent.run_end_guards or agent.session)
-        self.chains = self.lands_later and getattr(store, "ordered_appends", False) is True
+        # a planned crash "after:X" means nothing after X is written: a commit queued
+        # behind X before X's receipt would be, so a fault plan keeps each commit apart
+        ordered = getattr(store, "ordered_appends", False) is True
+        self.chains = self.lands_later and ordered and faults.crash_at is None
         self._sides: dict[str, tuple[Agent, Inference, tuple[str, ...]]] = {}
 
     # ---- control --------------------------------------------------------------------

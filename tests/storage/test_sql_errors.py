@@ -24,7 +24,16 @@ from sqlalchemy import Connection, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
-from runtime import InProcessRunner
+from runtime import (
+    Agent,
+    Command,
+    InProcessRunner,
+    ModelResponse,
+    ScriptedModel,
+    ToolResult,
+    call,
+    tool,
+)
 from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, VersionConflict
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
@@ -122,7 +131,7 @@ async def test_a_check_the_thread_row_fails_is_a_refusal_not_a_conflict(
         ]
         remove = ["DROP TRIGGER bad_row_INSERT", "DROP TRIGGER bad_row_UPDATE"]
     async with _installed(sql_store, install, remove):
-        refused = InProcessRunner(_agent(f"here is the {BAD_ROW}"), sql_store)
+        refused = InProcessRunner(_noting(f"here is the {BAD_ROW}"), sql_store)
         clean = [InProcessRunner(_agent("clean"), sql_store) for _ in range(4)]
         done = await asyncio.gather(
             refused.start("go", thread_id="refused"),
@@ -138,6 +147,24 @@ async def test_a_check_the_thread_row_fails_is_a_refusal_not_a_conflict(
         assert isinstance(frontier.run_state, EndedState)
         assert frontier.run_state.cause.kind == "natural"
         await _replays(sql_store, f"clean-{i}")
+
+
+def _noting(note: str) -> Agent:
+    """One tool call whose result also puts ``note`` in the Run's state: from its results
+    commit on, every frontier row of the thread holds it (a result's text alone leaves
+    the row with the end, and the results and the end may share one group)."""
+
+    @tool
+    def fetch(key: str) -> ToolResult:
+        return ToolResult(content="fetched", commands=[Command(key="note", value=note)])
+
+    model = ScriptedModel(
+        [
+            ModelResponse(text="fetching", tool_calls=(call("fetch", "c1", key="k"),)),
+            ModelResponse(text="done"),
+        ]
+    )
+    return Agent(name="noter", model=model, tools=[fetch])
 
 
 # ---- a full disk: an outage, retried ------------------------------------------------------
