@@ -456,7 +456,7 @@ class RunHost:
                 log.warning("reconciling %s failed: %s", self.host_id, exc)
 
 
-GROUP_COUNTS = ("groups", "appends", "waited_s", "written_s")
+GROUP_COUNTS = ("groups", "appends", "waited_s", "written_s", "planned", "skipped")
 RemoteRunHost = ray.remote(RunHost)
 
 

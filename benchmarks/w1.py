@@ -324,7 +324,8 @@ async def host_counts(client: Ratchet) -> dict[str, float]:
     transactions, and the seconds appends waited for their groups and groups took to
     write, summed (a host restarted by chaos counts from its restart)."""
     keys = ("waves_sent", "executor_calls", "store_appends", "store_groups")
-    totals = dict.fromkeys((*keys, "store_waited_s", "store_written_s"), 0.0)
+    extra = ("store_waited_s", "store_written_s", "store_planned", "store_skipped")
+    totals = dict.fromkeys((*keys, *extra), 0.0)
     for host in client.hosts:
         with contextlib.suppress(Exception):
             info = await host.info.remote()
@@ -335,9 +336,13 @@ async def host_counts(client: Ratchet) -> dict[str, float]:
 
 def store_times(totals: dict[str, float]) -> dict[str, float | None]:
     """Per append, the ms it waited for its group (queue and linger); per group, the ms
-    its transaction took (commit and fsync included). None on stores that keep no count."""
+    its transaction took (commit and fsync included); the share of groups written as
+    planned (without reading their rows first) and the requests dropped because their
+    callers had given up. None on stores that keep no count."""
     appends, groups = totals["store_appends"], totals["store_groups"]
     return {
+        "store_planned_share": round(totals["store_planned"] / groups, 3) if groups else None,
+        "store_skipped": int(totals["store_skipped"]),
         "store_wait_ms_per_append": (
             round(totals["store_waited_s"] * 1000 / appends, 3) if appends else None
         ),

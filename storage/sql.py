@@ -68,11 +68,19 @@ by a file lock — and reads on a dedicated reader thread, which in WAL mode nev
 waits for the writer.
 
 Errors are translated in ``storage.sql_errors.translate``; messages name the
-store by ``redact(url)`` only. Every call has a deadline (``timeout_s``): a caller
-whose group or read has not answered by then gets StoreUnavailable (a hung server or
-SQLite file lock), and an append retried after it is harmless (idempotent by
-operation id). A group the database refuses for a reason of its own (not an outage)
-is written again request by request, so only the culprit fails.
+store by ``redact(url)`` only. Every call has a deadline (``timeout_s``): a read that
+has not answered by then, and an append or claim whose group writer has neither taken
+nor finished a group for that long (a hung server or SQLite file lock), gets
+StoreUnavailable; an append retried after it is harmless (idempotent by operation
+id). A long queue behind a writer that keeps committing is not an outage: a caller
+waits its turn, however many are ahead (20,000 Runs on one PostgreSQL writer waited
+55 s per append, and a fixed deadline of 60 s turned that into retries, recoveries
+and more load: benchmarks/README.md, eleventh round). The writer drops a request
+whose caller has given up (timed out or cancelled) before its group is taken: that
+caller heard StoreUnavailable or nothing, so not writing it is one of the outcomes
+it must already handle, and writing it would only add load. A group the database
+refuses for a reason of its own (not an outage) is written again request by request,
+so only the culprit fails.
 """
 
 from __future__ import annotations
@@ -172,6 +180,10 @@ class SqlCommitStore:
         """Summed over appends: from the call to its group's transaction (queue and linger)."""
         self.written_s = 0.0
         """Summed over groups with appends: the transaction, commit and fsync included."""
+        self.skipped = 0
+        """Requests dropped before their group because their callers had given up."""
+        self._progress = 0.0
+        """Loop time a group writer last took or finished a group (see ``_submit``)."""
         self._one_statement = db.dialect == "postgresql"
         """Planned groups go as one statement (``PG_PLANNED``), outside any body."""
         self._frontiers = FrontierCache()
@@ -280,17 +292,33 @@ class SqlCommitStore:
     # ---- group commit ---------------------------------------------------------------------
 
     async def _submit(self, item: _Queued[R]) -> R:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                if not self._tasks:
+        """Queue the request and wait for its outcome while the writers make progress:
+        the deadline is ``timeout_s`` after the later of the call and the last time a
+        writer took or finished a group, so a caller gives up on a writer that is stuck,
+        never on the length of the queue ahead of it."""
+        if not self._tasks:
+            try:
+                async with asyncio.timeout(self.timeout_s):
                     await self._commit_group([item])
-                else:
-                    self._queue.put_nowait(item)
-                return await item.future
-        except TimeoutError:
-            raise StoreUnavailable(
-                f"store {self.where} did not answer within {self.timeout_s:g}s"
-            ) from None
+                    return await item.future
+            except TimeoutError:
+                raise self._unanswered() from None
+        loop = asyncio.get_running_loop()
+        called = loop.time()
+        self._queue.put_nowait(item)
+        try:
+            while True:
+                left = max(called, self._progress) + self.timeout_s - loop.time()
+                if left <= 0:
+                    raise self._unanswered()
+                await asyncio.wait((item.future,), timeout=left)
+                if item.future.done():
+                    return item.future.result()
+        finally:
+            item.future.cancel()  # a caller that gave up: its request is dropped if queued
+
+    def _unanswered(self) -> StoreUnavailable:
+        return StoreUnavailable(f"store {self.where} did not answer within {self.timeout_s:g}s")
 
     async def _drain(self) -> None:
         """A group writer: each transaction takes everything that queued meanwhile.
@@ -315,11 +343,21 @@ class SqlCommitStore:
                     await asyncio.sleep(0)
             while not self._queue.empty() and len(group) < self.db.max_group:
                 group.append(self._queue.get_nowait())
-            last = len(group)
-            await self._commit_group(group)
+            taken = [item for item in group if not item.future.done()]
+            self.skipped += len(group) - len(taken)
+            last = len(taken)
+            if taken:
+                await self._commit_group(taken)
 
     async def _commit_group(self, group: list[_Queued[Any]]) -> None:
         """Commit a group and resolve every caller's future; never raises (but cancel)."""
+        self._progress = asyncio.get_running_loop().time()
+        try:
+            await self._commit_taken(group)
+        finally:
+            self._progress = asyncio.get_running_loop().time()
+
+    async def _commit_taken(self, group: list[_Queued[Any]]) -> None:
         began = time.perf_counter()
         requests = [item.request for item in group]
         plan = self._plan(requests)

@@ -1,0 +1,118 @@
+"""The SQL store's deadline: a caller gives up on a stuck group writer, not on a long
+queue ahead of it, and a request whose caller gave up is not written.
+
+The writer is slowed or held by wrapping ``_commit_taken`` (the real transaction runs
+after the wrapper lets it): a stand-in for a slow or hung server that leaves every
+statement real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.errors import StoreUnavailable
+from runtime.ids import ThreadId
+from storage.sql import SqlCommitStore
+from tests.storage.builders import activation
+from tests.storage.conftest import make_store
+
+DEADLINE_S = 0.6
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SqlCommitStore]:
+    backend = str(request.param)
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path}/deadline/ratchet.db"
+    else:
+        url = str(request.getfixturevalue("pg_conformance_url"))
+    opened: SqlCommitStore = await make_store(backend, url)
+    opened.timeout_s = DEADLINE_S
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def _before_each_group(store: SqlCommitStore, wait: Callable[[], Awaitable[None]]) -> None:
+    real = store._commit_taken
+
+    async def held(group: list[Any]) -> None:
+        await wait()
+        await real(group)
+
+    store._commit_taken = held  # type: ignore[method-assign]
+
+
+async def test_a_long_queue_behind_a_writer_that_progresses_is_not_an_outage(
+    store: SqlCommitStore,
+) -> None:
+    """Ten groups of one, each a third of the deadline: the last caller waits three
+    times the deadline in all, yet no group took longer than a third of it."""
+    store.db.max_group = 1
+
+    async def slow() -> None:
+        await asyncio.sleep(DEADLINE_S / 3)  # the server's own time, not a wait on a test
+
+    _before_each_group(store, slow)
+    threads = [ThreadId(f"q-{i}") for i in range(10)]
+    began = asyncio.get_running_loop().time()
+    receipts = await asyncio.gather(*(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads))
+    assert [r.seq for r in receipts] == [1] * 10
+    assert asyncio.get_running_loop().time() - began > 2 * DEADLINE_S  # the queue was long
+    for thread in threads:
+        assert (await store.load_head(thread)).version == 1
+
+
+async def test_every_waiting_caller_gives_up_on_a_stuck_writer_and_the_store_recovers(
+    store: SqlCommitStore,
+) -> None:
+    release = asyncio.Event()
+    _before_each_group(store, release.wait)
+    began = asyncio.get_running_loop().time()
+    calls = [store.append(activation(f"s-{i}", f"r-{i}"), 0, 0) for i in range(5)]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    waited = asyncio.get_running_loop().time() - began
+    assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
+    assert "did not answer" in str(outcomes[0])
+    assert DEADLINE_S <= waited < 10 * DEADLINE_S
+    release.set()  # the server answers again: the held group lands, the others were dropped
+    receipt = await store.append(activation("s-after", "r-after"), 0, 0)
+    assert receipt.seq == 1
+
+
+async def test_a_request_whose_caller_gave_up_is_not_written(store: SqlCommitStore) -> None:
+    release = asyncio.Event()
+    taken: list[int] = []
+
+    async def hold() -> None:
+        taken.append(1)
+        await release.wait()
+
+    _before_each_group(store, hold)
+    first = asyncio.create_task(store.append(activation("c-first", "r"), 0, 0))
+    await _until(lambda: bool(taken))  # the writer holds the first group
+    second = asyncio.create_task(store.append(activation("c-gone", "r"), 0, 0))
+    await _until(lambda: store._queue.qsize() == 1)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    release.set()
+    assert (await first).seq == 1
+    third = await store.append(activation("c-third", "r"), 0, 0)
+    assert third.seq == 1 and store.skipped == 1
+    assert await store.read(ThreadId("c-gone")) == []
+
+
+async def _until(probe: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not probe():
+        if loop.time() > deadline:
+            raise AssertionError(f"nothing happened within {timeout_s}s")
+        await asyncio.sleep(0.005)
