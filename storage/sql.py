@@ -73,14 +73,16 @@ has not answered by then, and an append or claim whose group writer has neither 
 nor finished a group for that long (a hung server or SQLite file lock), gets
 StoreUnavailable; an append retried after it is harmless (idempotent by operation
 id). A long queue behind a writer that keeps committing is not an outage: a caller
-waits its turn, however many are ahead (20,000 Runs on one PostgreSQL writer waited
-55 s per append, and a fixed deadline of 60 s turned that into retries, recoveries
-and more load: benchmarks/README.md, eleventh round). The writer drops a request
-whose caller has given up (timed out or cancelled) before its group is taken: that
-caller heard StoreUnavailable or nothing, so not writing it is one of the outcomes
-it must already handle, and writing it would only add load. A group the database
-refuses for a reason of its own (not an outage) is written again request by request,
-so only the culprit fails.
+waits its turn while the groups ahead of it land (20,000 Runs on one PostgreSQL
+writer waited 55 s per append, and a fixed deadline of 60 s turned that into retries,
+recoveries and more load: benchmarks/README.md, eleventh round). A group that meets
+an outage fails the requests queued behind it too, so an outage is heard at once,
+not one group's driver timeout after another. The writer drops a request whose
+caller has given up (timed out or cancelled) before its group is taken: that caller
+heard StoreUnavailable or nothing, so not writing it is one of the outcomes it must
+already handle, and writing it would only add load. A group the database refuses for
+a reason of its own (not an outage) is written again request by request, so only the
+culprit fails.
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ class SqlCommitStore:
         self.skipped = 0
         """Requests dropped before their group because their callers had given up."""
         self._progress = 0.0
-        """Loop time a group writer last took or finished a group (see ``_submit``)."""
+        """Loop time a group writer last took or finished a group (see ``_submit``); a
+        group that met an outage fails the queue behind it (``_fail_queued``)."""
         self._one_statement = db.dialect == "postgresql"
         """Planned groups go as one statement (``PG_PLANNED``), outside any body."""
         self._frontiers = FrontierCache()
@@ -385,6 +388,8 @@ class SqlCommitStore:
                 return
             log.warning("a group of %d requests failed: %s", len(group), error)
             outcomes = [_own_copy(error) for _ in group]
+            if isinstance(error, StoreUnavailable):
+                self._fail_queued(error)
         appends = sum(isinstance(r, AppendRequest) for r in requests)
         if appends:
             self.groups += 1
@@ -397,6 +402,14 @@ class SqlCommitStore:
             if appends > 1 and isinstance(outcome, Receipt):  # for the commit's span
                 outcome = outcome.model_copy(update={"group": appends})
             _resolve(item, outcome)
+
+    def _fail_queued(self, error: StoreUnavailable) -> None:
+        """An outage meets every request queued behind the group that met it: each
+        would otherwise wait its own turn to meet it too (a server that hangs until
+        the driver's command timeout, group after group), and its caller retries
+        with backoff anyway."""
+        while not self._queue.empty():
+            _resolve(self._queue.get_nowait(), _own_copy(error))
 
     async def _write_planned(self, plan: Plan | None) -> list[Outcome] | None:
         """PostgreSQL: the plan in one statement; None if there is none or it did not

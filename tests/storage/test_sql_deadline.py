@@ -109,6 +109,34 @@ async def test_a_request_whose_caller_gave_up_is_not_written(store: SqlCommitSto
     assert await store.read(ThreadId("c-gone")) == []
 
 
+async def test_an_outage_fails_the_requests_queued_behind_its_group(
+    store: SqlCommitStore,
+) -> None:
+    """Each would otherwise wait for a group of its own to meet the outage (a hung
+    server: one driver timeout after another)."""
+    release = asyncio.Event()
+    groups: list[int] = []
+
+    async def outage(*_: object) -> None:
+        groups.append(1)
+        await release.wait()
+        raise StoreUnavailable("the server went away")
+
+    real_write, real_planned = store._write, store._write_planned
+    store._write = outage  # type: ignore[method-assign,assignment]
+    store._write_planned = outage  # type: ignore[method-assign,assignment]
+    first = asyncio.create_task(store.append(activation("o-first", "r"), 0, 0))
+    await _until(lambda: bool(groups))
+    behind = [asyncio.create_task(store.append(activation(f"o-{i}", "r"), 0, 0)) for i in (1, 2)]
+    await _until(lambda: store._queue.qsize() == 2)
+    release.set()
+    outcomes = await asyncio.gather(first, *behind, return_exceptions=True)
+    assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
+    assert len(groups) == 1  # the two behind never reached the server
+    store._write, store._write_planned = real_write, real_planned  # type: ignore[method-assign]
+    assert (await store.append(activation("o-1", "r"), 0, 0)).seq == 1
+
+
 async def _until(probe: Callable[[], bool], timeout_s: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
