@@ -9,6 +9,10 @@ statement real.
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from runtime.ids import ThreadId
 from storage.sql import SqlCommitStore
 from tests.storage.builders import activation
 from tests.storage.conftest import make_store
+from tests.support.servers import private_postgres
 
 DEADLINE_S = 0.6
 
@@ -39,7 +44,7 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         await opened.close()
 
 
-def _before_each_group(store: SqlCommitStore, wait: Callable[[], Awaitable[None]]) -> None:
+def _before_each_group(store: SqlCommitStore, wait: Callable[[], Awaitable[object]]) -> None:
     real = store._commit_taken
 
     async def held(group: list[Any]) -> None:
@@ -135,6 +140,58 @@ async def test_an_outage_fails_the_requests_queued_behind_its_group(
     assert len(groups) == 1  # the two behind never reached the server
     store._write, store._write_planned = real_write, real_planned  # type: ignore[method-assign]
     assert (await store.append(activation("o-1", "r"), 0, 0)).seq == 1
+
+
+async def test_a_hung_postgres_server_is_heard_within_the_deadline_and_nothing_is_lost() -> None:
+    """The server's processes stopped (SIGSTOP): every append queued meanwhile hears
+    StoreUnavailable once no group has moved for ``timeout_s``, not at the driver's
+    command timeout; continued, the same appends retried land exactly once."""
+    with private_postgres() as server:
+        store = await SqlCommitStore.connect(server.url, timeout_s=DEADLINE_S * 2)
+        try:
+            assert (await store.append(activation("h-before", "r"), 0, 0)).seq == 1
+            commits = [activation(f"h-{i}", "r") for i in range(3)]
+            processes = _server_processes(server.data / "postmaster.pid")
+            for pid in processes:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                began = asyncio.get_running_loop().time()
+                outcomes = await asyncio.gather(
+                    *(store.append(c, 0, 0) for c in commits), return_exceptions=True
+                )
+                waited = asyncio.get_running_loop().time() - began
+            finally:
+                for pid in processes:
+                    os.kill(pid, signal.SIGCONT)
+            assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
+            assert waited < 10 * DEADLINE_S  # the driver's own timeout is 30 s
+            for commit in commits:  # retried after the outage: idempotent by operation id
+                receipt = await _retrying(functools.partial(store.append, commit, 0, 0))
+                assert receipt.seq == 1
+            for commit in commits:
+                assert len(await store.read(commit.thread_id)) == 1
+        finally:
+            await store.close()
+
+
+def _server_processes(pid_file: Path) -> list[int]:
+    postmaster = int(pid_file.read_text().split()[0])
+    children = subprocess.run(
+        ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    return [postmaster, *map(int, children)]
+
+
+async def _retrying(call: Callable[[], Awaitable[Any]], timeout_s: float = 60.0) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return await call()
+        except StoreUnavailable:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.1)  # a retry's backoff, as the engine's
 
 
 async def _until(probe: Callable[[], bool], timeout_s: float = 10.0) -> None:
