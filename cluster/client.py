@@ -42,7 +42,7 @@ from cluster.stream import follow_thread
 from cluster.waiting import on_a_live_host, patiently, polled, rests
 from runtime import tracing_env
 from runtime.agent import load_agent
-from runtime.commit import Frontier, stamp_facts
+from runtime.commit import Frontier
 from runtime.errors import ResumeRejected, StoreError, StoreUnavailable
 from runtime.events import Fact
 from runtime.ids import RunId, ThreadId
@@ -61,6 +61,7 @@ from runtime.lifecycle import (
 from runtime.limits import check_id, check_text
 from runtime.ports import CommitStore, RunSummary
 from runtime.resume import check_command
+from runtime.rules import stamp_facts
 from runtime.stream import Frame
 from runtime.timeutil import now_us
 

@@ -19,7 +19,7 @@ from runtime.batch import (
     open_batch,
     seal,
 )
-from runtime.commit import Frontier, Receipt, ThreadCommit, admit, advance, replay
+from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.engine import Engine, RunContext, StoreRetry, now_us
 from runtime.errors import (
     AgentImportError,
@@ -87,6 +87,7 @@ from runtime.ports import (
     ToolRunner,
 )
 from runtime.recovery import Decision, decide
+from runtime.rules import admit, advance, replay
 from runtime.runner import InProcessRunner
 from runtime.state import Command
 from runtime.tools import (

@@ -1,10 +1,9 @@
 """ThreadCommit, the committed frontier, and the pure rules every store shares.
 
 A store keeps, per thread, an append-only log of ThreadCommits and the frontier
-they fold to. ``admit`` is the one admission rule (idempotency, the compare-and-set
-claim, fencing, terminal-is-final, version, the hash chain) and ``advance`` the one
-fold; every backend calls them inside its own transaction (or Lua script), so all
-backends agree by construction.
+they fold to. The rules they share — ``admit``, the one admission rule, and
+``advance``, the one fold — are in ``runtime.rules``; every backend calls them inside
+its own transaction (or Lua script), so all backends agree by construction.
 
 **The hash chain.** A commit names the hash of the commit before it (``prev``; ""
 for a thread's first), and its own hash is the SHA-256 of its canonical JSON, so
@@ -21,9 +20,6 @@ or not at all.
 
 from __future__ import annotations
 
-import importlib
-import os
-from collections.abc import Callable, Iterable
 from functools import cached_property
 from typing import Annotated, Literal, get_args
 
@@ -33,12 +29,6 @@ from runtime.base import Frozen, canonical_model_json, evolve, is_plain, sha256_
 from runtime.batch import ActiveToolBatch, check_invariants
 from runtime.errors import (
     CorruptRecord,
-    DuplicateOperation,
-    Fenced,
-    InvalidTransition,
-    PayloadTooLarge,
-    RunEnded,
-    VersionConflict,
 )
 from runtime.events import Fact
 from runtime.facts import facts_of
@@ -46,7 +36,7 @@ from runtime.frozen import FrozenDict, freeze
 from runtime.ids import OperationId, RunId, ThreadId, commit_operation_id
 from runtime.lifecycle import AwaitingState, EndedState, Natural, RunDisposition, ThreadStatus
 from runtime.messages import AssistantMessage, Message
-from runtime.state import SESSION_KEY, Command, StateView, apply_commands, empty_state
+from runtime.state import SESSION_KEY, Command, StateView, empty_state
 
 DEFAULT_PAYLOAD_LIMIT = 1 << 20
 """Largest encoded commit, in bytes, that any backend accepts by default."""
@@ -350,207 +340,3 @@ _HEAD_FIELDS = {"messages"}
 def frontier_text(frontier: Frontier) -> str:
     """The stored text of a frontier (schema 3): its head, never its messages."""
     return head_only(frontier).model_dump_json(exclude=_HEAD_FIELDS)
-
-
-TraceCheck = Callable[["Frontier", "ThreadCommit"], None]
-TRACE_CHECKS: list[TraceCheck] = []
-"""Called by ``admit`` with (frontier, commit) for every commit a store admits (the
-fold accepted it; the frontier is the one before it). The test suite's trace checker
-is installed here in every process it starts, Ray workers included:
-``RATCHET_TRACE_CHECK=module:function`` in the environment names it (read once, at
-the first admission)."""
-_trace_env_read = False
-
-
-def _trace_checks() -> list[TraceCheck]:
-    global _trace_env_read
-    if not _trace_env_read:
-        _trace_env_read = True
-        ref = os.environ.get("RATCHET_TRACE_CHECK")
-        if ref:
-            module, _, name = ref.partition(":")
-            TRACE_CHECKS.append(getattr(importlib.import_module(module), name))
-    return TRACE_CHECKS
-
-
-def check_claim(frontier: Frontier, supersedes: int) -> None:
-    """A claim names the epoch it supersedes: refused if the thread has moved on."""
-    if supersedes != frontier.epoch:
-        raise Fenced(frontier.thread_id, supersedes, frontier.epoch)
-
-
-def admit(
-    frontier: Frontier,
-    commit: ThreadCommit,
-    expected_version: int,
-    epoch: int,
-    known: Receipt | None,
-    claim: str | None = None,
-) -> Receipt | Frontier:
-    """The admission rule: the original receipt of a harmless retry, else the frontier
-    the admitted commit folds to (claimed first by ``claim``, at epoch + 1, when given).
-
-    ``known`` is the receipt already stored under the commit's operation id, if any.
-    Raises Fenced, DuplicateOperation, RunEnded, VersionConflict, InvalidTransition
-    (including a commit that does not extend the chain head) or StateConflict.
-    """
-    if known is not None and known.payload_hash == commit.payload_hash:
-        # a retried write that already landed: harmless, even if since fenced (the hash
-        # covers the writer's epoch and claim, so this is the same writer's commit)
-        return known
-    if epoch != frontier.epoch:
-        raise Fenced(commit.thread_id, epoch, frontier.epoch)
-    if commit.epoch != (epoch + 1 if claim is not None else epoch) or commit.claim != claim:
-        raise InvalidTransition(
-            f"thread {commit.thread_id}: the commit names epoch {commit.epoch} and claim "
-            f"{commit.claim!r}; its writer holds {epoch} and claims {claim!r}"
-        )
-    if frontier.ended and frontier.run_id == commit.run_id:
-        raise RunEnded(commit.thread_id, commit.run_id)
-    # a stale writer hears that the thread moved on, whatever else it got wrong
-    if expected_version != frontier.version:
-        raise VersionConflict(commit.thread_id, expected_version, frontier.version)
-    if known is not None:
-        raise DuplicateOperation(commit.operation_id)
-    if commit.prev != frontier.head:
-        raise InvalidTransition(
-            f"thread {commit.thread_id}: the commit does not extend the head of its log"
-        )
-    if claim is not None:
-        frontier = with_claim(frontier, claim)
-    folded = advance(frontier, commit)  # refuses (InvalidTransition, StateConflict) first
-    for check in _trace_checks():
-        check(frontier, commit)
-    return folded
-
-
-def receipt_of(commit: ThreadCommit, seq: int) -> Receipt:
-    """The receipt of an admitted commit that landed at ``seq`` (its fields are valid)."""
-    return trusted(
-        Receipt,
-        thread_id=commit.thread_id,
-        seq=seq,
-        operation_id=commit.operation_id,
-        payload_hash=commit.payload_hash,
-    )
-
-
-def check_size(commit: ThreadCommit, limit: int) -> None:
-    size = len(commit.encoded.encode())
-    if size > limit:
-        raise PayloadTooLarge(size, limit)
-
-
-_last_fold: tuple[Frontier, ThreadCommit, Frontier] | None = None
-"""(frontier, commit, result) of the latest ``advance``."""
-
-
-def advance(frontier: Frontier, commit: ThreadCommit) -> Frontier:
-    """Fold one admitted commit into the frontier.
-
-    The engine folds each commit just before appending it, and an in-process store then
-    folds the same commit onto the same frontier: the latest fold is kept so the second
-    one costs nothing. Both are immutable and the fold is pure, so the kept result is
-    exactly what folding again would give — for the same objects, or for a frontier
-    with the same identity (``_same``): the store's own copy of a new thread, say.
-    """
-    global _last_fold
-    last = _last_fold
-    if last is not None and last[1] is commit and _same(last[0], frontier):
-        return last[2]
-    result = _fold(frontier, commit)
-    _last_fold = (frontier, commit, result)
-    return result
-
-
-def _same(a: Frontier, b: Frontier) -> bool:
-    """One frontier, though perhaps two objects: a thread's version and head determine
-    its log (the hash chain), the fold of which is all of it but ownership."""
-    return a is b or (
-        a.version == b.version
-        and a.head == b.head
-        and a.thread_id == b.thread_id
-        and a.epoch == b.epoch
-        and a.owner == b.owner
-    )
-
-
-def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
-    # every field is read once: reads on a record are not cheap, and this runs per commit
-    run_id, ordinal, messages = commit.run_id, commit.ordinal, commit.messages
-    new_run = run_id != frontier.run_id
-    if new_run and frontier.run_state is not None and not frontier.ended:
-        raise InvalidTransition(
-            f"thread {commit.thread_id} already has an active run {frontier.run_id}"
-        )
-    if not new_run and ordinal != frontier.next_ordinal:
-        raise InvalidTransition(
-            f"run {run_id}: commit ordinal {ordinal}, expected {frontier.next_ordinal}"
-        )
-    state, batch, disposition = frontier.state, commit.batch, commit.disposition
-    if new_run:
-        state = FrozenDict(thread=state["thread"], run=FrozenDict())
-    if isinstance(disposition, EndedState) or (batch is not None and batch.status == "finalized"):
-        batch = None
-    elif batch is None and not new_run:
-        batch = frontier.batch
-    commands, committed, count = commit.commands, frontier.messages, frontier.message_count
-    inferences = sum(isinstance(m, AssistantMessage) for m in messages)
-    if commit.label != "status":
-        failed_recoveries = 0  # progress, or a new Run
-    elif commit.status is not None and commit.status.state == "failed":
-        failed_recoveries = frontier.failed_recoveries + 1
-    else:
-        failed_recoveries = frontier.failed_recoveries
-    return evolve(
-        frontier,
-        version=frontier.version + 1,
-        run_id=run_id,
-        run_state=disposition,
-        batch=batch,
-        status=commit.status or frontier.status,
-        state=apply_commands(state, commands) if commands else state,
-        # a head stays a head; a whole history grows by the commit's messages
-        messages=committed + messages if len(committed) == count else (),
-        message_count=count + len(messages),
-        run_start=count if new_run else frontier.run_start,
-        steps=(0 if new_run else frontier.steps) + inferences,
-        next_ordinal=ordinal + 1,
-        head=commit.payload_hash,
-        failed_recoveries=failed_recoveries,
-    )
-
-
-_last_claim: tuple[Frontier, str, Frontier] | None = None
-"""(frontier, owner, result) of the latest ``with_claim``."""
-
-
-def with_claim(frontier: Frontier, owner: str) -> Frontier:
-    """A new owner: epoch + 1, which fences every earlier writer.
-
-    An engine claims the frontier it folds its claiming commit onto, and an in-process
-    store then claims the same frontier object for the same owner: the latest result is
-    kept so both get one object, and the fold after it is remembered for both too (see
-    ``advance``). Pure and immutable, as there.
-    """
-    global _last_claim
-    last = _last_claim
-    if last is not None and last[1] == owner and _same(last[0], frontier):
-        return last[2]
-    result = evolve(frontier, epoch=frontier.epoch + 1, owner=owner)
-    _last_claim = (frontier, owner, result)
-    return result
-
-
-def replay(thread: ThreadId, commits: Iterable[ThreadCommit]) -> Frontier:
-    """Rebuild a frontier from the log alone (tests compare it with the stored one)."""
-    frontier = Frontier(thread_id=thread)
-    for commit in commits:
-        frontier = advance(frontier, commit)
-    return frontier
-
-
-def stamp_facts(commit: ThreadCommit, seq: int) -> tuple[Fact, ...]:
-    """The commit's facts (derived and stored: ``ThreadCommit.facts``) with their stream
-    offsets (seq, index)."""
-    return tuple(evolve(fact, seq=seq, index=i) for i, fact in enumerate(commit.facts))

@@ -16,16 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from runtime.batch import ActiveToolBatch, result_messages, seal
-from runtime.commit import (
-    CommitLabel,
-    Frontier,
-    Receipt,
-    ThreadCommit,
-    advance,
-    assemble_commit,
-    stamp_facts,
-    with_claim,
-)
+from runtime.commit import CommitLabel, Frontier, Receipt, ThreadCommit, assemble_commit
 from runtime.context import Landing, RunContext, StoreRetry
 from runtime.delegation import CHILDREN_KEY, ChildRunner
 from runtime.errors import (
@@ -54,6 +45,7 @@ from runtime.limits import Limits, history_size
 from runtime.messages import Message
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
+from runtime.rules import advance, stamp_facts, with_claim
 from runtime.state import Command
 from runtime.timeutil import now_us
 from runtime.tracing import RunTrace

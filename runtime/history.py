@@ -72,10 +72,8 @@ from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
     Frontier,
     ThreadCommit,
-    advance,
     assemble_commit,
     decode_commit,
-    with_claim,
 )
 from runtime.errors import CorruptRecord, Fenced, InputRefused, RatchetError, VersionConflict
 from runtime.facts import facts_of
@@ -84,6 +82,7 @@ from runtime.integrity import body_hash
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, check_id
 from runtime.ports import CommitStore, CommittedRecord
+from runtime.rules import advance, with_claim
 
 EXPORT_FORMAT = "ratchet-thread"
 EXPORT_VERSION = 1

@@ -33,11 +33,12 @@ from typing import NamedTuple
 
 from pydantic import TypeAdapter, ValidationError
 
-from runtime.commit import Frontier, ThreadCommit, advance, decode_commit, replay, with_history
+from runtime.commit import Frontier, ThreadCommit, decode_commit, with_history
 from runtime.errors import CorruptRecord, StoreError
 from runtime.ids import ThreadId
 from runtime.messages import Message
 from runtime.ports import CommitStore, CommittedRecord
+from runtime.rules import advance, replay
 
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
 

@@ -48,7 +48,7 @@ class CommitStore(Protocol):
     ) -> Receipt:
         """Append iff the thread is at ``expected_version`` and ``epoch`` is its owner
         epoch. With ``claim``, the writer supersedes ``epoch`` and becomes the owner
-        ``claim`` at epoch + 1 in the same atomic step (``runtime.commit.admit``)."""
+        ``claim`` at epoch + 1 in the same atomic step (``runtime.rules.admit``)."""
 
     async def load(self, thread: ThreadId) -> Frontier:
         """The committed frontier, its messages included; an empty one (version 0) for an

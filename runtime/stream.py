@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from runtime.base import Frozen
-from runtime.commit import stamp_facts
 from runtime.events import Delta, Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import ThreadStatus
 from runtime.ports import BusEvent, CommitStore, LiveBus
+from runtime.rules import stamp_facts
 
 log = logging.getLogger("ratchet.stream")
 REST_FACTS = frozenset({"awaiting", "run_finished", "run_failed"})

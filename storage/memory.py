@@ -13,18 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.commit import (
-    DEFAULT_PAYLOAD_LIMIT,
-    Frontier,
-    Receipt,
-    ThreadCommit,
-    admit,
-    check_claim,
-    check_size,
-    head_only,
-    receipt_of,
-    with_claim,
-)
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, head_only
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import (
@@ -36,6 +25,7 @@ from runtime.integrity import (
     whole_frontier,
 )
 from runtime.ports import CommittedRecord, RunSummary
+from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.retention import Cut, prune_thread
 from storage.summary import summaries_of
 

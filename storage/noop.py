@@ -4,7 +4,7 @@
 dispatch and ToolExecutors against it, so that what the durable run costs beyond it
 is what durability costs, and nothing else (the plain-Ray baseline has no shared
 waves, no engine, no host). An append is admitted by the same rule as everywhere
-(``runtime.commit.admit``) and folds into a frontier this process keeps; it returns a
+(``runtime.rules.admit``) and folds into a frontier this process keeps; it returns a
 receipt and writes nothing: no log, no hash chain kept, no disk, no server. Every
 process that opens ``noop://`` has a store of its own: nothing survives the
 process, nothing is shared between hosts, and the driver's store and the
@@ -23,20 +23,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.commit import (
-    DEFAULT_PAYLOAD_LIMIT,
-    Frontier,
-    Receipt,
-    ThreadCommit,
-    admit,
-    check_claim,
-    check_size,
-    head_only,
-    receipt_of,
-    with_claim,
-)
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, head_only
 from runtime.ids import ThreadId
 from runtime.ports import CommittedRecord, RunSummary
+from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.summary import summaries_of
 
 

@@ -88,13 +88,8 @@ from runtime.commit import (
     Frontier,
     Receipt,
     ThreadCommit,
-    admit,
-    check_claim,
-    check_size,
     frontier_text,
     head_only,
-    receipt_of,
-    with_claim,
 )
 from runtime.errors import CorruptRecord, Fenced, StoreError
 from runtime.ids import ThreadId
@@ -105,6 +100,7 @@ from runtime.integrity import (
     whole_frontier,
 )
 from runtime.ports import CommittedRecord, RunSummary, host_of
+from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.redis_client import open_client, translated
 from storage.redis_rows import (
     anchor_of,
@@ -287,7 +283,7 @@ class RedisCommitStore:
         raise StoreError(f"thread {thread}: prunes kept moving its log under a read")
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
-        """Epoch + 1 (as ``runtime.commit.with_claim``) if the thread's epoch is still
+        """Epoch + 1 (as ``runtime.rules.with_claim``) if the thread's epoch is still
         ``supersedes``, else Fenced; StoreUnavailable if the server does not answer (the
         claim may have landed or not). The load before the script only refuses early:
         the script decides alone, one compare-and-set on the epoch, whatever version the

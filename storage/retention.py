@@ -2,7 +2,7 @@
 
 **The rule.** A prune removes a thread's records 1..N, where N is the seq of a Run's
 ``ended`` commit. Runs of a thread follow one another (a Run starts only once the one
-before has ended, and an ended Run commits nothing more: ``runtime.commit.admit``), so
+before has ended, and an ended Run commits nothing more: ``runtime.rules.admit``), so
 every record up to N belongs to a Run that had ended by N, and every record of a Run
 still running or awaiting lies after N: nothing it needs goes. The frontier stays as
 it is (it holds the state and the status), and the thread keeps the seq and stored

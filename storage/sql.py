@@ -97,11 +97,12 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import ValidationError
 
-from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, check_size
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit
 from runtime.errors import CorruptRecord, RatchetError, StoreError, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import ThreadStatus
 from runtime.ports import CommittedRecord, RunSummary
+from runtime.rules import check_size
 from storage.checkpoints import SqlCheckpointStore
 from storage.frontiers import FrontierCache
 from storage.retention import Cut, prune_thread

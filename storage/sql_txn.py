@@ -19,15 +19,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
-from runtime.commit import (
-    Frontier,
-    Receipt,
-    ThreadCommit,
-    admit,
-    check_claim,
-    receipt_of,
-    with_claim,
-)
+from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.errors import CorruptRecord, RatchetError, StoreError
 from runtime.ids import OperationId, ThreadId
 from runtime.integrity import (
@@ -39,6 +31,7 @@ from runtime.integrity import (
     whole_frontier,
 )
 from runtime.ports import CommittedRecord, host_of
+from runtime.rules import admit, check_claim, receipt_of, with_claim
 from storage.frontiers import FrontierCache
 from storage.retention import ATTEMPTS, Cut
 from storage.schema import ROW_COLUMNS, commits

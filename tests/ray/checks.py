@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from cluster.demo_agent import EffectLedger
 from cluster.report import EXECUTION_LOST, RunReport, analyse
-from runtime.commit import replay
 from runtime.ids import ThreadId
 from runtime.ports import CommitStore
+from runtime.rules import replay
 
 ORDER = {"requested": 0, "executing": 1, "awaiting": 1, "completed": 2, "indeterminate": 2}
 

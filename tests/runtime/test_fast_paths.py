@@ -31,7 +31,7 @@ from runtime import (
 )
 from runtime.base import canonical_json, evolve, is_plain, trusted
 from runtime.batch import ActiveToolBatch, CallSpec, complete, mark_executing, open_batch
-from runtime.commit import Frontier, _fold, advance, assemble_commit, replay
+from runtime.commit import Frontier, assemble_commit
 from runtime.events import Fact
 from runtime.facts import facts_of
 from runtime.hooks import Hook
@@ -53,6 +53,7 @@ from runtime.lifecycle import (
 )
 from runtime.messages import AssistantMessage, ToolResultMessage, ToolUse, UserMessage
 from runtime.ports import ToolInvocation
+from runtime.rules import _fold, advance, replay
 from runtime.signals import CancelledSignal, CancelSignal, guarded
 from runtime.tools import LocalToolRunner
 from storage.memory import MemoryCommitStore

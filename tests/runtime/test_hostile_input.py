@@ -37,9 +37,10 @@ from runtime import (
     tool,
 )
 from runtime.base import canonical_json
-from runtime.commit import Frontier, replay
+from runtime.commit import Frontier
 from runtime.lifecycle import DelegationOutcome, ScheduledFire, Unpause
 from runtime.limits import check_id, json_depth, stored_size, utf8_problem
+from runtime.rules import replay
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore
 

@@ -37,10 +37,11 @@ from runtime import (
     call,
     tool,
 )
-from runtime.commit import Frontier, assemble_commit, replay
+from runtime.commit import Frontier, assemble_commit
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import RunningState, Unpause
 from runtime.messages import ContextMessage
+from runtime.rules import replay
 from storage.memory import MemoryCommitStore
 from tests.storage.conftest import make_store, pg_conformance_url  # noqa: F401 (a fixture)
 

@@ -20,8 +20,8 @@ from runtime import (
     call,
     tool,
 )
-from runtime.commit import stamp_facts
 from runtime.ids import RunId
+from runtime.rules import stamp_facts
 from runtime.stream import Frame, LiveText, follow, from_fact, parse_offset
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore

@@ -31,7 +31,7 @@ from runtime.batch import (
     open_batch,
     seal,
 )
-from runtime.commit import Frontier, ThreadCommit, advance
+from runtime.commit import Frontier, ThreadCommit
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -47,6 +47,7 @@ from runtime.lifecycle import (
     ToolWaitTarget,
 )
 from runtime.messages import AssistantMessage, ToolResultMessage, ToolUse, UserMessage
+from runtime.rules import advance
 from tests.support.trace import TraceViolation, check, legal_next
 
 T, R, R2 = ThreadId("t"), RunId("r"), RunId("r2")

@@ -11,10 +11,10 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
-from runtime.commit import stamp_facts
 from runtime.errors import StoreUnavailable
 from runtime.events import Delta, Fact
 from runtime.ids import RunId, ThreadId
+from runtime.rules import stamp_facts
 from storage.bus import BusEvent, EmbeddedBus, RedisStreamBus
 from storage.memory import MemoryCommitStore
 

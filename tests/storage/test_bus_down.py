@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from runtime import Agent, Delta, Fact, InProcessRunner, ModelDelta, ModelResponse, call, tool
-from runtime.commit import stamp_facts
 from runtime.errors import StoreError
+from runtime.rules import stamp_facts
 from runtime.stream import Frame, follow
 from storage.bus import RedisStreamBus
 from storage.memory import MemoryCommitStore

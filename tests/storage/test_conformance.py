@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from runtime.commit import Frontier, head_only, replay
+from runtime.commit import Frontier, head_only
 from runtime.errors import (
     CorruptRecord,
     DuplicateOperation,
@@ -19,6 +19,7 @@ from runtime.errors import (
     VersionConflict,
 )
 from runtime.ids import ThreadId
+from runtime.rules import replay
 from runtime.state import Command
 from tests.storage.builders import activation, ended, head, step
 from tests.storage.conftest import Corruptor

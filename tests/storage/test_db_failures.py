@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy import text
 
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel, call, tool
-from runtime.commit import replay
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
+from runtime.rules import replay
 from storage.sql import SqlCommitStore
 from tests.storage.conftest import make_store
 

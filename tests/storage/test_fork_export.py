@@ -31,7 +31,7 @@ from runtime import (
     call,
     tool,
 )
-from runtime.commit import Frontier, ThreadCommit, assemble_commit, replay
+from runtime.commit import Frontier, ThreadCommit, assemble_commit
 from runtime.errors import InputRefused, StoreUnavailable
 from runtime.history import (
     ForkRefused,
@@ -46,6 +46,7 @@ from runtime.ids import RunId, ThreadId
 from runtime.integrity import audit
 from runtime.lifecycle import AwaitingState, RunningState, answer
 from runtime.messages import UserMessage
+from runtime.rules import replay
 from storage.memory import MemoryCommitStore
 from storage.sql import SqlCommitStore
 

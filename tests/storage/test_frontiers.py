@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from runtime.commit import Frontier, advance, frontier_text, head_only, replay, with_claim
+from runtime.commit import Frontier, frontier_text, head_only
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import frontier_checksum
+from runtime.rules import advance, replay, with_claim
 from storage.frontiers import FrontierCache, decode_frontier, decode_head
 from tests.storage.builders import activation, ended, step
 

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from runtime import Agent, EndedState, ModelResponse, ScriptedModel, call, tool
-from runtime.commit import replay
 from runtime.engine import Engine, StoreRetry
 from runtime.ids import ThreadId
+from runtime.rules import replay
 from runtime.tools import LocalToolRunner
 from storage.sql import SqlCommitStore
 from tests.support.servers import PrivatePostgres, private_postgres

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from runtime import Agent, EndedState, InProcessRunner, ModelResponse, ScriptedModel, call, tool
-from runtime.commit import Frontier, Receipt, ThreadCommit, replay
+from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.errors import StoreUnavailable
 from runtime.ids import ThreadId
+from runtime.rules import replay
 from storage.redis_store import RedisCommitStore
 from tests.conftest import IN_CI
 from tests.support.servers import PrivateRedis, private_redis

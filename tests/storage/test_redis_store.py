@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from runtime.commit import Frontier, ThreadCommit, advance, replay
+from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import (
     CorruptRecord,
     Fenced,
@@ -27,6 +27,7 @@ from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import Cancelled, EndedState, RunningState
 from runtime.messages import UserMessage
 from runtime.ports import RunSummary, StreamCheckpoint
+from runtime.rules import advance, replay
 from storage.redis_checkpoints import RedisCheckpointStore
 from storage.redis_store import RedisCommitStore
 from tests.storage.builders import activation, step

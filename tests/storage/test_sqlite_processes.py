@@ -13,9 +13,9 @@ import multiprocessing
 from pathlib import Path
 from typing import Any
 
-from runtime.commit import replay
 from runtime.errors import DuplicateOperation, VersionConflict
 from runtime.ids import ThreadId
+from runtime.rules import replay
 from storage.sql import SqlCommitStore
 from tests.storage.builders import activation, step
 

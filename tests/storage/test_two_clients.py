@@ -42,11 +42,12 @@ from runtime import (
     call,
     tool,
 )
-from runtime.commit import Frontier, replay
+from runtime.commit import Frontier
 from runtime.control import control_engine
 from runtime.errors import Fenced, InvalidTransition, ResumeRejected
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState, ResumeTicket, RunningState, answer
+from runtime.rules import replay
 from tests.storage.conftest import make_store
 
 T = ThreadId("t")

@@ -3,7 +3,7 @@
 ``legal_next(before, commit)`` is a pure relation written from the design, not from
 the engine, so the engine cannot agree with itself by construction: it returns the
 reasons ``commit`` may not follow ``before`` (empty: legal). ``check`` is what the
-suite installs in every process (``RATCHET_TRACE_CHECK``, see ``runtime.commit``):
+suite installs in every process (``RATCHET_TRACE_CHECK``, see ``runtime.rules``):
 ``admit`` calls it with the frontier as the store sees it, once its own rules and the
 fold accepted the commit.
 
