@@ -7,7 +7,7 @@ same pure rules every backend uses: an append's own claim, fencing, version, the
 hash chain, the fold), insert the commit row and write the new frontier's head
 (without messages) and its checksum into the thread row: an append writes its commit
 and a row that does not grow with the history. ``load_head`` reads that row alone;
-``load`` adds the messages from the verified log (``sql_txn.load_body``).
+``load`` adds the messages from the verified log (``sql_reads.load_body``).
 **A claim** locks the row the same way, checks the epoch it supersedes
 (``check_claim``) and writes the row back with the epoch bumped (``with_claim``).
 Every read is verified (``runtime.integrity``): a load checks the frontier against
@@ -50,7 +50,7 @@ the groups: it deletes the records of its cut and moves the thread row's anchor
 (``pruned_through``, ``pruned_hash``) only if the anchor is still where the prune read
 it. No append writes those two columns, so a planned write, which compares version,
 epoch and owner only, never undoes a prune; a read that meets a log a prune cut
-between its two statements reads again (``sql_txn.read_body``).
+between its two statements reads again (``sql_reads.read_body``).
 
 **Decoded frontiers are cached** per process (``storage.frontiers``), keyed by the
 exact stored text, so neither a group transaction nor a load re-validates a
@@ -109,22 +109,24 @@ from storage.retention import Cut, prune_thread
 from storage.schema import migrate
 from storage.sql_engine import Database
 from storage.sql_errors import translate
+from storage.sql_reads import (
+    DbRow,
+    list_body,
+    load_body,
+    load_head_body,
+    read_body,
+    thread_ids_body,
+)
 from storage.sql_statements import PG_PLANNED, pg_plan_refused
 from storage.sql_txn import (
     AppendRequest,
     ClaimRequest,
-    DbRow,
     Outcome,
     Plan,
     Request,
-    list_body,
-    load_body,
-    load_head_body,
     pg_planned_args,
     plan_group,
     prune_txn,
-    read_body,
-    thread_ids_body,
     transact,
 )
 from storage.url import redact

@@ -1,0 +1,155 @@
+"""The SQL read bodies, one statement each (and a second where a prune raced them).
+
+Written against a sync Connection like the write bodies (``storage.sql_txn``) and run
+by ``storage.sql_engine.Database`` on its readers. Every read is verified
+(``runtime.integrity``): a head against its checksum and the stored hash at its
+version, a log against its hashes, chain and head; a log no thread row vouches for
+fails closed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection
+
+from runtime.commit import Frontier
+from runtime.errors import CorruptRecord
+from runtime.ids import ThreadId
+from runtime.integrity import PrunedHistory, RawRecord, check_head, verified_records, whole_frontier
+from runtime.ports import CommittedRecord
+from storage.frontiers import FrontierCache
+from storage.retention import ATTEMPTS
+from storage.sql_statements import (
+    ANCHOR,
+    HEAD,
+    LIST_ALL,
+    LIST_HOST,
+    LIST_HOST_STATE,
+    LIST_STATE,
+    LOAD,
+    PRUNED_TEXTS,
+    READ,
+    THREAD_IDS,
+    UNVOUCHED,
+)
+
+DbRow = Any
+"""A SQLAlchemy result row (its column types are not tracked)."""
+
+
+def load_head_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Frontier:
+    """The frontier's head (no messages): the thread row alone, checked against its
+    checksum and the stored hash of the record at its version."""
+    return _head(conn, thread, conn.execute(LOAD, {"thread": thread}).first(), cache)
+
+
+def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Frontier:
+    """The whole frontier: the head, with the messages of its verified log and, for a
+    pruned thread, of its pruned history (``whole_frontier``). A prune between the row
+    and the records removes records the row's anchor does not account for: read again,
+    as ``read_body`` does."""
+    for _ in range(ATTEMPTS - 1):
+        row = conn.execute(LOAD, {"thread": thread}).first()
+        head = _head(conn, thread, row, cache)
+        if not head.version:
+            return head
+        try:
+            return _whole(conn, thread, head, row)
+        except CorruptRecord:
+            now = conn.execute(ANCHOR, {"thread": thread}).first()
+            if row is None or now is None or now.pruned_through == row.pruned_through:
+                raise
+    row = conn.execute(LOAD, {"thread": thread}).first()
+    head = _head(conn, thread, row, cache)
+    return _whole(conn, thread, head, row) if head.version else head
+
+
+def _head(conn: Connection, thread: ThreadId, row: DbRow, cache: FrontierCache) -> Frontier:
+    if row is None or row.version == 0:
+        _check_unvouched(conn, thread)
+    if row is None:
+        return Frontier(thread_id=thread)
+    frontier = cache.decode(thread, row.frontier, row.version, row.checksum)
+    at_head = row.payload_hash
+    if at_head is None and row.pruned_through is not None and row.pruned_through == row.version:
+        at_head = row.pruned_hash  # pruned through its head
+    check_head(thread, frontier, at_head)
+    if row.head != frontier.head:
+        raise CorruptRecord(thread, row.version, "the stored head is not the frontier's")
+    return frontier
+
+
+def _whole(conn: Connection, thread: ThreadId, head: Frontier, row: DbRow) -> Frontier:
+    """``head`` with its history, the records read under the row's own anchor. The
+    pruned history only grows, so its first messages are those the anchor's digest
+    covers, whatever a prune added since."""
+    records = _read_under(conn, thread, 0, row)
+    pruned = None
+    if row.pruned_through is not None:
+        before = head.message_count - sum(len(r.commit.messages) for r in records)
+        texts = conn.execute(PRUNED_TEXTS, {"thread": thread, "count": before}).scalars().all()
+        pruned = PrunedHistory(list(texts), row.pruned_digest)
+    return whole_frontier(thread, head, records, pruned)
+
+
+def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[CommittedRecord]:
+    """The log after ``after_seq`` up to the head, verified. The head is read first: the
+    log only grows, so every record up to it is there when the records are read (two
+    statements, each its own snapshot), and records past it, a concurrent append's, are
+    not read. A log that no thread row vouches for (none, version 0, no head) fails
+    closed. A prune between the two statements removes records the head's anchor does
+    not account for: a log that fails under an anchor that has moved since is read again
+    (an anchor only moves forward, and a cut happens once)."""
+    for _ in range(ATTEMPTS - 1):
+        head = conn.execute(HEAD, {"thread": thread}).first()
+        try:
+            return _read_under(conn, thread, after_seq, head)
+        except CorruptRecord:
+            now = conn.execute(ANCHOR, {"thread": thread}).first()
+            if head is None or now is None or now.pruned_through == head.pruned_through:
+                raise
+    return _read_under(conn, thread, after_seq, conn.execute(HEAD, {"thread": thread}).first())
+
+
+def _read_under(
+    conn: Connection, thread: ThreadId, after_seq: int, head: DbRow
+) -> list[CommittedRecord]:
+    if head is None or head.version == 0:
+        _check_unvouched(conn, thread)
+        return []
+    if head.head is None:  # a row migration 4 could not upgrade
+        raise CorruptRecord(thread, head.version, "the thread row names no head")
+    anchor = None
+    if head.pruned_through is not None:
+        anchor = (int(head.pruned_through), str(head.pruned_hash))
+    first = max(after_seq, 1, (anchor[0] + 1) if anchor else 0)
+    bounds = {"thread": thread, "first": first, "last": head.version}
+    rows = conn.execute(READ, bounds).all()  # all: an open cursor would hold its snapshot
+    raw = (RawRecord(r.seq, r.body, r.payload_hash, r.operation_id) for r in rows)
+    return verified_records(thread, raw, after_seq, (head.version, head.head), anchor=anchor)
+
+
+def _check_unvouched(conn: Connection, thread: ThreadId) -> None:
+    """A first look found no thread row, or one at version 0: CorruptRecord if records
+    are stored all the same (``check_head`` and ``verified_records`` take version 0 for
+    an empty thread). A row found at a later version now is an append landed since."""
+    found = conn.execute(UNVOUCHED, {"thread": thread}).one()
+    if found.first_seq is not None and not found.version:
+        raise CorruptRecord(thread, found.first_seq, "the log has records no frontier vouches for")
+
+
+def thread_ids_body(conn: Connection, after: str, limit: int) -> list[ThreadId]:
+    return [
+        ThreadId(r.thread_id) for r in conn.execute(THREAD_IDS, {"after": after, "limit": limit})
+    ]
+
+
+def list_body(conn: Connection, state: str | None, host: str | None) -> list[DbRow]:
+    if host is not None:
+        if state is None:
+            return list(conn.execute(LIST_HOST, {"host": host}))
+        return list(conn.execute(LIST_HOST_STATE, {"host": host, "state": state}))
+    if state is None:
+        return list(conn.execute(LIST_ALL))
+    return list(conn.execute(LIST_STATE, {"state": state}))
