@@ -137,9 +137,9 @@ async def measure(cfg: Config, trace_file: Path) -> dict[str, Any]:
     env = {"runtime_env": {"env_vars": {TRACE_FILE_ENV: str(trace_file)}}}
     cfg.spec_options = {"host_options": (env,) * cfg.hosts, "core_options": env}
     console = Console(stderr=True)
-    from benchmarks.load import _progress
+    from benchmarks.load import progress_bar
 
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         result = await run_w1(cfg, console, progress)
     phases = summarize(step_phases(read_spans(trace_file)))
     keep = ("store", "concurrency", "runs", "ok", "runs_per_s", "p50_step_ms", "p99_step_ms",

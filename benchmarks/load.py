@@ -155,7 +155,7 @@ def render(result: dict[str, Any], console: Console) -> None:
         console.print(f"[red]{problem}")
 
 
-def _progress(console: Console) -> Progress:
+def progress_bar(console: Console) -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -169,7 +169,7 @@ def _progress(console: Console) -> Progress:
 async def bench(cfg: Config, scenario: str, plot_file: str | None, console: Console) -> Any:
     if scenario == "store":
         return await run_store_limit(cfg)
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         if plot_file:
             stores = [s for s in ("sqlite", "postgres") if store_answers(s)]
             points = await run_sweep(cfg, stores, SWEEP_CONCURRENCY, console, progress)
