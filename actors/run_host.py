@@ -202,9 +202,10 @@ class RunHost:
                 frontier = await self.store.load(thread)
             ref = agent_ref or _ref_of(frontier)
             link = parent_link(frontier)
-            self.drives.spawn(
-                ref, thread, frontier.run_id, lambda e: e.recover(thread), link, after=self._after
-            )
+            self.drives.spawn(  # the frontier verified just now: not read again
+                ref, thread, frontier.run_id, lambda e: e.recover(thread, frontier), link,
+                after=self._after,
+            )  # fmt: skip
             self.recovered += 1
             return True
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
@@ -230,7 +231,7 @@ class RunHost:
                 _ref_of(frontier),
                 command.thread_id,
                 frontier.run_id,
-                lambda e: tracing_env.within(trace, e.resume(command)),
+                lambda e: tracing_env.within(trace, e.resume(command, frontier)),
                 parent_link(frontier),
                 after=self._after,
             )

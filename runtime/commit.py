@@ -334,6 +334,13 @@ def with_history(frontier: Frontier, messages: tuple[Message, ...]) -> Frontier:
     return evolve(frontier, messages=messages)
 
 
+def whole_of(frontier: Frontier | None, thread: str) -> Frontier | None:
+    """``frontier`` if it is ``thread``'s whole frontier (a head has no messages)."""
+    if frontier is None or frontier.thread_id != thread:
+        return None
+    return frontier if len(frontier.messages) == frontier.message_count else None
+
+
 _HEAD_FIELDS = {"messages"}
 
 

@@ -37,7 +37,7 @@ from runtime.agent import Agent
 from runtime.base import trusted
 from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch, result_messages
 from runtime.checkpoint import SafeCheckpoints
-from runtime.commit import Frontier, with_history
+from runtime.commit import Frontier, whole_of, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
 from runtime.delegation import ChildRunner, ParentLink
 from runtime.errors import (
@@ -240,11 +240,16 @@ class Engine(Sides):
         check_text("input", text, limits.input_bytes, "input_bytes")
 
     @tracing.drive
-    async def recover(self, thread: ThreadId) -> Frontier:
+    async def recover(self, thread: ThreadId, loaded: Frontier | None = None) -> Frontier:
         """Take over a running Run (its epoch as loaded: Fenced if the thread moved on
-        meanwhile) and continue it from its frontier. A Run at rest is returned as is."""
+        meanwhile) and continue it from its frontier. A Run at rest is returned as is.
+
+        ``loaded``: the thread's whole frontier as its caller just loaded it from this
+        engine's store (``load``, verified), so that it is not read and verified twice;
+        the claim is compare-and-set on its epoch, so a frontier gone stale meanwhile is
+        Fenced, as one this engine loaded itself would be."""
         check_id("thread id", thread, self.limits)
-        frontier = await self._verified(thread)
+        frontier = whole_of(loaded, thread) or await self._verified(thread)
         if not isinstance(frontier.run_state, RunningState):
             return frontier
         claimed = await self._claimed(thread, frontier.epoch)
@@ -269,22 +274,27 @@ class Engine(Sides):
         return await self._drive(ctx)
 
     @tracing.drive
-    async def resume(self, command: ResumeCommand) -> Frontier:
+    async def resume(self, command: ResumeCommand, loaded: Frontier | None = None) -> Frontier:
         """Validate ``command`` against the committed ticket, commit it, and drive on.
 
         Raises ResumeRejected (naming the failed axis) and leaves the ticket intact; of
-        two resumes of one ticket exactly one lands, the other is rejected.
+        two resumes of one ticket exactly one lands, the other is rejected. ``loaded`` as
+        in ``recover``: the first try validates against it, and the resume commit is
+        compare-and-set on its version, so a thread that moved since is loaded again.
         """
         check_command(command, self.limits)
-        ctx, run_now = await self._resumed(command)
+        ctx, run_now = await self._resumed(command, whole_of(loaded, command.thread_id))
         if run_now is None:
             return await self._drive(ctx)
         return await self._drive(ctx, functools.partial(self._run_approved, ctx, run_now))
 
-    async def _resumed(self, command: ResumeCommand) -> tuple[RunContext, CallId | None]:
+    async def _resumed(
+        self, command: ResumeCommand, loaded: Frontier | None
+    ) -> tuple[RunContext, CallId | None]:
         """The resume commit, made on the frontier its ticket was validated against."""
         for _ in range(RACES):
-            frontier = await self._verified(command.thread_id)
+            frontier = loaded or await self._verified(command.thread_id)
+            loaded = None  # a retry reads the thread again
             ticket = validate_ticket(frontier, command)
             ctx = self._context(frontier)
             try:
