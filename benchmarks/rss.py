@@ -9,6 +9,10 @@ from typing import Any
 RSS_SAMPLE_S = 0.25
 CHILDREN_EVERY = 8
 """Re-list the process tree every 8 samples (2 s); RSS is read every sample."""
+SERVERS = ("postgres", "redis-server")
+"""Local server processes whose CPU time counts too (not their RSS): a durable Run's
+commits cost the database server CPU on the same cores (every such process on the
+machine: nothing else uses these servers while a benchmark runs)."""
 
 
 class RssSampler:
@@ -18,7 +22,8 @@ class RssSampler:
     ``workers``: the driver and every ``ray::`` process (actors, idle workers);
     ``total``: also Ray's own daemons (raylet, GCS, agents). Only descendants of this
     process count: other Ray instances on the machine are not ours. CPU time of a
-    process that dies (a killed host) counts up to its last sample.
+    process that dies (a killed host) counts up to its last sample. The local
+    PostgreSQL and Redis servers' CPU counts under their names (``SERVERS``).
     """
 
     def __init__(self) -> None:
@@ -29,6 +34,7 @@ class RssSampler:
         self.peak_workers = 0
         self.peak_total = 0
         self._children: list[Any] = []
+        self._servers: list[Any] = []
         self._ticks = 0
         self._cpu_first: dict[int, float] = {}
         self._cpu_last: dict[int, tuple[str, float]] = {}
@@ -38,9 +44,17 @@ class RssSampler:
     def sample(self) -> tuple[int, int]:
         if self._ticks % CHILDREN_EVERY == 0:  # listing /proc is the costly part
             self._children = self.me.children(recursive=True)
+            self._servers = [
+                p for p in self.psutil.process_iter(["name"]) if p.info["name"] in SERVERS
+            ]
         self._ticks += 1
         workers = total = self.me.memory_info().rss
         self._cpu(self.me.pid, "driver", self.me.cpu_times())
+        for proc in self._servers:
+            try:
+                self._cpu(proc.pid, proc.info["name"], proc.cpu_times())
+            except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
+                continue
         for proc in self._children:
             try:
                 rss = proc.memory_info().rss
