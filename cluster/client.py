@@ -167,7 +167,7 @@ class Ratchet:
 
         async def start_run() -> Any:
             fault, armed[0] = armed[0], None  # a repeated start is not armed again
-            target = self._host_for(thread, placement, host)
+            target = self.host_for(thread, placement, host)
             return unwrap(await target.start_run.remote(*args, fault, wait=wait, trace=trace))
 
         # the host may die before it answers (or be restarting): start is idempotent
@@ -178,7 +178,9 @@ class Ratchet:
         """A handle on the latest Run of a thread (its run id is read lazily)."""
         return RunHandle(self, ThreadId(thread_id), None, "hosted")
 
-    def _host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any:
+    def host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any:
+        """The host a Run of ``thread`` goes to: its dedicated host, pool host ``host``,
+        or the pool host the thread hashes to."""
         if placement == "dedicated":
             return dedicated_host(self.spec, thread)
         index = host if host is not None else host_index(thread, self.spec.hosts)

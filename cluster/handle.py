@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from actors.wire import NAMESPACE, Placement, host_index, run_meta, unwrap
+from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import ClusterUnavailable
 from cluster.stream import follow_thread
 from cluster.waiting import on_a_live_host, polled, rests
@@ -38,20 +38,28 @@ from runtime.lifecycle import (
     answer,
     validate_resume,
 )
+from runtime.ports import CommitStore
 from runtime.resume import check_command
 from runtime.rules import stamp_facts
 from runtime.stream import Frame
 from runtime.timeutil import now_us
 
-if TYPE_CHECKING:
-    from cluster.client import Ratchet
+
+class Client(Protocol):
+    """What a handle uses of the client that made it (``cluster.client.Ratchet``)."""
+
+    spec: SystemSpec
+    store: CommitStore
+    hosts: list[Any]
+
+    def host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any: ...
 
 
 class RunHandle:
     """Follow one Run through the store."""
 
     def __init__(
-        self, client: Ratchet, thread_id: ThreadId, run_id: RunId | None, placement: Placement
+        self, client: Client, thread_id: ThreadId, run_id: RunId | None, placement: Placement
     ) -> None:
         self.client = client
         self.thread_id = thread_id
@@ -95,7 +103,7 @@ class RunHandle:
             except ValueError:
                 return
         else:
-            host = self.client._host_for(self.thread_id, "hosted")
+            host = self.client.host_for(self.thread_id, "hosted")
         # a dead or restarting host, or one driving nothing here: the store decides
         with contextlib.suppress(RayError):
             await host.until_rest.remote(self.thread_id)
@@ -156,7 +164,7 @@ class RunHandle:
         async def end_run() -> Any:
             nonlocal calls
             calls += 1
-            host = self.client._host_for(self.thread_id, placement)
+            host = self.client.host_for(self.thread_id, placement)
             return unwrap(await getattr(host, method).remote(self.thread_id, *args))
 
         result: str = await on_a_live_host(end_run)
@@ -193,7 +201,7 @@ class RunHandle:
         validate_resume(_ticket_of(await self.frontier()), command, now_us())
         placement = await self._placement()
         for _ in range(max(len(self.client.hosts), 1) + 1):
-            target = self.client._host_for(self.thread_id, placement, index)
+            target = self.client.host_for(self.thread_id, placement, index)
             try:
                 unwrap(await target.resume_run.remote(command, trace=tracing_env.carrier()))
                 return

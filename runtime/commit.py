@@ -1,4 +1,4 @@
-"""ThreadCommit, the committed frontier, and the pure rules every store shares.
+"""ThreadCommit and the committed frontier: the records every store keeps.
 
 A store keeps, per thread, an append-only log of ThreadCommits and the frontier
 they fold to. The rules they share — ``admit``, the one admission rule, and
@@ -27,9 +27,7 @@ from pydantic import AfterValidator, Field, TypeAdapter, ValidationError, model_
 
 from runtime.base import Frozen, canonical_model_json, evolve, is_plain, sha256_hex, trusted
 from runtime.batch import ActiveToolBatch, check_invariants
-from runtime.errors import (
-    CorruptRecord,
-)
+from runtime.errors import CorruptRecord
 from runtime.events import Fact
 from runtime.facts import facts_of
 from runtime.frozen import FrozenDict, freeze

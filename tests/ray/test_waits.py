@@ -237,9 +237,7 @@ async def test_an_end_whose_answer_is_lost_reports_what_it_did(system, monkeypat
     handle = await system.start(PERMISSION, "answer lost", host=0)
     await awaiting(handle)
     lost = [_AnswerLost(system.hosts[0], method)]  # the first call only; then the real host
-    monkeypatch.setattr(
-        system, "_host_for", lambda *a, **k: lost.pop() if lost else system.hosts[0]
-    )
+    monkeypatch.setattr(system, "host_for", lambda *a, **k: lost.pop() if lost else system.hosts[0])
     if method == "cancel_run":
         assert await handle.cancel() == "cancelled"
     else:

@@ -86,7 +86,8 @@ async def test_every_waiting_caller_gives_up_on_a_stuck_writer_and_the_store_rec
     assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
     assert "did not answer" in str(outcomes[0])
     assert DEADLINE_S <= waited < 10 * DEADLINE_S
-    release.set()  # the server answers again: the held group lands, the others were dropped
+    release.set()  # the server answers again: the held group is written (its callers
+    # heard StoreUnavailable: outcome unknown, a retry is idempotent) and new appends land
     receipt = await store.append(activation("s-after", "r-after"), 0, 0)
     assert receipt.seq == 1
 
