@@ -50,7 +50,15 @@ from rich.console import Console
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, run_page, run_query, run_row
-from cluster.cli_view import WatchView, console, print_rest, print_runs, print_thread, run_tree
+from cluster.cli_view import (
+    WatchView,
+    console,
+    escape,
+    print_rest,
+    print_runs,
+    print_thread,
+    run_tree,
+)
 from cluster.config import ClusterUnavailable, redis_url_from, store_url_from
 from cluster.report import analyse
 from runtime.agent import load_agent
@@ -97,7 +105,7 @@ def _cli(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
             TimeoutError,
             BadInput,
         ) as exc:
-            errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
@@ -169,7 +177,7 @@ async def _run(
     load_agent(agent)  # a bad import path fails before any cluster is started
     client = await Ratchet.connect(address, store, redis, quiet=True)
     handle = await client.start(agent, text, thread_id=thread, placement=placement)
-    console.print(f"run {handle.run_id} on thread {handle.thread_id}")
+    console.print(f"run {handle.run_id} on thread {handle.thread_id}", markup=False)
     await handle.result()
     await _show(handle.thread_id, store)
     await client.close()
@@ -266,11 +274,12 @@ async def _verify(thread: str | None, every: bool, store: str | None) -> None:
             if found.pruned_through:
                 pruned += 1
                 if thread is not None:
-                    console.print(f"{name}: pruned through seq {found.pruned_through}")
+                    line = f"{name}: pruned through seq {found.pruned_through}"
+                    console.print(line, markup=False)
     finally:
         await db.close()
     for problem in problems:
-        errors.print(f"[red]corrupt:[/red] {problem}", highlight=False, soft_wrap=True)
+        errors.print(f"[red]corrupt:[/red] {escape(str(problem))}", highlight=False, soft_wrap=True)
     bad = len({p.thread for p in problems})
     note = f" ({pruned} pruned: checked from their anchor)" if pruned else ""
     console.print(f"{audited} threads audited, {bad} with problems{note}", highlight=False)
@@ -341,7 +350,9 @@ async def _resume(
         handle = client.handle(thread)
         await handle.resume(command)
         console.print(
-            f"resumed run {ticket.run_id} on thread {thread}: {payload.kind}", highlight=False
+            f"resumed run {ticket.run_id} on thread {thread}: {payload.kind}",
+            markup=False,
+            highlight=False,
         )
         if wait:
             print_rest(thread, await handle.result())

@@ -136,7 +136,8 @@ async def _prune_thread(
             return
         removed = point - (records[0].seq - 1) if dry_run else await db.prune(thread, point)
     except (CorruptRecord, InvalidTransition) as exc:
-        errors.print(f"skipped: thread {thread!r}: {exc}", highlight=False, soft_wrap=True)
+        line = f"skipped: thread {thread!r}: {exc}"
+        errors.print(line, markup=False, highlight=False, soft_wrap=True)
         tally.skipped += 1
         return
     if removed:

@@ -111,7 +111,8 @@ def print_runs(rows: Sequence[Any], next_cursor: str | None) -> None:
     table, width = runs_table(rows, console.width, title)
     print_wide(table, width)
     if next_cursor:
-        console.print(f"next page: --after {next_cursor}", highlight=False, soft_wrap=True)
+        line = f"next page: --after {next_cursor}"
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def print_wide(renderable: Any, width: int) -> None:
@@ -127,7 +128,7 @@ def print_thread(
     frontier: Frontier, records: Sequence[CommittedRecord], report: RunReport, tree: list[str]
 ) -> None:
     """``ratchet show``: transcript, each commit with its calls' phases, status, usage."""
-    console.rule(f"thread {frontier.thread_id}")
+    console.rule(f"thread {escape(frontier.thread_id)}")
     for message in frontier.messages:
         console.print(message_line(message), highlight=False)
     console.rule("commits")
@@ -137,7 +138,8 @@ def print_thread(
             f"[dim]{record.seq:>3}[/dim] {c.label:<10} {c.disposition.kind}", highlight=False
         )
         for call in c.batch.calls if c.batch else ():
-            console.print(f"      {call.call_id} {call.tool}: {phase_text(call)}", highlight=False)
+            line = f"      {call.call_id} {call.tool}: {phase_text(call)}"
+            console.print(line, markup=False, highlight=False)
         used = step_usage(c.commands)
         if used is not None:
             console.print(f"      usage: {usage_text(used[0])} ({used[1] or '?'})", highlight=False)
@@ -147,10 +149,10 @@ def print_thread(
     where = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
     if isinstance(state, AwaitingState):
         where += f" ({state.ticket.payload_kind}, correlation {state.ticket.correlation})"
-    console.print(f"run {frontier.run_id}: {where}")
-    console.print(f"status: {s.state} reason={s.reason} since={when(s.since)}")
+    console.print(f"run {frontier.run_id}: {where}", markup=False)
+    console.print(f"status: {s.state} reason={s.reason} since={when(s.since)}", markup=False)
     history = " → ".join(f"{a}({b})" if b else a for a, b in report.statuses)
-    console.print(f"status history: {history}", highlight=False)
+    console.print(f"status history: {history}", markup=False, highlight=False)
     for scope in ("run", "thread"):
         total = frontier.state[scope].get(USAGE_KEY)
         if total:
@@ -164,7 +166,7 @@ def print_thread(
     if len(tree) > 1:
         console.rule("run tree (delegation)")
         for line in tree:
-            console.print(line, highlight=False)
+            console.print(line, markup=False, highlight=False)
 
 
 async def run_tree(db: Any, frontier: Any, depth: int = 0) -> list[str]:
@@ -194,7 +196,7 @@ class WatchView:
         self.close_line()
         where = f"[dim]{frame.offset:>6}[/dim] " if frame.offset else " " * 7
         if frame.type == "thread_status" and frame.status is not None:
-            line = f"[bold]● status {status_text(frame.status)}[/bold]"
+            line = f"[bold]● status {escape(status_text(frame.status))}[/bold]"
         elif isinstance(frame.event, Fact):
             line = escape(fact_text(frame.event))
         else:
@@ -242,17 +244,19 @@ def print_rest(thread: str, frontier: Frontier, prefix: str = "") -> None:
 
 
 def message_line(message: Any) -> str:
+    """A transcript line in rich markup; everything stored (the model's, a tool's or a
+    user's text, ids) is escaped, so text like ``[/x]`` prints as itself."""
     if isinstance(message, UserMessage):
-        return f"[bold cyan]user[/]: {message.text}"
+        return f"[bold cyan]user[/]: {escape(message.text)}"
     if isinstance(message, AssistantMessage):
         calls = ", ".join(f"{c.tool}({c.arguments})" for c in message.tool_calls)
-        return f"[bold green]assistant[/]: {message.text}" + (
-            f"  [dim]→ {calls}[/]" if calls else ""
+        return f"[bold green]assistant[/]: {escape(message.text)}" + (
+            f"  [dim]→ {escape(calls)}[/]" if calls else ""
         )
     if isinstance(message, ToolResultMessage):
         tag = "[red]tool error[/]" if message.is_error else "[yellow]tool[/]"
-        return f"{tag} {message.tool} ({message.call_id}): {message.content}"
-    return str(message)
+        return f"{tag} {escape(f'{message.tool} ({message.call_id}): {message.content}')}"
+    return escape(str(message))
 
 
 def when(since_us: int) -> str:

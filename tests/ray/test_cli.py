@@ -103,6 +103,34 @@ def test_show_prints_usage_per_step_and_in_total(tmp_path):
     assert "usage (thread): 120 in" in shown.output
 
 
+def test_show_prints_stored_text_that_looks_like_markup_as_itself(tmp_path):
+    """Model, tool and user text is anyone's: ``[/x]`` once made rich raise MarkupError
+    (the command crashed) and ``[bold]`` was swallowed as style."""
+    store_url = f"sqlite:///{tmp_path}/markup.db"
+
+    @tool
+    def echo(text: str) -> str:
+        return f"[red]{text}[/x]"
+
+    async def run() -> None:
+        store = await open_store(store_url)
+        script = [
+            ModelResponse(text="[bold]calling[/]", tool_calls=(call("echo", "c[1]", text="[/]"),)),
+            ModelResponse(text="done [/x] here"),
+        ]
+        agent = Agent(name="m", model=ScriptedModel(script), tools=[echo])
+        await InProcessRunner(agent, store).start("hi [/y]", thread_id="m-[1]")
+        await store.close()
+
+    asyncio.run(run())
+    shown = CliRunner().invoke(app, ["show", "m-[1]", "--store", store_url])
+    assert shown.exit_code == 0, shown.output
+    for text in ("hi [/y]", "[bold]calling[/]", "done [/x] here", "[red][/][/x]", "m-[1]", "c[1]"):
+        assert text in shown.output, text
+    missing = CliRunner().invoke(app, ["show", "no-[/such]", "--store", store_url])
+    assert missing.exit_code == 1 and "no-[/such]" in missing.output, missing.output
+
+
 # ---- runs, show and watch for scripts: --json, filters, pages, whole ids ---------------
 
 ALPHA, BETA = "tests.x:alpha", "tests.x:beta"
