@@ -30,7 +30,7 @@ import ray
 
 from actors.children import RayChildRunner
 from actors.deliveries import deliver, failed_delegation
-from actors.drives import Drive, Drives, FaultSpec, drove, rested
+from actors.drives import Drive, Drives, FaultSpec, drove, rested, starting
 from actors.heap import freeze_startup_heap
 from actors.reconcile import Reconciler
 from actors.spare import replace_spare_if_restarted
@@ -139,11 +139,13 @@ class RunHost:
         faults: FaultSpec | None = None,
         wait: bool = False,
         trace: dict[str, str] | None = None,  # the caller's span: the drive's parent
+        new_thread: bool = False,
     ) -> Any:
         """Activate and drive a Run; returns once its first commit landed (or it ended),
         or with ``wait`` once this host's drive of it is over (``Ratchet.run``: one call
         where start and ``until_rest`` would take two). A second start of the same Run
-        joins it; a start while another Run of the thread is active is InvalidTransition."""
+        joins it; a start while another Run of the thread is active is InvalidTransition.
+        ``new_thread``: the caller made the thread's id (``Engine.start``)."""
         await self._after_reclaim()
         kind: Placement = "dedicated" if placement == "dedicated" else "hosted"
         meta = RunMeta(agent_ref=agent_ref, placement=kind)
@@ -152,16 +154,8 @@ class RunHost:
             if drive is not None and drive.run_id != run_id:
                 drive = await self._finishing(thread, drive)
             if drive is None:
-                message = meta.message_id(run_id)
-                drive = self.drives.spawn(
-                    agent_ref,
-                    thread,
-                    run_id,
-                    lambda e: tracing_env.within(
-                        trace, e.start(thread, text, run_id=run_id, message_id=message)
-                    ),
-                    faults=faults,
-                )
+                go = starting(thread, text, run_id, meta.message_id(run_id), new_thread, trace)
+                drive = self.drives.spawn(agent_ref, thread, run_id, go, faults=faults)
             started = await self.drives.first_commit(drive)
             if wait:
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
@@ -312,16 +306,12 @@ class RunHost:
             drive = self.drives.get(thread)
             if drive is None:
                 message_id = RunMeta(agent_ref=request.agent).message_id(request.child_run)
+                # its thread is made for it: new, but after a re-delegation
+                go = starting(thread, request.input, request.child_run, message_id, True)
                 drive = self.drives.spawn(
-                    request.agent,
-                    thread,
-                    request.child_run,
-                    lambda e: e.start(
-                        thread, request.input, run_id=request.child_run, message_id=message_id
-                    ),
-                    ParentLink.of(request),
+                    request.agent, thread, request.child_run, go, ParentLink.of(request),
                     after=self._after,
-                )
+                )  # fmt: skip
             # waited on, not awaited: a parent that stops waiting cancels its children
             # explicitly, and a drive stopped here is not this call being cancelled
             await asyncio.wait({drive.task})

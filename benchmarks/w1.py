@@ -113,6 +113,7 @@ async def run_durable(
                 ref,
                 f"W1 input {thread}",
                 thread_id=thread,
+                new_thread=True,  # each Run's thread is made for it (a retry reads it)
                 run_id=run,
                 placement=placement,  # type: ignore[arg-type]
                 timeout_s=timeout_s,

@@ -98,13 +98,19 @@ class Ratchet:
         run_id: str | None = None,
         host: int | None = None,
         faults: tuple[str, int, str] | None = None,
+        new_thread: bool = False,
     ) -> RunHandle:
         """Start a Run of the agent at ``module:attr``; returns once it is committed.
 
         ``host`` pins a hosted Run to one host of the pool (tests, benchmarks);
         ``faults`` arms a fault point in the driving engine (crash tests, the demo).
+        ``new_thread``: ``thread_id`` was made for this Run (as it is when none is
+        given), so its host activates it without reading the thread first; a thread that
+        has records after all is read and the start goes on as without it.
         """
-        handle, _ = await self._start(agent_ref, input, thread_id, placement, run_id, host, faults)
+        handle, _ = await self._start(
+            agent_ref, input, thread_id, placement, run_id, host, faults, new_thread=new_thread
+        )
         return handle
 
     async def run(
@@ -117,19 +123,21 @@ class Ratchet:
         run_id: str | None = None,
         host: int | None = None,
         timeout_s: float | None = None,
+        new_thread: bool = False,
     ) -> Frontier:
         """Start a Run and return its frontier once it ends or awaits: ``start`` and
         ``result`` in one. A hosted Run takes one call to its host, which answers when
         its drive is over with the frontier its last commit wrote (the store had
         acknowledged it); otherwise — a host that died, a Run recovered elsewhere, a
-        dedicated host — the store is followed until the Run rests."""
+        dedicated host — the store is followed until the Run rests. ``new_thread`` as
+        for ``start``."""
 
         async def run() -> Frontier:
             # a dedicated host retires as its Run ends, so its answer could be lost:
             # there, the start is answered first and the end followed apart
             wait = placement == "hosted"
             handle, answer = await self._start(
-                agent_ref, input, thread_id, placement, run_id, host, None, wait=wait
+                agent_ref, input, thread_id, placement, run_id, host, None, wait, new_thread
             )
             if isinstance(answer, AtRest):
                 frontier = answer.frontier()
@@ -152,9 +160,11 @@ class Ratchet:
         host: int | None,
         faults: tuple[str, int, str] | None,
         wait: bool = False,
+        new_thread: bool = False,
     ) -> tuple[RunHandle, Any]:
         """The Run's handle, and its host's answer (``AtRest`` when ``wait`` found it so)."""
         load_agent(agent_ref)  # a bad reference fails here, clearly, not in a host
+        new_thread = new_thread or thread_id is None
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex[:12]}")
         run = RunId(run_id or f"run-{uuid.uuid4().hex[:12]}")
         # bad input is refused here, before any host is asked or anything written
@@ -168,7 +178,10 @@ class Ratchet:
         async def start_run() -> Any:
             fault, armed[0] = armed[0], None  # a repeated start is not armed again
             target = self.host_for(thread, placement, host)
-            return unwrap(await target.start_run.remote(*args, fault, wait=wait, trace=trace))
+            answer = target.start_run.remote(
+                *args, fault, wait=wait, trace=trace, new_thread=new_thread
+            )
+            return unwrap(await answer)
 
         # the host may die before it answers (or be restarting): start is idempotent
         answer = await on_a_live_host(start_run)

@@ -190,6 +190,7 @@ class Engine(Sides):
         *,
         run_id: RunId | None = None,
         message_id: str | None = None,
+        new_thread: bool = False,
     ) -> Frontier:
         """Activate a new Run with ``text`` as input and drive it.
 
@@ -198,14 +199,22 @@ class Engine(Sides):
         host or the Supervisor, or in-process by ``recover``). Refused with
         InvalidTransition while another Run of the thread is active, and with
         InputRefused (nothing written) for input or ids over the limits.
+
+        ``new_thread``: the caller made the thread's id for this Run, so the thread is
+        most likely empty: the activation is tried on an empty frontier first, without
+        reading the thread (a read per Run, and its round trip). That is only a guess:
+        the store's compare-and-set on version 0 and epoch 0 refuses it on any thread
+        that has a record, and the start then reads and verifies the thread and goes
+        on exactly as without the hint (nothing was written).
         """
         run_id = run_id or RunId(f"run-{uuid.uuid4().hex}")
         message_id = message_id or f"{run_id}:input"
         self._check_start(thread, run_id, message_id, text)
         user = UserMessage(id=message_id, text=text)
         link = () if self.parent is None else (self.parent.command(),)
-        for _ in range(RACES):
-            frontier = await self._verified(thread)
+        for attempt in range(RACES + new_thread):
+            guessed = new_thread and attempt == 0
+            frontier = Frontier(thread_id=thread) if guessed else await self._verified(thread)
             if frontier.run_id == run_id:
                 return frontier  # a repeated start: that Run exists
             if frontier.run_state is not None and not frontier.ended:
@@ -225,10 +234,14 @@ class Engine(Sides):
                 )
             except (VersionConflict, Fenced):
                 continue  # the thread moved under us: look again
-            except DuplicateOperation:  # an earlier Run of this thread had this id
-                raise InvalidTransition(
-                    f"run {run_id} already ran on thread {thread}; a new Run needs a new id"
-                ) from None
+            except (DuplicateOperation, InvalidTransition, RunEnded) as exc:
+                if guessed:  # the thread was not empty: what it holds decides
+                    continue
+                if isinstance(exc, DuplicateOperation):  # an earlier Run here had this id
+                    raise InvalidTransition(
+                        f"run {run_id} already ran on thread {thread}; a new Run needs a new id"
+                    ) from None
+                raise
             return await self._drive(ctx)
         raise InvalidTransition(f"thread {thread} kept moving; run {run_id} was not started")
 

@@ -80,10 +80,14 @@ class InProcessRunner:
         thread_id: str | None = None,
         run_id: str | None = None,
         faults: FaultPlan = NO_FAULTS,
+        new_thread: bool = False,
     ) -> Frontier:
+        """``new_thread``: ``thread_id`` was made for this Run, as it is when none is
+        given (``Engine.start``)."""
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex}")
         rid = RunId(run_id) if run_id else None
-        return await self.engine(faults).start(thread, text, run_id=rid)
+        new = new_thread or thread_id is None
+        return await self.engine(faults).start(thread, text, run_id=rid, new_thread=new)
 
     async def recover(self, thread_id: str, faults: FaultPlan = NO_FAULTS) -> Frontier:
         return await self.engine(faults).recover(ThreadId(thread_id))
@@ -143,8 +147,8 @@ class InProcessChildren:
         # start is idempotent by run id: after a crash it finds the same child, which this
         # runner (the only one driving here) then recovers
         try:
-            frontier = await engine.start(
-                request.child_thread, request.input, run_id=request.child_run
+            frontier = await engine.start(  # its thread is made for it (Engine.start)
+                request.child_thread, request.input, run_id=request.child_run, new_thread=True
             )
         except InputRefused as exc:  # nothing was started: the parent's call fails
             return Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))

@@ -48,6 +48,13 @@ class _Thread:
         return 0 if self.anchor is None else self.anchor[0]
 
 
+def _check_vouched(thread: ThreadId, t: _Thread) -> None:
+    """A log whose frontier is gone (version 0: ``check_head`` takes it as empty) fails
+    closed, for reads and for an append alike."""
+    if t.frontier.version == 0 and t.log:
+        raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
+
+
 class MemoryCommitStore:
     def __init__(self, payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> None:
         self.payload_limit = payload_limit
@@ -70,6 +77,7 @@ class MemoryCommitStore:
         operation_id = commit.operation_id
         async with self._lock:
             t = self._thread(commit.thread_id)
+            _check_vouched(commit.thread_id, t)  # not a new thread for a first commit either
             known = t.receipts.get(operation_id)
             outcome = admit(t.frontier, commit, expected_version, epoch, known, claim)
             if isinstance(outcome, Receipt):
@@ -95,8 +103,7 @@ class MemoryCommitStore:
         t = self._threads.get(thread)  # a look-up creates nothing
         if t is None:
             return Frontier(thread_id=thread)
-        if t.frontier.version == 0 and t.log:  # check_head takes version 0 as empty
-            raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
+        _check_vouched(thread, t)
         last = t.log[-1] if t.log else None
         at_head = last.payload_hash if last and last.seq == t.frontier.version else None
         if not t.log and t.anchor is not None and t.anchor[0] == t.frontier.version:

@@ -31,17 +31,23 @@ def redis_test_url(redis_url: str) -> str:
     return redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
 
 
-@pytest.mark.parametrize("edit", ["drop_thread", "reset_frontier"])
+@pytest.mark.parametrize("edit", ["drop_thread", "reset_frontier", "reset_unowned"])
 async def test_a_log_no_frontier_vouches_for_fails_closed(
     store: Any, backend: str, edit: str
 ) -> None:
+    """``reset_unowned`` puts the row back at epoch 0 with no owner, so that a start
+    that takes the thread for new (``new_thread``) gets past the compare-and-set on
+    version and epoch: the store itself must refuse to append onto a log it does not
+    vouch for."""
     victim = await make_victim(store)
     tamper = tamper_for(store, backend)
     if edit == "drop_thread":
         await tamper.drop_thread()
-    else:
+    elif edit == "reset_frontier":
         owned = {"epoch": victim.frontier.epoch, "owner": victim.frontier.owner}
         await tamper.reset_frontier(Frontier(thread_id=T, **owned))
+    else:
+        await tamper.reset_frontier(Frontier(thread_id=T))
     for op, args in (("load", ()), ("read", ()), ("read", (2,))):
         with pytest.raises(CorruptRecord) as info:
             await getattr(store, op)(T, *args)
@@ -50,8 +56,9 @@ async def test_a_log_no_frontier_vouches_for_fails_closed(
     before = await tamper.snapshot()
     with pytest.raises(CorruptRecord):
         await victim.runner(store).resume(victim.approval())
-    with pytest.raises(CorruptRecord):  # not a new thread either
-        await victim.runner(store).start("again", thread_id=T)
+    for new_thread in (False, True):  # not a new thread either, whatever its caller thinks
+        with pytest.raises(CorruptRecord):
+            await victim.runner(store).start("again", thread_id=T, new_thread=new_thread)
     assert victim.ran == [] and await tamper.snapshot() == before
 
 
