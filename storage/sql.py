@@ -95,12 +95,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from pydantic import ValidationError
-
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit
-from runtime.errors import CorruptRecord, RatchetError, StoreError, StoreUnavailable
+from runtime.errors import RatchetError, StoreError, StoreUnavailable
 from runtime.ids import ThreadId
-from runtime.lifecycle import ThreadStatus
 from runtime.ports import CommittedRecord, RunSummary
 from runtime.rules import check_size
 from storage.checkpoints import SqlCheckpointStore
@@ -110,11 +107,11 @@ from storage.schema import migrate
 from storage.sql_engine import Database
 from storage.sql_errors import translate
 from storage.sql_reads import (
-    DbRow,
     list_body,
     load_body,
     load_head_body,
     read_body,
+    summary_of,
     thread_ids_body,
 )
 from storage.sql_statements import PG_PLANNED, pg_plan_refused
@@ -146,7 +143,7 @@ LINGER_TURNS = 10
 group showed that several callers commit at once (see ``_drain``)."""
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: the store keeps the waiting ones in a set
 class _Queued(Generic[R]):
     """A request waiting for its group, and the caller's future."""
 
@@ -188,8 +185,12 @@ class SqlCommitStore:
         self.skipped = 0
         """Requests dropped before their group because their callers had given up."""
         self._progress = 0.0
-        """Loop time a group writer last took or finished a group (see ``_submit``); a
-        group that met an outage fails the queue behind it (``_fail_queued``)."""
+        """When (``time.perf_counter``) a group writer last took or finished a group:
+        the deadlines of the waiting calls run from it (``_watch``); a group that met
+        an outage fails the queue behind it (``_fail_queued``)."""
+        self._waiting: set[_Queued[Any]] = set()
+        """The calls waiting for their groups' outcomes (``_watch``)."""
+        self._watchdog: asyncio.Task[None] | None = None
         self._one_statement = db.dialect == "postgresql"
         """Planned groups go as one statement (``PG_PLANNED``), outside any body."""
         self._frontiers = FrontierCache()
@@ -229,6 +230,7 @@ class SqlCommitStore:
                 asyncio.create_task(store._drain(), name=f"group-commit {i} {store.where}")
                 for i in range(store.db.concurrency)
             ]
+            store._watchdog = asyncio.create_task(store._watch(), name=f"deadlines {store.where}")
         log.info("connected to %s (schema version %d)", store.where, version)
         return store
 
@@ -267,7 +269,7 @@ class SqlCommitStore:
         *,
         host: str | None = None,
     ) -> list[RunSummary]:
-        return [_summary(r) for r in await self._read(list_body, state, host)]
+        return [summary_of(r) for r in await self._read(list_body, state, host)]
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         return await self._read(thread_ids_body, after, limit)
@@ -286,11 +288,11 @@ class SqlCommitStore:
             ) from None
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *filter(None, [self._watchdog])]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks = []
+        self._tasks, self._watchdog = [], None
         while not self._queue.empty():
             _resolve(self._queue.get_nowait(), StoreUnavailable(f"store {self.where} closed"))
         await self.db.close()
@@ -298,10 +300,9 @@ class SqlCommitStore:
     # ---- group commit ---------------------------------------------------------------------
 
     async def _submit(self, item: _Queued[R]) -> R:
-        """Queue the request and wait for its outcome while the writers make progress:
-        the deadline is ``timeout_s`` after the later of the call and the last time a
-        writer took or finished a group, so a caller gives up on a writer that is stuck,
-        never on the length of the queue ahead of it."""
+        """Queue the request and wait for its outcome while the writers make progress
+        (``_watch`` keeps the deadline: a plain wait on the future is the cheapest in
+        the Run's path)."""
         if not self._tasks:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -309,19 +310,28 @@ class SqlCommitStore:
                     return await item.future
             except TimeoutError:
                 raise self._unanswered() from None
-        loop = asyncio.get_running_loop()
-        called = loop.time()
+        self._waiting.add(item)
         self._queue.put_nowait(item)
         try:
-            while True:
-                left = max(called, self._progress) + self.timeout_s - loop.time()
-                if left <= 0:
-                    raise self._unanswered()
-                await asyncio.wait((item.future,), timeout=left)
-                if item.future.done():
-                    return item.future.result()
+            return await item.future  # a caller cancelled: its request is dropped if queued
         finally:
-            item.future.cancel()  # a caller that gave up: its request is dropped if queued
+            self._waiting.discard(item)
+
+    async def _watch(self) -> None:
+        """The deadline of every waiting call: ``timeout_s`` after the later of the call
+        and the last time a writer took or finished a group, so a caller gives up on a
+        writer that is stuck, never on the length of the queue ahead of it. Checked a
+        tenth of the deadline apart (at most a second), and only looked into when no
+        group moved for a whole deadline: nothing can be late before that."""
+        while True:
+            await asyncio.sleep(min(self.timeout_s / 10, 1.0))
+            now = time.perf_counter()
+            if now - self._progress < self.timeout_s:
+                continue
+            for item in list(self._waiting):
+                late = now - max(item.queued, self._progress) >= self.timeout_s
+                if late and not item.future.done():
+                    item.future.set_exception(self._unanswered())
 
     def _unanswered(self) -> StoreUnavailable:
         return StoreUnavailable(f"store {self.where} did not answer within {self.timeout_s:g}s")
@@ -357,11 +367,11 @@ class SqlCommitStore:
 
     async def _commit_group(self, group: list[_Queued[Any]]) -> None:
         """Commit a group and resolve every caller's future; never raises (but cancel)."""
-        self._progress = asyncio.get_running_loop().time()
+        self._progress = time.perf_counter()
         try:
             await self._commit_taken(group)
         finally:
-            self._progress = asyncio.get_running_loop().time()
+            self._progress = time.perf_counter()
 
     async def _commit_taken(self, group: list[_Queued[Any]]) -> None:
         began = time.perf_counter()
@@ -463,22 +473,6 @@ class SqlCommitStore:
             raise translate(exc, self.where) from exc
 
 
-def _summary(row: DbRow) -> RunSummary:
-    try:
-        status = ThreadStatus.model_validate_json(row.status)
-    except ValidationError as exc:
-        raise CorruptRecord(row.thread_id, row.version, "stored run status") from exc
-    return RunSummary(
-        thread_id=row.thread_id,
-        run_id=row.run_id,
-        state=row.run_state,
-        status=status,
-        version=row.version,
-        cause=row.cause,
-        owner=row.owner,
-    )
-
-
 def _own_copy(error: StoreError) -> StoreError:
     """One exception object per caller: a shared one would gather every caller's traceback."""
     if type(error) not in (StoreError, StoreUnavailable):
@@ -489,7 +483,8 @@ def _own_copy(error: StoreError) -> StoreError:
 
 
 def _resolve(item: _Queued[Any], outcome: Outcome) -> None:
-    """Deliver one caller's outcome (a caller that gave up has a cancelled future)."""
+    """Deliver one caller's outcome (a caller that gave up, or whose deadline passed
+    (``_watch``), has a done future)."""
     if item.future.done():
         return
     if isinstance(outcome, RatchetError):

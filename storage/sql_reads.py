@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import Connection
 
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import PrunedHistory, RawRecord, check_head, verified_records, whole_frontier
-from runtime.ports import CommittedRecord
+from runtime.lifecycle import ThreadStatus
+from runtime.ports import CommittedRecord, RunSummary
 from storage.frontiers import FrontierCache
 from storage.retention import ATTEMPTS
 from storage.sql_statements import (
@@ -153,3 +155,20 @@ def list_body(conn: Connection, state: str | None, host: str | None) -> list[DbR
     if state is None:
         return list(conn.execute(LIST_ALL))
     return list(conn.execute(LIST_STATE, {"state": state}))
+
+
+def summary_of(row: DbRow) -> RunSummary:
+    """A listed thread row as a RunSummary (its stored status re-validated)."""
+    try:
+        status = ThreadStatus.model_validate_json(row.status)
+    except ValidationError as exc:
+        raise CorruptRecord(row.thread_id, row.version, "stored run status") from exc
+    return RunSummary(
+        thread_id=row.thread_id,
+        run_id=row.run_id,
+        state=row.run_state,
+        status=status,
+        version=row.version,
+        cause=row.cause,
+        owner=row.owner,
+    )
