@@ -53,6 +53,8 @@ log = logging.getLogger("ratchet.run_host")
 FaultSpec = tuple[str, int, str]
 """(fault point, occurrence, action): action ``exit`` ends the process (os._exit)."""
 Go = Callable[[Engine], Awaitable[Frontier]]
+STOP_S = 5.0
+"""How long stopping a fenced drive waits for its task to end before going on without it."""
 
 
 def starting(
@@ -67,10 +69,6 @@ def starting(
     return lambda e: tracing_env.within(
         trace, e.start(thread, text, run_id=run_id, message_id=message_id, new_thread=new_thread)
     )
-
-
-STOP_S = 5.0
-"""How long stopping a fenced drive waits for its task to end before going on without it."""
 
 
 class Holding:

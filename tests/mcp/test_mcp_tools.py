@@ -23,8 +23,8 @@ from runtime.ports import Finished, Lost, ToolInvocation, Unavailable
 from runtime.tools import LocalToolRunner, Tool, ToolContext
 from storage.memory import MemoryCommitStore
 from tests.mcp.conftest import DEADLINE_S, SERVER, started_pids
-from tests.runtime.agents import until
 from tests.support.servers import answers, free_port
+from tests.support.waiting import until
 
 ROOT = Path(__file__).parents[2]
 ADD_SCHEMA = {

@@ -6,7 +6,6 @@ worker process inherits it.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +18,7 @@ import ray
 from cluster.client import Ratchet
 from cluster.config import LOCAL_SYSTEM_CONFIG
 from cluster.demo_agent import EffectLedger
+from tests.support.waiting import until
 
 LEDGER_DIR = tempfile.mkdtemp(prefix="ratchet-ray-tests-")
 os.environ["RATCHET_LEDGER"] = os.path.join(LEDGER_DIR, "effects.db")
@@ -63,12 +63,7 @@ async def wait_for(
     condition: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition"
 ) -> None:
     """Poll ``condition`` until it holds; fail after ``timeout_s`` (never sleep to sync)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
+    await until(condition, timeout_s, what=what, interval_s=0.05)
 
 
 def actor_gone(name: str) -> Callable[[], Awaitable[bool]]:

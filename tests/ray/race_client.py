@@ -11,12 +11,12 @@ two processes' calls overlap. Then it makes every call of the round at once.
 
 Config: ``{"address", "store_url", "name", "hosts", "role", "barrier", "deadline_s",
 "rounds": [{"action": "start"|"resume"|"cancel", "agent", "calls": [{"thread",
-"run_id", "host"}]}]}``; a cancel's answer (``cancelled``, ``signalled``, ...) is its
-``detail``. Prints one line ``RESULT <json>``: per round, per thread,
-``{"outcome": "ok" | <error type name>, "detail": <its message>, "rest": <how the
-Run rests> | <error type>}``
-where ``rest`` is ``awaiting`` or ``ended:<cause>``, learnt through ``result()``
-within the deadline (``TimeoutError`` if it hung).
+"run_id", "host", "new_thread" (a start's, optional)}]}]}``; a cancel's answer
+(``cancelled``, ``signalled``, ...) is its ``detail``. Prints one line
+``RESULT <json>``: per round, per thread, ``{"outcome": "ok" | <error type name>,
+"detail": <its message>, "rest": <how the Run rests> | <error type>}`` where
+``rest`` is ``awaiting`` or ``ended:<cause>``, learnt through ``result()`` within the
+deadline (``TimeoutError`` if it hung).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ async def _start_round(client: Ratchet, spec: dict[str, Any], deadline_s: float,
             thread_id=call["thread"],
             run_id=call["run_id"],
             host=call["host"],
+            new_thread=call.get("new_thread", False),
         )
         return await _outcome(start, deadline_s)
 

@@ -19,6 +19,7 @@ from runtime.events import Fact
 from runtime.lifecycle import AwaitingState, EndedState
 from runtime.messages import ToolResultMessage, UserMessage
 from runtime.stream import Frame, parse_offset
+from tests.support.waiting import until
 
 from .wait_agents import ANSWER, gate_path
 
@@ -134,7 +135,7 @@ def test_cancel_an_awaiting_and_a_running_run(system, ledger):
     assert again.exit_code == 0 and "nothing to do: " in again.output
 
     napping = start(system, f"{WAITS}:long_nap_agent", rest=False)
-    asyncio.run(_until(lambda: bool(ledger.rows(f"tool-batch:{napping.run_id}:"))))
+    asyncio.run(until(lambda: bool(ledger.rows(f"tool-batch:{napping.run_id}:")), 30.0))
     result = ratchet(system, "cancel", napping.thread_id)
     assert result.exit_code == 0 and "ended cancelled" in result.output, result.output
     assert isinstance(frontier(napping).run_state, EndedState)
@@ -142,7 +143,7 @@ def test_cancel_an_awaiting_and_a_running_run(system, ledger):
 
 def test_stop_with_a_reason(system, ledger):
     napping = start(system, f"{WAITS}:long_nap_agent", rest=False)
-    asyncio.run(_until(lambda: bool(ledger.rows(f"tool-batch:{napping.run_id}:"))))
+    asyncio.run(until(lambda: bool(ledger.rows(f"tool-batch:{napping.run_id}:")), 30.0))
     result = ratchet(system, "stop", napping.thread_id, "--reason", "over budget")
     assert result.exit_code == 0, result.output
     assert "ended stopped: over budget" in result.output
@@ -183,14 +184,6 @@ def test_watch_json_is_one_frame_per_line_until_rest(system):
     last = frames[-1].event
     assert isinstance(last, Fact) and last.type == "awaiting"
     assert last.data["ticket"]["target"]["tool"] == "drop_table"
-
-
-async def _until(condition, timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.redis

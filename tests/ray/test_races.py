@@ -119,14 +119,17 @@ async def race(
 
 def pairs(tag: str, same_run: bool = False) -> tuple[list[str], dict[str, list[dict[str, Any]]]]:
     """Threads, and each client's calls on them: the first THREADS threads through one
-    host (both clients pin it), the others through different hosts."""
+    host (both clients pin it), the others through different hosts. On every other pair
+    of threads both clients take the thread for new (``new_thread``: no read before the
+    activation, only the store's compare-and-set between them)."""
     threads = [f"race-{i}" for i in range(2 * THREADS)]
     calls: dict[str, list[dict[str, Any]]] = {r: [] for r in ROLES}
     for i, thread in enumerate(threads):
         for k, role in enumerate(ROLES):
             host = i % 2 if i < THREADS else (i + k) % 2
             run = f"run-{tag}-{i}" if same_run else f"run-{tag}-{role}-{i}"
-            calls[role].append({"thread": thread, "run_id": run, "host": host})
+            new = i % 4 >= 2
+            calls[role].append({"thread": thread, "run_id": run, "host": host, "new_thread": new})
     return threads, calls
 
 

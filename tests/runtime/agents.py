@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
-from collections.abc import Callable
 
 from runtime import Agent, ModelResponse, ScriptedModel, ToolContext, call, tool
 
@@ -48,13 +46,3 @@ def crash_matrix_agent(ledger: Ledger, steps: int = 3) -> Agent:
     ]
     script.append(ModelResponse(text="all done"))
     return Agent(name="crashy", model=ScriptedModel(script), tools=[charge, lookup])
-
-
-async def until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
-    """Wait for a condition with a deadline (tests never sleep to synchronise)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.005)

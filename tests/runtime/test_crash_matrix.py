@@ -16,8 +16,9 @@ import pytest
 from runtime import Crash, EndedState, FaultPlan, InProcessRunner, ToolResultMessage, replay
 from runtime.ports import CommitStore
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
-from .agents import Ledger, crash_matrix_agent, until
+from .agents import Ledger, crash_matrix_agent
 
 StoreFactory = Callable[[], CommitStore]
 

@@ -12,9 +12,9 @@ from runtime.delegation import DelegationLimits, child_ids
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import AwaitingState
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
 from . import delegation_agents as agents
-from .agents import until
 from .test_waits_and_control import command_for
 
 HERE = agents.HERE

@@ -11,7 +11,6 @@ import asyncio
 import gc
 import hashlib
 import json
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,6 +56,7 @@ from runtime.rules import _fold, advance, replay
 from runtime.signals import CancelledSignal, CancelSignal, guarded
 from runtime.tools import LocalToolRunner
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
 from .agents import Ledger, crash_matrix_agent
 
@@ -462,20 +462,11 @@ async def test_local_tools_of_a_wave_run_concurrently_and_are_cancelled_together
     outcomes = await runner.run([inv("first"), inv("second")])
     assert [o.output.content for o in outcomes] == ["first", "second"]  # type: ignore[union-attr]
     task = asyncio.create_task(runner.run([inv("forever", n=1), inv("forever", n=2)]))
-    await _until(lambda: len(started) == 2)  # both tools are running
+    await until(lambda: len(started) == 2, interval_s=0)  # both tools are running
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await _until(lambda: sorted(cancelled) == [1, 2])
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Yield to the loop until ``condition`` holds; fail after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0)
+    await until(lambda: sorted(cancelled) == [1, 2], interval_s=0)
 
 
 # ---- memory -----------------------------------------------------------------------------

@@ -29,8 +29,7 @@ from runtime.models import InferenceRequest
 from storage.checkpoints import MemoryCheckpointStore
 from storage.memory import MemoryCommitStore
 from storage.sql import SqlCommitStore
-
-from .agents import until
+from tests.support.waiting import until
 
 FAST = StoreRetry(first_delay_s=0.001, max_delay_s=0.01, give_up_after_s=0.05)
 

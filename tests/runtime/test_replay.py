@@ -50,8 +50,9 @@ from runtime.replay_check import ReplayInputError, ReplayReport, replay
 from runtime.state import Command
 from runtime.testing import assert_replays
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
-from .agents import Ledger, crash_matrix_agent, until
+from .agents import Ledger, crash_matrix_agent
 
 RAN: Counter[str] = Counter()
 """How often each tool really ran, in every test (a replay must never add to it)."""

@@ -44,8 +44,7 @@ from runtime.messages import ContextMessage
 from runtime.rules import replay
 from storage.memory import MemoryCommitStore
 from tests.storage.conftest import make_store, pg_conformance_url  # noqa: F401 (a fixture)
-
-from .agents import until
+from tests.support.waiting import until
 
 POINTS = ("StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd")
 FAST = StoreRetry(first_delay_s=0.001, max_delay_s=0.01, give_up_after_s=0.02)

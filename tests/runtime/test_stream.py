@@ -25,8 +25,9 @@ from runtime.rules import stamp_facts
 from runtime.stream import Frame, LiveText, follow, from_fact, parse_offset
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
-from .agents import Ledger, crash_matrix_agent, until
+from .agents import Ledger, crash_matrix_agent
 from .test_waits_and_control import command_for
 
 

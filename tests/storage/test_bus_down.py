@@ -27,6 +27,7 @@ from storage.memory import MemoryCommitStore
 from storage.redis_client import open_client
 from tests.conftest import IN_CI
 from tests.support.servers import PrivateRedis, private_redis
+from tests.support.waiting import until
 
 DEADLINE_S = 20.0
 STEPS = 6
@@ -117,16 +118,7 @@ def has_fact(frames: list[Frame], kind: str, call_id: str) -> bool:
 
 
 async def eventually(check: Callable[[], Awaitable[bool] | bool], what: str) -> None:
-    """Wait for a condition with a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while True:
-        result = check()
-        if await result if isinstance(result, Awaitable) else result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"not met before the deadline: {what}")
-        await asyncio.sleep(0.01)
+    await until(check, DEADLINE_S, what=what, interval_s=0.01)
 
 
 class Admin:

@@ -18,7 +18,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from tests.storage.test_migration import (
     verify_all,
 )
 from tests.storage.test_verify_cli import ratchet
+from tests.support.waiting import until
 
 REDIS_DB = 13
 """This file's own Redis database (flushed before and after each test)."""
@@ -225,17 +226,6 @@ async def _upgraded(client: Any, prefix: str, olds: list[Old]) -> int:
         return sum(await pipe.execute())
 
 
-async def _until(probe: Callable[[], Awaitable[int]], timeout_s: float = 30.0) -> int:
-    """The probe's first answer other than 0, polled until a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not (found := await probe()):
-        if loop.time() > deadline:
-            raise AssertionError(f"nothing happened within {timeout_s}s")
-        await asyncio.sleep(0.002)
-    return found
-
-
 async def test_an_upgrader_killed_half_way_is_taken_over(
     redis_old: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -252,7 +242,12 @@ async def test_an_upgrader_killed_half_way_is_taken_over(
         sys.executable, "-c", UPGRADER, redis_old, cwd=ROOT, stderr=asyncio.subprocess.DEVNULL
     )
     try:
-        await _until(lambda: _upgraded(client, prefix, olds))
+        await until(
+            lambda: _upgraded(client, prefix, olds),
+            30.0,
+            what="a thread upgraded",
+            interval_s=0.002,
+        )
         upgrader.send_signal(signal.SIGKILL)
     finally:
         if upgrader.returncode is None:

@@ -25,6 +25,7 @@ from storage.sql import SqlCommitStore
 from tests.storage.builders import activation
 from tests.storage.conftest import make_store
 from tests.support.servers import private_postgres
+from tests.support.waiting import until
 
 DEADLINE_S = 0.6
 
@@ -120,9 +121,9 @@ async def test_a_request_whose_caller_gave_up_is_not_written(store: SqlCommitSto
 
     _before_each_group(store, hold)
     first = asyncio.create_task(store.append(activation("c-first", "r"), 0, 0))
-    await _until(lambda: bool(taken))  # the writer holds the first group
+    await until(lambda: bool(taken))  # the writer holds the first group
     second = asyncio.create_task(store.append(activation("c-gone", "r"), 0, 0))
-    await _until(lambda: store._queue.qsize() == 1)
+    await until(lambda: store._queue.qsize() == 1)
     second.cancel()
     with pytest.raises(asyncio.CancelledError):
         await second
@@ -150,9 +151,9 @@ async def test_an_outage_fails_the_requests_queued_behind_its_group(
     store._write = outage  # type: ignore[method-assign,assignment]
     store._write_planned = outage  # type: ignore[method-assign,assignment]
     first = asyncio.create_task(store.append(activation("o-first", "r"), 0, 0))
-    await _until(lambda: bool(groups))
+    await until(lambda: bool(groups))
     behind = [asyncio.create_task(store.append(activation(f"o-{i}", "r"), 0, 0)) for i in (1, 2)]
-    await _until(lambda: store._queue.qsize() == 2)
+    await until(lambda: store._queue.qsize() == 2)
     release.set()
     outcomes = await asyncio.gather(first, *behind, return_exceptions=True)
     assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
@@ -211,12 +212,3 @@ async def _retrying(call: Callable[[], Awaitable[Any]], timeout_s: float = 60.0)
             if loop.time() > deadline:
                 raise
             await asyncio.sleep(0.1)  # a retry's backoff, as the engine's
-
-
-async def _until(probe: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not probe():
-        if loop.time() > deadline:
-            raise AssertionError(f"nothing happened within {timeout_s}s")
-        await asyncio.sleep(0.005)
