@@ -143,7 +143,7 @@ LINGER_TURNS = 10
 group showed that several callers commit at once (see ``_drain``)."""
 
 
-@dataclass(eq=False)  # by identity: the store keeps the waiting ones in a set
+@dataclass
 class _Queued(Generic[R]):
     """A request waiting for its group, and the caller's future."""
 
@@ -185,12 +185,8 @@ class SqlCommitStore:
         self.skipped = 0
         """Requests dropped before their group because their callers had given up."""
         self._progress = 0.0
-        """When (``time.perf_counter``) a group writer last took or finished a group:
-        the deadlines of the waiting calls run from it (``_watch``); a group that met
-        an outage fails the queue behind it (``_fail_queued``)."""
-        self._waiting: set[_Queued[Any]] = set()
-        """The calls waiting for their groups' outcomes (``_watch``)."""
-        self._watchdog: asyncio.Task[None] | None = None
+        """Loop time a group writer last took or finished a group (see ``_submit``); a
+        group that met an outage fails the queue behind it (``_fail_queued``)."""
         self._one_statement = db.dialect == "postgresql"
         """Planned groups go as one statement (``PG_PLANNED``), outside any body."""
         self._frontiers = FrontierCache()
@@ -230,7 +226,6 @@ class SqlCommitStore:
                 asyncio.create_task(store._drain(), name=f"group-commit {i} {store.where}")
                 for i in range(store.db.concurrency)
             ]
-            store._watchdog = asyncio.create_task(store._watch(), name=f"deadlines {store.where}")
         log.info("connected to %s (schema version %d)", store.where, version)
         return store
 
@@ -288,11 +283,11 @@ class SqlCommitStore:
             ) from None
 
     async def close(self) -> None:
-        for task in [*self._tasks, *filter(None, [self._watchdog])]:
+        for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks, self._watchdog = [], None
+        self._tasks = []
         while not self._queue.empty():
             _resolve(self._queue.get_nowait(), StoreUnavailable(f"store {self.where} closed"))
         await self.db.close()
@@ -300,9 +295,10 @@ class SqlCommitStore:
     # ---- group commit ---------------------------------------------------------------------
 
     async def _submit(self, item: _Queued[R]) -> R:
-        """Queue the request and wait for its outcome while the writers make progress
-        (``_watch`` keeps the deadline: a plain wait on the future is the cheapest in
-        the Run's path)."""
+        """Queue the request and wait for its outcome while the writers make progress:
+        the deadline is ``timeout_s`` after the later of the call and the last time a
+        writer took or finished a group, so a caller gives up on a writer that is stuck,
+        never on the length of the queue ahead of it."""
         if not self._tasks:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -310,28 +306,19 @@ class SqlCommitStore:
                     return await item.future
             except TimeoutError:
                 raise self._unanswered() from None
-        self._waiting.add(item)
+        loop = asyncio.get_running_loop()
+        called = loop.time()
         self._queue.put_nowait(item)
         try:
-            return await item.future  # a caller cancelled: its request is dropped if queued
+            while True:
+                left = max(called, self._progress) + self.timeout_s - loop.time()
+                if left <= 0:
+                    raise self._unanswered()
+                await asyncio.wait((item.future,), timeout=left)
+                if item.future.done():
+                    return item.future.result()
         finally:
-            self._waiting.discard(item)
-
-    async def _watch(self) -> None:
-        """The deadline of every waiting call: ``timeout_s`` after the later of the call
-        and the last time a writer took or finished a group, so a caller gives up on a
-        writer that is stuck, never on the length of the queue ahead of it. Checked a
-        tenth of the deadline apart (at most a second), and only looked into when no
-        group moved for a whole deadline: nothing can be late before that."""
-        while True:
-            await asyncio.sleep(min(self.timeout_s / 10, 1.0))
-            now = time.perf_counter()
-            if now - self._progress < self.timeout_s:
-                continue
-            for item in list(self._waiting):
-                late = now - max(item.queued, self._progress) >= self.timeout_s
-                if late and not item.future.done():
-                    item.future.set_exception(self._unanswered())
+            item.future.cancel()  # a caller that gave up: its request is dropped if queued
 
     def _unanswered(self) -> StoreUnavailable:
         return StoreUnavailable(f"store {self.where} did not answer within {self.timeout_s:g}s")
@@ -367,11 +354,11 @@ class SqlCommitStore:
 
     async def _commit_group(self, group: list[_Queued[Any]]) -> None:
         """Commit a group and resolve every caller's future; never raises (but cancel)."""
-        self._progress = time.perf_counter()
+        self._progress = asyncio.get_running_loop().time()
         try:
             await self._commit_taken(group)
         finally:
-            self._progress = time.perf_counter()
+            self._progress = asyncio.get_running_loop().time()
 
     async def _commit_taken(self, group: list[_Queued[Any]]) -> None:
         began = time.perf_counter()
@@ -483,8 +470,7 @@ def _own_copy(error: StoreError) -> StoreError:
 
 
 def _resolve(item: _Queued[Any], outcome: Outcome) -> None:
-    """Deliver one caller's outcome (a caller that gave up, or whose deadline passed
-    (``_watch``), has a done future)."""
+    """Deliver one caller's outcome (a caller that gave up has a cancelled future)."""
     if item.future.done():
         return
     if isinstance(outcome, RatchetError):

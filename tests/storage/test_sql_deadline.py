@@ -93,24 +93,6 @@ async def test_every_waiting_caller_gives_up_on_a_stuck_writer_and_the_store_rec
     assert receipt.seq == 1
 
 
-async def test_an_answered_call_leaves_nothing_behind_and_close_stops_the_watch(
-    store: SqlCommitStore,
-) -> None:
-    """One watch keeps every waiting call's deadline (no timer per call): answered or
-    refused, a call is gone from it; closing the store stops it."""
-    receipts = await asyncio.gather(
-        *(store.append(activation(f"w-{i}", "r"), 0, 0) for i in range(20)),
-        store.append(activation("w-0", "other"), 0, 0),  # refused: the thread moved
-        return_exceptions=True,
-    )
-    assert sum(not isinstance(r, Exception) for r in receipts) == 20
-    assert not store._waiting
-    watch = store._watchdog
-    assert watch is not None and not watch.done()
-    await store.close()
-    assert watch.done()
-
-
 async def test_a_request_whose_caller_gave_up_is_not_written(store: SqlCommitStore) -> None:
     release = asyncio.Event()
     taken: list[int] = []
