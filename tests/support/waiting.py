@@ -27,7 +27,7 @@ async def until(
         if inspect.isawaitable(found):
             found = await found
         if found:
-            return found  # type: ignore[return-value]
+            return found
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
         await asyncio.sleep(interval_s)
