@@ -33,6 +33,7 @@ from cluster.client import Ratchet, RunHandle, command_for
 from runtime.commit import Frontier
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState, PermissionDecision, ResumeCommand
+from tests.support.waiting import until
 
 
 def _rest(frontier: Frontier) -> str:
@@ -47,12 +48,7 @@ def _rest(frontier: Frontier) -> str:
 async def _barrier(barrier: Path, round_no: int, role: str, deadline_s: float) -> None:
     (barrier / f"ready-{round_no}-{role}").write_text("ready")
     go = barrier / f"go-{round_no}"
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    while not go.exists():
-        if loop.time() > deadline:
-            raise TimeoutError(f"no go for round {round_no} within {deadline_s}s")
-        await asyncio.sleep(0.005)
+    await until(go.exists, deadline_s, what=f"the go for round {round_no}")
 
 
 async def _outcome(call: Any, deadline_s: float) -> tuple[str, str, Any]:
