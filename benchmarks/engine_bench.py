@@ -7,7 +7,12 @@ store in this process, and reports wall time and this process's CPU time per Run
 benchmarks.engine_bench``.
 
     python -m benchmarks.engine_bench [--store memory|sqlite|postgres|URL] [--runs R]
-        [--concurrency C] [--trials N] [--tracing off|memory] [--json]
+        [--concurrency C] [--runs-per-thread K] [--trials N] [--tracing off|memory] [--json]
+
+``--runs-per-thread K`` gives each thread K Runs, one after another (R/K threads, K
+rounds, C Runs at once in each): a conversation's later turns, whose start reads the
+thread at rest. The SQL stores also report what share of their groups was planned
+(``store_planned_share``: written without reading their rows first).
 
 ``--tracing memory`` traces every Run into the SDK's in-memory exporter (a simple
 span processor: each span is exported as it ends), so the figures include what making
@@ -35,7 +40,9 @@ from storage.url import open_store
 WARMUP_RUNS = 10
 
 
-async def one_trial(url: str, runs: int, concurrency: int, traced: str = "off") -> dict[str, float]:
+async def one_trial(
+    url: str, runs: int, concurrency: int, traced: str = "off", per_thread: int = 1
+) -> dict[str, float]:
     spans = _trace_into_memory() if traced == "memory" else None
     w1 = W1()
     agent = load_agent(w1.ref)
@@ -43,6 +50,7 @@ async def one_trial(url: str, runs: int, concurrency: int, traced: str = "off") 
     runner = InProcessRunner(agent, store, agent_ref=w1.ref)
     limit = asyncio.Semaphore(concurrency)
     stamp = f"{time.time_ns():x}"
+    threads = -(-runs // per_thread)
 
     async def one(i: int) -> None:
         async with limit:
@@ -50,13 +58,20 @@ async def one_trial(url: str, runs: int, concurrency: int, traced: str = "off") 
 
     try:
         await asyncio.gather(*(one(-i - 1) for i in range(WARMUP_RUNS)))
+        before = getattr(store, "groups", 0), getattr(store, "planned", 0)
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(one(i) for i in range(runs)))
+        for _ in range(per_thread):  # each round starts the next Run of every thread
+            await asyncio.gather(*(one(i) for i in range(threads)))
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        groups = getattr(store, "groups", 0) - before[0]
+        planned = getattr(store, "planned", 0) - before[1]
     finally:
         await store.close()
         tracing.disable()
-    result = {"runs_per_s": runs / wall, "cpu_ms_per_run": 1000 * cpu / runs}
+    done = threads * per_thread
+    result = {"runs_per_s": done / wall, "cpu_ms_per_run": 1000 * cpu / done}
+    if groups:
+        result["store_planned_share"] = planned / groups
     if spans is not None:
         result["spans_per_run"] = len(spans.get_finished_spans()) / (runs + WARMUP_RUNS)
     return result
@@ -87,6 +102,9 @@ def main(
     store: str = typer.Option("memory", help="memory, sqlite (a fresh file) or a store URL"),
     runs: int = typer.Option(500, min=1),
     concurrency: int = typer.Option(50, min=1),
+    per_thread: int = typer.Option(
+        1, "--runs-per-thread", min=1, help="K: each thread's Runs, one after another"
+    ),
     trials: int = typer.Option(3, min=1),
     traced: str = typer.Option("off", "--tracing", help="off, or memory: spans of every Run"),
     as_json: bool = typer.Option(False, "--json"),
@@ -94,17 +112,22 @@ def main(
     if traced not in ("off", "memory"):
         raise typer.BadParameter("--tracing is off or memory")
     results = [
-        asyncio.run(one_trial(store_url(store), runs, concurrency, traced)) for _ in range(trials)
+        asyncio.run(one_trial(store_url(store), runs, concurrency, traced, per_thread))
+        for _ in range(trials)
     ]
     summary: dict[str, Any] = {
         "store": store if "://" not in store else store.split("://")[0],
         "runs": runs,
         "concurrency": concurrency,
+        "runs_per_thread": per_thread,
         "trials": trials,
         "tracing": traced,
         "runs_per_s": round(statistics.median(r["runs_per_s"] for r in results), 1),
         "cpu_ms_per_run": round(statistics.median(r["cpu_ms_per_run"] for r in results), 2),
     }
+    if "store_planned_share" in results[0]:
+        shares = (r["store_planned_share"] for r in results)
+        summary["store_planned_share"] = round(statistics.median(shares), 3)
     if traced == "memory":
         summary["spans_per_run"] = round(statistics.median(r["spans_per_run"] for r in results), 1)
     print(json.dumps(summary) if as_json else summary)

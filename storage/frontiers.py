@@ -31,6 +31,9 @@ DEFAULT_ENTRIES = 16384
 """Threads held at most: a host's planned groups (``sql_txn.Plan``) need the frontier
 of every Run it drives, so this is about how many Runs one host drives before its
 groups start reading rows first (20,000 Runs on two hosts: 10,000 each)."""
+DEFAULT_RESTING = 1024
+"""Heads of threads at rest (ended or awaiting) held at most, apart from the rest, and
+only as read: the thread is about to be acted on (its next Run's start, a resume)."""
 DEFAULT_CHARS = 64 << 20
 """Text held by the cache at most (the decoded objects take a few times more)."""
 
@@ -63,16 +66,26 @@ class _Entry(NamedTuple):
 class FrontierCache:
     """Frontiers by thread, least recently used evicted; safe to share between threads.
 
-    Ended and awaiting Runs are not kept: an ended one is rarely read again, and an
-    awaiting one holds nothing in memory (ten thousand parked Runs must not fill every
-    host's cache: ``benchmarks.parked``); the next way in reads the row first
-    (``sql_txn.Plan`` meets a row the cache does not know), decoding it once.
+    A thread at rest (its Run ended or awaiting) is not kept as written: an awaiting Run
+    holds nothing in memory (ten thousand parked Runs must not fill every host's cache:
+    ``benchmarks.parked``). It is kept as *read*, apart and at most ``resting`` of them:
+    whoever reads a thread at rest is about to act on it (the start of its next Run, a
+    resume), and that commit's group can then be planned (``sql_txn.plan_group``): a
+    thread the cache does not know is planned as new, so one such Run sent its whole
+    group the read-first way.
     """
 
-    def __init__(self, entries: int = DEFAULT_ENTRIES, chars: int = DEFAULT_CHARS) -> None:
+    def __init__(
+        self,
+        entries: int = DEFAULT_ENTRIES,
+        chars: int = DEFAULT_CHARS,
+        resting: int = DEFAULT_RESTING,
+    ) -> None:
         self.max_entries = entries
         self.max_chars = chars
+        self.max_resting = resting
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._resting: OrderedDict[str, _Entry] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
 
@@ -88,7 +101,7 @@ class FrontierCache:
             return entry.frontier
         check_frontier_text(thread, version, text, checksum)
         frontier = decode_head(thread, text, version)
-        self._put(thread, _Entry(text, frontier, checksum or ""))
+        self._put(thread, _Entry(text, frontier, checksum or ""), read=True)
         return frontier
 
     def known(self, thread: str) -> Frontier | None:
@@ -102,29 +115,42 @@ class FrontierCache:
         head = head_only(frontier)
         text = frontier_text(head)
         checksum = frontier_checksum(text)
-        self._put(thread, _Entry(text, head, checksum))
+        self._put(thread, _Entry(text, head, checksum), read=False)
         return text, checksum
 
     def _get(self, thread: str) -> _Entry | None:
         with self._lock:
-            entry = self._entries.get(thread)
-            if entry is not None:
-                self._entries.move_to_end(thread)
-            return entry
+            for entries in (self._entries, self._resting):
+                entry = entries.get(thread)
+                if entry is not None:
+                    entries.move_to_end(thread)
+                    return entry
+            return None
 
-    def _put(self, thread: str, entry: _Entry) -> None:
+    def _put(self, thread: str, entry: _Entry, *, read: bool) -> None:
         with self._lock:
-            old = self._entries.pop(thread, None)
-            if old is not None:
-                self._chars -= len(old.text)
-            resting = entry.frontier.ended or isinstance(entry.frontier.run_state, AwaitingState)
-            if resting or len(entry.text) > self.max_chars:
+            for entries in (self._entries, self._resting):
+                old = entries.pop(thread, None)
+                if old is not None:
+                    self._chars -= len(old.text)
+            if len(entry.text) > self.max_chars:
                 return
-            self._entries[thread] = entry
+            if not (entry.frontier.ended or isinstance(entry.frontier.run_state, AwaitingState)):
+                entries, most = self._entries, self.max_entries
+            elif read:
+                entries, most = self._resting, self.max_resting
+            else:
+                return
+            entries[thread] = entry
             self._chars += len(entry.text)
-            while len(self._entries) > self.max_entries or self._chars > self.max_chars:
-                _, evicted = self._entries.popitem(last=False)
-                self._chars -= len(evicted.text)
+            while len(entries) > most:
+                self._evict(entries)
+            while self._chars > self.max_chars:  # the resting go first
+                self._evict(self._resting if self._resting else self._entries)
+
+    def _evict(self, entries: OrderedDict[str, _Entry]) -> None:
+        _, evicted = entries.popitem(last=False)
+        self._chars -= len(evicted.text)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._resting)

@@ -87,12 +87,15 @@ def test_text_that_does_not_match_its_checksum_is_corrupt_cached_or_not() -> Non
     assert cache.decode(T, text, frontier.version, checksum) is frontier
 
 
+def _ended(thread: ThreadId) -> Frontier:
+    first = activation(thread, "run-1")
+    return replay(thread, [first, ended(thread, "run-1", 1, prev=first.payload_hash)])
+
+
 def test_ended_runs_are_dropped_and_the_cache_stays_bounded() -> None:
-    first = activation(T, "run-1")
-    done = replay(T, [first, ended(T, "run-1", 1, prev=first.payload_hash)])
     cache = FrontierCache(entries=3)
-    cache.encode(T, done)
-    assert len(cache) == 0
+    cache.encode(T, _ended(T))
+    assert len(cache) == 0 and cache.known(T) is None
     for i in range(5):
         cache.encode(ThreadId(f"t-{i}"), Frontier(thread_id=ThreadId(f"t-{i}")))
     assert len(cache) == 3
@@ -100,3 +103,38 @@ def test_ended_runs_are_dropped_and_the_cache_stays_bounded() -> None:
     for i in range(5):
         by_size.encode(ThreadId(f"t-{i}"), Frontier(thread_id=ThreadId(f"t-{i}")))
     assert 0 < len(by_size) < 5
+
+
+def test_a_thread_at_rest_is_kept_as_read_apart_and_bounded() -> None:
+    """A resting thread read is about to be acted on (its next Run): known, so its next
+    commit can be planned; at most ``resting`` of them, never evicting active threads."""
+    cache = FrontierCache(entries=2, resting=2)
+    active = [ThreadId(f"t-active-{i}") for i in range(2)]
+    for thread in active:
+        cache.encode(thread, Frontier(thread_id=thread))
+    rested = [ThreadId(f"t-rest-{i}") for i in range(3)]
+    for thread in rested:
+        text, checksum = FrontierCache().encode(thread, _ended(thread))  # written elsewhere
+        head = cache.decode(thread, text, 2, checksum)
+        assert head.ended and cache.known(thread) == head
+    assert [cache.known(t) is not None for t in rested] == [False, True, True]
+    assert all(cache.known(t) is not None for t in active)
+    assert len(cache) == 4
+    # its next commit, written here, moves it among the active (evicting the oldest)
+    moved = head_only(Frontier(thread_id=rested[2], version=3))
+    cache.encode(rested[2], moved)
+    assert cache.known(rested[2]) == moved and len(cache) == 3
+    assert cache.known(active[0]) is None
+
+
+def test_text_bounds_evict_resting_threads_first() -> None:
+    thread = ThreadId("t-rest")
+    text, checksum = FrontierCache().encode(thread, _ended(thread))
+    cache = FrontierCache(chars=len(text) + 2 * len(frontier_text(Frontier(thread_id=T))))
+    cache.decode(thread, text, 2, checksum)
+    for i in range(2):
+        cache.encode(ThreadId(f"t-{i}"), Frontier(thread_id=ThreadId(f"t-{i}")))
+    assert cache.known(thread) is not None
+    cache.encode(ThreadId("t-2"), Frontier(thread_id=ThreadId("t-2")))
+    assert cache.known(thread) is None
+    assert all(cache.known(ThreadId(f"t-{i}")) is not None for i in range(3))

@@ -210,6 +210,48 @@ async def test_groups_are_planned_without_reading_their_rows(
         assert frontier.version == 2 and frontier.messages[-1].text == "thinking"
 
 
+async def test_the_next_run_of_a_thread_read_at_rest_is_planned(
+    two_stores: tuple[SqlCommitStore, SqlCommitStore],
+) -> None:
+    """A thread at rest is not kept as written, but as read (the next Run's start reads
+    it): that Run's activation is planned, not sent the read-first way with its whole
+    group. A thread another process moved since the read fails the plan, never the
+    answer: the read-first way decides."""
+    store, theirs = two_stores
+    threads = [ThreadId(f"rest-{i:02d}") for i in range(10)]
+    starts = await asyncio.gather(*(store.append(activation(t, "r1"), 0, 0) for t in threads))
+    ends = await asyncio.gather(
+        *(
+            store.append(ended(t, "r1", 1, prev=r.payload_hash), 1, 0)
+            for t, r in zip(threads, starts, strict=True)
+        )
+    )
+    for t in threads:
+        assert (await store.load(t)).ended
+    planned, groups = store.planned, store.groups
+    await asyncio.gather(
+        *(
+            store.append(activation(t, "r2", prev=r.payload_hash), 2, 0)
+            for t, r in zip(threads, ends, strict=True)
+        )
+    )
+    assert store.planned - planned == store.groups - groups > 0
+    for t in threads:
+        frontier = await theirs.load(t)
+        assert (frontier.version, frontier.run_id) == (3, "r2")
+    # read at rest here, then moved on by another process: the plan must not hold
+    moved = ThreadId("rest-moved")
+    first = await store.append(activation(moved, "r1"), 0, 0)
+    done = await store.append(ended(moved, "r1", 1, prev=first.payload_hash), 1, 0)
+    assert (await store.load(moved)).ended
+    await theirs.append(activation(moved, "r2", prev=done.payload_hash), 2, 0)
+    planned = store.planned
+    with pytest.raises(VersionConflict):
+        await store.append(activation(moved, "r3", prev=done.payload_hash), 2, 0)
+    assert store.planned == planned
+    assert (await theirs.load(moved)).run_id == "r2"
+
+
 async def test_a_row_another_process_changed_makes_the_plan_fall_back(
     two_stores: tuple[SqlCommitStore, SqlCommitStore],
 ) -> None:

@@ -1,0 +1,16 @@
+"""The in-process engine benchmark, tiny: several Runs per thread, each round planned."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from benchmarks.engine_bench import one_trial
+
+
+def test_later_runs_of_each_thread_are_counted_and_their_groups_planned(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/ratchet.db"
+    result = asyncio.run(one_trial(url, runs=6, concurrency=3, per_thread=3))
+    assert result["runs_per_s"] > 0 and result["cpu_ms_per_run"] > 0
+    # the second and third Run of each thread read it at rest first: planned all the same
+    assert result["store_planned_share"] == 1.0
