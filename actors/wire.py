@@ -19,7 +19,7 @@ from runtime.commit import Frontier
 from runtime.errors import RatchetError
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
-from runtime.ports import LiveBus, StreamCheckpointStore
+from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore
 
 NAMESPACE = "ratchet"
 Placement = Literal["hosted", "dedicated"]
@@ -122,10 +122,35 @@ def run_meta(frontier: Frontier) -> RunMeta | None:
     """The current Run's metadata, read from its committed input message."""
     if frontier.run_start >= len(frontier.messages):
         return None
-    first = frontier.messages[frontier.run_start]
-    if not isinstance(first, UserMessage) or first.id.count("|") < 2:
+    return _meta_of(frontier.messages[frontier.run_start])
+
+
+async def stored_run_meta(store: CommitStore, head: Frontier) -> RunMeta | None:
+    """``run_meta`` of the Run ``head`` (a frontier without its messages) names, reading
+    only that Run's records, not the whole log (a listing asks it of every thread).
+
+    A Run's commits are the last ``next_ordinal`` of its thread's log: each takes the
+    next ordinal, and a new Run starts at 0. The read is verified against the stored
+    head, and a thread that moved on since ``head`` still has that Run's first record
+    at the same place. A Run whose first record was pruned (its input is in the pruned
+    history) is read whole.
+    """
+    if head.run_id is None or head.next_ordinal < 1:
         return None
-    _, placement, ref = first.id.split("|", 2)
+    start = head.version - head.next_ordinal + 1
+    records = await store.read(head.thread_id, start - 1) if start >= 1 else []
+    if not records or records[0].seq != start:
+        return run_meta(await store.load(head.thread_id))
+    first = records[0].commit
+    if first.run_id != head.run_id or first.ordinal != 0 or not first.messages:
+        return None
+    return _meta_of(first.messages[0])
+
+
+def _meta_of(message: object) -> RunMeta | None:
+    if not isinstance(message, UserMessage) or message.id.count("|") < 2:
+        return None
+    _, placement, ref = message.id.split("|", 2)
     return RunMeta(agent_ref=ref, placement="dedicated" if placement == "dedicated" else "hosted")
 
 

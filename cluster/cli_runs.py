@@ -18,7 +18,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, cast, get_args
 
-from actors.wire import run_meta
+from actors.wire import RunMeta, run_meta, stored_run_meta
 from cluster.cli_args import BadInput
 from runtime.commit import Frontier
 from runtime.ids import ThreadId
@@ -125,12 +125,13 @@ class RunRow:
         }
 
 
-def run_row(frontier: Frontier) -> RunRow | None:
-    """The thread's row, or None for a thread with no Run."""
+def run_row(frontier: Frontier, meta: RunMeta | None = None) -> RunRow | None:
+    """The thread's row, or None for a thread with no Run; ``meta`` if the frontier is
+    a head (no messages to find it in)."""
     summary = summarize(frontier)
     if summary is None:
         return None
-    meta = run_meta(frontier)
+    meta = meta or run_meta(frontier)
     usage = frontier.state["run"].get(USAGE_KEY)
     return RunRow(
         summary=summary,
@@ -148,7 +149,9 @@ async def run_page(db: Any, query: RunQuery) -> tuple[list[RunRow], str | None]:
     threads = sorted(s.thread_id for s in listed if after is None or s.thread_id > after)
     rows: list[RunRow] = []
     for thread in threads:
-        row = run_row(await db.load(thread))
+        # the head and the Run's own records, not the thread's whole log
+        head = await db.load_head(thread)
+        row = run_row(head, await stored_run_meta(db, head))
         if row is not None and query.admits(row):
             rows.append(row)
             if len(rows) > query.limit:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 
-from actors.wire import run_meta
+from actors.wire import stored_run_meta
 from cluster.cli_args import awaiting_ticket
 from cluster.client import Ratchet, RunHandle, command_for
 from edge.models import (
@@ -116,7 +116,8 @@ async def list_runs(
     cursor: Annotated[str | None, Query(max_length=LIMITS.id_chars)] = None,
 ) -> RunsPage:
     """Pages in thread id order; ``cursor`` is the previous page's ``next_cursor``.
-    ``agent`` reads each candidate's frontier (the store's listing does not name it)."""
+    ``agent`` reads each candidate's head and its latest Run's records (the store's
+    listing does not name the agent), not its whole log."""
     rows = sorted(await client.runs(state), key=lambda r: r.thread_id)
     page: list[RunSummary] = []
     for row in rows:
@@ -133,7 +134,8 @@ async def list_runs(
 
 
 async def _agent_of(client: Ratchet, thread: ThreadId) -> str | None:
-    meta = run_meta(await client.store.load(thread))
+    store = client.store
+    meta = await stored_run_meta(store, await store.load_head(thread))
     return meta.agent_ref if meta is not None else None
 
 
