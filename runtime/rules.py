@@ -64,9 +64,14 @@ def admit(
     epoch: int,
     known: Receipt | None,
     claim: str | None = None,
+    deferred: list[tuple[Frontier, ThreadCommit]] | None = None,
 ) -> Receipt | Frontier:
     """The admission rule: the original receipt of a harmless retry, else the frontier
     the admitted commit folds to (claimed first by ``claim``, at epoch + 1, when given).
+
+    ``deferred``: the admission is provisional (a planned group, which knows no stored
+    receipts: the database's keys decide), so the trace checks are left to
+    ``trace_checks`` once it is written, instead of run here.
 
     ``known`` is the receipt already stored under the commit's operation id, if any.
     Raises Fenced, DuplicateOperation, RunEnded, VersionConflict, InvalidTransition
@@ -97,9 +102,18 @@ def admit(
     if claim is not None:
         frontier = with_claim(frontier, claim)
     folded = advance(frontier, commit)  # refuses (InvalidTransition, StateConflict) first
-    for check in _trace_checks():
-        check(frontier, commit)
+    if deferred is not None:
+        deferred.append((frontier, commit))
+    else:
+        trace_checks([(frontier, commit)])
     return folded
+
+
+def trace_checks(admitted: list[tuple[Frontier, ThreadCommit]]) -> None:
+    """Run the installed trace checks on admitted commits, each with its frontier."""
+    for check in _trace_checks():
+        for frontier, commit in admitted:
+            check(frontier, commit)
 
 
 def receipt_of(commit: ThreadCommit, seq: int) -> Receipt:

@@ -115,11 +115,14 @@ class Group:
         known: Known,
         cache: FrontierCache,
         frontiers: dict[str, Frontier] | None = None,
+        deferred: list[tuple[Frontier, ThreadCommit]] | None = None,
     ) -> None:
         self.rows = rows
         self.known = known
         self.cache = cache
         self.frontiers: dict[str, Frontier] = frontiers or {}
+        self.deferred = deferred
+        """Provisional admissions' (frontier, commit), for the trace checks (``admit``)."""
         self.touched: set[str] = set()
         self.new_commits: list[dict[str, Any]] = []
 
@@ -145,7 +148,13 @@ class Group:
         thread, operation = commit.thread_id, commit.operation_id
         known = self.known.get((thread, operation))
         outcome = admit(
-            self.frontier(thread), commit, request.expected, request.epoch, known, request.claim
+            self.frontier(thread),
+            commit,
+            request.expected,
+            request.epoch,
+            known,
+            request.claim,
+            self.deferred,
         )
         if isinstance(outcome, Receipt):
             return outcome
@@ -209,6 +218,9 @@ class Plan:
     """New rows of known threads, each with the version, epoch and owner of the row it
     replaces (``b_version``, ``b_epoch``, ``b_owner``)."""
     new_commits: list[dict[str, Any]]
+    admitted: list[tuple[Frontier, ThreadCommit]]
+    """Each admitted commit with its frontier: trace-checked once the plan held (a
+    plan knows no stored receipts, so a commit it admits may still be refused)."""
     held: bool = False
     """Whether the plan's own transaction committed (else ``transact`` ran the group)."""
 
@@ -222,7 +234,8 @@ def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
     (a request refused: a retried append's receipt, a fenced writer, …)."""
     base: dict[str, Frontier | None] = {r.thread: cache.known(r.thread) for r in group}
     frontiers = {t: Frontier(thread_id=ThreadId(t)) if f is None else f for t, f in base.items()}
-    pure = Group({}, {}, cache, frontiers)
+    admitted: list[tuple[Frontier, ThreadCommit]] = []
+    pure = Group({}, {}, cache, frontiers, admitted)
     outcomes = [pure.admit(request) for request in group]
     if any(isinstance(o, RatchetError) for o in outcomes):
         return None
@@ -235,7 +248,7 @@ def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
             updates.append(
                 {**row, "b_version": old.version, "b_epoch": old.epoch, "b_owner": old.owner}
             )
-    return Plan(outcomes, fresh, updates, pure.new_commits)
+    return Plan(outcomes, fresh, updates, pure.new_commits, admitted)
 
 
 def planned_txn(conn: Connection, plan: Plan) -> list[Outcome]:

@@ -6,6 +6,7 @@ import asyncio
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, text
@@ -401,3 +402,35 @@ def test_only_a_plan_that_did_not_hold_leaves_the_group_to_the_read_first_path()
     ]
     assert all(pg_plan_refused(e) for e in refused)
     assert not any(pg_plan_refused(e) for e in failed)
+
+
+async def test_a_planned_commit_is_trace_checked_once_written_and_only_then(
+    sql_store: SqlCommitStore,
+) -> None:
+    """A plan knows no stored receipts, so its admission is provisional: a reused run id
+    on a thread read at rest is admitted by the plan and refused by the database's key
+    (DuplicateOperation, read first). Only commits that were written are checked."""
+    from runtime import rules
+
+    seen: list[tuple[str, int]] = []
+
+    def recorder(frontier: Any, commit: Any) -> None:
+        seen.append((commit.run_id, frontier.version))
+
+    rules.TRACE_CHECKS.append(recorder)
+    try:
+        t = ThreadId("reused")
+        prev = ""
+        for version, run in ((0, "r1"), (2, "r2")):
+            start = await sql_store.append(activation(t, run, prev=prev), version, 0)
+            end = await sql_store.append(ended(t, run, 1, prev=start.payload_hash), version + 1, 0)
+            prev = end.payload_hash
+        assert (await sql_store.load(t)).ended  # read at rest: the plan knows the thread
+        planned = sql_store.planned
+        with pytest.raises(DuplicateOperation):
+            await sql_store.append(activation(t, "r1", prev=prev), 4, 0)
+        assert sql_store.planned == planned
+        assert ("r1", 4) not in seen  # the refused activation is no part of the trace
+        assert [v for _, v in seen] == [0, 1, 2, 3]  # every written commit was checked
+    finally:
+        rules.TRACE_CHECKS.remove(recorder)
