@@ -269,9 +269,16 @@ class Drives:
 
     def fenced(self, drive: Drive, frontier: Frontier) -> bool:
         """Whether the stored ``frontier`` has moved past the epoch ``drive`` holds: another
-        claim since (another owner's, or an end at rest). A drive holding none is not."""
+        claim since (another owner's, or an end at rest). A drive holding none is not.
+
+        Only a later epoch fences. A frontier from before the drive's own claim (a load
+        that was in flight while the claim landed) is older, not another claim: taking
+        it for one stopped a resume's drive after its commit and before its tool ran,
+        so the thread's reconciliation recovered the approved call as indeterminate."""
         held = drive.epoch
-        return held is not None and (frontier.epoch != held or frontier.owner != self.owner)
+        if held is None or frontier.epoch < held:
+            return False
+        return frontier.epoch > held or frontier.owner != self.owner
 
     async def stop(self, thread: ThreadId, drive: Drive, *, idle: bool = True) -> None:
         """Cancel a fenced drive here (its waves are cancelled on the executors). A drive

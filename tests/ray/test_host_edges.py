@@ -13,18 +13,23 @@ import json
 import pytest
 from sqlalchemy import select, update
 
+from actors.drives import Drive, Drives, Holding
 from actors.store_actor import RemoteCommitStore, store_actor
-from actors.wire import host_index, unwrap
+from actors.wire import SystemSpec, host_index, unwrap
 from cluster.client import Ratchet, command_for
 from runtime.agent import Agent
 from runtime.delegation import child_ids
+from runtime.engine import Engine
 from runtime.errors import StoreUnavailable
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import AwaitingState, PermissionDecision
 from runtime.models import ModelResponse, ScriptedModel
 from runtime.runner import InProcessRunner
+from runtime.tools import LocalToolRunner
+from storage.memory import MemoryCommitStore
 from storage.schema import commits
 
+from .agents import permission_agent
 from .checks import check_log
 from .conftest import wait_for
 
@@ -181,3 +186,30 @@ async def test_a_run_paused_by_a_rate_limit_is_resumed_when_its_time_comes(make_
     assert all(
         r is not None and r.since >= p.resume_at_us for p, r in zip(pauses, resumes, strict=True)
     )
+
+
+async def test_a_frontier_read_before_a_drives_own_claim_does_not_fence_it():
+    """A resume through a host loads the thread, then asks whether a drive of it here is
+    stale. A load in flight while another resume's drive claimed the thread answers
+    with the epoch before that claim: older, not another owner's claim. Taken for a
+    fence, it stopped the drive after its resume landed and before its tool ran (CI
+    found it in test_racing_resumes_of_one_ticket_apply_it_once)."""
+    store, owner = MemoryCommitStore(), "edge-host#1"
+    thread = ThreadId("edge-stale-read")
+    tools = LocalToolRunner(permission_agent.tools)
+    parked = await Engine(permission_agent, store, tools, owner=owner).start(thread, "go")
+    before = await store.load(thread)  # read before the resume's claim
+    holding = Holding(store)
+    engine = Engine(permission_agent, holding, tools, owner=owner)
+    command = command_for(parked.run_state.ticket, PermissionDecision(approve=True))
+    task = asyncio.ensure_future(engine.resume(command))
+    await task
+    drive = Drive(engine, task, parked.run_id, holding)
+    drives = Drives(
+        SystemSpec(name="edge", store_url="memory://"), store, owner, *[None] * 4, lambda: None
+    )
+    assert drive.epoch == before.epoch + 1
+    assert not drives.fenced(drive, before)  # older than the drive's claim
+    assert not drives.fenced(drive, await store.load(thread))  # the drive's own
+    await store.claim(thread, "another-host#1", drive.epoch)
+    assert drives.fenced(drive, await store.load(thread))  # a later claim

@@ -210,7 +210,8 @@ async def test_racing_resumes_of_one_ticket_apply_it_once(make_system, tmp_path,
         done = await handle.result(timeout_s=DEADLINE_S)
         assert isinstance(done.run_state, EndedState) and done.run_state.cause.kind == "natural"
         effects = ledger.rows(f"tool-batch:{handle.run_id}:")
-        assert len(effects) == 1, (thread, effects)  # the tool ran exactly once
+        results = [m for m in done.messages if isinstance(m, ToolResultMessage)]
+        assert len(effects) == 1, (thread, effects, results)  # the tool ran exactly once
         facts = [f.type for f in await handle.events()]
         assert facts.count("resumed") == 1, (thread, facts)
         assert await runs_of(client.store, thread) == {handle.run_id: 1}
