@@ -20,6 +20,7 @@ lost, by an owner that is gone, and whoever finds it so marks it again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 from runtime.commit import Frontier, ThreadCommit, assemble_commit
@@ -61,6 +62,7 @@ async def mark_lost(
     dead_letter_after: int = DEAD_LETTER_AFTER,
     publisher: Publisher | None = None,
     children: ChildRunner | None = None,
+    unless: Callable[[], bool] | None = None,
 ) -> Marked | None:
     """Commit ``failed/<reason>`` for a Run whose execution under ``lost_owner`` is gone,
     claiming it for ``owner`` in the same step; or end it ``failed(recovery)`` when this
@@ -72,12 +74,17 @@ async def mark_lost(
 
     Each decision is one append at the version it was made from; if the thread moved
     meanwhile (say the lost owner, still alive, made progress, which resets the count)
-    the decision is made again from where the thread is now.
+    the decision is made again from where the thread is now. ``unless`` is asked after
+    each load: a host marking its own Run passes "a drive of it started here", which a
+    request may spawn at any time. A drive spawned before the load is seen; one spawned
+    after it claims at the version this mark is made at, so one compare-and-set wins.
     """
     for _ in range(RACES):
         frontier = await store.load(thread)
         state = frontier.run_state
         if frontier.owner != lost_owner or not isinstance(state, RunningState):
+            return None
+        if unless is not None and unless():
             return None
         if frontier.status.state != "running" and not again:
             return None  # marked already; whoever marked it recovers it

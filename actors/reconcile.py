@@ -86,6 +86,7 @@ class Reconciler:
                     again=marked_already,
                     publisher=drives.publisher,
                     children=drives.children,
+                    unless=lambda: thread in drives,  # a request spawned a drive since
                 )
                 if marked != "lost":
                     return  # another owner has it, or it was dead-lettered: nothing to do
@@ -112,4 +113,5 @@ class Reconciler:
                 again=True,
                 publisher=self.drives.publisher,
                 children=self.drives.children,
+                unless=lambda: thread in self.drives,
             )

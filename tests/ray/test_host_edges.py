@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import select, update
 
 from actors.drives import Drive, Drives, Holding
+from actors.reconcile import Reconciler
 from actors.store_actor import RemoteCommitStore, store_actor
 from actors.wire import SystemSpec, host_index, unwrap
 from cluster.client import Ratchet, command_for
@@ -21,6 +22,7 @@ from runtime.agent import Agent
 from runtime.delegation import child_ids
 from runtime.engine import Engine
 from runtime.errors import StoreUnavailable
+from runtime.faults import Crash, FaultPlan
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import AwaitingState, PermissionDecision
 from runtime.models import ModelResponse, ScriptedModel
@@ -205,11 +207,71 @@ async def test_a_frontier_read_before_a_drives_own_claim_does_not_fence_it():
     task = asyncio.ensure_future(engine.resume(command))
     await task
     drive = Drive(engine, task, parked.run_id, holding)
-    drives = Drives(
-        SystemSpec(name="edge", store_url="memory://"), store, owner, *[None] * 4, lambda: None
-    )
+    drives = _drives(store, owner)
     assert drive.epoch == before.epoch + 1
     assert not drives.fenced(drive, before)  # older than the drive's claim
     assert not drives.fenced(drive, await store.load(thread))  # the drive's own
     await store.claim(thread, "another-host#1", drive.epoch)
     assert drives.fenced(drive, await store.load(thread))  # a later claim
+
+
+def _drives(store: MemoryCommitStore, owner: str) -> Drives:
+    """A host's drive table alone (no executors, children or bus: nothing here uses them)."""
+    return Drives(
+        SystemSpec(name="edge", store_url="memory://"), store, owner, *[None] * 4, lambda: None
+    )
+
+
+class _DriveSpawnedAtLoad:
+    """A store whose first ``load`` of the thread lets a request in first: a drive of
+    it is spawned here and claims the thread (a recovery's claim), as a resume or a
+    recover arriving between the reconciler's look at the drive table and its mark."""
+
+    def __init__(self, inner: MemoryCommitStore, drives: Drives, owner: str) -> None:
+        self.inner, self.drives, self.owner = inner, drives, owner
+        self.spawned = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: ThreadId) -> object:
+        if not self.spawned:
+            self.spawned = True
+            holding = Holding(self.inner)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            self.drives.table[thread] = Drive(None, done, None, holding)  # type: ignore[arg-type]
+            await holding.claim(thread, self.owner, (await self.inner.load(thread)).epoch)
+        return await self.inner.load(thread)
+
+
+async def test_a_drive_spawned_while_the_host_reconciles_is_not_marked_lost_under_it():
+    """The reconciler saw a Run of this host's running with no drive here (its drive
+    ended just after the owner index was read), then a request spawned a drive that
+    claimed it. Marking it lost now would claim it over that live drive."""
+    store, owner = MemoryCommitStore(), "edge-host#2"
+    thread = ThreadId("edge-spawned")
+    tools = LocalToolRunner(permission_agent.tools)
+    with pytest.raises(Crash):  # running, owned here, driven by nobody
+        await Engine(
+            permission_agent,
+            store,
+            tools,
+            owner=owner,
+            faults=FaultPlan(crash_at=("before:inference", 1)),
+        ).start(thread, "go")
+    (summary,) = await store.list_runs("running")
+    drives = _drives(store, owner)
+    raced = _DriveSpawnedAtLoad(store, drives, owner)
+    recovered: list[ThreadId] = []
+
+    async def recover(t: ThreadId) -> bool:
+        recovered.append(t)
+        return True
+
+    reconciler = Reconciler("edge-host", owner, raced, drives, recover)  # type: ignore[arg-type]
+    await reconciler._take_back(summary)
+    assert raced.spawned  # the race happened
+    frontier = await store.load(thread)
+    assert frontier.status.state == "running"  # not marked lost over the new drive
+    assert frontier.epoch == drives.get(thread).epoch and recovered == []
