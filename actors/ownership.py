@@ -77,7 +77,7 @@ async def mark_lost(
     the decision is made again from where the thread is now. ``unless`` is asked after
     each load: a host marking its own Run passes "a drive of it started here", which a
     request may spawn at any time. A drive spawned before the load is seen; one spawned
-    after it claims at the version this mark is made at, so one compare-and-set wins.
+    after it claims from the epoch this mark claims from, so one compare-and-set wins.
     """
     for _ in range(RACES):
         frontier = await store.load(thread)
