@@ -100,7 +100,7 @@ class RunHost:
         """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
         self.spec, self.host_id, self.kind = spec, host_id, kind
         self.owner = owner_id(host_id)
-        self.store = await open_system_store(spec)
+        self.store = await open_system_store(spec, who=f"RunHost {host_id}")
         self.waves = WaveDispatcher(ExecutorPools(spec))
         self.children = RayChildRunner(spec)
         bus = live_bus(spec)

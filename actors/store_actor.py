@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import ray
@@ -38,6 +40,7 @@ from actors.heap import freeze_startup_heap
 from actors.spare import replace_spare_if_restarted, restarted
 from actors.wire import NAMESPACE, RemoteError, SystemSpec, unwrap
 from runtime.commit import Frontier, Receipt, ThreadCommit
+from runtime.context import DEFAULT_RETRY, StoreRetry
 from runtime.errors import CorruptRecord, RatchetError, StoreLost, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.ports import CommitStore, CommittedRecord, RunSummary
@@ -56,7 +59,7 @@ class StoreActor:
     """Owns the system's store; every method returns a value or a RemoteError."""
 
     async def __init__(self, url: str, warm_spares: bool = True) -> None:
-        self.store = await open_local_store(url)
+        self.store = await outlasting_outages(lambda: open_local_store(url), "the store actor")
         self.lost = url.startswith("memory") and restarted()
         """An in-memory store that Ray restarted: its contents are gone (see above)."""
         replace_spare_if_restarted(warm_spares)
@@ -240,8 +243,41 @@ class RemoteCommitStore:
         """The actor owns the store; a proxy has nothing to close."""
 
 
-async def open_system_store(spec: SystemSpec) -> CommitStore:
-    """The store a process of the system should use (proxy, or its own connection)."""
+async def open_system_store(spec: SystemSpec, *, who: str | None = None) -> CommitStore:
+    """The store a process of the system should use (proxy, or its own connection).
+
+    ``who``: an actor of the system opening it as it starts, which waits out an outage
+    (``outlasting_outages``); a client (``who`` None) hears StoreUnavailable at once."""
     if spec.funnels_writes:
         return RemoteCommitStore(store_actor(spec))
-    return await open_local_store(spec.store_url)
+    if who is None:
+        return await open_local_store(spec.store_url)
+    return await outlasting_outages(lambda: open_local_store(spec.store_url), who)
+
+
+OUTAGE_LOG_S = 30.0
+"""How often an actor waiting for its store says so again."""
+
+
+async def outlasting_outages(
+    open_store: Callable[[], Awaitable[CommitStore]], who: str, retry: StoreRetry = DEFAULT_RETRY
+) -> CommitStore:
+    """Open a store, waiting with backoff for as long as it is unavailable.
+
+    An actor opens its store in its constructor, and Ray never restarts an actor whose
+    constructor raised, whatever its ``max_restarts``: a host started, or restarted
+    after a crash, while the store was out would be gone for good, and with it every
+    Run of the threads its index serves (DESIGN §10: an outage pauses, it fails
+    nothing). So the constructor waits; calls to the actor queue meanwhile and are
+    served once the store answers. Only StoreUnavailable is waited out: a store that
+    refuses (credentials, a schema from a newer release) fails the actor at once."""
+    delay, said = retry.first_delay_s, -OUTAGE_LOG_S
+    while True:
+        try:
+            return await open_store()
+        except StoreUnavailable as exc:
+            if time.monotonic() - said >= OUTAGE_LOG_S:
+                log.warning("%s waits for its store, which is unavailable: %s", who, exc)
+                said = time.monotonic()
+            await asyncio.sleep(delay)  # the backoff of a retry, as the engine's
+            delay = min(2 * delay, retry.max_delay_s)

@@ -70,7 +70,7 @@ class Supervisor:
         replace_spare_if_restarted(spec.warm_spares)
         self.spec = spec
         self.owner = spec.supervisor_name
-        self.store = await open_system_store(spec)
+        self.store = await open_system_store(spec, who="the Supervisor")
         # what a dead letter needs: its children are cancelled, its end is published
         self.children = RayChildRunner(spec)
         bus = live_bus(spec)
