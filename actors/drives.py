@@ -29,7 +29,7 @@ from runtime import tracing_env
 from runtime.agent import Agent, load_agent
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.delegation import ChildRunner, ParentLink
-from runtime.engine import Engine
+from runtime.engine import RACES, Engine
 from runtime.errors import (
     CorruptRecord,
     Fenced,
@@ -82,6 +82,8 @@ class Holding:
     def __init__(self, store: CommitStore) -> None:
         self.store = store
         self.epoch: int | None = None
+        self.claimed = asyncio.Event()
+        """Set once ``epoch`` is."""
 
     def __getattr__(self, name: str) -> Any:  # e.g. payload_limit, read by the Engine
         return getattr(self.store, name)
@@ -91,11 +93,13 @@ class Holding:
     ) -> Receipt:
         receipt = await self.store.append(commit, expected_version, epoch, claim=claim)
         self.epoch = epoch + 1 if claim is not None else epoch
+        self.claimed.set()
         return receipt
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         claimed = await self.store.claim(thread, owner, supersedes)
         self.epoch = claimed.epoch
+        self.claimed.set()
         return claimed
 
     async def load(self, thread: ThreadId) -> Frontier:
@@ -266,6 +270,29 @@ class Drives:
                 )
             drive.task.result()  # re-raise what ended the drive before its first commit
         return True
+
+    async def claimed(self, thread: ThreadId) -> Drive | None:
+        """This host's drive of ``thread`` once it holds the thread (its claim landed), or
+        None once there is none. A drive that has claimed nothing yet may never claim —
+        a repeated start of a Run that exists, a resume or a recovery that finds it at
+        rest — and must not pass for the Run's driver: told to cancel, it would drop the
+        signal and the Run would stay as it was. Its claim is one store call after its
+        load, so this waits briefly (at most ``STOP_S`` per drive: then it is taken as
+        it is)."""
+        for _ in range(RACES):
+            drive = self.table.get(thread)
+            if drive is None or drive.epoch is not None:
+                return drive
+            claim = asyncio.ensure_future(drive.holding.claimed.wait())
+            try:
+                await asyncio.wait(
+                    {drive.task, claim}, timeout=STOP_S, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                claim.cancel()
+            if self.table.get(thread) is drive and drive.epoch is None:
+                return drive  # slow to claim (the store out): it can be told meanwhile
+        return self.table.get(thread)
 
     def fenced(self, drive: Drive, frontier: Frontier) -> bool:
         """Whether the stored ``frontier`` has moved past the epoch ``drive`` holds: another

@@ -28,11 +28,12 @@ from typing import Any
 
 import ray
 
+from actors.child_host import ChildHosting
 from actors.children import RayChildRunner
-from actors.deliveries import deliver, failed_delegation
-from actors.drives import Drive, Drives, FaultSpec, drove, rested, starting
+from actors.drives import Drive, Drives, FaultSpec, rested, starting
 from actors.heap import freeze_startup_heap
 from actors.reconcile import Reconciler
+from actors.retiring import Admission, admitted
 from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools
@@ -40,31 +41,27 @@ from actors.waves import WaveDispatcher
 from actors.wire import (
     NAMESPACE,
     Placement,
-    RemoteError,
     RunMeta,
     SystemSpec,
+    at_rest,
     checkpoint_store,
     live_bus,
     owner_id,
+    remote_error,
     run_meta,
 )
 from runtime import tracing_env
 from runtime.commit import Frontier
 from runtime.control import control_engine
 from runtime.delegation import (
-    CHILD_OUTCOME,
-    ChildRequest,
-    ParentLink,
-    outcome_of,
     parent_link,
 )
 from runtime.engine import Engine
 from runtime.errors import (
     AgentImportError,
+    InputRefused,
     InvalidTransition,
-    RatchetError,
     ResumeRejected,
-    StoreUnavailable,
 )
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
@@ -76,6 +73,7 @@ from runtime.lifecycle import (
     Stopped,
     validate_resume,
 )
+from runtime.limits import check_reason
 from runtime.publish import Publisher
 from runtime.resume import check_command
 from runtime.timeutil import now_us
@@ -83,18 +81,9 @@ from runtime.timeutil import now_us
 log = logging.getLogger("ratchet.run_host")
 FINISHING_S = 5.0
 """How long a start waits for this host's drive of the thread's previous Run to wind up."""
-UNTRUSTED = "child {} cannot be trusted: its records did not verify on this host"
 
 
-def _remote(exc: Exception) -> RemoteError:
-    """A failure as the caller receives it: our own error by type, anything else (a bug
-    of ours) as a RatchetError that says what it was — never an untyped Ray error."""
-    if isinstance(exc, RatchetError):
-        return RemoteError.of(exc)
-    return RemoteError.of(RatchetError(f"internal error in the host: {exc!r}"[:2000]))
-
-
-class RunHost:
+class RunHost(ChildHosting):
     async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
         self.startup = {"init": time.time()}
         """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
@@ -116,6 +105,7 @@ class RunHost:
             self._retire_if_idle,
         )
         self.recovered = 0
+        self.admission = Admission()
         self.reconciler = Reconciler(host_id, self.owner, self.store, self.drives, self._recover)
         # requests wait for the first reconciliation: a retried start must not race the
         # recording of the crash (failed/execution_lost) for the Runs this host owned
@@ -129,6 +119,7 @@ class RunHost:
 
     # ---- the actor's interface ------------------------------------------------------
 
+    @admitted
     async def start_run(
         self,
         agent_ref: str,
@@ -152,7 +143,7 @@ class RunHost:
         try:
             drive = self.drives.get(thread)
             if drive is not None and drive.run_id != run_id:
-                drive = await self._finishing(thread, drive)
+                drive = await self._finishing(thread, drive, run_id)
             if drive is None:
                 go = starting(thread, text, run_id, meta.message_id(run_id), new_thread, trace)
                 drive = self.drives.spawn(agent_ref, thread, run_id, go, faults=faults)
@@ -162,27 +153,39 @@ class RunHost:
                 return rested(drive.task) or started
             return started
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            return _remote(exc)
+            return remote_error(exc)
 
-    async def _finishing(self, thread: ThreadId, drive: Drive) -> Drive | None:
+    async def _finishing(self, thread: ThreadId, drive: Drive, run_id: RunId) -> Drive | None:
         """This host drives another Run of ``thread``: if that Run has ended (its drive is
-        winding up), wait for the drive to go; if it is active, the start is refused."""
+        winding up), wait for the drive to go; if it is active, the start is refused. A
+        start of ``run_id`` that got in meanwhile is joined."""
         frontier = await self.store.load(thread)
-        if frontier.run_id == drive.run_id and not _at_rest(frontier):
+        if frontier.run_id == drive.run_id and not at_rest(frontier):
             raise InvalidTransition(f"thread {thread} already has an active run {drive.run_id}")
         await asyncio.wait({drive.task}, timeout=FINISHING_S)
-        if thread in self.drives:
+        now = self.drives.get(thread)
+        if now is not None and now.run_id != run_id:
             raise InvalidTransition(f"thread {thread} is still being driven here")
-        return None
+        return now
 
-    async def recover_run(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
-        """Take the thread over (claiming the epoch it is at) and continue it."""
+    @admitted
+    async def recover_run(
+        self, thread: ThreadId, agent_ref: str | None = None, epoch: int | None = None
+    ) -> Any:
+        """Take the thread over (claiming the epoch it is at) and continue it. ``epoch``:
+        the owner epoch the caller decided from; if the thread was claimed past it since
+        (the call was late, and another host has the Run now), nothing is done."""
         await self._after_reclaim()
-        return await self._recover(thread, agent_ref)
+        return await self._recover(thread, agent_ref, epoch)
 
-    async def _recover(self, thread: ThreadId, agent_ref: str | None = None) -> Any:
+    async def _recover(
+        self, thread: ThreadId, agent_ref: str | None = None, epoch: int | None = None
+    ) -> Any:
         try:
+            await self.drives.claimed(thread)  # a drive here that claims nothing is no driver
             frontier = await self.store.load(thread)
+            if epoch is not None and frontier.epoch != epoch:
+                return True  # another took it over meanwhile: not to be taken from it
             stale = self.drives.get(thread)
             if stale is not None:
                 if not self.drives.fenced(stale, frontier):
@@ -191,9 +194,9 @@ class RunHost:
                 # for lost while it was only slow): the drive is fenced and would only find
                 # out at its next commit, which a long tool call can put off indefinitely.
                 await self.drives.stop(thread, stale, idle=False)
+                frontier = await self.store.load(thread)
                 if thread in self.drives:  # a concurrent recovery got here first
                     return True
-                frontier = await self.store.load(thread)
             ref = agent_ref or _ref_of(frontier)
             link = parent_link(frontier)
             self.drives.spawn(  # the frontier verified just now: not read again
@@ -204,14 +207,16 @@ class RunHost:
             return True
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             self._retire_if_idle()  # a dedicated host whose stale drive was dropped
-            return _remote(exc)
+            return remote_error(exc)
 
+    @admitted
     async def resume_run(self, command: ResumeCommand, trace: dict[str, str] | None = None) -> Any:
         """Apply a ResumeCommand; a rejected one raises ResumeRejected at the caller. Of two
         resumes of one ticket (through this host or any other) exactly one is applied."""
         await self._after_reclaim()
         try:
             check_command(command, self.spec.limits)
+            await self.drives.claimed(command.thread_id)  # one that claims nothing goes
             frontier = await self.store.load(command.thread_id)
             state = frontier.run_state
             ticket = state.ticket if isinstance(state, AwaitingState) else None
@@ -232,7 +237,7 @@ class RunHost:
             stopped = ResumeRejected("ticket", "the resume was stopped before it landed")
             return await self.drives.first_commit(drive, stopped)
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            return _remote(exc)
+            return remote_error(exc)
 
     async def cancel_run(self, thread: ThreadId) -> Any:
         """Cancel a Run driven here, or one at rest (awaiting, or running with no driver)."""
@@ -240,9 +245,11 @@ class RunHost:
 
     async def stop_run(self, thread: ThreadId, reason: str) -> Any:
         """End a Run ``stopped(reason)``: signal its engine here, or end it at rest."""
-        return await self._end_run(
-            thread, Stopped(reason=reason), "stopped", lambda e: e.stop(reason)
-        )
+        try:
+            cause = Stopped(reason=check_reason(reason, self.spec.limits))
+        except InputRefused as exc:
+            return remote_error(exc)
+        return await self._end_run(thread, cause, "stopped", lambda e: e.stop(reason))
 
     async def _end_run(
         self, thread: ThreadId, cause: EndCause, ended: str, signal: Callable[[Engine], None]
@@ -260,9 +267,10 @@ class RunHost:
                 self.store, owner=self.owner, publisher=self.publisher, children=self.children
             )
             self._hand_back(await engine.terminate(thread, cause))
-            return ended
+            # it may have come to rest on its own meanwhile: then this ended nothing
+            return ended if engine.committed.is_set() else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            return _remote(exc)
+            return remote_error(exc)
         finally:
             self._retire_if_idle()
 
@@ -271,7 +279,7 @@ class RunHost:
         try:
             drive = await self._answering(thread)
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            return _remote(exc)
+            return remote_error(exc)
         if drive is not None:
             drive.engine.pause()
         return "not_running" if drive is None else "signalled"
@@ -280,87 +288,18 @@ class RunHost:
         """This host's drive of ``thread``, if it still answers for the Run. A stale one
         (the thread claimed past it since) is stopped now: only the stored thread then
         decides, through a path that carries its own claim."""
-        drive = self.drives.get(thread)
-        if drive is None or drive.epoch is None:  # nothing claimed yet: it can be told
+        drive = await self.drives.claimed(thread)
+        if drive is None or drive.epoch is None:  # slow to claim: it can be told
             return drive
         if not self.drives.fenced(drive, await self.store.load(thread)):
             return drive
         log.info("the drive of %s here is stale: stopping it", thread)
         await self.drives.stop(thread, drive, idle=False)
-        return self.drives.get(thread)  # one a request spawned meanwhile answers
+        return await self.drives.claimed(thread)  # one a request spawned meanwhile answers
 
     async def _after_reclaim(self) -> None:
         with contextlib.suppress(Exception):  # its failures are logged where they happen
             await asyncio.shield(self._reconciled)
-
-    async def run_child(self, raw: dict[str, Any]) -> Any:
-        """Drive (or join, or read back) a child Run; answer its outcome once it is at rest.
-        A child that cannot run (agent, input, records that do not verify) is a failed
-        tool result; one driven elsewhere (this drive stopped or fenced) is followed in
-        the store; only a store outage or a bug of ours reaches the parent as an error."""
-        try:
-            request = ChildRequest.model_validate(raw)
-            thread = request.child_thread
-            if thread in self.drives.quarantined:
-                return failed_delegation(UNTRUSTED.format(thread))
-            drive = self.drives.get(thread)
-            if drive is None:
-                message_id = RunMeta(agent_ref=request.agent).message_id(request.child_run)
-                # its thread is made for it: new, but after a re-delegation
-                go = starting(thread, request.input, request.child_run, message_id, True)
-                drive = self.drives.spawn(
-                    request.agent, thread, request.child_run, go, ParentLink.of(request),
-                    after=self._after,
-                )  # fmt: skip
-            # waited on, not awaited: a parent that stops waiting cancels its children
-            # explicitly, and a drive stopped here is not this call being cancelled
-            await asyncio.wait({drive.task})
-            frontier = drove(drive.task)
-            if frontier is None or not _at_rest(frontier):
-                frontier = await self._until_at_rest(thread)
-            if frontier is None:
-                return failed_delegation(UNTRUSTED.format(thread))
-            return CHILD_OUTCOME.dump_python(outcome_of(frontier), mode="json")
-        except StoreUnavailable as exc:  # the parent's drive pauses, and asks again later
-            return _remote(exc)
-        except RatchetError as exc:  # corrupt, store lost, refused input, agent not built
-            return failed_delegation(str(exc))
-        except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            return _remote(exc)
-
-    async def _until_at_rest(self, thread: ThreadId) -> Frontier | None:
-        """Another owner drives the child (or will recover it): follow the store. None
-        once this host has quarantined the child (no engine here drives it again)."""
-        delay = 0.02
-        while thread not in self.drives.quarantined:
-            frontier = await self.store.load(thread)
-            if _at_rest(frontier):
-                return frontier
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        return None
-
-    async def _after(self, engine: Engine, child: Frontier) -> None:
-        """After a drive: a lone child that surfaced a human wait and has ended resumes
-        its waiting parent — apart from the drive, which is over."""
-        if engine.parent is not None:
-            self._hand_back(child)
-
-    def _hand_back(self, child: Frontier) -> None:
-        """An ended child hands its outcome to the parent awaiting it, in the background."""
-        link = parent_link(child)
-        if link is None or not child.ended:
-            return
-        task = asyncio.create_task(deliver(self.store, child, link, self._host_of))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _host_of(self, frontier: Frontier) -> Any:
-        """The host a Run is placed on (by its recorded placement)."""
-        meta = run_meta(frontier)
-        if meta is not None and meta.placement == "dedicated":
-            return dedicated_host(self.spec, frontier.thread_id)
-        return self.children.host_for(frontier.thread_id)
 
     async def driving(self) -> list[str]:
         return sorted(self.drives.table)
@@ -399,6 +338,11 @@ class RunHost:
 
     async def ping(self) -> str:
         return self.host_id
+
+    async def retire_now(self) -> bool:
+        """The Supervisor ends this dedicated host: True if it is idle, and then it
+        starts no drive any more (``actors.retiring``)."""
+        return self.admission.close(self.drives, self._retire_if_idle)
 
     def _retire_if_idle(self) -> None:
         """A dedicated host with nothing left to drive ends; also one started only to
@@ -478,10 +422,6 @@ def dedicated_host(spec: SystemSpec, thread: str, extra: dict[str, Any] | None =
     name = spec.dedicated_name(thread)
     options = _host_options(spec, name, dict(extra or {}))
     return RemoteRunHost.options(**options).remote(spec, name, "dedicated")
-
-
-def _at_rest(frontier: Frontier) -> bool:
-    return frontier.run_state is not None and frontier.run_state.kind != "running"
 
 
 def _ref_of(frontier: Frontier) -> str:

@@ -99,14 +99,21 @@ class Supervisor:
         """A dedicated host whose Run is over: forget its lease and end the process, if it
         is idle still (nothing driven there, no running Run of its own in the store, no
         recovery of ours on its way to it). False if not: it asks again once idle."""
-        if not await self._idle(host_id):
+        if not await self._idle(host_id) or self._recovering[host_id]:
             return False
-        if self._recovering[host_id]:  # checked after the last await: nothing slips in
+        try:  # the host agrees to go, and from then on starts no drive (actors.retiring)
+            handle = ray.get_actor(host_id, namespace=NAMESPACE)
+            agreed = await asyncio.wait_for(handle.retire_now.remote(), PING_TIMEOUT_S)
+        except ValueError:  # gone already
+            agreed = True
+        except Exception:  # slow to answer, or restarting: it asks again once idle
             return False
+        if not agreed or self._recovering[host_id]:  # checked after the last await
+            return False  # a recovery of ours waits at its door: it opens again
         self.leases.pop(host_id, None)
         self.kinds.pop(host_id, None)
         with contextlib.suppress(ValueError):  # gone already
-            ray.kill(ray.get_actor(host_id, namespace=NAMESPACE), no_restart=True)
+            ray.kill(handle, no_restart=True)
         return True
 
     async def _idle(self, host_id: str) -> bool:
@@ -304,7 +311,8 @@ class Supervisor:
         return summary.owner != f"{info['host']}#{info['pid']}"
 
     async def _replace(self, thread: ThreadId) -> None:
-        meta = run_meta(await self.store.load(thread))
+        frontier = await self.store.load(thread)
+        meta = run_meta(frontier)
         if meta is None:
             log.error("thread %s records no agent reference; cannot re-place it", thread)
             return
@@ -317,7 +325,10 @@ class Supervisor:
         self._recovering[name] += 1
         try:
             answer = await asyncio.wait_for(
-                host.recover_run.remote(thread, meta.agent_ref), self.spec.recover_timeout_s
+                # at the epoch read here: a call that arrives late takes nothing from
+                # a host that has the Run by then
+                host.recover_run.remote(thread, meta.agent_ref, frontier.epoch),
+                self.spec.recover_timeout_s,
             )
         except RayActorError as exc:  # the host answered, then died taking it over: counts
             log.warning("host %s died re-placing %s: %s", name, thread, exc)

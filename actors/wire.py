@@ -195,6 +195,19 @@ class RemoteError:
         return exc
 
 
+def remote_error(exc: Exception) -> RemoteError:
+    """A failure as an actor's caller receives it: our own error by type, anything else
+    (a bug of ours) as a RatchetError that says what it was — never an untyped Ray error."""
+    if isinstance(exc, RatchetError):
+        return RemoteError.of(exc)
+    return RemoteError.of(RatchetError(f"internal error in the host: {exc!r}"[:2000]))
+
+
+def at_rest(frontier: Frontier) -> bool:
+    """Whether the thread's latest Run rests (awaiting or ended)."""
+    return frontier.run_state is not None and frontier.run_state.kind != "running"
+
+
 def unwrap(value: Any) -> Any:
     """Return an actor's result, re-raising a carried RatchetError as itself."""
     if isinstance(value, RemoteError):

@@ -66,7 +66,14 @@ from runtime.lifecycle import (
     ResumeTicket,
     RunningState,
 )
-from runtime.limits import DEFAULT_LIMITS, Limits, check_id, check_room, check_text
+from runtime.limits import (
+    DEFAULT_LIMITS,
+    Limits,
+    check_id,
+    check_reason,
+    check_room,
+    check_text,
+)
 from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
 from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
@@ -167,8 +174,9 @@ class Engine(Sides):
         self.cancel_event.set()
 
     def stop(self, reason: str) -> None:
-        """Like cancel, but the Run ends ``stopped(reason)``."""
-        self.stop_reason = reason
+        """Like cancel, but the Run ends ``stopped(reason)`` (InputRefused: a reason
+        that is not storable text within ``input_bytes``; nothing is signalled)."""
+        self.stop_reason = check_reason(reason, self.limits)
         self.cancel_event.set()
 
     def pause(self) -> None:
@@ -393,6 +401,11 @@ class Engine(Sides):
                 await self._ending_on(ctx, first())
             while True:
                 f = ctx.frontier
+                if isinstance(f.run_state, AwaitingState) and self.ending:
+                    # told to end while its wait was being committed: the caller heard
+                    # "signalled", so the Run ends here rather than rest awaiting
+                    await self.end(ctx, self._control_cause(ctx))
+                    return
                 if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
                     return
                 if root.session is not None:

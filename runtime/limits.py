@@ -135,6 +135,12 @@ def check_text(what: str, text: object, max_bytes: int, limit: str) -> str:
     return text
 
 
+def check_reason(reason: object, limits: Limits = DEFAULT_LIMITS) -> str:
+    """A caller's stop reason (kept in the Run's end): storable text of at most
+    ``input_bytes``, as a Run's input is; else InputRefused."""
+    return check_text("stop reason", reason, limits.input_bytes, "input_bytes")
+
+
 def check_id(what: str, value: object, limits: Limits = DEFAULT_LIMITS) -> str:
     """A usable id: non-empty text, at most ``id_chars``, no control characters."""
     if not isinstance(value, str) or not value:

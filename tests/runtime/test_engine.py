@@ -9,6 +9,7 @@ import pytest
 from runtime import (
     Agent,
     AssistantMessage,
+    AwaitingState,
     Command,
     EndedState,
     HookOutput,
@@ -325,6 +326,51 @@ async def test_cancel_as_the_model_answers_seals_its_calls_without_running_them(
     opened = records[1].commit.batch
     assert opened is not None and opened.calls[0].phase.kind == "requested"
     assert results(f)[0].is_error
+
+
+class _HeldWait:
+    """A store whose commit of a wait (the Run going to rest awaiting) is held until the
+    test lets it go."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryCommitStore()
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def append(self, commit, expected_version, epoch, *, claim=None):
+        if isinstance(commit.disposition, AwaitingState):
+            self.entered.set()
+            await self.release.wait()
+        return await self.inner.append(commit, expected_version, epoch, claim=claim)
+
+
+async def test_a_cancel_while_the_run_s_wait_is_being_committed_ends_it():
+    """Its caller was told the driver heard it: the Run ends cancelled, it does not rest
+    awaiting with the cancel dropped."""
+
+    class PausingModel(ScriptedModel):
+        def respond(self, request):
+            engine.pause()  # awaits at the next Step boundary
+            return super().respond(request)
+
+    @tool
+    def echo(text: str) -> str:
+        return text
+
+    model = PausingModel([ModelResponse(tool_calls=(call("echo", "1", text="x"),))])
+    store = _HeldWait()
+    agent = Agent(name="a", model=model, tools=[echo])
+    engine = InProcessRunner(agent, store).engine()
+    drive = asyncio.ensure_future(engine.start("t", "go"))
+    await store.entered.wait()
+    engine.cancel()
+    store.release.set()
+    f = await drive
+    assert cause(f) == "cancelled"
+    labels = [r.commit.label for r in await store.inner.read("t")]
+    assert labels[-2:] == ["awaiting", "ended"]
 
 
 async def test_stop_ends_stopped_with_the_reason():

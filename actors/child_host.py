@@ -1,0 +1,112 @@
+"""The delegation side of a RunHost: it drives the child Runs its parents delegate to it,
+and hands an ended child's outcome back to the parent awaiting it (a mixin of
+``actors.run_host.RunHost``, whose drives, store and children it uses)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from actors.deliveries import deliver, failed_delegation
+from actors.drives import Drives, drove, starting
+from actors.retiring import Admission, admitted
+from actors.wire import RunMeta, SystemSpec, at_rest, remote_error, run_meta
+from runtime.commit import Frontier
+from runtime.delegation import (
+    CHILD_OUTCOME,
+    ChildRequest,
+    ChildRunner,
+    ParentLink,
+    outcome_of,
+    parent_link,
+)
+from runtime.engine import Engine
+from runtime.errors import RatchetError, StoreUnavailable
+from runtime.ids import ThreadId
+from runtime.ports import CommitStore
+
+UNTRUSTED = "child {} cannot be trusted: its records did not verify on this host"
+
+
+class ChildHosting:
+    spec: SystemSpec
+    store: CommitStore
+    drives: Drives
+    children: Any  # actors.children.RayChildRunner
+    admission: Admission
+    _background: set[asyncio.Task[Any]]
+
+    @admitted
+    async def run_child(self, raw: dict[str, Any]) -> Any:
+        """Drive (or join, or read back) a child Run; answer its outcome once it is at rest.
+        A child that cannot run (agent, input, records that do not verify) is a failed
+        tool result; one driven elsewhere (this drive stopped or fenced) is followed in
+        the store; only a store outage or a bug of ours reaches the parent as an error."""
+        try:
+            request = ChildRequest.model_validate(raw)
+            thread = request.child_thread
+            if thread in self.drives.quarantined:
+                return failed_delegation(UNTRUSTED.format(thread))
+            drive = self.drives.get(thread)
+            if drive is None:
+                message_id = RunMeta(agent_ref=request.agent).message_id(request.child_run)
+                # its thread is made for it: new, but after a re-delegation
+                go = starting(thread, request.input, request.child_run, message_id, True)
+                drive = self.drives.spawn(
+                    request.agent, thread, request.child_run, go, ParentLink.of(request),
+                    after=self._after,
+                )  # fmt: skip
+            # waited on, not awaited: a parent that stops waiting cancels its children
+            # explicitly, and a drive stopped here is not this call being cancelled
+            await asyncio.wait({drive.task})
+            frontier = drove(drive.task)
+            if frontier is None or not at_rest(frontier):
+                frontier = await self._untilat_rest(thread)
+            if frontier is None:
+                return failed_delegation(UNTRUSTED.format(thread))
+            return CHILD_OUTCOME.dump_python(outcome_of(frontier), mode="json")
+        except StoreUnavailable as exc:  # the parent's drive pauses, and asks again later
+            return remote_error(exc)
+        except RatchetError as exc:  # corrupt, store lost, refused input, agent not built
+            return failed_delegation(str(exc))
+        except Exception as exc:  # the caller gets it as its own type (RemoteError)
+            return remote_error(exc)
+
+    async def _untilat_rest(self, thread: ThreadId) -> Frontier | None:
+        """Another owner drives the child (or will recover it): follow the store. None
+        once this host has quarantined the child (no engine here drives it again)."""
+        delay = 0.02
+        while thread not in self.drives.quarantined:
+            frontier = await self.store.load(thread)
+            if at_rest(frontier):
+                return frontier
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        return None
+
+    async def _after(self, engine: Engine, child: Frontier) -> None:
+        """After a drive: a lone child that surfaced a human wait and has ended resumes
+        its waiting parent — apart from the drive, which is over."""
+        if engine.parent is not None:
+            self._hand_back(child)
+
+    def _hand_back(self, child: Frontier) -> None:
+        """An ended child hands its outcome to the parent awaiting it, in the background."""
+        link = parent_link(child)
+        if link is None or not child.ended:
+            return
+        task = asyncio.create_task(deliver(self.store, child, link, self._host_of))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _host_of(self, frontier: Frontier) -> Any:
+        """The host a Run is placed on (by its recorded placement)."""
+        meta = run_meta(frontier)
+        if meta is not None and meta.placement == "dedicated":
+            from actors.run_host import dedicated_host  # run_host imports this module
+
+            return dedicated_host(self.spec, frontier.thread_id)
+        return self.children.host_for(frontier.thread_id)
+
+
+__all__ = ["UNTRUSTED", "ChildHosting", "ChildRunner"]

@@ -1,0 +1,160 @@
+"""A host's cancel, stop and recover met by its own drives mid-way (no Ray: a bare RunHost
+over the in-memory store, the interleavings forced by stores that hold a load).
+
+A drive that has claimed nothing yet may never claim (a repeated start of a Run that
+exists, a resume or a recovery that finds it at rest): it must not pass for the Run's
+driver. A cancel told to such a drive was dropped with it, and the Run stayed awaiting
+while its caller heard "signalled".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from actors.drives import Drives, starting
+from actors.retiring import Admission
+from actors.run_host import RunHost
+from actors.wire import RunMeta, SystemSpec, unwrap
+from cluster.client import command_for
+from runtime.control import control_engine
+from runtime.engine import Engine
+from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import AwaitingState, Cancelled, EndedState, PermissionDecision, Stopped
+from runtime.tools import LocalToolRunner
+from storage.memory import MemoryCommitStore
+
+from .agents import permission_agent
+
+OWNER = "control-host#1"
+TOOLS = LocalToolRunner(permission_agent.tools)
+
+
+class _HeldLoad:
+    """A store whose next ``load`` waits until the test lets it go."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner = inner
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: ThreadId) -> Any:
+        if not self.release.is_set():
+            self.entered.set()
+            await self.release.wait()
+        return await self.inner.load(thread)
+
+
+class _EndedBeforeTerminate:
+    """A store whose second ``load`` of the thread is preceded by another end of its Run
+    (a stop through another host, landing between the cancel's look and its end)."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner, self.loads = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: ThreadId) -> Any:
+        self.loads += 1
+        if self.loads == 2:
+            await control_engine(self.inner, owner="other-host#1").terminate(
+                thread, Stopped(reason="elsewhere")
+            )
+        return await self.inner.load(thread)
+
+
+def _host(store: Any, drives_store: Any) -> RunHost:
+    host = object.__new__(RunHost)
+    host.spec = SystemSpec(name="control", store_url="memory://")
+    host.store, host.owner, host.kind = store, OWNER, "hosted"
+    host.publisher = host.children = None
+    host._background = set()
+    host.admission = Admission()
+    host.drives = Drives(host.spec, drives_store, OWNER, *[None] * 4, lambda: None)
+    host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
+        permission_agent, holding, TOOLS, owner=OWNER
+    )
+    return host
+
+
+async def _parked(store: MemoryCommitStore, thread: str) -> Any:
+    run = RunId(f"run-{thread}")
+    frontier = await Engine(permission_agent, store, TOOLS, owner=OWNER).start(
+        ThreadId(thread), "go", run_id=run, message_id=RunMeta(agent_ref="ref").message_id(run)
+    )
+    assert isinstance(frontier.run_state, AwaitingState)
+    return frontier
+
+
+async def test_a_cancel_met_by_a_repeated_start_ends_the_awaiting_run():
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-repeat")
+    held = _HeldLoad(store)
+    host = _host(store, held)
+    thread, run = parked.thread_id, parked.run_id
+    # a client's start of the same Run, again: its drive will find the Run and claim nothing
+    host.drives.spawn("ref", thread, run, starting(thread, "go", run, f"{run}:input", False))
+    await held.entered.wait()
+    cancel = asyncio.ensure_future(
+        host._end_run(thread, Cancelled(), "cancelled", lambda e: e.cancel())
+    )
+    # the cancel's first step was scheduled before the load's wake-up (asyncio runs
+    # ready callbacks in order): it meets the drive while the drive is still in its load
+    held.release.set()
+    assert await cancel == "cancelled"
+    frontier = await store.load(thread)
+    assert isinstance(frontier.run_state, EndedState)
+    assert frontier.run_state.cause.kind == "cancelled"
+
+
+async def test_a_cancel_that_finds_the_run_ended_meanwhile_says_it_ended_nothing():
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-ended")
+    host = _host(_EndedBeforeTerminate(store), store)
+    answer = await host._end_run(parked.thread_id, Cancelled(), "cancelled", lambda e: e.cancel())
+    assert answer == "not_running"
+    assert (await store.load(parked.thread_id)).run_state.cause.kind == "stopped"
+
+
+async def test_a_late_recovery_takes_nothing_from_the_run_s_new_owner():
+    """The Supervisor asked this host to recover a Run at epoch e; the call came late,
+    after another host had claimed the Run: that host keeps it."""
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-late")
+    seen = parked.epoch
+    await store.claim(parked.thread_id, "new-owner#1", seen)
+    host = _host(store, store)
+    assert await host._recover(parked.thread_id, "ref", seen) is True
+    frontier = await store.load(parked.thread_id)
+    assert (frontier.owner, frontier.epoch) == ("new-owner#1", seen + 1)
+    assert not host.drives.table
+
+
+async def test_a_host_agrees_to_retire_only_when_nothing_may_start_a_drive_there():
+    """The Supervisor ends an idle dedicated host; a resume that reached the host before
+    must not start a drive the kill then cuts (its approved call would be lost)."""
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-retire")
+    held = _HeldLoad(store)
+    host = _host(held, store)
+    approve = command_for(parked.run_state.ticket, PermissionDecision(approve=True))
+    resume = asyncio.ensure_future(host.resume_run(approve))
+    await held.entered.wait()  # the resume is in its load: it has started no drive yet
+    assert await host.retire_now() is False
+    held.release.set()
+    assert unwrap(await resume) is True
+    await asyncio.wait({host.drives.get(parked.thread_id).task})
+    assert await host.retire_now() is True  # idle now: from here it starts nothing
+    again = asyncio.ensure_future(
+        host.start_run("ref", parked.thread_id, RunId("run-next"), "next")
+    )
+    await asyncio.sleep(0)  # one loop turn: the start takes its first step, to the door
+    assert not again.done() and not host.drives.table and host.admission.inside == 0
+    again.cancel()  # as the kill would end it
+    with contextlib.suppress(asyncio.CancelledError):
+        await again
+    assert (await store.load(parked.thread_id)).run_state.cause.kind == "natural"
