@@ -47,7 +47,7 @@ from typing import Any, Literal
 import typer
 from rich.console import Console
 
-from cluster.cli_args import BadInput, awaiting_ticket, payload_from
+from cluster.cli_args import BadInput, awaiting_ticket, payload_from, thread_arg
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, run_page, run_query, run_row
 from cluster.cli_view import (
@@ -148,7 +148,9 @@ async def _demo(runs: int, store: str | None, crash: bool) -> None:
 def run(
     agent: str = typer.Argument(..., help="The agent as MODULE:ATTR"),
     text: str = typer.Argument(..., help="The user's input"),
-    thread: str | None = typer.Option(None, "--thread", help="Thread id (default: a new one)"),
+    thread: str | None = typer.Option(
+        None, "--thread", help="Thread id (default: a new one)", callback=thread_arg
+    ),
     placement: str = typer.Option("hosted", "--placement", help="hosted or dedicated"),
     store: str | None = StoreOption,
     address: str | None = AddressOption,
@@ -223,7 +225,7 @@ async def _runs(flags: tuple[Any, ...], as_json: bool, store: str | None) -> Non
 
 @app.command()
 def show(
-    thread: str = typer.Argument(...),
+    thread: str = typer.Argument(..., callback=thread_arg),
     as_json: bool = JsonOption,
     store: str | None = StoreOption,
 ) -> None:
@@ -250,7 +252,7 @@ async def _show(thread: str, store: str | None, as_json: bool = False) -> None:
 
 @app.command()
 def verify(
-    thread: str | None = typer.Argument(None, help="The thread to audit"),
+    thread: str | None = typer.Argument(None, callback=thread_arg, help="The thread to audit"),
     every: bool = typer.Option(False, "--all", help="Audit every thread of the store"),
     store: str | None = StoreOption,
 ) -> None:
@@ -303,7 +305,7 @@ async def _threads(db: Any, thread: str | None) -> AsyncIterator[ThreadId]:
 
 @app.command()
 def resume(
-    thread: str = typer.Argument(..., help="The thread whose Run awaits"),
+    thread: str = typer.Argument(..., callback=thread_arg, help="The thread whose Run awaits"),
     approve: bool = typer.Option(False, "--approve", help="Grant the permission it waits for"),
     deny: bool = typer.Option(False, "--deny", help="Refuse it (the model sees 'blocked')"),
     note: str = typer.Option("", "--note", help="A note with --approve or --deny"),
@@ -362,7 +364,7 @@ async def _resume(
 
 @app.command()
 def cancel(
-    thread: str = typer.Argument(...),
+    thread: str = typer.Argument(..., callback=thread_arg),
     store: str | None = StoreOption,
     address: str | None = AddressOption,
     redis: str | None = RedisOption,
@@ -373,7 +375,7 @@ def cancel(
 
 @app.command()
 def stop(
-    thread: str = typer.Argument(...),
+    thread: str = typer.Argument(..., callback=thread_arg),
     reason: str = typer.Option(..., "--reason", help="Recorded as stopped(reason)"),
     store: str | None = StoreOption,
     address: str | None = AddressOption,
@@ -409,7 +411,7 @@ async def _control(
 
 @app.command()
 def watch(
-    thread: str = typer.Argument(...),
+    thread: str = typer.Argument(..., callback=thread_arg),
     after: str | None = typer.Option(
         None, "--after", help="Only facts after this offset SEQ:INDEX (as printed)"
     ),

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import typer
+
 from cluster.report import cause_text
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
-from runtime.errors import ResumeRejected
+from runtime.errors import InputRefused, ResumeRejected
 from runtime.lifecycle import (
     AwaitingState,
     EndedState,
@@ -21,6 +23,7 @@ from runtime.lifecycle import (
     Unpause,
     UserInput,
 )
+from runtime.limits import check_id
 
 
 class BadInput(Exception):
@@ -53,11 +56,22 @@ def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
     if result is not None:
         try:
             value = json.loads(result)
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"--result must be JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # bad JSON, too deep, a huge integer
+            raise BadInput(f"--result must be JSON: {exc!s:.200}") from None
         content = value if isinstance(value, str) else json.dumps(value)
         return ExternalResult(output=ToolOutput(content=content, is_error=is_error))
     return ScheduledFire() if fire else Unpause()
+
+
+def thread_arg(value: str | None) -> str | None:
+    """A thread id given on the command line, checked before anything is opened (text
+    that is not UTF-8, decoded by Python with surrogates, would reach the store)."""
+    if value is None:
+        return None
+    try:
+        return check_id("thread id", value)
+    except InputRefused as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def awaiting_ticket(frontier: Frontier) -> ResumeTicket:

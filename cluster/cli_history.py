@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 import typer
 
-from cluster.cli_args import BadInput
+from cluster.cli_args import BadInput, thread_arg
 from cluster.cli_view import console, print_rest
 from runtime.history import export, fork, import_thread
 from runtime.ids import ThreadId
@@ -36,11 +36,13 @@ def register(app: typer.Typer) -> None:
 
 
 def fork_command(
-    thread: str = typer.Argument(..., help="The thread to fork"),
+    thread: str = typer.Argument(..., callback=thread_arg, help="The thread to fork"),
     at: int = typer.Option(
         ..., "--at", metavar="SEQ", help="The commit (seq) to fork at: a Run ended there"
     ),
-    to: str = typer.Option(..., "--to", metavar="NEW", help="The new thread's id (must not exist)"),
+    to: str = typer.Option(
+        ..., "--to", metavar="NEW", help="The new thread's id (must not exist)", callback=thread_arg
+    ),
     store: str | None = typer.Option(None, "--store", help=_STORE_HELP),
 ) -> None:
     """Start thread NEW as THREAD's history up to commit SEQ, where its Run had ended.
@@ -66,7 +68,7 @@ async def _fork(thread: str, at: int, to: str, store: str | None) -> None:
 
 
 def export_command(
-    thread: str = typer.Argument(..., help="The thread to export"),
+    thread: str = typer.Argument(..., callback=thread_arg, help="The thread to export"),
     out: str | None = typer.Option(
         None, "--out", metavar="FILE", help="Write to FILE (default: stdout)"
     ),
@@ -119,6 +121,7 @@ def import_command(
         "--as",
         metavar="THREAD",
         help="The new thread's id (default: the exported one; must not exist)",
+        callback=thread_arg,
     ),
     store: str | None = typer.Option(None, "--store", help=_STORE_HELP),
 ) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import typer
 
-from cluster.cli_args import BadInput
+from cluster.cli_args import BadInput, thread_arg
 from cluster.cli_json import emit
 from cluster.cli_view import console
 from runtime.agent import load_agent
@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
 
 
 def replay_command(
-    thread: str = typer.Argument(..., help="The recorded thread"),
+    thread: str = typer.Argument(..., callback=thread_arg, help="The recorded thread"),
     agent: str = typer.Option(
         ..., "--agent", metavar="MODULE:ATTR", help="The agent's current code, by reference"
     ),

@@ -38,6 +38,7 @@ from runtime.lifecycle import (
     answer,
     validate_resume,
 )
+from runtime.limits import check_reason
 from runtime.ports import CommitStore
 from runtime.resume import check_command
 from runtime.rules import stamp_facts
@@ -147,7 +148,9 @@ class RunHandle:
         return await self._end_on_host("cancel_run", (), Cancelled, "cancelled")
 
     async def stop(self, reason: str) -> str:
-        """End the Run ``stopped(reason)``; returns like ``cancel``."""
+        """End the Run ``stopped(reason)``; returns like ``cancel``. A reason that is not
+        storable text within ``input_bytes`` is InputRefused, before any host is asked."""
+        check_reason(reason, self.client.spec.limits)
         return await self._end_on_host("stop_run", (reason,), Stopped, "stopped")
 
     async def _end_on_host(

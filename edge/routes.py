@@ -39,6 +39,8 @@ from runtime.ports import RunSummary
 
 router = APIRouter()
 MAX_WAIT_S = 300.0
+MAX_SEQ = 2**63 - 1
+"""A store's sequence numbers are 64-bit: a larger cursor is refused (422), not a 503."""
 RunStateName = Literal["running", "awaiting", "ended"]
 
 
@@ -206,7 +208,7 @@ def _served(commit: ThreadCommit) -> dict[str, Any]:
 async def commits(
     client: Client,
     thread: Thread,
-    after: Annotated[int, Query(ge=0, description="Only commits with seq > after")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="Only commits with seq > after")] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> CommitsPage:
     await known(client, thread)

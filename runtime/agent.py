@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -182,16 +183,21 @@ def load_agent(ref: str) -> Agent:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise AgentImportError(f"agent reference {ref!r} must look like 'package.module:name'")
-    try:
+    try:  # whatever the import raises (a relative name, the module's own error) is ours
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:
         raise AgentImportError(f"cannot import module {module_name!r} for {ref!r}: {exc}") from exc
     try:
         obj = getattr(module, attr)
     except AttributeError as exc:
         raise AgentImportError(f"module {module_name!r} has no attribute {attr!r}") from exc
-    if callable(obj) and not isinstance(obj, Agent):
-        obj = obj()
+    # only a function of that module is a factory: a reference must never call whatever
+    # else is callable there (a class, os:abort, builtins:input)
+    if inspect.isfunction(obj) and obj.__module__ == module.__name__:
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise AgentImportError(f"the agent factory {ref!r} raised {exc!r}"[:2000]) from exc
     if not isinstance(obj, Agent):
         raise AgentImportError(f"{ref!r} is a {type(obj).__name__}, not an Agent")
     return obj

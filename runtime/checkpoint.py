@@ -61,25 +61,31 @@ class PartialOutput:
 
     run_id: RunId
     step: int
-    text: str = ""
-    calls: dict[str, dict[str, str]] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)
+    calls: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """call id → its tool and its argument fragments."""
 
+    # fragments are kept apart and joined for a checkpoint: ``+=`` on an attribute copies
+    # the whole text for every delta (quadratic in a long stream)
     def add(self, delta: ModelDelta) -> None:
         if delta.type == "text_delta":
-            self.text += delta.text
+            self.texts.append(delta.text)
         elif delta.type == "tool_call_delta" and delta.call_id:
-            call = self.calls.setdefault(
-                delta.call_id, {"call_id": delta.call_id, "tool": "", "arguments": ""}
-            )
+            call = self.calls.setdefault(delta.call_id, {"tool": "", "arguments": []})
             call["tool"] = delta.tool or call["tool"]
-            call["arguments"] += delta.text
+            call["arguments"].append(delta.text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
     def checkpoint(self) -> StreamCheckpoint:
+        calls = tuple(
+            {"call_id": call_id, "tool": call["tool"], "arguments": "".join(call["arguments"])}
+            for call_id, call in self.calls.items()
+        )
         return StreamCheckpoint(
-            run_id=self.run_id,
-            step=self.step,
-            text=self.text,
-            tool_calls=tuple(self.calls.values()),
+            run_id=self.run_id, step=self.step, text=self.text, tool_calls=calls
         )
 
 

@@ -33,7 +33,7 @@ from runtime.messages import (
     ToolUse,
     UserMessage,
 )
-from runtime.models import InferenceRequest, ModelResponse
+from runtime.models import InferenceRequest, ModelDelta, ModelResponse
 from runtime.signals import CancelledSignal, EndRun, PauseRun, cancelling
 from runtime.timeutil import now_us
 from runtime.usage import admitted_usage
@@ -154,10 +154,19 @@ class Inference:
         clock = asyncio.get_running_loop().time
         last_put = clock()
         thread = ctx.frontier.thread_id
+        streamed, most = 0, self.limits.response_bytes
         async for item in self.agent.model.stream(request):
             if isinstance(item, ModelResponse):
                 response = item
                 continue
+            # a stream longer than a response may be fails its attempt now, not once it
+            # ends: each delta costs every follower of the thread (a character is a byte
+            # at least, so the count of characters is a bound)
+            streamed += len(item.text) if isinstance(item, ModelDelta) else 0
+            if streamed > most:
+                raise InputRefused(
+                    "model output", "response_bytes", f"streamed over {most} characters"
+                )
             if checkpointing:
                 partial.add(item)
                 # a checkpoint only of an inference whose input is committed: a recovery

@@ -57,6 +57,8 @@ def parse_offset(offset: str | None) -> tuple[int, int]:
     seq, sep, index = offset.partition(":")
     if not sep or not seq.isdigit() or not index.isdigit():
         raise ValueError(f"stream offset {offset!r} must look like 'SEQ:INDEX'")
+    if len(seq) > 18 or len(index) > 18:  # a store's integers are 64-bit
+        raise ValueError(f"stream offset {offset[:60]!r}: SEQ and INDEX are below 10**18")
     return (int(seq), int(index))
 
 

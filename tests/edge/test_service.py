@@ -281,6 +281,11 @@ def test_runs_and_commits_are_paged(http):
         seqs += [c["seq"] for c in page["commits"]]
         after = page["next_after"]
     assert seqs == list(range(1, http.get(f"/threads/{thread}").json()["version"] + 1))
+    # a cursor past the store's 64-bit integers is bad input, not an outage (a 503)
+    huge = {"after": 10**30}
+    problem(http.get(f"/threads/{thread}/commits", params=huge), 422, "ValidationError")
+    past = {"after": f"{10**20}:0"}
+    problem(http.get(f"/threads/{thread}/stream", params=past), 422, "ValidationError")
 
 
 def test_the_openapi_schema_names_every_route_and_its_problems(http):

@@ -6,6 +6,7 @@ and code, and a model-visible tool error names the limit that was broken."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -304,8 +305,13 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
         (lambda a: (_ for _ in ()).throw(Boom("down")), ("failed", "inference", "Boom")),
         # the first attempt fails, the second answers: the Run goes on
         (lambda a: [ModelResponse(text="\udcff" if a == 1 else "fine")], ("natural",)),
+        # a stream that never ends is cut at the response limit, not followed for ever
+        (
+            lambda a: itertools.repeat(ModelDelta(text="x" * 1000)),
+            ("failed", "inference", "response_bytes"),
+        ),
     ],
-    ids=["2MB-answer", "no-response", "empty-stream", "raises", "retried"],
+    ids=["2MB-answer", "no-response", "empty-stream", "raises", "retried", "endless-stream"],
 )
 async def test_model_failures_end_the_run_failed_inference(first, want):
     assert cause(await drive(FuzzModel(first))) == want

@@ -1,0 +1,92 @@
+"""Hostile callers of the entry points around a Run: a stop's reason, an agent
+reference, a stream cursor and the command line's arguments are refused with a clear,
+typed error before anything is done."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from cluster.cli import app
+from cluster.handle import RunHandle
+from runtime import Agent, InProcessRunner, InputRefused, ModelResponse, ScriptedModel
+from runtime.agent import load_agent
+from runtime.errors import AgentImportError
+from runtime.stream import parse_offset
+from storage.memory import MemoryCommitStore
+
+NOT_TEXT = "half a pair: \udcff"
+
+
+def _engine():
+    model = ScriptedModel([ModelResponse(text="done")])
+    return InProcessRunner(Agent(name="a", model=model), MemoryCommitStore()).engine()
+
+
+@pytest.mark.parametrize("reason", [NOT_TEXT, "x" * (200 * 1024), 7])
+def test_a_stop_reason_that_cannot_be_stored_is_refused_and_nothing_is_signalled(reason):
+    engine = _engine()
+    with pytest.raises(InputRefused, match="stop reason"):
+        engine.stop(reason)
+    assert not engine.ending and engine.stop_reason is None
+
+
+async def test_a_client_refuses_such_a_reason_before_asking_any_host():
+    class Spec:
+        from runtime.limits import DEFAULT_LIMITS as limits
+
+    class Client:  # asked for nothing but its limits: no host may be reached
+        spec = Spec()
+
+        def host_for(self, *args: object) -> object:
+            raise AssertionError("a host was asked")
+
+    handle = RunHandle(Client(), "t", "r", "hosted")  # type: ignore[arg-type]
+    with pytest.raises(InputRefused, match="utf8"):
+        await handle.stop(NOT_TEXT)
+
+
+def _factory() -> Agent:
+    return Agent(name="made", model=ScriptedModel([ModelResponse(text="hi")]))
+
+
+def _raising_factory() -> Agent:
+    raise RuntimeError("no agent today")
+
+
+@pytest.mark.parametrize(
+    ("ref", "says"),
+    [
+        ("os:getcwd", "not an Agent"),  # a callable of another module is never called
+        ("runtime.agent:Agent", "not an Agent"),  # nor a class
+        (".relative:agent", "cannot import"),
+        (f"{__name__}:_raising_factory", "no agent today"),
+    ],
+)
+def test_an_agent_reference_runs_nothing_but_its_own_module_s_factory(ref, says):
+    with pytest.raises(AgentImportError, match=says):
+        load_agent(ref)
+    assert load_agent(f"{__name__}:_factory").name == "made"
+
+
+@pytest.mark.parametrize("offset", [f"{10**20}:0", f"1:{10**19}"])
+def test_a_stream_cursor_past_64_bit_integers_is_bad_input(offset):
+    with pytest.raises(ValueError, match="below 10"):
+        parse_offset(offset)
+
+
+def test_the_command_line_refuses_a_thread_id_that_is_not_text(tmp_path):
+    store = f"sqlite:///{tmp_path}/s.db"
+    for args in (["show", NOT_TEXT], ["verify", NOT_TEXT], ["export", NOT_TEXT]):
+        result = CliRunner().invoke(app, [*args, "--store", store])
+        assert result.exit_code == 2, result.output
+        assert "thread id refused (utf8)" in result.output
+    assert not (tmp_path / "s.db").exists()  # nothing was opened
+
+
+@pytest.mark.parametrize("payload", ["[" * 100_000, "9" * 5000])
+def test_a_resume_result_that_is_not_json_is_one_clear_error(payload, tmp_path):
+    args = ["resume", "t", "--result", payload, "--store", f"sqlite:///{tmp_path}/s.db"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1
+    assert "--result must be JSON" in result.output and "Traceback" not in result.output
