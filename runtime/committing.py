@@ -115,6 +115,7 @@ class Committing:
         )
         ctx.pending.clear()  # staged by a Step that did not land
         delay, smaller, stale = self.store_retry.first_delay_s, 0, False
+        conflicts = 0
         while True:
             try:
                 if stale:
@@ -135,6 +136,10 @@ class Committing:
             except (VersionConflict, RunEnded):
                 # RunEnded: an earlier attempt landed after all (its answer was lost, and
                 # this attempt's commit, stamped later, hashes differently)
+                conflicts += 1
+                if conflicts > 1:  # again: back off, never spin on the store
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.store_retry.max_delay_s)
                 stale = True
 
     async def _end_within(self, ctx: RunContext, cause: Failed, smaller: int) -> None:

@@ -246,9 +246,15 @@ async def audit_thread(store: CommitStore, thread: ThreadId) -> Audit:
     # a verified read begins after the anchor: a log that begins later, or none at all
     # under a frontier with a version, is a pruned one (an unpruned one would not verify)
     pruned = records[0].seq - 1 if records else frontier.version
-    if pruned == 0:
-        return Audit(_compare(thread, frontier, records))
-    return Audit(_compare_suffix(thread, frontier, records), pruned)
+    found = _compare(thread, frontier, records) if pruned == 0 else []
+    if pruned:
+        found = _compare_suffix(thread, frontier, records)
+    # a store with a run index (SQL) says whether it still says what the frontier does:
+    # one changed by hand would hide a Run from the sweeps that recover it
+    index_problem = getattr(store, "index_problem", None)
+    if index_problem is not None and (detail := await index_problem(thread)) is not None:
+        found = [*found, Problem(thread, frontier.version, detail)]
+    return Audit(found, pruned)
 
 
 def _compare(thread: str, frontier: Frontier, records: Sequence[CommittedRecord]) -> list[Problem]:

@@ -43,7 +43,8 @@ class Limits:
     model_text_bytes: int = 64 * KIB
     """The text of one model response."""
     response_bytes: int = 128 * KIB
-    """One model response in all: its text and every tool call's arguments."""
+    """One model response in all: its text and every tool call's arguments. A stream whose
+    deltas pass it (in characters) fails its attempt as it streams."""
     tool_calls: int = 64
     """Tool calls in one model response."""
     tool_arguments_bytes: int = 32 * KIB

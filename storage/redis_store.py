@@ -77,6 +77,7 @@ RunEnded, VersionConflict; "corrupt KEY" -> CorruptRecord.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -113,7 +114,7 @@ from storage.redis_rows import (
 from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, PRUNE_LUA
 from storage.redis_upgrade import upgrade_layout
 from storage.retention import Cut, prune_thread
-from storage.summary import RUN_STATES, RunStateKind, summarize
+from storage.summary import RUN_STATES, RunStateKind, kept, summarize, vouched
 from storage.url import redact
 
 log = logging.getLogger("ratchet.storage.redis")
@@ -326,9 +327,8 @@ class RedisCommitStore:
                 for s in states:
                     pipe.hgetall(self._index(s))
                 indexes = await pipe.execute()
-        rows = (item for index in indexes for item in sorted(index.items()))
-        found = [decode_summary(thread, text) for thread, text in rows]
-        return [r for r in found if host is None or host_of(r.owner) == host]
+        rows = [(str(t), str(x)) for index in indexes for t, x in sorted(index.items())]
+        return await self._vouched(rows, state, host)
 
     async def _running_of(self, host: str) -> list[RunSummary]:
         """The owner index: running threads whose owner belongs to ``host``."""
@@ -337,8 +337,35 @@ class RedisCommitStore:
             if not threads:
                 return []
             texts = await self.client.hmget(self._index("running"), threads)
-        found = [decode_summary(str(t), str(x)) for t, x in zip(threads, texts, strict=True) if x]
-        return [r for r in found if host_of(r.owner) == host]
+        rows = [(str(t), str(x)) for t, x in zip(threads, texts, strict=True) if x]
+        return await self._vouched(rows, "running", host)
+
+    async def _vouched(
+        self, rows: list[tuple[str, str]], state: RunStateKind | None, host: str | None
+    ) -> list[RunSummary]:
+        """The run index entries ``rows`` as their threads' verified heads have them (in
+        one round trip: each thread's meta and hash tail read at one instant); one that
+        does not verify, or says otherwise, is left out (``storage.summary.kept``)."""
+        with translated(self.where):
+            async with self.client.pipeline(transaction=True) as pipe:
+                for thread, _ in rows:
+                    pipe.hmget(self._key(thread, "meta"), _META[:8])
+                    pipe.llen(self._key(thread, "sums"))
+                    pipe.lindex(self._key(thread, "sums"), -1)
+                answers = await pipe.execute()
+
+        def summary(i: int, thread: str, text: str) -> RunSummary:
+            (frontier, version, epoch, owner, checksum, head, *anchored), n, last = answers[
+                3 * i : 3 * i + 3
+            ]
+            anchor = anchor_of(thread, *anchored)
+            verified = verified_frontier(
+                thread, frontier, version, epoch, checksum, head, n, last, anchor
+            )
+            return vouched(decode_summary(thread, text), evolve(verified, owner=owner))
+
+        makes = (functools.partial(summary, i, t, x) for i, (t, x) in enumerate(rows))
+        return kept(makes, state, host)
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         """Threads by their meta keys (a SCAN: for audits, not for hot paths)."""

@@ -107,11 +107,12 @@ from storage.schema import migrate
 from storage.sql_engine import Database
 from storage.sql_errors import translate
 from storage.sql_reads import (
+    index_problem_body,
     list_body,
+    listed_runs,
     load_body,
     load_head_body,
     read_body,
-    summary_of,
     thread_ids_body,
 )
 from storage.sql_statements import PG_PLANNED, pg_plan_refused
@@ -266,7 +267,12 @@ class SqlCommitStore:
         *,
         host: str | None = None,
     ) -> list[RunSummary]:
-        return [summary_of(r) for r in await self._read(list_body, state, host)]
+        rows = await self._read(list_body, state, host)
+        return listed_runs(rows, self._frontiers, state, host)
+
+    async def index_problem(self, thread: ThreadId) -> str | None:
+        """What is wrong with the thread's run index entry (``runtime.integrity.audit``)."""
+        return await self._read(index_problem_body, thread, self._frontiers)
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         return await self._read(thread_ids_body, after, limit)

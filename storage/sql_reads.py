@@ -9,6 +9,7 @@ fails closed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,6 +26,7 @@ from storage.retention import ATTEMPTS
 from storage.sql_statements import (
     ANCHOR,
     HEAD,
+    INDEX_ROW,
     LIST_ALL,
     LIST_HOST,
     LIST_HOST_STATE,
@@ -35,6 +37,7 @@ from storage.sql_statements import (
     THREAD_IDS,
     UNVOUCHED,
 )
+from storage.summary import kept, vouched
 
 DbRow = Any
 """A SQLAlchemy result row (its column types are not tracked)."""
@@ -72,6 +75,12 @@ def _head(conn: Connection, thread: ThreadId, row: DbRow, cache: FrontierCache) 
         _check_unvouched(conn, thread)
     if row is None:
         return Frontier(thread_id=thread)
+    return checked_head(thread, row, cache)
+
+
+def checked_head(thread: ThreadId, row: DbRow, cache: FrontierCache) -> Frontier:
+    """The head a thread row stores, checked against its checksum and against the stored
+    hash of the record at its version (or the prune's anchor at it)."""
     frontier = cache.decode(thread, row.frontier, row.version, row.checksum)
     at_head = row.payload_hash
     if at_head is None and row.pruned_through is not None and row.pruned_through == row.version:
@@ -157,18 +166,40 @@ def list_body(conn: Connection, state: str | None, host: str | None) -> list[DbR
     return list(conn.execute(LIST_STATE, {"state": state}))
 
 
-def summary_of(row: DbRow) -> RunSummary:
-    """A listed thread row as a RunSummary (its stored status re-validated)."""
+def listed_runs(
+    rows: list[DbRow], cache: FrontierCache, state: str | None, host: str | None
+) -> list[RunSummary]:
+    """The Runs of the listed rows, each checked against its frontier (a row that does
+    not verify is left out: ``storage.summary.kept``)."""
+    return kept((functools.partial(summary_of, r, cache) for r in rows), state, host)  # type: ignore[arg-type]
+
+
+def index_problem_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> str | None:
+    """What is wrong with the thread's run index entry (None: it is its frontier's)."""
+    row = conn.execute(INDEX_ROW, {"thread": thread}).first()
+    if row is None or (row.run_state is None and row.run_id is None):
+        return None  # no row (the audit's load says why), or a thread with no Run
     try:
-        status = ThreadStatus.model_validate_json(row.status)
+        summary_of(row, cache)
+    except CorruptRecord as exc:
+        return str(exc)
+    return None
+
+
+def summary_of(row: DbRow, cache: FrontierCache) -> RunSummary:
+    """A listed thread row as a RunSummary: its index columns, as the head the row
+    vouches for has them (``storage.summary.vouched``); CorruptRecord if they differ."""
+    thread = ThreadId(row.thread_id)
+    try:
+        listed = RunSummary(
+            thread_id=thread,
+            run_id=row.run_id,
+            state=row.run_state,
+            status=ThreadStatus.model_validate_json(row.status),
+            version=row.version,
+            cause=row.cause,
+            owner=row.owner,
+        )
     except ValidationError as exc:
-        raise CorruptRecord(row.thread_id, row.version, "stored run status") from exc
-    return RunSummary(
-        thread_id=row.thread_id,
-        run_id=row.run_id,
-        state=row.run_state,
-        status=status,
-        version=row.version,
-        cause=row.cause,
-        owner=row.owner,
-    )
+        raise CorruptRecord(thread, row.version or 0, "the run index entry") from exc
+    return vouched(listed, checked_head(thread, row, cache))

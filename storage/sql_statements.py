@@ -24,6 +24,7 @@ from sqlalchemy import (
     func,
     select,
     true,
+    union,
 )
 from sqlalchemy.sql.dml import Insert
 
@@ -151,7 +152,23 @@ UNVOUCHED = select(
 asked only when a first look found no row, or one at version 0, which vouches for no
 record (a row that has moved on since is the thread's first append, landed after the
 look)."""
-_LISTED = select(_t.thread_id, _t.run_id, _t.run_state, _t.status, _t.version, _t.cause, _t.owner)
+_LISTED = select(
+    _t.thread_id,
+    _t.run_id,
+    _t.run_state,
+    _t.status,
+    _t.version,
+    _t.cause,
+    _t.owner,
+    _t.frontier,
+    _t.checksum,
+    _t.head,
+    _c.payload_hash,
+    *_ANCHOR,
+).select_from(threads.outerjoin(commits, and_(_c.thread_id == _t.thread_id, _c.seq == _t.version)))
+"""The index columns a listing filters on, and what vouches for them: the row's frontier
+(as ``LOAD`` reads it), which each listed row is checked against."""  # fmt: skip
+INDEX_ROW = _LISTED.where(_t.thread_id == bindparam("thread"))
 LIST_ALL = _LISTED.where(_t.run_state.is_not(None)).order_by(_t.thread_id)
 LIST_STATE = _LISTED.where(_t.run_state == bindparam("state")).order_by(_t.thread_id)
 LIST_HOST = _LISTED.where(_t.host == bindparam("host"), _t.run_state.is_not(None)).order_by(
@@ -161,12 +178,14 @@ LIST_HOST_STATE = _LISTED.where(
     _t.host == bindparam("host"), _t.run_state == bindparam("state")
 ).order_by(_t.thread_id)
 
+_ROWS_AFTER = select(_t.thread_id.label("thread_id")).where(_t.thread_id > bindparam("after"))
+_LOGS_AFTER = select(_c.thread_id.label("thread_id")).where(_c.thread_id > bindparam("after"))
+_ALL_AFTER = union(_ROWS_AFTER, _LOGS_AFTER).subquery()
 THREAD_IDS = (
-    select(_t.thread_id)
-    .where(_t.thread_id > bindparam("after"))
-    .order_by(_t.thread_id)
-    .limit(bindparam("limit"))
+    select(_ALL_AFTER.c.thread_id).order_by(_ALL_AFTER.c.thread_id).limit(bindparam("limit"))
 )
+"""Every thread with a row or with records: a log whose row was deleted is listed too, so
+that an audit of the whole store finds it (its load fails closed)."""
 
 
 def _pg_lock_statement() -> Any:

@@ -20,7 +20,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from runtime.commit import Frontier, Receipt, ThreadCommit
-from runtime.errors import RatchetError, StoreError
+from runtime.errors import CorruptRecord, RatchetError, StoreError, VersionConflict
 from runtime.ids import OperationId, ThreadId
 from runtime.integrity import (
     history_digest,
@@ -36,6 +36,7 @@ from storage.sql_statements import (
     ANCHOR,
     DELETE_PRUNED,
     HASH_AT,
+    HEAD,
     INSERT_COMMITS,
     INSERT_FRESH,
     INSERT_PRUNED,
@@ -321,14 +322,30 @@ def _isolated(conn: Connection, request: Request, where: str, cache: FrontierCac
     except IntegrityError as exc:
         if isinstance(request, ClaimRequest):
             return translate(exc, where, thread=request.thread)
-        return translate(
+        latest = conn.execute(LATEST_SEQ, {"thread": request.thread}).scalar() or 0
+        refused = translate(
             exc,
             where,
             thread=request.thread,
             operation=request.commit.operation_id,
             expected=request.expected,
-            actual=conn.execute(LATEST_SEQ, {"thread": request.thread}).scalar() or 0,
+            actual=latest,
         )
+        if isinstance(refused, VersionConflict) and latest > request.expected == _version(
+            conn, request.thread
+        ):
+            # the row is still at the version the append was admitted at, and a record
+            # lies past it: no thread row vouches for that record (put there by hand),
+            # and every append would meet it, for ever (a drive retrying would spin)
+            return CorruptRecord(
+                request.thread, request.expected + 1, "the log runs past the frontier's head"
+            )
+        return refused
+
+
+def _version(conn: Connection, thread: ThreadId) -> int:
+    row = conn.execute(HEAD, {"thread": thread}).first()
+    return -1 if row is None else int(row.version)
 
 
 def group_txn(conn: Connection, group: Sequence[Request], cache: FrontierCache) -> list[Outcome]:

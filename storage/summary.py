@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from runtime.commit import Frontier
+from runtime.errors import CorruptRecord
 from runtime.lifecycle import EndedState
 from runtime.ports import RunSummary, host_of
 
 RunStateKind = Literal["running", "awaiting", "ended"]
 RUN_STATES: tuple[RunStateKind, ...] = ("running", "awaiting", "ended")
+log = logging.getLogger("ratchet.store")
 
 
 def summarize(frontier: Frontier) -> RunSummary | None:
@@ -27,6 +30,36 @@ def summarize(frontier: Frontier) -> RunSummary | None:
         cause=cause,
         owner=frontier.owner,
     )
+
+
+def vouched(listed: RunSummary, head: Frontier) -> RunSummary:
+    """The summary of ``head``, a thread's verified head, if the index entry that listed
+    it says the same; else CorruptRecord (an index changed by hand would have a Run
+    served, or taken over, as it is not)."""
+    summary = summarize(head)
+    if summary != listed:
+        raise CorruptRecord(head.thread_id, head.version, "the run index is not the frontier's")
+    return listed
+
+
+def kept(
+    summaries: Iterable[Callable[[], RunSummary]], state: RunStateKind | None, host: str | None
+) -> list[RunSummary]:
+    """The listing: each entry built and checked on its own. One that does not verify is
+    left out (and logged): a single bad row must not stop every listing, and with it
+    every sweep of the Supervisor and every host's reconciliation."""
+    found = []
+    for make in summaries:
+        try:
+            summary = make()
+        except CorruptRecord as exc:
+            log.error("a run index entry does not verify, left out of the listing: %s", exc)
+            continue
+        if (state is None or summary.state == state) and (
+            host is None or host_of(summary.owner) == host
+        ):
+            found.append(summary)
+    return found
 
 
 def listing(frontier: Frontier) -> tuple[RunStateKind | None, str | None]:

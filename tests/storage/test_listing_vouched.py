@@ -1,0 +1,135 @@
+"""A listing serves only what the store vouches for (SQL stores: the index columns of a
+thread row are checked against the row's frontier, which its checksum and the hash of
+the record at its version vouch for). An index edited by hand leaves that Run out of
+every listing, logged, and never stops the listing of the others: the Supervisor's
+sweeps and the hosts' reconciliation list Runs, and take them over from what they list.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+from sqlalchemy import insert
+
+from runtime.errors import CorruptRecord
+from runtime.ids import ThreadId
+from runtime.integrity import audit
+from storage.schema import commits
+
+from .test_integrity import SqlTamper, make_victim
+
+GOOD, BAD = ThreadId("listed-good"), ThreadId("listed-bad")
+FORGED_STATUS = json.dumps({"state": "failed", "since": 1, "reason": "forged"})
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"run_state": "ended", "cause": "natural"},
+        {"owner": "evil-host#1", "host": "evil-host"},
+        {"status": FORGED_STATUS},
+        {"run_id": "run-forged"},
+        {"status": "x"},  # not even a status
+        {"run_state": "bogus"},  # not a run state
+    ],
+    ids=["state", "owner", "status", "run-id", "status-not-json", "state-not-a-state"],
+)
+async def test_an_index_edited_by_hand_is_left_out_and_the_others_are_listed(
+    sql_store: Any, edit: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    good, bad = await make_victim(sql_store, GOOD), await make_victim(sql_store, BAD)
+    await SqlTamper(sql_store, BAD).set_meta(**edit)
+    with caplog.at_level(logging.ERROR, logger="ratchet.store"):
+        every = await sql_store.list_runs()
+        awaiting = await sql_store.list_runs("awaiting")
+        ended = await sql_store.list_runs("ended")
+    assert [s.thread_id for s in every] == [GOOD] == [s.thread_id for s in awaiting]
+    assert ended == []  # a Run the index calls ended, which its frontier does not
+    assert every[0].state == "awaiting" and every[0].owner == good.frontier.owner
+    assert f"{BAD}" in caplog.text and "does not verify" in caplog.text
+    # the thread itself still loads as its records have it
+    assert (await sql_store.load(BAD)).run_state == bad.frontier.run_state
+
+
+async def test_a_host_listing_trusts_no_host_column(sql_store: Any) -> None:
+    """The owner index (``list_runs(host=...)``) picks rows by their host column; the
+    Runs it answers are those whose vouched owner is that host."""
+    victim = await make_victim(sql_store, GOOD)
+    await SqlTamper(sql_store, GOOD).set_meta(host="other-host")
+    assert await sql_store.list_runs(host="other-host") == []
+    assert victim.frontier.run_state is not None
+
+
+async def test_a_record_past_the_head_fails_closed_instead_of_a_conflict_for_ever(
+    sql_store: Any,
+) -> None:
+    """A record put by hand past the thread row's version: the next append meets it. It
+    is CorruptRecord (no engine acts on the thread), not a VersionConflict that a drive
+    would retry for ever; the approved call never runs."""
+    victim = await make_victim(sql_store, BAD)
+    async with sql_store.engine.begin() as conn:
+        await conn.execute(
+            insert(commits).values(
+                thread_id=BAD,
+                seq=victim.frontier.version + 1,
+                operation_id="planted",
+                payload_hash="0" * 64,
+                label="results",
+                body="{}",
+            )
+        )
+    with pytest.raises(CorruptRecord, match="past the frontier's head"):
+        await victim.runner(sql_store).resume(victim.approval())
+    assert victim.ran == []
+
+
+async def test_a_log_whose_thread_row_was_deleted_is_listed_for_an_audit(sql_store: Any) -> None:
+    await make_victim(sql_store, GOOD)
+    await make_victim(sql_store, BAD)
+    await SqlTamper(sql_store, BAD).drop_thread()
+    assert await sql_store.thread_ids() == [BAD, GOOD]
+    assert await sql_store.thread_ids(BAD) == [GOOD]
+    assert await sql_store.thread_ids("", 1) == [BAD]
+    with pytest.raises(CorruptRecord, match="no frontier vouches for"):
+        await sql_store.load(BAD)
+
+
+async def test_an_audit_names_a_run_index_that_is_not_its_frontier_s(sql_store: Any) -> None:
+    """A running Run whose index says ended would never be swept up again: ``ratchet
+    verify`` must say so."""
+    await make_victim(sql_store, GOOD)
+    await make_victim(sql_store, BAD)
+    await SqlTamper(sql_store, BAD).set_meta(run_state="ended", cause="natural")
+    assert await audit(sql_store, GOOD) == []
+    (problem,) = await audit(sql_store, BAD)
+    assert "run index is not the frontier's" in problem.detail
+
+
+REDIS_DB = 12
+"""This file's own Redis database (the shared fixture's db 9 is flushed by other suites)."""
+
+
+@pytest.fixture
+def redis_test_url(redis_url: str) -> str:
+    return redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+@pytest.mark.parametrize(
+    "edit", [{"state": "ended"}, {"owner": "evil-host#1"}, {"run_id": "run-forged"}]
+)
+async def test_a_redis_run_index_entry_edited_by_hand_is_left_out(
+    store: Any, edit: dict[str, Any]
+) -> None:
+    await make_victim(store, GOOD)
+    await make_victim(store, BAD)
+    index = store._index("awaiting")
+    entry = json.loads(await store.client.hget(index, BAD))
+    await store.client.hset(index, BAD, json.dumps(entry | edit))
+    assert [s.thread_id for s in await store.list_runs()] == [GOOD]
+    assert [s.thread_id for s in await store.list_runs("awaiting")] == [GOOD]
+    await store.client.hset(index, BAD, "not json")
+    assert [s.thread_id for s in await store.list_runs()] == [GOOD]
