@@ -15,7 +15,6 @@ from runtime.commit import Frontier
 from runtime.delegation import (
     CHILD_OUTCOME,
     ChildRequest,
-    ChildRunner,
     ParentLink,
     outcome_of,
     parent_link,
@@ -109,4 +108,4 @@ class ChildHosting:
         return self.children.host_for(frontier.thread_id)
 
 
-__all__ = ["UNTRUSTED", "ChildHosting", "ChildRunner"]
+__all__ = ["UNTRUSTED", "ChildHosting"]
