@@ -55,7 +55,7 @@ from actors.wire import (
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
 from runtime.ids import ThreadId
-from runtime.ports import RunSummary, host_of
+from runtime.ports import RunSummary, host_of, refused_in
 from runtime.publish import Publisher
 from runtime.timeutil import now_us
 
@@ -180,7 +180,7 @@ class Supervisor:
         return False
 
     async def _host_lost(self, host_id: str, why: str) -> None:
-        runs = await self.store.list_runs("running", host=host_id)
+        runs = await self._running(host_id)
         log.warning("host %s lost (%s): %d running runs", host_id, why, len(runs))
         self.counts["hosts_lost"] += 1
         self.events.append({"host": host_id, "why": why, "runs": len(runs), "at": now_us()})
@@ -191,7 +191,7 @@ class Supervisor:
         index: the listing carries each Run's owner; no frontier is loaded)."""
         now = time.monotonic()
         by_host: dict[str, list[RunSummary]] = {}
-        for summary in await self.store.list_runs("running"):
+        for summary in await self._running():
             if self._ours(summary):
                 by_host.setdefault(host_of(summary.owner) or "", []).append(summary)
         hosts = sorted(by_host)
@@ -206,6 +206,13 @@ class Supervisor:
         paused = [s.thread_id for s in awaiting if s.status.reason == AWAITING_PAUSE]
         self.counts["outcomes_handed"] += await redeliver(self.store, parents, self._host_of)
         self.counts["pauses_resumed"] += await fire_due(self.store, paused, self._host_of, now_us())
+
+    async def _running(self, host: str | None = None) -> list[RunSummary]:
+        """The running Runs (of ``host``); a thread whose index entry does not verify is
+        not listed, and is quarantined here (reported, never taken over)."""
+        runs = await self.store.list_runs("running", host=host)
+        self.quarantined.update(refused_in(runs))
+        return runs
 
     def _ours(self, summary: RunSummary) -> bool:
         """Owned by this system's hosts (or this actor)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Annotated, Any, Literal, NamedTuple, Protocol
 
 from pydantic import Field
@@ -32,6 +32,25 @@ class RunSummary(Frozen):
     """End cause kind for ended runs."""
     owner: str | None = None
     """The thread's current owner (a RunHost's is ``host#pid``)."""
+
+
+class Listing(list[RunSummary]):
+    """What ``CommitStore.list_runs`` answers: the entries that verify, and the threads
+    whose entries did not (``refused``: left out and logged), so that a sweep can report
+    and quarantine them rather than never hear of them."""
+
+    refused: tuple[ThreadId, ...] = ()
+
+    @classmethod
+    def of(cls, entries: Iterable[RunSummary], refused: Iterable[ThreadId] = ()) -> Listing:
+        listing = cls(entries)
+        listing.refused = tuple(refused)
+        return listing
+
+
+def refused_in(listing: Sequence[RunSummary]) -> tuple[ThreadId, ...]:
+    """The threads a listing left out as not verifying (none for a plain list)."""
+    return listing.refused if isinstance(listing, Listing) else ()
 
 
 class CommitStore(Protocol):

@@ -8,8 +8,9 @@ from typing import Literal
 
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord
+from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
-from runtime.ports import RunSummary, host_of
+from runtime.ports import Listing, RunSummary, host_of
 
 RunStateKind = Literal["running", "awaiting", "ended"]
 RUN_STATES: tuple[RunStateKind, ...] = ("running", "awaiting", "ended")
@@ -44,22 +45,23 @@ def vouched(listed: RunSummary, head: Frontier) -> RunSummary:
 
 def kept(
     summaries: Iterable[Callable[[], RunSummary]], state: RunStateKind | None, host: str | None
-) -> list[RunSummary]:
+) -> Listing:
     """The listing: each entry built and checked on its own. One that does not verify is
-    left out (and logged): a single bad row must not stop every listing, and with it
-    every sweep of the Supervisor and every host's reconciliation."""
-    found = []
+    left out (logged, and named in ``refused``): a single bad row must not stop every
+    listing, and with it every sweep of the Supervisor and every host's reconciliation."""
+    found, refused = [], []
     for make in summaries:
         try:
             summary = make()
         except CorruptRecord as exc:
             log.error("a run index entry does not verify, left out of the listing: %s", exc)
+            refused.append(ThreadId(exc.thread))
             continue
         if (state is None or summary.state == state) and (
             host is None or host_of(summary.owner) == host
         ):
             found.append(summary)
-    return found
+    return Listing.of(found, refused)
 
 
 def listing(frontier: Frontier) -> tuple[RunStateKind | None, str | None]:

@@ -17,6 +17,7 @@ from sqlalchemy import insert
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import audit
+from runtime.ports import refused_in
 from storage.schema import commits
 
 from .test_integrity import SqlTamper, make_victim
@@ -50,6 +51,7 @@ async def test_an_index_edited_by_hand_is_left_out_and_the_others_are_listed(
     assert ended == []  # a Run the index calls ended, which its frontier does not
     assert every[0].state == "awaiting" and every[0].owner == good.frontier.owner
     assert f"{BAD}" in caplog.text and "does not verify" in caplog.text
+    assert refused_in(every) == (BAD,)  # a sweep quarantines it
     # the thread itself still loads as its records have it
     assert (await sql_store.load(BAD)).run_state == bad.frontier.run_state
 
@@ -130,6 +132,7 @@ async def test_a_redis_run_index_entry_edited_by_hand_is_left_out(
     entry = json.loads(await store.client.hget(index, BAD))
     await store.client.hset(index, BAD, json.dumps(entry | edit))
     assert [s.thread_id for s in await store.list_runs()] == [GOOD]
+    assert refused_in(await store.list_runs()) == (BAD,)
     assert [s.thread_id for s in await store.list_runs("awaiting")] == [GOOD]
     await store.client.hset(index, BAD, "not json")
     assert [s.thread_id for s in await store.list_runs()] == [GOOD]
