@@ -3,10 +3,16 @@
 A checkpoint only shortens the first recovered step, so every failure here —
 server down, a record that no longer decodes — is logged and swallowed: ``get``
 then answers None and the Run simply infers again. Nothing is ever raised into a Run.
+
+A checkpoint is not committed, yet what it holds is acted on (its complete tool calls
+are run without asking the model again), so it is stored *sealed*: the SHA-256 of the
+thread id and the body, then the body (``seal``). One that does not match (edited by
+hand, copied from another thread, or written by an earlier layout) is ignored.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,10 +41,10 @@ class MemoryCheckpointStore:
 
     async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
         text = self._data.get(thread)
-        return _decode(thread, text) if text is not None else None
+        return unseal(thread, text) if text is not None else None
 
     async def put(self, thread: ThreadId, checkpoint: StreamCheckpoint) -> None:
-        self._data[thread] = checkpoint.model_dump_json()
+        self._data[thread] = seal(thread, checkpoint)
 
     async def delete(self, thread: ThreadId) -> None:
         self._data.pop(thread, None)
@@ -66,12 +72,12 @@ class SqlCheckpointStore:
         except Exception as exc:
             _warn("get", thread, translate(exc, self.where))
             return None
-        return _decode(thread, text) if text is not None else None
+        return unseal(thread, text) if text is not None else None
 
     async def put(self, thread: ThreadId, checkpoint: StreamCheckpoint) -> None:
         row = {
             "thread_id": thread,
-            "body": checkpoint.model_dump_json(),
+            "body": seal(thread, checkpoint),
             "updated": time.time_ns() // 1000,
         }
         await self._write("put", thread, _put_body, row)
@@ -109,9 +115,25 @@ def _delete_body(conn: Connection, thread: ThreadId) -> None:
         conn.execute(_DELETE, {"thread": thread})
 
 
-def _decode(thread: str, text: str) -> StreamCheckpoint | None:
+def _digest(thread: str, body: str) -> str:
+    text = f"{thread}\n{body}".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(text).hexdigest()
+
+
+def seal(thread: str, checkpoint: StreamCheckpoint) -> str:
+    """The stored text of a checkpoint: its digest, a newline, its JSON."""
+    body = checkpoint.model_dump_json()
+    return f"{_digest(thread, body)}\n{body}"
+
+
+def unseal(thread: str, text: str) -> StreamCheckpoint | None:
+    """The checkpoint ``seal`` stored for ``thread``, or None (logged) if it is not one."""
+    digest, _, body = text.partition("\n")
+    if digest != _digest(thread, body):
+        _warn("check", thread, ValueError("its digest does not match: not acted on"))
+        return None
     try:
-        return StreamCheckpoint.model_validate_json(text)
+        return StreamCheckpoint.model_validate_json(body)
     except ValidationError as exc:
         _warn("decode", thread, exc)
         return None

@@ -5,7 +5,8 @@ inference (DESIGN §4). Losing one only costs a repeated inference, so a Run mus
 never fail because this store did: ``get`` answers None, ``put``/``delete`` do
 nothing, and a warning says why.
 
-Key: ``P:checkpoint:T`` (a string holding StreamCheckpoint JSON), expiring after
+Key: ``P:checkpoint:T`` (a string holding the sealed StreamCheckpoint JSON, as
+``storage.checkpoints.seal`` writes it: a checkpoint's tool calls are acted on), expiring after
 ``ttl_s`` so checkpoints of abandoned Runs do not accumulate.
 """
 
@@ -16,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
 from runtime.ids import ThreadId
 from runtime.ports import StreamCheckpoint
+from storage.checkpoints import seal, unseal
 from storage.redis_client import open_client, translated
 from storage.url import redact
 
@@ -55,16 +56,10 @@ class RedisCheckpointStore:
 
     async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
         text = await self._best_effort("get", thread, lambda: self.client.get(self._key(thread)))
-        if text is None:
-            return None
-        try:
-            return StreamCheckpoint.model_validate_json(text)
-        except ValidationError as exc:
-            log.warning("ignoring an unreadable stream checkpoint of %s: %s", thread, exc)
-            return None
+        return None if text is None else unseal(thread, text)
 
     async def put(self, thread: ThreadId, checkpoint: StreamCheckpoint) -> None:
-        text = checkpoint.model_dump_json()
+        text = seal(thread, checkpoint)
         await self._best_effort(
             "put", thread, lambda: self.client.set(self._key(thread), text, ex=self.ttl_s)
         )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from runtime.ids import RunId, ThreadId
 from runtime.ports import StreamCheckpoint
@@ -73,3 +75,41 @@ async def test_unreachable_server_is_logged_never_raised(caplog: pytest.LogCaptu
         await cps.engine.dispose()
     assert caplog.text.count("ignored") == 3
     assert "s3cret" not in caplog.text
+
+
+FORGED_CALL = {"id": "forged", "name": "rm", "arguments": '{"path": "/"}'}
+
+
+async def test_a_checkpoint_edited_by_hand_or_moved_is_not_acted_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint's complete tool calls are run on recovery without asking the model:
+    one whose body was edited (its digest left as it was), or that was copied from
+    another thread, is ignored, never acted on."""
+    store = await SqlCommitStore.connect(f"sqlite:///{tmp_path}/cp.db")
+    try:
+        cps = store.checkpoints()
+        await cps.put(T, CP)
+        async with store.engine.begin() as conn:
+            (stored,) = (await conn.execute(select(checkpoints.c.body))).scalars()
+            digest, body = stored.split("\n", 1)
+            forged = json.loads(body) | {"tool_calls": [FORGED_CALL]}
+            edited = f"{digest}\n{json.dumps(forged)}"
+            await conn.execute(update(checkpoints).values(body=edited))
+        with caplog.at_level(logging.WARNING, logger="ratchet.storage.checkpoints"):
+            assert await cps.get(T) is None
+        assert "digest does not match" in caplog.text
+        other = ThreadId("t-other")
+        await cps.put(other, CP)
+        async with store.engine.begin() as conn:
+            moved = (
+                await conn.execute(
+                    select(checkpoints.c.body).where(checkpoints.c.thread_id == other)
+                )
+            ).scalar_one()
+            await conn.execute(
+                update(checkpoints).where(checkpoints.c.thread_id == T).values(body=moved)
+            )
+        assert await cps.get(T) is None  # another thread's checkpoint
+    finally:
+        await store.close()

@@ -275,6 +275,11 @@ async def test_checkpoints_round_trip(redis_url: str) -> None:
     assert await checkpoints.get(thread) == point
     await checkpoints.client.set(f"{prefix}:checkpoint:u", "{not json")
     assert await checkpoints.get(ThreadId("u")) is None  # unreadable: a miss, not an error
+    sealed = await checkpoints.client.get(f"{prefix}:checkpoint:t")
+    await checkpoints.client.set(f"{prefix}:checkpoint:u", sealed)
+    assert await checkpoints.get(ThreadId("u")) is None  # another thread's: not acted on
+    await checkpoints.client.set(f"{prefix}:checkpoint:t", sealed.replace("partial", "forged"))
+    assert await checkpoints.get(thread) is None  # edited behind its digest
     await checkpoints.delete(thread)
     await checkpoints.delete(ThreadId("u"))
     assert await checkpoints.get(thread) is None
