@@ -15,17 +15,21 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
+import logging
 from dataclasses import dataclass
 from typing import Any, cast, get_args
 
 from actors.wire import RunMeta, run_meta, stored_run_meta
 from cluster.cli_args import BadInput
 from runtime.commit import Frontier
+from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.lifecycle import StatusState
 from runtime.ports import RunSummary
 from runtime.usage import USAGE_KEY
 from storage.summary import RUN_STATES, RunStateKind, summarize
+
+log = logging.getLogger("ratchet.cli")
 
 STATUSES: tuple[StatusState, ...] = get_args(StatusState)
 DEFAULT_LIMIT = 50
@@ -150,8 +154,12 @@ async def run_page(db: Any, query: RunQuery) -> tuple[list[RunRow], str | None]:
     rows: list[RunRow] = []
     for thread in threads:
         # the head and the Run's own records, not the thread's whole log
-        head = await db.load_head(thread)
-        row = run_row(head, await stored_run_meta(db, head))
+        try:
+            head = await db.load_head(thread)
+            row = run_row(head, await stored_run_meta(db, head))
+        except CorruptRecord as exc:  # one bad thread must not hide every other
+            log.error("thread %s left out of the listing: %s", thread, exc)
+            continue
         if row is not None and query.admits(row):
             rows.append(row)
             if len(rows) > query.limit:

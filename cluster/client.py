@@ -40,10 +40,10 @@ from cluster.waiting import on_a_live_host, patiently, polled, rests
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
-from runtime.errors import StoreError, StoreUnavailable
+from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
 from runtime.ids import RunId, ThreadId
 from runtime.limits import check_id, check_text
-from runtime.ports import CommitStore, RunSummary
+from runtime.ports import CommitStore, RunSummary, refused_in
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
@@ -224,7 +224,11 @@ class Ratchet:
         wanted = {h.thread_id: h.run_id for h in handles}
 
         async def all_at_rest() -> list[RunSummary] | None:
-            rows = {r.thread_id: r for r in await patiently(self.store.list_runs)}
+            listing = await patiently(self.store.list_runs)
+            for thread in refused_in(listing):  # it would never be listed at rest
+                if thread in wanted:
+                    raise CorruptRecord(thread, 0, "its run index entry does not verify")
+            rows = {r.thread_id: r for r in listing}
             done = [rows[t] for t, run in wanted.items() if _at_rest(rows.get(t), run)]
             return done if len(done) == len(wanted) else None
 

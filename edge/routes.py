@@ -9,6 +9,7 @@ rest (ended or awaiting) and answers with the thread as it is then.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
@@ -31,13 +32,14 @@ from edge.models import (
 from edge.problems import HttpProblem, problems
 from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
-from runtime.errors import AgentImportError
+from runtime.errors import AgentImportError, CorruptRecord
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState
 from runtime.limits import check_id
 from runtime.ports import RunSummary
 
 router = APIRouter()
+log = logging.getLogger("ratchet.edge")
 MAX_WAIT_S = 300.0
 MAX_SEQ = 2**63 - 1
 """A store's sequence numbers are 64-bit: a larger cursor is refused (422), not a 503."""
@@ -137,7 +139,11 @@ async def list_runs(
 
 async def _agent_of(client: Ratchet, thread: ThreadId) -> str | None:
     store = client.store
-    meta = await stored_run_meta(store, await store.load_head(thread))
+    try:
+        meta = await stored_run_meta(store, await store.load_head(thread))
+    except CorruptRecord as exc:  # unverified: no agent is vouched for, the page goes on
+        log.error("thread %s left out of the listing: %s", thread, exc)
+        return None
     return meta.agent_ref if meta is not None else None
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from runtime.base import evolve, trusted
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.errors import (
+    CorruptRecord,
     DuplicateOperation,
     Fenced,
     InvalidTransition,
@@ -57,6 +58,18 @@ def check_claim(frontier: Frontier, supersedes: int) -> None:
         raise Fenced(frontier.thread_id, supersedes, frontier.epoch)
 
 
+def _check_receipt(frontier: Frontier, commit: ThreadCommit, known: Receipt) -> None:
+    """A stored receipt is handed back to a retry as its commit's: it must be one of this
+    thread's, for this operation, at a version the thread has reached (CorruptRecord
+    otherwise: a receipt edited by hand, or planted under a future operation id)."""
+    if (
+        known.thread_id != commit.thread_id
+        or known.operation_id != commit.operation_id
+        or not 0 < known.seq <= frontier.version
+    ):
+        raise CorruptRecord(commit.thread_id, known.seq, "the stored receipt is not this thread's")
+
+
 def admit(
     frontier: Frontier,
     commit: ThreadCommit,
@@ -77,6 +90,8 @@ def admit(
     Raises Fenced, DuplicateOperation, RunEnded, VersionConflict, InvalidTransition
     (including a commit that does not extend the chain head) or StateConflict.
     """
+    if known is not None:
+        _check_receipt(frontier, commit, known)
     if known is not None and known.payload_hash == commit.payload_hash:
         # a retried write that already landed: harmless, even if since fenced (the hash
         # covers the writer's epoch and claim, so this is the same writer's commit)

@@ -56,7 +56,7 @@ class RedisCheckpointStore:
 
     async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
         text = await self._best_effort("get", thread, lambda: self.client.get(self._key(thread)))
-        return None if text is None else unseal(thread, text)
+        return unseal(thread, text) if isinstance(text, str) else None  # decoded replies
 
     async def put(self, thread: ThreadId, checkpoint: StreamCheckpoint) -> None:
         text = seal(thread, checkpoint)

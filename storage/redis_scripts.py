@@ -13,12 +13,12 @@ for i = 1, 9 do
   local t = redis.call('TYPE', KEYS[i])['ok']
   if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
 end
-local f = redis.call('HMGET', meta, 'epoch', 'version', 'run_id', 'ended', 'pruned')
-local epoch, version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[5] or '0')
+local f = redis.call('HMGET', meta, 'epoch', 'version', 'pruned')
+local epoch, version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[3] or '0')
 if not epoch or not version or not pruned then return 'corrupt ' .. meta end
 local kept = version - pruned
 if redis.call('HEXISTS', ops, ARGV[4]) == 1 or epoch ~= tonumber(ARGV[2])
-   or (f[4] == '1' and f[3] == ARGV[3]) or version ~= tonumber(ARGV[1]) then
+   or version ~= tonumber(ARGV[1]) then
   return 'refused'
 end
 if redis.call('LLEN', log) ~= kept then return 'corrupt ' .. log end

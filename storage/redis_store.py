@@ -10,7 +10,9 @@ Redis 7 or newer, a single primary (not Redis Cluster: the run index spans threa
 rule of ``runtime.commit`` (``admit``: the append's own claim, fencing, version, the
 hash chain, the fold) and sends the new frontier to a Lua script that re-checks,
 atomically, what may have changed since the load — operation id unknown, owner
-epoch, run not ended, version — and then writes the commit, its hash, its receipt,
+epoch, version (the run's end comes with a version, and ``admit`` checked it on the
+frontier the checksum vouches for: the ``run_id``/``ended`` meta fields are written
+for readers of the layout, never trusted) — and then writes the commit, its hash, its receipt,
 the frontier with its checksum, the run index and the owner index. The script
 answers ``ok``, ``refused`` or ``corrupt KEY``. On ``refused`` the append loads
 again and lets ``admit`` name the error (or return the original receipt of a retried

@@ -1,0 +1,72 @@
+"""Values kept beside the verified ones, edited by hand: a receipt handed back to a
+retry, and (Redis) the ``run_id``/``ended`` meta fields the append script once trusted.
+Each is either checked against what the chain vouches for or never acted on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from runtime.errors import CorruptRecord
+from runtime.ids import ThreadId
+from storage.schema import commits
+
+from .test_integrity import make_victim
+
+T = ThreadId("tampered-meta")
+
+
+async def _retry_of_the_last(store: Any) -> Any:
+    """Append the thread's last commit again, as a writer that lost its receipt would."""
+    last = (await store.read(T))[-1].commit
+    frontier = await store.load(T)
+    return await store.append(last, frontier.version - 1, frontier.epoch)
+
+
+async def test_a_retry_gets_its_receipt_back(store: Any) -> None:
+    await make_victim(store, T)
+    receipt = await _retry_of_the_last(store)
+    assert receipt.seq == 5 and receipt.thread_id == T
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+@pytest.mark.parametrize(
+    "edit", [{"seq": 1005}, {"seq": 0}, {"thread_id": "another"}, {"operation_id": "x"}]
+)
+async def test_a_redis_receipt_edited_by_hand_is_never_handed_to_a_retry(
+    store: Any, edit: dict[str, Any]
+) -> None:
+    await make_victim(store, T)
+    ops = f"{store.prefix}:thread:{T}:ops"
+    last = (await store.read(T))[-1].commit
+    receipt = json.loads(await store.client.hget(ops, last.operation_id))
+    await store.client.hset(ops, last.operation_id, json.dumps(receipt | edit))
+    with pytest.raises(CorruptRecord, match="receipt"):
+        await _retry_of_the_last(store)
+
+
+async def test_a_sql_receipt_past_the_head_is_never_handed_to_a_retry(sql_store: Any) -> None:
+    """The SQL receipt is the commit row's own seq: one renumbered past the frontier."""
+    await make_victim(sql_store, T)
+    async with sql_store.engine.begin() as conn:
+        row = (commits.c.thread_id == T) & (commits.c.seq == 5)
+        await conn.execute(update(commits).where(row).values(seq=1005))
+    with pytest.raises(CorruptRecord):
+        await _retry_of_the_last(sql_store)
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+@pytest.mark.parametrize("fields", [{"ended": "1"}, {"run_id": "run-other", "ended": "1"}])
+async def test_redis_run_fields_edited_by_hand_do_not_wedge_the_run(
+    store: Any, fields: dict[str, str]
+) -> None:
+    """The append script used to refuse every append of a Run the meta called ended,
+    which no load ever saw: the Run could neither go on nor be settled."""
+    victim = await make_victim(store, T)
+    await store.client.hset(f"{store.prefix}:thread:{T}:meta", mapping=fields)
+    done = await victim.runner(store).resume(victim.approval())
+    assert done.run_state is not None and done.run_state.kind == "ended"
+    assert victim.ran  # the approved tool ran once the approval was committed
