@@ -256,9 +256,10 @@ class RunHost(ChildHosting):
     ) -> Any:
         try:
             drive = await self._answering(thread)
-            if drive is not None:
+            if drive is not None and drive.engine.listening:  # no await since the check
                 signal(drive.engine)
                 return "signalled"
+            # no drive, or one that came to rest meanwhile (it would not hear a signal)
             frontier = await self.store.load(thread)
             if not isinstance(frontier.run_state, RunningState | AwaitingState):
                 return "not_running"
@@ -280,9 +281,10 @@ class RunHost(ChildHosting):
             drive = await self._answering(thread)
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return remote_error(exc)
-        if drive is not None:
-            drive.engine.pause()
-        return "not_running" if drive is None else "signalled"
+        if drive is None or not drive.engine.listening:
+            return "not_running"
+        drive.engine.pause()
+        return "signalled"
 
     async def _answering(self, thread: ThreadId) -> Drive | None:
         """This host's drive of ``thread``, if it still answers for the Run. A stale one

@@ -142,6 +142,9 @@ class Engine(Sides):
         self.cancel_event = CancelSignal()
         self.stop_reason: str | None = None
         self.pause_requested = False
+        self.listening = True
+        """False once the loop decided to return: a control signalled after that is not
+        heard (a host then ends the Run at rest instead: ``resting``)."""
         self.committed = asyncio.Event()
         """Set once this engine's first commit has landed (a host answers its caller then)."""
         self._execution: ExecutionState | None = None
@@ -387,6 +390,7 @@ class Engine(Sides):
         except Exception as exc:
             await self.settle(ctx, failure_of(exc), exc)
         finally:
+            self.listening = False
             self.abandon_landing(ctx)  # a drive stopped early leaves no append behind
         return ctx.frontier
 
@@ -407,6 +411,7 @@ class Engine(Sides):
                     await self.end(ctx, self._control_cause(ctx))
                     return
                 if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
+                    self.listening = False  # no await between the check above and this
                     return
                 if root.session is not None:
                     self._use_side(ctx)

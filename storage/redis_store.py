@@ -133,6 +133,8 @@ _META = [
     "pruned_digest",
 ]
 """The meta fields a load reads (a snapshot the first eight)."""
+_THREAD_KEYS = ("meta", "log", "sums", "ops", "history")
+"""The keys of a thread (``P:thread:T:<part>``)."""
 _ATTEMPTS = 3
 """A refusal is re-examined by loading again, and that look decides (the refusal
 conditions are monotonic); the bound only guards against keys edited by hand."""
@@ -370,12 +372,18 @@ class RedisCommitStore:
         return kept(makes, state, host)
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
-        """Threads by their meta keys (a SCAN: for audits, not for hot paths)."""
-        first, last = f"{self.prefix}:thread:", ":meta"
+        """Threads by their keys, any of them (a SCAN: for audits, not for hot paths): a
+        log whose meta was deleted is listed too, so that an audit finds it."""
+        first = f"{self.prefix}:thread:"
         with translated(self.where):
-            keys = [k async for k in self.client.scan_iter(match=f"{first}*{last}", count=1000)]
-        threads = sorted(str(k)[len(first) : -len(last)] for k in keys)
-        return [ThreadId(t) for t in threads if t > after][:limit]
+            keys = [str(k) async for k in self.client.scan_iter(match=f"{first}*", count=1000)]
+        found = {
+            key[len(first) : -len(part) - 1]
+            for key in keys
+            for part in _THREAD_KEYS
+            if key.endswith(f":{part}")
+        }
+        return [ThreadId(t) for t in sorted(found) if t > after][:limit]
 
     async def prune(self, thread: ThreadId, through_seq: int) -> int:
         with translated(self.where):

@@ -48,6 +48,24 @@ class _HeldLoad:
         return await self.inner.load(thread)
 
 
+class _HeldWait:
+    """A store whose append of a Run's wait (the ``awaiting`` commit) waits until the
+    test lets it go."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner = inner
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def append(self, commit: Any, *args: Any, **kwargs: Any) -> Any:
+        if commit.label == "awaiting":
+            self.entered.set()
+            await self.release.wait()
+        return await self.inner.append(commit, *args, **kwargs)
+
+
 class _EndedBeforeTerminate:
     """A store whose second ``load`` of the thread is preceded by another end of its Run
     (a stop through another host, landing between the cancel's look and its end)."""
@@ -106,6 +124,32 @@ async def test_a_cancel_met_by_a_repeated_start_ends_the_awaiting_run():
     # ready callbacks in order): it meets the drive while the drive is still in its load
     held.release.set()
     assert await cancel == "cancelled"
+    frontier = await store.load(thread)
+    assert isinstance(frontier.run_state, EndedState)
+    assert frontier.run_state.cause.kind == "cancelled"
+
+
+async def test_a_cancel_that_meets_the_drive_as_it_comes_to_rest_ends_the_run():
+    """The cancel finds the Run's drive (it holds the thread), then looks at the store;
+    meanwhile the drive commits the Run's wait and returns. Signalled then, the drive
+    would not hear it, and the Run would rest awaiting while its caller heard
+    "signalled": the cancel ends it at rest instead."""
+    store = MemoryCommitStore()
+    held, waiting = _HeldLoad(store), _HeldWait(store)
+    host = _host(held, waiting)  # the cancel's loads are held, and the drive's wait
+    thread, run = ThreadId("ctl-resting"), RunId("run-ctl-resting")
+    message = RunMeta(agent_ref="ref").message_id(run)
+    drive = host.drives.spawn("ref", thread, run, starting(thread, "go", run, message, False))
+    await asyncio.wait_for(waiting.entered.wait(), 10)  # claimed, its wait on its way
+    cancel = asyncio.ensure_future(
+        host._end_run(thread, Cancelled(), "cancelled", lambda e: e.cancel())
+    )
+    await asyncio.wait_for(held.entered.wait(), 10)  # the cancel took it for the driver
+    waiting.release.set()
+    rested = await asyncio.wait_for(asyncio.shield(drive.task), 10)
+    assert isinstance(rested.run_state, AwaitingState)  # the wait landed, unheard
+    held.release.set()
+    assert await asyncio.wait_for(cancel, 10) == "cancelled"
     frontier = await store.load(thread)
     assert isinstance(frontier.run_state, EndedState)
     assert frontier.run_state.cause.kind == "cancelled"

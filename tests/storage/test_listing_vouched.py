@@ -136,3 +136,17 @@ async def test_a_redis_run_index_entry_edited_by_hand_is_left_out(
     assert [s.thread_id for s in await store.list_runs("awaiting")] == [GOOD]
     await store.client.hset(index, BAD, "not json")
     assert [s.thread_id for s in await store.list_runs()] == [GOOD]
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+async def test_a_redis_log_whose_meta_was_deleted_is_listed_for_an_audit(store: Any) -> None:
+    await make_victim(store, GOOD)
+    await make_victim(store, BAD)
+    odd = ThreadId("with:colons:meta")  # a thread id may hold what looks like a key part
+    await make_victim(store, odd)
+    await store.client.delete(f"{store.prefix}:thread:{BAD}:meta")
+    assert await store.thread_ids() == sorted([BAD, GOOD, odd])
+    assert await store.thread_ids(BAD, 1) == [GOOD]
+    with pytest.raises(CorruptRecord):
+        await store.load(BAD)
+    assert await audit(store, BAD)  # the thread is reported, not skipped

@@ -5,6 +5,8 @@ Each is either checked against what the chain vouches for or never acted on."""
 from __future__ import annotations
 
 import json
+import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from storage.schema import commits
 
-from .test_integrity import make_victim
+from .test_integrity import SqlTamper, make_victim
 
 T = ThreadId("tampered-meta")
 
@@ -70,3 +72,24 @@ async def test_redis_run_fields_edited_by_hand_do_not_wedge_the_run(
     done = await victim.runner(store).resume(victim.approval())
     assert done.run_state is not None and done.run_state.kind == "ended"
     assert victim.ran  # the approved tool ran once the approval was committed
+
+
+async def test_one_corrupt_thread_does_not_stop_the_listing_of_the_others(
+    sql_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ratchet runs`` and ``GET /runs?agent=`` read each listed Run's own records (the
+    listing vouches for heads only): a record of one of them edited by hand leaves that
+    thread out, logged, and lists the rest."""
+    from cluster.cli_runs import RunQuery, run_page
+    from edge.routes import _agent_of
+
+    good, bad = ThreadId("a-good"), ThreadId("b-bad")
+    await make_victim(sql_store, good)
+    victim = await make_victim(sql_store, bad)
+    await SqlTamper(sql_store, bad).set_record(3, body=victim.bodies[2].replace("a", "b", 1))
+    with caplog.at_level(logging.ERROR):
+        rows, after = await run_page(sql_store, RunQuery())
+        agents = [await _agent_of(SimpleNamespace(store=sql_store), t) for t in (good, bad)]
+    assert [r.summary.thread_id for r in rows] == [good] and after is None
+    assert agents == [None, None]  # started without an agent reference; the bad one unread
+    assert "b-bad" in caplog.text and "left out" in caplog.text
