@@ -82,12 +82,13 @@ async def follow(
     # the bus's head before the store is read: whatever is published from here on, the
     # deltas of an inference running now among it, comes from the bus
     head = await _bus_head(bus, thread, timing) if bus is not None else None
-    at_rest = False
+    at_rest = moved = False
     async for fact in _stored_facts(store, thread, cursor):
         cursor = (fact.seq, fact.index)
         at_rest = fact.type in REST_FACTS
+        moved = fact.seq > frontier.version  # committed after the load: it is stale
         yield from_fact(fact)
-    if until_rest and (at_rest or _rests(frontier, cursor)):
+    if until_rest and (at_rest or (not moved and _rests(frontier, cursor))):
         return
     live = _live(store, thread, cursor, bus, head, poll_s, timing)
     async with contextlib.aclosing(live):

@@ -245,3 +245,45 @@ async def test_deltas_keep_their_place_among_facts_the_store_already_holds():
     served = await asyncio.wait_for(following, 10)
     assert [f.type == "delta" for f in served[1:]] == [False, True] + [False] * (len(later) - 1)
     assert [f.event for f in served[1:] if f.type != "delta"] == later
+
+
+class _LoadedBefore:
+    """A store whose first ``load`` answers the frontier as it was before the commits
+    that landed since (a follower's load, then another client's resume)."""
+
+    def __init__(self, inner, earlier) -> None:
+        self.inner, self.earlier = inner, earlier
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def load(self, thread):
+        earlier, self.earlier = self.earlier, None
+        return earlier if earlier is not None else await self.inner.load(thread)
+
+
+async def test_a_resume_that_lands_between_the_load_and_the_read_does_not_end_the_stream():
+    """The follower loads the thread awaiting; a resume lands before it reads the log.
+    The facts it reads are past that frontier, so the frontier no longer says the Run
+    rests: the stream goes on to the Run's real rest."""
+    from tests.storage.test_integrity import make_victim
+
+    store = MemoryCommitStore()
+    victim = await make_victim(store)
+    with pytest.raises(Crash):  # the resume lands, its driver dies before the next commit
+        await victim.runner(store).resume(
+            victim.approval(), faults=FaultPlan(crash_at=("after:resume", 1))
+        )
+    seen: list[Frame] = []
+
+    async def follower() -> None:
+        stream = follow(_LoadedBefore(store, victim.frontier), victim.thread, poll_s=0.01)
+        async for frame in stream:
+            seen.append(frame)
+
+    task = asyncio.ensure_future(follower())
+    await until(lambda: any(f.event is not None and f.event.seq == 6 for f in seen) or task.done())
+    assert not task.done(), [f.event.type for f in seen if f.event is not None]
+    await victim.runner(store).recover(victim.thread)
+    await asyncio.wait_for(task, 10)
+    assert seen[-1].event.type == "run_finished"
