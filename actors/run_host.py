@@ -76,6 +76,7 @@ from runtime.lifecycle import (
 from runtime.limits import check_reason
 from runtime.publish import Publisher
 from runtime.resume import check_command
+from runtime.rules import check_repeated_start
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.run_host")
@@ -144,10 +145,13 @@ class RunHost(ChildHosting):
             drive = self.drives.get(thread)
             if drive is not None and drive.run_id != run_id:
                 drive = await self._finishing(thread, drive, run_id)
+            joined = drive is not None
             if drive is None:
                 go = starting(thread, text, run_id, meta.message_id(run_id), new_thread, trace)
                 drive = self.drives.spawn(agent_ref, thread, run_id, go, faults=faults)
             started = await self.drives.first_commit(drive)
+            if joined:  # a repeat only if it asked the same (as Engine.start checks)
+                check_repeated_start(await self.store.load(thread), meta.message_id(run_id), text)
             if wait:
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
                 return rested(drive.task) or started

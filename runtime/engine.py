@@ -79,6 +79,7 @@ from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, resume_commit, validate_ticket
+from runtime.rules import check_repeated_start
 from runtime.session import counted, opening, stepped, view
 from runtime.sides import Sides
 from runtime.signals import (
@@ -227,6 +228,7 @@ class Engine(Sides):
             guessed = new_thread and attempt == 0
             frontier = Frontier(thread_id=thread) if guessed else await self._verified(thread)
             if frontier.run_id == run_id:
+                check_repeated_start(frontier, message_id, text)
                 return frontier  # a repeated start: that Run exists
             if frontier.run_state is not None and not frontier.ended:
                 raise InvalidTransition(

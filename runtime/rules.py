@@ -28,7 +28,7 @@ from runtime.events import Fact
 from runtime.frozen import FrozenDict
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
-from runtime.messages import AssistantMessage
+from runtime.messages import AssistantMessage, UserMessage
 from runtime.state import apply_commands
 
 TraceCheck = Callable[[Frontier, ThreadCommit], None]
@@ -261,3 +261,18 @@ def stamp_facts(commit: ThreadCommit, seq: int) -> tuple[Fact, ...]:
     """The commit's facts (derived and stored: ``ThreadCommit.facts``) with their stream
     offsets (seq, index)."""
     return tuple(evolve(fact, seq=seq, index=i) for i, fact in enumerate(commit.facts))
+
+
+def check_repeated_start(frontier: Frontier, message_id: str, text: str) -> None:
+    """A start of a Run that exists is a repeat only if it asked the same: its input
+    message (same id, same text) is the one the Run was started with. Anything else
+    would be told it started a Run that is not what it asked for (InvalidTransition)."""
+    for message in reversed(frontier.messages):
+        if isinstance(message, UserMessage) and message.id == message_id:
+            if message.text == text:
+                return
+            break
+    raise InvalidTransition(
+        f"run {frontier.run_id} exists on thread {frontier.thread_id} with another input "
+        "or agent; a new Run needs a new id"
+    )

@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 from typing import Any
 
+import pytest
+
 from actors.drives import Drives, starting
 from actors.retiring import Admission
 from actors.run_host import RunHost
@@ -20,6 +22,7 @@ from actors.wire import RunMeta, SystemSpec, unwrap
 from cluster.client import command_for
 from runtime.control import control_engine
 from runtime.engine import Engine
+from runtime.errors import InvalidTransition
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, Cancelled, EndedState, PermissionDecision, Stopped
 from runtime.tools import LocalToolRunner
@@ -202,3 +205,32 @@ async def test_a_host_agrees_to_retire_only_when_nothing_may_start_a_drive_there
     with contextlib.suppress(asyncio.CancelledError):
         await again
     assert (await store.load(parked.thread_id)).run_state.cause.kind == "natural"
+
+
+async def test_a_repeated_start_is_one_only_if_it_asked_the_same():
+    """A start of a Run that exists returns it (whoever drives it) only if it asked for
+    the same input and agent; another input under the same run id is refused, in the
+    engine and where a host joins the Run's drive."""
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-again")
+    thread, run = parked.thread_id, parked.run_id
+    message = RunMeta(agent_ref="ref").message_id(run)
+    engine = Engine(permission_agent, store, TOOLS, owner=OWNER)
+    again = await engine.start(thread, "go", run_id=run, message_id=message)
+    assert again.version == parked.version
+    for text, mid in [
+        ("something else", message),
+        ("go", RunMeta(agent_ref="other").message_id(run)),
+    ]:
+        with pytest.raises(InvalidTransition, match="another input"):
+            await engine.start(thread, text, run_id=run, message_id=mid)
+    # the host: a start of the same Run while a drive of it is on its way joins it
+    held = _HeldLoad(store)
+    host = _host(store, held)
+    host.drives.spawn("ref", thread, run, starting(thread, "go", run, message, False))
+    await asyncio.wait_for(held.entered.wait(), 10)
+    joined = asyncio.ensure_future(host.start_run("ref", thread, run, "something else"))
+    held.release.set()
+    with pytest.raises(InvalidTransition, match="another input"):
+        unwrap(await asyncio.wait_for(joined, 10))
+    assert (await store.load(thread)).version == parked.version  # nothing was written
