@@ -51,6 +51,10 @@ class DelegationLimits(Frozen):
     """Children one Run may start in all."""
     allow_cycles: bool = False
     """Whether an agent may (indirectly) delegate to itself."""
+    agents: tuple[str, ...] | None = None
+    """The agent references (``module:attr``) a model may delegate to. None: those of
+    the delegating agent's own module. The model names the agent, and loading it imports
+    its module and may call a function there: a model must not pick any module at all."""
 
 
 class ChildRequest(Frozen):
@@ -142,6 +146,15 @@ def delegate_tool(name: str = "delegate") -> Tool:
     return built.with_delegation()
 
 
+def may_delegate_to(limits: DelegationLimits, lineage: tuple[str, ...], agent: str) -> bool:
+    """Whether ``agent`` is one the last agent of ``lineage`` may start a child of."""
+    if limits.agents is not None:
+        return agent in limits.agents
+    module, sep, attr = agent.partition(":")
+    own, own_sep, _ = (lineage[-1] if lineage else "").partition(":")
+    return bool(sep and attr and own_sep and module == own)
+
+
 def refusal(
     limits: DelegationLimits,
     depth: int,
@@ -157,6 +170,11 @@ def refusal(
         return f"delegation refused: at most {limits.max_parallel} delegations per step"
     if started >= limits.max_total:
         return f"delegation refused: this run already started {limits.max_total} children"
+    if not may_delegate_to(limits, lineage, agent):
+        return (
+            f"delegation refused: {agent!r} is not an agent this one may delegate to "
+            "(DelegationLimits.agents)"
+        )
     if agent in lineage and not limits.allow_cycles:
         return f"delegation refused: {agent} is already in the chain {list(lineage)} (cycle)"
     return None

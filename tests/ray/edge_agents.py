@@ -10,7 +10,7 @@ import asyncio
 import json
 
 from runtime.agent import Agent
-from runtime.delegation import delegate_tool
+from runtime.delegation import DelegationLimits, delegate_tool
 from runtime.models import InferenceRequest, ModelResponse, ScriptedModel, call
 from runtime.tools import ToolContext, tool
 
@@ -61,9 +61,15 @@ def _results(request: InferenceRequest) -> ModelResponse:
 
 
 def _delegating(name: str, child: str) -> Agent:
-    """One delegation (call id ``d0``) to ``child``; answers with the tool results."""
+    """One delegation (call id ``d0``) to ``child`` (named in its limits: it may be of
+    another module); answers with the tool results."""
     first = ModelResponse(tool_calls=(call("delegate", "d0", agent=child, input="task"),))
-    return Agent(name=name, model=ScriptedModel((first, _results)), tools=(delegate_tool(),))
+    return Agent(
+        name=name,
+        model=ScriptedModel((first, _results)),
+        tools=(delegate_tool(),),
+        delegation=DelegationLimits(agents=(child,)),
+    )
 
 
 parent_of_napper = _delegating("parent-of-napper", "tests.ray.agents:long_napping_agent")

@@ -156,6 +156,38 @@ async def test_a_child_input_no_store_can_hold_fails_only_that_call():
     assert await children_of(store, f) == []
 
 
+@pytest.mark.parametrize(
+    ("target", "allowed"),
+    [
+        ("pdb:set_trace", None),  # would stop the host's event loop
+        ("tests.ray.agents:long_napping_agent", None),  # another module, not named
+        (f"{HERE}:worker", ("tests.ray.agents:long_napping_agent",)),  # not among those named
+        ("worker", None),  # not a reference at all
+    ],
+)
+async def test_a_model_delegates_only_to_agents_its_agent_may_start(target, allowed):
+    """The model names the child's agent; loading it imports the module it names. Only
+    agents of the delegating agent's module, or those its limits name, may be started:
+    any other is a refusal the model reads, and nothing is imported or started."""
+    from runtime import Agent, ModelResponse, ScriptedModel, call
+    from runtime.delegation import delegate_tool
+
+    first = ModelResponse(tool_calls=(call("delegate", "d0", agent=target, input="task"),))
+    answer = lambda r: ModelResponse(text=json.dumps(agents._results(r)))  # noqa: E731
+    parent = Agent(
+        name="picky",
+        model=ScriptedModel([first, answer]),
+        tools=[delegate_tool()],
+        delegation=DelegationLimits(agents=allowed),
+    )
+    store = MemoryCommitStore()
+    f = await runner(parent, store).start("go", thread_id="p")
+    assert f.run_state.cause.kind == "natural"
+    (text,) = json.loads(f.messages[-1].text)
+    assert text.startswith("delegation refused") and "may delegate to" in text, text
+    assert await children_of(store, f) == []
+
+
 async def test_cancelling_the_parent_cancels_its_children():
     agents.BLOCK.clear()
     store = MemoryCommitStore()
