@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -40,6 +41,8 @@ from runtime.usage import admitted_usage
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
+MAX_RETRY_AFTER_S = 86_400.0
+"""The longest wait a rate limit's hint is taken for."""
 Guard = Callable[[Awaitable[Any]], Awaitable[Any]]
 Publish = Callable[[ThreadId, Sequence[Delta]], None]
 
@@ -136,10 +139,17 @@ class Inference:
 
     async def _back_off(self, ctx: RunContext, limited: ModelRateLimited, attempt: int) -> None:
         """Wait as the provider asks (else 1, 2, 4 … s, at most 60); a wait past the Run's
-        budget pauses the Run ``awaiting(pause(rate_limit))`` until then instead."""
-        wait = limited.retry_after_s
-        if wait is None or wait < 0:
-            wait = min(2.0 ** min(attempt - 1, 6), 60.0)
+        budget pauses the Run ``awaiting(pause(rate_limit))`` until then instead.
+
+        The provider's hint is held between a floor that grows with the attempts (0.25,
+        0.5, 1 … s: a "Retry-After: 0" answered again and again must not spin, nor wait
+        nothing against the budget) and a day (a hint of 1e308 s is no time to resume at)."""
+        hint = limited.retry_after_s
+        backoff = min(2.0 ** min(attempt - 1, 6), 60.0)
+        if hint is None or not math.isfinite(hint) or hint < 0:
+            wait = backoff
+        else:
+            wait = min(max(hint, backoff / 4), MAX_RETRY_AFTER_S)
         log.info("run %s rate limited (%s): waiting %.1fs", ctx.run_id, limited.code, wait)
         if self.rate_limit_waited + wait > self.agent.rate_limit_wait_s:
             resume_at = now_us() + int(wait * 1_000_000)
@@ -161,8 +171,9 @@ class Inference:
                 continue
             # a stream longer than a response may be fails its attempt now, not once it
             # ends: each delta costs every follower of the thread (a character is a byte
-            # at least, so the count of characters is a bound)
-            streamed += len(item.text) if isinstance(item, ModelDelta) else 0
+            # at least, so the count of characters is a bound); every item counts one at
+            # least, so that endless empty deltas or pings are cut too
+            streamed += max(len(item.text) if isinstance(item, ModelDelta) else 0, 1)
             if streamed > most:
                 raise InputRefused(
                     "model output", "response_bytes", f"streamed over {most} characters"

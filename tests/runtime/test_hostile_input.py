@@ -310,8 +310,21 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
             lambda a: itertools.repeat(ModelDelta(text="x" * 1000)),
             ("failed", "inference", "response_bytes"),
         ),
+        # endless empty deltas (pings) are cut too: each item counts
+        (
+            lambda a: itertools.repeat(ModelDelta(text="")),
+            ("failed", "inference", "response_bytes"),
+        ),
     ],
-    ids=["2MB-answer", "no-response", "empty-stream", "raises", "retried", "endless-stream"],
+    ids=[
+        "2MB-answer",
+        "no-response",
+        "empty-stream",
+        "raises",
+        "retried",
+        "endless-stream",
+        "endless-pings",
+    ],
 )
 async def test_model_failures_end_the_run_failed_inference(first, want):
     assert cause(await drive(FuzzModel(first))) == want

@@ -110,3 +110,33 @@ async def test_a_rate_limit_past_the_budget_pauses_the_run_until_the_named_time(
     done = await runner.resume(answer(f.run_state.ticket, Unpause()))
     assert done.run_state.cause.kind == "natural" and done.messages[-1].text == "done"
     assert [r.step for r in model.requests] == [0, 1, 1]  # the paused Step asked again
+
+
+class AlwaysLimited:
+    """Rate limited on every request, with the same hint each time."""
+
+    def __init__(self, hint: float | None) -> None:
+        self.hint, self.requests = hint, 0
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        self.requests += 1
+        raise ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=self.hint)
+        yield  # an async generator that never yields
+
+
+async def test_a_retry_after_of_zero_again_and_again_backs_off_and_pauses_the_run():
+    """Waiting nothing would ask again at once, for ever, and never use the budget."""
+    model = AlwaysLimited(0.0)
+    _, f = await run(model, rate_limit_wait_s=1)
+    target = f.run_state.ticket.target
+    assert (target.kind, target.reason) == ("pause", "rate_limit")
+    assert model.requests == 3  # 0.25 s, then 0.5 s; the third wait is past the budget
+
+
+async def test_an_absurd_retry_after_pauses_the_run_for_a_day_at_most():
+    for hint in (1e308, float("inf"), float("nan")):
+        before = now_us()
+        _, f = await run(AlwaysLimited(hint), rate_limit_wait_s=0)
+        target = f.run_state.ticket.target
+        assert (target.kind, target.reason) == ("pause", "rate_limit"), hint
+        assert before < target.resume_at_us <= now_us() + 86_400 * 1_000_000, hint
