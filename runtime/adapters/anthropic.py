@@ -34,7 +34,9 @@ streamed as reasoning but not sent back, so do not enable ``thinking`` with tool
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -158,12 +160,17 @@ def _blocks(message: RequestMessage) -> tuple[str, list[dict[str, Any]]]:
         return "user", _text(message.text)
     if isinstance(message, AssistantMessage):
         uses = [
-            {"type": "tool_use", "id": u.call_id, "name": u.tool, "input": parsed_input(u)}
+            {
+                "type": "tool_use",
+                "id": wire_name(u.call_id),
+                "name": wire_name(u.tool),
+                "input": parsed_input(u),
+            }
             for u in message.tool_calls
         ]
         return "assistant", _text(message.text) + uses
     assert isinstance(message, ToolResultMessage)
-    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.call_id}
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": wire_name(message.call_id)}
     if message.content:  # the API refuses an empty text; no content is allowed
         result["content"] = message.content
     result["is_error"] = message.is_error
@@ -175,12 +182,28 @@ def _text(text: str) -> list[dict[str, Any]]:
 
 
 def parsed_input(use: ToolUse) -> dict[str, Any]:
-    """A call's raw arguments as the object ``tool_use.input`` must be; {} otherwise."""
+    """A call's raw arguments as the object ``tool_use.input`` must be; {} otherwise —
+    also for one the SDK could not send (a lone surrogate escaped in the text, NaN or
+    Infinity): committed, it would fail every later request of the thread."""
     try:
         parsed = json.loads(use.arguments)
-    except (ValueError, RecursionError):
+        json.dumps(parsed, ensure_ascii=False, allow_nan=False).encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return {}
     return parsed if isinstance(parsed, dict) else {}
+
+
+_WIRE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def wire_name(value: str) -> str:
+    """A call id or tool name as the API accepts them (``^[a-zA-Z0-9_-]{1,64}$``): as it
+    is, or a digest of it (the same each time, so a call and its result still pair). A
+    model's own ids may be anything, and a renamed repeat is ``id#2``: sent as they are,
+    the API would refuse every later request of the thread."""
+    if _WIRE_NAME.fullmatch(value):
+        return value
+    return "r" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def anthropic_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anthropic
 import pytest
 
@@ -109,6 +111,37 @@ async def test_the_request_maps_system_blocks_tool_uses_and_merges_roles(provide
             "input_schema": ADD_SCHEMA["parameters"],
         }
     ]
+
+
+async def test_committed_calls_the_api_would_refuse_are_sent_so_that_it_accepts_them(
+    provider, make
+):
+    """A model's call ids may be anything (a repeat is renamed ``id#2``), its arguments
+    may escape a lone surrogate or say NaN: committed, each would have failed every
+    later request of the thread. Ids are sent as a digest (a call and its result the
+    same), such arguments as {}."""
+    provider.reply(anthropic_stream(text_block(0, "ok")))
+    history = (
+        UserMessage(id="u1", text="go"),
+        AssistantMessage(
+            tool_calls=(
+                use("tu_a", '{"a": "\\ud800"}'),
+                use("tu_a#2", '{"a": NaN}'),
+                ToolUse(call_id=CallId("c 3"), tool="no such tool!", arguments="{}"),
+            )
+        ),
+        ToolResultMessage(call_id=CallId("tu_a"), tool="add", content="1"),
+        ToolResultMessage(call_id=CallId("tu_a#2"), tool="add", content="2"),
+        ToolResultMessage(call_id=CallId("c 3"), tool="no such tool!", content="3"),
+    )
+    await collect(make(), request(*history))
+    assistant, results = provider.received[0].body["messages"][1:]
+    uses = assistant["content"]
+    assert [u["input"] for u in uses] == [{}, {}, {}]
+    ids = [u["id"] for u in uses]
+    assert ids[0] == "tu_a" and len(set(ids)) == 3
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", x) for x in [*ids, uses[2]["name"]])
+    assert [r["tool_use_id"] for r in results["content"]] == ids
 
 
 async def test_tool_results_come_first_in_a_merged_user_message(provider, make):
