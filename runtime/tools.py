@@ -22,10 +22,10 @@ from typing import Any, Literal, get_args, get_type_hints
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy, WaitKind
-from runtime.errors import ToolDefinitionError
+from runtime.errors import InputRefused, ToolDefinitionError
 from runtime.execution import AbortSignal, ToolExecution, ToolRequest
 from runtime.ids import CallId, OperationId, RunId, ThreadId
-from runtime.limits import DEFAULT_LIMITS, Limits, json_depth, printable
+from runtime.limits import DEFAULT_LIMITS, Limits, check_json_value, json_depth, printable
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.signals import cancelling
 from runtime.state import Command
@@ -130,6 +130,14 @@ class Tool:
             raise ValueError("arguments nest too deeply to parse") from None
         if not isinstance(raw, dict):
             raise ValueError("arguments must be a JSON object")
+        # an escaped lone surrogate, 1e400, NaN: no tool (nor MCP server) can take it. The
+        # raw text's size was held to tool_arguments_bytes already; its canonical form
+        # may be a little longer ("1e5" is 100000.0), so the bound here is only a backstop
+        most = 2 * limits.tool_arguments_bytes
+        try:
+            check_json_value("arguments", raw, most, "tool_arguments_bytes", limits)
+        except InputRefused as exc:
+            raise ValueError(printable(str(exc))) from None
         try:
             return self.args_model.model_validate(raw).model_dump(mode="json")
         except ValidationError as exc:

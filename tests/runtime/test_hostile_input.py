@@ -354,9 +354,14 @@ def args_of(size: int) -> str:
         ("[1]", "echo", "must be a JSON object"),
         ("{}", "\udcffecho", "unknown tool"),
         ("{}", "ec\x00ho", "unknown tool"),
+        # valid JSON whose value no tool can take: an MCP session died sending one
+        ('{"x": "\\ud800"}', "echo", "utf8"),
+        ('{"x": NaN}', "echo", "NaN"),
+        ('{"x": 1e400}', "echo", "NaN"),
     ],
     ids=["5000-deep-array", "3000-deep-object", "over-the-limit", "surrogate", "not-json",
-         "not-object", "surrogate-tool", "control-char-tool"],
+         "not-object", "surrogate-tool", "control-char-tool", "escaped-surrogate", "nan",
+         "overflowing-float"],
 )  # fmt: skip
 async def test_bad_arguments_are_a_model_visible_error_naming_the_limit(arguments, name, limit):
     frontier = await drive(one_call(arguments, name))
