@@ -60,6 +60,10 @@ from runtime.adapters.mcp_session import (
 __all__ = ["McpConnectionLost", "McpServer", "McpUnavailable", "mcp_tools"]
 
 _T = TypeVar("_T")
+DEFAULT_CALL_TIMEOUT_S = 300.0
+"""A call's timeout unless ``timeouts`` names one (None there: none). The SDK resolves a
+request only with its answer: one it cannot parse (a reply nested too deep, a lone
+surrogate) is logged and dropped, and the call would wait for ever."""
 
 
 # ---- tools --------------------------------------------------------------------------------
@@ -69,7 +73,7 @@ def mcp_tools(
     server: McpServer,
     *,
     recovery: Mapping[str, Sequence[RecoveryMode]] | None = None,
-    timeouts: Mapping[str, float] | None = None,
+    timeouts: Mapping[str, float | None] | None = None,
     include: Iterable[str] | None = None,
 ) -> list[Tool]:
     """The server's tools (those in ``include``, if given), in the order it lists them.
@@ -77,7 +81,8 @@ def mcp_tools(
     Lists the server now, once: agents are built at import time in each process, so
     this blocks (up to ``open_timeout_s``); inside a running event loop the listing runs
     on a loop of its own in a worker thread. ``recovery`` and ``timeouts`` are per tool
-    name; a tool's recovery modes default to ``("never_replay",)``."""
+    name; a tool's recovery modes default to ``("never_replay",)``, its timeout to
+    ``DEFAULT_CALL_TIMEOUT_S``."""
     recovery, timeouts = dict(recovery or {}), dict(timeouts or {})
     wanted = None if include is None else list(include)
     try:
@@ -113,14 +118,14 @@ def _check_names(server: McpServer, names: list[str], asked: list[str]) -> None:
 
 
 def _options(
-    name: str, recovery: Mapping[str, Sequence[str]], timeouts: Mapping[str, float]
+    name: str, recovery: Mapping[str, Sequence[str]], timeouts: Mapping[str, float | None]
 ) -> tuple[tuple[RecoveryMode, ...], float | None]:
     modes = recovery.get(name, ("never_replay",))
     chosen = (modes,) if isinstance(modes, str) else tuple(modes)
     unknown = [m for m in chosen if m not in RECOVERY_MODES]
     if not chosen or unknown:
         raise ToolDefinitionError(f"MCP tool {name}: unknown or empty recovery modes {unknown}")
-    seconds = timeouts.get(name)
+    seconds = timeouts.get(name, DEFAULT_CALL_TIMEOUT_S)
     if seconds is not None and not seconds > 0:
         raise ToolDefinitionError(f"MCP tool {name}: timeout must be positive, not {seconds!r}")
     return cast("tuple[RecoveryMode, ...]", chosen), seconds

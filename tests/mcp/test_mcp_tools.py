@@ -83,7 +83,9 @@ def test_listing_gives_each_tool_the_servers_schema_and_description(stdio_server
         "description": "Adds two integers.",
         "parameters": ADD_SCHEMA,
     }
-    assert add.recovery == ("idempotent", "never_replay") and add.timeout_s is None
+    # a call waits at most DEFAULT_CALL_TIMEOUT_S unless told: the SDK drops a reply it
+    # cannot parse, and the call would wait for ever
+    assert add.recovery == ("idempotent", "never_replay") and add.timeout_s == 300.0
     assert tools["record"].recovery == ("never_replay",) and tools["hang"].timeout_s == 5.0
     assert len(started_pids(records)) == 1  # the listing's own server, gone again (fixture)
 
