@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
-from runtime.adapters.usage import Usage, log
+from runtime.adapters.usage import Usage, log, model_name
 from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
 from runtime.messages import (
@@ -319,7 +319,7 @@ def usage_of(start: Any, end: Any, model: str) -> Usage | None:
     def count(name: str) -> int:
         for usage in (end, start):
             value = getattr(usage, name, None)
-            if isinstance(value, int):
+            if type(value) is int:
                 return value
         return 0
 
@@ -329,5 +329,5 @@ def usage_of(start: Any, end: Any, model: str) -> Usage | None:
         input_tokens=total_in,
         output_tokens=count("output_tokens"),
         cached_tokens=cached,
-        model=model,
+        model=model_name(model),
     )

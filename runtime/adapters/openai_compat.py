@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
-from runtime.adapters.usage import Usage, log
+from runtime.adapters.usage import Usage, log, model_name, token_count
 from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
 from runtime.messages import (
@@ -287,8 +287,8 @@ def usage_of(chunk: ChatCompletionChunk) -> Usage | None:
         return None
     details = usage.prompt_tokens_details
     return Usage(
-        input_tokens=usage.prompt_tokens,
-        output_tokens=usage.completion_tokens,
-        cached_tokens=(details.cached_tokens or 0) if details else 0,
-        model=chunk.model or "",
+        input_tokens=token_count(usage.prompt_tokens),
+        output_tokens=token_count(usage.completion_tokens),
+        cached_tokens=token_count(getattr(details, "cached_tokens", None)),
+        model=model_name(chunk.model),
     )

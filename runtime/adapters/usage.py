@@ -17,4 +17,16 @@ from runtime.models import Usage
 
 log = logging.getLogger("ratchet.adapters")
 
-__all__ = ["Usage", "log"]
+
+def token_count(value: object) -> int:
+    """A provider's count as Usage holds it: an int (not a bool) it is, else 0. The SDKs
+    build stream chunks without validating them, so a count may be null, "n/a" or 1.5:
+    usage is bookkeeping, and what does not parse must not fail the inference."""
+    return value if type(value) is int else 0
+
+
+def model_name(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+__all__ = ["Usage", "log", "model_name", "token_count"]

@@ -199,6 +199,29 @@ def test_usage_is_read_from_the_final_chunk():
     assert usage_of(ChatCompletionChunk.model_validate(openai_chunk({"content": "x"}))) is None
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"prompt_tokens": None, "completion_tokens": "n/a", "total_tokens": 1.5},
+        {"prompt_tokens": 1e400, "completion_tokens": True, "prompt_tokens_details": None},
+    ],
+    ids=["null-and-text", "huge-and-bool"],
+)
+async def test_usage_a_server_reports_oddly_does_not_fail_the_inference(provider, make, odd):
+    """The SDK builds stream chunks without validating them: usage is bookkeeping, and a
+    count that is not an int is taken as 0, not the inference's failure."""
+    frames = [
+        data(openai_chunk({"role": "assistant", "content": "hi"})),
+        data(openai_chunk({}, "stop")),
+        data(openai_chunk(usage=odd) | {"model": None}),
+        data("[DONE]"),
+    ]
+    provider.reply(Sse(frames))
+    _, response = await collect(make(), request())
+    assert response.text == "hi"
+    assert response.usage == Usage(input_tokens=0, output_tokens=0, cached_tokens=0, model="")
+
+
 # ---- errors ---------------------------------------------------------------------------
 
 ERRORS = [
