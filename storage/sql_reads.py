@@ -20,7 +20,7 @@ from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import PrunedHistory, RawRecord, check_head, verified_records, whole_frontier
 from runtime.lifecycle import ThreadStatus
-from runtime.ports import CommittedRecord, RunSummary
+from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.frontiers import FrontierCache
 from storage.retention import ATTEMPTS
 from storage.sql_statements import (
@@ -37,7 +37,7 @@ from storage.sql_statements import (
     THREAD_IDS,
     UNVOUCHED,
 )
-from storage.summary import kept, vouched
+from storage.summary import kept, summarize, vouched
 
 DbRow = Any
 """A SQLAlchemy result row (its column types are not tracked)."""
@@ -177,9 +177,13 @@ def listed_runs(
 def index_problem_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> str | None:
     """What is wrong with the thread's run index entry (None: it is its frontier's)."""
     row = conn.execute(INDEX_ROW, {"thread": thread}).first()
-    if row is None or (row.run_state is None and row.run_id is None):
-        return None  # no row (the audit's load says why), or a thread with no Run
+    if row is None:
+        return None  # no row: the audit's load says why
     try:
+        if row.run_state is None and row.run_id is None:  # a thread with no Run, it says
+            if summarize(checked_head(thread, row, cache)) is not None:
+                return "the run index names no Run; its frontier has one (hidden from listings)"
+            return None
         summary_of(row, cache)
     except CorruptRecord as exc:
         return str(exc)
@@ -202,4 +206,7 @@ def summary_of(row: DbRow, cache: FrontierCache) -> RunSummary:
         )
     except ValidationError as exc:
         raise CorruptRecord(thread, row.version or 0, "the run index entry") from exc
-    return vouched(listed, checked_head(thread, row, cache))
+    vouched(listed, checked_head(thread, row, cache))
+    if row.host != host_of(listed.owner):  # the owner index picks rows by it
+        raise CorruptRecord(thread, row.version or 0, "the run index's host is not its owner's")
+    return listed

@@ -160,6 +160,7 @@ _LISTED = select(
     _t.version,
     _t.cause,
     _t.owner,
+    _t.host,
     _t.frontier,
     _t.checksum,
     _t.head,

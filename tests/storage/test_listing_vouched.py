@@ -110,6 +110,28 @@ async def test_an_audit_names_a_run_index_that_is_not_its_frontier_s(sql_store: 
     assert "run index is not the frontier's" in problem.detail
 
 
+async def test_an_index_that_hides_a_run_is_named_by_an_audit_and_refused_by_a_sweep(
+    sql_store: Any,
+) -> None:
+    """The owner index picks rows by their host column, and a row that names no Run is
+    in no listing: either edit hid a Run from every host's reconciliation. An audit
+    names both; the Supervisor's listing of running Runs (no host filter) refuses the
+    host edit, so the Run is quarantined and reported, not forgotten."""
+    await make_victim(sql_store, GOOD)
+    await make_victim(sql_store, BAD)
+    await SqlTamper(sql_store, BAD).set_meta(run_state=None, run_id=None, cause=None)
+    assert [s.thread_id for s in await sql_store.list_runs()] == [GOOD]
+    (problem,) = await audit(sql_store, BAD)
+    assert "names no Run" in problem.detail
+    other = ThreadId("listed-moved")
+    await make_victim(sql_store, other)
+    await SqlTamper(sql_store, other).set_meta(host="elsewhere")
+    listing = await sql_store.list_runs("awaiting")
+    assert [s.thread_id for s in listing] == [GOOD] and other in refused_in(listing)
+    (problem,) = await audit(sql_store, other)
+    assert "host is not its owner's" in problem.detail
+
+
 REDIS_DB = 12
 """This file's own Redis database (the shared fixture's db 9 is flushed by other suites)."""
 
