@@ -27,6 +27,7 @@ def verified_frontier(
     text: str | None,
     version: str | None,
     epoch: str | None,
+    owner: str | None,
     checksum: str | None,
     head: str | None,
     n: int,
@@ -36,7 +37,7 @@ def verified_frontier(
     """The stored frontier, as one atomic read found it with the head stored beside it,
     the hash list's length ``n`` and last entry, and the anchor of a pruned thread (the
     list begins after it); fails closed on any mismatch."""
-    frontier = decode_frontier(thread, text, version, epoch, checksum)
+    frontier = decode_frontier(thread, text, version, epoch, owner, checksum)
     pruned = anchor[0] if anchor else 0
     if frontier.version == 0 and (n or pruned):  # check_head takes version 0 as empty
         raise CorruptRecord(thread, 1, "the log has records but the thread has no frontier")
@@ -48,15 +49,28 @@ def verified_frontier(
 
 
 def decode_frontier(
-    thread: str, text: str | None, version: str | None, epoch: str | None, checksum: str | None
+    thread: str,
+    text: str | None,
+    version: str | None,
+    epoch: str | None,
+    owner: str | None,
+    checksum: str | None,
 ) -> Frontier:
-    """The stored frontier with the epoch kept beside it; fails closed on any mismatch."""
+    """The stored frontier with the epoch and owner kept beside it (a claim moves them
+    alone); fails closed on any mismatch.
+
+    The frontier text holds the epoch and owner of the append that wrote it, and epochs
+    only grow: the epoch beside it is at least that one, and the same epoch names the
+    same owner (a claim moves both). So an epoch edited by hand — lowered to re-admit a
+    fenced writer, or set alone — is caught; texts of an earlier layout hold epoch 0."""
     stored_version = number_of(thread, "version", version)
     current = number_of(thread, "owner epoch", epoch)
     if text is None:
         if stored_version:
             raise CorruptRecord(thread, stored_version, "the stored frontier is missing")
-        return Frontier(thread_id=ThreadId(thread), epoch=current)
+        if owner is not None and current == 0:
+            raise CorruptRecord(thread, 0, "an owner at epoch 0")
+        return Frontier(thread_id=ThreadId(thread), epoch=current, owner=owner)
     check_frontier_text(thread, stored_version, text, checksum)
     try:
         frontier = Frontier.model_validate_json(text)
@@ -64,7 +78,10 @@ def decode_frontier(
         raise CorruptRecord(thread, stored_version, f"stored frontier: {first_error(exc)}") from exc
     if frontier.thread_id != thread or frontier.version != stored_version:
         raise CorruptRecord(thread, stored_version, "stored frontier names another thread/version")
-    return evolve(head_only(frontier), epoch=current)  # a layout 3 frontier holds messages
+    if current < frontier.epoch or (current == frontier.epoch and owner != frontier.owner):
+        raise CorruptRecord(thread, stored_version, "the owner epoch is not the frontier's")
+    # a layout 3 frontier holds messages
+    return evolve(head_only(frontier), epoch=current, owner=owner)
 
 
 def anchor_of(thread: str, pruned: str | None, pruned_hash: str | None) -> tuple[int, str] | None:

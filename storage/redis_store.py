@@ -20,8 +20,10 @@ write), so the order of the rules lives in one place only. Every refusal conditi
 monotonic — an operation id stays known, epochs and versions only grow, an ended run
 stays ended until the version moves — so the second look refuses too. The script
 reads and type-checks every key before its first write, so a refused or failed
-append writes nothing. The epoch lives outside the frontier JSON (its own hash
-field). **A claim** is one script too, a compare-and-set on the epoch alone: it checks
+append writes nothing. The epoch and owner live beside the frontier JSON (hash
+fields a claim moves alone); the JSON names those of the append that wrote it, so a
+pair beside it that is older, or the same epoch with another owner, fails closed
+(``redis_rows.decode_frontier``: the epoch is the fencing token). **A claim** is one script too, a compare-and-set on the epoch alone: it checks
 the epoch it supersedes, never the version the claimer loaded (as in SQL and memory,
 appends of the superseded owner that land in between do not refuse it; the script
 answers the frontier they left), bumps the epoch, patches the new owner into the
@@ -30,14 +32,14 @@ thread's run-index entry and moves the thread in the owner index, or answers ``f
 **Key layout** (``P`` is the prefix, default ``ratchet``; ``T`` the thread id)::
 
     P:thread:T:meta       hash    frontier  the Frontier's head: JSON without messages
-                                            (epoch 0, owner null inside)
+                                            (the epoch and owner of its append inside)
                                   checksum  SHA-256 of the frontier text
                                   head      hash of the latest commit
                                   epoch     owner epoch (decimal)
                                   owner     owner name
                                   version   thread version (= log length)
-                                  run_id    current run id
-                                  ended     "1" when the current run has ended
+                                  run_id    current run id (for readers: never trusted)
+                                  ended     "1" when the current run has ended (same)
                                   pruned    seq of the last record a prune removed
                                             (absent: none was; ``storage.retention``)
                                   pruned_hash  its stored hash (the chain's anchor)
@@ -85,7 +87,6 @@ import logging
 
 import redis.asyncio as aioredis
 
-from runtime.base import evolve
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
     Frontier,
@@ -248,9 +249,8 @@ class RedisCommitStore:
         anchor = anchor_of(thread, *anchored[:2])
         last = sums[-1] if sums else None
         head = verified_frontier(
-            thread, text, version, epoch, checksum, stored_head, len(sums), last, anchor
+            thread, text, version, epoch, owner, checksum, stored_head, len(sums), last, anchor
         )
-        head = head.model_copy(update={"owner": owner})
         if not head.version:
             return head
         pruned = anchor[0] if anchor else 0
@@ -317,8 +317,10 @@ class RedisCommitStore:
         version, text, checksum, head, n, last, pruned, pruned_hash = reply[1:]
         anchor = anchor_of(thread, pruned, pruned_hash)
         epoch = str(loaded.epoch)
-        moved = verified_frontier(thread, text, version, epoch, checksum, head, n, last, anchor)
-        return with_claim(moved.model_copy(update={"owner": loaded.owner}), owner)
+        moved = verified_frontier(
+            thread, text, version, epoch, loaded.owner, checksum, head, n, last, anchor
+        )
+        return with_claim(moved, owner)
 
     async def list_runs(
         self, state: RunStateKind | None = None, *, host: str | None = None
@@ -364,9 +366,9 @@ class RedisCommitStore:
             ]
             anchor = anchor_of(thread, *anchored)
             verified = verified_frontier(
-                thread, frontier, version, epoch, checksum, head, n, last, anchor
+                thread, frontier, version, epoch, owner, checksum, head, n, last, anchor
             )
-            return vouched(decode_summary(thread, text), evolve(verified, owner=owner))
+            return vouched(decode_summary(thread, text), verified)
 
         makes = (functools.partial(summary, i, t, x) for i, (t, x) in enumerate(rows))
         return kept(makes, state, host)
@@ -434,8 +436,9 @@ class RedisCommitStore:
                 last,
             ) = await pipe.execute()
         anchor = anchor_of(thread, *anchored)
-        frontier = verified_frontier(thread, text, version, epoch, checksum, head, n, last, anchor)
-        frontier = frontier.model_copy(update={"owner": owner})
+        frontier = verified_frontier(
+            thread, text, version, epoch, owner, checksum, head, n, last, anchor
+        )
         return _Snapshot(frontier, decode_receipt(thread, known) if op and known else None)
 
     async def _apply(
@@ -453,7 +456,7 @@ class RedisCommitStore:
         keys = [self._key(thread, p) for p in ("meta", "log", "sums", "ops")]
         keys += [self._index(s) for s in RUN_STATES]
         keys += [self._owners(loaded.owner), self._owners(new.owner)]
-        text = frontier_text(evolve(new, epoch=0, owner=None))
+        text = frontier_text(new)  # its epoch and owner too: decode_frontier checks them
         args: list[str | int] = [
             loaded.version,
             loaded.epoch,

@@ -196,12 +196,39 @@ async def test_claims_never_touch_the_frontier(store: RedisCommitStore) -> None:
     epoch = (await store.claim(thread, "a", 0)).epoch
     await store.append(one_shot(thread, "run-1"), 0, epoch)
     before = await store.load(thread)
+    meta = f"{store.prefix}:thread:claims:meta"
+    written = await store.client.hget(meta, "frontier")
     again = await store.claim(thread, "b", epoch)
     after = await store.load(thread)
     assert (again.epoch, after.owner) == (epoch + 1, "b")
     assert unowned(after) == unowned(before)
-    text = await store.client.hget(f"{store.prefix}:thread:claims:meta", "frontier")
-    assert '"owner":null' in text  # ownership lives beside the frontier, not in it
+    # the text keeps the epoch and owner of the append that wrote it; the claim moved
+    # the ones beside it alone
+    assert await store.client.hget(meta, "frontier") == written and '"owner":"a"' in written
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{"epoch": "1"}, {"epoch": "0"}, {"owner": "c"}, {"epoch": "2", "owner": "a"}],
+    ids=["lowered", "zero", "owner-alone", "epoch-alone-as-claimed"],
+)
+async def test_an_owner_epoch_edited_by_hand_fails_closed(
+    store: RedisCommitStore, edit: dict[str, str]
+) -> None:
+    """The epoch is the fencing token: lowered by hand, it would let a fenced writer
+    append again. The frontier text names the epoch and owner of its append, so a pair
+    beside it that is older, or the same epoch with another owner, does not verify."""
+    thread = ThreadId("fenced-again")
+    first = (await store.claim(thread, "a", 0)).epoch
+    second = (await store.claim(thread, "b", first)).epoch
+    r1 = await store.append(one_shot(thread, "run-1", epoch=second), 0, second)
+    assert r1.seq == 1 and second == 2
+    await store.client.hset(f"{store.prefix}:thread:{thread}:meta", mapping=edit)
+    with pytest.raises(CorruptRecord, match="owner epoch"):
+        await store.load(thread)
+    with pytest.raises(CorruptRecord):
+        fenced = one_shot(thread, "run-2", prev=r1.payload_hash, epoch=first)
+        await store.append(fenced, 1, first)  # the fenced writer
 
 
 async def test_a_claim_lands_on_appends_made_after_its_load(store: RedisCommitStore) -> None:
