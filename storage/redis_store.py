@@ -23,7 +23,8 @@ reads and type-checks every key before its first write, so a refused or failed
 append writes nothing. The epoch and owner live beside the frontier JSON (hash
 fields a claim moves alone); the JSON names those of the append that wrote it, so a
 pair beside it that is older, or the same epoch with another owner, fails closed
-(``redis_rows.decode_frontier``: the epoch is the fencing token). **A claim** is one script too, a compare-and-set on the epoch alone: it checks
+(``redis_rows.decode_frontier``: the epoch is the fencing token).
+**A claim** is one script too, a compare-and-set on the epoch alone: it checks
 the epoch it supersedes, never the version the claimer loaded (as in SQL and memory,
 appends of the superseded owner that land in between do not refuse it; the script
 answers the frontier they left), bumps the epoch, patches the new owner into the
