@@ -79,7 +79,7 @@ from runtime.plugin_env import guarded_end, pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, resume_commit, validate_ticket
-from runtime.rules import check_repeated_start
+from runtime.rules import check_repeated_start, ran_before
 from runtime.session import counted, opening, stepped, view
 from runtime.sides import Sides
 from runtime.signals import (
@@ -230,6 +230,10 @@ class Engine(Sides):
             if frontier.run_id == run_id:
                 check_repeated_start(frontier, message_id, text)
                 return frontier  # a repeated start: that Run exists
+            if ran_before(frontier, message_id):  # not only by its receipts: a prune drops them
+                raise InvalidTransition(
+                    f"run {run_id} already ran on thread {thread}; a new Run needs a new id"
+                )
             if frontier.run_state is not None and not frontier.ended:
                 raise InvalidTransition(
                     f"thread {thread} already has an active run {frontier.run_id}"

@@ -71,6 +71,7 @@ from runtime.base import evolve
 from runtime.commit import (
     DEFAULT_PAYLOAD_LIMIT,
     Frontier,
+    Receipt,
     ThreadCommit,
     assemble_commit,
     decode_commit,
@@ -82,7 +83,7 @@ from runtime.integrity import body_hash
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, check_id
 from runtime.ports import CommitStore, CommittedRecord
-from runtime.rules import advance, with_claim
+from runtime.rules import admit, receipt_of
 
 EXPORT_FORMAT = "ratchet-thread"
 EXPORT_VERSION = 1
@@ -397,13 +398,23 @@ def _folded(
     planned: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
 ) -> Frontier:
     """The frontier the store will fold ``planned`` to (what it would refuse, refused
-    here, before anything is written)."""
-    frontier = with_claim(Frontier(thread_id=thread), owner)
+    here, before anything is written): each commit admitted as ``_write`` appends it,
+    by the store's own rule — a commit of a Run after its end, an operation id seen
+    before, are refused here too, not half-way through the writing."""
+    frontier = Frontier(thread_id=thread)
+    known: dict[str, Receipt] = {}
     for seq, commit in enumerate(planned, start=1):
+        first = seq == 1
         try:
-            frontier = advance(frontier, commit)
+            claim = owner if first else None
+            seen = known.get(commit.operation_id)
+            admitted = admit(frontier, commit, seq - 1, 0 if first else 1, seen, claim)
         except (RatchetError, ValueError) as exc:
             raise refuse(seq, "replay", f"the log does not replay: {exc}") from None
+        if not isinstance(admitted, Frontier):  # the same commit as an earlier one
+            raise refuse(seq, "replay", "the log repeats an earlier commit")
+        frontier = admitted
+        known[commit.operation_id] = receipt_of(commit, seq)
     return frontier
 
 

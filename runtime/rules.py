@@ -263,6 +263,12 @@ def stamp_facts(commit: ThreadCommit, seq: int) -> tuple[Fact, ...]:
     return tuple(evolve(fact, seq=seq, index=i) for i, fact in enumerate(commit.facts))
 
 
+def ran_before(frontier: Frontier, message_id: str) -> bool:
+    """Whether an earlier Run of the thread was started with this input message (its
+    receipts may be pruned: the history keeps the message)."""
+    return any(isinstance(m, UserMessage) and m.id == message_id for m in frontier.messages)
+
+
 def check_repeated_start(frontier: Frontier, message_id: str, text: str) -> None:
     """A start of a Run that exists is a repeat only if it asked the same: its input
     message (same id, same text) is the one the Run was started with. Anything else

@@ -44,7 +44,7 @@ from runtime.history import (
 )
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import audit
-from runtime.lifecycle import AwaitingState, RunningState, answer
+from runtime.lifecycle import AwaitingState, Cancelled, EndedState, RunningState, answer
 from runtime.messages import UserMessage
 from runtime.rules import replay
 from storage.memory import MemoryCommitStore
@@ -396,6 +396,35 @@ def _illegal_log(lines: list[Any]) -> list[Any]:
     ]
 
 
+def _after_its_end(lines: list[Any]) -> list[Any]:
+    """A Run that ends in its first commit, then a commit of that Run: each commit folds
+    on its own, the store refuses the second (RunEnded), so the import does at once."""
+    run = RunId("run-1")
+    one = assemble_commit(
+        thread_id=T,
+        run_id=run,
+        ordinal=0,
+        label="activation",
+        disposition=EndedState(run_id=run, cause=Cancelled()),
+        messages=(UserMessage(id="run-1:input", text="hello"),),
+        prev="",
+    )
+    two = assemble_commit(
+        thread_id=T,
+        run_id=run,
+        ordinal=1,
+        label="status",
+        disposition=RunningState(run_id=run),
+        prev=one.payload_hash,
+    )
+    header = {"format": "ratchet-thread", "version": 1, "thread_id": T, "records": 2}
+    return [
+        orjson.dumps({**header, "head": two.payload_hash}).decode(),
+        _line(1, one.encoded),
+        _line(2, two.encoded),
+    ]
+
+
 BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "body changed": (_changed_body(rehash=False), 3, "hash"),
     "body changed, hash too": (_changed_body(rehash=True), 4, "chain"),
@@ -417,6 +446,7 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "deep nesting": (_set(2, "[" * 5000 + "]" * 5000), 3, "malformed"),
     "deep body": (_deep_body, 2, "record"),
     "log that does not fold": (_illegal_log, 3, "replay"),
+    "a commit after its Run's end": (_after_its_end, 3, "replay"),
 }
 
 

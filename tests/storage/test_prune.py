@@ -174,6 +174,22 @@ async def test_an_engine_starts_a_new_run_on_a_pruned_thread(store: Any) -> None
     _same(await store.load(T), done)
 
 
+async def test_a_start_retried_after_its_run_was_pruned_does_not_run_it_again(
+    store: Any,
+) -> None:
+    """A start is idempotent by run id; an earlier Run's start receipt goes with a prune,
+    yet its input message stays in the history: a retried start of it is refused, not a
+    second Run under the same id (its tool calls would reuse their operation ids)."""
+    agent = Agent(name="again", model=ScriptedModel([ModelResponse(text="hi")] * 3))
+    runner = InProcessRunner(agent, store)
+    await runner.start("first", thread_id=T, run_id="run-x")
+    second = await runner.start("second", thread_id=T, run_id="run-y")
+    assert await store.prune(T, second.version) == second.version
+    with pytest.raises(InvalidTransition, match="already ran"):
+        await runner.start("first", thread_id=T, run_id="run-x")
+    assert (await store.load(T)).version == second.version  # nothing was written
+
+
 async def test_two_prunes_at_once_remove_each_record_once(store: Any) -> None:
     ends = await three_runs(store)
     before = await store.load(T)
