@@ -12,8 +12,10 @@ imported first. A refusal is one line on stderr and exit code 1, as for every co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -89,15 +91,22 @@ async def _export(thread: str, out: Path | None, store: str | None) -> None:
     if out is None:
         _write_lines(lines, _stdout())
         return
-    partial = out.with_name(f".{out.name}.partial")  # a file named FILE is whole
+    # a file named FILE is whole: written under a name of its own (created exclusively,
+    # so two exports to one FILE never write into each other, nor through a planted
+    # link), then renamed
     try:
-        with partial.open("wb") as sink:
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    except OSError as exc:
+        raise BadInput(f"cannot write {out}: {exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as sink:
             _write_lines(lines, sink)
-        os.replace(partial, out)
+        os.replace(name, out)
     except OSError as exc:
         raise BadInput(f"cannot write {out}: {exc}") from None
     finally:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
 
 
 def _write_lines(lines: Iterable[str], sink: BinaryIO) -> None:
