@@ -216,6 +216,9 @@ def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
         and target.wait == "delegation"
         and target.call_id == link["call_id"]
         and state.run_id == link["run"]
+        # the parent's own record of the call's child: a copy of the child (imported
+        # under another id) names the same parent, and must not answer it
+        and parent.state["run"].get(CHILDREN_KEY, {}).get(link["call_id"]) == child.thread_id
     ):
         return None
     outcome = outcome_of(child)

@@ -231,3 +231,21 @@ def _all_waiting(store, n: int) -> bool:
         and store._threads[t].frontier.batch.calls[0].phase.kind == "executing"
         for t in kids
     )
+
+
+async def test_only_the_parents_own_child_answers_its_delegation():
+    """A copy of a child (imported under another id) carries the same parent link: its
+    end must not answer the parent, whose own record names the child it started."""
+    from runtime.base import evolve
+    from runtime.control import control_engine
+    from runtime.delegation import delivery
+    from runtime.lifecycle import Cancelled
+
+    store = MemoryCommitStore()
+    parent = await runner(agents.lone_needy(), store).start("go", thread_id="p")
+    assert isinstance(parent.run_state, AwaitingState)
+    (kid,) = await children_of(store, parent)
+    ended = await control_engine(store, owner="test#1").terminate(kid.thread_id, Cancelled())
+    assert ended.ended
+    assert delivery(ended, parent) is not None
+    assert delivery(evolve(ended, thread_id=ThreadId("a-copy")), parent) is None
