@@ -300,7 +300,8 @@ def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
         raise ImportRefused(1, "header", str(exc)) from None
     if not (isinstance(count, int) and _is_int(count) and count >= 1 and isinstance(head, str)):
         raise ImportRefused(1, "header", "it needs records (a count of at least 1) and head")
-    if count > DEFAULT_LIMITS.history_commits:
+    # a Run that reaches the limit still commits its end past it: one more
+    if count > DEFAULT_LIMITS.history_commits + 1:
         raise ImportRefused(1, "too_large", f"{count} records: more than a thread may hold")
     return ThreadId(str(thread)), count, head
 

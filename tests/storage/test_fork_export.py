@@ -539,3 +539,17 @@ async def test_the_commands_fork_export_and_import(tmp_path: Path) -> None:
         assert ThreadId("broken") not in await store.thread_ids()
     finally:
         await store.close()
+
+
+async def test_an_export_of_a_thread_at_its_commit_limit_is_not_too_large(
+    recorded: list[str],
+) -> None:
+    """A Run that reaches history_commits still commits its end: such a thread holds one
+    more record than the limit, and its export must go in (one past that is refused)."""
+    from runtime.limits import DEFAULT_LIMITS
+
+    most = DEFAULT_LIMITS.history_commits + 1
+    for count, reason in [(most + 1, "too_large"), (most, "truncated")]:
+        with pytest.raises(ImportRefused) as refused:
+            await import_thread(MemoryCommitStore(), _header(records=count)(list(recorded)))
+        assert refused.value.reason == reason, (count, str(refused.value))
