@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from actors.tool_executor import ExecutorPools, pool_key
 from runtime.agent import Agent
@@ -130,6 +130,8 @@ class WaveDispatcher:
             message = f"executor died mid-call ({type(exc).__name__})"
         except RayTaskError as exc:  # the executor itself failed around the tools
             message = f"executor failed: {exc.cause!r}"
+        except RayError as exc:  # a node lost, a reply that did not come back: Ray's, not ours
+            message = f"the call was lost in Ray ({type(exc).__name__})"
         except Exception as exc:  # a fault of ours, not of the tools: the Runs hear it
             log.exception("sending %d waves failed", len(waves))
             for wave in open_waves.values():

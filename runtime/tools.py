@@ -174,13 +174,19 @@ class Tool:
         if on_loop is None:
             on_loop = inspect.iscoroutinefunction(self.fn)
             object.__setattr__(self, "_on_loop", on_loop)
-        if on_loop:
-            return await self.fn(**kwargs)
-        call = functools.partial(contextvars.copy_context().run, self.fn, **kwargs)
-        result = await asyncio.get_running_loop().run_in_executor(_tool_threads(), call)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+        # SystemExit and KeyboardInterrupt are turned into an ordinary error here, in the
+        # call's own frame: asyncio re-raises them out of the event loop, which would stop
+        # every Run of the process, not fail this call
+        try:
+            if on_loop:
+                return await self.fn(**kwargs)
+            call = functools.partial(contextvars.copy_context().run, self.fn, **kwargs)
+            result = await asyncio.get_running_loop().run_in_executor(_tool_threads(), call)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+        except (SystemExit, KeyboardInterrupt) as exc:
+            raise ToolExited(f"the tool raised {type(exc).__name__}") from None
 
 
 SYNC_TOOL_THREADS = 32
@@ -274,8 +280,26 @@ def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, A
     return fields, context_param
 
 
+class ToolExited(Exception):
+    """A tool raised SystemExit or KeyboardInterrupt: its call failed, nothing more."""
+
+
 def _raised(exc: BaseException) -> str:
-    return printable(f"{type(exc).__name__}: {exc}")
+    try:
+        text = str(exc)
+    except BaseException:  # an exception whose __str__ raises is still the tool's error
+        text = "<an exception that cannot be printed>"
+    return printable(f"{type(exc).__name__}: {text}")
+
+
+def _failed(text: str, requests: Sequence[Any]) -> Finished:
+    """The tool's error as the model sees it, with what it asked of its Run if that is a
+    list of requests (a tool can put anything there)."""
+    output = ToolOutput(content=text, is_error=True)
+    try:
+        return Finished(output=output, requests=tuple(requests))
+    except Exception:
+        return Finished(output=output)
 
 
 def outcome_of(result: Any, requests: Sequence[ToolRequest] = ()) -> Finished:
@@ -327,17 +351,15 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         abort.set()
         if cancelling():
             raise  # the wave is being cancelled: it goes on unwinding
-        return Finished(
-            output=ToolOutput(content=_raised(exc), is_error=True), requests=tuple(requests)
-        )
-    except Exception as exc:  # the tool's failure is the model's to see, never a crash
-        out = ToolOutput(content=_raised(exc), is_error=True)
-        return Finished(output=out, requests=tuple(requests))
+        return _failed(_raised(exc), requests)
+    except BaseException as exc:  # the tool's failure is the model's to see, never a crash
+        # (GeneratorExit or a BaseException of its own included: one call's failure
+        # must not fail the wave, nor the other Runs' waves sent in the same call)
+        return _failed(_raised(exc), requests)
     try:
         return outcome_of(result, requests)
     except Exception as exc:  # a result that cannot be turned into text is the tool's error
-        text = printable(f"tool {t.id} returned what cannot be a result: {exc}")
-        return Finished(output=ToolOutput(content=text, is_error=True))
+        return _failed(f"tool {t.id} returned what cannot be a result: {_raised(exc)}", ())
 
 
 class LocalToolRunner:
