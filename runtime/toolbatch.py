@@ -129,14 +129,18 @@ async def run_wave(
         if not marked:
             for call_id in wave:
                 batch = mark_executing(batch, call_id, undispatched=call_id in undispatched)
-            # the delegation relationship is committed with executing, before any child starts
+            # the delegation relationship is committed with executing, before any child starts;
+            # so are the commands of calls that finished beside those retried now: the
+            # batch committed here holds those calls completed, and a recovery from it
+            # would never run them again
             await services.commit(
                 ctx,
                 "executing",
                 ctx.running(),
                 batch=batch,
-                commands=_relationships(services, ctx, batch, wave),
+                commands=(*commands, *_relationships(services, ctx, batch, wave)),
             )
+            commands.clear()
         marked = False
         services.faults.hit("during:tools")
         with tracing.tool_calls(batch, wave) as spans:  # a no-op while tracing is off
@@ -153,7 +157,9 @@ async def run_wave(
         wave = retry
     if batch.awaiting_call() is not None:
         # a lone child that surfaced a human wait: its wait is committed together with
-        # the ticket (advance_batch), not in a results commit before it
+        # the ticket (advance_batch), not in a results commit before it; so are the
+        # commands of the calls that finished beside it
+        ctx.pending.extend(commands)
         return batch
     hooks = HookResults()
     if services.agent.hooks:  # else skip even building each call's arguments

@@ -10,9 +10,22 @@ import sys
 
 import pytest
 
-from runtime import tool
+from runtime import (
+    Agent,
+    Command,
+    Crash,
+    FaultPlan,
+    InProcessRunner,
+    ModelResponse,
+    OutcomeUnknown,
+    ScriptedModel,
+    ToolResult,
+    call,
+    tool,
+)
 from runtime.ports import Finished
 from runtime.tools import LocalToolRunner
+from storage.memory import MemoryCommitStore
 
 from .test_sync_tools import invocation
 
@@ -92,3 +105,37 @@ async def test_a_hostile_failure_is_its_own_call_s_error(name: str, said: str) -
     # and the loop goes on: a later call runs
     (again,) = await runner.run([invocation("fine", "c")])
     assert again.output.content == "fine"
+
+
+async def test_a_finished_call_s_commands_survive_a_crash_while_its_neighbour_is_retried():
+    """A finishes with state commands; B is lost and tried again. The retry's executing
+    commit holds A completed: a crash right after it, and recovery never runs A again,
+    so A's commands must have gone in with that commit."""
+    tries: list[int] = []
+
+    @tool
+    def setter() -> ToolResult:
+        return ToolResult(content="set", commands=[Command(key="k", value="from A")])
+
+    @tool(recovery=("replay_safe",))
+    def flaky() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            raise OutcomeUnknown("lost on the way back")
+        return "ok"
+
+    model = ScriptedModel(
+        [
+            ModelResponse(tool_calls=(call("setter", "a"), call("flaky", "b"))),
+            ModelResponse(text="done"),
+        ]
+    )
+    runner = InProcessRunner(
+        Agent(name="a", model=model, tools=[setter, flaky]), MemoryCommitStore()
+    )
+    # the first executing is committed with the inference: the retry's is the first alone
+    with pytest.raises(Crash):  # right after the retry's executing commit
+        await runner.start("go", thread_id="t", faults=FaultPlan(crash_at=("after:executing", 1)))
+    done = await runner.recover("t")
+    assert done.run_state.cause.kind == "natural"
+    assert done.state["thread"]["k"] == "from A"
