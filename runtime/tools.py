@@ -14,6 +14,7 @@ import contextvars
 import functools
 import inspect
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -161,12 +162,15 @@ class Tool:
             "parameters": self.args_model.model_json_schema(),
         }
 
-    async def invoke(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+    async def invoke(
+        self, arguments: dict[str, Any], ctx: ToolContext, start: CallStart | None = None
+    ) -> Any:
         """Call the tool: a coroutine function on the event loop, any other function in
         the process's tool threads (``SYNC_TOOL_THREADS``), so a blocking call never
         stalls the other calls of this process. A synchronous call that times out or
         is cancelled cannot be interrupted: its thread runs it to its end, and what it
-        returns is dropped."""
+        returns is dropped. ``start`` notes whether the call began (a synchronous one
+        may wait for a thread, and one given up before that never runs)."""
         kwargs = dict(arguments)
         if self.context_param is not None:
             kwargs[self.context_param] = ctx
@@ -177,10 +181,12 @@ class Tool:
         # SystemExit and KeyboardInterrupt are turned into an ordinary error here, in the
         # call's own frame: asyncio re-raises them out of the event loop, which would stop
         # every Run of the process, not fail this call
+        start = start or CallStart()
         try:
             if on_loop:
+                start.begin()
                 return await self.fn(**kwargs)
-            call = functools.partial(contextvars.copy_context().run, self.fn, **kwargs)
+            call = functools.partial(start.run, contextvars.copy_context().run, self.fn, **kwargs)
             result = await asyncio.get_running_loop().run_in_executor(_tool_threads(), call)
             if inspect.isawaitable(result):
                 result = await result
@@ -280,6 +286,35 @@ def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, A
     return fields, context_param
 
 
+class CallStart:
+    """Whether a call began, decided once under a lock: a synchronous call that timed out
+    while it waited for a tool thread (every one held by calls past their own timeout)
+    never ran, and never will: it is unavailable (tried again), not lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: Literal["started", "abandoned"] | None = None
+
+    def begin(self) -> bool:
+        with self._lock:
+            if self._state is None:
+                self._state = "started"
+            return self._state == "started"
+
+    def abandon(self) -> bool:
+        """True if the call had not begun: from now on it never does."""
+        with self._lock:
+            if self._state is None:
+                self._state = "abandoned"
+            return self._state == "abandoned"
+
+    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn`` in the tool thread, unless the call was given up before it got one."""
+        if not self.begin():
+            return None  # its caller has its outcome already
+        return fn(*args, **kwargs)
+
+
 class ToolExited(Exception):
     """A tool raised SystemExit or KeyboardInterrupt: its call failed, nothing more."""
 
@@ -336,13 +371,18 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
     )
     timeout = inv.timeout_s if inv.timeout_s is not None else t.timeout_s
     requests = () if execution is None else execution.requests
+    start = CallStart()
     try:
-        work = t.invoke(inv.arguments, ctx)
+        work = t.invoke(inv.arguments, ctx, start)
         # with no timeout, wait_for would only await it, one frame further down
         result = await (work if timeout is None else asyncio.wait_for(work, timeout))
     except UnavailableBeforeDispatch as exc:
         return Unavailable(message=printable(str(exc)) or "unavailable before dispatch")
     except TimeoutError:
+        if start.abandon():
+            return Unavailable(
+                message=f"tool {t.id} got no tool thread within {timeout}s (all are busy)"
+            )
         abort.set()  # a synchronous tool still running in its thread can see it
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
     except OutcomeUnknown as exc:

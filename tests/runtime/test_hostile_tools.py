@@ -139,3 +139,43 @@ async def test_a_finished_call_s_commands_survive_a_crash_while_its_neighbour_is
     done = await runner.recover("t")
     assert done.run_state.cause.kind == "natural"
     assert done.state["thread"]["k"] == "from A"
+
+
+async def test_a_call_that_never_got_a_tool_thread_is_unavailable_and_never_runs():
+    """Synchronous calls past their timeout keep their threads (a thread cannot be
+    interrupted). Once every tool thread is held so, a later call waits in the queue
+    and times out without having run: it is unavailable (tried again), not lost (its
+    never_replay policy would have ended it indeterminate), and it never runs later."""
+    import threading
+
+    from runtime.ports import Lost, Unavailable
+    from runtime.tools import SYNC_TOOL_THREADS
+
+    from .test_sync_tools import DEADLINE_S
+
+    released, ran = threading.Event(), threading.Event()
+
+    @tool(timeout_s=0.2)
+    def stuck() -> str:
+        released.wait(DEADLINE_S)
+        return "late"
+
+    @tool(timeout_s=0.5)
+    def victim() -> str:
+        ran.set()
+        return "ran"
+
+    @tool
+    def sentinel() -> str:
+        return "drained"
+
+    runner = LocalToolRunner([stuck, victim, sentinel])
+    jam = [invocation("stuck", f"s{i}") for i in range(SYNC_TOOL_THREADS)]
+    try:
+        outcomes = await runner.run([*jam, invocation("victim", "v")])
+    finally:
+        released.set()
+    assert all(isinstance(o, Lost) for o in outcomes[:-1])
+    assert isinstance(outcomes[-1], Unavailable), outcomes[-1]
+    (drained,) = await runner.run([invocation("sentinel", "z")])  # queued after the victim
+    assert drained.output.content == "drained" and not ran.is_set()
