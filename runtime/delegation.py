@@ -21,6 +21,7 @@ from pydantic import Field, TypeAdapter
 from runtime.base import Frozen
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
+from runtime.errors import RatchetError
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -32,7 +33,7 @@ from runtime.lifecycle import (
     answer,
 )
 from runtime.messages import AssistantMessage
-from runtime.ports import Finished, Lost
+from runtime.ports import CommitStore, Finished, Lost
 from runtime.state import Command
 from runtime.tools import Tool, tool
 
@@ -230,3 +231,15 @@ CHILD_OUTCOME: TypeAdapter[Finished | Lost | ChildWaiting] = TypeAdapter(
     Annotated[Finished | Lost | ChildWaiting, Field(discriminator="kind")]
 )
 """Encodes a ChildOutcome for the wire as JSON."""
+
+
+async def parent_gone(store: CommitStore, link: ParentLink) -> bool:
+    """Whether the Run a child was started for has ended (or the parent's thread moved on
+    to another Run). Its end cancels its open children, but a host killed between that
+    end and the cancels leaves them running: each looks before its next Step. A store
+    that cannot answer says nothing (the child goes on; it looks again next Step)."""
+    try:
+        parent = await store.load_head(link.thread)
+    except RatchetError:
+        return False
+    return parent.run_id != link.run or parent.ended

@@ -39,7 +39,7 @@ from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch, result_messa
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, whole_of, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
-from runtime.delegation import ChildRunner, ParentLink
+from runtime.delegation import ChildRunner, ParentLink, parent_gone
 from runtime.errors import (
     DuplicateOperation,
     Fenced,
@@ -433,6 +433,8 @@ class Engine(Sides):
                         ctx.ended_step(ended, hooks.commands)
                     if not ctx.execution.stopped:
                         await self._await_at_boundary(ctx)
+                elif self.parent is not None and await parent_gone(self.store, self.parent):
+                    await self.end(ctx, Cancelled())  # its parent ended without cancelling it
                 else:
                     await self._ending_on(ctx, tracing.step(self, ctx, self._step(ctx)))
         except CancelledSignal:

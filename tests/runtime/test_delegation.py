@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -249,3 +250,32 @@ async def test_only_the_parents_own_child_answers_its_delegation():
     assert ended.ended
     assert delivery(ended, parent) is not None
     assert delivery(evolve(ended, thread_id=ThreadId("a-copy")), parent) is None
+
+
+async def test_a_child_whose_parent_ended_without_cancelling_it_ends_at_its_next_step():
+    """The parent's end cancels its open children; a host killed between the two leaves
+    them running (here: the parent ended at rest by a writer that cancels nothing). A
+    child looks at its parent before each Step, and ends cancelled."""
+    from runtime.control import control_engine
+    from runtime.lifecycle import Cancelled
+
+    agents.BLOCK = asyncio.Event()  # one of this test's loop (an Event binds to its first)
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("slow_worker", 1), store)
+    task = asyncio.create_task(r.engine().start("p", "go"))
+    await until(lambda: _all_waiting(store, 1))
+    ended = await control_engine(store, owner="elsewhere#1").terminate(ThreadId("p"), Cancelled())
+    assert ended.ended
+    agents.BLOCK.set()  # the child's tool returns: its next Step would answer "slow done"
+    (kid,) = await children_of(store, ended)
+    await until(lambda: _ended(store, kid.thread_id))
+    kid = await store.load(kid.thread_id)
+    assert kid.run_state.cause.kind == "cancelled"
+    assert all(m.text != "slow done" for m in kid.messages if m.kind == "assistant")
+    task.cancel()  # the fenced parent drive: nothing of it is left to wait for
+    with contextlib.suppress(BaseException):
+        await task
+
+
+async def _ended(store, thread) -> bool:
+    return (await store.load_head(thread)).ended
