@@ -34,8 +34,8 @@ OWNER = "control-host#1"
 TOOLS = LocalToolRunner(permission_agent.tools)
 
 
-class _HeldLoad:
-    """A store whose next ``load`` waits until the test lets it go."""
+class _Held:
+    """A store that holds some of its calls until the test lets them go."""
 
     def __init__(self, inner: MemoryCommitStore) -> None:
         self.inner = inner
@@ -44,28 +44,27 @@ class _HeldLoad:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def load(self, thread: ThreadId) -> Any:
+    async def _hold(self) -> None:
         if not self.release.is_set():
             self.entered.set()
             await self.release.wait()
+
+
+class _HeldLoad(_Held):
+    """A store whose next ``load`` waits until the test lets it go."""
+
+    async def load(self, thread: ThreadId) -> Any:
+        await self._hold()
         return await self.inner.load(thread)
 
 
-class _HeldWait:
+class _HeldWait(_Held):
     """A store whose append of a Run's wait (the ``awaiting`` commit) waits until the
     test lets it go."""
 
-    def __init__(self, inner: MemoryCommitStore) -> None:
-        self.inner = inner
-        self.entered, self.release = asyncio.Event(), asyncio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
     async def append(self, commit: Any, *args: Any, **kwargs: Any) -> Any:
         if commit.label == "awaiting":
-            self.entered.set()
-            await self.release.wait()
+            await self._hold()
         return await self.inner.append(commit, *args, **kwargs)
 
 

@@ -5,7 +5,6 @@ lost them all)."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import pytest
@@ -71,7 +70,6 @@ async def unprintable() -> str:
 
 @tool
 async def fine() -> str:
-    await asyncio.sleep(0)
     return "fine"
 
 

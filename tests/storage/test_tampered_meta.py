@@ -50,8 +50,9 @@ async def test_a_redis_receipt_edited_by_hand_is_never_handed_to_a_retry(
         await _retry_of_the_last(store)
 
 
-async def test_a_sql_receipt_past_the_head_is_never_handed_to_a_retry(sql_store: Any) -> None:
-    """The SQL receipt is the commit row's own seq: one renumbered past the frontier."""
+async def test_a_sql_head_record_renumbered_past_the_head_fails_a_retry(sql_store: Any) -> None:
+    """The SQL receipt is the commit row's own seq: the row renumbered past the frontier
+    fails the retry closed (the load that precedes the receipt's check already does)."""
     await make_victim(sql_store, T)
     async with sql_store.engine.begin() as conn:
         row = (commits.c.thread_id == T) & (commits.c.seq == 5)
