@@ -333,7 +333,7 @@ def _failed(text: str, requests: Sequence[Any]) -> Finished:
     output = ToolOutput(content=text, is_error=True)
     try:
         return Finished(output=output, requests=tuple(requests))
-    except Exception:
+    except Exception:  # requests that are not requests: dropped, the call still failed
         return Finished(output=output)
 
 
