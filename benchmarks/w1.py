@@ -26,7 +26,7 @@ from actors.wire import NAMESPACE
 from benchmarks.baseline import Baseline
 from benchmarks.rss import RssSampler, mb
 from benchmarks.stores import prepare_store
-from benchmarks.verify import intervals_ms, quantile, verify
+from benchmarks.verify import Answer, intervals_ms, quantile, verify
 from benchmarks.w1_agent import W1, ledger_dir, new_ledger, read_ledger
 from cluster.client import Ratchet
 from cluster.waiting import patiently
@@ -175,8 +175,8 @@ class Timed:
     peak_rss_total: int = 0
     idle_rss: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)
-    answers: dict[str, Frontier | None] = field(default_factory=dict)
-    """By run id: the frontier the host answered with (None: not at rest in time)."""
+    answers: dict[str, Answer | None] = field(default_factory=dict)
+    """By run id: what the host answered with (None: not at rest in time)."""
 
 
 async def drive_durable(
@@ -188,12 +188,13 @@ async def drive_durable(
     answer_timeout_s: float | None = None,
 ) -> Timed:
     stamp = uuid.uuid4().hex[:8]
-    answers: dict[str, Frontier | None] = {}
+    answers: dict[str, Answer | None] = {}
 
     async def launch(prefix: str, i: int) -> None:
         thread, run = f"w1-{stamp}-{prefix}{i:05d}", f"run-{stamp}-{prefix}{i:05d}"
         # one call to the host, which answers when the Run is done; the store confirms
-        answers[run] = await run_durable(client, ref, thread, run, cfg.placement, answer_timeout_s)
+        frontier = await run_durable(client, ref, thread, run, cfg.placement, answer_timeout_s)
+        answers[run] = None if frontier is None else Answer.of(frontier)
 
     warm = [(f"w1-{stamp}-w{i:05d}", f"run-{stamp}-w{i:05d}") for i in range(WARMUP_RUNS)]
     threads = [(f"w1-{stamp}-r{i:05d}", f"run-{stamp}-r{i:05d}") for i in range(cfg.runs)]
