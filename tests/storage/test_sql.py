@@ -178,6 +178,42 @@ async def test_postgres_rows_leave_room_for_hot_updates_and_joins_use_keys(
         await plain.close()
 
 
+async def test_held_write_connections_plan_generically_and_the_pool_keeps_the_default(
+    pg_conformance_url: str,
+) -> None:
+    store = await make_store("postgres", pg_conformance_url)
+    db = store.db
+    try:
+        threads = [ThreadId(f"gp-{i:02d}") for i in range(8)]
+        receipts = await asyncio.gather(
+            *(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads)
+        )
+        assert store.planned > 0 and db._held  # the groups went by write_statement
+        held = db._held[0]
+        driver = (await held.get_raw_connection()).driver_connection
+        assert await driver.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
+        db._held.remove(held)
+        await db._release(held)  # back to the pool (as when more are held than used)
+        # the pool's connection (idle in the pool, asked directly) plans as any other
+        assert await driver.fetchval("SHOW plan_cache_mode") == "auto"
+        async with store.engine.connect() as conn:
+            assert (await conn.execute(text("SHOW plan_cache_mode"))).scalar_one() == "auto"
+        # and the store goes on writing, taking a new connection to hold
+        t = threads[0]
+        await store.append(step(t, f"r-{t}", 1, prev=receipts[0].payload_hash), 1, 0)
+        assert (await store.load(t)).version == 2
+    finally:
+        await store.close()
+    joiner = "&" if "?" in pg_conformance_url else "?"
+    plain = await SqlCommitStore.connect(f"{pg_conformance_url}{joiner}key_joins=off")
+    try:  # behind PgBouncer a session may be another client's next: left alone
+        await plain.append(activation(ThreadId("gp-plain"), "r-gp-plain"), 0, 0)
+        driver = (await plain.db._held[0].get_raw_connection()).driver_connection
+        assert await driver.fetchval("SHOW plan_cache_mode") == "auto"
+    finally:
+        await plain.close()
+
+
 # ---- planned groups: admitted from the cache, checked by the writes ------------------
 
 
