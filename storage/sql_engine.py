@@ -310,8 +310,10 @@ class Database:
             return
         try:
             await (await _driver(conn)).execute(DEFAULT_PLANS)
-        except Exception:
+        except BaseException as exc:
             await _drop(conn)
+            if not isinstance(exc, Exception):
+                raise
             return
         await conn.close()
 
