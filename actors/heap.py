@@ -14,12 +14,16 @@ import gc
 
 GC_THRESHOLDS = (50_000, 20, 20)
 """A young collection once 50,000 more objects are alive than at the last one (Python's
-default: 700). A host's Steps make and drop records by the thousand, nearly all freed by
-reference counting; at 700 the live ones of the Runs in flight crossed the threshold
-about 40 times a second, and the collector took 10-14 % of a RunHost's CPU at W1, C=50
-on PostgreSQL (1.0-1.4 s per 1,500 Runs by ``gc.callbacks``, 14 % of the GIL's samples
-by py-spy; 0.03-0.05 s at 50,000). The cost: garbage in reference cycles waits longer
-to be freed, at most about 50,000 objects of it."""
+default: 700), a middle one every 20 young ones and a full one every 20 middle ones
+(default 10 and 10; measured together, not apart; a full one also waits, as always,
+until a quarter of the long-lived objects are new). A host's Steps make and drop
+records by the thousand, nearly all freed by reference counting; at 700 the live ones
+of the Runs in flight crossed the threshold about 40 times a second, and the collector
+took 10-14 % of a RunHost's CPU at W1, C=50 on PostgreSQL (1.0-1.4 s per 1,500 Runs by
+``gc.callbacks``, 14 % of the GIL's samples by py-spy; 0.03-0.05 s at 50,000). The
+cost: garbage in reference cycles waits longer to be freed. A cycle that dies young
+goes at the next young collection; one that lived through a collection first waits
+for a middle one (about a million more objects made and kept) or a full one."""
 
 
 def freeze_startup_heap() -> None:

@@ -95,7 +95,7 @@ lag behind, and with them PostgreSQL hashed a sequential scan of the whole table
 each planned group's UPDATE (``sql_txn``). W1: server CPU per Run 1.4 -> 1.0 ms.
 They travel as startup parameters, which PgBouncer refuses unless told to ignore
 them: ``?key_joins=off`` on the store URL leaves the server's settings alone (and the
-plan mode of held write connections: ``Database._holding``)."""
+plan mode of held write connections: ``Database._generic``)."""
 
 
 def _key_joins(ours: dict[str, str]) -> bool:
@@ -192,8 +192,9 @@ class Database:
         self._reader = reader
         self._held: list[AsyncConnection] = []
         """Connections ``write_statement`` keeps between statements."""
-        self.generic_plans = True
-        """Whether held connections plan statements generically (``_holding``)."""
+        self.generic_plans = False
+        """Whether held connections plan statements generically (``_generic``); a store
+        opened by URL (``open``) does unless ``?key_joins=off``."""
         self.dialect = "sqlite"
         """The database's SQLAlchemy dialect name."""
         if writer is None:
@@ -264,9 +265,13 @@ class Database:
         # Connections stay checked out between statements: a checkout and its return
         # pass through the pool's events and two greenlet switches (50 writers
         # appending: client CPU per append 0.030 -> 0.028 ms).
-        conn = self._held.pop() if self._held else await self._holding()
+        held = bool(self._held)
+        conn = self._held.pop() if held else await self.engine.connect()
         try:
-            value = await (await _driver(conn)).fetchval(sql, *args)
+            driver = await _driver(conn)
+            if held and self.generic_plans and not conn.info.get(GENERIC):
+                await self._generic(conn, driver)
+            value = await driver.fetchval(sql, *args)
         except BaseException as exc:
             if usable(exc):
                 await self._keep(conn)
@@ -276,25 +281,20 @@ class Database:
         await self._keep(conn)
         return value
 
-    async def _holding(self) -> AsyncConnection:
-        """A connection from the pool, to hold for statements: it plans them generically.
+    async def _generic(self, conn: AsyncConnection, driver: Any) -> None:
+        """Have a held connection plan its statements generically, before its next one.
 
         PostgreSQL plans a prepared statement anew at every call unless its generic plan
         looks no dearer, and the planned group's never does (the planner counts an
         unnested array parameter as 10 rows): planning took 0.30 ms of its 0.65 ms on
         the server. The setting is the session's, so it is undone before the
-        connection goes back to the pool, whose reads keep the default (``_release``).
-        ``?key_joins=off`` (behind PgBouncer, where a session may be another client's
-        next) leaves it alone too."""
-        conn = await self.engine.connect()
-        if not self.generic_plans:
-            return conn
-        try:
-            await (await _driver(conn)).execute(GENERIC_PLANS)
-        except BaseException:
-            await _drop(conn)
-            raise
-        return conn
+        connection goes back to the pool, whose reads keep the default (``_release``);
+        it is made on a connection's second statement, once it is held, so that one
+        taken for a single statement costs no round trip more. ``?key_joins=off``
+        (behind PgBouncer, where a session may be another client's next) leaves it
+        alone. Made before the statement: a cancellation here has written nothing."""
+        conn.info[GENERIC] = True  # first: a SET cut short leaves the mark, so it is reset
+        await driver.execute(GENERIC_PLANS)
 
     async def _keep(self, conn: AsyncConnection) -> None:
         """Hold as many connections as groups go at once; return the rest to the pool."""
@@ -305,11 +305,12 @@ class Database:
 
     async def _release(self, conn: AsyncConnection) -> None:
         """A held connection back to the pool, planning as any other (else dropped)."""
-        if not self.generic_plans:
+        if not conn.info.get(GENERIC):
             await conn.close()
             return
         try:
             await (await _driver(conn)).execute(DEFAULT_PLANS)
+            del conn.info[GENERIC]
         except BaseException as exc:
             await _drop(conn)
             if not isinstance(exc, Exception):
@@ -322,15 +323,16 @@ class Database:
         for thread in (self._writer, self._reader):
             if thread is not None:
                 await asyncio.to_thread(thread.close)
-        while self._held:
-            with contextlib.suppress(Exception):
-                await self._release(self._held.pop())
+        while self._held:  # for good: the engine closes the pool's connections next
+            await _drop(self._held.pop())
         if self._engine is not None:
             await self._engine.dispose()
 
 
 GENERIC_PLANS = "SET plan_cache_mode = force_generic_plan"
 DEFAULT_PLANS = "RESET plan_cache_mode"
+GENERIC = "ratchet_generic_plans"
+"""The mark, in a pooled connection's ``info``, of a session that plans generically."""
 
 
 async def _driver(conn: AsyncConnection) -> Any:

@@ -184,30 +184,34 @@ async def test_held_write_connections_plan_generically_and_the_pool_keeps_the_de
     store = await make_store("postgres", pg_conformance_url)
     db = store.db
     try:
-        threads = [ThreadId(f"gp-{i:02d}") for i in range(8)]
-        receipts = await asyncio.gather(
-            *(store.append(activation(t, f"r-{t}"), 0, 0) for t in threads)
-        )
-        assert store.planned > 0 and db._held  # the groups went by write_statement
+        thread = ThreadId("gp-00")
+        receipt = await store.append(activation(thread, "r-gp"), 0, 0)
+        for version in range(1, 8):  # one group, and one statement, each
+            receipt = await store.append(
+                step(thread, "r-gp", version, prev=receipt.payload_hash), version, 0
+            )
+        assert store.planned >= 8 and len(db._held) == 1  # written by write_statement
         held = db._held[0]
         driver = (await held.get_raw_connection()).driver_connection
         assert await driver.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
-        db._held.remove(held)
-        await db._release(held)  # back to the pool (as when more are held than used)
-        # the pool's connection (idle in the pool, asked directly) plans as any other
+        generic = "SELECT coalesce(sum(generic_plans), 0) FROM pg_prepared_statements"
+        assert await driver.fetchval(generic) > 0  # the group statement was planned once
+        # more held than groups go at once: the extra one goes back to the pool reset
+        db._held[0] = await store.engine.connect()
+        await db._keep(held)
+        assert held.closed  # returned to the pool; its session, asked directly:
         assert await driver.fetchval("SHOW plan_cache_mode") == "auto"
-        async with store.engine.connect() as conn:
-            assert (await conn.execute(text("SHOW plan_cache_mode"))).scalar_one() == "auto"
-        # and the store goes on writing, taking a new connection to hold
-        t = threads[0]
-        await store.append(step(t, f"r-{t}", 1, prev=receipts[0].payload_hash), 1, 0)
-        assert (await store.load(t)).version == 2
+        receipt = await store.append(step(thread, "r-gp", 8, prev=receipt.payload_hash), 8, 0)
+        assert (await store.load(thread)).version == 9  # and the store goes on writing
     finally:
         await store.close()
     joiner = "&" if "?" in pg_conformance_url else "?"
     plain = await SqlCommitStore.connect(f"{pg_conformance_url}{joiner}key_joins=off")
     try:  # behind PgBouncer a session may be another client's next: left alone
-        await plain.append(activation(ThreadId("gp-plain"), "r-gp-plain"), 0, 0)
+        receipt = await plain.append(activation(ThreadId("gp-plain"), "r-gp-plain"), 0, 0)
+        await plain.append(
+            step(ThreadId("gp-plain"), "r-gp-plain", 1, prev=receipt.payload_hash), 1, 0
+        )
         driver = (await plain.db._held[0].get_raw_connection()).driver_connection
         assert await driver.fetchval("SHOW plan_cache_mode") == "auto"
     finally:
