@@ -56,7 +56,7 @@ from runtime.control import control_engine
 from runtime.delegation import (
     parent_link,
 )
-from runtime.engine import Engine
+from runtime.engine import RACES, Engine
 from runtime.errors import (
     AgentImportError,
     InputRefused,
@@ -220,16 +220,7 @@ class RunHost(ChildHosting):
         await self._after_reclaim()
         try:
             check_command(command, self.spec.limits)
-            await self.drives.claimed(command.thread_id)  # one that claims nothing goes
-            frontier = await self.store.load(command.thread_id)
-            state = frontier.run_state
-            ticket = state.ticket if isinstance(state, AwaitingState) else None
-            validate_resume(ticket, command, now_us())
-            local = self.drives.get(command.thread_id)
-            if local is not None and self.drives.fenced(local, frontier):
-                await self.drives.stop(command.thread_id, local, idle=False)
-            if command.thread_id in self.drives:  # checked last: no await after it
-                raise ResumeRejected("ticket", "the run is being driven here, not awaiting")
+            frontier = await self._resumable(command)
             drive = self.drives.spawn(
                 _ref_of(frontier),
                 command.thread_id,
@@ -242,6 +233,34 @@ class RunHost(ChildHosting):
             return await self.drives.first_commit(drive, stopped)
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return remote_error(exc)
+
+    async def _resumable(self, command: ResumeCommand) -> Frontier:
+        """The thread's frontier, validated for ``command``, with no drive of it here.
+
+        A drive here that got in first (another resume of the ticket, through this host,
+        whose commit had not landed when this one loaded the thread) decides the race:
+        this one waits for that drive's first commit, or its end, and judges the stored
+        thread again. Rejected at once, its caller would read the thread still awaiting
+        on the ticket it was told someone else had taken."""
+        thread = command.thread_id
+        for _ in range(RACES):
+            await self.drives.claimed(thread)  # one that claims nothing goes
+            frontier = await self.store.load(thread)
+            state = frontier.run_state
+            ticket = state.ticket if isinstance(state, AwaitingState) else None
+            validate_resume(ticket, command, now_us())
+            local = self.drives.get(thread)
+            if local is not None and self.drives.fenced(local, frontier):
+                await self.drives.stop(thread, local, idle=False)
+            local = self.drives.get(thread)
+            if local is None:  # checked last: no await after it
+                return frontier
+            if local.engine.committed.is_set():  # it has landed: winding down, at rest
+                await asyncio.wait({local.task}, timeout=FINISHING_S)
+                continue
+            with contextlib.suppress(Exception):  # its failure is its own caller's to hear
+                await self.drives.first_commit(local)
+        raise ResumeRejected("ticket", "the run is being driven here, not awaiting")
 
     async def cancel_run(self, thread: ThreadId) -> Any:
         """Cancel a Run driven here, or one at rest (awaiting, or running with no driver)."""

@@ -233,3 +233,69 @@ async def test_a_repeated_start_is_one_only_if_it_asked_the_same():
     with pytest.raises(InvalidTransition, match="another input"):
         unwrap(await asyncio.wait_for(joined, 10))
     assert (await store.load(thread)).version == parked.version  # nothing was written
+
+
+class _FirstLoadHeld(_Held):
+    """A store whose first ``load`` waits until the test lets it go; the rest pass."""
+
+    async def load(self, thread: ThreadId) -> Any:
+        if not self.entered.is_set():
+            await self._hold()
+        return await self.inner.load(thread)
+
+
+class _HeldResume(_Held):
+    """A store whose append of a resume waits until the test lets it go."""
+
+    async def append(self, commit: Any, *args: Any, **kwargs: Any) -> Any:
+        if commit.label.startswith("resume"):
+            await self._hold()
+        return await self.inner.append(commit, *args, **kwargs)
+
+
+async def test_a_resume_that_lost_to_one_in_flight_here_is_told_once_the_winner_landed():
+    """Two resumes of one ticket through one host, both loading the thread before either
+    drive was spawned: the second meets the first's drive before its commit lands. Told
+    "rejected" then, its caller read the thread still awaiting on that ticket (found in
+    CI by test_races). It now waits for that drive's first commit and judges the store."""
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-resume")
+    thread = parked.thread_id
+    command = command_for(parked.run_state.ticket, PermissionDecision(approve=True))
+    loads, appends = _FirstLoadHeld(store), _HeldResume(store)
+    host = _host(loads, appends)
+    host._after_reclaim = _nothing  # type: ignore[method-assign]
+    host._after = None
+    seen = asyncio.Event()
+    first_commit = host.drives.first_commit
+
+    async def watched(drive: Any, *args: Any) -> Any:
+        if drive.run_id == parked.run_id and not args:  # a drive of another way in
+            seen.set()
+        return await first_commit(drive, *args)
+
+    host.drives.first_commit = watched  # type: ignore[method-assign]
+    second = asyncio.ensure_future(host.resume_run(command))
+    await loads.entered.wait()  # the second has begun its load: the ticket is there
+    first = asyncio.ensure_future(host.resume_run(command))
+    await appends.entered.wait()  # the first's drive is spawned, its resume held
+    loads.release.set()
+    waiting = asyncio.ensure_future(seen.wait())
+    await asyncio.wait({second, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    if second.done():  # told before the winner landed: what the store says now
+        state = (await store.load(thread)).run_state
+        pytest.fail(f"told {second.result()!r} while the thread is {state.kind}")
+    appends.release.set()
+    assert await first is True
+    with pytest.raises(Exception, match="ticket") as told:
+        unwrap(await second)
+    assert type(told.value).__name__ == "ResumeRejected"
+    assert not isinstance((await store.load(thread)).run_state, AwaitingState)
+    waiting.cancel()
+    drive = host.drives.get(thread)
+    if drive is not None:  # the winner's drive goes on to its end: let it
+        await drive.task
+
+
+async def _nothing() -> None:
+    return None
