@@ -39,7 +39,7 @@ from runtime.errors import (
     StoreLost,
     StoreUnavailable,
 )
-from runtime.faults import FaultPlan
+from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
 from runtime.ports import (
     CommitStore,
@@ -357,8 +357,8 @@ def drove(task: asyncio.Task[Any]) -> Frontier | None:
 
 
 def _faults(spec: FaultSpec | None) -> FaultPlan:
-    if spec is None:
-        return FaultPlan()
+    if spec is None:  # the shared plan that records nothing: a drive's points went unread
+        return NO_FAULTS
     return FaultPlan(crash_at=(spec[0], spec[1]), action=_exit if spec[2] == "exit" else None)
 
 

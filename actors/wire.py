@@ -148,9 +148,14 @@ async def stored_run_meta(store: CommitStore, head: Frontier) -> RunMeta | None:
 
 
 def _meta_of(message: object) -> RunMeta | None:
-    if not isinstance(message, UserMessage) or message.id.count("|") < 2:
+    # read from the right: a run id may hold "|" (ids refuse only control characters),
+    # an agent reference cannot (no module or attribute is named so: ``load_agent``)
+    if not isinstance(message, UserMessage):
         return None
-    _, placement, ref = message.id.split("|", 2)
+    parts = message.id.rsplit("|", 2)
+    if len(parts) != 3 or not parts[0].endswith(":input"):
+        return None
+    _, placement, ref = parts
     return RunMeta(agent_ref=ref, placement="dedicated" if placement == "dedicated" else "hosted")
 
 

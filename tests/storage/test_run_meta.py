@@ -83,3 +83,16 @@ async def test_a_run_started_without_metadata_has_none(store: Any) -> None:
     await InProcessRunner(_agent(), store).start("go", thread_id=T, run_id="r1")
     assert await stored_run_meta(store, await store.load_head(T)) is None
     assert await stored_run_meta(store, await store.load_head(ThreadId("t-none"))) is None
+
+
+async def test_a_run_id_holding_the_separator_keeps_its_metadata(store: Any) -> None:
+    """Ids may hold "|", which also separates the metadata in the input message's id:
+    read from the right, a run id such as "a|dedicated|b" names neither the placement
+    nor the agent (else every resume and recovery of the Run imported "dedicated|b")."""
+    for run, placement in (("a|b", "hosted"), ("x|dedicated|y", "hosted"), ("p|q", "dedicated")):
+        meta = RunMeta(agent_ref="pkg.a:agent", placement=placement)  # type: ignore[arg-type]
+        engine = InProcessRunner(_agent(), store).engine()
+        await engine.start(T, "go", run_id=RunId(run), message_id=meta.message_id(run))
+        head = await store.load_head(T)
+        assert await stored_run_meta(store, head) == meta
+        assert run_meta(await store.load(T)) == meta
