@@ -29,7 +29,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from edge.agui import AguiState, transcode
 from edge.problems import HttpProblem, problems
 from edge.routes import Client, Thread, known
-from runtime.stream import Frame, parse_offset
+from runtime.stream import Frame, check_cursor, parse_offset
 
 router = APIRouter()
 AGUI_MEDIA_TYPE = "application/vnd.ag-ui+json"
@@ -96,7 +96,11 @@ async def _frames(
         parse_offset(after)
     except ValueError as exc:
         raise HttpProblem(422, "ValidationError", str(exc)) from None
-    await known(client, thread)
+    frontier = await known(client, thread)
+    try:
+        check_cursor(after, frontier.version)
+    except ValueError as exc:
+        raise HttpProblem(422, "ValidationError", str(exc)) from None
     return client.handle(thread).stream(after, until_rest=until_rest)
 
 

@@ -62,6 +62,18 @@ def parse_offset(offset: str | None) -> tuple[int, int]:
     return (int(seq), int(index))
 
 
+def check_cursor(offset: str | None, version: int) -> tuple[int, int]:
+    """The parsed cursor, if it lies within a thread at ``version``; else ValueError. A
+    thread's version only grows, so a cursor past it names another thread (or a fork
+    with fewer commits), and following it would wait for facts it can never be after."""
+    cursor = parse_offset(offset)
+    if cursor[0] > version:
+        raise ValueError(
+            f"stream offset {offset!r} is past the thread's last commit (seq {version})"
+        )
+    return cursor
+
+
 async def follow(
     store: CommitStore,
     thread: ThreadId,
@@ -75,9 +87,10 @@ async def follow(
     bus_timeout_s: float = 1.0,
 ) -> AsyncIterator[Frame]:
     """Frames for ``thread`` after the cursor ``after``; stops at rest if ``until_rest``."""
-    cursor = parse_offset(after)
+    parse_offset(after)  # a malformed cursor fails before the store is asked
     timing = _Timing(idle_check_s, bus_retry_s, bus_timeout_s)
     frontier = await store.load(thread)
+    cursor = check_cursor(after, frontier.version)
     yield Frame(type="thread_status", status=frontier.status)
     # the bus's head before the store is read: whatever is published from here on, the
     # deltas of an inference running now among it, comes from the bus

@@ -286,6 +286,12 @@ def test_runs_and_commits_are_paged(http):
     problem(http.get(f"/threads/{thread}/commits", params=huge), 422, "ValidationError")
     past = {"after": f"{10**20}:0"}
     problem(http.get(f"/threads/{thread}/stream", params=past), 422, "ValidationError")
+    # a cursor past the thread's last commit would wait for facts it is never after
+    ahead = {"after": f"{seqs[-1] + 5}:0", "until_rest": "true"}
+    refused = problem(http.get(f"/threads/{thread}/stream", params=ahead), 422, "ValidationError")
+    assert "past the thread's last commit" in refused["detail"]
+    at_head = {"after": f"{seqs[-1]}:0", "until_rest": "true"}
+    assert http.get(f"/threads/{thread}/stream", params=at_head).is_success
 
 
 def test_the_openapi_schema_names_every_route_and_its_problems(http):

@@ -171,6 +171,18 @@ def test_a_malformed_offset_is_a_clear_error():
         parse_offset("yesterday")
 
 
+async def test_a_cursor_past_the_threads_last_commit_is_a_clear_error():
+    """A thread's version only grows: a cursor past it (another thread's, a fork's with
+    fewer commits) would have a stream of a running Run wait for facts it is never
+    after, so it is refused before anything is streamed."""
+    store = MemoryCommitStore()
+    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
+    f = await InProcessRunner(agent, store).start("go", thread_id="t-past")
+    assert [x.type for x in await frames(store, f.thread_id, f"{f.version}:0")]
+    with pytest.raises(ValueError, match="past the thread's last commit"):
+        await frames(store, f.thread_id, f"{f.version + 1}:0")
+
+
 async def test_a_fact_only_the_bus_holds_is_never_served():
     """Anyone who can publish on the bus (a stray process, a hostile client of Redis)
     can announce facts: the stream serves the store's, so a forged one never reaches a
