@@ -36,7 +36,7 @@ from cluster.config import (
     system_name,
 )
 from cluster.handle import RunHandle, command_for
-from cluster.waiting import on_a_live_host, patiently, polled, rests
+from cluster.waiting import end_of, moved_on, on_a_live_host, patiently, polled, rests
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
@@ -44,6 +44,7 @@ from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
 from runtime.ids import RunId, ThreadId
 from runtime.limits import check_id, check_text
 from runtime.ports import CommitStore, RunSummary, refused_in
+from storage.summary import summarize
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
@@ -229,7 +230,13 @@ class Ratchet:
                 if thread in wanted:
                     raise CorruptRecord(thread, 0, "its run index entry does not verify")
             rows = {r.thread_id: r for r in listing}
-            done = [rows[t] for t, run in wanted.items() if _at_rest(rows.get(t), run)]
+            done: list[RunSummary] = []
+            for t, run in wanted.items():
+                row = rows.get(t)
+                if _at_rest(row, run):
+                    done.append(row)  # type: ignore[arg-type]  # _at_rest: not None
+                elif row is not None and run is not None and moved_on(row.run_id, run):
+                    done.append(await _summary_at_end(self.store, t, run, row.run_id))
             return done if len(done) == len(wanted) else None
 
         async def settled() -> list[RunSummary]:
@@ -263,6 +270,15 @@ class Ratchet:
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)
+
+
+async def _summary_at_end(
+    store: CommitStore, thread: ThreadId, run: RunId, current: RunId
+) -> RunSummary:
+    """The listing row ``run`` had when it ended, though its thread has moved on."""
+    summary = summarize(await end_of(store, thread, run, current))
+    assert summary is not None, "a frontier folded up to a Run's commit holds that Run"
+    return summary
 
 
 def _at_rest(row: RunSummary | None, run: RunId | None) -> bool:

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayError
 from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import ClusterUnavailable
 from cluster.stream import follow_thread
-from cluster.waiting import on_a_live_host, polled, rests
+from cluster.waiting import end_of, moved_on, on_a_live_host, polled, rests
 from runtime import tracing_env
 from runtime.commit import Frontier
 from runtime.errors import ResumeRejected
@@ -91,7 +91,11 @@ class RunHandle:
 
         async def at_rest() -> Frontier | None:
             frontier = await self.frontier()
-            return frontier if rests(frontier, self.run_id) else None
+            if rests(frontier, self.run_id):
+                return frontier
+            if self.run_id is not None and moved_on(frontier.run_id, self.run_id):
+                return await end_of(self.client.store, self.thread_id, self.run_id, frontier.run_id)
+            return None
 
         return await polled(at_rest)
 

@@ -16,9 +16,11 @@ from ray.exceptions import RayActorError
 
 from cluster.config import ClusterUnavailable
 from runtime.commit import Frontier
-from runtime.errors import StoreUnavailable
-from runtime.ids import RunId
+from runtime.errors import RunSuperseded, StoreUnavailable
+from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
+from runtime.ports import CommitStore
+from runtime.rules import replay
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
@@ -40,6 +42,26 @@ def rests(frontier: Frontier, run_id: RunId | None) -> bool:
     """The frontier holds ``run_id`` (any Run if None) ended or awaiting."""
     run = run_id or frontier.run_id
     return frontier.run_id == run and isinstance(frontier.run_state, EndedState | AwaitingState)
+
+
+def moved_on(current: RunId | None, run_id: RunId | None) -> bool:
+    """The thread holds another Run than ``run_id``: that one has ended (a thread's next
+    Run starts only once the one before it ended), and waiting for it to rest as the
+    thread's Run would never end."""
+    return run_id is not None and current is not None and current != run_id
+
+
+async def end_of(
+    store: CommitStore, thread: ThreadId, run_id: RunId, current: RunId | None
+) -> Frontier:
+    """The thread's whole frontier as ``run_id``'s last commit left it: the store's
+    verified log folded up to that commit. RunSuperseded if the log does not start at
+    its first commit (pruned) or holds no commit of the Run."""
+    records = await patiently(lambda: store.read(thread))
+    ends = [i for i, r in enumerate(records) if r.commit.run_id == run_id]
+    if not ends or records[0].seq != 1:
+        raise RunSuperseded(thread, run_id, current)
+    return replay(thread, [r.commit for r in records[: ends[-1] + 1]])
 
 
 async def on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:

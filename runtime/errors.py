@@ -166,6 +166,18 @@ class RunEnded(StoreError):
         self.thread, self.run = thread, run
 
 
+class RunSuperseded(RatchetError):
+    """A Run waited on has ended and its thread holds a later Run, and the log no longer
+    holds the waited Run's end to answer with (pruned), or never held the Run."""
+
+    def __init__(self, thread: str, run: str, current: str | None) -> None:
+        super().__init__(
+            f"run {run!r} is no longer thread {thread!r}'s (it holds run {current!r}), and "
+            "its log keeps no end of it to answer with (pruned?)"
+        )
+        self.thread, self.run, self.current = thread, run, current
+
+
 class StoreUnavailable(StoreError):
     """The store cannot be reached; the caller retries with backoff and records no guess."""
 

@@ -19,6 +19,7 @@ from cluster.report import EXECUTION_LOST, analyse
 from cluster.stream import StreamText
 from runtime.batch import ToolOutput
 from runtime.errors import ResumeRejected
+from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
     EndedState,
@@ -156,6 +157,47 @@ async def test_an_awaiting_run_survives_its_host_and_resumes_on_another(system, 
     assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
     report = await check_log(system.store, handle.thread_id)
     assert report.lost == 0  # nothing was running, so nothing was lost
+
+
+async def test_a_wait_on_a_run_its_thread_moved_past_answers_with_that_runs_end(system):
+    """A waiter that looks only once its Run ended and a later Run started on the thread
+    (a conversation's next turn) is answered with its own Run's end, folded from the
+    store's verified log, not left polling for a Run the thread will never hold again."""
+    first = await system.start(PERMISSION, "clean up")
+    await awaiting(first)
+    assert await first.cancel() == "cancelled"
+    end = await ended(first, "cancelled")
+    later = await system.start(PERMISSION, "and again", thread_id=first.thread_id)
+    await awaiting(later)
+    stale = RunHandle(system, first.thread_id, first.run_id, "hosted")  # another process's
+    answer = await stale.result(timeout_s=30)
+    assert (answer.run_id, answer.version, answer.head) == (end.run_id, end.version, end.head)
+    assert answer.run_state == end.run_state and answer.messages == end.messages
+    (row,) = await system.wait_all([stale], timeout_s=30)
+    assert (row.run_id, row.state, row.version) == (first.run_id, "ended", end.version)
+    assert await later.cancel() == "cancelled"
+
+
+async def test_a_moved_past_run_whose_end_was_pruned_is_a_clear_error():
+    """Folded from the log only while the log is whole: a pruned thread (or a Run it
+    never held) is RunSuperseded, naming the Run the thread holds now."""
+    from cluster.waiting import end_of
+    from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
+    from runtime.errors import RunSuperseded
+    from storage.memory import MemoryCommitStore
+
+    store = MemoryCommitStore()
+    thread = ThreadId("t-pruned")
+    for run in ("r1", "r2"):
+        agent = Agent(name="once", model=ScriptedModel([ModelResponse(text=run)]))
+        await InProcessRunner(agent, store).start("go", thread_id=thread, run_id=run)
+    assert (await end_of(store, thread, RunId("r1"), RunId("r2"))).run_id == "r1"
+    with pytest.raises(RunSuperseded, match="'r9' is no longer"):
+        await end_of(store, thread, RunId("r9"), RunId("r2"))
+    await store.prune(thread, (await store.load_head(thread)).version)
+    with pytest.raises(RunSuperseded) as superseded:
+        await end_of(store, thread, RunId("r1"), RunId("r2"))
+    assert (superseded.value.run, superseded.value.current) == ("r1", "r2")
 
 
 # ---- rejections --------------------------------------------------------------------------
