@@ -13,25 +13,36 @@ The same stream as AG-UI events (``edge.agui``) is ``GET /threads/{thread}/agui`
 ``/stream`` asked with ``Accept: application/vnd.ag-ui+json``: each event is
 ``data: <event JSON>`` as AG-UI's encoder writes it, and the last event of each fact
 carries the fact's offset as its ``id:``, so it reconnects the same way.
+
+A store outage pauses a stream (``runtime.stream.STORE_PATIENCE_S``); one that outlasts
+it, or a record that does not verify, ends the stream with a last event naming the
+problem (``event: error`` with the problem JSON; in AG-UI a ``CUSTOM`` event named
+``ratchet.stream_error``, never ``RUN_ERROR``: the Run did not fail).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+from ag_ui.core import CustomEvent
 from ag_ui.encoder import EventEncoder
 from fastapi import APIRouter, Header, Query
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from edge.agui import AguiState, transcode
-from edge.problems import HttpProblem, problems
+from edge.problems import HttpProblem, problem_body, problems, status_of
 from edge.routes import Client, Thread, known
+from runtime.errors import RatchetError
 from runtime.stream import Frame, check_cursor, parse_offset
 
+log = logging.getLogger("ratchet.edge")
 router = APIRouter()
+STREAM_ERROR = "ratchet.stream_error"
+"""The AG-UI ``CUSTOM`` event's name that ends a stream early (its value: the problem)."""
 AGUI_MEDIA_TYPE = "application/vnd.ag-ui+json"
 """Asked for in ``Accept``, ``/stream`` answers with AG-UI events (still as SSE)."""
 PING_S = 15
@@ -106,8 +117,20 @@ async def _frames(
 
 async def _ratchet_events(frames: AsyncIterator[Frame]) -> AsyncIterator[ServerSentEvent]:
     async with _closing(frames):
-        async for frame in frames:
-            yield ServerSentEvent(data=frame_json(frame), event=frame.type, id=frame.offset)
+        try:
+            async for frame in frames:
+                yield ServerSentEvent(data=frame_json(frame), event=frame.type, id=frame.offset)
+        except RatchetError as exc:
+            yield ServerSentEvent(data=json.dumps(stream_problem(exc)), event="error")
+
+
+def stream_problem(exc: RatchetError) -> dict[str, Any]:
+    """Why a stream ended early, once its response had started (a store unavailable past
+    the follower's patience, a record that does not verify): the problem a request
+    would have been answered with, as the stream's last event. The client reconnects
+    with the last offset it saw, and loses and repeats nothing."""
+    log.warning("a stream ended early: %s: %s", type(exc).__name__, exc)
+    return problem_body(status_of(exc), type(exc).__name__, str(exc))
 
 
 def frame_json(frame: Frame) -> str:
@@ -121,13 +144,17 @@ async def _agui_events(thread: str, frames: AsyncIterator[Frame]) -> AsyncIterat
     encoder = EventEncoder()
     state = AguiState(thread_id=thread)
     async with _closing(frames):
-        async for frame in frames:
-            state, events = transcode(state, frame)
-            for i, event in enumerate(events):
-                chunk = encoder.encode(event)
-                if frame.offset is not None and i == len(events) - 1:
-                    chunk = f"id: {frame.offset}\n{chunk}"  # reconnect after this fact
-                yield chunk.encode()
+        try:
+            async for frame in frames:
+                state, events = transcode(state, frame)
+                for i, event in enumerate(events):
+                    chunk = encoder.encode(event)
+                    if frame.offset is not None and i == len(events) - 1:
+                        chunk = f"id: {frame.offset}\n{chunk}"  # reconnect after this fact
+                    yield chunk.encode()
+        except RatchetError as exc:  # the stream failed, not the Run: no RUN_ERROR
+            ended = CustomEvent(name=STREAM_ERROR, value=stream_problem(exc))
+            yield encoder.encode(ended).encode()
 
 
 @contextlib.asynccontextmanager

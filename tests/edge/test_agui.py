@@ -160,3 +160,30 @@ def test_awaiting_user_input_and_its_resume_text():
     )
     assert events[5].type == EventType.RUN_STARTED
     assert events[-2].delta == "savings" and events[-3].role == "user"
+
+
+async def test_a_stream_that_fails_after_it_started_ends_with_the_problem() -> None:
+    """Once the response started no status can say it: the last event names the
+    problem (a store unavailable past the follower's patience), as a Ratchet ``error``
+    event and as an AG-UI CUSTOM event, never RUN_ERROR (the Run did not fail)."""
+    import json
+
+    from edge.streams import STREAM_ERROR, _agui_events, _ratchet_events
+    from runtime.errors import StoreUnavailable
+
+    async def failing() -> Any:
+        yield Frame(type="thread_status", status=ThreadStatus(state="running", since=1))
+        raise StoreUnavailable("store postgresql://db did not answer within 60s")
+
+    ours = [event async for event in _ratchet_events(failing())]
+    assert [e.event for e in ours] == ["thread_status", "error"]
+    problem = json.loads(ours[-1].data)
+    assert (problem["status"], problem["kind"]) == (503, "StoreUnavailable")
+    assert "did not answer" in problem["detail"]
+
+    chunks = [chunk.decode() async for chunk in _agui_events("t1", failing())]
+    last = EVENTS.validate_json(chunks[-1].removeprefix("data: ").strip())
+    assert last.type == EventType.CUSTOM and last.name == STREAM_ERROR
+    assert last.value["kind"] == "StoreUnavailable"
+    parsed = [EVENTS.validate_json(c.split("data: ", 1)[1].strip()) for c in chunks]
+    assert all(e.type != EventType.RUN_ERROR for e in parsed)

@@ -115,3 +115,53 @@ async def test_run_survives_a_postgres_outage(
     rebuilt = replay(T, [r.commit for r in records])
     ownership = {"epoch", "owner"}
     assert rebuilt.model_dump(exclude=ownership) == stored.model_dump(exclude=ownership)
+
+
+async def test_a_stream_follower_waits_out_a_postgres_outage(
+    server: PrivatePostgres, store: SqlCommitStore
+) -> None:
+    """A follower whose read meets the outage asks again with backoff rather than end
+    (``runtime.stream.STORE_PATIENCE_S``); once the server is back it goes on and
+    serves the facts committed after it, the Run's end among them."""
+    from runtime import InProcessRunner, PermissionDecision
+    from runtime.events import Fact
+    from runtime.lifecycle import answer
+    from runtime.stream import Frame, follow
+    from tests.ray.agents import permission_agent
+    from tests.support.waiting import until
+
+    runner = InProcessRunner(permission_agent, store)
+    parked = await runner.start("clean up", thread_id="t-follow-outage")
+    seen: list[Frame] = []
+
+    def facts() -> list[str]:
+        return [f.event.type for f in seen if isinstance(f.event, Fact)]
+
+    async def consume() -> None:
+        async for frame in follow(store, parked.thread_id, until_rest=False, poll_s=0.01):
+            seen.append(frame)
+
+    paused = RetrySeen(1)
+    paused.setLevel(logging.INFO)
+    stream_log = logging.getLogger("ratchet.stream")
+    level = stream_log.level
+    stream_log.setLevel(logging.INFO)
+    stream_log.addHandler(paused)
+    follower = asyncio.create_task(consume())
+    try:
+        await until(lambda: "awaiting" in facts(), DEADLINE_S, what="the parked Run's facts")
+        await asyncio.to_thread(server.stop)
+        await asyncio.wait_for(paused.event.wait(), DEADLINE_S)  # it met the outage
+        await asyncio.to_thread(server.start)
+        ticket = parked.run_state.ticket  # type: ignore[union-attr]
+        final = await runner.resume(answer(ticket, PermissionDecision(approve=True)))
+        assert isinstance(final.run_state, EndedState)
+        await until(lambda: "run_finished" in facts(), DEADLINE_S, what="the end, streamed")
+        assert not follower.done()  # still following, as until_rest=False asks
+        offsets = [f.offset for f in seen if f.offset is not None]
+        assert len(offsets) == len(set(offsets))  # nothing served twice across the outage
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        stream_log.removeHandler(paused)
+        stream_log.setLevel(level)
