@@ -302,7 +302,15 @@ class Supervisor:
             )
             if marked != "lost":
                 return False  # someone else has it now, or it ended (a dead letter, say)
-        await self._replace(thread)
+            lost_owner = self.owner  # marked: ours now
+        # Another may have claimed it since the listing was read (a recovery of ours that
+        # timed out but went on, say): one sent now at that claim's epoch would fence a
+        # drive nobody judged lost. The next sweep judges that owner afresh.
+        frontier = await self.store.load(thread)
+        if frontier.owner != lost_owner:
+            log.info("%s is %s's now, not %s's: left to it", thread, frontier.owner, lost_owner)
+            return False
+        await self._replace(frontier)
         return True
 
     async def _owner_dead(self, summary: RunSummary) -> bool:
@@ -317,8 +325,9 @@ class Supervisor:
             return False
         return summary.owner != f"{info['host']}#{info['pid']}"
 
-    async def _replace(self, thread: ThreadId) -> None:
-        frontier = await self.store.load(thread)
+    async def _replace(self, frontier: Frontier) -> None:
+        """Send the Run, as ``frontier`` (just loaded) has it, to a live host."""
+        thread = frontier.thread_id
         meta = run_meta(frontier)
         if meta is None:
             log.error("thread %s records no agent reference; cannot re-place it", thread)

@@ -16,7 +16,16 @@ import ray
 
 from actors.ownership import DEAD_LETTER_AFTER, mark_lost
 from actors.supervisor import supervisor
-from runtime import Agent, Crash, FaultPlan, InProcessRunner, ModelResponse, call, tool
+from runtime import (
+    Agent,
+    Crash,
+    FaultPlan,
+    InProcessRunner,
+    ModelResponse,
+    ScriptedModel,
+    call,
+    tool,
+)
 from runtime.lifecycle import EndedState, RunningState
 from storage.memory import MemoryCommitStore
 
@@ -195,3 +204,39 @@ async def test_a_busy_host_is_not_retired(make_system, ledger):
     assert handle.thread_id in await client.hosts[0].driving.remote()
     assert await boss.retire.remote(client.spec.host_name(1)) is True
     await wait_for(actor_gone(client.spec.host_name(1)), what="the idle host to end")
+
+
+async def test_a_take_over_decided_from_a_stale_listing_leaves_the_run_to_its_new_owner():
+    """The sweep lists a Run as the Supervisor marked it (failed, its own), but a host
+    claimed it since (a recovery of ours whose call timed out went on, say). Re-placing
+    it now, at that claim's epoch, would fence a drive nobody judged lost: the take-over
+    does nothing, and the next sweep judges the new owner afresh."""
+    from actors.supervisor import Supervisor
+    from runtime.ids import ThreadId
+
+    store = MemoryCommitStore()
+    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
+    thread = ThreadId("t-stale")
+    with pytest.raises(Crash):
+        await InProcessRunner(agent, store).start(
+            "go", thread_id=thread, faults=FaultPlan(crash_at=("before:ended", 1))
+        )
+    lost = (await store.load_head(thread)).owner
+    assert await mark_lost(store, thread, "supervisor", lost_owner=lost) == "lost"
+    (listed,) = await store.list_runs("running")
+    assert (listed.owner, listed.status.state) == ("supervisor", "failed")
+    marked = await store.load_head(thread)
+    claimed = await store.claim(thread, "host-2#7", supersedes=marked.epoch)
+
+    bare = object.__new__(Supervisor)  # the decision only: no actor, no hosts
+    bare.store, bare.owner, bare.publisher, bare.children = store, "supervisor", None, None
+    sent: list[Any] = []
+
+    async def replace(*args: Any) -> None:
+        sent.append(args)
+
+    bare._replace = replace  # type: ignore[method-assign]
+    assert await bare._take_over(listed) is False
+    assert sent == []
+    head = await store.load_head(thread)
+    assert (head.owner, head.epoch) == ("host-2#7", claimed.epoch)
