@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -107,7 +108,13 @@ class RunHost(ChildHosting):
         )
         self.recovered = 0
         self.admission = Admission()
-        self.reconciler = Reconciler(host_id, self.owner, self.store, self.drives, self._recover)
+        self.reconciler = Reconciler(
+            host_id,
+            self.owner,
+            self.store,
+            self.drives,
+            functools.partial(self._recover, owner=self.owner),
+        )
         # requests wait for the first reconciliation: a retried start must not race the
         # recording of the crash (failed/execution_lost) for the Runs this host owned
         self._reconciled = asyncio.create_task(self._first_reconcile())
@@ -183,12 +190,25 @@ class RunHost(ChildHosting):
         return await self._recover(thread, agent_ref, epoch)
 
     async def _recover(
-        self, thread: ThreadId, agent_ref: str | None = None, epoch: int | None = None
+        self,
+        thread: ThreadId,
+        agent_ref: str | None = None,
+        epoch: int | None = None,
+        owner: str | None = None,
     ) -> Any:
+        """Drive the thread's Run again here, if the caller's judgement still holds: the
+        Run is at ``epoch`` (the Supervisor's), or ``owner``'s (this host's reconciler,
+        which judged from a listing that a claim may have overtaken since)."""
+
+        def overtaken(frontier: Frontier) -> bool:
+            return (epoch is not None and frontier.epoch != epoch) or (
+                owner is not None and frontier.owner != owner
+            )
+
         try:
             await self.drives.claimed(thread)  # a drive here that claims nothing is no driver
             frontier = await self.store.load(thread)
-            if epoch is not None and frontier.epoch != epoch:
+            if overtaken(frontier):
                 return True  # another took it over meanwhile: not to be taken from it
             stale = self.drives.get(thread)
             if stale is not None:
@@ -199,7 +219,7 @@ class RunHost(ChildHosting):
                 # out at its next commit, which a long tool call can put off indefinitely.
                 await self.drives.stop(thread, stale, idle=False)
                 frontier = await self.store.load(thread)
-                if thread in self.drives:  # a concurrent recovery got here first
+                if thread in self.drives or overtaken(frontier):  # another got here first
                     return True
             ref = agent_ref or _ref_of(frontier)
             link = parent_link(frontier)

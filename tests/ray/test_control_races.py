@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 import pytest
@@ -301,3 +302,46 @@ async def test_a_resume_that_lost_to_one_in_flight_here_is_told_once_the_winner_
 
 async def _nothing() -> None:
     return None
+
+
+class _ClaimedBeforeLoad:
+    """A store whose next ``load`` of the thread is preceded by another host's claim (a
+    Supervisor's re-placement landing between the reconciler's listing and its look)."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner, self.claimed = inner, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: ThreadId) -> Any:
+        if self.claimed is None:
+            head = await self.inner.load_head(thread)
+            self.claimed = await self.inner.claim(thread, "other-host#1", supersedes=head.epoch)
+        return await self.inner.load(thread)
+
+
+async def test_a_reconciler_overtaken_by_another_claim_leaves_the_run_to_it():
+    """This host's reconciler lists a Run it owns and does not drive, marks it, and means
+    to drive it again; another host claims it before the look. Driving it now would
+    fence that host's drive: the recovery sees the owner changed and does nothing."""
+    from actors.reconcile import Reconciler
+    from runtime import Crash, FaultPlan
+
+    store = MemoryCommitStore()
+    thread, run = ThreadId("ctl-overtaken"), RunId("run-ctl-overtaken")
+    crashing = Engine(
+        permission_agent, store, TOOLS, owner=OWNER, faults=FaultPlan(("before:inference", 1))
+    )
+    with pytest.raises(Crash):
+        await crashing.start(
+            thread, "go", run_id=run, message_id=RunMeta(agent_ref="ref").message_id(run)
+        )
+    overtaking = _ClaimedBeforeLoad(store)
+    host = _host(overtaking, store)
+    recover = functools.partial(host._recover, owner=OWNER)
+    await Reconciler("control-host", OWNER, store, host.drives, recover).once()
+    assert overtaking.claimed is not None  # the claim landed between listing and look
+    assert thread not in host.drives
+    head = await store.load_head(thread)
+    assert (head.owner, head.epoch) == ("other-host#1", overtaking.claimed.epoch)
