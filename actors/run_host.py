@@ -282,35 +282,45 @@ class RunHost(ChildHosting):
                 await self.drives.first_commit(local)
         raise ResumeRejected("ticket", "the run is being driven here, not awaiting")
 
-    async def cancel_run(self, thread: ThreadId) -> Any:
-        """Cancel a Run driven here, or one at rest (awaiting, or running with no driver)."""
-        return await self._end_run(thread, Cancelled(), "cancelled", lambda e: e.cancel())
+    async def cancel_run(self, thread: ThreadId, run: RunId | None = None) -> Any:
+        """Cancel a Run driven here, or one at rest (awaiting, or running with no driver);
+        ``run``: only that Run (a thread that moved on to another is ``not_running``)."""
+        return await self._end_run(thread, run, Cancelled(), "cancelled", lambda e: e.cancel())
 
-    async def stop_run(self, thread: ThreadId, reason: str) -> Any:
+    async def stop_run(self, thread: ThreadId, reason: str, run: RunId | None = None) -> Any:
         """End a Run ``stopped(reason)``: signal its engine here, or end it at rest."""
         try:
             cause = Stopped(reason=check_reason(reason, self.spec.limits))
         except InputRefused as exc:
             return remote_error(exc)
-        return await self._end_run(thread, cause, "stopped", lambda e: e.stop(reason))
+        return await self._end_run(thread, run, cause, "stopped", lambda e: e.stop(reason))
 
     async def _end_run(
-        self, thread: ThreadId, cause: EndCause, ended: str, signal: Callable[[Engine], None]
+        self,
+        thread: ThreadId,
+        run: RunId | None,
+        cause: EndCause,
+        ended: str,
+        signal: Callable[[Engine], None],
     ) -> Any:
         try:
             drive = await self._answering(thread)
+            if drive is not None and run is not None and drive.run_id not in (None, run):
+                drive = None  # it drives a later Run of the thread, not the one named
             if drive is not None and drive.engine.listening:  # no await since the check
                 signal(drive.engine)
                 return "signalled"
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
             frontier = await self.store.load(thread)
+            if run is not None and frontier.run_id != run:
+                return "not_running"  # the Run named ended, and the thread moved on
             if not isinstance(frontier.run_state, RunningState | AwaitingState):
                 return "not_running"
             # the end carries its claim: a driver elsewhere, if any, is fenced by it
             engine = control_engine(
                 self.store, owner=self.owner, publisher=self.publisher, children=self.children
             )
-            self._hand_back(await engine.terminate(thread, cause))
+            self._hand_back(await engine.terminate(thread, cause, run=run))
             # it may have come to rest on its own meanwhile: then this ended nothing
             return ended if engine.committed.is_set() else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)

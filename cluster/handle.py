@@ -172,7 +172,9 @@ class RunHandle:
             nonlocal calls
             calls += 1
             host = self.client.host_for(self.thread_id, placement)
-            return unwrap(await getattr(host, method).remote(self.thread_id, *args))
+            # the handle's Run only: a thread that moved on to a later Run keeps it
+            call = getattr(host, method).remote(self.thread_id, *args, run=self.run_id)
+            return unwrap(await call)
 
         result: str = await on_a_live_host(end_run)
         if result == "not_running" and calls > 1:

@@ -339,20 +339,29 @@ class Engine(Sides):
         await run_wave(self, ctx, ctx.frontier.batch, [call_id], marked=True)
 
     async def terminate(
-        self, thread: ThreadId, cause: EndCause | None = None, *, supersedes: int | None = None
+        self,
+        thread: ThreadId,
+        cause: EndCause | None = None,
+        *,
+        supersedes: int | None = None,
+        run: RunId | None = None,
     ) -> Frontier:
         """End a Run that this engine is not driving (awaiting, or driven elsewhere).
 
         The end commit carries the claim, so a driver elsewhere is fenced by it; unfinished
         calls are sealed indeterminate and the ticket is cleared, so a late resume fails
         closed. A Run at rest is returned as is. With ``supersedes`` the end is made only
-        if the thread's owner epoch is still that one (else Fenced).
+        if the thread's owner epoch is still that one (else Fenced). With ``run`` only that
+        Run is ended: a thread that holds another (the one named ended, and a later one
+        started) is returned as is, never the later Run ended in its place.
         """
         check_id("thread id", thread, self.limits)
         for _ in range(RACES):
             frontier = await self._verified(thread)
             if supersedes is not None and frontier.epoch != supersedes:
                 raise Fenced(thread, supersedes, frontier.epoch)
+            if run is not None and frontier.run_id != run:
+                return frontier
             if not isinstance(frontier.run_state, RunningState | AwaitingState):
                 return frontier
             ctx = self._context(frontier)

@@ -121,7 +121,7 @@ async def test_a_cancel_met_by_a_repeated_start_ends_the_awaiting_run():
     host.drives.spawn("ref", thread, run, starting(thread, "go", run, f"{run}:input", False))
     await held.entered.wait()
     cancel = asyncio.ensure_future(
-        host._end_run(thread, Cancelled(), "cancelled", lambda e: e.cancel())
+        host._end_run(thread, None, Cancelled(), "cancelled", lambda e: e.cancel())
     )
     # the cancel's first step was scheduled before the load's wake-up (asyncio runs
     # ready callbacks in order): it meets the drive while the drive is still in its load
@@ -145,7 +145,7 @@ async def test_a_cancel_that_meets_the_drive_as_it_comes_to_rest_ends_the_run():
     drive = host.drives.spawn("ref", thread, run, starting(thread, "go", run, message, False))
     await asyncio.wait_for(waiting.entered.wait(), 10)  # claimed, its wait on its way
     cancel = asyncio.ensure_future(
-        host._end_run(thread, Cancelled(), "cancelled", lambda e: e.cancel())
+        host._end_run(thread, None, Cancelled(), "cancelled", lambda e: e.cancel())
     )
     await asyncio.wait_for(held.entered.wait(), 10)  # the cancel took it for the driver
     waiting.release.set()
@@ -162,7 +162,9 @@ async def test_a_cancel_that_finds_the_run_ended_meanwhile_says_it_ended_nothing
     store = MemoryCommitStore()
     parked = await _parked(store, "ctl-ended")
     host = _host(_EndedBeforeTerminate(store), store)
-    answer = await host._end_run(parked.thread_id, Cancelled(), "cancelled", lambda e: e.cancel())
+    answer = await host._end_run(
+        parked.thread_id, None, Cancelled(), "cancelled", lambda e: e.cancel()
+    )
     assert answer == "not_running"
     assert (await store.load(parked.thread_id)).run_state.cause.kind == "stopped"
 

@@ -175,6 +175,10 @@ async def test_a_wait_on_a_run_its_thread_moved_past_answers_with_that_runs_end(
     assert answer.run_state == end.run_state and answer.messages == end.messages
     (row,) = await system.wait_all([stale], timeout_s=30)
     assert (row.run_id, row.state, row.version) == (first.run_id, "ended", end.version)
+    # a handle acts on its own Run only: the later one is not ended in its place
+    assert await stale.cancel() == "not_running"
+    assert await stale.stop("stale") == "not_running"
+    assert isinstance((await later.frontier()).run_state, AwaitingState)
     assert await later.cancel() == "cancelled"
 
 
@@ -265,8 +269,8 @@ class _AnswerLost:
 
         class _Lost:
             @staticmethod
-            async def remote(*args):
-                await real.remote(*args)
+            async def remote(*args, **kwargs):
+                await real.remote(*args, **kwargs)
                 raise ray.exceptions.RayActorError()
 
         return _Lost

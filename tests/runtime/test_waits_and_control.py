@@ -200,6 +200,23 @@ async def test_cancel_of_an_awaiting_run_clears_the_ticket_and_a_late_resume_fai
     assert await runner.engine().terminate("t") == await store.load("t")  # idempotent
 
 
+async def test_a_terminate_of_a_named_run_leaves_the_threads_later_run_alone():
+    @tool(needs_permission=True)
+    def risky(x: int) -> str:
+        return "ran"
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(one_tool_agent(risky), store)
+    first = await runner.start("go", thread_id="t", run_id="r1")
+    await runner.engine().terminate("t", run=first.run_id)  # r1 ends
+    later = await runner.start("again", thread_id="t", run_id="r2")
+    assert isinstance(later.run_state, AwaitingState)
+    assert await runner.engine().terminate("t", run=first.run_id) == later  # r2 untouched
+    assert await store.load("t") == later
+    ended = await runner.engine().terminate("t", run=later.run_id)
+    assert isinstance(ended.run_state, EndedState) and ended.run_id == "r2"
+
+
 async def test_a_stop_after_inference_runs_none_of_the_steps_calls():
     ran: list[int] = []
 
