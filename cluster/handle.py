@@ -239,11 +239,20 @@ class RunHandle:
         raise ResumeRejected("ticket", "the run stopped awaiting without this resume")
 
     async def _applied(self, command: ResumeCommand) -> bool | None:
-        """Whose resume of the command's ticket the log holds: True ours (its request id),
-        False another's, None none."""
+        """Whose resume of the command's ticket the log holds: True ours (its request id
+        and its payload), False another's, None none. A request id reused with another
+        payload is another's: its caller is not told that what it asked for was done."""
+        mine = {
+            "correlation": command.correlation,
+            **command.payload.model_dump(mode="json"),
+            "request_id": command.request_id,
+        }
         for fact in reversed(await self.events()):
             if fact.type == "resumed" and fact.data.get("correlation") == command.correlation:
-                return bool(fact.data.get("request_id") == command.request_id)
+                # what the fact holds must be ours (a field added since it was written is not)
+                return fact.data.get("request_id") == command.request_id and all(
+                    mine.get(key) == value for key, value in fact.data.items()
+                )
         return None
 
     async def respond(self, payload: ResumePayload, *, host: int | None = None) -> ResumeCommand:

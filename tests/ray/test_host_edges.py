@@ -21,7 +21,7 @@ from cluster.client import Ratchet, command_for
 from runtime.agent import Agent
 from runtime.delegation import child_ids
 from runtime.engine import Engine
-from runtime.errors import StoreUnavailable
+from runtime.errors import ResumeRejected, StoreUnavailable
 from runtime.faults import Crash, FaultPlan
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import AwaitingState, PermissionDecision
@@ -106,6 +106,10 @@ async def test_one_resume_through_two_hosts_at_once_lands_once_and_both_succeed(
     assert [f.data["request_id"] for f in resumed] == ["edge-request"]
     drops = [row for row in ledger.rows(f":{handle.run_id}:") if row[1] == "drop_table"]
     assert len(drops) == 1
+    await handle.resume(command)  # the same request once more: still its success
+    denied = command.model_copy(update={"payload": PermissionDecision(approve=False, note="no")})
+    with pytest.raises(ResumeRejected):  # the request id reused for another answer
+        await handle.resume(denied)
 
 
 async def test_a_child_drive_stopped_under_its_parent_is_followed_in_the_store(make_system, ledger):
