@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from actors.wire import stored_run_meta
 from cluster.cli_args import awaiting_ticket
 from cluster.client import Ratchet, RunHandle, command_for
+from cluster.waiting import patiently
 from edge.models import (
     AGENT_REF_CHARS,
     LIMITS,
@@ -32,7 +33,7 @@ from edge.models import (
 from edge.problems import HttpProblem, problems
 from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
-from runtime.errors import AgentImportError, CorruptRecord
+from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState
 from runtime.limits import check_id
@@ -40,6 +41,8 @@ from runtime.ports import RunSummary
 
 router = APIRouter()
 log = logging.getLogger("ratchet.edge")
+READ_BACK_S = 60.0
+"""How long a route waits out a store outage to read back what it just did."""
 MAX_WAIT_S = 300.0
 MAX_SEQ = 2**63 - 1
 """A store's sequence numbers are 64-bit: a larger cursor is refused (422), not a 503."""
@@ -76,11 +79,26 @@ async def known(client: Ratchet, thread: ThreadId) -> Frontier:
 
 
 async def at_rest(handle: RunHandle, wait_s: float) -> ThreadSummary:
-    """The thread once the Run rests, or as it is after ``wait_s`` (0: at once)."""
-    if wait_s > 0:
-        with contextlib.suppress(TimeoutError):
-            await handle.result(timeout_s=wait_s)
-    return ThreadSummary.of(await handle.frontier(), handle.client.spec.limits)
+    """The thread once the Run rests, or as it is after ``wait_s`` (0: at once).
+
+    Called once the action landed: a store outage on the way is waited out (as a
+    follower waits it out) rather than answered 503 for an action that was done, and if
+    it outlasts that, the 503 names the Run (a start without a ``run_id`` retried would
+    otherwise be 409 and never learn the id of its own Run)."""
+    try:
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await patiently(lambda: handle.result(timeout_s=wait_s), READ_BACK_S)
+        frontier = await patiently(handle.frontier, READ_BACK_S)
+    except StoreUnavailable as exc:
+        raise HttpProblem(
+            503,
+            "StoreUnavailable",
+            f"done, but the thread could not be read back: {exc}",
+            thread_id=handle.thread_id,
+            run_id=handle.run_id,
+        ) from exc
+    return ThreadSummary.of(frontier, handle.client.spec.limits)
 
 
 @router.post(

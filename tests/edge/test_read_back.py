@@ -1,0 +1,69 @@
+"""A route's read-back after its action landed: a store outage is waited out, and one
+that outlasts the wait is a 503 naming the Run that was started (no Ray: a handle over
+the in-memory store whose loads fail for a while)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from actors.wire import SystemSpec
+from cluster.handle import RunHandle
+from edge import routes
+from edge.problems import HttpProblem
+from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
+from runtime.errors import StoreUnavailable
+from runtime.ids import RunId, ThreadId
+from storage.memory import MemoryCommitStore
+
+
+class _Blinking:
+    """The in-memory store, whose next ``fails`` loads meet an outage."""
+
+    def __init__(self, inner: MemoryCommitStore, fails: int) -> None:
+        self.inner, self.fails = inner, fails
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: ThreadId) -> Any:
+        if self.fails:
+            self.fails -= 1
+            raise StoreUnavailable("store memory:// did not answer")
+        return await self.inner.load(thread)
+
+
+SPEC = SystemSpec(name="read-back", store_url="memory://")
+
+
+@dataclass
+class _Client:
+    store: Any
+    spec: SystemSpec = SPEC
+    hosts: tuple[Any, ...] = ()
+
+
+async def _started(fails: int) -> RunHandle:
+    store = MemoryCommitStore()
+    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
+    f = await InProcessRunner(agent, store).start("go", thread_id="t-read", run_id="r-read")
+    return RunHandle(_Client(_Blinking(store, fails)), f.thread_id, RunId("r-read"), "hosted")  # type: ignore[arg-type]
+
+
+async def test_a_read_back_waits_out_a_store_outage() -> None:
+    handle = await _started(fails=3)
+    summary = await routes.at_rest(handle, 0)
+    assert (summary.run_id, summary.run_state.kind) == ("r-read", "ended")  # type: ignore[union-attr]
+    assert handle.client.store.fails == 0
+
+
+async def test_an_outage_past_the_wait_is_a_503_naming_the_run(monkeypatch) -> None:
+    monkeypatch.setattr(routes, "READ_BACK_S", 0.05)
+    handle = await _started(fails=10**6)
+    with pytest.raises(HttpProblem) as problem:
+        await routes.at_rest(handle, 0)
+    assert (problem.value.status, problem.value.kind) == (503, "StoreUnavailable")
+    assert problem.value.extra == {"thread_id": "t-read", "run_id": "r-read"}
+    assert "done, but" in problem.value.detail
