@@ -309,22 +309,48 @@ class RunHost(ChildHosting):
                 drive = None  # it drives a later Run of the thread, not the one named
             if drive is not None and drive.engine.listening:  # no await since the check
                 signal(drive.engine)
+                if drive.epoch is None:  # slow to claim (the store out): it may never claim
+                    task = asyncio.create_task(self._end_unless_claimed(thread, run, cause, drive))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
                 return "signalled"
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
-            frontier = await self.store.load(thread)
-            if run is not None and frontier.run_id != run:
-                return "not_running"  # the Run named ended, and the thread moved on
-            if not isinstance(frontier.run_state, RunningState | AwaitingState):
-                return "not_running"
-            # the end carries its claim: a driver elsewhere, if any, is fenced by it
-            engine = control_engine(
-                self.store, owner=self.owner, publisher=self.publisher, children=self.children
-            )
-            self._hand_back(await engine.terminate(thread, cause, run=run))
-            # it may have come to rest on its own meanwhile: then this ended nothing
-            return ended if engine.committed.is_set() else "not_running"
+            return ended if await self._end_stored(thread, run, cause) else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return remote_error(exc)
+        finally:
+            self._retire_if_idle()
+
+    async def _end_stored(self, thread: ThreadId, run: RunId | None, cause: EndCause) -> bool:
+        """End the Run as the store has it (no drive here hears a signal); False if there
+        was nothing to end, or it came to rest on its own meanwhile."""
+        frontier = await self.store.load(thread)
+        if run is not None and frontier.run_id != run:
+            return False  # the Run named ended, and the thread moved on
+        if not isinstance(frontier.run_state, RunningState | AwaitingState):
+            return False
+        # the end carries its claim: a driver elsewhere, if any, is fenced by it
+        engine = control_engine(
+            self.store, owner=self.owner, publisher=self.publisher, children=self.children
+        )
+        self._hand_back(await engine.terminate(thread, cause, run=run))
+        return engine.committed.is_set()
+
+    async def _end_unless_claimed(
+        self, thread: ThreadId, run: RunId | None, cause: EndCause, drive: Drive
+    ) -> None:
+        """A signalled drive that claimed nothing may end without ever claiming (a repeated
+        start, a resume that lost, a recovery that found the Run at rest): the signal went
+        with it, and its caller heard "signalled". Once it is over, the end is made from
+        the store, as for a Run at rest; a drive that claimed heard it at its next check."""
+        await asyncio.wait({drive.task})
+        if drive.epoch is not None:
+            return
+        try:
+            if await self._end_stored(thread, run, cause):
+                log.info("%s ended from the store: its drive went without claiming it", thread)
+        except Exception:  # the Run stays as committed; its caller may ask again
+            log.exception("ending %s after its drive went without claiming it failed", thread)
         finally:
             self._retire_if_idle()
 

@@ -28,6 +28,7 @@ from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, Cancelled, EndedState, PermissionDecision, Stopped
 from runtime.tools import LocalToolRunner
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
 from .agents import permission_agent
 
@@ -130,6 +131,36 @@ async def test_a_cancel_met_by_a_repeated_start_ends_the_awaiting_run():
     frontier = await store.load(thread)
     assert isinstance(frontier.run_state, EndedState)
     assert frontier.run_state.cause.kind == "cancelled"
+
+
+async def test_a_cancel_told_to_a_drive_that_never_claims_still_ends_the_run(monkeypatch):
+    """The store holds the repeated start's load past the host's wait for a claim
+    (``drives.STOP_S``): the cancel is told to that drive ("signalled"), which then finds
+    the Run exists and goes without claiming, the signal with it. The host ends the Run
+    from the store once that drive is over, as its caller was told it would end."""
+    import actors.drives
+
+    monkeypatch.setattr(actors.drives, "STOP_S", 0.01)
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-unclaimed")
+    held = _HeldLoad(store)
+    host = _host(store, held)
+    thread, run = parked.thread_id, parked.run_id
+    drive = host.drives.spawn(
+        "ref", thread, run, starting(thread, "go", run, f"{run}:input", False)
+    )
+    await held.entered.wait()
+    answer = await host._end_run(thread, None, Cancelled(), "cancelled", lambda e: e.cancel())
+    assert answer == "signalled"  # told to the drive, which has claimed nothing
+    held.release.set()
+    await asyncio.wait_for(asyncio.wait({drive.task}), 10)
+    assert drive.epoch is None  # it went without claiming
+
+    async def ended() -> bool:
+        return isinstance((await store.load(thread)).run_state, EndedState)
+
+    await until(ended, 10, what="the Run ended from the store")
+    assert (await store.load(thread)).run_state.cause.kind == "cancelled"
 
 
 async def test_a_cancel_that_meets_the_drive_as_it_comes_to_rest_ends_the_run():
