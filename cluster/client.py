@@ -29,6 +29,7 @@ from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, unwrap
 from cluster.config import (
+    ClusterUnavailable,
     connect_ray,
     redact,
     redis_url_from,
@@ -185,7 +186,13 @@ class Ratchet:
             return unwrap(await answer)
 
         # the host may die before it answers (or be restarting): start is idempotent
-        answer = await on_a_live_host(start_run)
+        try:
+            answer = await on_a_live_host(start_run)
+        except ClusterUnavailable as exc:  # it may have landed: the ids find it again
+            raise ClusterUnavailable(
+                f"{exc}; run {run!r} on thread {thread!r} may have started: ask again with "
+                "these ids (a start is idempotent by run id) or look at the thread"
+            ) from exc
         return RunHandle(self, thread, run, placement), answer
 
     def handle(self, thread_id: str) -> RunHandle:

@@ -65,14 +65,19 @@ async def end_of(
 
 
 async def on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
-    """Call a host again while it is dead or restarting (the calls given are idempotent)."""
+    """Call a host again while it is dead or restarting (the calls given are idempotent),
+    for up to ``give_up_s`` from the first failure: a call that lasts (a start that waits
+    for its Run to rest) has not used up the time its host has to come back."""
     loop = asyncio.get_running_loop()
-    deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
+    deadline: float | None = None
+    delay = POLL_FIRST_S
     while True:
         try:
             return await call()
         except RayActorError as exc:
-            if loop.time() > deadline:
+            if deadline is None:
+                deadline = loop.time() + give_up_s
+            elif loop.time() > deadline:
                 what = type(exc).__name__
                 raise ClusterUnavailable(
                     f"no RunHost answered within {give_up_s:g}s ({what})"

@@ -455,3 +455,22 @@ async def test_redis_stream_across_a_host_crash_keeps_facts_and_text_whole(make_
     lost_at = next(f.offset for f in frames if f.status and f.status.state == "failed")
     again = [f async for f in handle.stream(after=lost_at)]
     assert fact_keys(again) == [k for k in committed if k[:2] > parse_offset(lost_at)]
+
+
+async def test_a_host_lost_late_in_a_lasting_call_still_gets_its_time_to_come_back():
+    """The time a host has to come back runs from the first failure: a start that waits
+    for its Run for longer than that, and then loses its host, is asked again."""
+    from cluster.waiting import on_a_live_host
+
+    calls = 0
+
+    async def lasting_then_lost() -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.2)  # the call itself lasts (a drive waited on), then:
+            raise ray.exceptions.RayActorError()
+        return "answered"
+
+    assert await on_a_live_host(lasting_then_lost, give_up_s=0.1) == "answered"
+    assert calls == 2
