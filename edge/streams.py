@@ -46,6 +46,9 @@ STREAM_ERROR = "ratchet.stream_error"
 AGUI_MEDIA_TYPE = "application/vnd.ag-ui+json"
 """Asked for in ``Accept``, ``/stream`` answers with AG-UI events (still as SSE)."""
 PING_S = 15
+SEND_TIMEOUT_S = 60.0
+"""A client that stops reading without going away is dropped once one send has waited
+this long (sse-starlette's ``send_timeout``): it would hold its follower forever."""
 SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "Server-sent events",
@@ -77,8 +80,8 @@ async def stream(
 ) -> EventSourceResponse:
     frames = await _frames(client, thread, last_event_id or after, until_rest)
     if accept is not None and AGUI_MEDIA_TYPE in accept:
-        return EventSourceResponse(_agui_events(thread, frames), ping=PING_S)
-    return EventSourceResponse(_ratchet_events(frames), ping=PING_S)
+        return _sse(_agui_events(thread, frames))
+    return _sse(_ratchet_events(frames))
 
 
 @router.get(
@@ -95,7 +98,11 @@ async def agui_stream(
     last_event_id: LastEventId = None,
 ) -> EventSourceResponse:
     frames = await _frames(client, thread, last_event_id or after, until_rest)
-    return EventSourceResponse(_agui_events(thread, frames), ping=PING_S)
+    return _sse(_agui_events(thread, frames))
+
+
+def _sse(events: AsyncIterator[Any]) -> EventSourceResponse:
+    return EventSourceResponse(events, ping=PING_S, send_timeout=SEND_TIMEOUT_S)
 
 
 async def _frames(
