@@ -67,3 +67,11 @@ async def test_an_outage_past_the_wait_is_a_503_naming_the_run(monkeypatch) -> N
     assert (problem.value.status, problem.value.kind) == (503, "StoreUnavailable")
     assert problem.value.extra == {"thread_id": "t-read", "run_id": "r-read"}
     assert "done, but" in problem.value.detail
+
+
+def test_a_run_whose_thread_moved_past_it_is_a_conflict() -> None:
+    """Waiting on a Run (``?wait=``) whose end its pruned thread no longer holds."""
+    from edge.problems import status_of
+    from runtime.errors import RunSuperseded
+
+    assert status_of(RunSuperseded("t", "r1", "r2")) == 409
