@@ -104,6 +104,10 @@ class Agent:
     """The system prompt, sent with every inference (``InferenceRequest.system``)."""
     inference_attempts: int = 2
     """Attempts per inference before the Run ends failed(inference)."""
+    inference_timeout_s: float = 600.0
+    """The longest one attempt at an inference may take, its whole stream included: a
+    provider that keeps a stream open with pings or empty chunks (which reset an SDK's
+    read timeout) fails its attempt ``ModelUnavailable("timeout")`` past it."""
     budget: Budget | None = None
     """Bounds on each Run's tokens and cost; past them the Run pauses (``runtime.usage``)."""
     rate_limit_wait_s: float = 60.0

@@ -4,9 +4,10 @@ and what of the model's output may be committed (``admit_response``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from runtime import tracing
@@ -14,7 +15,13 @@ from runtime.agent import Agent
 from runtime.base import evolve, trusted
 from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
 from runtime.context import RunContext, has_landed
-from runtime.errors import InputRefused, ModelError, ModelRateLimited, ModelRefused
+from runtime.errors import (
+    InputRefused,
+    ModelError,
+    ModelRateLimited,
+    ModelRefused,
+    ModelUnavailable,
+)
 from runtime.events import Delta
 from runtime.ids import CallId, ThreadId
 from runtime.lifecycle import Failed, PauseTarget
@@ -158,6 +165,28 @@ class Inference:
         await self.guard(asyncio.sleep(wait))  # a cancel ends the wait
 
     async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
+        """One attempt, within ``Agent.inference_timeout_s`` in all."""
+        limit = self.agent.inference_timeout_s
+        items = self.agent.model.stream(request)
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await self._streamed(ctx, request, items)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the model's own, as any other error of the model
+            raise ModelUnavailable(
+                "timeout", f"the inference took over {limit:g}s (inference_timeout_s)"
+            ) from None
+        finally:  # an attempt given up closes its stream (and the provider's connection)
+            close = getattr(items, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+
+    async def _streamed(
+        self, ctx: RunContext, request: InferenceRequest, items: AsyncIterator[Any]
+    ) -> ModelResponse:
         response: ModelResponse | None = None
         partial = PartialOutput(run_id=request.run_id, step=request.step)
         checkpointing = self.checkpoints.store is not None  # else the partial is never read
@@ -165,7 +194,7 @@ class Inference:
         last_put = clock()
         thread = ctx.frontier.thread_id
         streamed, most = 0, self.limits.response_bytes
-        async for item in self.agent.model.stream(request):
+        async for item in items:
             if isinstance(item, ModelResponse):
                 response = item
                 continue

@@ -26,6 +26,7 @@ test can assert what an adapter sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections import deque
@@ -43,12 +44,15 @@ ANTHROPIC_PATH = "/v1/messages"
 class Sse:
     """A 200 event stream of ``frames``, then ``ending``: ``eof`` ends the body; ``cut``
     closes the connection without ending it (a dropped stream); ``hang`` sends nothing
-    more until the server stops (a stalled stream)."""
+    more until the server stops (a stalled stream); ``keepalive`` sends ``keepalive``
+    every ``gap_s`` until the server stops (a stream held open, which no SDK's read
+    timeout ends: Anthropic's ``ping`` events, an SSE comment line)."""
 
     frames: Sequence[bytes]
-    ending: Literal["eof", "cut", "hang"] = "eof"
+    ending: Literal["eof", "cut", "hang", "keepalive"] = "eof"
     gap_s: float = 0.0
     """A pause between frames, as a model that generates slowly has."""
+    keepalive: bytes = b": keepalive\n\n"
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,10 @@ class FakeProvider:
             await response.write(frame)
         if reply.ending == "hang":
             await self._release.wait()
+        while reply.ending == "keepalive" and not self._release.is_set():
+            await response.write(reply.keepalive)
+            with contextlib.suppress(TimeoutError):  # the server's pace
+                await asyncio.wait_for(self._release.wait(), reply.gap_s)
         if reply.ending == "cut":
             assert request.transport is not None
             request.transport.close()

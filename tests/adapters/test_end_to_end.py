@@ -14,10 +14,15 @@ from storage.memory import MemoryCommitStore
 
 from .conftest import API_KEY
 from .fake_provider import (
+    Sse,
     Status,
     anthropic_stream,
+    data,
+    event,
+    message_start,
     openai_call_args,
     openai_call_start,
+    openai_chunk,
     openai_error,
     openai_stream,
     openai_text,
@@ -159,3 +164,25 @@ async def test_a_token_budget_pauses_on_the_providers_usage(provider, closing):
     assert len(provider.received) == 1
     done = await runner.resume(answer(paused.run_state.ticket, Unpause()))
     assert done.messages[-1].text == "It is 2." and done.state["run"]["usage"]["inferences"] == 2
+
+
+async def test_a_stream_held_open_by_keepalives_fails_its_attempt_past_the_deadline(
+    provider, closing
+):
+    """Anthropic's ``ping`` events and an OpenAI-compatible server's SSE comments reset
+    the SDK's read timeout and never reach the adapter: only the whole attempt's
+    deadline (``Agent.inference_timeout_s``) ends such a stream."""
+    provider.reply(
+        Sse([message_start()], ending="keepalive", gap_s=0.05, keepalive=event("ping", {})),
+        Sse([data(openai_chunk({"role": "assistant"}))], ending="keepalive", gap_s=0.05),
+    )
+    models = (
+        AnthropicModel("claude-test", base_url=provider.url, api_key=API_KEY, timeout_s=5),
+        OpenAICompatible("gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY, timeout_s=5),
+    )
+    for model in models:
+        agent = Agent(name="a", model=closing(model), inference_attempts=1, inference_timeout_s=1)
+        f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
+        cause = f.run_state.cause
+        assert (cause.kind, cause.failure, cause.code) == ("failed", "inference", "timeout")
+        assert "inference_timeout_s" in cause.message
