@@ -30,6 +30,9 @@ from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, pl
 from runtime.signals import EndRun
 from runtime.state import MergePolicy, StateView, check_writable
 
+UNKNOWN_CHARS = 1000
+"""The longest error a call of an unknown tool gets (it lists the tools there are)."""
+
 
 @dataclass
 class CallPlan:
@@ -88,7 +91,10 @@ def _gate(
     tool = agent.tool(call.tool)
     if tool is None:
         known = ", ".join(t.id for t in agent.tools) or "none"
-        return _fail(out, call_id, f"unknown tool {call.tool!r}; available tools: {known}")
+        # cut: an agent of a thousand MCP tools would put 20 KB in each such error, and a
+        # Step of many such calls past the store's payload limit
+        unknown = f"unknown tool {call.tool!r}; available tools: {known}"
+        return _fail(out, call_id, printable(unknown, UNKNOWN_CHARS))
     try:
         out.parsed[call_id] = tool.parse(call.arguments, services.limits)
     except ValueError as exc:

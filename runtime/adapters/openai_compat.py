@@ -31,6 +31,7 @@ whole stream. Usage: ``runtime.adapters.usage``, returned on the response.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -182,11 +183,23 @@ def _assistant(message: AssistantMessage) -> dict[str, Any]:
         {
             "id": use.call_id,
             "type": "function",
-            "function": {"name": use.tool, "arguments": use.arguments},
+            "function": {"name": use.tool, "arguments": _wire_arguments(use.arguments)},
         }
         for use in message.tool_calls
     ]
     return {"role": "assistant", "content": message.text or None, "tool_calls": calls}
+
+
+def _wire_arguments(arguments: str) -> str:
+    """A past call's arguments as they go back to the provider: the model's own text
+    when it is a JSON object, else ``{}``. The history keeps what the model sent (its
+    call failed, and the model was told why), but a server that parses them again (vLLM
+    does) would refuse every later request of the thread over a call cut short."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return "{}"
+    return arguments if isinstance(value, dict) else "{}"
 
 
 def chat_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]:
@@ -252,6 +265,10 @@ class ChatFold:
                 self.text.append(text)
                 out.append(ModelDelta(text=text))
         for fragment in delta.tool_calls or ():
+            if type(fragment.index) is not int:  # the documented shape numbers every call
+                raise ModelUnavailable(
+                    "malformed_stream", f"openai: a tool call fragment indexed {fragment.index!r}"
+                )
             call = self.calls.setdefault(fragment.index, _Call())
             call.id = call.id or fragment.id or ""
             function = fragment.function

@@ -107,7 +107,8 @@ async def test_the_request_maps_system_roles_tool_calls_results_and_schemas(prov
                 {
                     "id": "call_b",
                     "type": "function",
-                    "function": {"name": "add", "arguments": "{bad"},
+                    # not a JSON object: sent as {} (a server such as vLLM parses it again)
+                    "function": {"name": "add", "arguments": "{}"},
                 }
             ],
         },
@@ -337,6 +338,7 @@ async def test_retry_after_as_an_http_date(provider, make):
     assert caught.value.retry_after_s is not None and 100 < caught.value.retry_after_s <= 120
 
 
+UNINDEXED = {"index": None, "id": "c2", "type": "function", "function": {"name": "add"}}
 STREAM_FAILURES = [
     pytest.param(
         Sse([data(openai_chunk({"content": "Hel"}))], ending="cut"),
@@ -367,6 +369,16 @@ STREAM_FAILURES = [
         ),
         "server_error",
         id="error-event",
+    ),
+    pytest.param(
+        Sse(
+            [
+                data(openai_chunk({"content": "Hel"})),
+                data(openai_chunk({"tool_calls": [{**UNINDEXED}]})),
+            ]
+        ),
+        "malformed_stream",
+        id="unindexed-call",
     ),
 ]
 

@@ -485,3 +485,27 @@ async def test_store_log_replays_to_the_stored_frontier(steps):
     stored = await store.load("t")
     rebuilt = replay(stored.thread_id, [r.commit for r in records])
     assert rebuilt.model_copy(update={"epoch": stored.epoch, "owner": stored.owner}) == stored
+
+
+async def test_calls_of_an_unknown_tool_among_many_keep_their_errors_short():
+    """The error lists the tools there are, cut: an agent of a thousand tools, asked for
+    a tool it lacks in many calls at once, would put over a megabyte in one commit and
+    fail the Run on the store's payload limit instead of telling the model."""
+    from runtime.gates import UNKNOWN_CHARS
+
+    def make(i: int):
+        @tool(name=f"tool_number_{i:04d}_with_a_long_name")
+        def t() -> str:
+            return "ok"
+
+        return t
+
+    many = [make(i) for i in range(1000)]
+    calls = tuple(call("no_such_tool", f"c{i}") for i in range(64))
+    model = ScriptedModel([ModelResponse(tool_calls=calls), ModelResponse(text="understood")])
+    f = await run(Agent(name="a", model=model, tools=many))
+    assert cause(f) == "natural"
+    errors = results(f)
+    assert len(errors) == 64 and all(m.is_error for m in errors)
+    assert all(len(m.content) <= UNKNOWN_CHARS for m in errors)
+    assert errors[0].content.startswith("unknown tool 'no_such_tool'; available tools: tool_")
