@@ -73,6 +73,11 @@ def open_client(
         return aioredis.Redis.from_url(
             url,
             decode_responses=True,
+            # bytes that are not UTF-8 (written by hand) decode to lone surrogates, which
+            # every check of a record refuses (CorruptRecord, for that thread alone),
+            # rather than a UnicodeDecodeError out of whatever read met them; and a key
+            # named so round-trips to the same bytes
+            encoding_errors="surrogateescape",
             socket_timeout=socket_timeout,
             socket_connect_timeout=connect_timeout,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2),
