@@ -56,7 +56,7 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
     as ``read_body`` does."""
     for _ in range(ATTEMPTS - 1):
         row = conn.execute(LOAD, {"thread": thread}).first()
-        head = _head(conn, thread, row, cache)
+        head = _head(conn, thread, row, cache, tail=False)
         if not head.version:
             return head
         try:
@@ -66,16 +66,34 @@ def load_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> Front
             if row is None or now is None or now.pruned_through == row.pruned_through:
                 raise
     row = conn.execute(LOAD, {"thread": thread}).first()
-    head = _head(conn, thread, row, cache)
+    head = _head(conn, thread, row, cache, tail=False)
     return _whole(conn, thread, head, row) if head.version else head
 
 
-def _head(conn: Connection, thread: ThreadId, row: DbRow, cache: FrontierCache) -> Frontier:
+def _head(
+    conn: Connection, thread: ThreadId, row: DbRow, cache: FrontierCache, *, tail: bool = True
+) -> Frontier:
+    """The row's checked head; ``tail``: and no record past it (a caller that reads the
+    records checks that after them, so a gap among them is named first)."""
     if row is None or row.version == 0:
         _check_unvouched(conn, thread)
     if row is None:
         return Frontier(thread_id=thread)
+    if tail:
+        check_tail(thread, row)
     return checked_head(thread, row, cache)
+
+
+def check_tail(thread: ThreadId, row: DbRow) -> None:
+    """CorruptRecord if the log runs past the thread row that was read with its last seq
+    in one statement (``LOAD``, ``HEAD``): an append writes both in one transaction, so
+    a record past the row is one no frontier vouches for (planted, or the row put back
+    to an earlier one by hand), and every append after it would fail."""
+    last = row.last_seq
+    if last is not None and row.version is not None and int(last) > int(row.version):
+        raise CorruptRecord(
+            thread, int(last), f"a record past the frontier's head (version {row.version})"
+        )
 
 
 def checked_head(thread: ThreadId, row: DbRow, cache: FrontierCache) -> Frontier:
@@ -138,7 +156,9 @@ def _read_under(
     bounds = {"thread": thread, "first": first, "last": head.version}
     rows = conn.execute(READ, bounds).all()  # all: an open cursor would hold its snapshot
     raw = (RawRecord(r.seq, r.body, r.payload_hash, r.operation_id) for r in rows)
-    return verified_records(thread, raw, after_seq, (head.version, head.head), anchor=anchor)
+    records = verified_records(thread, raw, after_seq, (head.version, head.head), anchor=anchor)
+    check_tail(thread, head)
+    return records
 
 
 def _check_unvouched(conn: Connection, thread: ThreadId) -> None:

@@ -86,15 +86,24 @@ UPDATE_UNCHANGED = _Many(
 """Update a thread row only if it is still at the version, epoch and owner a plan
 started from."""
 LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
+_tail = commits.alias("tail")
+_LAST_SEQ = (
+    select(func.max(_tail.c.seq))
+    .where(_tail.c.thread_id == bindparam("thread"))
+    .scalar_subquery()
+    .label("last_seq")
+)
+"""The seq of the thread's last stored record, in the statement that reads its row: one
+snapshot, in which an append has moved both or neither (``sql_reads.check_tail``)."""
 LOAD = (
-    select(_t.version, _t.frontier, _t.checksum, _t.head, _c.payload_hash, *_ANCHOR)
+    select(_t.version, _t.frontier, _t.checksum, _t.head, _c.payload_hash, _LAST_SEQ, *_ANCHOR)
     .select_from(
         threads.outerjoin(commits, and_(_c.thread_id == _t.thread_id, _c.seq == _t.version))
     )
     .where(_t.thread_id == bindparam("thread"))
 )
 """The thread row, with the stored hash of the record at its version (one statement)."""
-HEAD = select(_t.version, _t.head, *_ANCHOR).where(_t.thread_id == bindparam("thread"))
+HEAD = select(_t.version, _t.head, _LAST_SEQ, *_ANCHOR).where(_t.thread_id == bindparam("thread"))
 ANCHOR = select(*_ANCHOR).where(_t.thread_id == bindparam("thread"))
 MOVE_ANCHOR = (
     threads.update()

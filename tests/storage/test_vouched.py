@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import delete, insert, select, update
 
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord
 from runtime.integrity import audit
-from storage.schema import commits
+from storage.schema import commits, threads
 from tests.storage.test_integrity import SQL, SqlTamper, T, make_victim, sha, tamper_for
 
 REDIS_DB = 10
@@ -62,19 +62,44 @@ async def test_a_log_no_frontier_vouches_for_fails_closed(
     assert victim.ran == [] and await tamper.snapshot() == before
 
 
-async def test_sql_serves_the_log_up_to_the_head_it_read_first(store: Any, backend: str) -> None:
-    """A record past the head may be an append landing between the two statements of a
-    read: it is not served (nor checked). A head of NULL vouches for nothing."""
+async def test_sql_refuses_a_log_past_the_head_it_read(store: Any, backend: str) -> None:
+    """The thread row is read with its last record's seq in one statement (one snapshot,
+    in which an append moved both or neither): a record past the row is one no frontier
+    vouches for, whatever a concurrent append does between that statement and the
+    records' read (those past the head read are not read). A head of NULL vouches for
+    nothing."""
     if backend not in SQL:
-        pytest.skip("one snapshot per read elsewhere: records past the head are corrupt")
+        pytest.skip("one snapshot per read elsewhere: its own tests")
     victim = await make_victim(store)
     tamper = SqlTamper(store, T)
+    assert [r.commit.encoded for r in await store.read(T)] == victim.bodies
     beyond = {"thread_id": T, "seq": 6, "operation_id": "later", "label": "inference"}
     await tamper._run(insert(commits).values(beyond | {"body": "?", "payload_hash": sha("x")}))
-    assert [r.commit.encoded for r in await store.read(T)] == victim.bodies
-    assert await store.read(T, after_seq=5) == []
+    for read in (store.read(T), store.read(T, after_seq=5), store.load(T), store.load_head(T)):
+        with pytest.raises(CorruptRecord, match="past the frontier's head") as info:
+            await read
+        assert (info.value.thread, info.value.seq) == (T, 6)
+    await tamper._run(delete(commits).where((commits.c.thread_id == T) & (commits.c.seq == 6)))
     await tamper.set_meta(head=None)
     for after in (0, 3):
         with pytest.raises(CorruptRecord) as info:
             await store.read(T, after)
         assert (info.value.thread, info.value.seq) == (T, 5)
+
+
+async def test_sql_refuses_a_thread_row_put_back_by_hand(store: Any, backend: str) -> None:
+    """A genuine thread row from before the last commits, written back by hand: its own
+    checksum and hash still match, but the log runs past it, and the Run could append
+    no more (every append would meet a record there). It fails closed, for an audit."""
+    if backend not in SQL:
+        pytest.skip("the thread row is SQL's")
+    victim = await make_victim(store)
+    tamper = SqlTamper(store, T)
+    (old,) = await tamper._run(select(threads).where(threads.c.thread_id == T))
+    await victim.runner(store).resume(victim.approval())
+    assert (await store.load(T)).version > old.version
+    await tamper._run(update(threads).where(threads.c.thread_id == T).values(**old._mapping))
+    for read in (store.load(T), store.load_head(T), store.read(T)):
+        with pytest.raises(CorruptRecord, match="past the frontier's head"):
+            await read
+    assert [p.thread for p in await audit(store, T)] == [T]
