@@ -88,6 +88,9 @@ def verified_records(
         if head is not None and head[0] == anchor[0]:
             at_head = anchor[1]
     for seq, body, stored, operation in rows:
+        if type(seq) is not int or type(body) is not str or type(stored) is not str:
+            at = seq if type(seq) is int else expected
+            raise CorruptRecord(thread, at, "the record holds a value of the wrong type")
         if seq != expected:
             missing = expected if seq > expected else seq
             raise CorruptRecord(thread, missing, "the log has a gap or a repeated seq here")
@@ -203,8 +206,13 @@ def frontier_checksum(text: str) -> str:
 
 
 def check_frontier_text(thread: str, version: int, text: str, checksum: str | None) -> None:
-    """A stored frontier's text against the checksum stored beside it."""
-    if checksum is None or frontier_checksum(text) != checksum:
+    """A stored frontier's text against the checksum stored beside it. SQLite lets a
+    column hold a value of any type (a BLOB, text in an integer column): such a row is
+    corrupt too, not an AttributeError or TypeError out of the read."""
+    if type(version) is not int or type(text) is not str:
+        seq = version if type(version) is int else 0
+        raise CorruptRecord(thread, seq, "the thread row holds a value of the wrong type")
+    if type(checksum) is not str or frontier_checksum(text) != checksum:
         raise CorruptRecord(thread, version, "the stored frontier does not match its checksum")
 
 

@@ -89,11 +89,13 @@ def check_tail(thread: ThreadId, row: DbRow) -> None:
     in one statement (``LOAD``, ``HEAD``): an append writes both in one transaction, so
     a record past the row is one no frontier vouches for (planted, or the row put back
     to an earlier one by hand), and every append after it would fail."""
-    last = row.last_seq
-    if last is not None and row.version is not None and int(last) > int(row.version):
-        raise CorruptRecord(
-            thread, int(last), f"a record past the frontier's head (version {row.version})"
-        )
+    last, version = row.last_seq, row.version
+    if last is None:
+        return
+    if type(last) is not int or type(version) is not int:
+        raise CorruptRecord(thread, 0, "the thread row or its log holds a value of the wrong type")
+    if last > version:
+        raise CorruptRecord(thread, last, f"a record past the frontier's head (version {version})")
 
 
 def checked_head(thread: ThreadId, row: DbRow, cache: FrontierCache) -> Frontier:
@@ -149,6 +151,9 @@ def _read_under(
         return []
     if head.head is None:  # a row migration 4 could not upgrade
         raise CorruptRecord(thread, head.version, "the thread row names no head")
+    anchored = head.pruned_through is None or type(head.pruned_through) is int
+    if type(head.version) is not int or not anchored:  # SQLite's columns take any type
+        raise CorruptRecord(thread, 0, "the thread row holds a value of the wrong type")
     anchor = None
     if head.pruned_through is not None:
         anchor = (int(head.pruned_through), str(head.pruned_hash))

@@ -1,0 +1,59 @@
+"""SQLite lets any column hold a value of any type: a row edited by hand to hold a BLOB
+where text belongs, or text where a number does, is that thread's CorruptRecord (left
+out of a listing, named by an audit), never an AttributeError, TypeError or ValueError
+out of the read, nor another thread's failure."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from runtime.errors import CorruptRecord
+from runtime.ids import ThreadId
+from runtime.integrity import audit_thread
+from storage.schema import commits, threads
+from storage.sql import SqlCommitStore
+
+from .test_integrity import make_victim
+
+BAD, GOOD = ThreadId("typed-bad"), ThreadId("typed-good")  # listed in this order
+EDITS = {
+    "frontier-blob": f"UPDATE {threads.name} SET frontier = x'00ff' WHERE thread_id = :t",
+    "version-text": f"UPDATE {threads.name} SET version = 'abc' WHERE thread_id = :t",
+    "pruned-text": f"UPDATE {threads.name} SET pruned_through = 'x' WHERE thread_id = :t",
+    "body-blob": f"UPDATE {commits.name} SET body = x'00ff' WHERE thread_id = :t AND seq = 2",
+    "seq-text": f"UPDATE {commits.name} SET seq = 'two' WHERE thread_id = :t AND seq = 2",
+}
+
+
+@pytest.fixture
+async def sqlite(tmp_path: Path) -> AsyncIterator[SqlCommitStore]:
+    store = await SqlCommitStore.connect(f"sqlite:///{tmp_path}/typed.db")
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+async def test_a_value_of_the_wrong_type_is_that_threads_corrupt_record(
+    sqlite: SqlCommitStore, edit: str
+) -> None:
+    await make_victim(sqlite, BAD)
+    await make_victim(sqlite, GOOD)
+    async with sqlite.engine.begin() as conn:
+        await conn.execute(text(EDITS[edit]), {"t": BAD})
+    sqlite._frontiers = type(sqlite._frontiers)()  # another process: nothing cached
+    with pytest.raises(CorruptRecord):
+        await sqlite.load(BAD)
+    if not edit.startswith(("frontier", "version")):  # the log, or its anchor
+        with pytest.raises(CorruptRecord):
+            await sqlite.read(BAD)
+    listed = [s.thread_id for s in await sqlite.list_runs()]  # the listing reads rows only
+    assert listed == ([GOOD] if edit.startswith(("frontier", "version")) else [BAD, GOOD])
+    assert (await audit_thread(sqlite, BAD)).problems
+    assert not (await audit_thread(sqlite, GOOD)).problems
+    assert (await sqlite.load(GOOD)).version == 5
