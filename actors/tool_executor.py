@@ -37,6 +37,7 @@ class ToolExecutor:
     def __init__(self, warm_spares: bool = True) -> None:
         tracing_env.configure_from_env()  # OTEL_* (the actor's runtime_env) asks for spans
         self._agents: dict[str, Agent] = {}
+        self._loading: dict[str, asyncio.Future[Agent]] = {}
         self._waves: dict[str, asyncio.Task[list[Any]]] = {}
         """Waves running here, by id, so a host can cancel one (actors.waves)."""
         replace_spare_if_restarted(warm_spares)
@@ -84,16 +85,27 @@ class ToolExecutor:
                 task.cancel()
 
     async def run(self, agent_ref: str, invocations: Sequence[ToolInvocation]) -> list[Any]:
-        try:
-            agent = self._agent(agent_ref)
-        except AgentImportError as exc:
-            return [Unavailable(message=f"executor cannot load agent: {exc}") for _ in invocations]
+        agent = self._agents.get(agent_ref)
+        if agent is None:
+            try:
+                agent = await self._load(agent_ref)
+            except AgentImportError as exc:
+                message = f"executor cannot load agent: {exc}"
+                return [Unavailable(message=message) for _ in invocations]
         return list(await asyncio.gather(*(self._one(agent, inv) for inv in invocations)))
 
-    def _agent(self, ref: str) -> Agent:
-        if ref not in self._agents:
-            self._agents[ref] = load_agent(ref)
-        return self._agents[ref]
+    async def _load(self, ref: str) -> Agent:
+        """Import the agent in a thread, once for all the waves that ask meanwhile: its
+        module may list an MCP server's tools as it is imported (``mcp_tools``), which
+        on this loop would hold every other wave here for as long as that server takes."""
+        loading = self._loading.get(ref)
+        if loading is None:
+            loading = asyncio.ensure_future(asyncio.to_thread(load_agent, ref))
+            self._loading[ref] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(ref, None))
+        agent = await asyncio.shield(loading)
+        self._agents[ref] = agent
+        return agent
 
     @staticmethod
     async def _one(agent: Agent, inv: ToolInvocation) -> ToolOutcome:

@@ -39,6 +39,9 @@ CONTEXT_PARAM = "__ratchet_context__"
 """Where Tool.invoke hands a call its ToolContext (it replaces an argument of that name,
 which no listed schema may declare)."""
 OPEN_TIMEOUT_S = 30.0
+MAX_LIST_PAGES = 100
+"""Pages of ``tools/list`` read at most: a server that hands out cursors without end
+(the same one again, say) would otherwise be listed for ever, its tools piling up."""
 """How long a server may take to answer initialize and tools/list."""
 
 _T = TypeVar("_T")
@@ -234,8 +237,13 @@ class McpServer:
         from mcp.types import PaginatedRequestParams
 
         page = await self._within(session.list_tools())
-        tools = list(page.tools)
+        tools, seen = list(page.tools), set[str]()
         while page.next_cursor:
+            if page.next_cursor in seen or len(seen) + 1 >= MAX_LIST_PAGES:
+                raise ValueError(
+                    f"tools/list handed out cursors past {MAX_LIST_PAGES} pages, or one twice"
+                )
+            seen.add(page.next_cursor)
             cursor = PaginatedRequestParams(cursor=page.next_cursor)
             page = await self._within(session.list_tools(params=cursor))
             tools.extend(page.tools)

@@ -237,3 +237,30 @@ def test_importing_the_adapter_does_not_import_the_sdk():
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
     )
     assert done.stdout.strip() == "[]"
+
+
+async def test_a_listing_that_hands_out_cursors_without_end_is_cut() -> None:
+    """A server whose ``tools/list`` answers every page with a next cursor (the same one
+    again, or new ones for ever) is listed ``MAX_LIST_PAGES`` pages at most, then refused,
+    rather than listed for ever with its tools piling up. (The session is the SDK's
+    interface alone: ``list_tools`` answering pages as such a server would.)"""
+    from mcp.types import ListToolsResult, Tool as Listed
+
+    from runtime.adapters.mcp_session import MAX_LIST_PAGES
+
+    class Endless:
+        def __init__(self, same: bool) -> None:
+            self.same, self.pages = same, 0
+
+        async def list_tools(self, params: object = None) -> ListToolsResult:
+            self.pages += 1
+            cursor = "again" if self.same else f"page-{self.pages}"
+            tool = Listed(name=f"t{self.pages}", inputSchema={"type": "object"})
+            return ListToolsResult(tools=[tool], nextCursor=cursor)
+
+    server = McpServer.stdio(sys.executable, ["-c", "pass"])
+    for same in (True, False):
+        session = Endless(same)
+        with pytest.raises(ValueError, match="cursors"):
+            await server._listing(session)  # type: ignore[arg-type]
+        assert session.pages == (2 if same else MAX_LIST_PAGES)

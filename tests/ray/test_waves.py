@@ -101,3 +101,30 @@ async def test_a_pool_ray_refuses_fails_the_wave_instead_of_hanging_it(make_syst
     waves = await _dispatcher(make_system)
     with pytest.raises(ValueError):
         await asyncio.wait_for(waves.run({"num_gpus": -1.0}, AGENT, _wave("echo_wave", 0)), 30)
+
+
+async def test_an_agent_slow_to_load_holds_back_only_its_own_waves(make_system):
+    """An executor imports an agent off its event loop (its module may list an MCP
+    server's tools as it is imported): a wave of another agent is answered meanwhile."""
+    from .wave_agents import SLOW_RELEASE
+
+    SLOW_RELEASE.unlink(missing_ok=True)
+    try:
+        waves = await _dispatcher(make_system)
+        slow = asyncio.ensure_future(
+            waves.run(
+                {},
+                f"{AGENT.partition(':')[0]}:slow_loading_agent",
+                _wave("echo_wave", 0, text="late"),
+            )
+        )
+        await asyncio.sleep(0)  # the slow wave goes first
+        (quick,) = await asyncio.wait_for(
+            waves.run({}, AGENT, _wave("echo_wave", 1, text="quick")), 20
+        )
+        assert quick.output.content == "quick" and not slow.done()
+        SLOW_RELEASE.touch()
+        (late,) = await asyncio.wait_for(slow, 30)
+        assert isinstance(late, Finished) and late.output.content == "late"
+    finally:
+        SLOW_RELEASE.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,3 +45,16 @@ agent = Agent(
     model=ScriptedModel((ModelResponse(text="unused"),)),
     tools=(echo_wave, linger, freeze),
 )
+
+
+SLOW_RELEASE = Path(tempfile.gettempdir()) / "ratchet-slow-loading-agent.release"
+"""The test that asks for ``slow_loading_agent`` creates this to let its loading end."""
+
+
+def slow_loading_agent() -> Agent:
+    """An agent whose loading waits (as a module listing a slow MCP server's tools at
+    import does) until the test creates ``SLOW_RELEASE``, for 30 s at most."""
+    deadline = time.monotonic() + 30
+    while not SLOW_RELEASE.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return agent
