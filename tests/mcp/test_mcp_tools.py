@@ -244,7 +244,8 @@ async def test_a_listing_that_hands_out_cursors_without_end_is_cut() -> None:
     again, or new ones for ever) is listed ``MAX_LIST_PAGES`` pages at most, then refused,
     rather than listed for ever with its tools piling up. (The session is the SDK's
     interface alone: ``list_tools`` answering pages as such a server would.)"""
-    from mcp.types import ListToolsResult, Tool as Listed
+    from mcp.types import ListToolsResult
+    from mcp.types import Tool as Listed
 
     from runtime.adapters.mcp_session import MAX_LIST_PAGES
 
