@@ -62,6 +62,7 @@ from runtime.errors import (
     AgentImportError,
     InputRefused,
     InvalidTransition,
+    RatchetError,
     ResumeRejected,
 )
 from runtime.ids import RunId, ThreadId
@@ -77,7 +78,7 @@ from runtime.lifecycle import (
 from runtime.limits import check_reason
 from runtime.publish import Publisher
 from runtime.resume import check_command
-from runtime.rules import check_repeated_start
+from runtime.rules import check_repeated_start, ran_before
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.run_host")
@@ -156,9 +157,17 @@ class RunHost(ChildHosting):
             if drive is None:
                 go = starting(thread, text, run_id, meta.message_id(run_id), new_thread, trace)
                 drive = self.drives.spawn(agent_ref, thread, run_id, go, faults=faults)
-            started = await self.drives.first_commit(drive)
+            message = meta.message_id(run_id)
+            try:
+                started = await self.drives.first_commit(drive)
+            except RatchetError:
+                # a joined drive (a resume rejected, a recovery fenced) fails on its own:
+                # this start shares its error only if the Run was never activated
+                if not joined or not ran_before(await self.store.load(thread), message):
+                    raise
+                started = True
             if joined:  # a repeat only if it asked the same (as Engine.start checks)
-                check_repeated_start(await self.store.load(thread), meta.message_id(run_id), text)
+                check_repeated_start(await self.store.load(thread), message, text)
             if wait:
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
                 return rested(drive.task) or started

@@ -378,3 +378,25 @@ async def test_a_reconciler_overtaken_by_another_claim_leaves_the_run_to_it():
     assert thread not in host.drives
     head = await store.load_head(thread)
     assert (head.owner, head.epoch) == ("other-host#1", overtaking.claimed.epoch)
+
+
+async def test_a_repeated_start_that_joins_a_drive_failing_on_its_own_is_told_by_the_store():
+    """A repeated start of an awaiting Run joins this host's drive of that Run, a resume
+    that its ticket then rejects: the start is a repeat of a Run that exists (answered
+    as one), not that resume's ResumeRejected."""
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-join")
+    held = _HeldLoad(store)
+    host = _host(store, held)
+    thread, run = parked.thread_id, parked.run_id
+    ticket = parked.run_state.ticket
+    wrong = command_for(ticket, PermissionDecision(approve=True)).model_copy(
+        update={"correlation": "guess"}
+    )
+    resume = host.drives.spawn("ref", thread, run, lambda e: e.resume(wrong))
+    await held.entered.wait()
+    start = asyncio.ensure_future(host.start_run("ref", thread, run, "go"))
+    held.release.set()
+    assert await asyncio.wait_for(start, 10) is True
+    assert isinstance(resume.task.exception(), ResumeRejected)
+    assert (await store.load(thread)).run_state == parked.run_state  # nothing moved
