@@ -178,8 +178,9 @@ class RunHandle:
 
         result: str = await on_a_live_host(end_run)
         if result == "not_running" and calls > 1:
-            state = (await self.frontier()).run_state
-            if isinstance(state, EndedState) and isinstance(state.cause, cause):
+            frontier = await self.frontier()
+            state, mine = frontier.run_state, self.run_id in (None, frontier.run_id)
+            if mine and isinstance(state, EndedState) and isinstance(state.cause, cause):
                 return ended_word
         return result
 
