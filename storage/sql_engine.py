@@ -128,6 +128,10 @@ def _configure_sqlite(engine: Engine, synchronous: str, begin: str | None) -> No
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         # We issue BEGIN ourselves (below), so the driver must not.
         dbapi_conn.isolation_level = None
+        # text that is not UTF-8 (written by hand) reads as lone surrogates, which every
+        # check of a record refuses (that thread's CorruptRecord), not as an error of the
+        # whole statement, a listing's included
+        _raw(dbapi_conn).text_factory = _lenient_text
         cursor = dbapi_conn.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA synchronous={synchronous}")
@@ -139,6 +143,16 @@ def _configure_sqlite(engine: Engine, synchronous: str, begin: str | None) -> No
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Any) -> None:
             conn.exec_driver_sql(begin)
+
+
+def _lenient_text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _raw(dbapi_conn: Any) -> Any:
+    """The sqlite3 connection under SQLAlchemy's aiosqlite adapter (or itself)."""
+    inner = getattr(dbapi_conn, "_connection", dbapi_conn)  # the aiosqlite connection
+    return getattr(inner, "_conn", inner)  # its sqlite3 connection
 
 
 T = TypeVar("T")

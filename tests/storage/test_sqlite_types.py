@@ -26,7 +26,16 @@ EDITS = {
     "pruned-text": f"UPDATE {threads.name} SET pruned_through = 'x' WHERE thread_id = :t",
     "body-blob": f"UPDATE {commits.name} SET body = x'00ff' WHERE thread_id = :t AND seq = 2",
     "seq-text": f"UPDATE {commits.name} SET seq = 'two' WHERE thread_id = :t AND seq = 2",
+    # text that is not UTF-8: the driver's decoding failed the whole statement
+    "frontier-bytes": f"UPDATE {threads.name} SET frontier = CAST(x'7b22ff' AS TEXT) "
+    "WHERE thread_id = :t",
+    "status-bytes": f"UPDATE {threads.name} SET status = CAST(x'7b22ff' AS TEXT) "
+    "WHERE thread_id = :t",
+    "body-bytes": f"UPDATE {commits.name} SET body = CAST(x'7b22ff' AS TEXT) "
+    "WHERE thread_id = :t AND seq = 2",
 }
+ROW_EDITS = ("frontier", "version", "status")
+"""Edits of the thread row, which a listing reads (the others are of the log)."""
 
 
 @pytest.fixture
@@ -47,13 +56,14 @@ async def test_a_value_of_the_wrong_type_is_that_threads_corrupt_record(
     async with sqlite.engine.begin() as conn:
         await conn.execute(text(EDITS[edit]), {"t": BAD})
     sqlite._frontiers = type(sqlite._frontiers)()  # another process: nothing cached
-    with pytest.raises(CorruptRecord):
-        await sqlite.load(BAD)
-    if not edit.startswith(("frontier", "version")):  # the log, or its anchor
+    if edit != "status-bytes":  # a load reads no status: the listing's column
+        with pytest.raises(CorruptRecord):
+            await sqlite.load(BAD)
+    if not edit.startswith(ROW_EDITS):  # the log, or its anchor
         with pytest.raises(CorruptRecord):
             await sqlite.read(BAD)
     listed = [s.thread_id for s in await sqlite.list_runs()]  # the listing reads rows only
-    assert listed == ([GOOD] if edit.startswith(("frontier", "version")) else [BAD, GOOD])
+    assert listed == ([GOOD] if edit.startswith(ROW_EDITS) else [BAD, GOOD])
     assert (await audit_thread(sqlite, BAD)).problems
     assert not (await audit_thread(sqlite, GOOD)).problems
     assert (await sqlite.load(GOOD)).version == 5
