@@ -359,12 +359,16 @@ class RedisCommitStore:
                     pipe.hmget(self._key(thread, "meta"), _META[:8])
                     pipe.llen(self._key(thread, "sums"))
                     pipe.lindex(self._key(thread, "sums"), -1)
-                answers = await pipe.execute()
+                # one thread's key of the wrong type (edited by hand) is that thread's
+                # answer, not the whole listing's error
+                answers = await pipe.execute(raise_on_error=False)
 
         def summary(i: int, thread: str, text: str) -> RunSummary:
-            (frontier, version, epoch, owner, checksum, head, *anchored), n, last = answers[
-                3 * i : 3 * i + 3
-            ]
+            mine = answers[3 * i : 3 * i + 3]
+            refused = next((a for a in mine if isinstance(a, Exception)), None)
+            if refused is not None:
+                raise CorruptRecord(thread, 0, f"its keys refuse a read: {refused}")
+            (frontier, version, epoch, owner, checksum, head, *anchored), n, last = mine
             anchor = anchor_of(thread, *anchored)
             verified = verified_frontier(
                 thread, frontier, version, epoch, owner, checksum, head, n, last, anchor

@@ -53,3 +53,21 @@ async def test_invalid_utf8_in_a_run_index_entry_leaves_only_it_out(
     finally:
         await raw.aclose()
     assert [s.thread_id for s in await store.list_runs("awaiting")] == [GOOD]
+
+
+async def test_a_key_of_the_wrong_type_leaves_only_its_thread_out_of_a_listing(
+    store: Any, backend_url: str
+) -> None:
+    """A thread's meta hash replaced by a string (WRONGTYPE for every read of it): the
+    listing reads every listed thread's meta in one transaction, and went down whole."""
+    await make_victim(store, BAD)
+    await make_victim(store, GOOD)
+    raw = await _raw(store, backend_url)
+    try:
+        meta = f"{store.prefix}:thread:{BAD}:meta"
+        await raw.delete(meta)
+        await raw.set(meta, b"not a hash")
+    finally:
+        await raw.aclose()
+    assert [s.thread_id for s in await store.list_runs()] == [GOOD]
+    assert [s.thread_id for s in await store.list_runs("awaiting")] == [GOOD]
