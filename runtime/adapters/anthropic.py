@@ -267,6 +267,10 @@ class MessagesFold:
             self.text.append(block.text)
             return [ModelDelta(text=block.text)]
         if block.type == "tool_use":
+            if index in self.uses:  # a block starts once: a second would drop the first call
+                raise ModelUnavailable(
+                    "malformed_stream", f"anthropic: content block {index} started twice"
+                )
             use = _Use(id=block.id, name=block.name, started_with=_json(block.input))
             self.uses[index] = use
             return [ModelDelta(type="tool_call_delta", call_id=use.id, tool=use.name, text="")]
@@ -276,8 +280,12 @@ class MessagesFold:
         if delta.type == "text_delta":
             self.text.append(delta.text)
             return [ModelDelta(text=delta.text)]
-        if delta.type == "input_json_delta" and index in self.uses:
-            use = self.uses[index]
+        if delta.type == "input_json_delta":
+            use = self.uses.get(index)
+            if use is None:  # the documented order starts a block before its deltas
+                raise ModelUnavailable(
+                    "malformed_stream", f"anthropic: input for content block {index}, never started"
+                )
             use.arguments.append(delta.partial_json)
             return [
                 ModelDelta(

@@ -270,6 +270,10 @@ class ChatFold:
                     "malformed_stream", f"openai: a tool call fragment indexed {fragment.index!r}"
                 )
             call = self.calls.setdefault(fragment.index, _Call())
+            if fragment.id and call.id and fragment.id != call.id:  # two calls at one index
+                raise ModelUnavailable(
+                    "malformed_stream", f"openai: call {fragment.id!r} at the index of {call.id!r}"
+                )
             call.id = call.id or fragment.id or ""
             function = fragment.function
             call.name = call.name or (function.name if function and function.name else "")

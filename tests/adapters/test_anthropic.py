@@ -34,6 +34,7 @@ from .fake_provider import (
     anthropic_error,
     anthropic_stream,
     event,
+    message_end,
     message_start,
     text_block,
     tool_use_block,
@@ -416,3 +417,37 @@ async def test_the_sdk_does_not_retry_on_its_own(provider):
 async def test_the_repr_shows_no_key(make):
     shown = repr(make())
     assert "claude-test" in shown and API_KEY not in shown
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        pytest.param(
+            [
+                *tool_use_block(1, "toolu_a", "add", '{"a": 1}'),
+                *tool_use_block(1, "toolu_b", "add"),
+            ],
+            id="a-block-started-twice",
+        ),
+        pytest.param(
+            [
+                event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 5,
+                        "delta": {"type": "input_json_delta", "partial_json": '{"a": 1}'},
+                    },
+                )
+            ],
+            id="input-for-a-block-never-started",
+        ),
+    ],
+)
+async def test_tool_use_events_out_of_the_documented_order_are_malformed(provider, make, frames):
+    """Folded as they came, the first call would be dropped, or the input lost (the call
+    run with {}): an attempt that failed, not a response that seems whole."""
+    provider.reply(Sse([message_start(), *frames, *message_end("tool_use")]))
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "malformed_stream"

@@ -466,3 +466,18 @@ def test_chunk_json_of_the_fake_server_is_what_the_sdk_parses():
 
     for chunk in (openai_call_start(0, "c", "add"), openai_chunk({}, "stop")):
         ChatCompletionChunk.model_validate(json.loads(json.dumps(chunk)))
+
+
+async def test_a_second_call_id_at_one_index_is_malformed(provider, make):
+    """Folded as it came, the two calls would merge into one, its arguments run together."""
+    provider.reply(
+        openai_stream(
+            openai_call_start(0, "call_a", "add"),
+            openai_call_args(0, '{"a": 1, "b": 2}'),
+            openai_call_start(0, "call_b", "add"),
+            finish_reason="tool_calls",
+        )
+    )
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "malformed_stream"
