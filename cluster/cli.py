@@ -70,7 +70,7 @@ from runtime.lifecycle import (
     EndedState,
     validate_resume,
 )
-from runtime.stream import parse_offset
+from runtime.stream import check_cursor, parse_offset
 from runtime.timeutil import now_us
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
@@ -434,7 +434,10 @@ async def _watch(
         raise BadInput(str(exc)) from None
     db = await _open(store)
     try:
-        await _frontier(thread, store, db)
+        try:
+            check_cursor(after, (await _frontier(thread, store, db)).version)
+        except ValueError as exc:  # past the thread's last commit: another thread's cursor
+            raise BadInput(str(exc)) from None
         frames = follow_thread(db, ThreadId(thread), after, redis_url=redis_url_from(redis))
         async with contextlib.aclosing(frames):
             if as_json:  # each frame as the stream serves it, and nothing else

@@ -336,6 +336,10 @@ def test_watch_json_prints_each_frame_then_from_an_offset(listed):
     assert [line["offset"] for line in later[1:]] == [
         f.offset for f in frames[len(frames) // 2 + 1 :]
     ]
+    # a cursor past the thread's last commit (another thread's) is bad input, one line
+    past = _cli("watch", "p-00", "--after", "999:0", "--store", listed)
+    assert past.exit_code == 1 and past.stdout == "", past.output
+    assert "error: stream offset '999:0' is past the thread's last commit" in past.stderr
 
 
 @pytest.mark.parametrize(
