@@ -20,7 +20,7 @@ import redis.exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from runtime.errors import StoreError, StoreUnavailable
+from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
 from storage.url import redact
 
 _REFUSED: tuple[type[BaseException], ...] = (
@@ -40,8 +40,9 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 
 
 @contextmanager
-def translated(where: str) -> Iterator[None]:
-    """The one place where redis-py exceptions become Ratchet's."""
+def translated(where: str, thread: str | None = None) -> Iterator[None]:
+    """The one place where redis-py exceptions become Ratchet's; ``thread``: the one
+    thread whose keys the commands read (a key of the wrong type is its CorruptRecord)."""
     try:
         yield
     except _REFUSED as exc:  # wrong credentials do not heal by retrying
@@ -52,6 +53,8 @@ def translated(where: str) -> Iterator[None]:
         # MISCONF: the server cannot persist, so it refuses writes until it can again.
         if str(exc).startswith("MISCONF"):
             raise StoreUnavailable(f"redis at {where} cannot persist: {_describe(exc)}") from exc
+        if thread is not None and "WRONGTYPE" in str(exc):  # a key edited by hand
+            raise CorruptRecord(thread, 0, f"a key holds a value of the wrong type: {exc}") from exc
         raise StoreError(f"redis at {where} refused a command: {_describe(exc)}") from exc
     except rex.RedisError as exc:
         raise StoreError(f"redis at {where} failed: {_describe(exc)}") from exc

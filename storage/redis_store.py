@@ -221,7 +221,7 @@ class RedisCommitStore:
         self, commit: ThreadCommit, expected_version: int, epoch: int, *, claim: str | None = None
     ) -> Receipt:
         check_size(commit, self.payload_limit)
-        with translated(self.where):
+        with translated(self.where, commit.thread_id):
             for _ in range(_ATTEMPTS):
                 snap = await self._snapshot(commit.thread_id, commit.operation_id)
                 outcome = admit(snap.frontier, commit, expected_version, epoch, snap.known, claim)
@@ -235,7 +235,7 @@ class RedisCommitStore:
     async def load(self, thread: ThreadId) -> Frontier:
         """The whole frontier: the head, the log and the pruned history in one MULTI,
         the log verified, the messages taken from it (``whole_frontier``)."""
-        with translated(self.where):
+        with translated(self.where, thread):
             async with self.client.pipeline(transaction=True) as pipe:
                 pipe.hmget(self._key(thread, "meta"), _META)
                 pipe.lrange(self._key(thread, "log"), 0, -1)
@@ -262,14 +262,14 @@ class RedisCommitStore:
 
     async def load_head(self, thread: ThreadId) -> Frontier:
         """The frontier without its messages: the meta, and the hash list's tail."""
-        with translated(self.where):
+        with translated(self.where, thread):
             return (await self._snapshot(thread, None)).frontier
 
     async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
         """The lists begin after the anchor, so where a read starts in them depends on
         it: read with the anchor last seen (none at first), again if it was another."""
         pruned = 0
-        with translated(self.where):
+        with translated(self.where, thread):
             for _ in range(_READS):
                 start = max(after_seq - pruned - 1, 0)
                 async with self.client.pipeline(transaction=True) as pipe:
@@ -295,7 +295,7 @@ class RedisCommitStore:
         the script decides alone, one compare-and-set on the epoch, whatever version the
         load saw (appends of the superseded owner may land in between), moves the run and
         owner indexes in the same step, and answers the frontier it landed on."""
-        with translated(self.where):
+        with translated(self.where, thread):
             snap = await self._snapshot(thread, None)
             check_claim(snap.frontier, supersedes)
             return await self._claim(snap.frontier, owner)

@@ -71,3 +71,10 @@ async def test_a_key_of_the_wrong_type_leaves_only_its_thread_out_of_a_listing(
         await raw.aclose()
     assert [s.thread_id for s in await store.list_runs()] == [GOOD]
     assert [s.thread_id for s in await store.list_runs("awaiting")] == [GOOD]
+    # and every read of that thread names it (a Supervisor quarantines it, rather than
+    # retry a StoreError at every sweep)
+    for read in (store.load(BAD), store.load_head(BAD), store.read(BAD)):
+        with pytest.raises(CorruptRecord, match="wrong type"):
+            await read
+    assert (await audit_thread(store, BAD)).problems
+    assert (await store.load(GOOD)).version == 5
