@@ -20,10 +20,10 @@ from ray.exceptions import RayActorError, RayError
 from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import ClusterUnavailable
 from cluster.stream import follow_thread
-from cluster.waiting import end_of, moved_on, on_a_live_host, polled, rests
+from cluster.waiting import end_of, moved_on, on_a_live_host, patiently, polled, rests
 from runtime import tracing_env
 from runtime.commit import Frontier
-from runtime.errors import ResumeRejected
+from runtime.errors import ResumeRejected, StoreUnavailable
 from runtime.events import Fact
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
@@ -205,6 +205,12 @@ class RunHandle:
         except ResumeRejected:
             if await self._applied(command):
                 return  # this request's resume landed: the rejection was of a repeat
+            raise
+        except StoreUnavailable:
+            # it may have landed before the store went away (a retry would carry a new
+            # request id, and hear that another resume was applied): its fact says so
+            if await patiently(lambda: self._applied(command)):
+                return
             raise
 
     async def _resume(self, command: ResumeCommand, index: int | None) -> None:

@@ -75,3 +75,38 @@ def test_a_run_whose_thread_moved_past_it_is_a_conflict() -> None:
     from runtime.errors import RunSuperseded
 
     assert status_of(RunSuperseded("t", "r1", "r2")) == 409
+
+
+async def test_a_resume_whose_answer_met_an_outage_is_its_success_once_it_landed() -> None:
+    """The host applied the resume, then its answer was StoreUnavailable (the store went
+    away just after the commit). Asked again, the caller's resume would carry a new
+    request id and hear that another resume was applied: the client asks the log
+    whether its own landed instead. (The host here applies the resume with an engine
+    on the real in-memory store and answers as a host whose store then failed.)"""
+    from actors.wire import RemoteError, RunMeta
+    from cluster.handle import command_for
+    from runtime.engine import Engine
+    from runtime.lifecycle import PermissionDecision
+    from runtime.tools import LocalToolRunner
+    from tests.ray.agents import permission_agent
+
+    store = MemoryCommitStore()
+    engine = Engine(permission_agent, store, LocalToolRunner(permission_agent.tools))
+    run = RunId("r-resume")
+    parked = await engine.start(
+        ThreadId("t-resume"), "go", run_id=run, message_id=RunMeta("ref").message_id(run)
+    )
+
+    class _Host:
+        class resume_run:  # named as the actor method is
+            @staticmethod
+            async def remote(command: Any, trace: Any = None) -> Any:
+                drive = Engine(permission_agent, store, LocalToolRunner(permission_agent.tools))
+                await drive.resume(command)
+                return RemoteError.of(StoreUnavailable("store memory:// did not answer"))
+
+    client = _Client(store)
+    client.host_for = lambda *args: _Host  # type: ignore[attr-defined]
+    handle = RunHandle(client, parked.thread_id, run, "hosted")  # type: ignore[arg-type]
+    await handle.resume(command_for(parked.run_state.ticket, PermissionDecision(approve=True)))
+    assert (await store.load(parked.thread_id)).run_state.kind == "ended"
