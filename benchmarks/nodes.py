@@ -55,7 +55,7 @@ from benchmarks.w1 import WARMUP_RUNS, bounded, host_counts, run_durable, sharin
 from benchmarks.w1_agent import W1, ledger_dir, new_ledger
 from cluster.client import Ratchet
 from cluster.config import LOCAL_SYSTEM_CONFIG
-from cluster.waiting import patiently
+from runtime.patience import patiently
 from storage.url import open_store
 
 REMOVE_AFTER = 1 / 3

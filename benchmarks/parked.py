@@ -45,12 +45,12 @@ from benchmarks.verify import verify
 from benchmarks.w1 import bounded, run_durable
 from benchmarks.w1_agent import W1, ledger_dir, new_ledger, record
 from cluster.client import Ratchet, RunHandle, command_for
-from cluster.waiting import patiently
 from runtime.agent import Agent
 from runtime.commit import Frontier
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, PermissionDecision
 from runtime.models import InferenceRequest, ModelResponse, ScriptedModel, call
+from runtime.patience import patiently
 from runtime.tools import ToolContext, tool
 from storage.url import open_store
 

@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 from benchmarks.w1_agent import NEVER_REPLAY, W1, read_ledger
 from cluster.report import EXECUTION_LOST
-from cluster.waiting import patiently
 from runtime.commit import Frontier
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, Natural
 from runtime.messages import AssistantMessage
+from runtime.patience import patiently
 from runtime.ports import CommitStore, CommittedRecord
 from runtime.rules import replay
 

@@ -29,8 +29,8 @@ from benchmarks.stores import prepare_store
 from benchmarks.verify import Answer, intervals_ms, quantile, verify
 from benchmarks.w1_agent import W1, ledger_dir, new_ledger, read_ledger
 from cluster.client import Ratchet
-from cluster.waiting import patiently
 from runtime.commit import Frontier
+from runtime.patience import patiently
 from storage.url import open_store
 
 WARMUP_RUNS = 4

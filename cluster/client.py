@@ -37,13 +37,14 @@ from cluster.config import (
     system_name,
 )
 from cluster.handle import RunHandle, command_for
-from cluster.waiting import end_of, moved_on, on_a_live_host, patiently, polled, rests
+from cluster.waiting import end_of, moved_on, on_a_live_host, polled, rests
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
 from runtime.ids import RunId, ThreadId
 from runtime.limits import check_id, check_text
+from runtime.patience import patiently
 from runtime.ports import CommitStore, RunSummary, refused_in
 from storage.summary import summarize
 

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayError
 from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import ClusterUnavailable
 from cluster.stream import follow_thread
-from cluster.waiting import end_of, moved_on, on_a_live_host, patiently, polled, rests
+from cluster.waiting import end_of, moved_on, on_a_live_host, polled, rests
 from runtime import tracing_env
 from runtime.commit import Frontier
 from runtime.errors import ResumeRejected, StoreUnavailable
@@ -39,6 +39,7 @@ from runtime.lifecycle import (
     validate_resume,
 )
 from runtime.limits import check_reason
+from runtime.patience import patiently
 from runtime.ports import CommitStore
 from runtime.resume import check_command
 from runtime.rules import stamp_facts

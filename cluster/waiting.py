@@ -16,9 +16,10 @@ from ray.exceptions import RayActorError
 
 from cluster.config import ClusterUnavailable
 from runtime.commit import Frontier
-from runtime.errors import RunSuperseded, StoreUnavailable
+from runtime.errors import RunSuperseded
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
+from runtime.patience import patiently
 from runtime.ports import CommitStore
 from runtime.rules import replay
 
@@ -83,20 +84,5 @@ async def on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60
                     f"no RunHost answered within {give_up_s:g}s ({what})"
                 ) from exc
             log.info("host unavailable (%s); asking again", type(exc).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
-
-
-async def patiently(op: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
-    """Retry ``op`` while the store is unavailable, up to ``give_up_s``: a store outage
-    pauses a follower (as it pauses Runs); it is not an answer."""
-    loop = asyncio.get_running_loop()
-    deadline, delay = loop.time() + give_up_s, POLL_FIRST_S
-    while True:
-        try:
-            return await op()
-        except StoreUnavailable:
-            if loop.time() > deadline:
-                raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)

@@ -17,7 +17,6 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from actors.wire import stored_run_meta
 from cluster.cli_args import awaiting_ticket
 from cluster.client import Ratchet, RunHandle, command_for
-from cluster.waiting import patiently
 from edge.models import (
     AGENT_REF_CHARS,
     LIMITS,
@@ -37,6 +36,7 @@ from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState
 from runtime.limits import check_id
+from runtime.patience import patiently
 from runtime.ports import RunSummary
 
 router = APIRouter()

@@ -23,20 +23,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from runtime.base import Frozen
-from runtime.errors import StoreUnavailable
 from runtime.events import Delta, Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import ThreadStatus
+from runtime.patience import patiently
 from runtime.ports import BusEvent, CommitStore, LiveBus
 from runtime.rules import stamp_facts
 
 log = logging.getLogger("ratchet.stream")
-T = TypeVar("T")
 REST_FACTS = frozenset({"awaiting", "run_finished", "run_failed"})
 STORE_PATIENCE_S = 60.0
 """How long a follower waits out a store outage (it pauses, as the Runs do) before it
@@ -94,7 +93,7 @@ async def follow(
     """Frames for ``thread`` after the cursor ``after``; stops at rest if ``until_rest``."""
     parse_offset(after)  # a malformed cursor fails before the store is asked
     timing = _Timing(idle_check_s, bus_retry_s, bus_timeout_s)
-    frontier = await _patiently(lambda: store.load(thread))
+    frontier = await patiently(lambda: store.load(thread), STORE_PATIENCE_S, log)
     cursor = check_cursor(after, frontier.version)
     yield Frame(type="thread_status", status=frontier.status)
     # the bus's head before the store is read: whatever is published from here on, the
@@ -134,27 +133,13 @@ def from_fact(fact: Fact) -> Frame:
     return Frame(type="fact", offset=fact_offset(fact), event=fact)
 
 
-async def _patiently(read: Callable[[], Awaitable[T]]) -> T:
-    """``read()``, asked again with backoff while the store is unavailable, for up to
-    ``STORE_PATIENCE_S``: an outage pauses the stream rather than ending it."""
-    loop = asyncio.get_running_loop()
-    deadline, delay = loop.time() + STORE_PATIENCE_S, 0.05
-    while True:
-        try:
-            return await read()
-        except StoreUnavailable as exc:
-            if loop.time() + delay > deadline:
-                raise
-            log.info("store unavailable while following (%s): asking again", exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-
 async def _stored_facts(
     store: CommitStore, thread: ThreadId, cursor: tuple[int, int]
 ) -> AsyncIterator[Fact]:
     after = max(cursor[0] - 1, 0)
-    for record in await _patiently(lambda: store.read(thread, after_seq=after)):
+    for record in await patiently(
+        lambda: store.read(thread, after_seq=after), STORE_PATIENCE_S, log
+    ):
         for fact in stamp_facts(record.commit, record.seq):
             if (fact.seq, fact.index) > cursor:
                 yield fact
