@@ -157,17 +157,19 @@ class RunHost(ChildHosting):
             if drive is None:
                 go = starting(thread, text, run_id, meta.message_id(run_id), new_thread, trace)
                 drive = self.drives.spawn(agent_ref, thread, run_id, go, faults=faults)
-            message = meta.message_id(run_id)
+            message, stored = meta.message_id(run_id), None
             try:
                 started = await self.drives.first_commit(drive)
             except RatchetError:
                 # a joined drive (a resume rejected, a recovery fenced) fails on its own:
                 # this start shares its error only if the Run was never activated
-                if not joined or not ran_before(await self.store.load(thread), message):
+                stored = await self.store.load(thread) if joined else None
+                if stored is None or not ran_before(stored, message):
                     raise
                 started = True
             if joined:  # a repeat only if it asked the same (as Engine.start checks)
-                check_repeated_start(await self.store.load(thread), message, text)
+                stored = stored or await self.store.load(thread)
+                check_repeated_start(stored, message, text)
             if wait:
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
                 return rested(drive.task) or started
