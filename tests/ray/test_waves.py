@@ -118,7 +118,6 @@ async def test_an_agent_slow_to_load_holds_back_only_its_own_waves(make_system):
                 _wave("echo_wave", 0, text="late"),
             )
         )
-        await asyncio.sleep(0)  # the slow wave goes first
         (quick,) = await asyncio.wait_for(
             waves.run({}, AGENT, _wave("echo_wave", 1, text="quick")), 20
         )

@@ -181,15 +181,21 @@ async def test_manual_pause_waits_at_the_step_boundary_and_unpauses():
     assert done.run_state.cause.kind == "natural"
 
 
-async def test_cancel_of_an_awaiting_run_clears_the_ticket_and_a_late_resume_fails_closed():
-    from runtime import PermissionDecision
+def _asking_permission() -> tuple[MemoryCommitStore, InProcessRunner]:
+    """A store and a runner whose Runs await permission for their one call."""
 
     @tool(needs_permission=True)
     def risky(x: int) -> str:
         return "ran"
 
     store = MemoryCommitStore()
-    runner = InProcessRunner(one_tool_agent(risky), store)
+    return store, InProcessRunner(one_tool_agent(risky), store)
+
+
+async def test_cancel_of_an_awaiting_run_clears_the_ticket_and_a_late_resume_fails_closed():
+    from runtime import PermissionDecision
+
+    store, runner = _asking_permission()
     f = await runner.start("go", thread_id="t")
     ended = await runner.engine().terminate("t")
     assert isinstance(ended.run_state, EndedState) and ended.run_state.cause.kind == "cancelled"
@@ -201,12 +207,7 @@ async def test_cancel_of_an_awaiting_run_clears_the_ticket_and_a_late_resume_fai
 
 
 async def test_a_terminate_of_a_named_run_leaves_the_threads_later_run_alone():
-    @tool(needs_permission=True)
-    def risky(x: int) -> str:
-        return "ran"
-
-    store = MemoryCommitStore()
-    runner = InProcessRunner(one_tool_agent(risky), store)
+    store, runner = _asking_permission()
     first = await runner.start("go", thread_id="t", run_id="r1")
     await runner.engine().terminate("t", run=first.run_id)  # r1 ends
     later = await runner.start("again", thread_id="t", run_id="r2")

@@ -20,7 +20,7 @@ from runtime.commit import Frontier
 from runtime.errors import CorruptRecord
 from runtime.integrity import audit
 from storage.schema import commits, threads
-from tests.storage.test_integrity import SQL, SqlTamper, T, make_victim, sha, tamper_for
+from tests.storage.test_integrity import SqlTamper, T, make_victim, sha, tamper_for
 
 REDIS_DB = 10
 """This file's own Redis database (the shared fixture's db 9 is flushed by other suites)."""
@@ -62,14 +62,13 @@ async def test_a_log_no_frontier_vouches_for_fails_closed(
     assert victim.ran == [] and await tamper.snapshot() == before
 
 
-async def test_sql_refuses_a_log_past_the_head_it_read(store: Any, backend: str) -> None:
+async def test_sql_refuses_a_log_past_the_head_it_read(sql_store: Any) -> None:
     """The thread row is read with its last record's seq in one statement (one snapshot,
     in which an append moved both or neither): a record past the row is one no frontier
     vouches for, whatever a concurrent append does between that statement and the
     records' read (those past the head read are not read). A head of NULL vouches for
-    nothing."""
-    if backend not in SQL:
-        pytest.skip("one snapshot per read elsewhere: its own tests")
+    nothing. (The other stores read in one snapshot: test_integrity covers them.)"""
+    store = sql_store
     victim = await make_victim(store)
     tamper = SqlTamper(store, T)
     assert [r.commit.encoded for r in await store.read(T)] == victim.bodies
@@ -87,12 +86,11 @@ async def test_sql_refuses_a_log_past_the_head_it_read(store: Any, backend: str)
         assert (info.value.thread, info.value.seq) == (T, 5)
 
 
-async def test_sql_refuses_a_thread_row_put_back_by_hand(store: Any, backend: str) -> None:
+async def test_sql_refuses_a_thread_row_put_back_by_hand(sql_store: Any) -> None:
     """A genuine thread row from before the last commits, written back by hand: its own
     checksum and hash still match, but the log runs past it, and the Run could append
     no more (every append would meet a record there). It fails closed, for an audit."""
-    if backend not in SQL:
-        pytest.skip("the thread row is SQL's")
+    store = sql_store
     victim = await make_victim(store)
     tamper = SqlTamper(store, T)
     (old,) = await tamper._run(select(threads).where(threads.c.thread_id == T))
