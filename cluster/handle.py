@@ -250,32 +250,68 @@ class RunHandle:
         """Whose resume of the command's ticket the log holds: True ours (its request id
         and its payload), False another's, None none. A request id reused with another
         payload is another's: its caller is not told that what it asked for was done."""
-        mine = {
-            "correlation": command.correlation,
-            **command.payload.model_dump(mode="json"),
-            "request_id": command.request_id,
-        }
         for fact in reversed(await self.events()):
             if fact.type == "resumed" and fact.data.get("correlation") == command.correlation:
-                # what the fact holds must be ours (a field added since it was written is not)
-                return fact.data.get("request_id") == command.request_id and all(
-                    mine.get(key) == value for key, value in fact.data.items()
-                )
+                return _holds(fact, command)
         return None
 
-    async def respond(self, payload: ResumePayload, *, host: int | None = None) -> ResumeCommand:
-        """Answer the committed ticket with ``payload`` (ids and call id taken from it)."""
+    async def respond(
+        self, payload: ResumePayload, *, host: int | None = None, request_id: str | None = None
+    ) -> ResumeCommand:
+        """Answer the committed ticket with ``payload`` (ids and call id taken from it).
+
+        ``request_id``: the caller's own id for this answer. Asked again with the same id
+        after an answer that was lost (an outage that outlasted the client's wait, a
+        process that died), a resume that landed under it is this call's success, also
+        once its ticket is gone; without one, each call is a new answer."""
         ticket = await self.ticket()
         if ticket is None:
+            landed = await self.answered(payload, request_id) if request_id else None
+            if landed is not None:
+                return landed
             state = (await self.frontier()).run_state
             raise ResumeRejected("ticket", f"thread {self.thread_id!r} is {_where(state)}")
         command = command_for(ticket, payload)
+        if request_id is not None:
+            command = command.model_copy(update={"request_id": request_id})
         await self.resume(command, host=host)
         return command
+
+    async def answered(self, payload: ResumePayload, request_id: str) -> ResumeCommand | None:
+        """The command of a resume of this thread that landed under ``request_id`` with
+        ``payload``, rebuilt from the ticket it answered; None if none did (a resume
+        under that id with another payload is not this one)."""
+        ticket: ResumeTicket | None = None
+        for record in await self.client.store.read(self.thread_id):
+            state = record.commit.disposition
+            if isinstance(state, AwaitingState):
+                ticket = state.ticket
+            for fact in record.commit.facts:
+                if fact.type != "resumed" or fact.data.get("request_id") != request_id:
+                    continue
+                if ticket is None or fact.data.get("correlation") != ticket.correlation:
+                    continue
+                command = command_for(ticket, payload).model_copy(update={"request_id": request_id})
+                if _holds(fact, command):
+                    return command
+        return None
 
     async def _placement(self) -> Placement:
         meta = run_meta(await self.frontier())
         return meta.placement if meta is not None else self.placement
+
+
+def _holds(fact: Fact, command: ResumeCommand) -> bool:
+    """Whether a ``resumed`` fact is ``command``'s: its request id and its payload. What
+    the fact holds must be ours (a field added since it was written is not)."""
+    mine = {
+        "correlation": command.correlation,
+        **command.payload.model_dump(mode="json"),
+        "request_id": command.request_id,
+    }
+    return fact.data.get("request_id") == command.request_id and all(
+        mine.get(key) == value for key, value in fact.data.items()
+    )
 
 
 def command_for(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:

@@ -34,7 +34,7 @@ from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
 from runtime.ids import ThreadId
-from runtime.lifecycle import EndedState, StatusState
+from runtime.lifecycle import AwaitingState, EndedState, StatusState
 from runtime.limits import check_id
 from runtime.patience import patiently
 from runtime.ports import RunSummary
@@ -176,11 +176,15 @@ async def resume(
     """The ids come from the thread's committed ticket, the payload from the body. A
     payload that does not fit the ticket is 409 ResumeRejected naming the ``axis``
     (``payload``, ``ticket``, ``deadline``, …); the ticket stays as it was."""
-    ticket = awaiting_ticket(await known(client, thread))
-    command = command_for(ticket, body.payload)
+    frontier = await known(client, thread)
+    handle = client.handle(thread)
+    # asked again after a lost answer: a resume that landed under this id is a success
+    again = body.request_id is not None and not isinstance(frontier.run_state, AwaitingState)
+    if again and await handle.answered(body.payload, body.request_id or "") is not None:
+        return await at_rest(handle, wait)
+    command = command_for(awaiting_ticket(frontier), body.payload)
     if body.request_id is not None:
         command = command.model_copy(update={"request_id": body.request_id})
-    handle = client.handle(thread)
     with tracing_env.continued(request.headers):  # a traceparent header: the drive's parent
         await handle.resume(command)
     return await at_rest(handle, wait)

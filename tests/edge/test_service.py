@@ -133,6 +133,25 @@ def test_a_resume_that_does_not_fit_is_409_and_the_ticket_stays(http):
     assert problem(again, 409, "ResumeRejected")["axis"] == "ticket"
 
 
+def test_a_resume_asked_again_under_its_request_id_is_its_success(http):
+    """The answer to a resume was lost (the client timed out, its connection broke): asked
+    again with the same request id once the resume landed, it is 200, not a 409 for a
+    ticket that is gone; another id, or the same id with another payload, is the 409."""
+    thread = start(http)["thread_id"]
+    mine = {**APPROVE, "request_id": "answer-1"}
+    first = http.post(f"/threads/{thread}/resume", params={"wait": 30}, json=mine)
+    assert first.status_code == 200, first.text
+    again = http.post(f"/threads/{thread}/resume", json=mine)
+    assert again.status_code == 200, again.text
+    assert again.json()["run_state"]["kind"] == "ended"
+    other = http.post(f"/threads/{thread}/resume", json={**APPROVE, "request_id": "answer-2"})
+    assert problem(other, 409, "ResumeRejected")["axis"] == "ticket"
+    denied = {"payload": {"kind": "permission", "approve": False}, "request_id": "answer-1"}
+    assert problem(http.post(f"/threads/{thread}/resume", json=denied), 409, "ResumeRejected")
+    facts = [c["commit"]["label"] for c in http.get(f"/threads/{thread}/commits").json()["commits"]]
+    assert facts.count("resume") == 1
+
+
 def test_the_stream_reconnects_with_last_event_id_exactly_once(http):
     thread = start(http)["thread_id"]
     seen: list[httpx2.ServerSentEvent] = []

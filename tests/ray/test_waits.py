@@ -123,6 +123,26 @@ async def test_each_wait_kind_round_trip(system, ledger, kind):
     await check_log(system.store, handle.thread_id)
 
 
+async def test_respond_asked_again_under_its_request_id_is_its_success(system, ledger):
+    """A caller whose answer was lost asks again with the same request id: the resume that
+    landed under it is its success (its command back), even with the ticket gone; another
+    id, or that id with another payload, is rejected, and the tool ran once."""
+    handle = await system.start(PERMISSION, "go")
+    ticket = (await awaiting(handle)).run_state.ticket
+    approve = PermissionDecision(approve=True)
+    first = await handle.respond(approve, request_id="answer-1")
+    assert first.request_id == "answer-1" and first.correlation == ticket.correlation
+    await ended(handle, "natural")
+    assert await handle.respond(approve, request_id="answer-1") == first
+    with pytest.raises(ResumeRejected):
+        await handle.respond(approve, request_id="answer-2")
+    with pytest.raises(ResumeRejected):
+        await handle.respond(PermissionDecision(approve=False), request_id="answer-1")
+    with pytest.raises(ResumeRejected):
+        await handle.respond(approve)  # no id: a new answer, and there is no ticket
+    assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
+
+
 # ---- an awaiting Run outlives its host ------------------------------------------------------
 
 
