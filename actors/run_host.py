@@ -24,7 +24,6 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -33,6 +32,7 @@ from actors.child_host import ChildHosting
 from actors.children import RayChildRunner
 from actors.drives import Drive, Drives, FaultSpec, rested, starting
 from actors.heap import freeze_startup_heap
+from actors.host_control import ControlHosting
 from actors.reconcile import Reconciler
 from actors.retiring import Admission, admitted
 from actors.spare import replace_spare_if_restarted
@@ -53,14 +53,12 @@ from actors.wire import (
 )
 from runtime import tracing_env
 from runtime.commit import Frontier
-from runtime.control import control_engine
 from runtime.delegation import (
     parent_link,
 )
-from runtime.engine import RACES, Engine
+from runtime.engine import RACES
 from runtime.errors import (
     AgentImportError,
-    InputRefused,
     InvalidTransition,
     RatchetError,
     ResumeRejected,
@@ -68,14 +66,9 @@ from runtime.errors import (
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
-    Cancelled,
-    EndCause,
     ResumeCommand,
-    RunningState,
-    Stopped,
     validate_resume,
 )
-from runtime.limits import check_reason
 from runtime.publish import Publisher
 from runtime.resume import check_command
 from runtime.rules import check_repeated_start, ran_before
@@ -86,7 +79,7 @@ FINISHING_S = 5.0
 """How long a start waits for this host's drive of the thread's previous Run to wind up."""
 
 
-class RunHost(ChildHosting):
+class RunHost(ControlHosting, ChildHosting):
     async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
         self.startup = {"init": time.time()}
         """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
@@ -292,102 +285,6 @@ class RunHost(ChildHosting):
             with contextlib.suppress(Exception):  # its failure is its own caller's to hear
                 await self.drives.first_commit(local)
         raise ResumeRejected("ticket", "the run is being driven here, not awaiting")
-
-    async def cancel_run(self, thread: ThreadId, run: RunId | None = None) -> Any:
-        """Cancel a Run driven here, or one at rest (awaiting, or running with no driver);
-        ``run``: only that Run (a thread that moved on to another is ``not_running``)."""
-        return await self._end_run(thread, run, Cancelled(), "cancelled", lambda e: e.cancel())
-
-    async def stop_run(self, thread: ThreadId, reason: str, run: RunId | None = None) -> Any:
-        """End a Run ``stopped(reason)``: signal its engine here, or end it at rest."""
-        try:
-            cause = Stopped(reason=check_reason(reason, self.spec.limits))
-        except InputRefused as exc:
-            return remote_error(exc)
-        return await self._end_run(thread, run, cause, "stopped", lambda e: e.stop(reason))
-
-    async def _end_run(
-        self,
-        thread: ThreadId,
-        run: RunId | None,
-        cause: EndCause,
-        ended: str,
-        signal: Callable[[Engine], None],
-    ) -> Any:
-        try:
-            drive = await self._answering(thread)
-            if drive is not None and run is not None and drive.run_id not in (None, run):
-                drive = None  # it drives a later Run of the thread, not the one named
-            if drive is not None and drive.engine.listening:  # no await since the check
-                signal(drive.engine)
-                if drive.epoch is None:  # slow to claim (the store out): it may never claim
-                    task = asyncio.create_task(self._end_unless_claimed(thread, run, cause, drive))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
-                return "signalled"
-            # no drive, or one that came to rest meanwhile (it would not hear a signal)
-            return ended if await self._end_stored(thread, run, cause) else "not_running"
-        except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            return remote_error(exc)
-        finally:
-            self._retire_if_idle()
-
-    async def _end_stored(self, thread: ThreadId, run: RunId | None, cause: EndCause) -> bool:
-        """End the Run as the store has it (no drive here hears a signal); False if there
-        was nothing to end, or it came to rest on its own meanwhile."""
-        frontier = await self.store.load(thread)
-        if run is not None and frontier.run_id != run:
-            return False  # the Run named ended, and the thread moved on
-        if not isinstance(frontier.run_state, RunningState | AwaitingState):
-            return False
-        # the end carries its claim: a driver elsewhere, if any, is fenced by it
-        engine = control_engine(
-            self.store, owner=self.owner, publisher=self.publisher, children=self.children
-        )
-        self._hand_back(await engine.terminate(thread, cause, run=run))
-        return engine.committed.is_set()
-
-    async def _end_unless_claimed(
-        self, thread: ThreadId, run: RunId | None, cause: EndCause, drive: Drive
-    ) -> None:
-        """A signalled drive that claimed nothing may end without ever claiming (a repeated
-        start, a resume that lost, a recovery that found the Run at rest): the signal went
-        with it, and its caller heard "signalled". Once it is over, the end is made from
-        the store, as for a Run at rest; a drive that claimed heard it at its next check."""
-        await asyncio.wait({drive.task})
-        if drive.epoch is not None:
-            return
-        try:
-            if await self._end_stored(thread, run, cause):
-                log.info("%s ended from the store: its drive went without claiming it", thread)
-        except Exception:  # the Run stays as committed; its caller may ask again
-            log.exception("ending %s after its drive went without claiming it failed", thread)
-        finally:
-            self._retire_if_idle()
-
-    async def pause_run(self, thread: ThreadId) -> Any:
-        """A manual pause: the Run driven here awaits at its next Step boundary."""
-        try:
-            drive = await self._answering(thread)
-        except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            return remote_error(exc)
-        if drive is None or not drive.engine.listening:
-            return "not_running"
-        drive.engine.pause()
-        return "signalled"
-
-    async def _answering(self, thread: ThreadId) -> Drive | None:
-        """This host's drive of ``thread``, if it still answers for the Run. A stale one
-        (the thread claimed past it since) is stopped now: only the stored thread then
-        decides, through a path that carries its own claim."""
-        drive = await self.drives.claimed(thread)
-        if drive is None or drive.epoch is None:  # slow to claim: it can be told
-            return drive
-        if not self.drives.fenced(drive, await self.store.load(thread)):
-            return drive
-        log.info("the drive of %s here is stale: stopping it", thread)
-        await self.drives.stop(thread, drive, idle=False)
-        return await self.drives.claimed(thread)  # one a request spawned meanwhile answers
 
     async def _after_reclaim(self) -> None:
         with contextlib.suppress(Exception):  # its failures are logged where they happen
