@@ -34,8 +34,6 @@ from typing import TypeVar
 
 from runtime import tracing
 from runtime.agent import Agent
-from runtime.base import trusted
-from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch, result_messages
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, whole_of, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
@@ -53,14 +51,12 @@ from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.hooks import HookResults
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
-from runtime.inference import Admitted, Inference
-from runtime.injection import restaged, take_injected
+from runtime.inference import Inference
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
     EndCause,
     EndedState,
-    MaxSteps,
     PauseTarget,
     ResumeCommand,
     ResumeTicket,
@@ -74,26 +70,24 @@ from runtime.limits import (
     check_room,
     check_text,
 )
-from runtime.messages import AssistantMessage, Message, ToolUse, UserMessage
-from runtime.plugin_env import guarded_end, pin, refusal
+from runtime.messages import Message, UserMessage
+from runtime.plugin_env import pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, resume_commit, validate_ticket
 from runtime.rules import check_repeated_start, ran_before
-from runtime.session import counted, opening, stepped, view
-from runtime.sides import Sides
+from runtime.session import opening
 from runtime.signals import (
     CancelledSignal,
     CancelSignal,
     EndRun,
-    PauseRun,
     RunOver,
     cancelling,
     guarded,
 )
+from runtime.stepping import Stepping
 from runtime.timeutil import now_us
-from runtime.toolbatch import Opening, advance_batch, run_wave
-from runtime.usage import over_budget, usage_commands
+from runtime.toolbatch import advance_batch, run_wave
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -101,7 +95,7 @@ RACES = 8
 """How often a way in looks again after losing a race, before it gives up."""
 
 
-class Engine(Sides):
+class Engine(Stepping):
     """Drives one Run. Create one per Run attempt; crash it by abandoning it."""
 
     def __init__(
@@ -186,11 +180,6 @@ class Engine(Sides):
     def pause(self) -> None:
         """A manual pause: at the next Step boundary the Run commits Awaiting(pause)."""
         self.pause_requested = True
-
-    @property
-    def ending(self) -> bool:
-        stopped = self._execution is not None and self._execution.stopped
-        return self.cancel_event.is_set() or stopped
 
     # ---- ways in: each takes the thread by compare-and-set -----------------------------
 
@@ -470,87 +459,6 @@ class Engine(Sides):
             target=target,
         )
         await self._commit(ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket))
-
-    async def _step(self, ctx: RunContext) -> None:
-        f = ctx.frontier
-        prior = f.batch
-        hooks = HookResults()
-        ended = await self._end_step(ctx, hooks)
-        if ended is not None and (ctx.execution.wait_request or ctx.execution.stopped):
-            ctx.ended_step(ended, hooks.commands)  # committed with the wait or the end
-            return
-        root, side, step = self.root, ctx.execution.current_side, f.steps
-        counted(ctx.execution, root, f, step)
-        if root.session is not None and await self._other_turn(ctx, side, hooks.commands):
-            return  # the session ended, or a handler or human took the turn
-        results = result_messages(prior)
-        if step >= root.max_steps:
-            await self.end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
-            return
-        if over_budget(root.budget, f):
-            ctx.pause_step(PauseTarget(reason="budget"), hooks.commands)
-            return
-        await self.hooks(ctx, "StepStart", hooks, step=step)
-        await self.hooks(ctx, "BeforeInference", hooks, step=step)
-        if await self._held_before_inference(ctx, prior, results, hooks):
-            return  # a hook stopped the Run, or asked for input or a pause
-        # messages injected so far join the history now, after the results
-        injected, staged = take_injected(ctx.run_id, f.state, hooks.commands)
-        hooks.commands[:] = staged
-        last = step == root.max_steps - 1
-        salvaged = await self.inference.salvage(ctx, step)
-        if isinstance(salvaged, Admitted):
-            response = salvaged
-        else:
-            context = (*hooks.context, *([salvaged] if salvaged else []))
-            history = (*f.messages, *results, *injected, *context)
-            if root.session is not None:  # each side's model sees the session its way
-                history = view(history, side)
-            try:
-                response = await self.inference.infer(ctx, step, history, last)
-            except PauseRun as pause:
-                ctx.pause_step(pause.target, hooks.commands)
-                return
-        await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
-        # Tools were withheld on the last Step: calls the model makes anyway are dropped,
-        # never committed without results (every provider refuses a history with a
-        # tool call left unanswered); the Run ends max_steps.
-        calls = () if last else response.tool_calls
-        # the admitted response's parts are checked text and records: not validated again
-        answered = side if root.session is not None else None
-        assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls, side=answered)
-        messages: tuple[Message, ...] = (*results, *injected, assistant)
-        # the Step's record of what it used, and (in a session) that this side took a Step
-        usage = (*usage_commands(response.usage), *stepped(root, f, side))
-        hooks.commands[:] = restaged(hooks.commands)  # AfterInference's wait for the next
-        if not calls:
-            if not response.tool_calls:
-                await self.hooks(ctx, "StepEnd", hooks, step=step)
-                if root.session is not None:  # the answer ends this side's turn
-                    await self._hand_over(ctx, side, messages, prior, (*hooks.commands, *usage))
-                    return
-            cause = MaxSteps() if response.tool_calls else guarded_end(root, ctx, messages)
-            commands = (*hooks.commands, *usage)
-            await self.end(ctx, cause, messages=messages, batch=prior, commands=commands)
-            return
-        batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
-        # the inference commit is made with the batch's first wave (see advance_batch)
-        refused: dict[CallId, str] = dict(response.refused)
-        refused.update((CallId(c), f"denied: {why}") for c, why in hooks.denied.items())
-        opening = Opening(batch, messages, (*hooks.commands, *usage), refused)
-        await advance_batch(self, ctx, opening)
-
-    def _spec(self, use: ToolUse) -> CallSpec:
-        tool = self.agent.tool(use.tool)
-        policy = self.agent.policy_for(tool) if tool else ToolRecoveryPolicy()
-        # the parts of a validated ToolUse and a validated policy: not validated again
-        return trusted(
-            CallSpec, call_id=use.call_id, tool=use.tool, arguments=use.arguments, policy=policy
-        )
-
-    async def guard(self, work: Awaitable[T]) -> T:
-        """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
-        return await guarded(self.cancel_event, work)
 
 
 __all__ = ["Engine", "RunContext", "StoreRetry", "now_us"]

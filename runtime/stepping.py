@@ -1,0 +1,130 @@
+"""One Step of a Run (DESIGN §3): the Step's hooks, its inference, then the batch of
+tool calls the model asked for (``runtime.toolbatch``) or the Run's end.
+
+``Stepping`` is the Engine's base for the Step itself; the Engine's loop decides when a
+Step runs (``Engine._loop``), and whatever escapes it is settled there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from runtime.base import trusted
+from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch, result_messages
+from runtime.context import RunContext
+from runtime.execution import ExecutionState
+from runtime.hooks import HookResults
+from runtime.ids import CallId
+from runtime.inference import Admitted
+from runtime.injection import restaged, take_injected
+from runtime.lifecycle import MaxSteps, PauseTarget
+from runtime.messages import AssistantMessage, Message, ToolUse
+from runtime.plugin_env import guarded_end
+from runtime.ports import ToolRunner
+from runtime.session import counted, stepped, view
+from runtime.sides import Sides
+from runtime.signals import CancelSignal, PauseRun, guarded
+from runtime.toolbatch import Opening, advance_batch
+from runtime.usage import over_budget, usage_commands
+
+T = TypeVar("T")
+
+
+class Stepping(Sides):
+    """The Step: the Engine drives it, one at a time."""
+
+    tools: ToolRunner
+    lineage: tuple[str, ...]
+    cancel_event: CancelSignal
+    _execution: ExecutionState | None
+
+    @property
+    def ending(self) -> bool:
+        """Cancelled or stopped: the Run ends at its next check."""
+        stopped = self._execution is not None and self._execution.stopped
+        return self.cancel_event.is_set() or stopped
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
+        return await guarded(self.cancel_event, work)
+
+    async def _step(self, ctx: RunContext) -> None:
+        f = ctx.frontier
+        prior = f.batch
+        hooks = HookResults()
+        ended = await self._end_step(ctx, hooks)
+        if ended is not None and (ctx.execution.wait_request or ctx.execution.stopped):
+            ctx.ended_step(ended, hooks.commands)  # committed with the wait or the end
+            return
+        root, side, step = self.root, ctx.execution.current_side, f.steps
+        counted(ctx.execution, root, f, step)
+        if root.session is not None and await self._other_turn(ctx, side, hooks.commands):
+            return  # the session ended, or a handler or human took the turn
+        results = result_messages(prior)
+        if step >= root.max_steps:
+            await self.end(ctx, MaxSteps(), messages=results, batch=prior, commands=hooks.commands)
+            return
+        if over_budget(root.budget, f):
+            ctx.pause_step(PauseTarget(reason="budget"), hooks.commands)
+            return
+        await self.hooks(ctx, "StepStart", hooks, step=step)
+        await self.hooks(ctx, "BeforeInference", hooks, step=step)
+        if await self._held_before_inference(ctx, prior, results, hooks):
+            return  # a hook stopped the Run, or asked for input or a pause
+        # messages injected so far join the history now, after the results
+        injected, staged = take_injected(ctx.run_id, f.state, hooks.commands)
+        hooks.commands[:] = staged
+        last = step == root.max_steps - 1
+        salvaged = await self.inference.salvage(ctx, step)
+        if isinstance(salvaged, Admitted):
+            response = salvaged
+        else:
+            context = (*hooks.context, *([salvaged] if salvaged else []))
+            history = (*f.messages, *results, *injected, *context)
+            if root.session is not None:  # each side's model sees the session its way
+                history = view(history, side)
+            try:
+                response = await self.inference.infer(ctx, step, history, last)
+            except PauseRun as pause:
+                ctx.pause_step(pause.target, hooks.commands)
+                return
+        await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
+        # Tools were withheld on the last Step: calls the model makes anyway are dropped,
+        # never committed without results (every provider refuses a history with a
+        # tool call left unanswered); the Run ends max_steps.
+        calls = () if last else response.tool_calls
+        # the admitted response's parts are checked text and records: not validated again
+        answered = side if root.session is not None else None
+        assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls, side=answered)
+        messages: tuple[Message, ...] = (*results, *injected, assistant)
+        # the Step's record of what it used, and (in a session) that this side took a Step
+        usage = (*usage_commands(response.usage), *stepped(root, f, side))
+        hooks.commands[:] = restaged(hooks.commands)  # AfterInference's wait for the next
+        if not calls:
+            if not response.tool_calls:
+                await self.hooks(ctx, "StepEnd", hooks, step=step)
+                if root.session is not None:  # the answer ends this side's turn
+                    await self._hand_over(ctx, side, messages, prior, (*hooks.commands, *usage))
+                    return
+            cause = MaxSteps() if response.tool_calls else guarded_end(root, ctx, messages)
+            commands = (*hooks.commands, *usage)
+            await self.end(ctx, cause, messages=messages, batch=prior, commands=commands)
+            return
+        batch = open_batch(ctx.run_id, step, [self._spec(c) for c in assistant.tool_calls])
+        # the inference commit is made with the batch's first wave (see advance_batch)
+        refused: dict[CallId, str] = dict(response.refused)
+        refused.update((CallId(c), f"denied: {why}") for c, why in hooks.denied.items())
+        opening = Opening(batch, messages, (*hooks.commands, *usage), refused)
+        await advance_batch(self, ctx, opening)
+
+    def _spec(self, use: ToolUse) -> CallSpec:
+        tool = self.agent.tool(use.tool)
+        policy = self.agent.policy_for(tool) if tool else ToolRecoveryPolicy()
+        # the parts of a validated ToolUse and a validated policy: not validated again
+        return trusted(
+            CallSpec, call_id=use.call_id, tool=use.tool, arguments=use.arguments, policy=policy
+        )
+
+
+__all__ = ["Stepping"]
