@@ -59,6 +59,8 @@ class Ratchet:
         self.spec = spec
         self.store = store
         self.hosts = hosts
+        self._agents: set[str] = set()
+        """Agent references that resolved here once (``_start`` checks each once)."""
 
     @classmethod
     async def connect(
@@ -166,7 +168,11 @@ class Ratchet:
         new_thread: bool = False,
     ) -> tuple[RunHandle, Any]:
         """The Run's handle, and its host's answer (``AtRest`` when ``wait`` found it so)."""
-        load_agent(agent_ref)  # a bad reference fails here, clearly, not in a host
+        if agent_ref not in self._agents:
+            # a bad reference fails here, clearly, not in a host; imported (and a factory
+            # called) in a thread, once: a slow one must not hold this loop (a server's)
+            await asyncio.to_thread(load_agent, agent_ref)
+            self._agents.add(agent_ref)
         new_thread = new_thread or thread_id is None
         thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex[:12]}")
         run = RunId(run_id or f"run-{uuid.uuid4().hex[:12]}")
@@ -196,9 +202,12 @@ class Ratchet:
             ) from exc
         return RunHandle(self, thread, run, placement), answer
 
-    def handle(self, thread_id: str) -> RunHandle:
-        """A handle on the latest Run of a thread (its run id is read lazily)."""
-        return RunHandle(self, ThreadId(thread_id), None, "hosted")
+    def handle(self, thread_id: str, run_id: str | None = None) -> RunHandle:
+        """A handle on the Run ``run_id`` of a thread, or (None) on whichever Run the
+        thread holds when the handle is used. Cancel, stop and waits through a handle
+        with a run id act on that Run only: a thread that moved on to a later Run
+        keeps it."""
+        return RunHandle(self, ThreadId(thread_id), RunId(run_id) if run_id else None, "hosted")
 
     def host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any:
         """The host a Run of ``thread`` goes to: its dedicated host, pool host ``host``,

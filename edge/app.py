@@ -21,15 +21,18 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
 
 from cluster.client import Ratchet
 from cluster.config import ClusterUnavailable
 from edge import routes, streams
 from edge.guard import BodyTooLarge, Guard
 from edge.options import ServeOptions
+from edge.paths import ThreadPaths
 from edge.problems import (
     HttpProblem,
     Problem,
@@ -63,7 +66,11 @@ def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] 
     """The service for ``client``; ``agents``, if any, are the only ``MODULE:ATTR`` it
     starts (otherwise any agent the server can import)."""
     options = options.checked()
-    app = FastAPI(title=TITLE, description=DESCRIPTION, version=_version())
+    # no /docs or /redoc: their page loads its script from a CDN and asks for the schema
+    # without a token; /openapi.json serves the schema (to any OpenAPI viewer)
+    app = FastAPI(
+        title=TITLE, description=DESCRIPTION, version=_version(), docs_url=None, redoc_url=None
+    )
     app.state.ratchet = client
     app.state.agents = frozenset(agents)
     _handle_problems(app)
@@ -71,18 +78,43 @@ def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] 
     app.include_router(streams.router)
     public = _include_console(app)
     tokens = () if options.no_auth else options.tokens
+    app.add_middleware(ThreadPaths)  # inside the guard: nothing is decoded before auth
     app.add_middleware(
         Guard, tokens=tokens, max_body_bytes=max_body_bytes(client.spec.limits), public=public
     )
     if options.cors_origins:  # outside the guard: a preflight carries no token
         app.add_middleware(
-            CORSMiddleware,
+            ProblemCors,
             allow_origins=list(options.cors_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Accept"],
         )
     _document(app, secured=bool(tokens))
     return app
+
+
+class ProblemCors(CORSMiddleware):
+    """CORS whose refused preflight is a problem like every other error, not plain text."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = Headers(scope=scope) if scope["type"] == "http" else None
+        preflight = (
+            headers is not None
+            and scope["method"] == "OPTIONS"
+            and "origin" in headers
+            and "access-control-request-method" in headers
+        )
+        if not preflight or headers is None:
+            await super().__call__(scope, receive, send)
+            return
+        response = self.preflight_response(request_headers=headers)
+        if response.status_code == 400:
+            detail = bytes(response.body).decode()  # "Disallowed CORS origin, method"
+            allowed = {k: v for k, v in response.headers.items() if k.startswith("access-")}
+            response = problem_response(
+                400, "CorsRefused", f"preflight refused: {detail}", scope["path"], allowed
+            )
+        await response(scope, receive, send)
 
 
 def _handle_problems(app: FastAPI) -> None:

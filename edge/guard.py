@@ -67,6 +67,11 @@ class Guard:
             detail = BodyTooLarge(self.max_body_bytes, int(length)).detail
             await _problem(send, scope, 413, "InputRefused", detail, limit="body_bytes")
             return
+        if scope["method"] in BODILESS:
+            # no route reads one: a body sent anyway is dropped as it arrives, never refused
+            # midway (a stream's response has started by then, and would be cut)
+            await self.app(scope, _dropped(receive), send)
+            return
         await self.app(scope, self._capped(receive), send)
 
     def _open(self, scope: Scope, headers: dict[bytes, bytes]) -> bool:
@@ -100,6 +105,20 @@ class Guard:
             return message
 
         return capped
+
+
+BODILESS = ("GET", "HEAD")
+"""Methods whose routes read no body."""
+
+
+def _dropped(receive: Receive) -> Receive:
+    async def dropped() -> Message:
+        message = await receive()
+        if message["type"] == "http.request" and message.get("body"):
+            message = {**message, "body": b""}
+        return message
+
+    return dropped
 
 
 async def _problem(

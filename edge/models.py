@@ -1,11 +1,11 @@
 """The HTTP service's request and response bodies.
 
-Request bodies bound their fields by the documented limits (``runtime.limits``):
-an id by ``id_chars``, a text by its byte limit counted in characters (a character is
-at least one byte, so nothing within the limit is refused here). The exact rule (bytes
-as stored, unpaired surrogates, control characters) is the client's, applied when the
-request reaches it (``InputRefused``: 413 or 422). A resume payload is the runtime's
-own ``ResumePayload`` record, one shape per wait kind.
+Request bodies bound their ids by ``id_chars`` (``runtime.limits``). A text's size is
+left to the client's rule (bytes as stored, unpaired surrogates, control characters),
+applied when the request reaches it (``InputRefused``: 413 for a size, 422 otherwise),
+so a size is 413 whatever its characters; the body's own cap (``app.max_body_bytes``)
+bounds what is read. A resume payload is the runtime's own ``ResumePayload`` record, one
+shape per wait kind.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ class StartRun(Body):
         description="The agent as MODULE:ATTR, as `ratchet run` takes it",
         examples=["myapp.agents:support"],
     )
-    input: str = Field(max_length=LIMITS.input_bytes, description="The user's input")
+    input: str = Field(
+        description=f"The user's input: at most {LIMITS.input_bytes} bytes as stored (UTF-8); "
+        "more is 413 InputRefused(input_bytes)"
+    )
     run_id: Id | None = Field(
         None,
         description="The Run's id: a start repeated with the same id returns the same Run "
@@ -77,7 +80,10 @@ class Resume(Body):
 
 class Stop(Body):
     reason: str = Field(
-        min_length=1, max_length=LIMITS.input_bytes, pattern=r"\S", examples=["over budget"]
+        min_length=1,
+        pattern=r"\S",
+        description=f"At most {LIMITS.input_bytes} bytes as stored (UTF-8): more is 413",
+        examples=["over budget"],
     )
 
 

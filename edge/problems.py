@@ -157,7 +157,10 @@ def ratchet_problem(request: Request, exc: Exception) -> JSONResponse:
 
 def http_problem(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HttpProblem)
-    return problem_response(exc.status, exc.kind, exc.detail, request.url.path, **exc.extra)
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return problem_response(
+        exc.status, exc.kind, exc.detail, request.url.path, headers=headers, **exc.extra
+    )
 
 
 def validation_problem(request: Request, exc: Exception) -> JSONResponse:
@@ -178,12 +181,29 @@ def _plain(error: Any) -> dict[str, Any]:
 
 def starlette_problem(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    refused = _unparsed(exc)
+    if refused is not None:  # a body the framework could not parse: the rule it broke
+        return ratchet_problem(request, refused)
     phrase = HTTPStatus(exc.status_code).phrase
     kind = "".join(word.capitalize() for word in re.split(r"[\s-]+", phrase))
     detail = exc.detail if isinstance(exc.detail, str) else phrase
     return problem_response(
         exc.status_code, kind, detail, request.url.path, headers=dict(exc.headers or {})
     )
+
+
+def _unparsed(exc: HTTPException) -> InputRefused | None:
+    """FastAPI answers a JSON body it cannot parse for any reason but its syntax with a
+    bare 400 ("There was an error parsing the body"); the reason is its cause: bytes
+    that are not UTF-8, or nesting past the parser's recursion."""
+    if exc.status_code != 400:
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return InputRefused("request body", "utf8", f"not UTF-8: {cause.reason}")
+    if isinstance(cause, RecursionError):
+        return InputRefused("request body", "json_depth", "JSON nested too deep to parse")
+    return None
 
 
 def internal_problem(request: Request, exc: Exception) -> JSONResponse:

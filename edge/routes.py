@@ -29,6 +29,7 @@ from edge.models import (
     Stop,
     ThreadSummary,
 )
+from edge.paths import THREAD_KEY
 from edge.problems import HttpProblem, problems
 from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
@@ -58,10 +59,14 @@ Client = Annotated[Ratchet, Depends(client_of)]
 
 
 def thread_of(
-    client: Client, thread: Annotated[str, Path(min_length=1, max_length=LIMITS.id_chars)]
+    request: Request,
+    client: Client,
+    thread: Annotated[str, Path(min_length=1, description="The thread id, percent-encoded")],
 ) -> ThreadId:
-    """The path's thread id, held to the system's id rule (InputRefused: 422)."""
-    return ThreadId(check_id("thread id", thread, client.spec.limits))
+    """The path's thread id as sent (``edge.paths``: a ``/`` in it is the id's, not the
+    path's), held to the system's id rule (InputRefused: 422)."""
+    sent = request.scope.get(THREAD_KEY, thread)
+    return ThreadId(check_id("thread id", sent, client.spec.limits))
 
 
 Thread = Annotated[ThreadId, Depends(thread_of)]
@@ -177,7 +182,7 @@ async def resume(
     payload that does not fit the ticket is 409 ResumeRejected naming the ``axis``
     (``payload``, ``ticket``, ``deadline``, …); the ticket stays as it was."""
     frontier = await known(client, thread)
-    handle = client.handle(thread)
+    handle = client.handle(thread, frontier.run_id)
     # asked again after a lost answer: a resume that landed under this id is a success
     again = body.request_id is not None and not isinstance(frontier.run_state, AwaitingState)
     if again and await handle.answered(body.payload, body.request_id or "") is not None:
@@ -214,7 +219,8 @@ async def _end(client: Ratchet, thread: ThreadId, reason: str | None, wait: floa
         # as `ratchet cancel` does: asking a host could create a dedicated one to say so
         summary = ThreadSummary.of(frontier, client.spec.limits)
         return ControlResult(outcome="not_running", thread=summary)
-    handle = client.handle(thread)
+    # the Run the caller saw: a later Run of the thread (started meanwhile) is not ended
+    handle = client.handle(thread, frontier.run_id)
     outcome = await (handle.cancel() if reason is None else handle.stop(reason))
     summary = await at_rest(handle, wait if outcome == "signalled" else 0)
     return ControlResult.model_validate({"outcome": outcome, "thread": summary})

@@ -76,7 +76,7 @@ async def stream(
     after: After = None,
     until_rest: UntilRest = False,
     last_event_id: LastEventId = None,
-    accept: Annotated[str | None, Header(max_length=1024)] = None,
+    accept: Annotated[str | None, Header()] = None,  # bounded by the server's header limit
 ) -> EventSourceResponse:
     frames = await _frames(client, thread, last_event_id or after, until_rest)
     if accept is not None and AGUI_MEDIA_TYPE in accept:

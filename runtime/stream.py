@@ -59,11 +59,16 @@ def parse_offset(offset: str | None) -> tuple[int, int]:
     if offset is None:
         return (0, -1)
     seq, sep, index = offset.partition(":")
-    if not sep or not seq.isdigit() or not index.isdigit():
+    if not sep or not _digits(seq) or not _digits(index):
         raise ValueError(f"stream offset {offset!r} must look like 'SEQ:INDEX'")
     if len(seq) > 18 or len(index) > 18:  # a store's integers are 64-bit
         raise ValueError(f"stream offset {offset[:60]!r}: SEQ and INDEX are below 10**18")
     return (int(seq), int(index))
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` takes superscripts and other scripts' digits."""
+    return text.isascii() and text.isdigit()
 
 
 def check_cursor(offset: str | None, version: int) -> tuple[int, int]:

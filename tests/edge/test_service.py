@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx2
 import pytest
@@ -252,6 +253,11 @@ def test_cors_is_off_unless_an_origin_is_given(service):
     assert "access-control-allow-origin" not in stranger.headers
     closed = httpx2.get(f"{service.open_url}/runs", headers={"Origin": ORIGIN})
     assert closed.status_code == 200 and "access-control-allow-origin" not in closed.headers
+    elsewhere = {**asked, "Origin": "http://elsewhere.example"}
+    refused = httpx2.options(f"{service.url}/runs", headers=elsewhere)
+    assert problem(refused, 400, "CorsRefused")["detail"] == (
+        "preflight refused: Disallowed CORS origin"
+    )
 
 
 def test_bad_input_is_a_problem_and_nothing_is_started(http):
@@ -276,6 +282,54 @@ def test_bad_input_is_a_problem_and_nothing_is_started(http):
     streamed = http.post("/threads/t/runs", content=chunks)
     assert problem(streamed, 413, "InputRefused")["limit"] == "body_bytes"
     problem(http.get("/threads/t"), 404, "ThreadNotFound")  # none of it started a Run
+
+
+def test_a_thread_id_holding_a_slash_is_one_path_segment(http):
+    """A thread id may hold '/' (a delegated child's does): sent percent-encoded, as the
+    console sends it, it names that thread, never a route of the thread before the '/'."""
+    stem = new_thread()
+    # (the permission agent: the paging test below counts the quick agent's Runs)
+    stem_run = {"agent": PERMISSION, "input": "I am the stem"}
+    assert http.post(f"/threads/{stem}/runs", params={"wait": 30}, json=stem_run).is_success
+    slashed = f"{stem}/commits"
+    body = {"agent": PERMISSION, "input": "I hold a slash", "run_id": "run-slashed"}
+    started = http.post(f"/threads/{quote(slashed, safe='')}/runs", params={"wait": 30}, json=body)
+    assert started.status_code == 201, started.text
+    assert started.json()["thread_id"] == slashed
+    read = http.get(f"/threads/{quote(slashed, safe='')}")
+    assert read.status_code == 200 and read.json()["run_id"] == "run-slashed"
+    log = http.get(f"/threads/{quote(slashed, safe='')}/commits").json()
+    assert log["thread_id"] == slashed
+    assert http.get(f"/threads/{stem}").json()["run_id"] != "run-slashed"
+    not_utf8 = http.post("/threads/%FF/runs", json={"agent": PERMISSION, "input": "x"})
+    assert problem(not_utf8, 422, "InputRefused")["limit"] == "utf8"
+
+
+def test_bodies_the_parser_cannot_read_are_422_naming_the_rule(http):
+    raw = b'{"agent": "%s", "input": "\xff\xfe"}' % QUICK.encode()
+    headers = {"content-type": "application/json"}
+    not_utf8 = http.post(f"/threads/{new_thread()}/runs", content=raw, headers=headers)
+    assert problem(not_utf8, 422, "InputRefused")["limit"] == "utf8"
+    deep = b'{"agent": "x", "input": "y", "run_id": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    nested = http.post(f"/threads/{new_thread()}/runs", content=deep, headers=headers)
+    assert problem(nested, 422, "InputRefused")["limit"] == "json_depth"
+    ascii_input = {"agent": QUICK, "input": "x" * (DEFAULT_LIMITS.input_bytes + 1)}
+    too_long = http.post(f"/threads/{new_thread()}/runs", json=ascii_input)
+    assert problem(too_long, 413, "InputRefused")["limit"] == "input_bytes"  # as for "é" * n
+    thread = start(http)["thread_id"]
+    bad_cursor = http.get(f"/threads/{thread}/stream", params={"after": "\u00b2:0"})
+    assert "SEQ:INDEX" in problem(bad_cursor, 422, "ValidationError")["detail"]
+
+
+def test_a_body_sent_with_a_stream_request_is_dropped_not_refused_midway(http):
+    thread = start(http)["thread_id"]
+    chunks = (b"x" * 65_536 for _ in range(40))  # chunked: no Content-Length
+    with http.stream(
+        "GET", f"/threads/{thread}/stream", params={"until_rest": "true"}, content=chunks
+    ) as response:
+        assert response.status_code == 200
+        events = list(httpx2.EventSource(response))
+    assert events[-1].json()["event"]["type"] == "awaiting"
 
 
 def test_runs_and_commits_are_paged(http):
