@@ -25,7 +25,8 @@ from runtime import tracing_env
 from runtime.agent import Agent, load_agent
 from runtime.batch import ToolOutput
 from runtime.errors import AgentImportError
-from runtime.ports import Finished, ToolInvocation, ToolOutcome, Unavailable
+from runtime.limits import printable
+from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.tools import invoke_safely
 
 DEFAULT_POOL = "default"
@@ -48,17 +49,17 @@ class ToolExecutor:
         self, waves: Sequence[tuple[str, str, Sequence[ToolInvocation]]]
     ) -> AsyncIterator[list[tuple[str, list[Any]]]]:
         """Run many Runs' waves concurrently; yield each batch of finished ones at once."""
-        running: dict[asyncio.Task[list[Any]], str] = {}
+        running: dict[asyncio.Task[list[Any]], tuple[str, int]] = {}
         for wave_id, agent_ref, invocations in waves:
             task = asyncio.ensure_future(self.run(agent_ref, invocations))
-            running[task] = wave_id
+            running[task] = (wave_id, len(invocations))
             self._waves[wave_id] = task
         pending = set(running)
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                finished = [(running[t], t.result()) for t in done if not t.cancelled()]
-                if finished:
+                finished = [(running[t][0], _answer(t, running[t][1])) for t in done]
+                if finished := [(w, outcomes) for w, outcomes in finished if outcomes]:
                     yield finished
         finally:
             for task in pending:
@@ -119,6 +120,22 @@ class ToolExecutor:
         """Where this executor runs and with what (for tests and diagnostics)."""
         ctx = ray.get_runtime_context()
         return {"node": ctx.get_node_id(), "resources": ctx.get_assigned_resources()}
+
+
+def _answer(task: asyncio.Task[list[Any]], calls: int) -> list[Any]:
+    """A finished wave's outcomes; a wave cancelled by its host answers nothing, and one
+    that failed around its tools (a bug of ours) is lost, alone: its calls may have run,
+    and the other waves of the call are answered as they finish."""
+    if task.cancelled():
+        return []
+    error = task.exception()
+    if error is None:
+        return task.result()
+    try:
+        what = printable(f"{type(error).__name__}: {error}")
+    except BaseException:
+        what = type(error).__name__
+    return [Lost(message=f"the executor failed around the wave: {what}")] * calls
 
 
 RemoteToolExecutor = ray.remote(ToolExecutor)

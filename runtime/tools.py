@@ -15,7 +15,7 @@ import functools
 import inspect
 import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args, get_type_hints
@@ -319,12 +319,16 @@ class ToolExited(Exception):
     """A tool raised SystemExit or KeyboardInterrupt: its call failed, nothing more."""
 
 
-def _raised(exc: BaseException) -> str:
+def _said(exc: BaseException) -> str:
+    """``str(exc)``, printable; what an exception whose ``__str__`` raises says instead."""
     try:
-        text = str(exc)
+        return printable(str(exc))
     except BaseException:  # an exception whose __str__ raises is still the tool's error
-        text = "<an exception that cannot be printed>"
-    return printable(f"{type(exc).__name__}: {text}")
+        return "<an exception that cannot be printed>"
+
+
+def _raised(exc: BaseException) -> str:
+    return printable(f"{type(exc).__name__}: {_said(exc)}")
 
 
 def _failed(text: str, requests: Sequence[Any]) -> Finished:
@@ -374,19 +378,18 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
     start = CallStart()
     try:
         work = t.invoke(inv.arguments, ctx, start)
-        # with no timeout, wait_for would only await it, one frame further down
-        result = await (work if timeout is None else asyncio.wait_for(work, timeout))
-    except UnavailableBeforeDispatch as exc:
-        return Unavailable(message=printable(str(exc)) or "unavailable before dispatch")
-    except TimeoutError:
+        result = await (work if timeout is None else _within(work, timeout))
+    except _DeadlinePassed:
         if start.abandon():
             return Unavailable(
                 message=f"tool {t.id} got no tool thread within {timeout}s (all are busy)"
             )
-        abort.set()  # a synchronous tool still running in its thread can see it
+        abort.set()  # a tool still running (in its thread, or ignoring its cancellation)
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
+    except UnavailableBeforeDispatch as exc:
+        return Unavailable(message=_said(exc) or "unavailable before dispatch")
     except OutcomeUnknown as exc:
-        return Lost(message=printable(f"tool {t.id}: {exc}") or f"tool {t.id}: outcome unknown")
+        return Lost(message=printable(f"tool {t.id}: {_said(exc)}") or f"tool {t.id}: lost")
     except asyncio.CancelledError as exc:
         abort.set()
         if cancelling():
@@ -398,8 +401,45 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         return _failed(_raised(exc), requests)
     try:
         return outcome_of(result, requests)
-    except Exception as exc:  # a result that cannot be turned into text is the tool's error
+    except BaseException as exc:  # a result that cannot be text is the tool's error
+        # (its __str__ or __repr__ may raise anything, SystemExit included)
         return _failed(f"tool {t.id} returned what cannot be a result: {_raised(exc)}", ())
+
+
+CANCEL_GRACE_S = 1.0
+"""How long a call past its deadline has to take its cancellation before it is left
+behind (a cooperative one unwinds, and its cleanup runs, before its Run goes on)."""
+
+
+class _DeadlinePassed(Exception):
+    """The call's own deadline (``timeout_s``) passed: not a TimeoutError the tool raised."""
+
+
+async def _within(work: Awaitable[Any], limit_s: float) -> Any:
+    """``work``'s result, or _DeadlinePassed once ``limit_s`` has passed: the call is then
+    cancelled and left behind, not waited for (one that ignores its cancellation would
+    hold its Run for as long as it likes). Its own TimeoutError is its own failure."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task}, timeout=limit_s)
+    except asyncio.CancelledError:
+        task.cancel()  # the wave is being cancelled: so is the call
+        raise
+    if not task.done():
+        task.cancel()  # a call that takes its cancellation ends within a moment
+        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+        if not task.done():
+            task.add_done_callback(_forget)
+        elif not task.cancelled():
+            task.exception()  # retrieved: what a call ends with past its deadline is moot
+        raise _DeadlinePassed
+    return task.result()
+
+
+def _forget(task: asyncio.Future[Any]) -> None:
+    """A call left behind past its deadline: whatever it ends with is dropped."""
+    if not task.cancelled():
+        task.exception()
 
 
 class LocalToolRunner:
@@ -419,7 +459,7 @@ class LocalToolRunner:
         ]
         try:
             return [await task for task in tasks]
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled (or a bug of ours): no call outlives its wave
             for task in tasks:
                 task.cancel()
             raise

@@ -127,3 +127,27 @@ async def test_an_agent_slow_to_load_holds_back_only_its_own_waves(make_system):
         assert isinstance(late, Finished) and late.output.content == "late"
     finally:
         SLOW_RELEASE.unlink(missing_ok=True)
+
+
+async def test_a_wave_that_fails_around_its_tools_loses_only_itself(monkeypatch):
+    """The executor's streaming call carries the waves of many Runs: one wave whose run
+    fails around its tools (a bug of ours) is lost on its own, the others are answered
+    (no Ray: the executor's method, called in this process)."""
+    from actors.tool_executor import ToolExecutor
+
+    executor = ToolExecutor(warm_spares=False)
+    real = ToolExecutor.run
+
+    async def run(self: ToolExecutor, agent_ref: str, invocations: list[ToolInvocation]) -> list:
+        if invocations[0].call_id == "c0":
+            raise RuntimeError("a bug around the tools")
+        return await real(self, agent_ref, invocations)
+
+    monkeypatch.setattr(ToolExecutor, "run", run)
+    stream = ToolExecutor.run_waves
+    stream = getattr(stream, "__wrapped__", stream)  # the method under @ray.method
+    calls = [(f"w{n}", AGENT, _wave("echo_wave", n, text=f"t{n}")) for n in range(2)]
+    answered = {w: outcomes async for batch in stream(executor, calls) for w, outcomes in batch}
+    (lost,), (fine,) = answered["w0"], answered["w1"]
+    assert isinstance(lost, Lost) and "a bug around the tools" in lost.message
+    assert isinstance(fine, Finished) and fine.output.content == "t1"

@@ -177,3 +177,113 @@ async def test_a_call_that_never_got_a_tool_thread_is_unavailable_and_never_runs
     assert isinstance(outcomes[-1], Unavailable), outcomes[-1]
     (drained,) = await runner.run([invocation("sentinel", "z")])  # queued after the victim
     assert drained.output.content == "drained" and not ran.is_set()
+
+
+# ---- deadlines, and the tool's own errors that look like ours ---------------------------
+
+
+async def test_a_call_that_ignores_its_cancellation_is_lost_at_its_deadline():
+    """``timeout_s`` bounds the call whatever it does with its cancellation: one that
+    catches it and goes on is left behind, lost, at its deadline (its Run does not wait
+    for it), and what it returns later is dropped."""
+    import asyncio
+
+    from runtime.ports import Lost
+
+    finished = asyncio.Event()
+
+    @tool(timeout_s=0.1)
+    async def stubborn() -> str:
+        for _ in range(100):
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                continue  # not taken
+        finished.set()
+        return "finished after its deadline"
+
+    runner = LocalToolRunner([stubborn, fine])
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    lost, neighbour = await runner.run([invocation("stubborn", "a"), invocation("fine", "b")])
+    assert isinstance(lost, Lost) and "timed out after 0.1s" in lost.message, lost
+    assert isinstance(neighbour, Finished) and neighbour.output.content == "fine"
+    assert not finished.is_set()  # answered without it: it is still going on its own
+    assert loop.time() - began < 4.5  # its deadline and the grace, not its 5 s
+
+
+async def test_a_timeout_the_tool_raises_itself_is_its_error_not_its_deadline():
+    """A TimeoutError from inside the tool (a socket's, an asyncio.timeout of its own) is
+    the tool's failure, seen by the model; only the call's own deadline makes it lost
+    (a replay_safe call would have been run again, and the model never told why)."""
+    import asyncio
+
+    runs: list[int] = []
+
+    @tool(recovery=("replay_safe",))
+    async def upstream() -> str:
+        runs.append(1)
+        async with asyncio.timeout(0):
+            await asyncio.sleep(1)
+        return "never"
+
+    @tool(timeout_s=30)
+    def socket_timeout() -> str:
+        raise TimeoutError("upstream read timed out")
+
+    runner = LocalToolRunner([upstream, socket_timeout])
+    outcomes = await runner.run([invocation("upstream", "a"), invocation("socket_timeout", "b")])
+    for outcome in outcomes:
+        assert isinstance(outcome, Finished) and outcome.output.is_error, outcome
+        assert outcome.output.content.startswith("TimeoutError")
+    assert "upstream read timed out" in outcomes[1].output.content and runs == [1]
+
+
+async def test_the_tool_s_own_unavailable_and_unknown_need_no_text():
+    """UnavailableBeforeDispatch and OutcomeUnknown whose text cannot be had are still
+    what they say (unavailable, lost), for that call alone."""
+    from runtime import UnavailableBeforeDispatch
+    from runtime.ports import Lost, Unavailable
+
+    class Unsaid(UnavailableBeforeDispatch):
+        def __str__(self) -> str:
+            raise ValueError("no text")
+
+    class Unknown(OutcomeUnknown):
+        def __str__(self) -> str:
+            raise ValueError("no text")
+
+    @tool
+    async def not_sent() -> str:
+        raise Unsaid
+
+    @tool
+    async def unknown() -> str:
+        raise Unknown
+
+    runner = LocalToolRunner([not_sent, unknown, fine])
+    calls = [invocation("not_sent", "a"), invocation("unknown", "b"), invocation("fine", "c")]
+    unavailable, lost, neighbour = await runner.run(calls)
+    assert isinstance(unavailable, Unavailable) and "cannot be printed" in unavailable.message
+    assert isinstance(lost, Lost) and "cannot be printed" in lost.message
+    assert isinstance(neighbour, Finished) and neighbour.output.content == "fine"
+
+
+async def test_a_result_whose_text_exits_is_the_tool_s_error():
+    class Exiting:
+        def __repr__(self) -> str:
+            raise SystemExit(2)
+
+        __str__ = __repr__
+
+    @tool
+    async def returns_exiting() -> object:
+        return {"value": Exiting()}
+
+    runner = LocalToolRunner([returns_exiting, fine])
+    failed, neighbour = await runner.run(
+        [invocation("returns_exiting", "a"), invocation("fine", "b")]
+    )
+    assert isinstance(failed, Finished) and failed.output.is_error
+    assert "cannot be a result" in failed.output.content and "SystemExit" in failed.output.content
+    assert neighbour.output.content == "fine"
