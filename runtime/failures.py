@@ -22,7 +22,7 @@ from runtime.errors import (
 )
 from runtime.hooks import HookFailed
 from runtime.lifecycle import Failed
-from runtime.limits import printable
+from runtime.limits import said
 
 NOT_OURS: tuple[type[BaseException], ...] = (
     Fenced,  # another owner has the thread: it settles the Run, not us
@@ -35,7 +35,7 @@ NOT_OURS: tuple[type[BaseException], ...] = (
 
 def failure_of(exc: BaseException) -> Failed:
     """The cause a Run ends with when ``exc`` escaped one of its Steps."""
-    message = printable(str(exc) or type(exc).__name__)
+    message = said(exc) or type(exc).__name__
     if isinstance(exc, HookFailed):
         return Failed(failure="hook", code=exc.code, message=message)
     if isinstance(exc, StateConflict):

@@ -24,7 +24,15 @@ from runtime.errors import InputRefused
 from runtime.hooks import Gate, GateInput
 from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
-from runtime.limits import Limits, check_id, check_json_value, check_text, printable, stored_size
+from runtime.limits import (
+    Limits,
+    check_id,
+    check_json_value,
+    check_text,
+    printable,
+    raised,
+    stored_size,
+)
 from runtime.ports import Finished
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
 from runtime.signals import EndRun
@@ -122,9 +130,9 @@ def _gated(gate: Gate, seen: GateInput) -> str | None:
     """A tool gate's verdict: a reason denies the call (a gate that raises denies it)."""
     try:
         why = gate(seen)
-    except Exception as exc:  # a gate that cannot tell denies: fail closed
-        return printable(f"the gate raised {type(exc).__name__}: {exc}")
-    return None if why is None else printable(str(why)) or "denied"
+        return None if why is None else printable(str(why)) or "denied"
+    except BaseException as exc:  # a gate that cannot tell denies (SystemExit included)
+        return f"the gate raised {raised(exc)}"
 
 
 def _fail(out: CallPlan, call_id: CallId, text: str) -> str:

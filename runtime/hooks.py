@@ -24,8 +24,16 @@ from pydantic import TypeAdapter, ValidationError
 from runtime.batch import ToolCall
 from runtime.errors import InputRefused
 from runtime.execution import DenyCall, ExecutionState, InjectMessage, Reaction
+from runtime.faults import Crash
 from runtime.ids import RunId, ThreadId
-from runtime.limits import Limits, check_id, check_json_value, check_text, printable
+from runtime.limits import (
+    Limits,
+    check_id,
+    check_json_value,
+    check_text,
+    printable,
+    raised,
+)
 from runtime.messages import ContextMessage, Message
 from runtime.signals import cancelling
 from runtime.state import Command, MergePolicy, StateView, check_writable
@@ -123,7 +131,7 @@ class HookFailed(Exception):
 
     def __init__(self, hook: Hook, point: HookPoint, error: BaseException) -> None:
         name = hook.name or getattr(hook.fn, "__qualname__", "hook")
-        super().__init__(f"hook {name} at {point}: {type(error).__name__}: {error}")
+        super().__init__(printable(f"hook {name} at {point}: {raised(error)}"))
         self.code = type(error).__name__
 
 
@@ -151,7 +159,10 @@ async def run_hooks(
             if cancelling():
                 raise  # the Run's task is being cancelled: it goes on unwinding
             raise HookFailed(hook, hook_input.point, exc) from exc
-        except Exception as exc:
+        except Crash:
+            raise  # a test's stand-in for the death of the process: nothing survives it
+        except BaseException as exc:  # SystemExit and the like are the hook's failure too:
+            # asyncio would re-raise them out of the loop, stopping every Run of the host
             raise HookFailed(hook, hook_input.point, exc) from exc
         into.commands.extend(commands)
         into.context.extend(context)

@@ -23,6 +23,7 @@ from runtime.errors import (
     ModelUnavailable,
 )
 from runtime.events import Delta
+from runtime.faults import Crash
 from runtime.ids import CallId, ThreadId
 from runtime.lifecycle import Failed, PauseTarget
 from runtime.limits import (
@@ -31,6 +32,8 @@ from runtime.limits import (
     check_id,
     check_text,
     printable,
+    raised,
+    said,
     stored_size,
     utf8_problem,
 )
@@ -137,9 +140,15 @@ class Inference:
                     raise  # the Run's task is being cancelled: it goes on unwinding
                 error = exc  # the model raised it on its own: its failure
                 log.warning("inference attempt %d of run %s failed: %r", attempt, ctx.run_id, exc)
-            except Exception as exc:  # a model failure of any kind is the model's, not ours
+            except Crash:
+                raise  # a test's stand-in for the death of the process: nothing survives it
+            except BaseException as exc:  # a model failure of any kind is the model's, not ours
+                # (SystemExit and the like included: asyncio would re-raise them out of
+                # the event loop, stopping every Run of the process)
                 error = exc
-                log.warning("inference attempt %d of run %s failed: %s", attempt, ctx.run_id, exc)
+                log.warning(
+                    "inference attempt %d of run %s failed: %s", attempt, ctx.run_id, raised(exc)
+                )
             failures += 1
         assert error is not None
         raise EndRun(_failed(error))
@@ -260,7 +269,7 @@ def _failed(error: BaseException) -> Failed:
         code = error.code
     else:
         code = error.limit if isinstance(error, InputRefused) else type(error).__name__
-    return Failed(failure="inference", code=printable(code, 80), message=printable(str(error)))
+    return Failed(failure="inference", code=printable(code, 80), message=said(error))
 
 
 # ---- what of a response may be committed --------------------------------------------

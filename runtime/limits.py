@@ -228,6 +228,20 @@ def printable(text: str, max_chars: int = 2000) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
 
 
+def said(exc: BaseException) -> str:
+    """What ``exc`` says, made storable; an exception whose ``__str__`` raises (anything,
+    SystemExit included) says so instead of raising out of the code describing it."""
+    try:
+        return printable(str(exc))
+    except BaseException:
+        return "<an exception that cannot be printed>"
+
+
+def raised(exc: BaseException) -> str:
+    """``Type: what it says``, for an error message that quotes an exception."""
+    return printable(f"{type(exc).__name__}: {said(exc)}")
+
+
 def limits_table(limits: Limits = DEFAULT_LIMITS) -> list[tuple[str, int, str]]:
     """(name, value, what it bounds) of every limit: the README's table is checked against it."""
     docs = _field_docs()
@@ -252,6 +266,8 @@ __all__: Sequence[str] = (
     "json_depth",
     "limits_table",
     "printable",
+    "raised",
+    "said",
     "stored_size",
     "utf8_problem",
 )

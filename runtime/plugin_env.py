@@ -10,7 +10,7 @@ from runtime.commit import Frontier
 from runtime.context import RunContext
 from runtime.hooks import RunEndInput
 from runtime.lifecycle import EndCause, Failed, Natural
-from runtime.limits import printable
+from runtime.limits import printable, raised
 from runtime.messages import AssistantMessage, Message
 from runtime.plugins import PluginRefused, ResolvedExecutionEnv
 from runtime.state import Command
@@ -57,9 +57,9 @@ def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> E
     for guard in agent.run_end_guards:
         try:
             why = guard(seen)
-        except Exception as exc:  # a guard that cannot tell refuses: fail closed
-            why = f"the guard raised {type(exc).__name__}: {exc}"
-        if why is not None:
-            text = printable(str(why)) or "refused"
+            text = None if why is None else printable(str(why)) or "refused"
+        except BaseException as exc:  # a guard that cannot tell refuses (SystemExit too)
+            text = f"the guard raised {raised(exc)}"
+        if text is not None:
             return Failed(failure="hook", code="run_end_guard", message=text)
     return Natural()

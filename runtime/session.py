@@ -22,6 +22,7 @@ ends the Run. Each side's model sees the session from its side (``view``).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -30,11 +31,12 @@ from runtime.agent import Agent, HandlerInput, SessionSide
 from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
 from runtime.execution import ExecutionState, Side
+from runtime.faults import Crash
 from runtime.hooks import Hook, HookFailed
 from runtime.lifecycle import Natural, UserInputTarget
 from runtime.limits import check_text
 from runtime.messages import AssistantMessage, ContextMessage, RequestMessage, UserMessage
-from runtime.signals import CancelledSignal, EndRun
+from runtime.signals import CancelledSignal, EndRun, cancelling
 from runtime.state import SESSION_KEY, Command
 
 # SESSION_KEY, the thread-state key (disjoint): side, turns, a_steps, b_steps, ended
@@ -197,7 +199,13 @@ async def handler_turn(
             check_text("a handler's turn", out, services.limits.input_bytes, "input_bytes")
     except CancelledSignal:
         raise
-    except Exception as exc:  # the handler's failure fails the Run, as a hook's does
+    except asyncio.CancelledError as exc:
+        if cancelling():
+            raise  # the Run's task is being cancelled: it goes on unwinding
+        raise HookFailed(as_hook, "StepStart", exc) from exc
+    except Crash:
+        raise  # a test's stand-in for the death of the process: nothing survives it
+    except BaseException as exc:  # the handler's failure fails the Run, as a hook's does
         raise HookFailed(as_hook, "StepStart", exc) from exc
     staged: list[Command] = []
     stage_forced(ctx.execution, staged)

@@ -26,7 +26,15 @@ from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecovery
 from runtime.errors import InputRefused, ToolDefinitionError
 from runtime.execution import AbortSignal, ToolExecution, ToolRequest
 from runtime.ids import CallId, OperationId, RunId, ThreadId
-from runtime.limits import DEFAULT_LIMITS, Limits, check_json_value, json_depth, printable
+from runtime.limits import (
+    DEFAULT_LIMITS,
+    Limits,
+    check_json_value,
+    json_depth,
+    printable,
+    raised,
+    said,
+)
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.signals import cancelling
 from runtime.state import Command
@@ -319,18 +327,6 @@ class ToolExited(Exception):
     """A tool raised SystemExit or KeyboardInterrupt: its call failed, nothing more."""
 
 
-def _said(exc: BaseException) -> str:
-    """``str(exc)``, printable; what an exception whose ``__str__`` raises says instead."""
-    try:
-        return printable(str(exc))
-    except BaseException:  # an exception whose __str__ raises is still the tool's error
-        return "<an exception that cannot be printed>"
-
-
-def _raised(exc: BaseException) -> str:
-    return printable(f"{type(exc).__name__}: {_said(exc)}")
-
-
 def _failed(text: str, requests: Sequence[Any]) -> Finished:
     """The tool's error as the model sees it, with what it asked of its Run if that is a
     list of requests (a tool can put anything there)."""
@@ -387,23 +383,23 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         abort.set()  # a tool still running (in its thread, or ignoring its cancellation)
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
     except UnavailableBeforeDispatch as exc:
-        return Unavailable(message=_said(exc) or "unavailable before dispatch")
+        return Unavailable(message=said(exc) or "unavailable before dispatch")
     except OutcomeUnknown as exc:
-        return Lost(message=printable(f"tool {t.id}: {_said(exc)}") or f"tool {t.id}: lost")
+        return Lost(message=printable(f"tool {t.id}: {said(exc)}") or f"tool {t.id}: lost")
     except asyncio.CancelledError as exc:
         abort.set()
         if cancelling():
             raise  # the wave is being cancelled: it goes on unwinding
-        return _failed(_raised(exc), requests)
+        return _failed(raised(exc), requests)
     except BaseException as exc:  # the tool's failure is the model's to see, never a crash
         # (GeneratorExit or a BaseException of its own included: one call's failure
         # must not fail the wave, nor the other Runs' waves sent in the same call)
-        return _failed(_raised(exc), requests)
+        return _failed(raised(exc), requests)
     try:
         return outcome_of(result, requests)
     except BaseException as exc:  # a result that cannot be text is the tool's error
         # (its __str__ or __repr__ may raise anything, SystemExit included)
-        return _failed(f"tool {t.id} returned what cannot be a result: {_raised(exc)}", ())
+        return _failed(f"tool {t.id} returned what cannot be a result: {raised(exc)}", ())
 
 
 CANCEL_GRACE_S = 1.0

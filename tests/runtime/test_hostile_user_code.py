@@ -1,0 +1,147 @@
+"""Code of the user's that the engine calls — a model, a hook, a tool gate, a run-end
+guard, a session's handler — raising what an ordinary ``except Exception`` does not
+catch (SystemExit, KeyboardInterrupt, GeneratorExit, a BaseException of its own), or an
+exception whose text cannot be had: each is that code's failure, and the Run comes to
+rest as the design says for it. None escapes the Run: asyncio re-raises SystemExit and
+KeyboardInterrupt out of the event loop, which would stop every Run of a host, and the
+Run would be left running, to fail again at every recovery."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from runtime import (
+    Agent,
+    Hook,
+    InProcessRunner,
+    ModelResponse,
+    ScriptedModel,
+    call,
+    tool,
+)
+from runtime.agent import Session, SessionSide
+from runtime.lifecycle import EndedState, Failed
+from runtime.messages import ToolResultMessage
+from runtime.models import ModelDelta
+from storage.memory import MemoryCommitStore
+
+
+class Mine(BaseException):
+    pass
+
+
+class Unsayable(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+RAISED: dict[str, BaseException] = {
+    "SystemExit": SystemExit(3),
+    "KeyboardInterrupt": KeyboardInterrupt(),
+    "GeneratorExit": GeneratorExit(),
+    "Mine": Mine("of its own"),
+    "Unsayable": Unsayable(),
+}
+
+
+def _raising(name: str) -> Any:
+    def fn(*_: Any) -> Any:
+        raise RAISED[name]
+
+    return fn
+
+
+@tool
+async def fine() -> str:
+    return "fine"
+
+
+def _script() -> ScriptedModel:
+    return ScriptedModel(
+        [ModelResponse(tool_calls=(call("fine", "c1"),)), ModelResponse(text="ok")]
+    )
+
+
+async def _rest(agent: Agent) -> EndedState:
+    frontier = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert isinstance(frontier.run_state, EndedState), frontier.run_state
+    return frontier.run_state
+
+
+def _results(frontier: Any) -> list[tuple[bool, str]]:
+    return [(m.is_error, m.content) for m in frontier.messages if isinstance(m, ToolResultMessage)]
+
+
+class _Raising:
+    """A model whose stream raises ``name`` after a first delta, at every attempt."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def stream(self, request: Any) -> AsyncIterator[Any]:
+        yield ModelDelta(text="thinking")
+        raise RAISED[self.name]
+
+
+@pytest.mark.parametrize("name", list(RAISED))
+async def test_a_model_raising_it_fails_the_inference(name: str) -> None:
+    ended = await _rest(Agent(name="a", model=_Raising(name)))
+    assert isinstance(ended.cause, Failed) and ended.cause.failure == "inference"
+    assert ended.cause.code == type(RAISED[name]).__name__
+
+
+@pytest.mark.parametrize("name", list(RAISED))
+async def test_a_hook_raising_it_fails_the_run_with_a_hook_failure(name: str) -> None:
+    hooks = [Hook(point="AfterTool", fn=_raising(name))]
+    ended = await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks))
+    assert isinstance(ended.cause, Failed) and ended.cause.failure == "hook"
+    assert ended.cause.code == type(RAISED[name]).__name__
+
+
+@pytest.mark.parametrize("name", list(RAISED))
+async def test_a_gate_raising_it_denies_the_call(name: str) -> None:
+    runner = InProcessRunner(
+        Agent(name="a", model=_script(), tools=[fine], gates=[_raising(name)]), MemoryCommitStore()
+    )
+    done = await runner.start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState) and done.run_state.cause.kind == "natural"
+    ((is_error, text),) = _results(done)
+    assert is_error and f"the gate raised {type(RAISED[name]).__name__}" in text
+
+
+@pytest.mark.parametrize("name", list(RAISED))
+async def test_a_run_end_guard_raising_it_refuses_the_end(name: str) -> None:
+    guards = [_raising(name)]
+    ended = await _rest(Agent(name="a", model=_script(), tools=[fine], run_end_guards=guards))
+    assert isinstance(ended.cause, Failed) and ended.cause.code == "run_end_guard"
+    assert f"the guard raised {type(RAISED[name]).__name__}" in ended.cause.message
+
+
+@pytest.mark.parametrize("name", list(RAISED))
+async def test_a_session_handler_raising_it_fails_the_run(name: str) -> None:
+    session = Session(b=SessionSide(handler=_raising(name)))
+    ended = await _rest(Agent(name="a", model=_script(), tools=[fine], session=session))
+    assert isinstance(ended.cause, Failed) and ended.cause.failure == "hook"
+    assert ended.cause.code == type(RAISED[name]).__name__
+
+
+async def test_reasons_that_cannot_be_said_still_deny_and_refuse() -> None:
+    class Unsaid:
+        def __str__(self) -> str:
+            raise ValueError("no text")
+
+    def says_nothing(*_: Any) -> Unsaid:
+        return Unsaid()
+
+    runner = InProcessRunner(
+        Agent(name="a", model=_script(), tools=[fine], gates=[says_nothing]), MemoryCommitStore()
+    )
+    ((is_error, text),) = _results(await runner.start("go", thread_id="t"))
+    assert is_error and "the gate raised ValueError" in text
+    ended = await _rest(
+        Agent(name="a", model=_script(), tools=[fine], run_end_guards=[says_nothing])
+    )
+    assert isinstance(ended.cause, Failed) and ended.cause.code == "run_end_guard"
