@@ -262,13 +262,16 @@ class RunHandle:
 
         ``request_id``: the caller's own id for this answer. Asked again with the same id
         after an answer that was lost (an outage that outlasted the client's wait, a
-        process that died), a resume that landed under it is this call's success, also
-        once its ticket is gone; without one, each call is a new answer."""
-        ticket = await self.ticket()
-        if ticket is None:
-            landed = await self.answered(payload, request_id) if request_id else None
+        process that died), a resume that landed under it is this call's success, whatever
+        the thread holds now (no ticket, or the Run's next one: never answered with it);
+        the same id with another payload is ResumeRejected. Without one, each call is a
+        new answer."""
+        if request_id is not None:
+            landed = await self.answered(payload, request_id)
             if landed is not None:
                 return landed
+        ticket = await self.ticket()
+        if ticket is None:
             state = (await self.frontier()).run_state
             raise ResumeRejected("ticket", f"thread {self.thread_id!r} is {_where(state)}")
         command = command_for(ticket, payload)
@@ -278,9 +281,9 @@ class RunHandle:
         return command
 
     async def answered(self, payload: ResumePayload, request_id: str) -> ResumeCommand | None:
-        """The command of a resume of this thread that landed under ``request_id`` with
-        ``payload``, rebuilt from the ticket it answered; None if none did (a resume
-        under that id with another payload is not this one)."""
+        """The command of the resume of this thread that landed under ``request_id``,
+        rebuilt from the ticket it answered, if it answered with ``payload``; None if no
+        resume landed under that id; ResumeRejected if one did with another payload."""
         ticket: ResumeTicket | None = None
         for record in await self.client.store.read(self.thread_id):
             state = record.commit.disposition
@@ -292,8 +295,11 @@ class RunHandle:
                 if ticket is None or fact.data.get("correlation") != ticket.correlation:
                     continue
                 command = command_for(ticket, payload).model_copy(update={"request_id": request_id})
-                if _holds(fact, command):
-                    return command
+                if not _holds(fact, command):
+                    raise ResumeRejected(
+                        "ticket", f"request id {request_id!r} answered with another payload"
+                    )
+                return command
         return None
 
     async def _placement(self) -> Placement:

@@ -35,7 +35,7 @@ from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
 from runtime.ids import ThreadId
-from runtime.lifecycle import AwaitingState, EndedState, StatusState
+from runtime.lifecycle import EndedState, StatusState
 from runtime.limits import check_id
 from runtime.patience import patiently
 from runtime.ports import RunSummary
@@ -183,9 +183,9 @@ async def resume(
     (``payload``, ``ticket``, ``deadline``, …); the ticket stays as it was."""
     frontier = await known(client, thread)
     handle = client.handle(thread, frontier.run_id)
-    # asked again after a lost answer: a resume that landed under this id is a success
-    again = body.request_id is not None and not isinstance(frontier.run_state, AwaitingState)
-    if again and await handle.answered(body.payload, body.request_id or "") is not None:
+    # asked again after a lost answer: a resume that landed under this id is a success,
+    # whatever the thread holds now (the Run's next ticket is never answered with it)
+    if body.request_id is not None and await handle.answered(body.payload, body.request_id):
         return await at_rest(handle, wait)
     command = command_for(awaiting_ticket(frontier), body.payload)
     if body.request_id is not None:

@@ -153,6 +153,19 @@ def test_a_resume_asked_again_under_its_request_id_is_its_success(http):
     assert facts.count("resume") == 1
 
 
+def test_a_resume_asked_again_never_answers_the_run_s_next_ticket(http):
+    thread = start(http, "tests.ray.edge_agents:asks_twice_agent")["thread_id"]
+    first = http.get(f"/threads/{thread}").json()["run_state"]["ticket"]
+    mine = {**APPROVE, "request_id": "answer-1"}
+    answered = http.post(f"/threads/{thread}/resume", params={"wait": 30}, json=mine)
+    assert answered.status_code == 200, answered.text
+    second = answered.json()["run_state"]["ticket"]
+    assert second["correlation"] != first["correlation"]
+    again = http.post(f"/threads/{thread}/resume", json=mine)
+    assert again.status_code == 200, again.text
+    assert again.json()["run_state"]["ticket"] == second  # still waiting for its answer
+
+
 def test_the_stream_reconnects_with_last_event_id_exactly_once(http):
     thread = start(http)["thread_id"]
     seen: list[httpx2.ServerSentEvent] = []

@@ -97,3 +97,18 @@ class _LimitedOnce:
 
 rate_limited_agent = Agent(name="rate_limited", model=_LimitedOnce(), rate_limit_wait_s=0.0)
 """Pauses ``awaiting(pause(rate_limit))`` at once: it may not wait in the Run at all."""
+
+
+asks_twice_agent = Agent(
+    name="asks-twice",
+    model=ScriptedModel(
+        (
+            ModelResponse(text="may I?", tool_calls=(call("drop_table", "c1", name="scratch"),)),
+            ModelResponse(text="and?", tool_calls=(call("drop_table", "c2", name="production"),)),
+            ModelResponse(text="as you wished"),
+        )
+    ),
+    tools=(drop_table,),
+)
+"""Asks permission for one call, then for another: an answer to the first, asked again
+under its request id, must never answer the second."""

@@ -143,6 +143,28 @@ async def test_respond_asked_again_under_its_request_id_is_its_success(system, l
     assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
 
 
+async def test_respond_asked_again_never_answers_the_run_s_next_ticket(system, ledger):
+    """The Run awaits a second permission by the time the caller asks again under the
+    first answer's request id: that is the first answer's success, and the second
+    ticket stays unanswered (no human approved it)."""
+    handle = await system.start("tests.ray.edge_agents:asks_twice_agent", "go")
+    first = (await awaiting(handle)).run_state.ticket
+    approve = PermissionDecision(approve=True)
+    answered = await handle.respond(approve, request_id="answer-1")
+    assert answered.correlation == first.correlation
+
+    async def asks_again():
+        ticket = await handle.ticket()
+        return ticket is not None and ticket.correlation != first.correlation
+
+    await wait_for(asks_again, what="the second permission asked")
+    assert await handle.respond(approve, request_id="answer-1") == answered
+    second = await handle.ticket()
+    assert second is not None and second.correlation != first.correlation  # still waiting
+    effects = [row for row in ledger.rows(f"tool-batch:{handle.run_id}:")]
+    assert len(effects) == 1  # scratch only
+
+
 # ---- an awaiting Run outlives its host ------------------------------------------------------
 
 
