@@ -16,7 +16,7 @@ from ray.exceptions import RayError
 
 from actors.wire import SystemSpec, host_index, unwrap
 from runtime.delegation import CHILD_OUTCOME, ChildOutcome, ChildRequest
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from runtime.ports import Lost
 
 log = logging.getLogger("ratchet.children")
@@ -47,8 +47,9 @@ class RayChildRunner:
             return Lost(message=f"host of child {request.child_thread} lost: {exc}")
         return CHILD_OUTCOME.validate_python(raw)
 
-    async def cancel(self, child_thread: ThreadId) -> None:
+    async def cancel(self, child_thread: ThreadId, child_run: RunId | None = None) -> None:
         try:
-            unwrap(await self.host_for(child_thread).cancel_run.remote(child_thread))
+            host = self.host_for(child_thread)
+            unwrap(await host.cancel_run.remote(child_thread, run=child_run))
         except RayError as exc:
             log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)

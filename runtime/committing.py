@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from runtime.batch import ActiveToolBatch, result_messages, seal
 from runtime.commit import CommitLabel, Frontier, Receipt, ThreadCommit, assemble_commit
 from runtime.context import Landing, RunContext, StoreRetry
-from runtime.delegation import CHILDREN_KEY, ChildRunner
+from runtime.delegation import CHILDREN_KEY, ChildRunner, child_ids
 from runtime.errors import (
     Fenced,
     HistoryLimitReached,
@@ -164,9 +164,11 @@ class Committing:
         children = ctx.frontier.state["run"].get(CHILDREN_KEY, {})
         if self.children is None or not children:
             return
-        for child in children.values():
+        for call, child in children.items():
+            # its own child's Run only: the thread may hold another's (ids a caller chose)
+            run = child_ids(ctx.frontier.thread_id, ctx.run_id, call, self.limits.id_chars)[1]
             try:
-                await self.children.cancel(ThreadId(child))
+                await self.children.cancel(ThreadId(child), run)
             except Exception as exc:  # the child's own recovery settles it later
                 log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
 

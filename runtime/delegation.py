@@ -113,8 +113,9 @@ class ChildRunner(Protocol):
     async def run(self, request: ChildRequest) -> ChildOutcome:
         """Start the child or re-attach to it (same ids), and wait until it is at rest."""
 
-    async def cancel(self, child_thread: ThreadId) -> None:
-        """Cancel the child if it is not ended; idempotent."""
+    async def cancel(self, child_thread: ThreadId, child_run: RunId | None = None) -> None:
+        """Cancel the child if it is not ended; idempotent. ``child_run``: only that Run
+        (a thread holding another Run is left alone)."""
 
 
 def child_ids(
@@ -123,9 +124,21 @@ def child_ids(
     """The child's ids, derived from the parent's: the same call always names the same
     child. An id that would grow past ``max_chars`` (``Limits.id_chars``: each level of
     delegation adds the parent's ids) keeps its start and ends in a digest of the whole,
-    so every depth stays addressable."""
-    thread = _within(f"{parent_thread}/{call}@{parent_run}", max_chars)
-    return ThreadId(thread), RunId(_within(f"{parent_run}/{call}", max_chars))
+    so every depth stays addressable.
+
+    The call id (the model's) is escaped (``%``, ``/``, ``@``, ``~``): the pair of ids
+    then names one (thread, run, call) only — the run id ends in the call after its last
+    ``/``, and the thread id is the rest. A thread id a caller chose may still equal a
+    derived one: ``Engine.start`` refuses a child's start on a thread that holds another
+    Run, and a parent cancels only its own child's Run."""
+    escaped = call.translate(_ESCAPES)
+    thread = _within(f"{parent_thread}/{escaped}@{parent_run}", max_chars)
+    return ThreadId(thread), RunId(_within(f"{parent_run}/{escaped}", max_chars))
+
+
+_ESCAPES = str.maketrans({"%": "%25", "/": "%2F", "@": "%40", "~": "%7E"})
+"""Call ids as real models make them (``call_…``, ``toolu_…``) hold none of these: their
+children's ids are those of before the escaping."""
 
 
 def _within(derived: str, max_chars: int) -> str:

@@ -37,7 +37,7 @@ from runtime.agent import Agent
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, whole_of, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
-from runtime.delegation import ChildRunner, ParentLink, parent_gone
+from runtime.delegation import ChildRunner, ParentLink, parent_gone, parent_link
 from runtime.errors import (
     DuplicateOperation,
     Fenced,
@@ -216,6 +216,8 @@ class Engine(Stepping):
         for attempt in range(RACES + new_thread):
             guessed = new_thread and attempt == 0
             frontier = Frontier(thread_id=thread) if guessed else await self._verified(thread)
+            if self.parent is not None:
+                _child_s_own(frontier, run_id, self.parent)
             if frontier.run_id == run_id:
                 check_repeated_start(frontier, message_id, text)
                 return frontier  # a repeated start: that Run exists
@@ -459,6 +461,22 @@ class Engine(Stepping):
             target=target,
         )
         await self._commit(ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket))
+
+
+def _child_s_own(frontier: Frontier, run_id: RunId, parent: ParentLink) -> None:
+    """A child's thread is made for it and holds its one Run: a thread that holds another
+    Run (a caller chose its id, or another parent's child derived the same) is never
+    adopted, nor its history shown to the child's model (InvalidTransition)."""
+    if frontier.version == 0:
+        return
+    link = parent_link(frontier) if frontier.run_id == run_id else None
+    mine = (parent.thread, parent.run, parent.call_id)
+    if link is None or (link.thread, link.run, link.call_id) != mine:
+        raise InvalidTransition(
+            f"thread {frontier.thread_id} holds run {frontier.run_id}, not the child {run_id} "
+            f"of run {parent.run} (call {parent.call_id}): their ids collide; the child is "
+            "not started there"
+        )
 
 
 __all__ = ["Engine", "RunContext", "StoreRetry", "now_us"]

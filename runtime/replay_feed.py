@@ -20,7 +20,7 @@ from runtime.commit import ThreadCommit
 from runtime.delegation import ChildOutcome, ChildRequest, ChildWaiting
 from runtime.engine import Engine
 from runtime.errors import ModelRateLimited, ModelRefused
-from runtime.ids import CorrelationId, OperationId, ThreadId
+from runtime.ids import CorrelationId, OperationId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
@@ -280,7 +280,7 @@ class ReplayChildren:
             else Lost(message=outcome.message)
         )
 
-    async def cancel(self, child_thread: ThreadId) -> None:
+    async def cancel(self, child_thread: ThreadId, child_run: RunId | None = None) -> None:
         return None  # the children's threads are not replayed
 
 

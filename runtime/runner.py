@@ -19,7 +19,7 @@ from runtime.delegation import (
     parent_link,
 )
 from runtime.engine import Engine
-from runtime.errors import AgentImportError, InputRefused
+from runtime.errors import AgentImportError, InputRefused, InvalidTransition
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import ResumeCommand, RunningState
@@ -150,18 +150,18 @@ class InProcessChildren:
             frontier = await engine.start(  # its thread is made for it (Engine.start)
                 request.child_thread, request.input, run_id=request.child_run, new_thread=True
             )
-        except InputRefused as exc:  # nothing was started: the parent's call fails
+        except (InputRefused, InvalidTransition) as exc:  # nothing was started: the call fails
             return Finished(output=ToolOutput(content=f"delegation failed: {exc}", is_error=True))
         if isinstance(frontier.run_state, RunningState) and frontier.run_id == request.child_run:
             frontier = await self.engine(link).recover(request.child_thread)
         return outcome_of(frontier)
 
-    async def cancel(self, child_thread: ThreadId) -> None:
+    async def cancel(self, child_thread: ThreadId, child_run: RunId | None = None) -> None:
         frontier = await self.store.load(child_thread)
         if frontier.run_state is None or frontier.ended:
             return
         await control_engine(self.store, publisher=self.publisher, children=self).terminate(
-            child_thread
+            child_thread, run=child_run
         )
 
     async def link_of(self, thread: ThreadId) -> ParentLink | None:

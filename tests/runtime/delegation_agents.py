@@ -153,3 +153,22 @@ patient_worker = Agent(
 def fanout_patient():
     """Eight children whose inference takes a second: overlap shows in the timestamps."""
     return fanout_agent("patient_worker", 8, name="fanout_patient")
+
+
+SEEN_INPUTS: list[list[str]] = []
+
+
+def _sees(request) -> ModelResponse:
+    inputs = [m.text for m in request.messages if isinstance(m, UserMessage)]
+    SEEN_INPUTS.append(inputs)
+    return ModelResponse(text=f"saw {json.dumps(inputs)}")
+
+
+seeing_worker = Agent(name="seeing_worker", model=ScriptedModel([_sees]))
+"""Answers with every user input its model was shown: a child's history is its own."""
+
+
+def delegating(call_id: str, task: str) -> Agent:
+    """Delegates ``task`` to the seeing worker under the model's call id ``call_id``."""
+    use = call("delegate", call_id, agent=f"{HERE}:seeing_worker", input=task)
+    return Agent(name="delegating", model=_then_results(use), tools=[delegate_tool()])

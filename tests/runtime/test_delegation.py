@@ -279,3 +279,66 @@ async def test_a_child_whose_parent_ended_without_cancelling_it_ends_at_its_next
 
 async def _ended(store, thread) -> bool:
     return (await store.load_head(thread)).ended
+
+
+def test_child_ids_name_one_parent_call_even_with_separators_in_the_call_id():
+    """The model picks the call id: separators in it cannot make two calls of two Runs
+    (or of one) derive one child."""
+    assert child_ids("p", "y", "a@x") != child_ids("p", "x@y", "a")
+    assert child_ids("p", "r", "a/b")[1] != child_ids("p", "r/a", "b")[1]
+    assert child_ids("p", "r", "a~b") != child_ids("p", "r", "a%7Eb")
+    assert child_ids("p", "r", "call_1") == ("p/call_1@r", "r/call_1")  # as before
+
+
+async def test_a_child_is_never_started_on_a_thread_that_holds_another_run():
+    """Thread ids a caller chose can equal a derived child's ("a/c@x" with run "y" and
+    call "d", against thread "a" with run "x/d@y" and call "c"): the second parent's
+    child is refused (its call fails, seen by its model), never started on the first
+    child's thread, whose history it would have been shown; and ending that parent does
+    not cancel the Run of the thread it could not start on."""
+    store = MemoryCommitStore()
+    agents.SEEN_INPUTS.clear()
+    first = runner(agents.delegating("d", "SECRET of tenant 1"), store)
+    one = await first.start("go", thread_id="a/c@x", run_id="y")
+    assert one.run_state.cause.kind == "natural"
+    second = runner(agents.delegating("c", "task of tenant 2"), store)
+    two = await second.start("go", thread_id="a", run_id="x/d@y")
+    assert agents.SEEN_INPUTS == [["SECRET of tenant 1"]]  # the second child never ran
+    (result,) = json.loads(two.messages[-1].text)
+    assert "delegation failed" in result and "collide" in result
+    shared = one.state["run"]["children"]["d"]
+    assert two.state["run"]["children"]["c"] == shared
+    assert (await activations(store, shared)) == 1
+
+
+async def test_a_parent_ends_only_its_own_child_s_run():
+    """A parent whose child could not start (another Run holds the derived thread) and
+    which then ends failed cancels its children: the Run on that thread is not its own
+    and is left as it is."""
+    from runtime import Agent, ModelResponse, ScriptedModel, call
+    from runtime.delegation import delegate_tool
+
+    store = MemoryCommitStore()
+    needy = call("delegate", "d", agent=f"{HERE}:needy_worker", input="publish")
+    first_agent = Agent(
+        name="first", model=ScriptedModel([ModelResponse(tool_calls=(needy,))]),
+        tools=[delegate_tool()],
+    )  # fmt: skip
+    parked = await runner(first_agent, store).start("go", thread_id="a/c@x", run_id="y")
+    assert isinstance(parked.run_state, AwaitingState)  # its child awaits a permission
+    shared = parked.state["run"]["children"]["d"]
+    child_before = await store.load(shared)
+    assert isinstance(child_before.run_state, AwaitingState)
+
+    def fails(request):
+        raise RuntimeError("the model is down")
+
+    collide = call("delegate", "c", agent=f"{HERE}:worker", input="task")
+    second_agent = Agent(
+        name="second", model=ScriptedModel([ModelResponse(tool_calls=(collide,)), fails]),
+        tools=[delegate_tool()],
+    )  # fmt: skip
+    ended = await runner(second_agent, store).start("go", thread_id="a", run_id="x/d@y")
+    assert ended.run_state.cause.kind == "failed"
+    assert ended.state["run"]["children"]["c"] == shared
+    assert (await store.load(shared)).run_state == child_before.run_state  # still awaiting
