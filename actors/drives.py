@@ -166,6 +166,10 @@ class Drives:
         """Threads whose records do not verify: no engine here acts on them again."""
         self.replacing: set[ThreadId] = set()
         """Threads whose stale drive is being stopped (a dedicated host must not retire)."""
+        self.ending: set[ThreadId] = set()
+        """Threads whose Run a cancel or stop was promised to end: the host ends it from
+        the store once the signalled drive is over (``ControlHosting._see_it_ended``), and
+        the reconciler does not drive it again meanwhile."""
         self.finished = 0
 
     def get(self, thread: ThreadId) -> Drive | None:

@@ -23,10 +23,13 @@ from runtime.errors import InputRefused
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, Cancelled, EndCause, RunningState, Stopped
 from runtime.limits import check_reason
+from runtime.patience import patiently
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
 
 log = logging.getLogger("ratchet.run_host")
+ENDING_PATIENCE_S = 300.0
+"""How long a host waits out a store outage to end a Run it told its caller it would end."""
 
 
 class ControlHosting:
@@ -70,10 +73,10 @@ class ControlHosting:
                 drive = None  # it drives a later Run of the thread, not the one named
             if drive is not None and drive.engine.listening:  # no await since the check
                 signal(drive.engine)
-                if drive.epoch is None:  # slow to claim (the store out): it may never claim
-                    task = asyncio.create_task(self._end_unless_claimed(thread, run, cause, drive))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
+                self.drives.ending.add(thread)  # not driven again by the reconciler meanwhile
+                task = asyncio.create_task(self._see_it_ended(thread, run, cause, drive))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
                 return "signalled"
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
             return ended if await self._end_stored(thread, run, cause) else "not_running"
@@ -97,22 +100,25 @@ class ControlHosting:
         self._hand_back(await engine.terminate(thread, cause, run=run))
         return engine.committed.is_set()
 
-    async def _end_unless_claimed(
+    async def _see_it_ended(
         self, thread: ThreadId, run: RunId | None, cause: EndCause, drive: Drive
     ) -> None:
-        """A signalled drive that claimed nothing may end without ever claiming (a repeated
-        start, a resume that lost, a recovery that found the Run at rest): the signal went
-        with it, and its caller heard "signalled". Once it is over, the end is made from
-        the store, as for a Run at rest; a drive that claimed heard it at its next check."""
-        await asyncio.wait({drive.task})
-        if drive.epoch is not None:
-            return
+        """The caller heard "signalled": once the drive told so is over, a Run it did not
+        end is ended from the store, as one at rest is. A drive can go without ending it:
+        one that never claimed (a repeated start, a resume that lost), a recovery that
+        found the Run at rest, a drive fenced by another owner's take-over, one whose end
+        met a store outage past its backoff. Waits out an outage for ``ENDING_PATIENCE_S``;
+        the reconciler does not drive the thread again meanwhile (``Drives.ending``)."""
+        run = run or drive.run_id  # the Run that drive drove: never a later one
         try:
-            if await self._end_stored(thread, run, cause):
-                log.info("%s ended from the store: its drive went without claiming it", thread)
+            await asyncio.wait({drive.task})
+            ended = await patiently(lambda: self._end_stored(thread, run, cause), ENDING_PATIENCE_S)
+            if ended:
+                log.info("%s ended from the store: its drive went without ending it", thread)
         except Exception:  # the Run stays as committed; its caller may ask again
-            log.exception("ending %s after its drive went without claiming it failed", thread)
+            log.exception("ending %s after its drive went without ending it failed", thread)
         finally:
+            self.drives.ending.discard(thread)
             self._retire_if_idle()
 
     async def pause_run(self, thread: ThreadId) -> Any:

@@ -71,7 +71,12 @@ class Reconciler:
         """A running Run this host owns but does not drive: drive it again."""
         thread = summary.thread_id
         drives = self.drives
-        if thread in drives or thread in drives.quarantined or thread in drives.replacing:
+        if (
+            thread in drives
+            or thread in drives.quarantined
+            or thread in drives.replacing
+            or thread in drives.ending  # a promised end comes first (host_control)
+        ):
             return
         try:
             ours = summary.owner == self.owner

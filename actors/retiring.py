@@ -39,7 +39,8 @@ class Admission:
 
     def close(self, drives: Drives, reopened: Callable[[], None]) -> bool:
         """Close the door if the host is idle: nothing driven, stopping or asked here."""
-        if self.inside or len(drives) or drives.replacing or not self.open.is_set():
+        busy = len(drives) or drives.replacing or drives.ending
+        if self.inside or busy or not self.open.is_set():
             return False
         self.open.clear()
         self._reopening = asyncio.get_running_loop().create_task(self._reopen(reopened))

@@ -336,7 +336,8 @@ class RunHost(ControlHosting, ChildHosting):
     def _retire_if_idle(self) -> None:
         """A dedicated host with nothing left to drive ends; also one started only to
         cancel or stop its Run at rest."""
-        if self.kind == "dedicated" and not len(self.drives) and not self.drives.replacing:
+        busy = len(self.drives) or self.drives.replacing or self.drives.ending
+        if self.kind == "dedicated" and not busy:
             self._background.add(asyncio.create_task(self._retire()))
 
     async def _retire(self) -> None:

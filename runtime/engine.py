@@ -220,6 +220,7 @@ class Engine(Stepping):
                 _child_s_own(frontier, run_id, self.parent)
             if frontier.run_id == run_id:
                 check_repeated_start(frontier, message_id, text)
+                self.listening = False  # this engine drives nothing: a signal is not heard
                 return frontier  # a repeated start: that Run exists
             if ran_before(frontier, message_id):  # not only by its receipts: a prune drops them
                 raise InvalidTransition(
@@ -283,6 +284,7 @@ class Engine(Stepping):
         # a store answers a claim with the head alone: the messages are the ones loaded
         claimed = with_history(claimed, (*frontier.messages, *added))
         if not isinstance(claimed.run_state, RunningState):
+            self.listening = False  # nothing to drive: a signal now would not be heard
             return claimed  # it came to rest between the load and the claim
         ctx = self._context(claimed)
         self.inference.use_checkpoint = True

@@ -21,9 +21,10 @@ from actors.retiring import Admission
 from actors.run_host import RunHost
 from actors.wire import RunMeta, SystemSpec, unwrap
 from cluster.client import command_for
+from runtime import Agent, ModelResponse, ScriptedModel, call, tool
 from runtime.control import control_engine
 from runtime.engine import Engine
-from runtime.errors import InvalidTransition, ResumeRejected
+from runtime.errors import InvalidTransition, ResumeRejected, StoreUnavailable
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, Cancelled, EndedState, PermissionDecision, Stopped
 from runtime.tools import LocalToolRunner
@@ -400,3 +401,133 @@ async def test_a_repeated_start_that_joins_a_drive_failing_on_its_own_is_told_by
     assert await asyncio.wait_for(start, 10) is True
     assert isinstance(resume.task.exception(), ResumeRejected)
     assert (await store.load(thread)).run_state == parked.run_state  # nothing moved
+
+
+# ---- a cancel told to a drive that goes without ending the Run --------------------------
+
+GATE = asyncio.Event()
+
+
+@tool(recovery=("replay_safe",))
+async def gated() -> str:
+    """Runs until the test lets it go (a recovery runs it again, and waits too)."""
+    await GATE.wait()
+    return "let go"
+
+
+GATED = Agent(
+    name="gated",
+    model=ScriptedModel(
+        [ModelResponse(tool_calls=(call("gated", "g1"),)), ModelResponse(text="finished anyway")]
+    ),
+    tools=[gated],
+)
+
+
+def _gated_host(store: Any, drives_store: Any, **engine: Any) -> RunHost:
+    host = _host(store, drives_store)
+    tools = LocalToolRunner(GATED.tools)
+    host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
+        GATED, holding, tools, owner=OWNER, **engine
+    )
+    return host
+
+
+async def _in_its_tool(store: Any, thread: str) -> None:
+    async def running_a_call() -> bool:
+        return (await store.load(ThreadId(thread))).batch is not None
+
+    await until(running_a_call, 10, what="the Run in its tool call")
+
+
+async def _ended_as(store: Any, thread: str, kind: str) -> None:
+    async def ended() -> bool:
+        return isinstance((await store.load(ThreadId(thread))).run_state, EndedState)
+
+    await until(ended, 10, what="the Run ended")
+    assert (await store.load(ThreadId(thread))).run_state.cause.kind == kind
+
+
+class _TakenOverBeforeTheEnd:
+    """The drives' store: just before the signalled drive's end lands, another host (the
+    Supervisor's pick, which took this one for lost) claims the Run and drives it on."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner, self.other = inner, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def append(self, commit: Any, *args: Any, **kwargs: Any) -> Any:
+        if commit.label == "ended" and self.other is None:
+            other = Engine(GATED, self.inner, LocalToolRunner(GATED.tools), owner="other#2")
+            self.other = asyncio.ensure_future(other.recover(commit.thread_id))
+            epoch = (await self.inner.load(commit.thread_id)).epoch
+
+            async def claimed() -> bool:
+                return (await self.inner.load(commit.thread_id)).epoch > epoch
+
+            await until(claimed, 10, what="the other host's claim")
+        return await self.inner.append(commit, *args, **kwargs)
+
+
+async def test_a_signalled_cancel_outlives_a_take_over_of_its_run():
+    """The drive told to cancel is fenced by another host's take-over as it commits the
+    end (it stops, Fenced): the caller heard "signalled", so the host ends the Run from
+    the store, its end fencing the new owner in turn."""
+    GATE.clear()
+    store = MemoryCommitStore()
+    taken = _TakenOverBeforeTheEnd(store)
+    host = _gated_host(store, taken)
+    assert await host.start_run("ref", ThreadId("ctl-taken"), RunId("r-taken"), "go") is True
+    await _in_its_tool(store, "ctl-taken")
+    assert await host.cancel_run(ThreadId("ctl-taken")) == "signalled"
+    await _ended_as(store, "ctl-taken", "cancelled")  # the other host is still in its tool
+    GATE.set()
+    with contextlib.suppress(Exception):  # fenced in turn
+        await asyncio.wait_for(taken.other, 10)
+    assert (await store.load(ThreadId("ctl-taken"))).run_state.cause.kind == "cancelled"
+
+
+class _Out:
+    """The store, out for appends while ``down``."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner, self.down = inner, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def append(self, *args: Any, **kwargs: Any) -> Any:
+        if self.down:
+            raise StoreUnavailable("out (test)")
+        return await self.inner.append(*args, **kwargs)
+
+
+async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
+    """The cancelled drive's end meets an outage longer than its backoff (the drive stops,
+    paused): the reconciler does not drive the Run again meanwhile, and once the store is
+    back the host ends it from the store, as it told its caller."""
+    from actors.reconcile import Reconciler
+    from runtime.context import StoreRetry
+
+    GATE.clear()
+    store = _Out(MemoryCommitStore())
+    quick = StoreRetry(first_delay_s=0.01, max_delay_s=0.05, give_up_after_s=0.2)
+    host = _gated_host(store, store, store_retry=quick)
+    host.reconciler = Reconciler(
+        "control-host", OWNER, store, host.drives, functools.partial(host._recover, owner=OWNER)
+    )
+    assert await host.start_run("ref", ThreadId("ctl-out"), RunId("r-out"), "go") is True
+    await _in_its_tool(store, "ctl-out")
+    store.down = True
+    assert await host.cancel_run(ThreadId("ctl-out")) == "signalled"
+    drive = host.drives.get(ThreadId("ctl-out"))
+    assert drive is not None
+    await asyncio.wait_for(asyncio.wait({drive.task}), 10)  # it gave up on the store
+    assert ThreadId("ctl-out") in host.drives.ending
+    await host.reconciler.once()  # not driven again: its end was promised
+    assert ThreadId("ctl-out") not in host.drives
+    store.down = False
+    GATE.set()
+    await _ended_as(store, "ctl-out", "cancelled")
