@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 
 from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
 from storage.url import redact
@@ -69,8 +69,12 @@ def open_client(
 ) -> aioredis.Redis:
     """A pooled client that fails fast: the caller's own backoff decides when to retry.
 
-    Two quick retries let a pooled connection that died with a restarted server be
-    replaced transparently; anything longer belongs to the engine's StoreRetry.
+    redis-py sends no command twice here (``retries=0``): a command whose answer was lost
+    may have run, and a script run twice answers for its second run (a claim that landed
+    was reported ``Fenced``, a bus event published twice). Its callers retry what is safe
+    to retry (an append by its operation id, a claim by its owner and epoch). A pooled
+    connection that died with a restarted server is found out as it is taken from the
+    pool (redis-py checks that it is not closed) and opened again.
     """
     with translated(redact(url)):
         return aioredis.Redis.from_url(
@@ -83,5 +87,5 @@ def open_client(
             encoding_errors="surrogateescape",
             socket_timeout=socket_timeout,
             socket_connect_timeout=connect_timeout,
-            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2),
+            retry=Retry(NoBackoff(), 0),
         )

@@ -336,3 +336,36 @@ async def test_connect_warns_exactly_when_the_server_is_not_durable(
     with caplog.at_level(logging.WARNING, logger="ratchet.storage.redis"):
         await store._warn_unless_durable()
     assert ("appendfsync always" in caplog.text) is not durable
+
+
+async def test_a_claim_whose_answer_was_lost_is_never_reported_fenced(redis_url: str) -> None:
+    """The connection drops after the claim's script ran and before its answer came back:
+    the caller hears that the store did not answer (its retry by owner and epoch then
+    finds the claim its own), never Fenced for a claim that landed — the client sends
+    no command twice on its own (a second run of the script answered for the second)."""
+    from tests.support.cutting_proxy import CuttingProxy
+
+    target = urlsplit(redis_url)
+    proxy = CuttingProxy(target.port or 6379)
+    await proxy.start()
+    via = urlunsplit(target._replace(netloc=f"127.0.0.1:{proxy.port}", path=f"/{TEST_DB}"))
+    prefix = f"store-test-{uuid.uuid4().hex[:8]}"
+    store = await RedisCommitStore.connect(via, prefix=prefix)
+    direct = await RedisCommitStore.connect(db_url(redis_url, TEST_DB), prefix=prefix)
+    try:
+        thread = ThreadId("t-cut")
+        first = activation(thread, "r1", epoch=1, claim="host-a#1")
+        await store.append(first, 0, 0, claim="host-a#1")
+        proxy.cut_on = b"EVALSHA"  # the next script: it runs, its answer is lost
+        with pytest.raises(StoreUnavailable):
+            await store.claim(thread, "host-b#2", 1)
+        assert proxy.cuts == 1
+        landed = await direct.load_head(thread)
+        assert (landed.epoch, landed.owner) == (2, "host-b#2")  # it did land
+    finally:
+        keys = [k async for k in direct.client.scan_iter(match=f"{prefix}:*")]
+        if keys:
+            await direct.client.delete(*keys)
+        await store.close()
+        await direct.close()
+        await proxy.close()
