@@ -26,6 +26,13 @@ from runtime.errors import InputRefused
 
 KIB = 1024
 MIB = 1024 * KIB
+MAX_JSON_DEPTH = 128
+"""The deepest ``Limits.json_depth`` may be: a stored record wraps a value in a few levels
+of its own, and pydantic's JSON decoder refuses nesting past about 200 levels, so a
+record nested deeper than ``STORED_DEPTH`` would be written and never read again."""
+STORED_DEPTH = 160
+"""The deepest a stored record (a commit, as encoded) may nest: every store refuses one
+deeper before writing it (``runtime.rules.check_size``)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,8 @@ class Limits:
     state_value_bytes: int = 32 * KIB
     """One state command's value, encoded as JSON."""
     json_depth: int = 64
-    """Nesting of any JSON: tool arguments, state values, resume payloads."""
+    """Nesting of any JSON: tool arguments, state values, resume payloads (at most
+    ``MAX_JSON_DEPTH``: the stores' records must decode again)."""
     id_chars: int = 256
     """Thread, run, call, message and correlation ids (characters)."""
     history_bytes: int = 64 * MIB
@@ -75,6 +83,11 @@ class Limits:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"limit {f.name} must be a positive integer, not {value!r}")
+        if self.json_depth > MAX_JSON_DEPTH:
+            raise ValueError(
+                f"limit json_depth is at most {MAX_JSON_DEPTH} (a record nests a value a few "
+                f"levels deeper, and the decoder stops near 200), not {self.json_depth}"
+            )
 
     def commit_bytes(self) -> int:
         """The largest commit a Run kept within these limits can make: a Step's results
@@ -91,8 +104,7 @@ DEFAULT_LIMITS = Limits()
 
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 _ESCAPED = re.compile(r'[\x00-\x1f"\\]')
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_SPECIAL = re.compile(r'[\[\]{}"\\]')
 
 
 def utf8_problem(text: str) -> str | None:
@@ -167,13 +179,26 @@ def json_depth(text: str) -> int:
     opened = text.count("[") + text.count("{")
     if opened <= 1:
         return opened  # the usual case (one object), without scanning
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    # one pass, jumping between the characters that matter (a text of unterminated
+    # strings cost a regex of whole strings a scan from each quote: quadratic)
     depth = deepest = 0
-    for ch in brackets:
-        if ch in "[{":
+    in_string, escaped_at = False, -1
+    for match in _SPECIAL.finditer(text):
+        at = match.start()
+        if at == escaped_at:
+            continue  # the character after a backslash
+        ch = text[at]
+        if in_string:
+            if ch == "\\":
+                escaped_at = at + 1
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
             depth += 1
             deepest = max(deepest, depth)
-        else:
+        elif ch in "]}":
             depth -= 1
     return deepest
 

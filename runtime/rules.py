@@ -19,6 +19,7 @@ from runtime.errors import (
     CorruptRecord,
     DuplicateOperation,
     Fenced,
+    InputRefused,
     InvalidTransition,
     PayloadTooLarge,
     RunEnded,
@@ -28,6 +29,7 @@ from runtime.events import Fact
 from runtime.frozen import FrozenDict
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
+from runtime.limits import STORED_DEPTH, check_id, json_depth
 from runtime.messages import AssistantMessage, UserMessage
 from runtime.state import apply_commands
 
@@ -143,9 +145,26 @@ def receipt_of(commit: ThreadCommit, seq: int) -> Receipt:
 
 
 def check_size(commit: ThreadCommit, limit: int) -> None:
-    size = len(commit.encoded.encode())
+    """What every store checks of a commit before writing it: storable ids and text (no
+    unpaired surrogate), at most ``limit`` bytes, and nested no deeper than a record may
+    be to decode again (``STORED_DEPTH``); InputRefused or PayloadTooLarge otherwise."""
+    check_id("thread id", commit.thread_id)
+    check_id("run id", commit.run_id)
+    text = commit.encoded
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise InputRefused(
+            f"commit {commit.operation_id}", "utf8", f"an unpaired surrogate at {exc.start}"
+        ) from None
     if size > limit:
         raise PayloadTooLarge(size, limit)
+    if text.count("[") + text.count("{") > STORED_DEPTH and json_depth(text) > STORED_DEPTH:
+        raise InputRefused(
+            f"commit {commit.operation_id}",
+            "json_depth",
+            f"the record nests deeper than {STORED_DEPTH} levels: it would not decode again",
+        )
 
 
 _last_fold: tuple[Frontier, ThreadCommit, Frontier] | None = None

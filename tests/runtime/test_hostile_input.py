@@ -602,3 +602,37 @@ async def test_results_a_resume_supplies_are_held_to_the_result_limits():
     (denied,) = results(done)
     assert denied.is_error and "tool_result_bytes" in denied.content
     await at_rest(store, "t")
+
+
+@given(
+    st.recursive(
+        st.none() | st.text() | st.integers(),
+        lambda kids: (
+            st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3)
+        ),
+        max_leaves=30,
+    )
+)
+def test_json_depth_counts_what_json_nests_whatever_its_strings_hold(value: Any) -> None:
+    """Brackets, quotes and backslashes inside strings are text, not nesting."""
+
+    def nesting(v: Any) -> int:
+        if isinstance(v, list | dict):
+            kids = v.values() if isinstance(v, dict) else v
+            return 1 + max((nesting(k) for k in kids), default=0)
+        return 0
+
+    assert json_depth(json.dumps(value)) == nesting(value)
+
+
+def test_json_depth_of_unterminated_strings_and_the_limits_ceiling() -> None:
+    """One pass whatever the text: a string that never ends swallows what follows it (the
+    regex of whole strings it replaced rescanned from each quote: quadratic), and no
+    Limits may allow nesting a stored record could not decode again."""
+    from runtime.limits import MAX_JSON_DEPTH, Limits
+
+    assert json_depth("[" * 70 + '"' + '\\"[' * 10_000) == 70
+    assert json_depth('[["\\\\", [[]]]]') == 4
+    with pytest.raises(ValueError, match="json_depth is at most"):
+        Limits(json_depth=MAX_JSON_DEPTH + 1)
+    assert Limits(json_depth=MAX_JSON_DEPTH).json_depth == MAX_JSON_DEPTH

@@ -12,6 +12,7 @@ from runtime.errors import (
     CorruptRecord,
     DuplicateOperation,
     Fenced,
+    InputRefused,
     InvalidTransition,
     PayloadTooLarge,
     RunEnded,
@@ -19,6 +20,7 @@ from runtime.errors import (
     VersionConflict,
 )
 from runtime.ids import ThreadId
+from runtime.limits import MAX_JSON_DEPTH, STORED_DEPTH
 from runtime.rules import replay
 from runtime.state import Command
 from tests.storage.builders import activation, ended, head, step
@@ -297,6 +299,33 @@ async def test_commit_that_fails_midway_leaves_nothing(store: Any) -> None:
     assert await store.read(T) == log
     # Nothing was half-written: the same slot still takes a good commit.
     assert (await store.append(step(T, "run-1", 1, prev=h, epoch=epoch), 1, epoch)).seq == 2
+
+
+async def test_what_could_not_be_read_back_is_never_written(store: Any) -> None:
+    """A value nested deeper than a record may be to decode again, text with an unpaired
+    surrogate, or a thread id no store can key by: refused with the rule it breaks, and
+    nothing written (written, the deep one failed every later load as CorruptRecord)."""
+    epoch = await _started(store)
+    before, h = await store.load(T), await head(store, T)
+    deep: Any = 0
+    for _ in range(STORED_DEPTH):
+        deep = [deep]
+    with pytest.raises(InputRefused) as nested:
+        commands = (Command(key="k", value=deep),)
+        await store.append(step(T, "run-1", 1, commands=commands, prev=h, epoch=epoch), 1, epoch)
+    assert nested.value.limit == "json_depth"
+    with pytest.raises(InputRefused) as text:
+        await store.append(step(T, "run-1", 1, "half \ud800", prev=h, epoch=epoch), 1, epoch)
+    assert text.value.limit == "utf8"
+    with pytest.raises(InputRefused):
+        await store.append(activation(ThreadId("bad\ud800"), "run-x"), 0, 0)
+    assert await store.load(T) == before
+    within: Any = 0
+    for _ in range(MAX_JSON_DEPTH):
+        within = [within]
+    commands = (Command(key="k", value=within),)
+    await store.append(step(T, "run-1", 1, commands=commands, prev=h, epoch=epoch), 1, epoch)
+    assert (await store.load(T)).state["thread"]["k"] == within  # and it reads back
 
 
 async def test_oversized_payload_names_the_limit(store: Any) -> None:
