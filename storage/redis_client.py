@@ -20,7 +20,7 @@ import redis.exceptions as rex
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
+from runtime.errors import CorruptRecord, InputRefused, StoreError, StoreUnavailable
 from storage.url import redact
 
 _REFUSED: tuple[type[BaseException], ...] = (
@@ -58,6 +58,10 @@ def translated(where: str, thread: str | None = None) -> Iterator[None]:
         raise StoreError(f"redis at {where} refused a command: {_describe(exc)}") from exc
     except rex.RedisError as exc:
         raise StoreError(f"redis at {where} failed: {_describe(exc)}") from exc
+    except UnicodeEncodeError as exc:  # a key or value no command can carry (a lone surrogate)
+        raise InputRefused(
+            "a thread id or value", "utf8", f"not valid Unicode text: {exc.reason}"
+        ) from exc
 
 
 def _describe(exc: BaseException) -> str:

@@ -369,3 +369,14 @@ async def test_a_claim_whose_answer_was_lost_is_never_reported_fenced(redis_url:
         await store.close()
         await direct.close()
         await proxy.close()
+
+
+async def test_a_thread_id_no_command_can_carry_is_refused_typed(store: RedisCommitStore) -> None:
+    """An unpaired surrogate cannot be sent as a key: InputRefused(utf8), never a raw
+    UnicodeEncodeError out of the driver."""
+    from runtime.errors import InputRefused
+
+    for read in (store.load, store.load_head, store.read):
+        with pytest.raises(InputRefused) as refused:
+            await read(ThreadId("bad\ud800"))
+        assert refused.value.limit == "utf8"
