@@ -218,14 +218,13 @@ class Engine(Stepping):
             frontier = Frontier(thread_id=thread) if guessed else await self._verified(thread)
             if self.parent is not None:
                 _child_s_own(frontier, run_id, self.parent)
-            if frontier.run_id == run_id:
-                check_repeated_start(frontier, message_id, text)
+            # a repeated start: that Run exists (the thread's, or one before it, whose end
+            # its log holds: not only by its receipts, which a prune drops); the same input
+            # is answered with the thread as it is, another is refused
+            if frontier.run_id == run_id or ran_before(frontier, message_id):
+                check_repeated_start(frontier, message_id, text, run_id)
                 self.listening = False  # this engine drives nothing: a signal is not heard
-                return frontier  # a repeated start: that Run exists
-            if ran_before(frontier, message_id):  # not only by its receipts: a prune drops them
-                raise InvalidTransition(
-                    f"run {run_id} already ran on thread {thread}; a new Run needs a new id"
-                )
+                return frontier
             if frontier.run_state is not None and not frontier.ended:
                 raise InvalidTransition(
                     f"thread {thread} already has an active run {frontier.run_id}"

@@ -288,16 +288,19 @@ def ran_before(frontier: Frontier, message_id: str) -> bool:
     return any(isinstance(m, UserMessage) and m.id == message_id for m in frontier.messages)
 
 
-def check_repeated_start(frontier: Frontier, message_id: str, text: str) -> None:
+def check_repeated_start(
+    frontier: Frontier, message_id: str, text: str, run_id: str | None = None
+) -> None:
     """A start of a Run that exists is a repeat only if it asked the same: its input
     message (same id, same text) is the one the Run was started with. Anything else
-    would be told it started a Run that is not what it asked for (InvalidTransition)."""
+    would be told it started a Run that is not what it asked for (InvalidTransition).
+    ``run_id``: the Run asked for (the thread's, by default; or one before it)."""
     for message in reversed(frontier.messages):
         if isinstance(message, UserMessage) and message.id == message_id:
             if message.text == text:
                 return
             break
     raise InvalidTransition(
-        f"run {frontier.run_id} exists on thread {frontier.thread_id} with another input "
-        "or agent; a new Run needs a new id"
+        f"run {run_id or frontier.run_id} exists on thread {frontier.thread_id} with "
+        "another input or agent; a new Run needs a new id"
     )

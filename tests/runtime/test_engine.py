@@ -509,3 +509,24 @@ async def test_calls_of_an_unknown_tool_among_many_keep_their_errors_short():
     assert len(errors) == 64 and all(m.is_error for m in errors)
     assert all(len(m.content) <= UNKNOWN_CHARS for m in errors)
     assert errors[0].content.startswith("unknown tool 'no_such_tool'; available tools: tool_")
+
+
+async def test_a_start_asked_again_after_the_thread_moved_on_is_its_repeat():
+    """The answer to a start was lost; meanwhile the Run ended and another client started
+    the thread's next Run. Asked again (as the README says a start may be), it is that
+    start's repeat — nothing written, no error — not "a new Run needs a new id"; the same
+    run id with another input is refused."""
+    from runtime import InvalidTransition
+
+    store = MemoryCommitStore()
+    agent = Agent(
+        name="a", model=ScriptedModel([ModelResponse(text="one"), ModelResponse(text="two")])
+    )
+    runner = InProcessRunner(agent, store)
+    await runner.start("first", thread_id="t", run_id="r1")
+    later = await runner.start("second", thread_id="t", run_id="r2")
+    again = await runner.start("first", thread_id="t", run_id="r1")
+    assert (again.run_id, again.version) == ("r2", later.version)
+    with pytest.raises(InvalidTransition, match="another input"):
+        await runner.start("something else", thread_id="t", run_id="r1")
+    assert (await store.load("t")).version == later.version

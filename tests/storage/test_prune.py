@@ -178,15 +178,18 @@ async def test_a_start_retried_after_its_run_was_pruned_does_not_run_it_again(
     store: Any,
 ) -> None:
     """A start is idempotent by run id; an earlier Run's start receipt goes with a prune,
-    yet its input message stays in the history: a retried start of it is refused, not a
-    second Run under the same id (its tool calls would reuse their operation ids)."""
+    yet its input message stays in the history: a retried start of it is that Run's
+    repeat (the thread as it is), never a second Run under the same id (its tool calls
+    would reuse their operation ids); with another input it is refused."""
     agent = Agent(name="again", model=ScriptedModel([ModelResponse(text="hi")] * 3))
     runner = InProcessRunner(agent, store)
     await runner.start("first", thread_id=T, run_id="run-x")
     second = await runner.start("second", thread_id=T, run_id="run-y")
     assert await store.prune(T, second.version) == second.version
-    with pytest.raises(InvalidTransition, match="already ran"):
-        await runner.start("first", thread_id=T, run_id="run-x")
+    repeated = await runner.start("first", thread_id=T, run_id="run-x")
+    assert (repeated.run_id, repeated.version) == ("run-y", second.version)
+    with pytest.raises(InvalidTransition, match="another input"):
+        await runner.start("not the first", thread_id=T, run_id="run-x")
     assert (await store.load(T)).version == second.version  # nothing was written
 
 
