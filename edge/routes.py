@@ -48,6 +48,15 @@ MAX_WAIT_S = 300.0
 MAX_SEQ = 2**63 - 1
 """A store's sequence numbers are 64-bit: a larger cursor is refused (422), not a 503."""
 RunStateName = Literal["running", "awaiting", "ended"]
+OnlyRun = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=LIMITS.id_chars,
+        description="Only this Run: a thread holding a later one answers not_running (a "
+        "request retried after its answer was lost never ends the thread's next Run)",
+    ),
+]
 
 
 def client_of(request: Request) -> Ratchet:
@@ -200,8 +209,10 @@ async def resume(
     responses=problems(404, 422, 503),
     summary="Cancel the Run: a live one at its next check, an awaiting one at once",
 )
-async def cancel(client: Client, thread: Thread, wait: Wait = 0) -> ControlResult:
-    return await _end(client, thread, None, wait)
+async def cancel(
+    client: Client, thread: Thread, wait: Wait = 0, run_id: OnlyRun = None
+) -> ControlResult:
+    return await _end(client, thread, None, wait, run_id)
 
 
 @router.post(
@@ -209,17 +220,22 @@ async def cancel(client: Client, thread: Thread, wait: Wait = 0) -> ControlResul
     responses=problems(404, 413, 422, 503),
     summary="End the Run stopped(reason)",
 )
-async def stop(client: Client, thread: Thread, body: Stop, wait: Wait = 0) -> ControlResult:
-    return await _end(client, thread, body.reason, wait)
+async def stop(
+    client: Client, thread: Thread, body: Stop, wait: Wait = 0, run_id: OnlyRun = None
+) -> ControlResult:
+    return await _end(client, thread, body.reason, wait, run_id)
 
 
-async def _end(client: Ratchet, thread: ThreadId, reason: str | None, wait: float) -> ControlResult:
+async def _end(
+    client: Ratchet, thread: ThreadId, reason: str | None, wait: float, run: str | None
+) -> ControlResult:
     frontier = await known(client, thread)
-    if isinstance(frontier.run_state, EndedState):
-        # as `ratchet cancel` does: asking a host could create a dedicated one to say so
+    if isinstance(frontier.run_state, EndedState) or run not in (None, frontier.run_id):
+        # ended, or the thread holds a later Run than the one named (it ended): as
+        # `ratchet cancel` does, no host is asked (it could create a dedicated one to say so)
         summary = ThreadSummary.of(frontier, client.spec.limits)
         return ControlResult(outcome="not_running", thread=summary)
-    # the Run the caller saw: a later Run of the thread (started meanwhile) is not ended
+    # the Run named, or the one the request read: a later Run started meanwhile is left
     handle = client.handle(thread, frontier.run_id)
     outcome = await (handle.cancel() if reason is None else handle.stop(reason))
     summary = await at_rest(handle, wait if outcome == "signalled" else 0)

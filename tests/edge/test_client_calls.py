@@ -75,7 +75,7 @@ async def test_a_cancel_through_the_edge_names_the_run_the_caller_saw() -> None:
     assert parked.run_state is not None and parked.run_state.kind == "awaiting"
     host = _Host(store)
     client = Ratchet(SPEC, store, [host])
-    result = await routes._end(client, parked.thread_id, None, 0)
+    result = await routes._end(client, parked.thread_id, None, 0, None)
     assert result.outcome == "cancelled"
     assert host.calls == [("t-c", {"run": "run-a"})]  # the host is told which Run
 
@@ -108,3 +108,22 @@ async def test_a_start_checks_its_agent_off_the_event_loop_once() -> None:
     await client.start(ref, "again", thread_id="t-slow-2")
     assert len(FACTORY_CALLS) == 1  # checked once per client
     assert FACTORY_CALLS[0] != threading.current_thread().name
+
+
+async def test_a_cancel_naming_an_earlier_run_leaves_the_thread_s_next_one() -> None:
+    """A cancel retried after its answer was lost names the Run it meant (``run_id``):
+    by then the thread holds the next Run, which is left alone (not_running)."""
+    store = MemoryCommitStore()
+    asks = [ModelResponse(text="may I?", tool_calls=(call("drop_table", "c1", name="users"),))]
+    runner = InProcessRunner(
+        Agent(name="asks", model=ScriptedModel(asks * 2), tools=(drop_table,)), store
+    )
+    first = await runner.start("go", thread_id="t-n", run_id="run-a")
+    host = _Host(store)
+    client = Ratchet(SPEC, store, [host])
+    assert (await routes._end(client, first.thread_id, None, 0, "run-a")).outcome == "cancelled"
+    await runner.start("again", thread_id="t-n", run_id="run-b")  # the next Run, awaiting
+    retried = await routes._end(client, first.thread_id, None, 0, "run-a")
+    assert retried.outcome == "not_running"
+    assert (await store.load("t-n")).run_state.kind == "awaiting"  # run-b goes on
+    assert host.calls == [("t-n", {"run": "run-a"})]  # asked once, for run-a only
