@@ -62,9 +62,12 @@ class MemoryCommitStore:
         self._lock = asyncio.Lock()
 
     def _thread(self, thread: ThreadId) -> _Thread:
-        if thread not in self._threads:
-            self._threads[thread] = _Thread(Frontier(thread_id=thread))
-        return self._threads[thread]
+        """The thread's entry, or a new one not kept yet (``_keep``: a refused request
+        leaves nothing behind)."""
+        return self._threads.get(thread) or _Thread(Frontier(thread_id=thread))
+
+    def _keep(self, thread: ThreadId, t: _Thread) -> None:
+        self._threads[thread] = t
 
     ordered_appends = True
     """One caller's appends apply in the order it made them (the lock is fair, and a call
@@ -86,6 +89,7 @@ class MemoryCommitStore:
             t.log.append(RawRecord(receipt.seq, commit.encoded, commit.payload_hash))
             t.receipts[operation_id] = receipt
             t.frontier = head_only(outcome)
+            self._keep(commit.thread_id, t)
             return receipt
 
     async def load(self, thread: ThreadId) -> Frontier:
@@ -124,6 +128,7 @@ class MemoryCommitStore:
             t = self._thread(thread)
             check_claim(t.frontier, supersedes)
             t.frontier = with_claim(t.frontier, owner)
+            self._keep(thread, t)
             return t.frontier
 
     async def list_runs(

@@ -105,6 +105,14 @@ LOAD = (
 """The thread row, with the stored hash of the record at its version (one statement)."""
 HEAD = select(_t.version, _t.head, _LAST_SEQ, *_ANCHOR).where(_t.thread_id == bindparam("thread"))
 ANCHOR = select(*_ANCHOR).where(_t.thread_id == bindparam("thread"))
+DROP_UNUSED = threads.delete().where(
+    _t.thread_id.in_(bindparam("ids", expanding=True)),
+    _t.version == 0,
+    _t.epoch == 0,
+    _t.owner.is_(None),
+)
+"""Remove rows a group created to lock threads it then wrote nothing to (each request
+refused): a row at version and epoch 0 and with no owner vouches for nothing."""
 MOVE_ANCHOR = (
     threads.update()
     .where(

@@ -35,6 +35,7 @@ from storage.sql_reads import DbRow
 from storage.sql_statements import (
     ANCHOR,
     DELETE_PRUNED,
+    DROP_UNUSED,
     HASH_AT,
     HEAD,
     INSERT_COMMITS,
@@ -351,7 +352,7 @@ def _version(conn: Connection, thread: ThreadId) -> int:
 def group_txn(conn: Connection, group: Sequence[Request], cache: FrontierCache) -> list[Outcome]:
     """Lock, admit each request on its own, then write what was admitted."""
     pairs = [(r.thread, r.commit.operation_id) for r in group if isinstance(r, AppendRequest)]
-    rows, known = lock(conn, {r.thread for r in group}, pairs, cache)
+    rows, known, created = lock(conn, {r.thread for r in group}, pairs, cache)
     pure = Group(rows, known, cache)
     outcomes = [pure.admit(request) for request in group]
     if pure.new_commits:
@@ -360,13 +361,19 @@ def group_txn(conn: Connection, group: Sequence[Request], cache: FrontierCache) 
         # Encoding caches each new frontier under the text written here; should this
         # transaction roll back, the row keeps its old text and the entry never matches.
         UPDATE_THREADS(conn, pure.changed())
+    unused = [t for t in created if t not in pure.touched]
+    if unused:  # a refused request writes nothing, not even the row it was locked by
+        conn.execute(DROP_UNUSED, {"ids": unused})
     return outcomes
 
 
-def lock(conn: Connection, ids: Iterable[str], pairs: Pairs, cache: FrontierCache) -> Locked:
+def lock(
+    conn: Connection, ids: Iterable[str], pairs: Pairs, cache: FrontierCache
+) -> tuple[dict[str, DbRow], Known, list[str]]:
     """Lock the thread rows in id order (no deadlock between groups), creating new ones.
 
-    Returns the rows and the receipts already stored under the ``pairs``.
+    Returns the rows, the receipts already stored under the ``pairs``, and the threads
+    whose rows had to be created (their rows go again if nothing is written to them).
     """
     wanted = sorted(ids)
     rows, known = _lock_existing(conn, wanted, pairs)
@@ -379,7 +386,7 @@ def lock(conn: Connection, ids: Iterable[str], pairs: Pairs, cache: FrontierCach
         more_rows, more_known = _lock_existing(conn, missing, pairs)
         rows.update(more_rows)
         known.update(more_known)
-    return rows, known
+    return rows, known, missing
 
 
 def _lock_existing(conn: Connection, ids: list[str], pairs: Pairs) -> Locked:

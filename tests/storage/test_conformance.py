@@ -328,6 +328,21 @@ async def test_what_could_not_be_read_back_is_never_written(store: Any) -> None:
     assert (await store.load(T)).state["thread"]["k"] == within  # and it reads back
 
 
+async def test_a_refused_request_on_an_unknown_thread_leaves_no_thread(store: Any) -> None:
+    """A claim or an append refused on a thread the store does not hold writes nothing,
+    not even a row for it (such a row vouches for nothing: ``ratchet verify --all``
+    named it a thread that does not exist)."""
+    ghost = ThreadId("t-ghost")
+    with pytest.raises(Fenced):
+        await store.claim(ghost, "intruder#1", 3)
+    with pytest.raises((VersionConflict, Fenced)):
+        await store.append(activation(ghost, "run-1", epoch=4, claim="x"), 2, 3, claim="x")
+    assert ghost not in await store.thread_ids()
+    assert (await store.load(ghost)).version == 0
+    await store.append(activation(ghost, "run-1", epoch=1, claim="x"), 0, 0, claim="x")
+    assert ghost in await store.thread_ids()
+
+
 async def test_oversized_payload_names_the_limit(store: Any) -> None:
     epoch = await _started(store)
     with pytest.raises(PayloadTooLarge) as info:
