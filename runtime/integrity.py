@@ -245,6 +245,11 @@ async def audit_thread(store: CommitStore, thread: ThreadId) -> Audit:
     try:  # the log first: what it finds wrong is the cause of what a load would
         records = await store.read(thread)
         frontier = await store.load(thread)
+        if records and frontier.version > records[-1].seq:
+            # appended to between the two (a live thread): the records the frontier
+            # folds, and no more, so that the audit compares one moment of the thread
+            later = await store.read(thread, records[-1].seq)
+            records = [*records, *(r for r in later if r.seq <= frontier.version)]
     except CorruptRecord as exc:
         return Audit([Problem(thread, exc.seq, _detail(exc))])
     except StoreError as exc:

@@ -460,3 +460,35 @@ async def test_safe_to_evil_rewrite_never_runs_evil(
     with pytest.raises(CorruptRecord):  # a second try, after the first, fails the same way
         await victim.runner(store).resume(approval)
     assert victim.ran == []
+
+
+class _AppendedMeanwhile:
+    """The store, with the thread's next commit landing between the audit's read of the
+    log and its load of the frontier (a live thread, written to as it is audited)."""
+
+    def __init__(self, inner: Any, commit: ThreadCommit, version: int, epoch: int) -> None:
+        self.inner, self.commit, self.at = inner, commit, (version, epoch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: ThreadId) -> Frontier:
+        if self.commit is not None:
+            commit, self.commit = self.commit, None
+            await self.inner.append(commit, *self.at)
+        return await self.inner.load(thread)
+
+
+async def test_a_thread_appended_to_as_it_is_audited_verifies(store: Any) -> None:
+    """The audit compares one moment of the thread: the records the frontier it loaded
+    folds. An append between its two reads made a healthy live thread "not the fold of
+    its log", and `ratchet verify` failed on every busy store."""
+    from tests.storage.builders import activation, step
+
+    thread = ThreadId("t-live")
+    first = activation(thread, "run-1", epoch=1, claim="w#1")
+    await store.append(first, 0, 0, claim="w#1")
+    later = step(thread, "run-1", 1, prev=first.payload_hash, epoch=1)
+    assert await audit(_AppendedMeanwhile(store, later, 1, 1), thread) == []
+    assert (await store.load(thread)).version == 2
+    assert await audit(store, thread) == []
