@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from runtime import tracing
 from runtime.agent import Agent
+from runtime.batch import result_messages, seal
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, whole_of, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
@@ -448,7 +449,11 @@ class Engine(Stepping):
         try:
             await work
         except EndRun as end:
-            await self.end(ctx, end.cause)
+            if end.batch is None:
+                await self.end(ctx, end.cause)
+            else:  # its finished calls keep their results; the rest are sealed
+                published = result_messages(seal(end.batch))
+                await self.end(ctx, end.cause, messages=published, batch=end.batch)
 
     async def _await_at_boundary(self, ctx: RunContext) -> None:
         """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing."""

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from runtime.batch import ActiveToolBatch
 from runtime.lifecycle import EndCause, PauseTarget
 
 T = TypeVar("T")
@@ -21,11 +22,14 @@ class RunOver(Exception):
 
 
 class EndRun(Exception):
-    """Carrying out a Step decided that the Run must end with ``cause``."""
+    """Carrying out a Step decided that the Run must end with ``cause``; ``batch``: the
+    Step's batch as it is now, should it hold calls finished since its last commit (their
+    results are kept in the end, not sealed as unknown)."""
 
-    def __init__(self, cause: EndCause) -> None:
+    def __init__(self, cause: EndCause, batch: ActiveToolBatch | None = None) -> None:
         super().__init__(cause.kind)
         self.cause = cause
+        self.batch = batch
 
 
 class PauseRun(Exception):

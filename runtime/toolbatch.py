@@ -27,8 +27,9 @@ from runtime.batch import (
 from runtime.context import RunContext, StepServices
 from runtime.delegation import CHILDREN_KEY, ChildRequest, ChildWaiting, child_ids
 from runtime.execution import ExecutionSnapshot, InjectMessage, ToolRequest, snapshot
+from runtime.failures import failure_of
 from runtime.gates import admit_outcome, delegates, plan, waves
-from runtime.hooks import HookResults
+from runtime.hooks import HookFailed, HookResults
 from runtime.ids import CallId
 from runtime.injection import inject_commands, live_history
 from runtime.lifecycle import IndeterminateEnd
@@ -163,8 +164,12 @@ async def run_wave(
         return batch
     hooks = HookResults()
     if services.agent.hooks:  # else skip even building each call's arguments
-        for call_id in members:
-            await services.hooks(ctx, "AfterTool", hooks, step=batch.step, call=batch.call(call_id))
+        try:
+            for call_id in members:
+                call = batch.call(call_id)
+                await services.hooks(ctx, "AfterTool", hooks, step=batch.step, call=call)
+        except HookFailed as failed:  # the Run ends; what the tools did is kept in its end
+            raise EndRun(failure_of(failed), batch) from failed
     # the next inference may begin before this lands (Committing.commit, ``landing``)
     await services.commit(
         ctx,

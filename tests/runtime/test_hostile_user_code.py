@@ -145,3 +145,26 @@ async def test_reasons_that_cannot_be_said_still_deny_and_refuse() -> None:
         Agent(name="a", model=_script(), tools=[fine], run_end_guards=[says_nothing])
     )
     assert isinstance(ended.cause, Failed) and ended.cause.code == "run_end_guard"
+
+
+async def test_an_after_tool_hook_that_fails_keeps_what_the_tools_did() -> None:
+    """The wave ran and finished; its AfterTool hook raises: the Run ends failed(hook),
+    and its end holds the finished calls' results, not "outcome unknown" for calls
+    whose effects happened (a never_replay charge the model would be told never ran)."""
+    charged: list[int] = []
+
+    @tool
+    async def charge(amount: int) -> str:
+        charged.append(amount)
+        return f"charged {amount}"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("charge", "c1", amount=42),)), ModelResponse(text="no")]
+    )
+    hooks = [Hook(point="AfterTool", fn=_raising("Mine"))]
+    store = MemoryCommitStore()
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[charge], hooks=hooks), store)
+    done = await runner.start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState)
+    assert isinstance(done.run_state.cause, Failed) and done.run_state.cause.failure == "hook"
+    assert _results(done) == [(False, "charged 42")] and charged == [42]
