@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.agent import Agent
+from runtime.base import canonical_json
 from runtime.batch import ActiveToolBatch, Completed, ToolOutput, complete, mark_indeterminate
 from runtime.context import StepServices
 from runtime.delegation import CHILDREN_KEY, refusal
@@ -36,7 +37,7 @@ from runtime.limits import (
 from runtime.ports import Finished
 from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
 from runtime.signals import EndRun
-from runtime.state import MergePolicy, StateView, check_writable
+from runtime.state import Command, MergePolicy, StateView, check_writable
 
 UNKNOWN_CHARS = 1000
 """The longest error a call of an unknown tool gets (it lists the tools there are)."""
@@ -198,28 +199,19 @@ def admit_outcome(
     limits: Limits,
     batch: ActiveToolBatch,
     declared: Mapping[str, MergePolicy] | None = None,
+    staged: Sequence[Command] = (),
 ) -> Finished:
     """A tool's finished outcome as it may be committed: a result over
-    ``tool_result_bytes`` or that cannot be stored, one that would take the batch's
-    results over ``batch_result_bytes``, state commands beyond the state limits or on
-    keys the tool may not write (``declared``: its plugin's keys), or requests of its
-    Run beyond the limits, become a model-visible error naming the limit (the commands
-    and requests are dropped)."""
+    ``tool_result_bytes`` or that cannot be stored, state commands beyond the state
+    limits or on keys the tool may not write (``declared``: its plugin's keys), requests
+    of its Run beyond the limits, or an outcome that would take what the Step's calls
+    hand their Run — results, state commands and injected messages together, ``staged``
+    being the commands earlier calls of its wave handed — over ``batch_result_bytes``
+    (so a Step's commit stays within the store's payload limit), become a model-visible
+    error naming the limit (the commands and requests are dropped)."""
     try:
         content = outcome.output.content
         check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")
-        so_far = sum(
-            stored_size(c.phase.output.content)
-            for c in batch.calls
-            if isinstance(c.phase, Completed)
-        )
-        if so_far + stored_size(content) > limits.batch_result_bytes:
-            raise InputRefused(
-                "tool result",
-                "batch_result_bytes",
-                f"the Step's results would be {so_far + stored_size(content)} bytes; "
-                f"the limit is {limits.batch_result_bytes}",
-            )
         for request in outcome.requests:
             text = getattr(request, "text", None) or getattr(request, "reason", "")
             check_text(f"a {request.kind} request", text, limits.input_bytes, "input_bytes")
@@ -233,6 +225,25 @@ def admit_outcome(
                 "state_value_bytes",
                 limits,
             )
+        so_far = sum(
+            stored_size(c.phase.output.content)
+            for c in batch.calls
+            if isinstance(c.phase, Completed)
+        ) + sum(_handed(c) for c in staged)
+        adds = stored_size(content) + sum(_handed(c) for c in outcome.commands)
+        adds += sum(stored_size(getattr(r, "text", None) or "") for r in outcome.requests)
+        if so_far + adds > limits.batch_result_bytes:
+            raise InputRefused(
+                "tool result",
+                "batch_result_bytes",
+                f"the Step's results, state commands and injected messages would be "
+                f"{so_far + adds} bytes; the limit is {limits.batch_result_bytes}",
+            )
     except InputRefused as exc:
         return Finished(output=ToolOutput(content=f"tool output refused: {exc}", is_error=True))
     return outcome
+
+
+def _handed(command: Command) -> int:
+    """The bytes a state command adds to a commit (its key and its value as JSON)."""
+    return len(command.key) + len(canonical_json(command.value))

@@ -59,7 +59,8 @@ class Limits:
     tool_result_bytes: int = 32 * KIB
     """One tool result's content (a tool's output, or a caller's external result)."""
     batch_result_bytes: int = 96 * KIB
-    """The results of one Step's tool calls together; a result beyond it is an error."""
+    """The results of one Step's tool calls together, with the state commands and
+    messages they hand their Run; a call's outcome beyond it is an error."""
     resume_payload_bytes: int = 64 * KIB
     """A ResumeCommand's payload, encoded as JSON."""
     state_value_bytes: int = 32 * KIB
@@ -240,7 +241,10 @@ def check_json_value(
                 stack.extend((child, depth + 1) for child in item)
         elif not (item is None or isinstance(item, bool | int | float)):
             raise InputRefused(what, "type", f"{type(item).__name__} is not JSON")
-    size = _utf8_len(canonical_json(value))
+    try:
+        size = _utf8_len(canonical_json(value))
+    except (ValueError, TypeError) as exc:  # an int of over 4,300 digits, say
+        raise InputRefused(what, "type", f"cannot be written as JSON: {exc}") from None
     if size > max_bytes:
         raise InputRefused(what, limit, f"{size} bytes as JSON; the limit is {max_bytes} bytes")
 

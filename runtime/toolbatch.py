@@ -272,7 +272,7 @@ def _record(
     if isinstance(outcome, Finished):
         agent = services.agent
         declared = agent.resolved.tool_keys.get(call.tool) if agent.resolved else None
-        admitted = admit_outcome(outcome, services.limits, batch, declared)
+        admitted = admit_outcome(outcome, services.limits, batch, declared, commands)
         commands.extend(admitted.commands)
         _requested(ctx, call, admitted.requests, commands, services.root.session is not None)
         return complete(batch, call_id, admitted.output)

@@ -287,3 +287,41 @@ async def test_a_result_whose_text_exits_is_the_tool_s_error():
     assert isinstance(failed, Finished) and failed.output.is_error
     assert "cannot be a result" in failed.output.content and "SystemExit" in failed.output.content
     assert neighbour.output.content == "fine"
+
+
+# ---- what a call hands its Run, besides its result --------------------------------------
+
+
+async def _one_call(tool_fn: object) -> object:
+    from runtime.messages import ToolResultMessage
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("hands", "c1"),)), ModelResponse(text="ok")]
+    )
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[tool_fn]), MemoryCommitStore())
+    done = await runner.start("go", thread_id="t")
+    assert done.run_state.cause.kind == "natural", done.run_state  # the Run goes on
+    (result,) = [m for m in done.messages if isinstance(m, ToolResultMessage)]
+    return result
+
+
+async def test_what_one_call_hands_its_run_is_bounded_in_all():
+    """Each state command and injected message within its own limit, but forty of them:
+    refused (a model-visible error naming batch_result_bytes), not a commit past the
+    store's payload limit that lost the call's result with the Run (failed store)."""
+    @tool
+    def hands() -> ToolResult:
+        values = [Command(key=f"k{i}", value="x" * 30_000) for i in range(40)]
+        return ToolResult(content="done", commands=values)
+
+    result = await _one_call(hands)
+    assert result.is_error and "batch_result_bytes" in result.content
+
+
+async def test_a_state_value_json_cannot_write_is_refused_not_a_failed_run():
+    @tool
+    def hands() -> ToolResult:
+        return ToolResult(content="done", commands=[Command(key="big", value=10**5000)])
+
+    result = await _one_call(hands)
+    assert result.is_error and "cannot be written as JSON" in result.content
