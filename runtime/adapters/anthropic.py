@@ -34,14 +34,13 @@ streamed as reasoning but not sent back, so do not enable ``thinking`` with tool
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
+from runtime.adapters.names import wire_name
 from runtime.adapters.usage import Usage, log, model_name
 from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
@@ -191,19 +190,6 @@ def parsed_input(use: ToolUse) -> dict[str, Any]:
     except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return {}
     return parsed if isinstance(parsed, dict) else {}
-
-
-_WIRE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def wire_name(value: str) -> str:
-    """A call id or tool name as the API accepts them (``^[a-zA-Z0-9_-]{1,64}$``): as it
-    is, or a digest of it (the same each time, so a call and its result still pair). A
-    model's own ids may be anything, and a renamed repeat is ``id#2``: sent as they are,
-    the API would refuse every later request of the thread."""
-    if _WIRE_NAME.fullmatch(value):
-        return value
-    return "r" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def anthropic_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]:

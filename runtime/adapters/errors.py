@@ -45,6 +45,8 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from runtime.errors import ModelError, ModelRateLimited, ModelRefused, ModelUnavailable
 from runtime.models import ModelDelta, ModelResponse
 
@@ -171,6 +173,7 @@ async def folded(
             async for item in stream:
                 for delta in fold.add(item):
                     yield delta
+        response = fold.response()
     except ModelError:
         raise
     except Exception as exc:  # translated if it is the SDK's, else raised as it is
@@ -178,7 +181,7 @@ async def folded(
         if error is None:
             raise
         raise error from exc
-    yield fold.response()
+    yield response
 
 
 def translate(exc: BaseException, sdk: SdkErrors, *, streaming: bool) -> ModelError | None:
@@ -200,6 +203,11 @@ def translate(exc: BaseException, sdk: SdkErrors, *, streaming: bool) -> ModelEr
     if isinstance(exc, json.JSONDecodeError):
         message = _message(sdk, None, f"chunk is not JSON: {exc}")
         return ModelUnavailable("malformed_stream", message)
+    if isinstance(exc, RecursionError | ValidationError):
+        # JSON nested past the SDK's parser, or parts the response cannot hold (a call
+        # whose id or name is null): what the provider sent is not a response
+        what = "nested too deep" if isinstance(exc, RecursionError) else "not a response"
+        return ModelUnavailable("malformed_stream", _message(sdk, None, f"the stream is {what}"))
     return None
 
 

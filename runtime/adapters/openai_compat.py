@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
+from runtime.adapters.names import wire_id, wire_name
 from runtime.adapters.usage import Usage, log, model_name, token_count
 from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
@@ -173,7 +174,7 @@ def _chat_message(message: RequestMessage) -> dict[str, Any]:
         return _assistant(message)
     assert isinstance(message, ToolResultMessage)
     content = f"error: {message.content}" if message.is_error else message.content
-    return {"role": "tool", "tool_call_id": message.call_id, "content": content}
+    return {"role": "tool", "tool_call_id": wire_id(message.call_id), "content": content}
 
 
 def _assistant(message: AssistantMessage) -> dict[str, Any]:
@@ -181,9 +182,9 @@ def _assistant(message: AssistantMessage) -> dict[str, Any]:
         return {"role": "assistant", "content": message.text}
     calls = [
         {
-            "id": use.call_id,
+            "id": wire_id(use.call_id),
             "type": "function",
-            "function": {"name": use.tool, "arguments": _wire_arguments(use.arguments)},
+            "function": {"name": wire_name(use.tool), "arguments": _wire_arguments(use.arguments)},
         }
         for use in message.tool_calls
     ]
@@ -265,11 +266,8 @@ class ChatFold:
                 self.text.append(text)
                 out.append(ModelDelta(text=text))
         for fragment in delta.tool_calls or ():
-            if type(fragment.index) is not int:  # the documented shape numbers every call
-                raise ModelUnavailable(
-                    "malformed_stream", f"openai: a tool call fragment indexed {fragment.index!r}"
-                )
-            call = self.calls.setdefault(fragment.index, _Call())
+            index = self._index_of(fragment)
+            call = self.calls.setdefault(index, _Call())
             if fragment.id and call.id and fragment.id != call.id:  # two calls at one index
                 raise ModelUnavailable(
                     "malformed_stream", f"openai: call {fragment.id!r} at the index of {call.id!r}"
@@ -280,11 +278,30 @@ class ChatFold:
             arguments = (function.arguments if function else None) or ""
             call.arguments.append(arguments)
             # a gateway that sends no id gets one by index, so the deltas still group
-            call_id = call.id or f"call_{fragment.index}"
+            call_id = call.id or f"call_{index}"
             out.append(
                 ModelDelta(type="tool_call_delta", call_id=call_id, tool=call.name, text=arguments)
             )
         return out
+
+    def _index_of(self, fragment: Any) -> int:
+        """The call a fragment belongs to: its ``index``, as the documented shape numbers
+        every call. Without one (Gemini's OpenAI-compatible endpoint sends each call
+        whole, unindexed), a fragment with an id other than the last call's begins the
+        next call, and one without an id goes on with the last; any other index is not
+        this protocol (malformed_stream)."""
+        index = fragment.index
+        if type(index) is int:
+            return index
+        if index is not None:
+            raise ModelUnavailable(
+                "malformed_stream", f"openai: a tool call fragment indexed {index!r}"
+            )
+        if not self.calls:
+            return 0
+        last = max(self.calls)
+        starts = fragment.id and fragment.id != self.calls[last].id
+        return last + 1 if starts else last
 
     def response(self) -> ModelResponse:
         if self.finish_reason is None:
@@ -306,10 +323,12 @@ def usage_of(chunk: ChatCompletionChunk) -> Usage | None:
     usage = chunk.usage
     if usage is None:
         return None
-    details = usage.prompt_tokens_details
+    # the SDK builds chunks unvalidated: "usage" may be 5, "n/a" or a list, which is
+    # bookkeeping gone wrong, not a reason to throw the model's answer away
+    details = getattr(usage, "prompt_tokens_details", None)
     return Usage(
-        input_tokens=token_count(usage.prompt_tokens),
-        output_tokens=token_count(usage.completion_tokens),
+        input_tokens=token_count(getattr(usage, "prompt_tokens", None)),
+        output_tokens=token_count(getattr(usage, "completion_tokens", None)),
         cached_tokens=token_count(getattr(details, "cached_tokens", None)),
-        model=model_name(chunk.model),
+        model=model_name(getattr(chunk, "model", None)),
     )

@@ -451,3 +451,24 @@ async def test_tool_use_events_out_of_the_documented_order_are_malformed(provide
     with pytest.raises(ModelUnavailable) as caught:
         await collect(make(), request())
     assert caught.value.code == "malformed_stream"
+
+
+@pytest.mark.parametrize("field", ["id", "name"])
+async def test_a_tool_use_block_the_response_cannot_hold_is_a_malformed_stream(
+    provider, make, field
+):
+    """A ``tool_use`` block whose id or name is null: not a response (malformed_stream,
+    the attempt retried), never pydantic's ValidationError out of the adapter."""
+    block = {"type": "tool_use", "id": "t1", "name": "add", "input": {}, field: None}
+    start = {"type": "content_block_start", "index": 0, "content_block": block}
+    stop = {"type": "content_block_stop", "index": 0}
+    frames = [
+        message_start(),
+        event("content_block_start", start),
+        event("content_block_stop", stop),
+        *message_end("tool_use"),
+    ]
+    provider.reply(Sse(frames))
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "malformed_stream"

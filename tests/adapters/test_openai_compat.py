@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
@@ -338,7 +339,7 @@ async def test_retry_after_as_an_http_date(provider, make):
     assert caught.value.retry_after_s is not None and 100 < caught.value.retry_after_s <= 120
 
 
-UNINDEXED = {"index": None, "id": "c2", "type": "function", "function": {"name": "add"}}
+UNINDEXED = {"index": "x", "id": "c2", "type": "function", "function": {"name": "add"}}
 STREAM_FAILURES = [
     pytest.param(
         Sse([data(openai_chunk({"content": "Hel"}))], ending="cut"),
@@ -478,6 +479,80 @@ async def test_a_second_call_id_at_one_index_is_malformed(provider, make):
             finish_reason="tool_calls",
         )
     )
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "malformed_stream"
+
+
+async def test_a_history_holding_what_the_api_refuses_goes_on_the_wire_as_it_accepts(
+    provider, make
+):
+    """A model called a tool named ``functions.add`` under a 60-character id (it was told
+    the tool is unknown). Sent back as they are, OpenAI refuses every later request of
+    the thread (400: names are ``^[a-zA-Z0-9_-]{1,64}$``, call ids at most 40): they go
+    as digests, the same for a call and its result."""
+    provider.reply(openai_text("ok"))
+    long_id = "call_" + "x" * 55
+    history = (
+        UserMessage(id="u1", text="add"),
+        AssistantMessage(
+            tool_calls=(ToolUse(call_id=CallId(long_id), tool="functions.add", arguments="{}"),)
+        ),
+        ToolResultMessage(call_id=CallId(long_id), tool="functions.add", content="unknown"),
+    )
+    await collect(make(), request(*history))
+    sent = provider.received[0].body["messages"]
+    (call,) = sent[1]["tool_calls"]
+    name, call_id = call["function"]["name"], call["id"]
+    assert re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name) and name != "functions.add"
+    assert len(call_id) <= 40 and sent[2]["tool_call_id"] == call_id
+
+
+@pytest.mark.parametrize("usage", [5, "n/a", [], True, {"prompt_tokens_details": 7}])
+async def test_usage_of_the_wrong_type_does_not_fail_the_inference(provider, make, usage):
+    """Usage is bookkeeping: a server's odd usage chunk never throws its answer away."""
+    frames = [
+        data(openai_chunk({"role": "assistant", "content": "hi"})),
+        data(openai_chunk({}, "stop")),
+        data({**openai_chunk(usage={}), "usage": usage}),
+        data("[DONE]"),
+    ]
+    provider.reply(Sse(frames))
+    _, response = await collect(make(), request())
+    assert response.text == "hi"
+
+
+async def test_calls_sent_whole_without_an_index_are_calls(provider, make):
+    """Gemini's OpenAI-compatible endpoint sends each call in one fragment, unindexed."""
+    calls = [
+        {"id": f"function-call-{n}", "type": "function",
+         "function": {"name": "add", "arguments": json.dumps({"a": n, "b": 1})}}
+        for n in (1, 2)
+    ]  # fmt: skip
+    frames = [
+        data(openai_chunk({"role": "assistant", "tool_calls": calls[:1]})),
+        data(openai_chunk({"tool_calls": calls[1:]})),
+        data(openai_chunk({}, "tool_calls")),
+        data("[DONE]"),
+    ]
+    provider.reply(Sse(frames))
+    _, response = await collect(make(), request())
+    assert [(u.call_id, json.loads(u.arguments)["a"]) for u in response.tool_calls] == [
+        ("function-call-1", 1),
+        ("function-call-2", 2),
+    ]
+
+
+async def test_a_chunk_the_sdk_cannot_parse_or_hold_is_a_malformed_stream(provider, make):
+    deep = "[" * 100_000 + "]" * 100_000
+    chunk = '{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[]'
+    frames = [
+        data(openai_chunk({"role": "assistant", "content": "x"})),
+        f'data: {chunk},"junk":{deep}}}\n\n'.encode(),
+        data(openai_chunk({}, "stop")),
+        data("[DONE]"),
+    ]
+    provider.reply(Sse(frames))
     with pytest.raises(ModelUnavailable) as caught:
         await collect(make(), request())
     assert caught.value.code == "malformed_stream"
