@@ -203,6 +203,7 @@ class Inference:
         last_put = clock()
         thread = ctx.frontier.thread_id
         streamed, most = 0, self.limits.response_bytes
+        reasoned, most_reasoning = 0, self.limits.reasoning_bytes
         async for item in items:
             if isinstance(item, ModelResponse):
                 response = item
@@ -210,11 +211,20 @@ class Inference:
             # a stream longer than a response may be fails its attempt now, not once it
             # ends: each delta costs every follower of the thread (a character is a byte
             # at least, so the count of characters is a bound); every item counts one at
-            # least, so that endless empty deltas or pings are cut too
-            streamed += max(len(item.text) if isinstance(item, ModelDelta) else 0, 1)
+            # least, so that endless empty deltas or pings are cut too. Reasoning is no
+            # part of the response (never committed): it has a bound of its own
+            size = len(item.text) if isinstance(item, ModelDelta) else 0
+            if isinstance(item, ModelDelta) and item.type == "reasoning_delta":
+                reasoned += size
+                size = 0
+            streamed += max(size, 1)
             if streamed > most:
                 raise InputRefused(
                     "model output", "response_bytes", f"streamed over {most} characters"
+                )
+            if reasoned > most_reasoning:
+                raise InputRefused(
+                    "model reasoning", "reasoning_bytes", f"over {most_reasoning} characters"
                 )
             if checkpointing:
                 partial.add(item)

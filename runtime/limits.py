@@ -52,6 +52,9 @@ class Limits:
     response_bytes: int = 128 * KIB
     """One model response in all: its text and every tool call's arguments. A stream whose
     deltas pass it (in characters) fails its attempt as it streams."""
+    reasoning_bytes: int = 1 * MIB
+    """A model's reasoning streamed in one attempt (shown live, never committed: not part
+    of ``response_bytes``); a stream past it fails its attempt."""
     tool_calls: int = 64
     """Tool calls in one model response."""
     tool_arguments_bytes: int = 32 * KIB

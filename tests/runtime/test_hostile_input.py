@@ -315,6 +315,19 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
             lambda a: itertools.repeat(ModelDelta(text="")),
             ("failed", "inference", "response_bytes"),
         ),
+        # reasoning is not the response: long thinking, then a short answer, is an answer
+        (
+            lambda a: [
+                *(ModelDelta(type="reasoning_delta", text="hmm " * 250) for _ in range(200)),
+                ModelResponse(text="It is 5."),
+            ],
+            ("natural",),
+        ),
+        # and reasoning without end is cut at its own bound
+        (
+            lambda a: itertools.repeat(ModelDelta(type="reasoning_delta", text="hmm " * 250)),
+            ("failed", "inference", "reasoning_bytes"),
+        ),
     ],
     ids=[
         "2MB-answer",
@@ -324,6 +337,8 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
         "retried",
         "endless-stream",
         "endless-pings",
+        "long-reasoning",
+        "endless-reasoning",
     ],
 )
 async def test_model_failures_end_the_run_failed_inference(first, want):
