@@ -18,9 +18,10 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args, get_type_hints
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, RootModel, ValidationError, create_model
 
 from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy, WaitKind
 from runtime.errors import InputRefused, ToolDefinitionError
@@ -155,6 +156,21 @@ class Tool:
             )
             raise ValueError(printable(f"invalid arguments for {self.id}: {problems}")) from exc
 
+    def _typed(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments as its parameters are typed: they travel as JSON (``parse``
+        checked and dumped them), so a ``datetime``, ``Decimal``, ``Enum``, model or tuple
+        parameter is validated again into its type; plain JSON types go as they are."""
+        typed: bool | None = self.__dict__.get("_typed_fields")  # asked for every call
+        if typed is None:
+            fields = self.args_model.model_fields.values()
+            root = issubclass(self.args_model, RootModel)  # the arguments whole (MCP's)
+            typed = not root and not all(_json_native(f.annotation) for f in fields)
+            object.__setattr__(self, "_typed_fields", typed)
+        if not typed:
+            return dict(arguments)
+        model = self.args_model.model_validate(arguments)
+        return {name: getattr(model, name) for name in type(model).model_fields}
+
     def schema(self) -> dict[str, Any]:
         """The tool's schema for the model (built once: it is asked for every inference)."""
         cached: dict[str, Any] | None = self.__dict__.get("_schema")
@@ -179,7 +195,7 @@ class Tool:
         is cancelled cannot be interrupted: its thread runs it to its end, and what it
         returns is dropped. ``start`` notes whether the call began (a synchronous one
         may wait for a thread, and one given up before that never runs)."""
-        kwargs = dict(arguments)
+        kwargs = self._typed(arguments)
         if self.context_param is not None:
             kwargs[self.context_param] = ctx
         on_loop: bool | None = self.__dict__.get("_on_loop")  # asked for every call
@@ -202,6 +218,19 @@ class Tool:
         except (SystemExit, KeyboardInterrupt) as exc:
             raise ToolExited(f"the tool raised {type(exc).__name__}") from None
 
+
+_JSON_TYPES: frozenset[Any] = frozenset({str, int, float, bool, Any, dict, list, type(None)})
+
+
+def _json_native(annotation: Any) -> bool:
+    """Whether an argument of this type is already what its JSON form is (``Tool._typed``
+    validates it no further): JSON's own types, and lists, dicts and unions of them."""
+    if annotation in _JSON_TYPES:
+        return True
+    origin = get_origin(annotation)
+    if origin in (list, dict, Union, UnionType):
+        return all(_json_native(a) for a in get_args(annotation))
+    return False
 
 SYNC_TOOL_THREADS = 32
 """Threads per process that run synchronous tools: at most this many at once."""
@@ -261,7 +290,9 @@ def _build_tool(
     if concurrency not in ("parallel", "serial"):
         raise ToolDefinitionError(f"tool {tool_id}: concurrency must be parallel or serial")
     fields, context_param = _signature_fields(fn, tool_id)
-    model = create_model(f"{tool_id}_args", __config__=ConfigDict(extra="forbid"), **fields)
+    # no NaN or infinity: no JSON holds one (a "nan" text would pass a float parameter)
+    config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model = create_model(f"{tool_id}_args", __config__=config, **fields)
     return Tool(
         id=tool_id,
         fn=fn,

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import ast
+import datetime
+import decimal
+import enum
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 import runtime
 from runtime import ToolContext, ToolDefinitionError, tool
@@ -161,3 +166,59 @@ async def test_a_rejected_resume_does_not_claim_the_thread():
     with pytest.raises(ResumeRejected):
         await runner.resume(bad)
     assert (await store.load("t")).epoch == epoch
+
+
+class _Color(enum.Enum):
+    red = "red"
+
+
+class _Point(BaseModel):
+    x: int
+    y: int
+
+
+SEEN_ARGS: dict[str, object] = {}
+
+
+@tool
+def book(
+    when: datetime.datetime, price: decimal.Decimal, color: _Color, p: _Point, ids: tuple[int, ...]
+) -> str:
+    SEEN_ARGS.update(when=when, price=price, color=color, p=p, ids=ids)
+    return f"booked {when.isoformat()} at {price + 1} in {color.value} at {p.x},{p.y}"
+
+
+@tool
+def weigh(kilos: float) -> str:
+    return f"{kilos} kg"
+
+
+async def test_a_tool_gets_its_arguments_as_its_parameters_are_typed():
+    """Arguments travel as JSON; the tool gets a datetime, a Decimal, an Enum, a model and
+    a tuple as its signature says, not their JSON forms (str, dict, list)."""
+    from runtime.ids import CallId, OperationId, RunId, ThreadId
+    from runtime.ports import Finished, ToolInvocation
+    from runtime.tools import LocalToolRunner
+
+    raw = {"when": "2025-01-02T03:04:05Z", "price": "9.99", "color": "red",
+           "p": {"x": 1, "y": 2}, "ids": [1, 2]}  # fmt: skip
+    invocation = ToolInvocation(
+        tool="book",
+        arguments=book.parse(json.dumps(raw)),
+        call_id=CallId("c1"),
+        operation_id=OperationId("op-1"),
+        attempt=1,
+        run_id=RunId("r"),
+        thread_id=ThreadId("t"),
+    )
+    (outcome,) = await LocalToolRunner([book]).run([invocation])
+    assert isinstance(outcome, Finished) and not outcome.output.is_error, outcome
+    assert {
+        "when": datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
+        "price": decimal.Decimal("9.99"),
+        "color": _Color.red,
+        "p": _Point(x=1, y=2),
+        "ids": (1, 2),
+    } == SEEN_ARGS
+    with pytest.raises(ValueError, match="finite"):
+        weigh.parse('{"kilos": "nan"}')  # no JSON holds a NaN: refused, never passed on
