@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -84,6 +85,17 @@ class Session:
             raise ValueError("first is 'a' or 'b'")
 
 
+def _counts(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _seconds(value: object) -> bool:
+    """A finite, non-negative number of seconds."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    return math.isfinite(value) and value >= 0
+
+
 @dataclass(frozen=True)
 class Agent:
     name: str
@@ -132,8 +144,17 @@ class Agent:
     ``failed(capability_bound)`` at its start instead of executing."""
 
     def __post_init__(self) -> None:
-        if self.max_steps < 1:
-            raise ValueError("max_steps must be at least 1")
+        if not _counts(self.max_steps):
+            raise ValueError(f"max_steps must be an integer of at least 1, not {self.max_steps!r}")
+        if not _counts(self.inference_attempts):
+            raise ValueError(
+                f"inference_attempts must be an integer of at least 1, not "
+                f"{self.inference_attempts!r}"
+            )
+        for name in ("inference_timeout_s", "rate_limit_wait_s"):
+            value = getattr(self, name)
+            if not _seconds(value) or (name == "inference_timeout_s" and value == 0):
+                raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
         self._resolve_plugins()
         ids = [t.id for t in self.tools]
         if len(set(ids)) != len(ids):

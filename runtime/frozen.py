@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 
 def _refuse(*_args: Any, **_kwargs: Any) -> NoReturn:
-    raise TypeError("state is read-only: return a Command to change it")
+    raise TypeError("read-only: a value shared by every reader (state changes by a Command)")
 
 
 class FrozenDict(dict[str, Any]):

@@ -204,7 +204,31 @@ def _contributions(plugin: Plugin) -> Contributions:
     if not isinstance(made, Contributions):
         kind = type(made).__name__
         raise ContributionFailed(pid, "its contributions", f"a {kind}, not Contributions")
+    _check_kinds(pid, made)
     return made
+
+
+def _check_kinds(pid: str, made: Contributions) -> None:
+    """Each contribution of the kind its field holds (a function where a Hook belongs, a
+    tool's name where the Tool does): ContributionFailed naming the plugin, never an
+    AttributeError out of the agent's construction."""
+    wanted: list[tuple[str, Any, Callable[[Any], bool]]] = [
+        ("tools", made.tools, lambda t: isinstance(t, Tool)),
+        ("hooks", made.hooks, lambda h: isinstance(h, Hook)),
+        ("gates", made.gates, callable),
+        ("actions", made.actions, lambda a: isinstance(a, str)),
+        ("run_end_guards", made.run_end_guards, callable),
+    ]
+    for field_name, items, fits in wanted:
+        if isinstance(items, str | bytes) or not isinstance(items, Sequence | set | frozenset):
+            raise ContributionFailed(pid, field_name, f"a {type(items).__name__}, not a list")
+        for item in items:
+            if not fits(item):
+                what = type(item).__name__
+                raise ContributionFailed(pid, field_name, f"holds a {what}")
+    keys = made.state_keys
+    if not isinstance(keys, Mapping) or not all(isinstance(k, str) for k in keys):
+        raise ContributionFailed(pid, "state_keys", "not a mapping of keys to merge policies")
 
 
 def _within_bound(manifest: PluginManifest, made: Contributions) -> None:

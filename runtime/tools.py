@@ -14,6 +14,7 @@ import contextvars
 import functools
 import inspect
 import json
+import math
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, RootModel, ValidationError, create_m
 from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy, WaitKind
 from runtime.errors import InputRefused, ToolDefinitionError
 from runtime.execution import AbortSignal, ToolExecution, ToolRequest
+from runtime.frozen import FrozenDict, freeze
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.limits import (
     DEFAULT_LIMITS,
@@ -172,11 +174,14 @@ class Tool:
         return {name: getattr(model, name) for name in type(model).model_fields}
 
     def schema(self) -> dict[str, Any]:
-        """The tool's schema for the model (built once: it is asked for every inference)."""
+        """The tool's schema for the model (built once: it is asked for every inference),
+        deeply immutable: every request shares it, and a model or an adapter that changed
+        a part of it in place would change it for every later request (TypeError)."""
         cached: dict[str, Any] | None = self.__dict__.get("_schema")
-        if cached is None:
-            cached = self._build_schema()
+        if type(cached) is not FrozenDict:
+            cached = freeze(cached if cached is not None else self._build_schema())
             object.__setattr__(self, "_schema", cached)
+        assert cached is not None
         return cached
 
     def _build_schema(self) -> dict[str, Any]:
@@ -231,6 +236,7 @@ def _json_native(annotation: Any) -> bool:
     if origin in (list, dict, Union, UnionType):
         return all(_json_native(a) for a in get_args(annotation))
     return False
+
 
 SYNC_TOOL_THREADS = 32
 """Threads per process that run synchronous tools: at most this many at once."""
@@ -289,6 +295,15 @@ def _build_tool(
         raise ToolDefinitionError(f"tool {tool_id}: unknown or empty recovery modes {unknown}")
     if concurrency not in ("parallel", "serial"):
         raise ToolDefinitionError(f"tool {tool_id}: concurrency must be parallel or serial")
+    if timeout_s is not None and not (
+        isinstance(timeout_s, int | float)
+        and not isinstance(timeout_s, bool)
+        and math.isfinite(timeout_s)
+        and timeout_s > 0
+    ):
+        raise ToolDefinitionError(
+            f"tool {tool_id}: timeout_s must be a positive finite number or None, not {timeout_s!r}"
+        )
     fields, context_param = _signature_fields(fn, tool_id)
     # no NaN or infinity: no JSON holds one (a "nan" text would pass a float parameter)
     config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -191,13 +191,18 @@ def _args_model(name: str, schema: dict[str, Any]) -> type[_SchemaArguments]:
 
     if schema.get("type") != "object":
         raise ToolDefinitionError(f"MCP tool {name}: its inputSchema is not of type object")
-    if CONTEXT_PARAM in schema.get("properties", {}):
-        raise ToolDefinitionError(f"MCP tool {name}: an argument is named {CONTEXT_PARAM}")
     kind = validator_for(schema)
     try:
         kind.check_schema(schema)
     except SchemaError as exc:
         raise ToolDefinitionError(f"MCP tool {name}: invalid inputSchema: {exc.message}") from exc
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict):  # what a schema of another draft may allow
+        raise ToolDefinitionError(
+            f"MCP tool {name}: its inputSchema's properties are not an object"
+        )
+    if CONTEXT_PARAM in properties:
+        raise ToolDefinitionError(f"MCP tool {name}: an argument is named {CONTEXT_PARAM}")
     model = create_model(f"{name}_args", __base__=_SchemaArguments)
     # an empty registry: a $ref resolves inside the schema, never over the network
     model.validator = kind(schema, registry=Registry())

@@ -265,3 +265,13 @@ async def test_a_listing_that_hands_out_cursors_without_end_is_cut() -> None:
         with pytest.raises(ValueError, match="cursors"):
             await server._listing(session)  # type: ignore[arg-type]
         assert session.pages == (2 if same else MAX_LIST_PAGES)
+
+
+@pytest.mark.parametrize("properties", [5, None, True, "abc"])
+def test_an_input_schema_whose_properties_are_not_an_object_is_refused_typed(properties):
+    """A server's schema of the wrong shape is ToolDefinitionError naming the tool when the
+    agent is built, not a TypeError out of the listing."""
+    from runtime.adapters.mcp import _args_model
+
+    with pytest.raises(ToolDefinitionError, match="MCP tool t"):
+        _args_model("t", {"type": "object", "properties": properties})

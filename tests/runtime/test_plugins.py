@@ -325,3 +325,31 @@ def test_a_plugin_whose_function_fails_is_refused_naming_it():
         resolve([Plugin(PluginManifest(id="b"), broken)])
     with pytest.raises(ContributionFailed, match="a dict, not Contributions"):
         resolve([Plugin(PluginManifest(id="c"), lambda: {"tools": []})])
+
+
+@pytest.mark.parametrize(
+    ("made", "field"),
+    [
+        ({"hooks": [lambda seen: None]}, "hooks"),  # a function, not a Hook
+        ({"tools": ["noop"]}, "tools"),  # a tool's name, not the Tool
+        ({"state_keys": ["thread:a"]}, "state_keys"),  # a list, not a mapping
+        ({"gates": ["deny"]}, "gates"),
+        ({"actions": "one"}, "actions"),
+    ],
+)
+def test_contributions_of_the_wrong_kind_are_refused_naming_the_plugin(made, field):
+    bound = CapabilityBound(
+        tools=frozenset({"noop"}),
+        hook_points=frozenset({"StepStart"}),
+        state_keys=frozenset({"thread:a"}),
+        gates=True,
+        actions=frozenset({"one", "o", "n", "e"}),
+    )
+    with pytest.raises(ContributionFailed, match=rf"plugin 'p', {field}"):
+        resolve([plugin("p", bound=bound, **made)])
+    agent = Agent(
+        name="a",
+        model=ScriptedModel([ModelResponse(text="x")]),
+        plugins=[plugin("p", bound=bound, **made)],
+    )
+    assert isinstance(agent.plugins_refused, ContributionFailed)

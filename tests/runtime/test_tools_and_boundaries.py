@@ -222,3 +222,27 @@ async def test_a_tool_gets_its_arguments_as_its_parameters_are_typed():
     } == SEEN_ARGS
     with pytest.raises(ValueError, match="finite"):
         weigh.parse('{"kilos": "nan"}')  # no JSON holds a NaN: refused, never passed on
+
+
+def test_a_tool_s_schema_cannot_be_changed_in_place():
+    """Every request shares the cached schema: a model or an adapter changing a part of it
+    would change what every later request (of every Run) tells the model."""
+    schema = weigh.schema()
+    with pytest.raises(TypeError):
+        schema["parameters"]["properties"]["kilos"]["type"] = "string"
+    with pytest.raises(TypeError):
+        schema["parameters"]["required"].append("x")
+    assert weigh.schema()["parameters"]["properties"]["kilos"]["type"] == "number"
+
+
+def test_settings_that_cannot_work_are_refused_when_built():
+    from runtime import Agent, ModelResponse, ScriptedModel, ToolDefinitionError
+
+    model = ScriptedModel([ModelResponse(text="x")])
+    for bad in ({"inference_attempts": 0}, {"max_steps": 0}, {"inference_timeout_s": 0},
+                {"inference_timeout_s": float("nan")}, {"rate_limit_wait_s": -1}):  # fmt: skip
+        with pytest.raises(ValueError):
+            Agent(name="a", model=model, **bad)  # type: ignore[arg-type]
+    for timeout in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ToolDefinitionError, match="timeout_s"):
+            tool(timeout_s=timeout)(lambda: "x")
