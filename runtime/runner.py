@@ -11,6 +11,7 @@ from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.control import control_engine
 from runtime.delegation import (
+    CHILDREN_KEY,
     ChildOutcome,
     ChildRequest,
     ParentLink,
@@ -19,10 +20,17 @@ from runtime.delegation import (
     parent_link,
 )
 from runtime.engine import Engine
-from runtime.errors import AgentImportError, InputRefused, InvalidTransition
+from runtime.errors import (
+    AgentImportError,
+    Fenced,
+    InputRefused,
+    InvalidTransition,
+    ResumeRejected,
+    RunEnded,
+)
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import ResumeCommand, RunningState
+from runtime.lifecycle import AwaitingState, ResumeCommand, RunningState, ToolWaitTarget
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.publish import Publisher
@@ -90,7 +98,21 @@ class InProcessRunner:
         return await self.engine(faults).start(thread, text, run_id=rid, new_thread=new)
 
     async def recover(self, thread_id: str, faults: FaultPlan = NO_FAULTS) -> Frontier:
-        return await self.engine(faults).recover(ThreadId(thread_id))
+        """Drive a thread's Run on from its committed frontier: a child's with its own
+        agent (its parent link says which); a parent awaiting a lone child that has ended
+        meanwhile (cancelled or stopped at rest, say) is handed that child's outcome, as a
+        cluster's Supervisor would hand it."""
+        thread = ThreadId(thread_id)
+        link = await self.children.link_of(thread)
+        engine = self.engine(faults) if link is None else self.children.engine(link, faults)
+        done = await engine.recover(thread)
+        if link is not None:
+            return await self._handed_up(done, link, faults)
+        child = await self.children.ended_child_of(done)
+        child_link = parent_link(child) if child is not None else None
+        if child is not None and child_link is not None:  # its hand-over never came: now
+            return await self._handed_up(child, child_link, faults, done)
+        return done
 
     async def resume(self, command: ResumeCommand, faults: FaultPlan = NO_FAULTS) -> Frontier:
         """Resume a Run (or a child Run); a child that ends delivers its outcome upward."""
@@ -99,10 +121,28 @@ class InProcessRunner:
         if link is None:
             return await self.engine(faults).resume(command)
         done = await self.children.engine(link, faults).resume(command)
-        delivery = await self.children.delivery(done, link)
+        return await self._handed_up(done, link, faults)
+
+    async def _handed_up(
+        self,
+        child: Frontier,
+        link: ParentLink,
+        faults: FaultPlan,
+        answer: Frontier | None = None,
+    ) -> Frontier:
+        """Hand an ended child's outcome to the parent awaiting it, if it still does;
+        ``answer`` (the child's frontier by default) is returned. The child's own resume
+        landed whatever becomes of the hand-over: a parent that moved on meanwhile (a
+        cancel) keeps what it did, and the resume is not reported as refused."""
+        delivery = await self.children.delivery(child, link)
         if delivery is not None:
-            await self.resume(delivery, faults)
-        return done
+            try:
+                parent = await self.resume(delivery, faults)
+            except (ResumeRejected, Fenced, RunEnded):
+                parent = None  # the parent moved on: it no longer waits for this child
+            if answer is not None and parent is not None:
+                return parent
+        return answer if answer is not None else child
 
 
 class InProcessChildren:
@@ -166,6 +206,18 @@ class InProcessChildren:
 
     async def link_of(self, thread: ThreadId) -> ParentLink | None:
         return parent_link(await self.store.load(thread))
+
+    async def ended_child_of(self, parent: Frontier) -> Frontier | None:
+        """The lone child a parent awaits, if that child has ended (its outcome is due)."""
+        state = parent.run_state
+        if not isinstance(state, AwaitingState):
+            return None
+        target = state.ticket.target
+        if not isinstance(target, ToolWaitTarget) or target.wait != "delegation":
+            return None
+        thread = parent.state["run"].get(CHILDREN_KEY, {}).get(target.call_id)
+        child = await self.store.load(ThreadId(thread)) if thread else None
+        return child if child is not None and child.ended else None
 
     async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
         """The resume that hands an ended child's outcome to a parent awaiting it."""

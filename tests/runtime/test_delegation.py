@@ -342,3 +342,83 @@ async def test_a_parent_ends_only_its_own_child_s_run():
     assert ended.run_state.cause.kind == "failed"
     assert ended.state["run"]["children"]["c"] == shared
     assert (await store.load(shared)).run_state == child_before.run_state  # still awaiting
+
+
+# ---- the in-process runner's hand-overs ---------------------------------------------------
+
+
+async def test_a_lone_child_ended_at_rest_hands_its_outcome_up_on_recovery():
+    """The lone child a parent awaits is cancelled at rest (nothing drives it): recovering
+    the parent hands the parent the child's end, as a cluster's Supervisor would, instead
+    of leaving it awaiting a ticket nobody can answer."""
+    from runtime.control import control_engine
+    from runtime.lifecycle import Cancelled
+
+    store = MemoryCommitStore()
+    r = runner(agents.lone_needy(), store)
+    parent = await r.start("go", thread_id="p", run_id="pr")
+    assert isinstance(parent.run_state, AwaitingState)
+    (kid,) = await children_of(store, parent)
+    await control_engine(store, owner="user#1").terminate(kid.thread_id, Cancelled())
+    again = await r.recover("p")
+    assert again.ended and again.run_state.cause.kind == "natural"
+    (result,) = json.loads(again.messages[-1].text)
+    assert "cancelled" in result
+
+
+class _ParentEndedAfterItsRead:
+    """The store; another client ends the parent right after the child's hand-over read
+    the parent (still awaiting), before the hand-over resumes it."""
+
+    def __init__(self, inner: MemoryCommitStore, parent: str) -> None:
+        self.inner, self.parent, self.loads = inner, parent, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: ThreadId) -> object:
+        from runtime.control import control_engine
+
+        if thread == self.parent:
+            self.loads += 1
+            if self.loads == 2:  # the first: the hand-over's read; then: the parent's own
+                await control_engine(self.inner, owner="client-2#1").terminate(thread)
+        return await self.inner.load(thread)
+
+
+async def test_a_child_s_resume_that_landed_is_not_refused_for_its_parent_s_sake():
+    """The child's resume lands and the child ends; between the hand-over's read of the
+    parent and its resume of it, another client ends the parent. The child's resume is
+    still answered with the child's end, not refused: it was applied."""
+    from runtime.lifecycle import answer
+
+    inner = MemoryCommitStore()
+    parent = await runner(agents.lone_needy(), inner).start("go", thread_id="p", run_id="pr")
+    (kid,) = await children_of(inner, parent)
+    approve = answer(kid.run_state.ticket, PermissionDecision(approve=True))
+    racing = runner(agents.lone_needy(), _ParentEndedAfterItsRead(inner, "p"))  # type: ignore[arg-type]
+    done = await racing.resume(approve)
+    assert done.ended and done.thread_id == kid.thread_id
+    assert done.run_state.cause.kind == "natural"  # the child's own end
+    assert (await inner.load(ThreadId("p"))).run_state.cause.kind == "cancelled"
+
+
+async def test_recovering_a_child_s_thread_drives_it_with_the_child_s_agent():
+    """A library user recovering every running thread after a crash, children among
+    them: each is driven by its own agent (its parent link names it), not the runner's."""
+    agents.BLOCK = asyncio.Event()
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("slow_worker", 1, name="fan1"), store)
+    started = asyncio.ensure_future(r.start("go", thread_id="p", run_id="pr"))
+
+    async def child_in_its_tool() -> bool:
+        kids = (await store.load(ThreadId("p"))).state["run"].get("children", {})
+        return bool(kids) and (await store.load(next(iter(kids.values())))).batch is not None
+
+    await until(child_in_its_tool, 10, what="the child in its tool")
+    started.cancel()  # the process dies: nothing drives either Run now
+    await asyncio.gather(started, return_exceptions=True)
+    (child,) = (await store.load(ThreadId("p"))).state["run"]["children"].values()
+    agents.BLOCK.set()
+    done = await r.recover(child)
+    assert done.run_state.cause.kind == "natural" and done.messages[-1].text == "slow done"
