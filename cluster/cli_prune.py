@@ -24,7 +24,7 @@ from rich.console import Console
 
 from cluster.cli_args import BadInput
 from cluster.cli_view import console
-from runtime.errors import CorruptRecord, InvalidTransition
+from runtime.errors import CorruptRecord, InvalidTransition, StoreError, StoreUnavailable
 from runtime.ids import ThreadId
 from storage.retention import prune_point, run_logs
 
@@ -135,7 +135,11 @@ async def _prune_thread(
         if not point:
             return
         removed = point - (records[0].seq - 1) if dry_run else await db.prune(thread, point)
-    except (CorruptRecord, InvalidTransition) as exc:
+    except StoreUnavailable:
+        raise  # the store, not this thread: the whole command stops (and says so)
+    except (CorruptRecord, InvalidTransition, StoreError) as exc:
+        # this thread's problem (its records, a history a prune cannot extend, an id
+        # the driver cannot send): named, and the other threads are pruned
         line = f"skipped: thread {thread!r}: {exc}"
         errors.print(line, markup=False, highlight=False, soft_wrap=True)
         tally.skipped += 1

@@ -99,6 +99,9 @@ async def prune_thread(
             return 0
         if await cut(planned):
             return planned.removed
+    # a cut refused every time: other prunes, or a pruned history damaged by hand (its
+    # next rows cannot be numbered); a load verifies the history and names that
+    await store.load(thread)
     raise StoreError(f"thread {thread}: other prunes kept moving its anchor")
 
 

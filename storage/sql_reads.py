@@ -20,6 +20,7 @@ from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import PrunedHistory, RawRecord, check_head, verified_records, whole_frontier
 from runtime.lifecycle import ThreadStatus
+from runtime.limits import utf8_problem
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from storage.frontiers import FrontierCache
 from storage.retention import ATTEMPTS
@@ -35,6 +36,7 @@ from storage.sql_statements import (
     PRUNED_TEXTS,
     READ,
     THREAD_IDS,
+    THREAD_IDS_SQLITE_RAW,
     UNVOUCHED,
 )
 from storage.summary import kept, summarize, vouched
@@ -176,9 +178,16 @@ def _check_unvouched(conn: Connection, thread: ThreadId) -> None:
 
 
 def thread_ids_body(conn: Connection, after: str, limit: int) -> list[ThreadId]:
-    return [
-        ThreadId(r.thread_id) for r in conn.execute(THREAD_IDS, {"after": after, "limit": limit})
-    ]
+    """A page of thread ids after ``after``. On SQLite an id may be bytes that are not
+    UTF-8 (written by hand: it reads back with lone surrogates), and the driver cannot
+    send that as text: such a cursor goes as its bytes, so the listing goes past it."""
+    statement: Any = THREAD_IDS
+    cursor: str | bytes = after
+    if conn.dialect.name == "sqlite" and utf8_problem(after) is not None:
+        statement = THREAD_IDS_SQLITE_RAW
+        cursor = after.encode("utf-8", "surrogateescape")
+    rows = conn.execute(statement, {"after": cursor, "limit": limit})
+    return [ThreadId(r.thread_id) for r in rows]
 
 
 def list_body(conn: Connection, state: str | None, host: str | None) -> list[DbRow]:

@@ -17,10 +17,12 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     Connection,
+    LargeBinary,
     String,
     and_,
     any_,
     bindparam,
+    cast,
     func,
     select,
     true,
@@ -204,6 +206,18 @@ THREAD_IDS = (
 )
 """Every thread with a row or with records: a log whose row was deleted is listed too, so
 that an audit of the whole store finds it (its load fails closed)."""
+_RAW_AFTER = cast(bindparam("after", type_=LargeBinary), String)
+_ALL_AFTER_RAW = union(
+    select(_t.thread_id.label("thread_id")).where(_t.thread_id > _RAW_AFTER),
+    select(_c.thread_id.label("thread_id")).where(_c.thread_id > _RAW_AFTER),
+).subquery()
+THREAD_IDS_SQLITE_RAW = (
+    select(_ALL_AFTER_RAW.c.thread_id)
+    .order_by(_ALL_AFTER_RAW.c.thread_id)
+    .limit(bindparam("limit"))
+)
+"""``THREAD_IDS`` after a cursor that is not UTF-8 (SQLite lets a row's text hold any
+bytes, which read back as lone surrogates): bound as its bytes, compared as text."""
 
 
 def _pg_lock_statement() -> Any:

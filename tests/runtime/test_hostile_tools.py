@@ -309,6 +309,7 @@ async def test_what_one_call_hands_its_run_is_bounded_in_all():
     """Each state command and injected message within its own limit, but forty of them:
     refused (a model-visible error naming batch_result_bytes), not a commit past the
     store's payload limit that lost the call's result with the Run (failed store)."""
+
     @tool
     def hands() -> ToolResult:
         values = [Command(key=f"k{i}", value="x" * 30_000) for i in range(40)]

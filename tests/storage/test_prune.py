@@ -475,3 +475,25 @@ async def test_a_store_from_before_retention_upgrades(
         assert await audit_thread(store, T) == ([], ends[1])
     finally:
         await store.close()
+
+
+async def test_a_damaged_pruned_history_is_named_and_the_command_goes_on(
+    sql_store: Any, tmp_path: Any
+) -> None:
+    """A row of a thread's pruned history deleted by hand: the next prune of it cannot
+    number its rows; it is that thread's CorruptRecord (it said "other prunes kept moving
+    its anchor", a StoreError `ratchet prune` stopped at), which the command names and
+    skips (``test_the_command_names_a_thread_it_cannot_prune_and_goes_on``)."""
+    from sqlalchemy import text
+
+    from runtime.errors import CorruptRecord
+    from storage.schema import pruned_messages
+
+    ends = await three_runs(sql_store)
+    await sql_store.prune(T, ends[0])
+    async with sql_store.engine.begin() as conn:
+        await conn.execute(
+            text(f"DELETE FROM {pruned_messages.name} WHERE thread_id = :t AND idx = 0"), {"t": T}
+        )
+    with pytest.raises(CorruptRecord):
+        await sql_store.prune(T, ends[1])

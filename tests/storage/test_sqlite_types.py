@@ -67,3 +67,38 @@ async def test_a_value_of_the_wrong_type_is_that_threads_corrupt_record(
     assert (await audit_thread(sqlite, BAD)).problems
     assert not (await audit_thread(sqlite, GOOD)).problems
     assert (await sqlite.load(GOOD)).version == 5
+
+
+async def test_a_thread_id_that_is_not_utf8_is_audited_and_skipped_not_a_whole_command(
+    sqlite: SqlCommitStore, tmp_path: Path
+) -> None:
+    """A thread id edited to bytes that are not UTF-8 reads back with lone surrogates,
+    which the driver cannot send back: the listing pages past it (its cursor goes as its
+    bytes), `verify --all` names it among the others, and `prune` skips it, naming it,
+    and goes through the rest (both stopped at it, printing nothing of the others)."""
+    import asyncio
+
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    await make_victim(sqlite, BAD)
+    await make_victim(sqlite, GOOD)
+    for table in (threads.name, commits.name):
+        async with sqlite.engine.begin() as conn:
+            await conn.execute(
+                text(
+                    f"UPDATE {table} SET thread_id = CAST(x'7a7aff' AS TEXT) WHERE thread_id = :t"
+                ),
+                {"t": GOOD},
+            )
+    ids = await sqlite.thread_ids()
+    assert len(ids) == 2 and "zz\udcff" in ids
+    assert await sqlite.thread_ids(after="zz\udcff") == []  # past it, not an error
+    url = f"sqlite:///{tmp_path}/typed.db"
+    verify = await asyncio.to_thread(CliRunner().invoke, app, ["verify", "--all", "--store", url])
+    assert "2 threads audited, 1 with problems" in verify.stdout, verify.output
+    prune = ["prune", "--ended-before", "2100-01-01", "--store", url]
+    pruned = await asyncio.to_thread(CliRunner().invoke, app, prune)
+    assert "skipped: thread 'zz\\udcff'" in pruned.stderr, pruned.output
+    assert "2 threads scanned" in pruned.stdout and "1 skipped" in pruned.stdout, pruned.output
