@@ -262,11 +262,14 @@ async def audit_thread(store: CommitStore, thread: ThreadId) -> Audit:
     found = _compare(thread, frontier, records) if pruned == 0 else []
     if pruned:
         found = _compare_suffix(thread, frontier, records)
-    # a store with a run index (SQL) says whether it still says what the frontier does:
-    # one changed by hand would hide a Run from the sweeps that recover it
+    # a store with indexes beside the log (the SQL run index; Redis's run and owner
+    # indexes and receipts) says whether they still say what the verified thread does:
+    # one changed by hand would hide a Run from the sweeps that recover it (asked of a
+    # thread whose log verified: a forged log is the cause of what they then disagree on)
     index_problem = getattr(store, "index_problem", None)
-    if index_problem is not None and (detail := await index_problem(thread)) is not None:
-        found = [*found, Problem(thread, frontier.version, detail)]
+    detail = await index_problem(thread) if not found and index_problem is not None else None
+    if detail is not None:
+        found = [Problem(thread, frontier.version, detail)]
     return Audit(found, pruned)
 
 

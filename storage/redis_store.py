@@ -106,6 +106,7 @@ from runtime.integrity import (
 )
 from runtime.ports import CommittedRecord, RunSummary, host_of
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
+from storage.redis_audit import index_problem
 from storage.redis_client import open_client, translated
 from storage.redis_rows import (
     anchor_of,
@@ -377,6 +378,10 @@ class RedisCommitStore:
 
         makes = (functools.partial(summary, i, t, x) for i, (t, x) in enumerate(rows))
         return kept(makes, state, host)
+
+    async def index_problem(self, thread: ThreadId) -> str | None:
+        """What is wrong with the thread's index entries and receipts (``redis_audit``)."""
+        return await index_problem(self, thread)
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         """Threads by their keys, any of them (a SCAN: for audits, not for hot paths): a

@@ -380,3 +380,31 @@ async def test_a_thread_id_no_command_can_carry_is_refused_typed(store: RedisCom
         with pytest.raises(InputRefused) as refused:
             await read(ThreadId("bad\ud800"))
         assert refused.value.limit == "utf8"
+
+
+@pytest.mark.parametrize("edit", ["run-index", "owner-index", "receipt-gone", "receipt-garbled"])
+async def test_verify_names_index_entries_and_receipts_that_are_not_the_thread_s(
+    store: RedisCommitStore, edit: str
+) -> None:
+    """Kept outside a thread's verified keys, yet read by listings, the Supervisor's sweeps
+    and retried appends: an entry removed or changed by hand is named by the audit (as
+    the SQL stores' run index is), never passed as clean."""
+    from runtime.integrity import audit
+
+    thread = ThreadId("t-indexed")
+    first = activation(thread, "r1", epoch=1, claim="host-a#1")
+    await store.append(first, 0, 0, claim="host-a#1")
+    assert await audit(store, thread) == []
+    keys = {
+        "run-index": (store._index("running"), thread),
+        "owner-index": (f"{store.prefix}:owner:host-a", thread),
+        "receipt-gone": (store._key(thread, "ops"), first.operation_id),
+        "receipt-garbled": (store._key(thread, "ops"), first.operation_id),
+    }
+    key, field = keys[edit]
+    if edit == "receipt-garbled":
+        await store.client.hset(key, field, '{"thread_id":')
+    else:
+        assert await store.client.hdel(key, field) == 1
+    (problem,) = await audit(store, thread)
+    assert problem.thread == thread
