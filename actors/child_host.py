@@ -46,6 +46,7 @@ class ChildHosting:
             thread = request.child_thread
             if thread in self.drives.quarantined:
                 return failed_delegation(UNTRUSTED.format(thread))
+            await self.drives.loaded(request.agent)  # off the loop, before the check below
             drive = self.drives.get(thread)
             if drive is None:
                 message_id = RunMeta(agent_ref=request.agent).message_id(request.child_run)

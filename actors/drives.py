@@ -160,6 +160,7 @@ class Drives:
         self.on_idle = on_idle
         self.table: dict[ThreadId, Drive] = {}
         self.agents: dict[str, tuple[Agent, RayToolRunner]] = {}
+        self._loading: dict[str, asyncio.Future[Agent]] = {}
         self.paused: set[ThreadId] = set()
         """Drives stopped by a store outage that outlasted their backoff: driven again."""
         self.quarantined: set[ThreadId] = set()
@@ -182,10 +183,32 @@ class Drives:
         return len(self.table)
 
     def agent(self, ref: str) -> tuple[Agent, RayToolRunner]:
+        """The agent of ``ref`` and its tool runner, built once per process (imported here,
+        on the loop, only if nobody awaited ``loaded`` for it first)."""
         if ref not in self.agents:
-            agent = load_agent(ref)
-            self.agents[ref] = (agent, RayToolRunner(ref, agent, self.waves))
+            self._keep(ref, load_agent(ref))
         return self.agents[ref]
+
+    async def loaded(self, ref: str) -> None:
+        """Import the agent of ``ref`` in a thread, once for every request that asks
+        meanwhile: its module may list an MCP server's tools as it is imported, which on
+        this loop would hold every Run of the host for as long as that server takes.
+        Requests await it before their checks, so that the spawn after them (with no
+        await between) finds it built; an import that fails raises here, and is tried
+        again by the next request."""
+        if ref in self.agents:
+            return
+        loading = self._loading.get(ref)
+        if loading is None:
+            loading = asyncio.ensure_future(asyncio.to_thread(load_agent, ref))
+            self._loading[ref] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(ref, None))
+        agent = await asyncio.shield(loading)
+        if ref not in self.agents:
+            self._keep(ref, agent)
+
+    def _keep(self, ref: str, agent: Agent) -> None:
+        self.agents[ref] = (agent, RayToolRunner(ref, agent, self.waves))
 
     def engine(
         self, ref: str, faults: FaultPlan, link: ParentLink | None, store: CommitStore

@@ -143,6 +143,7 @@ class RunHost(ControlHosting, ChildHosting):
         kind: Placement = "dedicated" if placement == "dedicated" else "hosted"
         meta = RunMeta(agent_ref=agent_ref, placement=kind)
         try:
+            await self.drives.loaded(agent_ref)  # off the loop, before the checks below
             drive = self.drives.get(thread)
             if drive is not None and drive.run_id != run_id:
                 drive = await self._finishing(thread, drive, run_id)
@@ -214,6 +215,11 @@ class RunHost(ControlHosting, ChildHosting):
             frontier = await self.store.load(thread)
             if overtaken(frontier):
                 return True  # another took it over meanwhile: not to be taken from it
+            if (agent_ref or _ref_of(frontier)) not in self.drives.agents:
+                await self.drives.loaded(agent_ref or _ref_of(frontier))  # off the loop
+                frontier = await self.store.load(thread)  # as it is after that wait
+                if overtaken(frontier):
+                    return True
             stale = self.drives.get(thread)
             if stale is not None:
                 if not self.drives.fenced(stale, frontier):
@@ -273,6 +279,7 @@ class RunHost(ControlHosting, ChildHosting):
             state = frontier.run_state
             ticket = state.ticket if isinstance(state, AwaitingState) else None
             validate_resume(ticket, command, now_us())
+            await self.drives.loaded(_ref_of(frontier))  # off the loop, before the checks
             local = self.drives.get(thread)
             if local is not None and self.drives.fenced(local, frontier):
                 await self.drives.stop(thread, local, idle=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 from typing import Any
 
 import pytest
@@ -531,3 +532,37 @@ async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
     store.down = False
     GATE.set()
     await _ended_as(store, "ctl-out", "cancelled")
+
+
+# ---- an agent slow to build ---------------------------------------------------------------
+
+SLOW_MAY_RETURN = threading.Event()
+
+
+def slow_agent() -> Agent:
+    """A factory that returns once the test lets it (its module listing an MCP server's
+    tools, say); on the host's event loop it would hold every other request there."""
+    if not SLOW_MAY_RETURN.wait(timeout=20):
+        raise RuntimeError("never let go")
+    return GATED
+
+
+def quick_agent() -> Agent:
+    return GATED
+
+
+async def test_an_agent_slow_to_build_holds_back_only_its_own_starts():
+    SLOW_MAY_RETURN.clear()
+    GATE.clear()
+    store = MemoryCommitStore()
+    host = _gated_host(store, store)
+    slow = asyncio.ensure_future(
+        host.start_run(f"{__name__}:slow_agent", ThreadId("ctl-slow"), RunId("r-slow"), "go")
+    )
+    quick = await asyncio.wait_for(
+        host.start_run(f"{__name__}:quick_agent", ThreadId("ctl-quick"), RunId("r-q"), "go"), 10
+    )
+    assert quick is True and not slow.done()  # answered while the other agent builds
+    SLOW_MAY_RETURN.set()
+    assert await asyncio.wait_for(slow, 20) is True
+    GATE.set()
