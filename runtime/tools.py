@@ -461,7 +461,11 @@ async def _within(work: Awaitable[Any], limit_s: float) -> Any:
     """``work``'s result, or _DeadlinePassed once ``limit_s`` has passed: the call is then
     cancelled and left behind, not waited for (one that ignores its cancellation would
     hold its Run for as long as it likes). Its own TimeoutError is its own failure."""
-    task = asyncio.ensure_future(work)
+    bounded = contextvars.copy_context()
+    bounded.run(_BOUNDED.set, True)
+    task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(
+        _awaited(work), context=bounded
+    )
     try:
         await asyncio.wait({task}, timeout=limit_s)
     except asyncio.CancelledError:
@@ -473,9 +477,28 @@ async def _within(work: Awaitable[Any], limit_s: float) -> Any:
         if not task.done():
             task.add_done_callback(_forget)
         elif not task.cancelled():
-            task.exception()  # retrieved: what a call ends with past its deadline is moot
+            unsent = task.exception()  # retrieved: what it ends with past its deadline
+            if isinstance(unsent, UnavailableBeforeDispatch):
+                raise unsent  # it says it had sent nothing yet: unavailable, not lost
         raise _DeadlinePassed
     return task.result()
+
+
+_BOUNDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ratchet_call_bounded", default=False
+)
+
+
+async def _awaited(work: Awaitable[Any]) -> Any:
+    return await work
+
+
+def cancelled_at_deadline() -> bool:
+    """Whether the running call runs under its own ``timeout_s`` (in a task of its own, which
+    only its deadline or its wave's end cancels): a call cancelled there may answer
+    ``UnavailableBeforeDispatch`` if it had sent nothing yet (it is then tried again,
+    not lost). Anywhere else a CancelledError must go on unwinding."""
+    return _BOUNDED.get()
 
 
 def _forget(task: asyncio.Future[Any]) -> None:

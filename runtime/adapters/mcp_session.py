@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 from urllib.parse import urlsplit
 
 from runtime.limits import printable
-from runtime.tools import OutcomeUnknown, ToolContext, ToolResult, UnavailableBeforeDispatch
+from runtime.tools import (
+    OutcomeUnknown,
+    ToolContext,
+    ToolResult,
+    UnavailableBeforeDispatch,
+    cancelled_at_deadline,
+)
 
 if TYPE_CHECKING:
     from mcp import ClientSession
@@ -160,7 +166,15 @@ class McpServer:
         from mcp import MCPError
         from mcp.types import CONNECTION_CLOSED
 
-        link, session = await self._session()
+        try:
+            link, session = await self._session()
+        except asyncio.CancelledError:
+            if not cancelled_at_deadline():
+                raise
+            # its deadline came while the session was still opening: nothing was sent,
+            # which only this call can tell (unavailable, tried again; not lost)
+            why = f"the call was given up while the session to {self.label} was opening"
+            raise McpUnavailable(why) from None
         meta = {"idempotency_key": ctx.operation_id, "attempt": ctx.attempt, "epoch": ctx.epoch}
         key = (str(ctx.operation_id), ctx.attempt)
         try:

@@ -5,7 +5,8 @@ It records what the tests check on the server's side in ``MCP_TEST_DIR``: each p
 appends its pid to ``started.log`` (so the tests can tell that none outlives them), and
 ``hang`` writes ``hang.pid`` once it is inside the call. ``record`` answers with the
 ``_meta`` it received. ``MCP_TEST_DOTTED=1`` adds a tool whose name no model provider
-accepts; while ``MCP_TEST_DIR/refuse`` exists, the server exits as soon as it starts.
+accepts; while ``MCP_TEST_DIR/refuse`` exists, the server exits as soon as it starts,
+and while ``MCP_TEST_DIR/hold`` does, it waits (up to 30 s) before it serves.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -65,6 +67,9 @@ if __name__ == "__main__":
         started.write(f"{os.getpid()}\n")
     if (RECORDS / "refuse").exists():
         sys.exit(3)
+    held = time.monotonic()
+    while (RECORDS / "hold").exists() and time.monotonic() - held < 30:  # a slow start
+        time.sleep(0.02)
     if len(sys.argv) > 1 and sys.argv[1] == "http":
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
     else:

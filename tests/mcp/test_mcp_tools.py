@@ -275,3 +275,21 @@ def test_an_input_schema_whose_properties_are_not_an_object_is_refused_typed(pro
 
     with pytest.raises(ToolDefinitionError, match="MCP tool t"):
         _args_model("t", {"type": "object", "properties": properties})
+
+
+async def test_a_call_whose_deadline_comes_while_its_session_opens_is_unavailable(
+    server, records
+):
+    """Nothing was sent: the call is unavailable (tried again under any policy), not lost
+    (its never_replay policy would have made it indeterminate for a call never made)."""
+    runner = LocalToolRunner(mcp_tools(server, timeouts={"record": 0.5}))
+    (records / "hold").touch()  # the server takes its time to start
+    try:
+        (outcome,) = await runner.run([invocation("record", "c1", note="x")])
+    finally:
+        (records / "hold").unlink()
+    assert isinstance(outcome, Unavailable), outcome
+    assert "opening" in outcome.message
+    patient = LocalToolRunner(mcp_tools(server))  # the same session, once it has opened
+    (outcome,) = await patient.run([invocation("record", "c2", note="y")])
+    assert isinstance(outcome, Finished) and not outcome.output.is_error
