@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -167,10 +168,11 @@ class Drives:
         """Threads whose records do not verify: no engine here acts on them again."""
         self.replacing: set[ThreadId] = set()
         """Threads whose stale drive is being stopped (a dedicated host must not retire)."""
-        self.ending: set[ThreadId] = set()
-        """Threads whose Run a cancel or stop was promised to end: the host ends it from
-        the store once the signalled drive is over (``ControlHosting._see_it_ended``), and
-        the reconciler does not drive it again meanwhile."""
+        self.ending: Counter[ThreadId] = Counter()
+        """Threads whose Run a cancel or stop was promised to end, with how many such
+        promises are pending: the host ends it from the store once the signalled drive is
+        over (``ControlHosting._see_it_ended``), and the reconciler does not drive it
+        again meanwhile (``thread in ending``)."""
         self.finished = 0
 
     def get(self, thread: ThreadId) -> Drive | None:

@@ -73,7 +73,7 @@ class ControlHosting:
                 drive = None  # it drives a later Run of the thread, not the one named
             if drive is not None and drive.engine.listening:  # no await since the check
                 signal(drive.engine)
-                self.drives.ending.add(thread)  # not driven again by the reconciler meanwhile
+                self.drives.ending[thread] += 1  # not driven again by the reconciler meanwhile
                 task = asyncio.create_task(self._see_it_ended(thread, run, cause, drive))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
@@ -109,7 +109,8 @@ class ControlHosting:
         found the Run at rest, a drive fenced by another owner's take-over, one whose end
         met a store outage past its backoff. Waits out an outage for ``ENDING_PATIENCE_S``;
         the reconciler does not drive the thread again meanwhile (``Drives.ending``)."""
-        run = run or drive.run_id  # the Run that drive drove: never a later one
+        if drive.epoch is not None:  # it held the thread: the Run it drove, never a later one
+            run = run or drive.run_id
         try:
             await asyncio.wait({drive.task})
             ended = await patiently(lambda: self._end_stored(thread, run, cause), ENDING_PATIENCE_S)
@@ -118,7 +119,9 @@ class ControlHosting:
         except Exception:  # the Run stays as committed; its caller may ask again
             log.exception("ending %s after its drive went without ending it failed", thread)
         finally:
-            self.drives.ending.discard(thread)
+            self.drives.ending[thread] -= 1
+            if self.drives.ending[thread] <= 0:
+                del self.drives.ending[thread]
             self._retire_if_idle()
 
     async def pause_run(self, thread: ThreadId) -> Any:

@@ -144,14 +144,17 @@ class RunHost(ControlHosting, ChildHosting):
         meta = RunMeta(agent_ref=agent_ref, placement=kind)
         try:
             await self.drives.loaded(agent_ref)  # off the loop, before the checks below
+            message = meta.message_id(run_id)
             drive = self.drives.get(thread)
             if drive is not None and drive.run_id != run_id:
-                drive = await self._finishing(thread, drive, run_id)
+                repeat, drive = await self._finishing(thread, drive, run_id, message, text)
+                if repeat:  # its Run is one the thread has moved past: the log has its end
+                    return True
             joined = drive is not None
             if drive is None:
                 go = starting(thread, text, run_id, meta.message_id(run_id), new_thread, trace)
                 drive = self.drives.spawn(agent_ref, thread, run_id, go, faults=faults)
-            message, stored = meta.message_id(run_id), None
+            stored = None
             try:
                 started = await self.drives.first_commit(drive)
             except RatchetError:
@@ -171,18 +174,25 @@ class RunHost(ControlHosting, ChildHosting):
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return remote_error(exc)
 
-    async def _finishing(self, thread: ThreadId, drive: Drive, run_id: RunId) -> Drive | None:
-        """This host drives another Run of ``thread``: if that Run has ended (its drive is
-        winding up), wait for the drive to go; if it is active, the start is refused. A
-        start of ``run_id`` that got in meanwhile is joined."""
+    async def _finishing(
+        self, thread: ThreadId, drive: Drive, run_id: RunId, message: str, text: str
+    ) -> tuple[bool, Drive | None]:
+        """This host drives another Run of ``thread``. A start of a Run the thread has moved
+        past (it asked the same: ``check_repeated_start``) is a repeat: (True, None). Else,
+        if that other Run has ended (its drive is winding up), wait for the drive to go; if
+        it is active, the start is refused. A start of ``run_id`` that got in meanwhile is
+        joined."""
         frontier = await self.store.load(thread)
+        if ran_before(frontier, message):
+            check_repeated_start(frontier, message, text, run_id)
+            return True, None
         if frontier.run_id == drive.run_id and not at_rest(frontier):
             raise InvalidTransition(f"thread {thread} already has an active run {drive.run_id}")
         await asyncio.wait({drive.task}, timeout=FINISHING_S)
         now = self.drives.get(thread)
         if now is not None and now.run_id != run_id:
             raise InvalidTransition(f"thread {thread} is still being driven here")
-        return now
+        return False, now
 
     @admitted
     async def recover_run(

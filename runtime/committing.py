@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from runtime.batch import ActiveToolBatch, result_messages, seal
 from runtime.commit import CommitLabel, Frontier, Receipt, ThreadCommit, assemble_commit
 from runtime.context import Landing, RunContext, StoreRetry
-from runtime.delegation import CHILDREN_KEY, ChildRunner, child_ids
+from runtime.delegation import CHILDREN_KEY, ChildRunner, parent_link
 from runtime.errors import (
     Fenced,
     HistoryLimitReached,
@@ -164,11 +164,16 @@ class Committing:
         children = ctx.frontier.state["run"].get(CHILDREN_KEY, {})
         if self.children is None or not children:
             return
+        mine = (ctx.frontier.thread_id, ctx.run_id)
         for call, child in children.items():
-            # its own child's Run only: the thread may hold another's (ids a caller chose)
-            run = child_ids(ctx.frontier.thread_id, ctx.run_id, call, self.limits.id_chars)[1]
             try:
-                await self.children.cancel(ThreadId(child), run)
+                # its own child's Run only, as the child's committed link says: the thread
+                # may hold another Run (a thread id a caller chose), or none yet
+                head = await self.store.load_head(ThreadId(child))
+                link = parent_link(head)
+                if link is None or (link.thread, link.run, link.call_id) != (*mine, call):
+                    continue
+                await self.children.cancel(ThreadId(child), head.run_id)
             except Exception as exc:  # the child's own recovery settles it later
                 log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from runtime.base import evolve, trusted
 from runtime.commit import Frontier, Receipt, ThreadCommit
@@ -29,7 +30,7 @@ from runtime.events import Fact
 from runtime.frozen import FrozenDict
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
-from runtime.limits import STORED_DEPTH, check_id, json_depth
+from runtime.limits import STORED_DEPTH
 from runtime.messages import AssistantMessage, UserMessage
 from runtime.state import apply_commands
 
@@ -145,11 +146,11 @@ def receipt_of(commit: ThreadCommit, seq: int) -> Receipt:
 
 
 def check_size(commit: ThreadCommit, limit: int) -> None:
-    """What every store checks of a commit before writing it: storable ids and text (no
-    unpaired surrogate), at most ``limit`` bytes, and nested no deeper than a record may
-    be to decode again (``STORED_DEPTH``); InputRefused or PayloadTooLarge otherwise."""
-    check_id("thread id", commit.thread_id)
-    check_id("run id", commit.run_id)
+    """What every store checks of a commit before writing it: storable text, ids included
+    (no unpaired surrogate), at most ``limit`` bytes, and nested no deeper than a record
+    may be to decode again (``STORED_DEPTH``); InputRefused or PayloadTooLarge otherwise.
+    Its typed parts nest a few levels; only its free-form JSON (command values, fact data)
+    can nest deeper, and that is what is measured."""
     text = commit.encoded
     try:
         size = len(text.encode())
@@ -159,12 +160,30 @@ def check_size(commit: ThreadCommit, limit: int) -> None:
         ) from None
     if size > limit:
         raise PayloadTooLarge(size, limit)
-    if text.count("[") + text.count("{") > STORED_DEPTH and json_depth(text) > STORED_DEPTH:
+    free_form = [c.value for c in commit.commands] + [f.data for f in commit.events]
+    if _deeper_than(free_form, STORED_DEPTH - _RECORD_DEPTH):
         raise InputRefused(
             f"commit {commit.operation_id}",
             "json_depth",
             f"the record nests deeper than {STORED_DEPTH} levels: it would not decode again",
         )
+
+
+_RECORD_DEPTH = 8
+"""How deep a commit's own structure holds its free-form values (commands[i].value and
+events[i].data sit 3 levels down; a frontier's state[scope][key] as many): a margin."""
+
+
+def _deeper_than(values: list[Any], limit: int) -> bool:
+    """Whether any of ``values`` nests more than ``limit`` levels of lists and dicts."""
+    stack: list[tuple[Any, int]] = [(v, 1) for v in values if isinstance(v, dict | list | tuple)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
+    return False
 
 
 _last_fold: tuple[Frontier, ThreadCommit, Frontier] | None = None

@@ -151,24 +151,34 @@ class Tool:
         except InputRefused as exc:
             raise ValueError(printable(str(exc))) from None
         try:
-            return self.args_model.model_validate(raw).model_dump(mode="json")
+            checked = self.args_model.model_validate(raw).model_dump(mode="json")
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
             )
             raise ValueError(printable(f"invalid arguments for {self.id}: {problems}")) from exc
+        # a typed parameter travels as the model sent it, to be validated once into its
+        # type where the tool runs (``_typed``): its dump is not always what validates back
+        # to it (a model with aliases, a validator that is not idempotent)
+        checked.update((name, raw[name]) for name in self._typed_fields() if name in raw)
+        return checked
+
+    def _typed_fields(self) -> tuple[str, ...]:
+        """The parameters whose JSON form is not their type (built once)."""
+        typed: tuple[str, ...] | None = self.__dict__.get("_typed_names")  # asked every call
+        if typed is None:
+            root = issubclass(self.args_model, RootModel)  # the arguments whole (MCP's)
+            fields = self.args_model.model_fields.items()
+            typed = () if root else tuple(n for n, f in fields if not _json_native(f.annotation))
+            object.__setattr__(self, "_typed_names", typed)
+        return typed
 
     def _typed(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        """The call's arguments as its parameters are typed: they travel as JSON (``parse``
-        checked and dumped them), so a ``datetime``, ``Decimal``, ``Enum``, model or tuple
-        parameter is validated again into its type; plain JSON types go as they are."""
-        typed: bool | None = self.__dict__.get("_typed_fields")  # asked for every call
-        if typed is None:
-            fields = self.args_model.model_fields.values()
-            root = issubclass(self.args_model, RootModel)  # the arguments whole (MCP's)
-            typed = not root and not all(_json_native(f.annotation) for f in fields)
-            object.__setattr__(self, "_typed_fields", typed)
-        if not typed:
+        """The call's arguments as its parameters are typed: they travel as JSON, so a
+        ``datetime``, ``Decimal``, ``Enum``, model or tuple parameter is validated into its
+        type here (once: ``parse`` sent it as the model did); plain JSON types go as
+        they are."""
+        if not self._typed_fields():
             return dict(arguments)
         model = self.args_model.model_validate(arguments)
         return {name: getattr(model, name) for name in type(model).model_fields}

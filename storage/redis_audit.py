@@ -16,7 +16,7 @@ things of the store's kept outside them are read by others:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
@@ -25,17 +25,44 @@ from storage.redis_client import translated
 from storage.redis_rows import decode_receipt, decode_summary
 from storage.summary import RUN_STATES, summarize
 
-if TYPE_CHECKING:
-    from storage.redis_store import RedisCommitStore
+
+class _Store(Protocol):
+    """What the audit uses of ``storage.redis_store.RedisCommitStore``."""
+
+    where: str
+    client: Any
+
+    async def load_head(self, thread: ThreadId) -> Any: ...
+
+    def _key(self, thread: str, part: str) -> str: ...
+
+    def _index(self, state: Any) -> str: ...
+
+    def _owners(self, owner: str | None) -> str: ...
 
 
-async def index_problem(store: RedisCommitStore, thread: ThreadId) -> str | None:
+MOVES = 3
+"""How often the audit reads a live thread again when it moved between its reads."""
+
+
+async def index_problem(store: _Store, thread: ThreadId) -> str | None:
     """What is wrong with the thread's entries in the indexes and its receipts (None:
-    they say what its verified head does)."""
-    try:
-        head = await store.load_head(thread)
-    except CorruptRecord as exc:  # its head, which appends and claims read, does not verify
-        return str(exc)
+    they say what its verified head does). A thread appended to between the head's read
+    and the indexes' is read again: only one moment of it is compared; one that keeps
+    moving is not judged (it is live, and its writers keep its indexes)."""
+    for _ in range(MOVES):
+        try:
+            head = await store.load_head(thread)
+            found = await _indexes_problem(store, thread, head)
+            again = await store.load_head(thread)
+        except CorruptRecord as exc:  # its head, which appends and claims read, fails
+            return str(exc)
+        if (again.version, again.epoch, again.owner) == (head.version, head.epoch, head.owner):
+            return found
+    return None
+
+
+async def _indexes_problem(store: _Store, thread: ThreadId, head: Any) -> str | None:
     expected = summarize(head)
     with translated(store.where, thread):
         async with store.client.pipeline(transaction=True) as pipe:

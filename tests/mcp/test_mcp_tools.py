@@ -277,9 +277,7 @@ def test_an_input_schema_whose_properties_are_not_an_object_is_refused_typed(pro
         _args_model("t", {"type": "object", "properties": properties})
 
 
-async def test_a_call_whose_deadline_comes_while_its_session_opens_is_unavailable(
-    server, records
-):
+async def test_a_call_whose_deadline_comes_while_its_session_opens_is_unavailable(server, records):
     """Nothing was sent: the call is unavailable (tried again under any policy), not lost
     (its never_replay policy would have made it indeterminate for a call never made)."""
     runner = LocalToolRunner(mcp_tools(server, timeouts={"record": 0.5}))

@@ -102,6 +102,13 @@ def _host(store: Any, drives_store: Any) -> RunHost:
     host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
         permission_agent, holding, TOOLS, owner=OWNER
     )
+    imported = host.drives.loaded
+
+    async def loaded(ref: str) -> None:  # "ref" names no module: the engine above is the agent
+        if ref != "ref":
+            await imported(ref)
+
+    host.drives.loaded = loaded  # type: ignore[method-assign]
     return host
 
 
@@ -565,4 +572,48 @@ async def test_an_agent_slow_to_build_holds_back_only_its_own_starts():
     assert quick is True and not slow.done()  # answered while the other agent builds
     SLOW_MAY_RETURN.set()
     assert await asyncio.wait_for(slow, 20) is True
+    GATE.set()
+
+
+async def test_a_cancel_told_to_a_refused_start_of_the_next_run_ends_the_awaiting_one(
+    monkeypatch,
+):
+    """The thread's Run awaits; a start of the next Run is loading (it will be refused:
+    one Run is active). A cancel naming no Run, told to that start's drive (it claims
+    nothing), ends the awaiting Run once that drive is over, as its caller was told."""
+    import actors.drives
+
+    monkeypatch.setattr(actors.drives, "STOP_S", 0.01)
+    store = MemoryCommitStore()
+    parked = await _parked(store, "ctl-next")
+    held = _HeldLoad(store)
+    host = _host(store, held)
+    thread, following = parked.thread_id, RunId("run-next")
+    drive = host.drives.spawn(
+        "ref", thread, following, starting(thread, "again", following, f"{following}:input", False)
+    )
+    await held.entered.wait()
+    answer = await host._end_run(thread, None, Cancelled(), "cancelled", lambda e: e.cancel())
+    assert answer == "signalled"
+    held.release.set()
+    await asyncio.wait_for(asyncio.wait({drive.task}), 10)
+    await _ended_as(store, thread, "cancelled")
+
+
+async def test_a_start_asked_again_after_the_thread_moved_on_is_its_repeat_on_a_host():
+    """A RunHost drives the thread's next Run; the start of the one before is asked again
+    (its answer was lost): the repeat, not "already has an active run"."""
+    GATE.clear()
+    store = MemoryCommitStore()
+    host = _gated_host(store, store)
+    thread = ThreadId("ctl-again")
+    GATE.set()
+    assert await host.start_run("ref", thread, RunId("r1"), "first", wait=True)
+    assert (await store.load(thread)).ended
+    GATE.clear()
+    assert await host.start_run("ref", thread, RunId("r2"), "second") is True  # driven here
+    assert await host.start_run("ref", thread, RunId("r1"), "first") is True
+    refused = await host.start_run("ref", thread, RunId("r1"), "not the first")
+    with pytest.raises(InvalidTransition, match="another input"):
+        unwrap(refused)
     GATE.set()

@@ -172,3 +172,35 @@ def delegating(call_id: str, task: str) -> Agent:
     """Delegates ``task`` to the seeing worker under the model's call id ``call_id``."""
     use = call("delegate", call_id, agent=f"{HERE}:seeing_worker", input=task)
     return Agent(name="delegating", model=_then_results(use), tools=[delegate_tool()])
+
+
+LONG_CALL = "call_" + "Q" * 30  # about as long as a real model's call ids
+
+needy_grandchild = Agent(
+    name="needy_grandchild",
+    model=ScriptedModel(
+        [ModelResponse(tool_calls=(call("publish", LONG_CALL, x=1),)), ModelResponse(text="gc")]
+    ),
+    tools=[publish],
+)
+middle = Agent(
+    name="middle",
+    model=_then_results(
+        ToolUse(
+            call_id=LONG_CALL,
+            tool="delegate",
+            arguments=json.dumps({"agent": f"{HERE}:needy_grandchild", "input": "x"}),
+        )
+    ),
+    tools=[delegate_tool()],
+)
+
+
+def nested_needy() -> Agent:
+    """Parent → child → grandchild, the grandchild awaiting a permission."""
+    use = ToolUse(
+        call_id=LONG_CALL,
+        tool="delegate",
+        arguments=json.dumps({"agent": f"{HERE}:middle", "input": "y"}),
+    )
+    return Agent(name="nested", model=_then_results(use), tools=[delegate_tool()])

@@ -422,3 +422,26 @@ async def test_recovering_a_child_s_thread_drives_it_with_the_child_s_agent():
     agents.BLOCK.set()
     done = await r.recover(child)
     assert done.run_state.cause.kind == "natural" and done.messages[-1].text == "slow done"
+
+
+async def test_ending_a_parent_ends_its_children_whatever_the_system_s_id_limit():
+    """Under ``Limits(id_chars=64)`` the derived child ids are cut to a digest: the parent's
+    end still finds and cancels its own children, down to a grandchild awaiting a human
+    (they were re-derived under the default limits, and the grandchild was left)."""
+    from runtime.limits import Limits
+
+    store = MemoryCommitStore()
+    r = InProcessRunner(
+        agents.nested_needy(),
+        store,
+        agent_ref=f"{HERE}:nested_needy",
+        limits=Limits(id_chars=64),
+    )
+    parent = await r.start("go", thread_id="p", run_id="run-" + "a" * 32)
+    assert isinstance(parent.run_state, AwaitingState)
+    (child_thread,) = parent.state["run"]["children"].values()
+    (grand_thread,) = (await store.load(child_thread)).state["run"]["children"].values()
+    assert isinstance((await store.load(grand_thread)).run_state, AwaitingState)
+    await r.engine().terminate(ThreadId("p"))
+    for thread in ("p", child_thread, grand_thread):
+        assert (await store.load(ThreadId(thread))).ended, thread

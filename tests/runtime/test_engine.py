@@ -530,3 +530,24 @@ async def test_a_start_asked_again_after_the_thread_moved_on_is_its_repeat():
     with pytest.raises(InvalidTransition, match="another input"):
         await runner.start("something else", thread_id="t", run_id="r1")
     assert (await store.load("t")).version == later.version
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_ids_the_system_s_limits_allow_are_stored(backend, tmp_path):
+    """A system whose Limits allow longer ids (``id_chars``) stores them: the stores check
+    only what they cannot store (a 300-character thread id was refused at 256)."""
+    from runtime.engine import Engine
+    from runtime.limits import Limits
+    from runtime.tools import LocalToolRunner
+    from storage.url import open_store
+
+    store = (
+        MemoryCommitStore()
+        if backend == "memory"
+        else await open_store(f"sqlite:///{tmp_path}/s.db")
+    )
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
+    engine = Engine(agent, store, LocalToolRunner([]), limits=Limits(id_chars=400))
+    done = await engine.start("t" * 300, "hello")
+    assert done.ended and done.run_state.cause.kind == "natural"
+    await store.close()

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic.alias_generators import to_camel
 
 import runtime
 from runtime import ToolContext, ToolDefinitionError, tool
@@ -246,3 +247,53 @@ def test_settings_that_cannot_work_are_refused_when_built():
     for timeout in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ToolDefinitionError, match="timeout_s"):
             tool(timeout_s=timeout)(lambda: "x")
+
+
+class _Flight(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel)
+    departure_airport: str
+    seat_count: int
+
+
+class _Named(BaseModel):
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def tag(cls, value: str) -> str:
+        return value + "!"
+
+
+@tool
+def fly(flight: _Flight) -> str:
+    return f"{flight.departure_airport} x{flight.seat_count}"
+
+
+@tool
+def greet(who: _Named) -> str:
+    return who.name
+
+
+async def test_a_typed_argument_is_validated_once_as_the_model_sent_it():
+    """A model parameter with aliases is sent by its aliases (its dump by field name did not
+    validate back), and its validators run once (a non-idempotent one ran twice)."""
+    from runtime.ids import CallId, OperationId, RunId, ThreadId
+    from runtime.ports import Finished, ToolInvocation
+    from runtime.tools import LocalToolRunner
+
+    def invocation(t: object, raw: dict[str, object]) -> ToolInvocation:
+        return ToolInvocation(
+            tool=t.id,  # type: ignore[attr-defined]
+            arguments=t.parse(json.dumps(raw)),  # type: ignore[attr-defined]
+            call_id=CallId("c1"),
+            operation_id=OperationId("op"),
+            attempt=1,
+            run_id=RunId("r"),
+            thread_id=ThreadId("t"),
+        )
+
+    flights = invocation(fly, {"flight": {"departureAirport": "SFO", "seatCount": 2}})
+    greeting = invocation(greet, {"who": {"name": "ann"}})
+    flown, greeted = await LocalToolRunner([fly, greet]).run([flights, greeting])
+    assert isinstance(flown, Finished) and flown.output.content == "SFO x2"
+    assert isinstance(greeted, Finished) and greeted.output.content == "ann!"

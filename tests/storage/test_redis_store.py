@@ -408,3 +408,34 @@ async def test_verify_names_index_entries_and_receipts_that_are_not_the_thread_s
         assert await store.client.hdel(key, field) == 1
     (problem,) = await audit(store, thread)
     assert problem.thread == thread
+
+
+async def test_verify_compares_one_moment_of_a_live_thread_s_indexes(
+    store: RedisCommitStore,
+) -> None:
+    """An append between the audit's read of the head and its read of the indexes: the
+    head is read again and one moment compared, not "the run index is not the
+    frontier's" for a healthy thread written to as it is audited."""
+    from storage.redis_audit import index_problem
+
+    thread = ThreadId("t-live-index")
+    first = activation(thread, "r1", epoch=1, claim="host-a#1")
+    await store.append(first, 0, 0, claim="host-a#1")
+    later = step(thread, "r1", 1, prev=first.payload_hash, epoch=1)
+
+    class AppendedAfterTheHead:
+        def __init__(self) -> None:
+            self.pending: ThreadCommit | None = later
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+        async def load_head(self, thread_id: ThreadId) -> Frontier:
+            head = await store.load_head(thread_id)
+            if self.pending is not None:
+                commit, self.pending = self.pending, None
+                await store.append(commit, 1, 1)  # lands before the indexes are read
+            return head
+
+    assert await index_problem(AppendedAfterTheHead(), thread) is None  # type: ignore[arg-type]
+    assert (await store.load_head(thread)).version == 2
