@@ -12,7 +12,13 @@ from collections import Counter
 from collections.abc import Callable
 
 
-class Crash(BaseException):
+class Unwind(BaseException):
+    """Ends a driver where it stands, settling nothing (a BaseException, which no ``except
+    Exception`` catches): the engine's boundaries around user code, which take any other
+    BaseException for that code's failure, let it through."""
+
+
+class Crash(Unwind):
     """The simulated death of the driver at a fault point."""
 
 

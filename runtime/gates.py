@@ -22,6 +22,7 @@ from runtime.batch import ActiveToolBatch, Completed, ToolOutput, complete, mark
 from runtime.context import StepServices
 from runtime.delegation import CHILDREN_KEY, refusal
 from runtime.errors import InputRefused
+from runtime.faults import Unwind
 from runtime.hooks import Gate, GateInput
 from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
@@ -132,6 +133,8 @@ def _gated(gate: Gate, seen: GateInput) -> str | None:
     try:
         why = gate(seen)
         return None if why is None else printable(str(why)) or "denied"
+    except Unwind:
+        raise  # a crash test's Crash, a replay's Halt: nothing settles
     except BaseException as exc:  # a gate that cannot tell denies (SystemExit included)
         return f"the gate raised {raised(exc)}"
 

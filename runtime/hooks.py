@@ -24,7 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from runtime.batch import ToolCall
 from runtime.errors import InputRefused
 from runtime.execution import DenyCall, ExecutionState, InjectMessage, Reaction
-from runtime.faults import Crash
+from runtime.faults import Unwind
 from runtime.ids import RunId, ThreadId
 from runtime.limits import (
     Limits,
@@ -159,8 +159,8 @@ async def run_hooks(
             if cancelling():
                 raise  # the Run's task is being cancelled: it goes on unwinding
             raise HookFailed(hook, hook_input.point, exc) from exc
-        except Crash:
-            raise  # a test's stand-in for the death of the process: nothing survives it
+        except Unwind:
+            raise  # a crash test's Crash, a replay's Halt: nothing settles
         except BaseException as exc:  # SystemExit and the like are the hook's failure too:
             # asyncio would re-raise them out of the loop, stopping every Run of the host
             raise HookFailed(hook, hook_input.point, exc) from exc

@@ -23,7 +23,7 @@ from runtime.errors import (
     ModelUnavailable,
 )
 from runtime.events import Delta
-from runtime.faults import Crash
+from runtime.faults import Unwind
 from runtime.ids import CallId, ThreadId
 from runtime.lifecycle import Failed, PauseTarget
 from runtime.limits import (
@@ -140,8 +140,8 @@ class Inference:
                     raise  # the Run's task is being cancelled: it goes on unwinding
                 error = exc  # the model raised it on its own: its failure
                 log.warning("inference attempt %d of run %s failed: %r", attempt, ctx.run_id, exc)
-            except Crash:
-                raise  # a test's stand-in for the death of the process: nothing survives it
+            except Unwind:
+                raise  # a crash test's Crash, a replay's Halt: nothing settles
             except BaseException as exc:  # a model failure of any kind is the model's, not ours
                 # (SystemExit and the like included: asyncio would re-raise them out of
                 # the event loop, stopping every Run of the process)

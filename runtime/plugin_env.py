@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from runtime.agent import Agent
 from runtime.commit import Frontier
 from runtime.context import RunContext
+from runtime.faults import Unwind
 from runtime.hooks import RunEndInput
 from runtime.lifecycle import EndCause, Failed, Natural
 from runtime.limits import printable, raised
@@ -58,6 +59,8 @@ def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> E
         try:
             why = guard(seen)
             text = None if why is None else printable(str(why)) or "refused"
+        except Unwind:
+            raise  # a crash test's Crash, a replay's Halt: nothing settles
         except BaseException as exc:  # a guard that cannot tell refuses (SystemExit too)
             text = f"the guard raised {raised(exc)}"
         if text is not None:

@@ -20,6 +20,7 @@ from runtime.commit import ThreadCommit
 from runtime.delegation import ChildOutcome, ChildRequest, ChildWaiting
 from runtime.engine import Engine
 from runtime.errors import ModelRateLimited, ModelRefused
+from runtime.faults import Unwind
 from runtime.ids import CorrelationId, OperationId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -54,10 +55,10 @@ class ReplayNote(Frozen):
     text: str
 
 
-class Halt(BaseException):
+class Halt(Unwind):
     """Ends a replay's way in: a divergence, or (None) the point where the recording's
-    driver stopped. A BaseException, so that no ``except Exception`` in the engine
-    settles it as the Run's failure (as ``runtime.faults.Crash``)."""
+    driver stopped. An Unwind, so that nothing in the engine settles it as the Run's
+    failure, nor takes it for the model's or a hook's (as ``runtime.faults.Crash``)."""
 
     def __init__(self, found: Divergence | None, learned: Hints | None = None) -> None:
         super().__init__(found.line() if found is not None else "the recording stops here")

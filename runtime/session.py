@@ -31,7 +31,7 @@ from runtime.agent import Agent, HandlerInput, SessionSide
 from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
 from runtime.execution import ExecutionState, Side
-from runtime.faults import Crash
+from runtime.faults import Unwind
 from runtime.hooks import Hook, HookFailed
 from runtime.lifecycle import Natural, UserInputTarget
 from runtime.limits import check_text
@@ -203,8 +203,8 @@ async def handler_turn(
         if cancelling():
             raise  # the Run's task is being cancelled: it goes on unwinding
         raise HookFailed(as_hook, "StepStart", exc) from exc
-    except Crash:
-        raise  # a test's stand-in for the death of the process: nothing survives it
+    except Unwind:
+        raise  # a crash test's Crash, a replay's Halt: nothing settles
     except BaseException as exc:  # the handler's failure fails the Run, as a hook's does
         raise HookFailed(as_hook, "StepStart", exc) from exc
     staged: list[Command] = []

@@ -732,3 +732,19 @@ def test_cli_replay_bad_input_is_one_line(recorded_store: str, args: Sequence[st
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+
+
+async def test_a_hook_that_no_longer_asks_for_input_is_an_unrecorded_inference():
+    """Recorded with a hook that made the Run wait; replayed without it, the code asks the
+    model where the recording waited: unrecorded_inference, reported as such (the replay's
+    stop was taken for the model's failure, retried, and reported as an end that differs)."""
+
+    def ask(h):
+        from runtime.execution import RequestInput
+
+        return HookOutput(reactions=[RequestInput(prompt="which account?")] if h.step == 0 else [])
+
+    store = MemoryCommitStore()  # the recording rests awaiting the input
+    await InProcessRunner(billing(hooks=[Hook("StepEnd", ask)]), store).start("go", thread_id="t")
+    d = (await replayed(store, billing())).divergence
+    assert d is not None and d.what == "unrecorded_inference"
