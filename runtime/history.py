@@ -76,15 +76,25 @@ from runtime.commit import (
     assemble_commit,
     decode_commit,
 )
-from runtime.errors import CorruptRecord, Fenced, InputRefused, RatchetError, VersionConflict
+from runtime.errors import (
+    CorruptRecord,
+    Fenced,
+    InputRefused,
+    PayloadTooLarge,
+    RatchetError,
+    VersionConflict,
+)
 from runtime.facts import facts_of
 from runtime.ids import ThreadId
 from runtime.integrity import body_hash
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
-from runtime.limits import DEFAULT_LIMITS, check_id
+from runtime.limits import DEFAULT_LIMITS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord
-from runtime.rules import admit, receipt_of
+from runtime.rules import admit, check_size, receipt_of
 
+COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
+"""The id rule a copied record's run id is held to (its system's ``id_chars`` may have
+been larger than the default: derived child ids grow with each level)."""
 EXPORT_FORMAT = "ratchet-thread"
 EXPORT_VERSION = 1
 MAX_LINE_BYTES = 16 * DEFAULT_PAYLOAD_LIMIT
@@ -350,6 +360,10 @@ def remade(
     planned: list[ThreadCommit] = []
     prev = ""
     for seq, commit in enumerate(commits, start=1):
+        try:  # an id no caller could have given (a control character, say): not copied
+            check_id("run id", commit.run_id, COPIED_IDS)
+        except InputRefused as exc:
+            raise refuse(seq, exc.limit, str(exc)) from None
         first = not planned
         made = remake(commit, thread, prev, epoch=1, claim=owner if first else None)
         if made is None:
@@ -424,9 +438,14 @@ def _check_sizes(store: CommitStore, planned: Sequence[ThreadCommit], refuse: Re
     limit = getattr(store, "payload_limit", None)
     limit = limit if isinstance(limit, int) else DEFAULT_PAYLOAD_LIMIT
     for seq, commit in enumerate(planned, start=1):
-        size = len(commit.encoded.encode())
-        if size > limit:
-            raise refuse(seq, "too_large", f"{size} bytes; the store takes {limit}")
+        # what every store checks before it writes (``check_size``), before one is written:
+        # a record refused half way through left a thread of the records before it
+        try:
+            check_size(commit, limit)
+        except PayloadTooLarge as exc:
+            raise refuse(seq, "too_large", f"{exc.size} bytes; the store takes {limit}") from None
+        except InputRefused as exc:
+            raise refuse(seq, exc.limit, str(exc)) from None
 
 
 async def _write(

@@ -47,6 +47,7 @@ from runtime.integrity import audit
 from runtime.lifecycle import AwaitingState, Cancelled, EndedState, RunningState, answer
 from runtime.messages import UserMessage
 from runtime.rules import replay
+from runtime.state import Command
 from storage.memory import MemoryCommitStore
 from storage.sql import SqlCommitStore
 
@@ -425,6 +426,31 @@ def _after_its_end(lines: list[Any]) -> list[Any]:
     ]
 
 
+def _stored_too_deep(lines: list[Any]) -> list[Any]:
+    """A second activation whose state command nests 170 levels: it decodes (pydantic
+    stops near 200), and the log folds, but no store takes it (``STORED_DEPTH``, 160).
+    Refused before anything is written: the store refused it after the record before."""
+    deep: Any = 1
+    for _ in range(170):
+        deep = [deep]
+    one = _activation("run-1", "")
+    ended = assemble_commit(
+        thread_id=T,
+        run_id=RunId("run-1"),
+        ordinal=1,
+        label="ended",
+        disposition=EndedState(run_id=RunId("run-1"), cause=Cancelled()),
+        commands=(Command(key="deep", value=deep),),
+        prev=one.payload_hash,
+    )
+    header = {"format": "ratchet-thread", "version": 1, "thread_id": T, "records": 2}
+    return [
+        orjson.dumps({**header, "head": ended.payload_hash}).decode(),
+        _line(1, one.encoded),
+        _line(2, ended.encoded),
+    ]
+
+
 BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "body changed": (_changed_body(rehash=False), 3, "hash"),
     "body changed, hash too": (_changed_body(rehash=True), 4, "chain"),
@@ -447,6 +473,7 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "deep body": (_deep_body, 2, "record"),
     "log that does not fold": (_illegal_log, 3, "replay"),
     "a commit after its Run's end": (_after_its_end, 3, "replay"),
+    "a record no store takes": (_stored_too_deep, 3, "json_depth"),
 }
 
 
