@@ -241,6 +241,11 @@ async def _show(thread: str, store: str | None, as_json: bool = False) -> None:
     await db.close()
     row = run_row(frontier)
     if not records or row is None:
+        if frontier.version:  # a frontier whose every record was pruned
+            raise RatchetError(
+                f"thread {thread!r} keeps no records: pruned through seq {frontier.version}"
+                f" (its last Run, {frontier.run_id}, ended {frontier.status.reason})"
+            )
         raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
     report = analyse(thread, records)
     if as_json:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import datetime as dt
 import logging
 from dataclasses import dataclass
 from typing import Any, cast, get_args
@@ -26,6 +25,7 @@ from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.lifecycle import StatusState
 from runtime.ports import RunSummary
+from runtime.timeutil import utc_time
 from runtime.usage import USAGE_KEY
 from storage.summary import RUN_STATES, RunStateKind, summarize
 
@@ -190,6 +190,7 @@ def thread_after(text: str) -> ThreadId:
 
 
 def iso_time(since_us: int) -> str | None:
-    if not since_us:
-        return None
-    return dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC).isoformat(timespec="microseconds")
+    """ISO 8601 UTC; None for no time, and for one no datetime holds (the raw
+    microseconds stay in the row's ``status``)."""
+    moment = utc_time(since_us) if since_us else None
+    return moment.isoformat(timespec="microseconds") if moment else None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ from runtime.limits import DEFAULT_LIMITS, history_headroom
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
 from runtime.ports import CommittedRecord
 from runtime.stream import Frame
+from runtime.timeutil import utc_time
 from runtime.usage import USAGE_KEY, step_usage
 
 console = Console()
@@ -142,7 +142,8 @@ def print_thread(
             console.print(line, markup=False, highlight=False)
         used = step_usage(c.commands)
         if used is not None:
-            console.print(f"      usage: {usage_text(used[0])} ({used[1] or '?'})", highlight=False)
+            usage = f"      usage: {usage_text(used[0])} ({used[1] or '?'})"
+            console.print(usage, markup=False, highlight=False)  # the model names itself
     console.rule("status")
     s = frontier.status
     state = frontier.run_state
@@ -156,7 +157,7 @@ def print_thread(
     for scope in ("run", "thread"):
         total = frontier.state[scope].get(USAGE_KEY)
         if total:
-            console.print(f"usage ({scope}): {usage_text(total)}", highlight=False)
+            console.print(f"usage ({scope}): {usage_text(total)}", markup=False, highlight=False)
     room = history_headroom(frontier.messages, frontier.version, DEFAULT_LIMITS)
     console.print(
         f"history: {room['bytes']:,} of {room['bytes_limit']:,} bytes, "
@@ -262,7 +263,8 @@ def message_line(message: Any) -> str:
 def when(since_us: int) -> str:
     if not since_us:
         return "-"
-    return dt.datetime.fromtimestamp(since_us / 1e6, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    moment = utc_time(since_us)
+    return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else f"{since_us} µs since the epoch"
 
 
 def usage_text(counted: Any) -> str:

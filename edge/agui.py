@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any
 
 from ag_ui.core import (
@@ -61,6 +60,7 @@ from ag_ui.core.version import PROTOCOL_VERSION
 from runtime.events import Delta, Fact
 from runtime.lifecycle import ResumeTicket, ThreadStatus, ToolWaitTarget, UserInputTarget
 from runtime.stream import Frame
+from runtime.timeutil import utc_time
 
 Events = tuple[BaseEvent, ...]
 
@@ -274,7 +274,8 @@ def _interrupt(ticket: ResumeTicket) -> Interrupt:
         message = f"paused ({target.reason})"
     expires = None
     if ticket.deadline_us is not None:
-        expires = datetime.fromtimestamp(ticket.deadline_us / 1e6, UTC).isoformat()
+        moment = utc_time(ticket.deadline_us)
+        expires = moment.isoformat() if moment else None
     return Interrupt(
         id=ticket.correlation,
         reason=ticket.payload_kind,

@@ -197,6 +197,11 @@ async def _whole_log(
     """The thread's log from its first record (verified by the store's ``read``)."""
     records = await store.read(thread)
     if not records:
+        head = await store.load_head(thread)
+        if head.version:  # every record was pruned; the frontier stays
+            raise error(
+                "pruned", f"thread {thread!r} keeps no records (pruned through seq {head.version})"
+            )
         raise error("unknown_thread", f"thread {thread!r} has no commits")
     if records[0].seq != 1:  # pruned (``storage.retention``): the history is not whole
         raise error("pruned", f"thread {thread!r} keeps its records from seq {records[0].seq} only")

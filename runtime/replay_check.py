@@ -143,9 +143,15 @@ async def _records(source: Source, thread: ThreadId) -> list[CommittedRecord]:
         ]
     else:
         records = await source.read(thread)
+        if not records and (await source.load_head(thread)).version:
+            raise ReplayInputError(f"thread {thread!r} keeps no records: it was pruned")
     records = [r for r in records if r.commit.thread_id == thread]
     if not records:
         raise ReplayInputError(f"thread {thread!r} has no recorded commits")
+    if records[0].seq != 1:  # a replay runs the thread from its first commit
+        raise ReplayInputError(
+            f"thread {thread!r} keeps its records from seq {records[0].seq} only: it was pruned"
+        )
     return records
 
 

@@ -16,6 +16,9 @@ store first. A bus that is up but quiet for ``idle_check_s`` while the store hol
 facts after the cursor (a publish was lost) is filled from the store. Facts are
 deduplicated by offset throughout, so none is lost or repeated; only deltas published
 while the bus was away are missed.
+
+A thread pruned (``storage.retention``) past the cursor keeps only its frontier: a
+follower that waits for the end stops there, its last frame the thread's status.
 """
 
 from __future__ import annotations
@@ -97,34 +100,39 @@ async def follow(
 ) -> AsyncIterator[Frame]:
     """Frames for ``thread`` after the cursor ``after``; stops at rest if ``until_rest``."""
     parse_offset(after)  # a malformed cursor fails before the store is asked
-    timing = _Timing(idle_check_s, bus_retry_s, bus_timeout_s)
+    terms = _Terms(idle_check_s, bus_retry_s, bus_timeout_s, until_rest)
     frontier = await patiently(lambda: store.load(thread), STORE_PATIENCE_S, log)
     cursor = check_cursor(after, frontier.version)
     yield Frame(type="thread_status", status=frontier.status)
     # the bus's head before the store is read: whatever is published from here on, the
     # deltas of an inference running now among it, comes from the bus
-    head = await _bus_head(bus, thread, timing) if bus is not None else None
+    head = await _bus_head(bus, thread, terms) if bus is not None else None
     at_rest = moved = False
     async for fact in _stored_facts(store, thread, cursor):
         cursor = (fact.seq, fact.index)
         at_rest = fact.type in REST_FACTS
         moved = fact.seq > frontier.version  # committed after the load: it is stale
         yield from_fact(fact)
-    if until_rest and (at_rest or (not moved and _rests(frontier, cursor))):
+    if until_rest and (at_rest or (not moved and _rests(frontier))):
         return
-    live = _live(store, thread, cursor, bus, head, poll_s, timing)
+    live = _live(store, thread, cursor, bus, head, poll_s, terms)
     async with contextlib.aclosing(live):
-        async for frame in live:
-            yield frame
-            event = frame.event
-            if until_rest and isinstance(event, Fact) and event.type in REST_FACTS:
-                return
+        try:
+            async for frame in live:
+                yield frame
+                event = frame.event
+                if until_rest and isinstance(event, Fact) and event.type in REST_FACTS:
+                    return
+        except _KeptAllSeen as rested:  # the status is what the store keeps of the end
+            yield Frame(type="thread_status", status=rested.status)
 
 
-def _rests(frontier: Any, cursor: tuple[int, int]) -> bool:
-    """The thread is at rest and the client has seen everything committed."""
+def _rests(frontier: Any) -> bool:
+    """The thread was at rest when loaded. Called when nothing committed since (the read
+    after the load found nothing later): the client has every fact the store keeps,
+    whether its cursor reached the head or the records up to it were pruned."""
     state = frontier.run_state
-    return state is not None and state.kind != "running" and cursor[0] >= frontier.version
+    return state is not None and state.kind != "running"
 
 
 def from_fact(fact: Fact) -> Frame:
@@ -157,7 +165,7 @@ async def _live(
     bus: LiveBus | None,
     head: str | None,
     poll_s: float,
-    timing: _Timing,
+    terms: _Terms,
 ) -> AsyncGenerator[Frame, None]:
     """Live frames: from the bus while it answers, else from the store. ``head`` is the
     bus's head taken before the store was read (None: the bus did not answer then)."""
@@ -167,29 +175,47 @@ async def _live(
             async for fact in _stored_facts(store, thread, cursor):
                 cursor = (fact.seq, fact.index)
                 yield from_fact(fact)
-            async for frame in _from_bus(store, thread, cursor, bus, head, timing):
+            async for frame in _from_bus(store, thread, cursor, bus, head, terms):
                 if frame.offset is not None:
                     cursor = parse_offset(frame.offset)
                 yield frame
             log.info("live bus unavailable for %s: following the store", thread)
-        async for frame in _poll(store, thread, cursor, poll_s, timing.bus_retry_s, bus):
+        async for frame in _poll(store, thread, cursor, poll_s, terms, bus):
             if frame.offset is not None:
                 cursor = parse_offset(frame.offset)
             yield frame
-        head = await _bus_head(bus, thread, timing) if bus is not None else None
+        head = await _bus_head(bus, thread, terms) if bus is not None else None
 
 
 @dataclass(frozen=True)
-class _Timing:
+class _Terms:
     idle_check_s: float
     bus_retry_s: float
     bus_timeout_s: float
+    until_rest: bool
 
 
-async def _bus_head(bus: LiveBus, thread: ThreadId, timing: _Timing) -> str | None:
+class _KeptAllSeen(Exception):
+    """The thread is at rest and the store keeps no fact after the cursor, although its
+    end was never served: the records up to it were pruned while the client followed."""
+
+    def __init__(self, status: ThreadStatus) -> None:
+        super().__init__(status.state)
+        self.status = status
+
+
+async def _check_pruned(store: CommitStore, thread: ThreadId, cursor: tuple[int, int]) -> None:
+    """Raise _KeptAllSeen if the thread rests and nothing after ``cursor`` is kept. The
+    head is read first: any record up to it is then read back, or was pruned."""
+    head = await patiently(lambda: store.load_head(thread), STORE_PATIENCE_S, log)
+    if _rests(head) and not [fact async for fact in _stored_facts(store, thread, cursor)]:
+        raise _KeptAllSeen(head.status)
+
+
+async def _bus_head(bus: LiveBus, thread: ThreadId, terms: _Terms) -> str | None:
     """The bus's head for ``thread``, or None if it fails or does not answer in time."""
     try:
-        return await asyncio.wait_for(bus.head(thread), timing.bus_timeout_s)
+        return await asyncio.wait_for(bus.head(thread), terms.bus_timeout_s)
     except Exception as exc:  # a bus down or hung: the store serves meanwhile
         log.debug("live bus head for %s failed: %r", thread, exc)
         return None
@@ -201,7 +227,7 @@ async def _from_bus(
     cursor: tuple[int, int],
     bus: LiveBus,
     head: str,
-    timing: _Timing,
+    terms: _Terms,
 ) -> AsyncIterator[Frame]:
     """Frames until the bus fails: its deltas, and the store's facts whenever the bus
     announces one or is quiet for ``idle_check_s``."""
@@ -210,11 +236,14 @@ async def _from_bus(
     try:
         while True:
             try:
-                item = await asyncio.wait_for(queue.get(), timing.idle_check_s)
+                item = await asyncio.wait_for(queue.get(), terms.idle_check_s)
             except TimeoutError:  # quiet: did the bus miss a fact?
+                got = False
                 async for fact in _stored_facts(store, thread, cursor):
-                    cursor = (fact.seq, fact.index)
+                    cursor, got = (fact.seq, fact.index), True
                     yield from_fact(fact)
+                if not got and terms.until_rest:
+                    await _check_pruned(store, thread, cursor)
                 continue
             if isinstance(item, BaseException):
                 return  # the bus failed: the caller follows the store
@@ -259,13 +288,13 @@ async def _poll(
     thread: ThreadId,
     cursor: tuple[int, int],
     poll_s: float,
-    bus_retry_s: float,
+    terms: _Terms,
     bus: LiveBus | None,
 ) -> AsyncIterator[Frame]:
     """Facts from the store; returns (to try the bus again) every ``bus_retry_s``."""
     delay = poll_s
     loop = asyncio.get_running_loop()
-    retry_at = loop.time() + bus_retry_s
+    retry_at = loop.time() + terms.bus_retry_s
     while True:
         got = False
         async for fact in _stored_facts(store, thread, cursor):
@@ -273,6 +302,8 @@ async def _poll(
             yield from_fact(fact)
         if bus is not None and loop.time() >= retry_at:
             return
+        if not got and delay >= 1.0 and terms.until_rest:  # quiet for a while
+            await _check_pruned(store, thread, cursor)
         delay = poll_s if got else min(delay * 2, 1.0)
         await asyncio.sleep(delay)
 

@@ -104,8 +104,10 @@ def test_show_prints_usage_per_step_and_in_total(tmp_path):
 
 
 def test_show_prints_stored_text_that_looks_like_markup_as_itself(tmp_path):
-    """Model, tool and user text is anyone's: ``[/x]`` once made rich raise MarkupError
-    (the command crashed) and ``[bold]`` was swallowed as style."""
+    """Model, tool and user text (and a model's name) is anyone's: ``[/x]`` once made
+    rich raise MarkupError (the command crashed) and ``[bold]`` was swallowed as style."""
+    from runtime.models import Usage
+
     store_url = f"sqlite:///{tmp_path}/markup.db"
 
     @tool
@@ -116,7 +118,7 @@ def test_show_prints_stored_text_that_looks_like_markup_as_itself(tmp_path):
         store = await open_store(store_url)
         script = [
             ModelResponse(text="[bold]calling[/]", tool_calls=(call("echo", "c[1]", text="[/]"),)),
-            ModelResponse(text="done [/x] here"),
+            ModelResponse(text="done [/x] here", usage=Usage(model="vendor/[/oops]")),
         ]
         agent = Agent(name="m", model=ScriptedModel(script), tools=[echo])
         await InProcessRunner(agent, store).start("hi [/y]", thread_id="m-[1]")
@@ -125,10 +127,30 @@ def test_show_prints_stored_text_that_looks_like_markup_as_itself(tmp_path):
     asyncio.run(run())
     shown = CliRunner().invoke(app, ["show", "m-[1]", "--store", store_url])
     assert shown.exit_code == 0, shown.output
-    for text in ("hi [/y]", "[bold]calling[/]", "done [/x] here", "[red][/][/x]", "m-[1]", "c[1]"):
+    shown_texts = ("hi [/y]", "[bold]calling[/]", "done [/x] here", "[red][/][/x]", "m-[1]", "c[1]")
+    for text in (*shown_texts, "(vendor/[/oops])"):
         assert text in shown.output, text
     missing = CliRunner().invoke(app, ["show", "no-[/such]", "--store", store_url])
     assert missing.exit_code == 1 and "no-[/such]" in missing.output, missing.output
+
+
+def test_show_and_watch_name_a_thread_pruned_through_its_head(tmp_path):
+    """Only the frontier is kept: ``show`` said the thread had no commits and ``watch``
+    waited for facts no store keeps."""
+    store_url = f"sqlite:///{tmp_path}/pruned.db"
+
+    async def run() -> None:
+        store = await open_store(store_url)
+        agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
+        ended = await InProcessRunner(agent, store).start("go", thread_id="p-1")
+        assert await store.prune(ThreadId("p-1"), ended.version) == ended.version
+        await store.close()
+
+    asyncio.run(run())
+    shown = CliRunner().invoke(app, ["show", "p-1", "--store", store_url])
+    assert shown.exit_code == 1 and "keeps no records: pruned through seq 2" in shown.output
+    watched = CliRunner().invoke(app, ["watch", "p-1", "--store", store_url])
+    assert watched.exit_code == 0 and "at rest" in watched.output, watched.output
 
 
 # ---- runs, show and watch for scripts: --json, filters, pages, whole ids ---------------

@@ -90,3 +90,21 @@ def test_a_resume_result_that_is_not_json_is_one_clear_error(payload, tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1
     assert "--result must be JSON" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("since", [10**18, -(10**18), 2**63 - 1])
+def test_a_stored_time_no_datetime_holds_is_shown_raw(since):
+    """A status time is data (imported, edited by hand): ``ratchet runs`` and ``show``
+    raised ValueError on one past year 9999, and the console on such a deadline."""
+    from cluster.cli_runs import iso_time
+    from cluster.cli_view import when
+    from edge.agui import _interrupt as interrupt_of
+    from runtime.lifecycle import PauseTarget, ResumeTicket
+
+    assert iso_time(since) is None
+    assert when(since) == f"{since} µs since the epoch"
+    assert iso_time(1_000_000).startswith("1970-01-01T00:00:01")
+    ticket = ResumeTicket(
+        correlation="c", run_id="r", thread_id="t", deadline_us=since, target=PauseTarget()
+    )
+    assert interrupt_of(ticket).expires_at is None

@@ -299,3 +299,57 @@ async def test_a_resume_that_lands_between_the_load_and_the_read_does_not_end_th
     await victim.runner(store).recover(victim.thread)
     await asyncio.wait_for(task, 10)
     assert seen[-1].event.type == "run_finished"
+
+
+class _ReadsHeld:
+    """The store as a follower sees it, its reads held while ``open`` is clear."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner = inner
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def read(self, thread, after_seq=0):
+        await self.open.wait()
+        return await self.inner.read(thread, after_seq)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("with_bus", [False, True], ids=["polling", "quiet-bus"])
+async def test_a_run_pruned_as_it_ends_ends_the_stream_with_its_status(with_bus: bool):
+    """The Run ends and its whole log is pruned before the follower reads its end: the
+    store keeps only the frontier, so the stream ends with the status it keeps (it
+    waited for facts that no longer exist)."""
+    gate = asyncio.Event()
+
+    @tool
+    async def slow(x: int) -> str:
+        await gate.wait()
+        return "ok"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("slow", "c1", x=1),)), ModelResponse(text="done")]
+    )
+    store = MemoryCommitStore()
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[slow]), store)
+    started = asyncio.ensure_future(runner.start("go", thread_id="t"))
+    seen: list[Frame] = []
+    held = _ReadsHeld(store)
+
+    async def follower() -> None:
+        bus = EmbeddedBus() if with_bus else None  # a bus nobody publishes to
+        async for frame in follow(held, "t", bus=bus, poll_s=0.01, idle_check_s=0.2):
+            seen.append(frame)
+
+    task = asyncio.ensure_future(follower())
+    await until(lambda: any(f.event is not None and f.event.type == "tool_call" for f in seen))
+    held.open.clear()
+    gate.set()
+    ended = await started
+    assert await store.prune("t", ended.version) == ended.version
+    held.open.set()
+    await asyncio.wait_for(task, 10)
+    assert seen[-1].type == "thread_status" and seen[-1].status == ended.status
+    assert not any(f.event is not None and f.event.type == "run_finished" for f in seen)

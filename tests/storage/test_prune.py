@@ -26,10 +26,13 @@ from cluster.cli_prune import register
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
 from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import CorruptRecord, InvalidTransition
+from runtime.history import ForkRefused, HistoryRefused, export, fork
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import audit, audit_thread
 from runtime.lifecycle import EndedState, Natural, RunningState, ThreadStatus
 from runtime.messages import AssistantMessage, UserMessage
+from runtime.replay_check import ReplayInputError, replay
+from runtime.stream import follow
 from storage.retention import prune_point, run_logs
 from storage.schema import threads
 
@@ -172,6 +175,37 @@ async def test_an_engine_starts_a_new_run_on_a_pruned_thread(store: Any) -> None
     assert await store.prune(T, done.version) == done.version - ends[2]
     assert await audit_thread(store, T) == ([], done.version)
     _same(await store.load(T), done)
+
+
+async def test_a_thread_pruned_through_its_head_is_named_pruned_everywhere(store: Any) -> None:
+    """Only the frontier is kept: a follower stops at its status (it waited forever for
+    facts the store no longer keeps), and a fork, an export or a replay says the thread
+    was pruned (they said it had no commits)."""
+    ends = await three_runs(store)
+    assert await store.prune(T, ends[1]) == ends[1]
+    with pytest.raises(HistoryRefused, match="from seq") as partly:
+        await export(store, T)
+    assert partly.value.reason == "pruned"
+    assert await store.prune(T, ends[2]) == ends[2] - ends[1]
+    for cursor in (None, "1:0", f"{ends[1]}:0"):
+        fs = [f async for f in asyncio_timeout(follow(store, T, cursor, poll_s=0.01))]
+        assert [(f.type, f.status.reason) for f in fs] == [("thread_status", "natural")]
+    with pytest.raises(ForkRefused, match="keeps no records") as forked:
+        await fork(store, T, 1, ThreadId("copy"))
+    with pytest.raises(HistoryRefused, match="keeps no records") as exported:
+        await export(store, T)
+    assert forked.value.reason == exported.value.reason == "pruned"
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="unused")]))
+    with pytest.raises(ReplayInputError, match="pruned"):
+        await replay(store, T, agent)
+    assert (await store.load(ThreadId("copy"))).version == 0
+
+
+async def asyncio_timeout(frames: Any, within_s: float = 10.0) -> Any:
+    """The frames, failing (not hanging) if they do not end within ``within_s``."""
+    async with asyncio.timeout(within_s):
+        async for frame in frames:
+            yield frame
 
 
 async def test_a_start_retried_after_its_run_was_pruned_does_not_run_it_again(
