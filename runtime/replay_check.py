@@ -148,10 +148,6 @@ async def _records(source: Source, thread: ThreadId) -> list[CommittedRecord]:
     records = [r for r in records if r.commit.thread_id == thread]
     if not records:
         raise ReplayInputError(f"thread {thread!r} has no recorded commits")
-    if records[0].seq != 1:  # a replay runs the thread from its first commit
-        raise ReplayInputError(
-            f"thread {thread!r} keeps its records from seq {records[0].seq} only: it was pruned"
-        )
     return records
 
 
@@ -300,14 +296,17 @@ class _Replay:
     async def _way_in(self, thread: ThreadId, way: Way, engine: Engine) -> None:
         first = way.first
         if way.kind == "start":
-            user = next(m for m in first.messages if isinstance(m, UserMessage))
+            user = next((m for m in first.messages if isinstance(m, UserMessage)), None)
+            if user is None:
+                raise ReplayInputError(f"the start of run {first.run_id} has no user message")
             await engine.start(thread, user.text, run_id=first.run_id, message_id=user.id)
         elif way.kind == "resume":
             await engine.resume(resume_command(way))
         elif way.kind == "recover":
             await engine.recover(thread)
         elif way.kind == "terminate":
-            assert isinstance(first.disposition, EndedState)
+            if not isinstance(first.disposition, EndedState):
+                raise ReplayInputError(f"the end of run {first.run_id} does not end it")
             await engine.terminate(thread, first.disposition.cause)
         else:
             await self._mark(thread, first)

@@ -634,6 +634,36 @@ async def test_a_pruned_thread_is_refused():
         await replay(store, "t", billing())
 
 
+async def test_a_recording_whose_way_in_cannot_be_made_is_a_divergence():
+    """A log that imports (its chain is whole) yet cannot have been written by a Run: a
+    start without the user's message, an ended commit that leaves the Run running. The
+    replay reports where (it raised StopIteration and a bare AssertionError)."""
+    from runtime.commit import assemble_commit
+
+    store = await record(billing(), "go")
+    records = await store.read("t")
+    first = records[0].commit
+    no_input = assemble_commit(
+        **{**_fields(first), "messages": ()}, prev=first.prev, epoch=first.epoch
+    )
+    report = await replay([no_input], "t", billing())
+    assert (report.divergence.what, report.divergence.seq) == ("way_in_refused", 1)
+    assert "has no user message" in report.divergence.got
+    last = records[-1].commit
+    not_an_end = assemble_commit(
+        **{**_fields(last), "disposition": records[-2].commit.disposition},
+        prev=last.prev,
+        epoch=last.epoch,
+    )
+    report = await replay([r.commit for r in records[:-1]] + [not_an_end], "t", billing())
+    assert report.divergence is not None and report.divergence.seq == len(records)
+
+
+def _fields(commit: Any) -> dict[str, Any]:
+    keep = ("thread_id", "run_id", "ordinal", "label", "disposition", "messages", "commands")
+    return {name: getattr(commit, name) for name in (*keep, "batch", "status", "claim")}
+
+
 async def test_assert_replays_takes_a_store_records_or_an_export(tmp_path: Path):
     store = await record(billing(), "go")
     await assert_replays(store, "t", billing())
