@@ -33,6 +33,7 @@ from runtime.context import RunContext, StepServices
 from runtime.execution import ExecutionState, Side
 from runtime.faults import Unwind
 from runtime.hooks import Hook, HookFailed
+from runtime.injection import inject_commands
 from runtime.lifecycle import Natural, UserInputTarget
 from runtime.limits import check_text
 from runtime.messages import AssistantMessage, ContextMessage, RequestMessage, UserMessage
@@ -207,13 +208,15 @@ async def handler_turn(
         raise  # a crash test's Crash, a replay's Halt: nothing settles
     except BaseException as exc:  # the handler's failure fails the Run, as a hook's does
         raise HookFailed(as_hook, "StepStart", exc) from exc
-    staged: list[Command] = []
-    stage_forced(ctx.execution, staged)
+    turn = int(state_of(f).get("turns", 0))
+    execution = ctx.execution  # what the handler injected goes with its turn, as a hook's
+    staged = list(inject_commands(f.version, f"{turn:06d}:handler:{side}", execution.injected))
+    execution.injected.clear()
+    stage_forced(execution, staged)
     if out is None:  # the handler ends the session
         ctx.pending.extend((*staged, closing()))
         raise EndRun(Natural())
     rest, passing = handoff(f, side, staged)
-    turn = int(state_of(f).get("turns", 0))
     message = UserMessage(id=f"{ctx.run_id}:turn:{turn}:{side}", text=out, side=side)
     await services.commit(
         ctx, "turn", ctx.running(), messages=(message,), commands=(*rest, *passing)

@@ -27,6 +27,7 @@ from runtime import (
     tool,
 )
 from runtime.agent import HandlerInput, Session, SessionSide
+from runtime.replay_check import replay
 from runtime.session import SESSION_KEY
 from storage.memory import MemoryCommitStore
 
@@ -144,6 +145,28 @@ async def test_handler_turns_add_no_steps_but_count_toward_max_session_turns():
     ]
     assert f.steps == 3  # only the model's
     assert f.state["thread"][SESSION_KEY]["turns"] == 5
+
+
+async def test_a_message_a_handler_injects_is_committed_with_its_turn():
+    """``execution.inject_message`` from a handler: the message went nowhere unless a
+    hook ran later in the Step (it was staged by the hooks' point only)."""
+
+    def injecting(seen: HandlerInput) -> str:
+        if seen.turn == 1:
+            seen.execution.inject_message("a note from the handler")
+        return echo_handler(seen)
+
+    store = MemoryCommitStore()
+    f = await start(with_handler(turns=3, handler=injecting), store)
+    said = [(side, text) for kind, side, text in lines(f) if kind == "user"]
+    assert said == [
+        (None, "write a haiku"),
+        ("b", "handler heard 'writer@0' at turn 1"),
+        (None, "a note from the handler"),
+    ]
+    assert [t for k, s, t in lines(f) if k == "assistant"] == ["writer@0", "writer@1"]
+    report = await replay(store, "t", with_handler(turns=3, handler=injecting))
+    assert report.clean, report.line()
 
 
 async def test_a_handler_returning_none_ends_the_session_naturally():
