@@ -91,7 +91,7 @@ class RunHandle:
             await self.until_host_done()
 
         async def at_rest() -> Frontier | None:
-            frontier = await self.frontier()
+            frontier = await patiently(self.frontier)  # an outage is not an answer
             if rests(frontier, self.run_id):
                 return frontier
             if self.run_id is not None and moved_on(frontier.run_id, self.run_id):
