@@ -37,7 +37,7 @@ from cluster.config import (
     system_name,
 )
 from cluster.handle import RunHandle, command_for
-from cluster.waiting import end_of, moved_on, on_a_live_host, polled, rests
+from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, polled, rests
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
@@ -141,9 +141,22 @@ class Ratchet:
             # a dedicated host retires as its Run ends, so its answer could be lost:
             # there, the start is answered first and the end followed apart
             wait = placement == "hosted"
-            handle, answer = await self._start(
-                agent_ref, input, thread_id, placement, run_id, host, None, wait, new_thread
-            )
+            thread = thread_id or f"thread-{uuid.uuid4().hex[:12]}"
+            run = run_id or f"run-{uuid.uuid4().hex[:12]}"
+            fresh = new_thread or thread_id is None
+            started = self._start(agent_ref, input, thread, placement, run, host, None, wait, fresh)
+            pending = RunHandle(self, ThreadId(thread), RunId(run), placement)
+
+            async def this_run_rests() -> Frontier | None:
+                frontier = await patiently(pending.frontier)
+                return frontier if rests(frontier, pending.run_id) else None
+
+            # a host that hangs mid-drive never answers: the store may hold the Run
+            # ended, re-placed and finished by another host
+            got = await notice_or_rest(started, this_run_rests)
+            if got is None:
+                return await pending.settled(host_done=True)
+            handle, answer = got
             if isinstance(answer, AtRest):
                 frontier = answer.frontier()
                 if rests(frontier, handle.run_id):

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError, RayError
 from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import ClusterUnavailable
 from cluster.stream import follow_thread
-from cluster.waiting import end_of, moved_on, on_a_live_host, polled, rests
+from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, polled, rests
 from runtime import tracing_env
 from runtime.commit import Frontier
 from runtime.errors import ResumeRejected, StoreUnavailable
@@ -89,19 +89,24 @@ class RunHandle:
         """``result`` without a deadline; ``host_done``: the host already said so."""
         if not host_done:
             await self.until_host_done()
+        return await polled(self.at_rest)
 
-        async def at_rest() -> Frontier | None:
-            frontier = await patiently(self.frontier)  # an outage is not an answer
-            if rests(frontier, self.run_id):
-                return frontier
-            if self.run_id is not None and moved_on(frontier.run_id, self.run_id):
-                return await end_of(self.client.store, self.thread_id, self.run_id, frontier.run_id)
-            return None
-
-        return await polled(at_rest)
+    async def at_rest(self) -> Frontier | None:
+        """The Run's frontier if the store holds it at rest (a Run the thread moved on
+        from: as its end left it), else None."""
+        frontier = await patiently(self.frontier)  # an outage is not an answer
+        if rests(frontier, self.run_id):
+            return frontier
+        if self.run_id is not None and moved_on(frontier.run_id, self.run_id):
+            return await end_of(self.client.store, self.thread_id, self.run_id, frontier.run_id)
+        return None
 
     async def until_host_done(self) -> None:
-        """Wait for the host this Run was placed on to finish driving it, if it does."""
+        """Wait for the host this Run was placed on to finish driving it, if it does,
+        or for the store to hold the Run at rest (a hung host never says so)."""
+        await notice_or_rest(self._host_notice(), self.at_rest)
+
+    async def _host_notice(self) -> None:
         if self.placement == "dedicated":
             try:  # a dedicated host retires with its Run: never start one just to ask
                 name = self.client.spec.dedicated_name(self.thread_id)

@@ -27,6 +27,8 @@ log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
+HOST_CHECK_S = 5.0
+"""While a host's notice is awaited, how often the store is asked whether the Run rests."""
 
 
 async def polled(check: Callable[[], Awaitable[T | None]]) -> T:
@@ -37,6 +39,25 @@ async def polled(check: Callable[[], Awaitable[T | None]]) -> T:
         await asyncio.sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
     return answer
+
+
+async def notice_or_rest(
+    notice: Awaitable[T], at_rest: Callable[[], Awaitable[object | None]]
+) -> T | None:
+    """``notice``'s answer (a host saying its drive is over); or None as soon as
+    ``at_rest`` finds the Run at rest in the store while the notice has not come. Asked
+    every ``HOST_CHECK_S``: a host that hangs (stopped, its loop blocked) never answers,
+    and the Run it held may have been re-placed and ended elsewhere."""
+    waiting = asyncio.ensure_future(notice)
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=HOST_CHECK_S)
+            if done:
+                return waiting.result()
+            if await at_rest() is not None:
+                return None
+    finally:
+        waiting.cancel()
 
 
 def rests(frontier: Frontier, run_id: RunId | None) -> bool:
