@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors.wire import unwrap
@@ -30,6 +30,8 @@ from runtime.ports import CommitStore, Finished
 log = logging.getLogger("ratchet.deliveries")
 DELIVERY_S = 30.0
 """The deadline of one call handing an ended child's outcome to its parent's host."""
+WAKE_AT_ONCE = 8
+"""Hand-overs (and resumes of due pauses) a Supervisor's sweep has under way at once."""
 DELIVERING_S = 600.0
 """How long a child's host keeps asking while its parent still awaits the outcome."""
 AWAITING_DELEGATION = "awaiting_delegation"
@@ -66,19 +68,33 @@ async def deliver(store: CommitStore, child: Frontier, link: ParentLink, host_of
 async def redeliver(store: CommitStore, parents: list[ThreadId], host_of: HostOf) -> int:
     """For each of these threads that awaits a child which has ended, hand the child's
     outcome over (one call each; the next sweep asks again); how many were handed."""
-    handed = 0
-    for thread in parents:
+
+    async def one(thread: ThreadId) -> bool:
         try:
             parent = await store.load(thread)
             child = awaited_child(parent)
             if child is not None and await _hand_over(await store.load(child), parent, host_of):
                 log.warning("the outcome of child %s had not reached %s: handed", child, thread)
-                handed += 1
+                return True
         except RatchetError as exc:  # refused (delivered meanwhile), corrupt, store out
             log.info("handing %s its child's outcome: %s", thread, exc)
         except Exception:  # a host gone, slow or restarting: the next sweep asks again
             log.exception("handing %s its child's outcome failed", thread)
-    return handed
+        return False
+
+    return await each(parents, one)
+
+
+async def each(threads: list[ThreadId], one: Callable[[ThreadId], Awaitable[bool]]) -> int:
+    """``one`` for every thread, ``WAKE_AT_ONCE`` at a time (a hung host holds only
+    the calls sent to it, each up to ``DELIVERY_S``); how many said True."""
+    slots = asyncio.Semaphore(WAKE_AT_ONCE)
+
+    async def slotted(thread: ThreadId) -> bool:
+        async with slots:
+            return await one(thread)
+
+    return sum(await asyncio.gather(*(slotted(t) for t in threads)))
 
 
 def awaited_child(parent: Frontier) -> ThreadId | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from actors.deliveries import DELIVERY_S, HostOf
+from actors.deliveries import DELIVERY_S, HostOf, each
 from actors.wire import unwrap
 from runtime.commit import Frontier
 from runtime.errors import RatchetError
@@ -34,22 +34,24 @@ def due(frontier: Frontier, now_us: int) -> bool:
 
 
 async def fire_due(store: CommitStore, paused: list[ThreadId], host_of: HostOf, now_us: int) -> int:
-    """Resume each of these paused Runs whose time has come (one call each; the next
-    sweep asks again); how many were resumed."""
-    fired = 0
-    for thread in paused:
+    """Resume each of these paused Runs whose time has come (one call each, several
+    at once; the next sweep asks again); how many were resumed."""
+
+    async def one(thread: ThreadId) -> bool:
         try:
             frontier = await store.load(thread)
             host = host_of(frontier) if due(frontier, now_us) else None
             if host is None:
-                continue
+                return False
             assert isinstance(frontier.run_state, AwaitingState)
             command = answer(frontier.run_state.ticket, Unpause())
             async with asyncio.timeout(DELIVERY_S):
                 unwrap(await host.resume_run.remote(command))
-            fired += 1
+            return True
         except RatchetError as exc:  # resumed meanwhile (refused), corrupt, store out
             log.info("resuming paused %s: %s", thread, exc)
         except Exception:  # a host gone, slow or restarting: the next sweep asks again
             log.exception("resuming paused %s failed", thread)
-    return fired
+        return False
+
+    return await each(paused, one)

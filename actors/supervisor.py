@@ -19,7 +19,8 @@ a time that has come (``actors.schedule``).
 
 Take-overs run in the background, ``TAKE_OVERS`` at a time, each re-placement within
 ``SystemSpec.recover_timeout_s``: a hung host delays only the Runs sent to it, never
-the watch. What goes wrong with one Run stays with it: a thread whose records do not
+the watch. So do hand-overs and due pauses (``WAKE_AT_ONCE`` calls at a time, one
+pass under way at most). What goes wrong with one Run stays with it: a thread whose records do not
 verify is quarantined (never taken over by this Supervisor), any other error is
 logged and the Run tried again at the next sweep; a store outage ends the pass.
 """
@@ -88,6 +89,8 @@ class Supervisor:
         """host id → our ``recover_run`` calls in flight there (such a host never retires)."""
         self._slots = asyncio.Semaphore(TAKE_OVERS)
         self._background: set[asyncio.Task[Any]] = set()
+        self._waking: asyncio.Task[None] | None = None
+        """The pass handing outcomes over and resuming due pauses, if under way."""
         self._started = self._last_sweep = time.monotonic()
         self._task = asyncio.create_task(self._watch())
 
@@ -201,11 +204,26 @@ class Supervisor:
                 self.counts["orphans"] += self._take_over_all(by_host[host])
         # Runs at rest that wait for the system, not for a person: parents awaiting a
         # child's outcome (its hand-over may have been lost) and Runs paused until a time
+        # (in the background, one pass at a time: each is a call to a host, which may hang)
+        if self._waking is not None and not self._waking.done():
+            return  # the last pass is still asking: this sweep's Runs are its too
         awaiting = [s for s in await self.store.list_runs("awaiting") if self._ours(s)]
         parents = [s.thread_id for s in awaiting if s.status.reason == AWAITING_DELEGATION]
         paused = [s.thread_id for s in awaiting if s.status.reason == AWAITING_PAUSE]
-        self.counts["outcomes_handed"] += await redeliver(self.store, parents, self._host_of)
-        self.counts["pauses_resumed"] += await fire_due(self.store, paused, self._host_of, now_us())
+        if parents or paused:
+            self._waking = asyncio.create_task(self._wake(parents, paused))
+
+    async def _wake(self, parents: list[ThreadId], paused: list[ThreadId]) -> None:
+        """Hand parents their children's outcomes and resume paused Runs that are due."""
+        try:
+            handed, fired = await asyncio.gather(
+                redeliver(self.store, parents, self._host_of),
+                fire_due(self.store, paused, self._host_of, now_us()),
+            )
+            self.counts["outcomes_handed"] += handed
+            self.counts["pauses_resumed"] += fired
+        except Exception:  # the next sweep asks again; Runs stay as committed
+            log.exception("waking Runs at rest failed")
 
     async def _running(self, host: str | None = None) -> list[RunSummary]:
         """The running Runs (of ``host``); a thread whose index entry does not verify is

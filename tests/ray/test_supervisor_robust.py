@@ -240,3 +240,67 @@ async def test_a_take_over_decided_from_a_stale_listing_leaves_the_run_to_its_ne
     assert sent == []
     head = await store.load_head(thread)
     assert (head.owner, head.epoch) == ("host-2#7", claimed.epoch)
+
+
+class _HungHost:
+    """A host whose calls never answer (its process stopped, its loop blocked)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        hung = self
+
+        class _Never:
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
+                hung.calls += 1
+                return asyncio.get_running_loop().create_future()
+
+        self.resume_run = _Never()
+
+
+async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
+    """Paused Runs whose time has come, placed on a host that hangs: the sweep resumed
+    them inline, one after the other, each call up to DELIVERY_S, and the watch (leases,
+    take-overs) waited. Now they are asked in the background, several at once, and a
+    sweep while that pass is under way starts no second one."""
+    from collections import Counter
+
+    import actors.schedule
+    from actors.schedule import due
+    from actors.supervisor import Supervisor
+    from actors.wire import SystemSpec
+    from runtime.engine import Engine
+    from runtime.errors import ModelRateLimited
+    from runtime.ids import ThreadId
+    from runtime.timeutil import now_us
+    from runtime.tools import LocalToolRunner
+
+    class Limited:
+        async def stream(self, request: Any) -> Any:
+            raise ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=0.0)
+            yield  # an async generator that never yields
+
+    monkeypatch.setattr(actors.schedule, "DELIVERY_S", 3600.0)
+    spec = SystemSpec(name="sys", store_url="memory://")
+    store = MemoryCommitStore()
+    agent = Agent(name="limited", model=Limited(), rate_limit_wait_s=0.0)
+    engine = Engine(agent, store, LocalToolRunner([]), owner=f"{spec.host_name(0)}#1")
+    for i in range(6):
+        f = await engine.start(ThreadId(f"p{i}"), "go")  # paused until a moment from now
+        assert f.run_state.kind == "awaiting" and f.status.reason == "awaiting_pause"
+    threads = [ThreadId(f"p{i}") for i in range(6)]
+
+    async def all_due() -> bool:
+        return all([due(await store.load(t), now_us()) for t in threads])
+
+    await wait_for(all_due, what="the pauses' time to come")
+    hung = _HungHost()
+    bare = object.__new__(Supervisor)  # the sweep only: no actor, no hosts
+    bare.spec, bare.owner, bare.store = spec, spec.supervisor_name, store
+    bare.counts, bare.quarantined, bare._taking, bare.leases = Counter(), set(), set(), {}
+    bare._waking = None
+    bare._host_of = lambda frontier: hung  # type: ignore[method-assign]
+    await asyncio.wait_for(bare._sweep(), 30)  # not held by the hung host
+    await wait_for(lambda: hung.calls == 6, what="every due Run to be asked at once")
+    await asyncio.wait_for(bare._sweep(), 30)
+    assert hung.calls == 6 and not bare._waking.done()  # the pass under way goes on
+    bare._waking.cancel()
