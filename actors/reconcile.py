@@ -13,6 +13,11 @@ Every pass (at start, then every ``SystemSpec.reconcile_s``):
   its next commit (which a long tool call can put off indefinitely): its waves are
   cancelled on the executors;
 - a thread whose records do not verify is quarantined: no engine here acts on it.
+
+A recovery that fails here (its agent cannot be imported: a deploy under way, a server
+its module asks for restarting) counts towards the Run's dead letter, and is tried
+again only after ``RECOVERY_RETRY_S``, doubling up to ``RECOVERY_RETRY_MAX_S``: a Run
+is not dead-lettered by three passes a few seconds apart over a passing outage.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -31,6 +37,9 @@ from runtime.ids import ThreadId
 from runtime.ports import CommitStore, RunSummary
 
 log = logging.getLogger("ratchet.run_host")
+RECOVERY_RETRY_S = 30.0
+"""How long after a failed recovery a host tries the Run again (then twice as long)."""
+RECOVERY_RETRY_MAX_S = 300.0
 
 
 class Reconciler:
@@ -47,10 +56,14 @@ class Reconciler:
         self.store = store
         self.drives = drives
         self.recover = recover
+        self.retry: dict[ThreadId, tuple[float, float]] = {}
+        """thread → (monotonic time before which its recovery is not tried again, the
+        wait after the next failure): Runs whose recovery failed here."""
 
     async def once(self) -> None:
         owned = await running_owned_by(self.store, self.host_id)
         ours = {s.thread_id for s in owned if s.owner == self.owner}
+        self.retry = {t: r for t, r in self.retry.items() if t in ours}  # ended, or taken
         # a paused drive whose Run another owner took, or that ended, is not ours to resume
         self.drives.paused &= ours
         await self._stop_fenced(ours)
@@ -76,6 +89,7 @@ class Reconciler:
             or thread in drives.quarantined
             or thread in drives.replacing
             or thread in drives.ending  # a promised end comes first (host_control)
+            or self._backing_off(thread)
         ):
             return
         try:
@@ -100,10 +114,21 @@ class Reconciler:
                 return
             result = await self.recover(thread)
             if isinstance(result, RemoteError):
+                self._back_off(thread)
                 await self._recovery_failed(thread, result)
+            else:
+                self.retry.pop(thread, None)
         except CorruptRecord as exc:
             log.error("thread %s cannot be trusted (%s); not driving it again", thread, exc)
             drives.quarantined.add(thread)
+
+    def _backing_off(self, thread: ThreadId) -> bool:
+        retry = self.retry.get(thread)
+        return retry is not None and time.monotonic() < retry[0]
+
+    def _back_off(self, thread: ThreadId) -> None:
+        wait = self.retry.get(thread, (0.0, RECOVERY_RETRY_S))[1]
+        self.retry[thread] = (time.monotonic() + wait, min(wait * 2, RECOVERY_RETRY_MAX_S))
 
     async def _recovery_failed(self, thread: ThreadId, error: RemoteError) -> None:
         """Recovering failed before a drive could start (e.g. its agent cannot be built

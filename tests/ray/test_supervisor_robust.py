@@ -304,3 +304,49 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     await asyncio.wait_for(bare._sweep(), 30)
     assert hung.calls == 6 and not bare._waking.done()  # the pass under way goes on
     bare._waking.cancel()
+
+
+async def test_a_failed_recovery_is_tried_again_only_after_a_while():
+    """A restarted host cannot import the Run's agent for a moment (a deploy, a server
+    its module asks for restarting): each pass, 2 s apart, counted a failure and the
+    Run was dead-lettered on the second. Now the next try waits RECOVERY_RETRY_S; once
+    the import works the Run is driven again, and its failures are forgotten."""
+    from actors.drives import Drives
+    from actors.reconcile import RECOVERY_RETRY_S, Reconciler
+    from actors.wire import RemoteError, SystemSpec
+    from runtime.errors import AgentImportError
+    from runtime.ids import ThreadId
+
+    spec = SystemSpec(name="sys", store_url="memory://")
+    store = MemoryCommitStore()
+    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
+    thread = ThreadId("t-import")
+    with pytest.raises(Crash):  # the host's last incarnation dies mid-run
+        await InProcessRunner(agent, store).start(
+            "go", thread_id=thread, faults=FaultPlan(crash_at=("before:ended", 1))
+        )
+    head = await store.load_head(thread)
+    host, owner = spec.host_name(0), f"{spec.host_name(0)}#2"
+    await store.claim(thread, f"{host}#1", supersedes=head.epoch)  # it was that host's
+    importing = [AgentImportError("cannot import module 'pkg.mod': restarting")]
+
+    async def recover(t: ThreadId) -> Any:
+        if importing:
+            return RemoteError.of(importing[0])
+        return True  # a drive started
+
+    drives = Drives(spec, store, owner, *[None] * 4, lambda: None)
+    reconciler = Reconciler(host, owner, store, drives, recover)
+    await reconciler.once()  # the loss, then the failed recovery: both count
+    marked = await store.load_head(thread)
+    assert marked.failed_recoveries == 2 and marked.status.state == "failed"
+    for _ in range(3):  # passes before the retry's time: nothing is tried or counted
+        await reconciler.once()
+    assert (await store.load_head(thread)).version == marked.version
+    assert reconciler.retry[thread][1] == 2 * RECOVERY_RETRY_S  # the wait after the next
+    importing.clear()  # the import works again, and the retry's time has come
+    reconciler.retry[thread] = (0.0, reconciler.retry[thread][1])
+    await reconciler.once()
+    assert thread not in reconciler.retry
+    still = await store.load_head(thread)
+    assert isinstance(still.run_state, RunningState) and still.version == marked.version
