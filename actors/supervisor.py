@@ -355,6 +355,8 @@ class Supervisor:
             await asyncio.wait_for(host.ping.remote(), PING_TIMEOUT_S)
         except Exception as exc:  # the Run stays as committed, for the next sweep
             log.info("host %s not answering (%r); %s waits for the next sweep", name, exc, thread)
+            if meta.placement == "dedicated" and self._was_lost(name):
+                self._end_lost_dedicated(name, host)
             return
         self._recovering[name] += 1
         try:
@@ -382,6 +384,22 @@ class Supervisor:
             await self._recovery_failed(thread, f"recovery_failed:{answer.name}")
             return
         self.counts["runs_replaced"] += 1
+
+    def _was_lost(self, name: str) -> bool:
+        """The host had come up (it sent a heartbeat) and its lease has run out since: a
+        host that does not answer is then not one still starting."""
+        return name in self.kinds and self.leases.get(name, 0.0) <= time.monotonic()
+
+    def _end_lost_dedicated(self, name: str, host: Any) -> None:
+        """A Run's dedicated host is the only host it can go to, and it was lost and does
+        not answer now: a hung process (stopped, its loop blocked) would hold the Run for
+        ever. It is ended, and the next sweep starts the Run a new one (its Run was
+        marked lost, claimed from it: that process drives nothing of it any more)."""
+        log.warning("dedicated host %s is lost and does not answer: ending it", name)
+        self.leases.pop(name, None)
+        self.kinds.pop(name, None)
+        with contextlib.suppress(Exception):  # gone already
+            ray.kill(host, no_restart=True)
 
     async def _recovery_failed(self, thread: ThreadId, reason: str) -> None:
         """A recovery of ours failed: it counts (if the Run is still ours as we marked it)."""

@@ -8,6 +8,8 @@ re-places the Runs on a live host.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import ray
 
@@ -97,3 +99,31 @@ async def _dead(host) -> bool:
     except ray.exceptions.RayActorError:
         return True
     return False
+
+
+@pytest.mark.timeout(180)
+async def test_a_dedicated_run_whose_host_hangs_ends_on_a_new_one(make_system, ledger):
+    """SIGSTOP the Run's dedicated host (Ray takes a stopped process for alive): its
+    lease runs out and the Supervisor marks the Run lost, but the only host it can go
+    to is that one, which never answers. The Supervisor ends it, and the next sweep
+    starts the Run a new dedicated host, where it ends (it stayed running for ever)."""
+    import os
+    import signal
+
+    client = await make_system(hosts=1, reconcile_s=0.5, heartbeat_s=0.25, lease_ttl_s=2.0)
+    thread = "hung-dedicated"
+    handle = await client.start(
+        "tests.ray.agents:napping_agent", "go", thread_id=thread, placement="dedicated"
+    )
+    first = ray.get_actor(client.spec.dedicated_name(thread), namespace="ratchet")
+    pid = (await first.info.remote())["pid"]
+    await wait_for(lambda: _some_call_executing(client, [handle]), what="the nap to start")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frontier = await handle.result(timeout_s=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
+    assert not frontier.owner.endswith(f"#{pid}")  # ended by another process
+    await check_log(client.store, thread)
