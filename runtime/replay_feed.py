@@ -117,7 +117,10 @@ class Feed:
         assert response is not None
         self.inferences += 1
         self._note_request(request, response)
-        if self._cancelled_as_answered(expected):
+        ended = self._ended_as_answered(expected)
+        if isinstance(ended, Stopped):
+            self.driver().stop(ended.reason)
+        elif ended is not None:
             self.driver().cancel()
         return response
 
@@ -133,19 +136,17 @@ class Feed:
     def _note(self, run: str, step: int, text: str) -> None:
         self.notes.setdefault((run, step, text), ReplayNote(run_id=run, step=step, text=text))
 
-    def _cancelled_as_answered(self, expected: CommittedRecord) -> bool:
-        """The recording's Run was cancelled as the model answered: its calls were
-        committed requested, and none ran, before the end."""
+    def _ended_as_answered(self, expected: CommittedRecord) -> Cancelled | Stopped | None:
+        """How the recording's Run was ended from outside as the model answered (its
+        calls were committed requested, and none ran, before the end), if it was."""
         i = self.made + 1
         after = self.way.records[i].commit if i < len(self.way.records) else None
         batch = expected.commit.batch
-        return (
-            after is not None
-            and expected.commit.label == "inference"
-            and isinstance(_outside_end(after), Cancelled)
-            and batch is not None
-            and all(c.phase.kind != "executing" for c in batch.calls)
-        )
+        if after is None or expected.commit.label != "inference" or batch is None:
+            return None
+        if any(c.phase.kind == "executing" for c in batch.calls):
+            return None
+        return _outside_end(after)
 
     # ---- tools and children ------------------------------------------------------------
 

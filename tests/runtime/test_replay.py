@@ -331,17 +331,22 @@ async def test_a_cancel_or_stop_from_outside_while_a_tool_runs_is_fed_back(stop)
     assert (await replay(store, "t", agent)).clean
 
 
-async def test_a_cancel_as_the_model_answered_is_fed_back():
+@pytest.mark.parametrize("stop", [False, True], ids=["cancel", "stop"])
+async def test_a_cancel_or_stop_as_the_model_answered_is_fed_back(stop: bool):
+    """(A stop was reported as a call that differs: only a cancel was fed back.)"""
     engines = []
 
     def answering(request):  # the cancel lands while the model's answer comes in
-        engines[0].cancel()
+        if stop:
+            engines[0].stop("operator says stop")
+        else:
+            engines[0].cancel()
         return SCRIPT[0]
 
     store = MemoryCommitStore()
     engines.append(InProcessRunner(billing(script=[answering]), store).engine())
     f = await engines[0].start("t", "go", run_id="r1")
-    assert f.run_state.cause.kind == "cancelled"
+    assert f.run_state.cause.kind == ("stopped" if stop else "cancelled")
     batch = (await store.read("t"))[1].commit.batch
     assert batch is not None and {c.phase.kind for c in batch.calls} == {"requested"}
     assert (await replayed(store, billing())).clean
