@@ -20,13 +20,16 @@ for calls with diverging histories — a downstream system deduplicating by them
 take the fork's call for the original's. A new Run on the fork has a new run id.
 
 **The writer.** The new thread is written by one owner, the fork or the import: its
-first record carries the claim (epoch 0 → 1) and every record names epoch 1. The
-source's epochs and claimants are not replayed: those owners never owned the new
+first record carries the claim (epoch 0 → 1), and so does every record that carried
+one in the source; where the source's epoch moved without a claim in the record (a
+recovery claims the thread, then commits), the writer claims the thread before that
+record. The copy keeps the source's shape of ownership — where each way in began,
+which a replay reads — but not its claimants: those owners never owned the new
 thread. The owner's name says where the thread came from (``fork_owner``:
 ``ratchet-fork#{thread}@{seq}``; ``import_owner``: ``ratchet-import#{head}``); its
 host part has no ``:``, so no system's Supervisor takes over what it owns (a system's
 owners are ``{system}:...``, ``actors.supervisor``). A Run started or resumed on the
-new thread claims it from there (epoch 2), as on any thread.
+new thread claims it from there, as on any thread.
 
 **Interrupted.** The records are a pure function of the source (and so is the owner's
 name): a fork or an import cut short (the store went out, the process died) is
@@ -90,7 +93,7 @@ from runtime.integrity import body_hash
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord
-from runtime.rules import admit, check_size, receipt_of
+from runtime.rules import admit, check_size, receipt_of, with_claim
 
 COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
 """The id rule a copied record's run id is held to (its system's ``id_chars`` may have
@@ -359,18 +362,22 @@ def _is_int(value: object) -> bool:
 def remade(
     commits: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
 ) -> list[ThreadCommit]:
-    """``commits`` re-made for ``thread``, written by ``owner``: its claim on the first,
-    epoch 1 on each, the chain recomputed. A ticket is re-addressed to ``thread``; all
-    else — run ids, ordinals, labels, messages, commands, batches, status — is kept."""
+    """``commits`` re-made for ``thread``, written by ``owner``: its claim on the first
+    and on each that carried one, a new epoch wherever the source's moved, the chain
+    recomputed. A ticket is re-addressed to ``thread``; all else — run ids, ordinals,
+    labels, messages, commands, batches, status — is kept."""
     planned: list[ThreadCommit] = []
-    prev = ""
+    prev, epoch, source_epoch = "", 0, None
     for seq, commit in enumerate(commits, start=1):
         try:  # an id no caller could have given (a control character, say): not copied
             check_id("run id", commit.run_id, COPIED_IDS)
         except InputRefused as exc:
             raise refuse(seq, exc.limit, str(exc)) from None
-        first = not planned
-        made = remake(commit, thread, prev, epoch=1, claim=owner if first else None)
+        claims = not planned or commit.claim is not None
+        if claims or commit.epoch != source_epoch:
+            epoch += 1
+        source_epoch = commit.epoch
+        made = remake(commit, thread, prev, epoch=epoch, claim=owner if claims else None)
         if made is None:
             raise refuse(seq, "record", "its facts are not the ones its parts make")
         planned.append(made)
@@ -424,11 +431,11 @@ def _folded(
     frontier = Frontier(thread_id=thread)
     known: dict[str, Receipt] = {}
     for seq, commit in enumerate(planned, start=1):
-        first = seq == 1
         try:
-            claim = owner if first else None
+            if commit.claim is None and commit.epoch != frontier.epoch:
+                frontier = with_claim(frontier, owner)  # claimed before it, as _write does
             seen = known.get(commit.operation_id)
-            admitted = admit(frontier, commit, seq - 1, 0 if first else 1, seen, claim)
+            admitted = admit(frontier, commit, seq - 1, frontier.epoch, seen, commit.claim)
         except (RatchetError, ValueError) as exc:
             raise refuse(seq, "replay", f"the log does not replay: {exc}") from None
         if not isinstance(admitted, Frontier):  # the same commit as an earlier one
@@ -461,23 +468,37 @@ async def _write(
     refuse: Refuse,
 ) -> Frontier:
     """Append what of ``planned`` the thread does not hold yet, each at the version and
-    epoch it must find: the first claims the thread for ``owner`` (epoch 0 → 1). A
-    refused append is looked into: another run of this same fork or import went ahead
+    epoch it must find: a record with a claim claims the thread for ``owner`` with it
+    (the first: epoch 0 → 1), one at a new epoch without a claim is preceded by a claim.
+    A refused append is looked into: another run of this same fork or import went ahead
     (go on from where it is), or someone else wrote the thread (thread_exists)."""
-    version = await _written(store, thread, planned, owner, refuse)
+    version, epoch = await _written(store, thread, planned, owner, refuse)
     while version < len(planned):
-        first = version == 0
+        commit = planned[version]
         try:
-            await store.append(
-                planned[version], version, 0 if first else 1, claim=owner if first else None
-            )
-            version += 1
+            if commit.claim is not None:
+                await store.append(commit, version, epoch, claim=owner)
+            else:
+                if commit.epoch != epoch:
+                    epoch = (await store.claim(thread, owner, supersedes=epoch)).epoch
+                await store.append(commit, version, epoch)
+            version, epoch = version + 1, commit.epoch
         except (VersionConflict, Fenced):
             ahead = await _written(store, thread, planned, owner, refuse)
-            if ahead <= version:  # refused what it says it lacks: not ours to press on
+            if ahead <= (version, epoch):  # refused what it says it lacks: not ours
                 raise
-            version = ahead
+            version, epoch = ahead
     return await store.load(thread)
+
+
+def _epochs_at(planned: Sequence[ThreadCommit], held: int) -> tuple[int, ...]:
+    """The epochs a thread holding ``planned[:held]`` may be at: its last record's, or
+    the next record's if this writer claims the thread before appending it."""
+    now = planned[held - 1].epoch
+    following = planned[held] if held < len(planned) else None
+    if following is not None and following.claim is None and following.epoch != now:
+        return (now, following.epoch)
+    return (now,)
 
 
 async def _written(
@@ -486,16 +507,20 @@ async def _written(
     planned: Sequence[ThreadCommit],
     owner: str,
     refuse: Refuse,
-) -> int:
-    """How many of ``planned`` the thread holds already: 0 for a thread nobody wrote, the
-    prefix an interrupted run of this same fork or import wrote; else thread_exists."""
+) -> tuple[int, int]:
+    """How many of ``planned`` the thread holds already, and its epoch: (0, 0) for a
+    thread nobody wrote, the prefix an interrupted run of this same fork or import
+    wrote (its claim for the next record perhaps made); else thread_exists."""
     frontier = await store.load(thread)
     if frontier.version == 0 and frontier.epoch == 0:
-        return 0
-    if frontier.owner == owner and frontier.epoch == 1 and frontier.version <= len(planned):
+        return 0, 0
+    if frontier.owner == owner and 0 < frontier.version <= len(planned):
         held = [r.commit.payload_hash for r in await store.read(thread)]
-        if held == [c.payload_hash for c in planned[: len(held)]]:
-            return len(held)
+        n = len(held)
+        if held == [c.payload_hash for c in planned[:n]] and frontier.epoch in _epochs_at(
+            planned, n
+        ):
+            return n, frontier.epoch
     raise refuse(
         0,
         "thread_exists",

@@ -580,3 +580,57 @@ async def test_an_export_of_a_thread_at_its_commit_limit_is_not_too_large(
         with pytest.raises(ImportRefused) as refused:
             await import_thread(MemoryCommitStore(), _header(records=count)(list(recorded)))
         assert refused.value.reason == reason, (count, str(refused.value))
+
+
+# ---- the shape of ownership ------------------------------------------------------------------
+
+
+async def test_a_copy_keeps_where_each_way_in_began_and_replays_cleanly(store: Any) -> None:
+    """A thread recovered after a crash (a new epoch, no claim in the record) and
+    resumed (a claim in the record): its fork and its import claim where it did, so a
+    replay of either reads the same ways in. The copies named epoch 1 throughout, and
+    their replays reported an unrecorded call where the recovery had been. An import
+    cut short at any record, also right after a claim it made, completes when run again."""
+    from runtime import Crash, FaultPlan
+    from runtime.replay_check import replay as replay_check
+
+    runner = InProcessRunner(history_agent(), store)
+    with pytest.raises(Crash):
+        await runner.start(
+            "delete X", thread_id=T, faults=FaultPlan(crash_at=("before:awaiting", 1))
+        )
+    waiting = await InProcessRunner(history_agent(), store).recover(T)
+    assert isinstance(waiting.run_state, AwaitingState)
+    command = answer(waiting.run_state.ticket, PermissionDecision(approve=True))
+    ended = await InProcessRunner(history_agent(), store).resume(command)
+    assert isinstance(ended.run_state, EndedState)
+    source = [r.commit for r in await store.read(T)]
+    assert (await replay_check(store, T, history_agent())).clean
+
+    def shape(commits: list[ThreadCommit]) -> list[tuple[bool, bool]]:
+        """Per record: does it carry a claim, is it at a new epoch."""
+        return [
+            (c.claim is not None, i == 0 or c.epoch != commits[i - 1].epoch)
+            for i, c in enumerate(commits)
+        ]
+
+    assert (False, True) in shape(source)  # the recovery
+    forked = await fork(store, T, ended.version, F)
+    lines = list(await export(store, T))
+    cuts = 0
+    while True:  # each run appends one record more, then the store is out
+        try:
+            copy = await import_thread(CutOff(store, 1), lines, ThreadId("copy"))
+            break
+        except StoreUnavailable:
+            cuts += 1
+    assert cuts == len(source) - 1
+    assert await import_thread(store, lines, ThreadId("copy")) == copy  # writes nothing
+    for thread, frontier in ((F, forked), (ThreadId("copy"), copy)):
+        commits = [r.commit for r in await store.read(thread)]
+        assert shape(commits) == shape(source)
+        assert frontier.epoch == commits[-1].epoch == ended.epoch
+        assert await audit(store, thread) == []
+        report = await replay_check(store, thread, history_agent())
+        assert report.clean, report.line()
+    assert history(copy) == history(ended) == history(forked)
