@@ -21,10 +21,9 @@ from typing import Any
 from actors.wire import unwrap
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
-from runtime.delegation import CHILD_OUTCOME, CHILDREN_KEY, ParentLink, delivery
+from runtime.delegation import CHILD_OUTCOME, ParentLink, awaited_child, delivery
 from runtime.errors import RatchetError
 from runtime.ids import ThreadId
-from runtime.lifecycle import AwaitingState, ToolWaitTarget
 from runtime.ports import CommitStore, Finished
 
 log = logging.getLogger("ratchet.deliveries")
@@ -95,18 +94,6 @@ async def each(threads: list[ThreadId], one: Callable[[ThreadId], Awaitable[bool
             return await one(thread)
 
     return sum(await asyncio.gather(*(slotted(t) for t in threads)))
-
-
-def awaited_child(parent: Frontier) -> ThreadId | None:
-    """The child thread a parent at rest awaits (its ticket names the delegating call)."""
-    state = parent.run_state
-    if not isinstance(state, AwaitingState):
-        return None
-    target = state.ticket.target
-    if not isinstance(target, ToolWaitTarget) or target.wait != "delegation":
-        return None
-    child = parent.state["run"].get(CHILDREN_KEY, {}).get(target.call_id)
-    return ThreadId(child) if isinstance(child, str) else None
 
 
 async def _hand_over(child: Frontier, parent: Frontier, host_of: HostOf) -> bool:

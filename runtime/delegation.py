@@ -218,6 +218,18 @@ def parent_link(frontier: Frontier) -> ParentLink | None:
     return ParentLink.model_validate(raw) if raw is not None else None
 
 
+def awaited_child(parent: Frontier) -> ThreadId | None:
+    """The child thread a parent at rest awaits (its ticket names the delegating call)."""
+    state = parent.run_state
+    if not isinstance(state, AwaitingState):
+        return None
+    target = state.ticket.target
+    if not isinstance(target, ToolWaitTarget) or target.wait != "delegation":
+        return None
+    child = parent.state["run"].get(CHILDREN_KEY, {}).get(target.call_id)
+    return ThreadId(child) if isinstance(child, str) else None
+
+
 def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
     """The resume that hands an ended child's outcome to a parent awaiting exactly it."""
     link = child.state["run"].get(PARENT_KEY)

@@ -11,10 +11,10 @@ from runtime.batch import ToolOutput
 from runtime.commit import Frontier
 from runtime.control import control_engine
 from runtime.delegation import (
-    CHILDREN_KEY,
     ChildOutcome,
     ChildRequest,
     ParentLink,
+    awaited_child,
     delivery,
     outcome_of,
     parent_link,
@@ -30,7 +30,7 @@ from runtime.errors import (
 )
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import AwaitingState, ResumeCommand, RunningState, ToolWaitTarget
+from runtime.lifecycle import ResumeCommand, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.publish import Publisher
@@ -209,14 +209,8 @@ class InProcessChildren:
 
     async def ended_child_of(self, parent: Frontier) -> Frontier | None:
         """The lone child a parent awaits, if that child has ended (its outcome is due)."""
-        state = parent.run_state
-        if not isinstance(state, AwaitingState):
-            return None
-        target = state.ticket.target
-        if not isinstance(target, ToolWaitTarget) or target.wait != "delegation":
-            return None
-        thread = parent.state["run"].get(CHILDREN_KEY, {}).get(target.call_id)
-        child = await self.store.load(ThreadId(thread)) if thread else None
+        thread = awaited_child(parent)
+        child = await self.store.load(thread) if thread is not None else None
         return child if child is not None and child.ended else None
 
     async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
