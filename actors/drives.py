@@ -27,7 +27,7 @@ from typing import Any
 from actors.waves import RayToolRunner, WaveDispatcher
 from actors.wire import AtRest, SystemSpec
 from runtime import tracing_env
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent, AgentImports, load_agent
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.delegation import ChildRunner, ParentLink
 from runtime.engine import RACES, Engine
@@ -161,7 +161,7 @@ class Drives:
         self.on_idle = on_idle
         self.table: dict[ThreadId, Drive] = {}
         self.agents: dict[str, tuple[Agent, RayToolRunner]] = {}
-        self._loading: dict[str, asyncio.Future[Agent]] = {}
+        self._imports = AgentImports()
         self.paused: set[ThreadId] = set()
         """Drives stopped by a store outage that outlasted their backoff: driven again."""
         self.quarantined: set[ThreadId] = set()
@@ -200,12 +200,7 @@ class Drives:
         again by the next request."""
         if ref in self.agents:
             return
-        loading = self._loading.get(ref)
-        if loading is None:
-            loading = asyncio.ensure_future(asyncio.to_thread(load_agent, ref))
-            self._loading[ref] = loading
-            loading.add_done_callback(lambda _: self._loading.pop(ref, None))
-        agent = await asyncio.shield(loading)
+        agent = await self._imports.load(ref)
         if ref not in self.agents:
             self._keep(ref, agent)
 

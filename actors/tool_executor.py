@@ -22,7 +22,7 @@ from actors.heap import freeze_startup_heap
 from actors.spare import replace_spare_if_restarted
 from actors.wire import NAMESPACE, SystemSpec
 from runtime import tracing_env
-from runtime.agent import Agent, load_agent
+from runtime.agent import Agent, AgentImports
 from runtime.batch import ToolOutput
 from runtime.errors import AgentImportError
 from runtime.limits import printable
@@ -38,7 +38,7 @@ class ToolExecutor:
     def __init__(self, warm_spares: bool = True) -> None:
         tracing_env.configure_from_env()  # OTEL_* (the actor's runtime_env) asks for spans
         self._agents: dict[str, Agent] = {}
-        self._loading: dict[str, asyncio.Future[Agent]] = {}
+        self._imports = AgentImports()
         self._waves: dict[str, asyncio.Task[list[Any]]] = {}
         """Waves running here, by id, so a host can cancel one (actors.waves)."""
         replace_spare_if_restarted(warm_spares)
@@ -96,15 +96,8 @@ class ToolExecutor:
         return list(await asyncio.gather(*(self._one(agent, inv) for inv in invocations)))
 
     async def _load(self, ref: str) -> Agent:
-        """Import the agent in a thread, once for all the waves that ask meanwhile: its
-        module may list an MCP server's tools as it is imported (``mcp_tools``), which
-        on this loop would hold every other wave here for as long as that server takes."""
-        loading = self._loading.get(ref)
-        if loading is None:
-            loading = asyncio.ensure_future(asyncio.to_thread(load_agent, ref))
-            self._loading[ref] = loading
-            loading.add_done_callback(lambda _: self._loading.pop(ref, None))
-        agent = await asyncio.shield(loading)
+        """Import the agent off this loop, once for all the waves that ask meanwhile."""
+        agent = await self._imports.load(ref)
         self._agents[ref] = agent
         return agent
 

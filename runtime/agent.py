@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
@@ -226,3 +227,21 @@ def load_agent(ref: str) -> Agent:
     if not isinstance(obj, Agent):
         raise AgentImportError(f"{ref!r} is a {type(obj).__name__}, not an Agent")
     return obj
+
+
+class AgentImports:
+    """Agents imported in a thread, once for all who ask meanwhile: a module may list an
+    MCP server's tools as it is imported (``mcp_tools``), which on an event loop would
+    hold everything else on it for as long as that server takes. An import that fails
+    raises to everyone waiting for it, and is tried again by the next one to ask."""
+
+    def __init__(self) -> None:
+        self._loading: dict[str, asyncio.Future[Agent]] = {}
+
+    async def load(self, ref: str) -> Agent:
+        loading = self._loading.get(ref)
+        if loading is None:
+            loading = asyncio.ensure_future(asyncio.to_thread(load_agent, ref))
+            self._loading[ref] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(ref, None))
+        return await asyncio.shield(loading)

@@ -203,13 +203,10 @@ async def test_a_call_that_ignores_its_cancellation_is_lost_at_its_deadline():
         return "finished after its deadline"
 
     runner = LocalToolRunner([stubborn, fine])
-    loop = asyncio.get_running_loop()
-    began = loop.time()
     lost, neighbour = await runner.run([invocation("stubborn", "a"), invocation("fine", "b")])
     assert isinstance(lost, Lost) and "timed out after 0.1s" in lost.message, lost
     assert isinstance(neighbour, Finished) and neighbour.output.content == "fine"
     assert not finished.is_set()  # answered without it: it is still going on its own
-    assert loop.time() - began < 4.5  # its deadline and the grace, not its 5 s
 
 
 async def test_a_timeout_the_tool_raises_itself_is_its_error_not_its_deadline():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -89,15 +90,23 @@ async def test_status_frames_for_a_run_whose_host_is_lost():
     ]
 
 
-async def test_live_deltas_and_facts_arrive_through_the_bus():
-    bus = EmbeddedBus()
-    store = MemoryCommitStore()
-    gate = asyncio.Event()
+def gated(gate: asyncio.Event) -> Any:
+    """A tool ``slow`` that answers once ``gate`` is set."""
 
     @tool
     async def slow(x: int) -> str:
         await gate.wait()
         return "ok"
+
+    return slow
+
+
+async def test_live_deltas_and_facts_arrive_through_the_bus():
+    bus = EmbeddedBus()
+    store = MemoryCommitStore()
+    gate = asyncio.Event()
+
+    slow = gated(gate)
 
     model = ScriptedModel(
         [
@@ -324,10 +333,7 @@ async def test_a_run_pruned_as_it_ends_ends_the_stream_with_its_status(with_bus:
     waited for facts that no longer exist)."""
     gate = asyncio.Event()
 
-    @tool
-    async def slow(x: int) -> str:
-        await gate.wait()
-        return "ok"
+    slow = gated(gate)
 
     model = ScriptedModel(
         [ModelResponse(tool_calls=(call("slow", "c1", x=1),)), ModelResponse(text="done")]

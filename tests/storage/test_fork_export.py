@@ -389,12 +389,7 @@ def _illegal_log(lines: list[Any]) -> list[Any]:
     """Two activations, chained and hashed: every line holds, the log does not fold."""
     one = _activation("run-1", "")
     two = _activation("run-2", one.payload_hash)
-    header = {"format": "ratchet-thread", "version": 1, "thread_id": T, "records": 2}
-    return [
-        orjson.dumps({**header, "head": two.payload_hash}).decode(),
-        _line(1, one.encoded),
-        _line(2, two.encoded),
-    ]
+    return _export_of(one, two)
 
 
 def _after_its_end(lines: list[Any]) -> list[Any]:
@@ -418,12 +413,14 @@ def _after_its_end(lines: list[Any]) -> list[Any]:
         disposition=RunningState(run_id=run),
         prev=one.payload_hash,
     )
-    header = {"format": "ratchet-thread", "version": 1, "thread_id": T, "records": 2}
-    return [
-        orjson.dumps({**header, "head": two.payload_hash}).decode(),
-        _line(1, one.encoded),
-        _line(2, two.encoded),
-    ]
+    return _export_of(one, two)
+
+
+def _export_of(*commits: ThreadCommit) -> list[str]:
+    """An export of thread T holding ``commits``, line by line."""
+    header = {"format": "ratchet-thread", "version": 1, "thread_id": T, "records": len(commits)}
+    head = orjson.dumps({**header, "head": commits[-1].payload_hash}).decode()
+    return [head, *(_line(i, c.encoded) for i, c in enumerate(commits, start=1))]
 
 
 def _stored_too_deep(lines: list[Any]) -> list[Any]:
@@ -443,12 +440,7 @@ def _stored_too_deep(lines: list[Any]) -> list[Any]:
         commands=(Command(key="deep", value=deep),),
         prev=one.payload_hash,
     )
-    header = {"format": "ratchet-thread", "version": 1, "thread_id": T, "records": 2}
-    return [
-        orjson.dumps({**header, "head": ended.payload_hash}).decode(),
-        _line(1, one.encoded),
-        _line(2, ended.encoded),
-    ]
+    return _export_of(one, ended)
 
 
 BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
