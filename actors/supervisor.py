@@ -7,6 +7,8 @@ by compare-and-set (``actors.ownership.mark_lost``: only if the lost host still 
 them, the claim in the same commit fencing it, should it still be alive) and
 re-placed on a live host, whose ``Engine.recover`` sets them running again. Ray's
 actor restart is the fast path and usually wins; this is the path for everything else.
+A lost host that stays silent a lease longer is hung (Ray takes a stopped process for
+alive): it is killed, so that Ray restarts it and the calls it held are asked again.
 
 Every ``reconcile_s`` the Supervisor also looks, through the owner index, for every
 running Run of this system whose owner is not a live host (it died while this
@@ -91,12 +93,15 @@ class Supervisor:
         self._background: set[asyncio.Task[Any]] = set()
         self._waking: asyncio.Task[None] | None = None
         """The pass handing outcomes over and resuming due pauses, if under way."""
+        self._silent: dict[str, float] = {}
+        """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
         self._started = self._last_sweep = time.monotonic()
         self._task = asyncio.create_task(self._watch())
 
     async def heartbeat(self, host_id: str, kind: str) -> None:
         self.leases[host_id] = time.monotonic() + self.spec.lease_ttl_s
         self.kinds[host_id] = kind
+        self._silent.pop(host_id, None)
 
     async def retire(self, host_id: str) -> bool:
         """A dedicated host whose Run is over: forget its lease and end the process, if it
@@ -113,11 +118,16 @@ class Supervisor:
             return False
         if not agreed or self._recovering[host_id]:  # checked after the last await
             return False  # a recovery of ours waits at its door: it opens again
-        self.leases.pop(host_id, None)
-        self.kinds.pop(host_id, None)
+        self._forget(host_id)
         with contextlib.suppress(ValueError):  # gone already
             ray.kill(handle, no_restart=True)
         return True
+
+    def _forget(self, host_id: str) -> None:
+        """A host this Supervisor ends for good: no lease, and nothing to restart."""
+        self.leases.pop(host_id, None)
+        self.kinds.pop(host_id, None)
+        self._silent.pop(host_id, None)
 
     async def _idle(self, host_id: str) -> bool:
         try:
@@ -151,6 +161,7 @@ class Supervisor:
 
     async def _tick(self) -> None:
         now = time.monotonic()
+        self._expect_pool(now)
         expired = [h for h, t in self.leases.items() if t <= now]
         # a host whose heartbeat is late but which answers is slow, not lost (a loaded
         # machine delays heartbeats): its lease is renewed, its Runs stay with it
@@ -163,9 +174,45 @@ class Supervisor:
         for host_id in [*expired, *dead]:
             self.leases.pop(host_id, None)
             await self._host_lost(host_id, "lease expired" if host_id in expired else "dead")
+        await self._restart_hung(now)
+        self._silent.update((h, now) for h in expired)
         if now - self._last_sweep >= self.spec.reconcile_s:
             self._last_sweep = now
             await self._sweep()
+
+    def _expect_pool(self, now: float) -> None:
+        """A pool host not heard from yet is given a lease from the moment it is seen to
+        exist: one that hangs before its first heartbeat is lost like any other (else a
+        start that hashes to it would wait for ever)."""
+        for i in range(self.spec.hosts):
+            name = self.spec.host_name(i)
+            if name not in self.kinds and _exists(name):
+                self.leases[name] = now + self.spec.lease_ttl_s
+                self.kinds[name] = "hosted"
+
+    async def _restart_hung(self, now: float) -> None:
+        """A host lost by its lease that stays silent a lease longer is hung (stopped, its
+        loop blocked): Ray takes its process for alive, so a call sent to it (a start
+        that hashes to it, a resume, a wait) would never be answered. Its Runs were taken
+        over when it was lost; the process is killed and Ray restarts it (a dedicated
+        host's next sweep starts it anew), and the calls it held fail and are asked again
+        of the new process (``cluster.waiting.on_a_live_host``)."""
+        due = [h for h, t in self._silent.items() if now - t >= self.spec.lease_ttl_s]
+        for host_id in due:
+            del self._silent[host_id]
+        answering = await asyncio.gather(*(self._alive(h, now) for h in due))
+        for host_id, alive in zip(due, answering, strict=True):
+            if alive:
+                continue
+            try:
+                handle = ray.get_actor(host_id, namespace=NAMESPACE)
+            except ValueError:  # gone already
+                continue
+            log.warning("host %s is lost and still does not answer: restarting it", host_id)
+            self.counts["hosts_restarted"] += 1
+            self.events.append({"host": host_id, "why": "hung: restarted", "at": now_us()})
+            with contextlib.suppress(Exception):  # dead meanwhile: nothing to restart
+                ray.kill(handle, no_restart=False)
 
     async def _dead_hosts(self, hosts: list[str]) -> list[str]:
         """Hosts Ray reports dead for good (a restarting host is not dead)."""
@@ -396,8 +443,7 @@ class Supervisor:
         ever. It is ended, and the next sweep starts the Run a new one (its Run was
         marked lost, claimed from it: that process drives nothing of it any more)."""
         log.warning("dedicated host %s is lost and does not answer: ending it", name)
-        self.leases.pop(name, None)
-        self.kinds.pop(name, None)
+        self._forget(name)
         with contextlib.suppress(Exception):  # gone already
             ray.kill(host, no_restart=True)
 

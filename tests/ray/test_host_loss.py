@@ -127,3 +127,30 @@ async def test_a_dedicated_run_whose_host_hangs_ends_on_a_new_one(make_system, l
     assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
     assert not frontier.owner.endswith(f"#{pid}")  # ended by another process
     await check_log(client.store, thread)
+
+
+@pytest.mark.timeout(180)
+async def test_a_start_sent_to_a_hung_pool_host_runs_once_the_supervisor_restarts_it(
+    make_system, ledger
+):
+    """SIGSTOP pool host 0, then start a Run there: Ray takes the stopped process for
+    alive, so the start would wait for ever. Its lease runs out, it stays silent, and
+    the Supervisor kills it; Ray restarts it and the client's start, asked again of the
+    new process, runs the Run to its end."""
+    import os
+    import signal
+
+    client = await make_system(hosts=2, reconcile_s=0.5, heartbeat_s=0.25, lease_ttl_s=2.0)
+    pid = (await client.hosts[0].info.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frontier = await client.run("tests.ray.agents:quick_agent", "hello", host=0, timeout_s=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
+    assert not frontier.owner.endswith(f"#{pid}")  # driven by the new process
+    report = await client.supervisor_report()
+    assert report["counts"].get("hosts_restarted", 0) >= 1, report
+    assert (await client.hosts[0].info.remote())["pid"] != pid
+    await check_log(client.store, frontier.thread_id)
