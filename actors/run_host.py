@@ -335,6 +335,7 @@ class RunHost(ControlHosting, ChildHosting):
             "quarantined": sorted(self.drives.quarantined),
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],
+            "executors_restarted": self.waves.restarted,  # taken for hung (actors.waves)
             # group commit (SQL stores): transactions with appends, the appends, the seconds
             # appends waited for their groups and the groups took to write
             **{f"store_{k}": getattr(self.store, k, None) for k in GROUP_COUNTS},

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -109,10 +110,18 @@ class ToolExecutor:
             return Finished(output=ToolOutput(content=text, is_error=True))
         return await tracing_env.within(inv.trace_context, invoke_safely(tool, inv))
 
+    async def ping(self) -> str:
+        """Answered by the event loop: a host takes an executor that does not for hung."""
+        return "pong"
+
     async def where(self) -> dict[str, Any]:
         """Where this executor runs and with what (for tests and diagnostics)."""
         ctx = ray.get_runtime_context()
-        return {"node": ctx.get_node_id(), "resources": ctx.get_assigned_resources()}
+        return {
+            "node": ctx.get_node_id(),
+            "resources": ctx.get_assigned_resources(),
+            "pid": os.getpid(),
+        }
 
 
 def _answer(task: asyncio.Task[list[Any]], calls: int) -> list[Any]:

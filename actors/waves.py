@@ -11,7 +11,12 @@ The executor runs the waves of a call concurrently and yields each as it finishe
 a slow tool holds back only its own wave, never the others in its call. A wave its
 Run stops waiting for (the deadline passed, or the Run was cancelled) is cancelled on
 the executor by its id. An executor that dies mid-call makes every wave it had not
-answered ``Lost``; the engine's pinned recovery policy decides what those become.
+answered ``Lost``; the engine's pinned recovery policy decides what those become. One
+that hangs (a stopped process, a tool that blocks its event loop) would hold its waves
+for ever where their tools have no timeout, since Ray takes it for alive: while a call
+has been out for a lease (``SystemSpec.lease_ttl_s``) the dispatcher pings its
+executor, and one that misses ``HUNG_STRIKES`` pings in a row is killed for Ray to
+restart, which loses its waves as a death does.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from actors.tool_executor import ExecutorPools, pool_key
@@ -35,6 +41,10 @@ from runtime.tools import Tool
 log = logging.getLogger("ratchet.waves")
 TIMEOUT_GRACE_S = 5.0
 """How long past a tool's own timeout the host waits before calling the executor lost."""
+PING_TIMEOUT_S = 2.0
+HUNG_STRIKES = 2
+"""Pings in a row, a lease apart, an executor with a call out may miss before it is
+taken for hung and restarted."""
 
 
 @dataclass(eq=False)
@@ -64,9 +74,13 @@ class WaveDispatcher:
         self._resources: dict[str, Mapping[str, float]] = {}
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
-        self._calls: set[asyncio.Task[None]] = set()
+        self._calls: dict[asyncio.Task[None], tuple[Any, float]] = {}
+        """Calls out → their executor and when they were sent."""
+        self._watch: asyncio.Task[None] | None = None
         self.sent = {"waves": 0, "calls": 0}
         """Counters for ``RunHost.info``: waves / calls is the coalescing achieved."""
+        self.restarted = 0
+        """Executors this dispatcher took for hung and killed."""
 
     async def run(
         self, resources: Mapping[str, float], agent_ref: str, invocations: Sequence[ToolInvocation]
@@ -110,9 +124,12 @@ class WaveDispatcher:
             wave.executor = executor
         self.sent["waves"] += len(waves)
         self.sent["calls"] += 1
-        task = asyncio.get_running_loop().create_task(self._call(executor, waves))
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._call(executor, waves))
+        self._calls[task] = (executor, loop.time())
+        task.add_done_callback(self._calls.pop)
+        if self._watch is None or self._watch.done():
+            self._watch = loop.create_task(self._watch_executors())
 
     async def _call(self, executor: Any, waves: list[_Wave]) -> None:
         open_waves = {w.id: w for w in waves}
@@ -142,6 +159,26 @@ class WaveDispatcher:
             message = "executor ended the call without answering"
         for wave in open_waves.values():
             wave.lose(message)
+
+    async def _watch_executors(self) -> None:
+        """While calls are out: ping each executor that has had one out for a lease; one
+        that misses ``HUNG_STRIKES`` pings in a row is killed, for Ray to restart."""
+        period = self.pools.spec.lease_ttl_s
+        loop = asyncio.get_running_loop()
+        strikes: dict[Any, int] = {}
+        while self._calls:
+            await asyncio.sleep(period)
+            now = loop.time()
+            due = list({ex for ex, sent in self._calls.values() if now - sent >= period})
+            answers = await asyncio.gather(*(_answers(ex) for ex in due))
+            missed = [ex for ex, ok in zip(due, answers, strict=True) if not ok]
+            strikes = {ex: strikes.get(ex, 0) + 1 for ex in missed}  # in a row: others reset
+            for executor in [ex for ex, n in strikes.items() if n >= HUNG_STRIKES]:
+                del strikes[executor]
+                log.warning("an executor with a call out does not answer: restarting it")
+                self.restarted += 1
+                with contextlib.suppress(Exception):  # dead meanwhile: its calls hear it
+                    ray.kill(executor, no_restart=False)
 
     def _cancel(self, wave: _Wave) -> None:
         if wave.executor is None:
@@ -180,6 +217,14 @@ class RayToolRunner:
     def _resources(self, tool_id: str) -> Mapping[str, float]:
         tool: Tool | None = self.agent.deployed_tool(tool_id)
         return tool.resources if tool is not None else {}
+
+
+async def _answers(executor: Any) -> bool:
+    try:
+        await asyncio.wait_for(executor.ping.remote(), PING_TIMEOUT_S)
+    except Exception:  # hung, dead or restarting: a death is heard by its calls
+        return False
+    return True
 
 
 def _deadline(invocations: Sequence[ToolInvocation], grace_s: float) -> float | None:

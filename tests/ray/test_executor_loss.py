@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -47,3 +48,32 @@ async def test_executor_killed_mid_call(make_system, ledger):
     results = {m.call_id: m for m in frontier.messages if isinstance(m, ToolResultMessage)}
     assert results["c1"].is_error and "outcome unknown" in results["c1"].content
     assert not results["c2"].is_error and "attempt 2" in results["c2"].content
+
+
+async def test_a_hung_executor_is_restarted_and_its_calls_settled_as_lost(make_system, ledger):
+    """SIGSTOP the executor mid-call: Ray takes a stopped process for alive and the
+    tools have no timeout, so the Run would wait for ever. The host pings the executor
+    while its call is out; it misses its pings, is killed for Ray to restart, and its
+    calls become what their policies say, as if it had died."""
+    client = await make_system(lease_ttl_s=1.0, heartbeat_s=0.25)
+    handle = await client.start("tests.ray.agents:blocking_agent", "go")
+    prefix = f"tool-batch:{handle.run_id}:"
+
+    async def both_started() -> bool:
+        return len(ledger.rows(prefix)) >= 2
+
+    await wait_for(both_started, what="both calls inside the executor")
+    (pid,) = {row[3] for row in ledger.rows(prefix)}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frontier = await handle.result(timeout_s=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert frontier.run_state.cause.kind == "natural"
+    report = await check_log(client.store, handle.thread_id)
+    by_tool = {c.tool: c for c in report.calls.values()}
+    assert by_tool["slow_charge"].phase.kind == "indeterminate"  # never_replay
+    assert by_tool["slow_fetch"].phase.kind == "completed" and by_tool["slow_fetch"].attempts == 2
+    restarted = [(await h.info.remote())["executors_restarted"] for h in client.hosts]
+    assert sum(restarted) >= 1, restarted
