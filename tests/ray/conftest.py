@@ -6,9 +6,11 @@ worker process inherits it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +79,14 @@ def actor_gone(name: str) -> Callable[[], Awaitable[bool]]:
         return False
 
     return gone
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """The process SIGSTOPped (hung: Ray takes it for alive) for the block's length."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed meanwhile
+            os.kill(pid, signal.SIGCONT)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 
@@ -11,7 +10,7 @@ import pytest
 from runtime.messages import ToolResultMessage
 
 from .checks import check_log
-from .conftest import wait_for
+from .conftest import stopped, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -64,12 +63,8 @@ async def test_a_hung_executor_is_restarted_and_its_calls_settled_as_lost(make_s
 
     await wait_for(both_started, what="both calls inside the executor")
     (pid,) = {row[3] for row in ledger.rows(prefix)}
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(pid):
         frontier = await handle.result(timeout_s=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
     assert frontier.run_state.cause.kind == "natural"
     report = await check_log(client.store, handle.thread_id)
     by_tool = {c.tool: c for c in report.calls.values()}

@@ -8,15 +8,13 @@ re-places the Runs on a live host.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import ray
 
 from cluster.demo_agent import NEVER_REPLAY_TOOLS
 
 from .checks import check_log, never_twice, went_through_loss
-from .conftest import wait_for
+from .conftest import stopped, wait_for
 
 pytestmark = pytest.mark.ray
 AGENT = "cluster.demo_agent:agent"
@@ -107,9 +105,6 @@ async def test_a_dedicated_run_whose_host_hangs_ends_on_a_new_one(make_system, l
     lease runs out and the Supervisor marks the Run lost, but the only host it can go
     to is that one, which never answers. The Supervisor ends it, and the next sweep
     starts the Run a new dedicated host, where it ends (it stayed running for ever)."""
-    import os
-    import signal
-
     client = await make_system(hosts=1, reconcile_s=0.5, heartbeat_s=0.25, lease_ttl_s=2.0)
     thread = "hung-dedicated"
     handle = await client.start(
@@ -118,12 +113,8 @@ async def test_a_dedicated_run_whose_host_hangs_ends_on_a_new_one(make_system, l
     first = ray.get_actor(client.spec.dedicated_name(thread), namespace="ratchet")
     pid = (await first.info.remote())["pid"]
     await wait_for(lambda: _some_call_executing(client, [handle]), what="the nap to start")
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(pid):
         frontier = await handle.result(timeout_s=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
     assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
     assert not frontier.owner.endswith(f"#{pid}")  # ended by another process
     await check_log(client.store, thread)
@@ -137,17 +128,10 @@ async def test_a_start_sent_to_a_hung_pool_host_runs_once_the_supervisor_restart
     alive, so the start would wait for ever. Its lease runs out, it stays silent, and
     the Supervisor kills it; Ray restarts it and the client's start, asked again of the
     new process, runs the Run to its end."""
-    import os
-    import signal
-
     client = await make_system(hosts=2, reconcile_s=0.5, heartbeat_s=0.25, lease_ttl_s=2.0)
     pid = (await client.hosts[0].info.remote())["pid"]
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(pid):
         frontier = await client.run("tests.ray.agents:quick_agent", "hello", host=0, timeout_s=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
     assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
     assert not frontier.owner.endswith(f"#{pid}")  # driven by the new process
     report = await client.supervisor_report()
