@@ -171,11 +171,11 @@ class Supervisor:
                 self.leases[host_id] = now + self.spec.lease_ttl_s
         expired = [h for h, alive in zip(expired, answering, strict=True) if not alive]
         dead = await self._dead_hosts([h for h in self.leases if h not in expired])
+        await self._restart_hung(now)
+        self._silent.update((h, now) for h in expired)  # before a store outage ends the tick
         for host_id in [*expired, *dead]:
             self.leases.pop(host_id, None)
             await self._host_lost(host_id, "lease expired" if host_id in expired else "dead")
-        await self._restart_hung(now)
-        self._silent.update((h, now) for h in expired)
         if now - self._last_sweep >= self.spec.reconcile_s:
             self._last_sweep = now
             await self._sweep()
@@ -198,6 +198,8 @@ class Supervisor:
         host's next sweep starts it anew), and the calls it held fail and are asked again
         of the new process (``cluster.waiting.on_a_live_host``)."""
         due = [h for h, t in self._silent.items() if now - t >= self.spec.lease_ttl_s]
+        if not due or not await self._store_answers():
+            return  # a host restarted in an outage waits for the store in its constructor
         for host_id in due:
             del self._silent[host_id]
         answering = await asyncio.gather(*(self._alive(h, now) for h in due))
@@ -213,6 +215,13 @@ class Supervisor:
             self.events.append({"host": host_id, "why": "hung: restarted", "at": now_us()})
             with contextlib.suppress(Exception):  # dead meanwhile: nothing to restart
                 ray.kill(handle, no_restart=False)
+
+    async def _store_answers(self) -> bool:
+        try:
+            await self.store.list_runs("running", host=self.owner)
+        except StoreUnavailable:
+            return False
+        return True
 
     async def _dead_hosts(self, hosts: list[str]) -> list[str]:
         """Hosts Ray reports dead for good (a restarting host is not dead)."""
