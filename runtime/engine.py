@@ -453,7 +453,9 @@ class Engine(Stepping):
                 await self.end(ctx, end.cause)
             else:  # its finished calls keep their results; the rest are sealed
                 published = result_messages(seal(end.batch))
-                await self.end(ctx, end.cause, messages=published, batch=end.batch)
+                await self.end(
+                    ctx, end.cause, messages=published, batch=end.batch, commands=end.commands
+                )
 
     async def _await_at_boundary(self, ctx: RunContext) -> None:
         """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing."""

@@ -81,7 +81,7 @@ class Hooking(Committing):
             call=call,
         )
         try:
-            await run_hooks(self.agent.hooks, hook_input, into, self.limits)
+            await run_hooks(self.agent.hooks, hook_input, into, self.limits, ctx.pending)
         finally:  # what the hooks injected is staged with their commands
             source = f"{step:06d}:{point}:{call.call_id if call is not None else '-'}"
             into.commands.extend(inject_commands(ctx.frontier.version, source, execution.injected))

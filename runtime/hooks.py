@@ -36,7 +36,7 @@ from runtime.limits import (
 )
 from runtime.messages import ContextMessage, Message
 from runtime.signals import cancelling
-from runtime.state import Command, MergePolicy, StateView, check_writable
+from runtime.state import Command, MergePolicy, StateView, apply_commands, check_writable
 
 HookPoint = Literal["StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd"]
 HOOK_POINTS: tuple[HookPoint, ...] = (
@@ -124,6 +124,10 @@ class HookResults:
     context: list[ContextMessage] = field(default_factory=list)
     denied: dict[str, str] = field(default_factory=dict)
     """Call id → reason, from ``DenyCall`` reactions (the gates complete them)."""
+    alongside: Sequence[Command] = ()
+    """Commands the hooks' are committed with (an AfterTool wave's tools'): a hook whose
+    commands cannot merge with them and those before is the one that fails, by name, not
+    the commit that would have carried what the tools did."""
 
 
 class HookFailed(Exception):
@@ -141,10 +145,15 @@ _REACTIONS: TypeAdapter[list[Reaction]] = TypeAdapter(list[Reaction])
 
 
 async def run_hooks(
-    hooks: Sequence[Hook], hook_input: HookInput, into: HookResults, limits: Limits
+    hooks: Sequence[Hook],
+    hook_input: HookInput,
+    into: HookResults,
+    limits: Limits,
+    staged: Sequence[Command] = (),
 ) -> None:
     """Run the hooks of one point in list order, collecting what they return and applying
-    their reactions (the one place hook reactions take effect)."""
+    their reactions (the one place hook reactions take effect). ``staged``: commands the
+    Run holds for its next commit, which the hooks' must merge with too."""
     for hook in hooks:
         if hook.point != hook_input.point:
             continue
@@ -155,6 +164,9 @@ async def run_hooks(
             if out is None:
                 continue
             commands, context, reactions = _admitted(out, hook, hook_input, limits)
+            if commands:  # a clash found now is this hook's (StateConflict)
+                merged = (*staged, *into.alongside, *into.commands, *commands)
+                apply_commands(hook_input.state, merged)
         except asyncio.CancelledError as exc:
             if cancelling():
                 raise  # the Run's task is being cancelled: it goes on unwinding

@@ -4,11 +4,12 @@ parts use to tell the Step loop what happened (they never escape it)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from runtime.batch import ActiveToolBatch
 from runtime.lifecycle import EndCause, PauseTarget
+from runtime.state import Command
 
 T = TypeVar("T")
 
@@ -24,12 +25,19 @@ class RunOver(Exception):
 class EndRun(Exception):
     """Carrying out a Step decided that the Run must end with ``cause``; ``batch``: the
     Step's batch as it is now, should it hold calls finished since its last commit (their
-    results are kept in the end, not sealed as unknown)."""
+    results are kept in the end, not sealed as unknown), and ``commands`` what those
+    calls wrote to the state."""
 
-    def __init__(self, cause: EndCause, batch: ActiveToolBatch | None = None) -> None:
+    def __init__(
+        self,
+        cause: EndCause,
+        batch: ActiveToolBatch | None = None,
+        commands: Sequence[Command] = (),
+    ) -> None:
         super().__init__(cause.kind)
         self.cause = cause
         self.batch = batch
+        self.commands = tuple(commands)
 
 
 class PauseRun(Exception):

@@ -26,6 +26,7 @@ from runtime.batch import (
 )
 from runtime.context import RunContext, StepServices
 from runtime.delegation import CHILDREN_KEY, ChildRequest, ChildWaiting, child_ids
+from runtime.errors import StateConflict
 from runtime.execution import ExecutionSnapshot, InjectMessage, ToolRequest, snapshot
 from runtime.failures import failure_of
 from runtime.gates import admit_outcome, delegates, plan, waves
@@ -162,23 +163,25 @@ async def run_wave(
         # commands of the calls that finished beside it
         ctx.pending.extend(commands)
         return batch
-    hooks = HookResults()
+    hooks = HookResults(alongside=commands)
     if services.agent.hooks:  # else skip even building each call's arguments
         try:
             for call_id in members:
                 call = batch.call(call_id)
                 await services.hooks(ctx, "AfterTool", hooks, step=batch.step, call=call)
         except HookFailed as failed:  # the Run ends; what the tools did is kept in its end
-            raise EndRun(failure_of(failed), batch) from failed
-    # the next inference may begin before this lands (Committing.commit, ``landing``)
-    await services.commit(
-        ctx,
-        "results",
-        ctx.running(),
-        landing=True,
-        batch=batch,
-        commands=(*commands, *hooks.commands),
-    )
+            raise EndRun(failure_of(failed), batch, commands) from failed
+    try:  # the next inference may begin before this lands (Committing.commit, ``landing``)
+        await services.commit(
+            ctx,
+            "results",
+            ctx.running(),
+            landing=True,
+            batch=batch,
+            commands=(*commands, *hooks.commands),
+        )
+    except StateConflict as conflict:  # the tools' own commands clash: refused, unwritten
+        raise EndRun(failure_of(conflict), batch) from conflict  # their results are kept
     return batch
 
 

@@ -16,6 +16,7 @@ import pytest
 from runtime import (
     Agent,
     Hook,
+    HookOutput,
     InProcessRunner,
     ModelResponse,
     ScriptedModel,
@@ -26,6 +27,8 @@ from runtime.agent import Session, SessionSide
 from runtime.lifecycle import EndedState, Failed
 from runtime.messages import ToolResultMessage
 from runtime.models import ModelDelta
+from runtime.state import Command
+from runtime.tools import ToolResult
 from storage.memory import MemoryCommitStore
 
 
@@ -168,3 +171,75 @@ async def test_an_after_tool_hook_that_fails_keeps_what_the_tools_did() -> None:
     assert isinstance(done.run_state, EndedState)
     assert isinstance(done.run_state.cause, Failed) and done.run_state.cause.failure == "hook"
     assert _results(done) == [(False, "charged 42")] and charged == [42]
+
+
+@tool
+async def debit(amount: int) -> ToolResult:
+    """Writes the balance as a commutative delta, as a ledger tool would."""
+    return ToolResult(
+        content=f"debited {amount}",
+        commands=[Command(key="balance", merge="commutative", value=-amount)],
+    )
+
+
+def _debit_then(hooks: list[Hook]) -> Agent:
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("debit", "c1", amount=42),)), ModelResponse(text="ok")]
+    )
+    return Agent(name="a", model=model, tools=[debit], hooks=hooks)
+
+
+async def test_an_after_tool_hook_that_fails_keeps_what_the_tools_wrote_too() -> None:
+    """The end holds the finished calls' state commands with their results: a history
+    saying "debited 42" beside a balance that never moved would be a lie for good."""
+    runner = InProcessRunner(
+        _debit_then([Hook(point="AfterTool", fn=_raising("Mine"))]), MemoryCommitStore()
+    )
+    done = await runner.start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState) and isinstance(done.run_state.cause, Failed)
+    assert done.run_state.cause.failure == "hook"
+    assert _results(done) == [(False, "debited 42")]
+    assert dict(done.state["thread"]) == {"balance": -42}
+
+
+async def test_a_hook_whose_commands_clash_with_the_tools_is_the_one_that_fails() -> None:
+    """An AfterTool hook writes the key the tool wrote, with another policy: the clash
+    is the hook's (named in the cause), and the tool's result and write are kept — not
+    the whole results commit refused and the finished call sealed "outcome unknown"."""
+
+    def reset(_: Any) -> HookOutput:
+        return HookOutput(commands=[Command(key="balance", merge="exclusive", value=0)])
+
+    runner = InProcessRunner(
+        _debit_then([Hook(point="AfterTool", fn=reset, name="reset")]), MemoryCommitStore()
+    )
+    done = await runner.start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState) and isinstance(done.run_state.cause, Failed)
+    cause = done.run_state.cause
+    assert (cause.failure, cause.code) == ("hook", "StateConflict")
+    assert "reset" in cause.message
+    assert _results(done) == [(False, "debited 42")]
+    assert dict(done.state["thread"]) == {"balance": -42}
+
+
+async def test_tools_whose_commands_clash_end_the_run_with_their_results_kept() -> None:
+    """Two calls of one wave write one exclusive key: the results commit cannot merge
+    and is refused before anything is written. The Run ends failed(state_conflict)
+    with both calls' results (they ran), not sealed as outcomes unknown."""
+
+    @tool
+    async def claim(who: str) -> ToolResult:
+        return ToolResult(content=who, commands=[Command(key="holder", value=who)])
+
+    model = ScriptedModel(
+        [
+            ModelResponse(tool_calls=(call("claim", "c1", who="a"), call("claim", "c2", who="b"))),
+            ModelResponse(text="ok"),
+        ]
+    )
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[claim]), MemoryCommitStore())
+    done = await runner.start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState) and isinstance(done.run_state.cause, Failed)
+    assert done.run_state.cause.failure == "state_conflict"
+    assert sorted(_results(done)) == [(False, "a"), (False, "b")]
+    assert "holder" not in done.state["thread"]

@@ -185,12 +185,12 @@ async def test_a_hook_mutating_what_it_is_shown_ends_the_run_failed_hook(point, 
     )
 
 
-async def test_two_hooks_setting_one_exclusive_key_end_the_run_state_conflict():
+async def test_two_hooks_setting_one_exclusive_key_fail_the_second_hook():
     def setter(value: int) -> Hook:
         return Hook("StepStart", lambda _i: HookOutput(commands=[Command(key="x", value=value)]))
 
     _, frontier = await run(agent(setter(1), setter(2)))
-    assert failure(frontier) == ("state_conflict", "state_conflict")
+    assert failure(frontier) == ("hook", "StateConflict")
     assert "x" not in frontier.state["thread"]
 
 
