@@ -19,7 +19,13 @@ from runtime.execution import ExecutionState
 from runtime.faults import FaultPlan
 from runtime.hooks import HookPoint, HookResults
 from runtime.ids import RunId
-from runtime.lifecycle import PauseTarget, RunDisposition, RunningState, UserInputTarget
+from runtime.lifecycle import (
+    EndCause,
+    PauseTarget,
+    RunDisposition,
+    RunningState,
+    UserInputTarget,
+)
 from runtime.limits import Limits
 from runtime.ports import ToolRunner
 from runtime.state import Command
@@ -168,6 +174,9 @@ class StepServices(Protocol):
 
     async def guard(self, work: Awaitable[T]) -> T:
         """``work``, unless the cancellation signal fires first (CancelledSignal)."""
+
+    def control_cause(self, ctx: RunContext) -> EndCause:
+        """How the Run ends now that it was cancelled or stopped."""
 
 
 __all__: Sequence[str] = ("RunContext", "StepServices", "StoreRetry")

@@ -416,7 +416,7 @@ class Engine(Stepping):
                 if isinstance(f.run_state, AwaitingState) and self.ending:
                     # told to end while its wait was being committed: the caller heard
                     # "signalled", so the Run ends here rather than rest awaiting
-                    await self.end(ctx, self._control_cause(ctx))
+                    await self.end(ctx, self.control_cause(ctx))
                     return
                 if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
                     self.listening = False  # no await between the check above and this
@@ -424,7 +424,7 @@ class Engine(Stepping):
                 if root.session is not None:
                     self._use_side(ctx)
                 if self.ending:
-                    await self.end(ctx, self._control_cause(ctx))
+                    await self.end(ctx, self.control_cause(ctx))
                 elif f.batch is not None and not f.batch.all_terminal:
                     await self._ending_on(ctx, tracing.step(self, ctx, advance_batch(self, ctx)))
                 elif self.pause_requested or ctx.execution.wait_request is not None:
@@ -440,7 +440,7 @@ class Engine(Stepping):
                 else:
                     await self._ending_on(ctx, tracing.step(self, ctx, self._step(ctx)))
         except CancelledSignal:
-            await self.end(ctx, self._control_cause(ctx))
+            await self.end(ctx, self.control_cause(ctx))
         except RunOver:
             pass
 

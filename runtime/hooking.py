@@ -4,7 +4,8 @@ with their commands; and the StepEnd hooks, once per Step."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from runtime.agent import Agent
 from runtime.batch import ActiveToolBatch
@@ -15,6 +16,9 @@ from runtime.injection import inject_commands, live_history
 from runtime.lifecycle import Cancelled, EndCause, Stopped
 from runtime.messages import Message
 from runtime.session import closing, counted, stage_forced
+from runtime.signals import CancelSignal, guarded
+
+T = TypeVar("T")
 
 
 class Hooking(Committing):
@@ -23,8 +27,13 @@ class Hooking(Committing):
     root: Agent
     agent: Agent
     stop_reason: str | None
+    cancel_event: CancelSignal
 
-    def _control_cause(self, ctx: RunContext) -> EndCause:
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
+        return await guarded(self.cancel_event, work)
+
+    def control_cause(self, ctx: RunContext) -> EndCause:
         """How a Run stopped or cancelled (from outside, by a hook or by a tool) ends."""
         if ctx.execution.session_stopped and self.root.session is not None:
             ctx.pending.append(closing())  # stop_session: no later Run continues it
@@ -44,7 +53,7 @@ class Hooking(Committing):
         on the resume."""
         execution = ctx.execution
         if execution.stopped:
-            cause = self._control_cause(ctx)
+            cause = self.control_cause(ctx)
             await self.end(ctx, cause, messages=results, batch=prior, commands=hooks.commands)
             return True
         if execution.wait_request is not None:
@@ -81,7 +90,10 @@ class Hooking(Committing):
             call=call,
         )
         try:
-            await run_hooks(self.agent.hooks, hook_input, into, self.limits, ctx.pending)
+            # a hook that hangs must not hold a Run that is cancelled or stopped
+            await self.guard(
+                run_hooks(self.agent.hooks, hook_input, into, self.limits, ctx.pending)
+            )
         finally:  # what the hooks injected is staged with their commands
             source = f"{step:06d}:{point}:{call.call_id if call is not None else '-'}"
             into.commands.extend(inject_commands(ctx.frontier.version, source, execution.injected))

@@ -7,7 +7,6 @@ Step runs (``Engine._loop``), and whatever escapes it is settled there.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import TypeVar
 
 from runtime.base import trusted
@@ -24,7 +23,7 @@ from runtime.plugin_env import guarded_end
 from runtime.ports import ToolRunner
 from runtime.session import counted, stepped, view
 from runtime.sides import Sides
-from runtime.signals import CancelSignal, PauseRun, guarded
+from runtime.signals import CancelSignal, PauseRun
 from runtime.toolbatch import Opening, advance_batch
 from runtime.usage import over_budget, usage_commands
 
@@ -44,10 +43,6 @@ class Stepping(Sides):
         """Cancelled or stopped: the Run ends at its next check."""
         stopped = self._execution is not None and self._execution.stopped
         return self.cancel_event.is_set() or stopped
-
-    async def guard(self, work: Awaitable[T]) -> T:
-        """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
-        return await guarded(self.cancel_event, work)
 
     async def _step(self, ctx: RunContext) -> None:
         f = ctx.frontier

@@ -39,7 +39,7 @@ from runtime.messages import Message
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.resume import await_call
 from runtime.session import stage_forced
-from runtime.signals import EndRun
+from runtime.signals import CancelledSignal, EndRun
 from runtime.state import Command
 
 
@@ -171,6 +171,8 @@ async def run_wave(
                 await services.hooks(ctx, "AfterTool", hooks, step=batch.step, call=call)
         except HookFailed as failed:  # the Run ends; what the tools did is kept in its end
             raise EndRun(failure_of(failed), batch, commands) from failed
+        except CancelledSignal:  # cancelled or stopped while its hooks ran: the same
+            raise EndRun(services.control_cause(ctx), batch, commands) from None
     try:  # the next inference may begin before this lands (Committing.commit, ``landing``)
         await services.commit(
             ctx,

@@ -4,10 +4,12 @@ catch (SystemExit, KeyboardInterrupt, GeneratorExit, a BaseException of its own)
 exception whose text cannot be had: each is that code's failure, and the Run comes to
 rest as the design says for it. None escapes the Run: asyncio re-raises SystemExit and
 KeyboardInterrupt out of the event loop, which would stop every Run of a host, and the
-Run would be left running, to fail again at every recovery."""
+Run would be left running, to fail again at every recovery. A hook that hangs does not
+hold a Run that is stopped."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +26,8 @@ from runtime import (
     tool,
 )
 from runtime.agent import Session, SessionSide
-from runtime.lifecycle import EndedState, Failed
+from runtime.ids import ThreadId
+from runtime.lifecycle import EndedState, Failed, Stopped
 from runtime.messages import ToolResultMessage
 from runtime.models import ModelDelta
 from runtime.state import Command
@@ -243,3 +246,26 @@ async def test_tools_whose_commands_clash_end_the_run_with_their_results_kept() 
     assert done.run_state.cause.failure == "state_conflict"
     assert sorted(_results(done)) == [(False, "a"), (False, "b")]
     assert "holder" not in done.state["thread"]
+
+
+@pytest.mark.parametrize("point", ["BeforeInference", "AfterTool"])
+async def test_a_hook_that_hangs_does_not_hold_a_stopped_run(point: str) -> None:
+    """A hook that never returns: a stop ends the Run all the same, and at AfterTool
+    the end keeps what the wave's tools did and wrote."""
+    entered = asyncio.Event()
+
+    async def hang(_: Any) -> None:
+        entered.set()
+        await asyncio.Event().wait()
+
+    store = MemoryCommitStore()
+    engine = InProcessRunner(_debit_then([Hook(point=point, fn=hang)]), store).engine()
+    run = asyncio.ensure_future(engine.start(ThreadId("t"), "go", new_thread=True))
+    await asyncio.wait_for(entered.wait(), 10)
+    engine.stop("operator stop")
+    done = await asyncio.wait_for(run, 10)
+    assert isinstance(done.run_state, EndedState), done.run_state
+    assert done.run_state.cause == Stopped(reason="operator stop")
+    if point == "AfterTool":
+        assert _results(done) == [(False, "debited 42")]
+        assert dict(done.state["thread"]) == {"balance": -42}
