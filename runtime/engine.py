@@ -373,7 +373,11 @@ class Engine(Stepping):
 
     def _context(self, frontier: Frontier) -> RunContext:
         execution = ExecutionState(
-            RunId(frontier.run_id or ""), frontier.thread_id, self.prompt_path, self.cancel_event
+            RunId(frontier.run_id or ""),
+            frontier.thread_id,
+            self.prompt_path,
+            self.cancel_event,
+            self.limits,
         )
         self._execution = execution
         ctx = RunContext(frontier=frontier, epoch=frontier.epoch, execution=execution)

@@ -27,6 +27,7 @@ from pydantic import Field
 from runtime.base import Frozen
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import PauseReason, PauseTarget, UserInputTarget
+from runtime.limits import DEFAULT_LIMITS, Limits, check_text
 from runtime.messages import Message, UserMessage
 
 Side = Literal["a", "b"]
@@ -104,8 +105,10 @@ class ExecutionState:
         thread_id: ThreadId,
         prompt_path: Sequence[str],
         cancel: asyncio.Event,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.run_id = run_id
+        self.limits = limits
         self.thread_id = thread_id
         self.prompt_path = tuple(prompt_path)
         self.current_side: Side = "a"
@@ -173,7 +176,10 @@ class ExecutionState:
         | DenyCall,
     ) -> None:
         """Apply one reaction (the one place they take effect; ``DenyCall`` is applied
-        where the calls are gated, and is refused here)."""
+        where the calls are gated, and is refused here). Its text is checked first: a
+        hook calling ``stop()`` on the live state is held to what it may return."""
+        if not isinstance(reaction, DenyCall):
+            check_reaction_text(reaction, self.limits)
         if isinstance(reaction, StopRun | StopSession):
             if self.stop_reason is None:
                 self.stop_reason, self.stopped_by = reaction.reason, self.current_side
@@ -188,6 +194,17 @@ class ExecutionState:
             self.wait_request = PauseTarget(reason=reaction.reason)
         else:
             raise TypeError(f"{type(reaction).__name__} is not a reaction this point can apply")
+
+
+def check_reaction_text(reaction: Reaction, limits: Limits) -> None:
+    """A reaction's text is storable and within its limit (InputRefused): an injected
+    message is input, anything else is text the model or the Run's end holds."""
+    if isinstance(reaction, InjectMessage):
+        check_text("injected message", reaction.text, limits.input_bytes, "input_bytes")
+        return
+    text = getattr(reaction, "reason", None) or getattr(reaction, "prompt", "")
+    what = "deny reason" if isinstance(reaction, DenyCall) else f"a {reaction.kind} reaction"
+    check_text(what, str(text), limits.model_text_bytes, "model_text_bytes")
 
 
 class ExecutionSnapshot(Frozen):

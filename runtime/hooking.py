@@ -37,7 +37,7 @@ class Hooking(Committing):
         """How a Run stopped or cancelled (from outside, by a hook or by a tool) ends."""
         if ctx.execution.session_stopped and self.root.session is not None:
             ctx.pending.append(closing())  # stop_session: no later Run continues it
-        reason = self.stop_reason or ctx.execution.stop_reason
+        reason = self.stop_reason if self.stop_reason is not None else ctx.execution.stop_reason
         return Stopped(reason=reason) if reason is not None else Cancelled()
 
     async def _held_before_inference(

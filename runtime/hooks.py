@@ -23,7 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from runtime.batch import ToolCall
 from runtime.errors import InputRefused
-from runtime.execution import DenyCall, ExecutionState, InjectMessage, Reaction
+from runtime.execution import DenyCall, ExecutionState, Reaction, check_reaction_text
 from runtime.faults import Unwind
 from runtime.ids import RunId, ThreadId
 from runtime.limits import (
@@ -226,11 +226,4 @@ def _check_reaction(reaction: Reaction, seen: HookInput, limits: Limits) -> None
                 f"call {reaction.call_id!r} is not one the model just asked for "
                 "(deny_call is an AfterInference reaction)",
             )
-        check_text("deny reason", reaction.reason, limits.model_text_bytes, "model_text_bytes")
-    elif isinstance(reaction, InjectMessage):
-        check_text("injected message", reaction.text, limits.input_bytes, "input_bytes")
-    else:
-        text = getattr(reaction, "reason", None) or getattr(reaction, "prompt", "")
-        check_text(
-            f"a {reaction.kind} reaction", str(text), limits.model_text_bytes, "model_text_bytes"
-        )
+    check_reaction_text(reaction, limits)

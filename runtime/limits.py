@@ -154,8 +154,11 @@ def check_text(what: str, text: object, max_bytes: int, limit: str) -> str:
 
 def check_reason(reason: object, limits: Limits = DEFAULT_LIMITS) -> str:
     """A caller's stop reason (kept in the Run's end): storable text of at most
-    ``input_bytes``, as a Run's input is; else InputRefused."""
-    return check_text("stop reason", reason, limits.input_bytes, "input_bytes")
+    ``input_bytes``, as a Run's input is, that says something; else InputRefused."""
+    text = check_text("stop reason", reason, limits.input_bytes, "input_bytes")
+    if not text.strip():
+        raise InputRefused("stop reason", "empty", "a stop says why: give a reason")
+    return text
 
 
 def check_id(what: str, value: object, limits: Limits = DEFAULT_LIMITS) -> str:

@@ -23,7 +23,7 @@ def _engine():
     return InProcessRunner(Agent(name="a", model=model), MemoryCommitStore()).engine()
 
 
-@pytest.mark.parametrize("reason", [NOT_TEXT, "x" * (200 * 1024), 7])
+@pytest.mark.parametrize("reason", [NOT_TEXT, "x" * (200 * 1024), 7, "", "  \n"])
 def test_a_stop_reason_that_cannot_be_stored_is_refused_and_nothing_is_signalled(reason):
     engine = _engine()
     with pytest.raises(InputRefused, match="stop reason"):

@@ -269,3 +269,28 @@ async def test_a_hook_that_hangs_does_not_hold_a_stopped_run(point: str) -> None
     if point == "AfterTool":
         assert _results(done) == [(False, "debited 42")]
         assert dict(done.state["thread"]) == {"balance": -42}
+
+
+_LIVE_CONTROLS = {
+    "inject_message": lambda e, text: e.inject_message(text),
+    "stop": lambda e, text: e.stop(text),
+    "request_input": lambda e, text: e.request_input(text),
+}
+
+
+@pytest.mark.parametrize("text", ["half a pair: \udcff", "x" * (2 * 1024 * 1024)])
+@pytest.mark.parametrize("control", list(_LIVE_CONTROLS))
+async def test_a_hook_calling_the_live_controls_is_held_to_the_limits(
+    control: str, text: str
+) -> None:
+    """A hook may call ``stop()`` and the like on the live ExecutionState instead of
+    returning reactions: the same text checks apply, and the hook is the one that fails
+    (not the store at the commit, nor the runtime with an encoding error)."""
+
+    def calls(seen: Any) -> None:
+        _LIVE_CONTROLS[control](seen.execution, text)
+
+    hooks = [Hook("BeforeInference", calls)]
+    ended = await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks))
+    assert isinstance(ended.cause, Failed)
+    assert (ended.cause.failure, ended.cause.code) == ("hook", "InputRefused")
