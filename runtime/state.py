@@ -91,6 +91,7 @@ RESERVED_KEYS = frozenset(
                 "parent",
                 "injected",  # runtime.injection: messages injected, not yet in history
                 "session",  # runtime.session: whose turn, how many turns
+                "forced_turn",  # runtime.session: the side force_turn named
                 "trace",  # runtime.tracing: the traceparents of the Run's drives
             )
         ),
