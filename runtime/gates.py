@@ -23,7 +23,7 @@ from runtime.context import StepServices
 from runtime.delegation import CHILDREN_KEY, refusal
 from runtime.errors import InputRefused
 from runtime.faults import Unwind
-from runtime.hooks import Gate, GateInput
+from runtime.hooks import Gate, GateInput, verdict
 from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
 from runtime.limits import (
@@ -131,8 +131,7 @@ def _gate(
 def _gated(gate: Gate, seen: GateInput) -> str | None:
     """A tool gate's verdict: a reason denies the call (a gate that raises denies it)."""
     try:
-        why = gate(seen)
-        return None if why is None else printable(str(why)) or "denied"
+        return verdict(gate(seen), "denied")
     except Unwind:
         raise  # a crash test's Crash, a replay's Halt: nothing settles
     except BaseException as exc:  # a gate that cannot tell denies (SystemExit included)

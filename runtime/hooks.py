@@ -108,6 +108,18 @@ RunEndGuard = Callable[[RunEndInput], "str | None"]
 refuses the end, and the Run ends ``failed(hook, run_end_guard)`` with it instead."""
 
 
+def verdict(answer: object, default: str) -> str | None:
+    """A gate's or run-end guard's answer: None lets the call run (the Run end); else
+    its reason (``default`` if it says nothing). An awaitable (an async gate) is no
+    answer: it is closed unawaited, and refuses."""
+    if inspect.isawaitable(answer):
+        close = getattr(answer, "close", None)
+        if callable(close):
+            close()
+        return "it answered with an awaitable: gates and guards are plain functions"
+    return None if answer is None else printable(str(answer)) or default
+
+
 @dataclass(frozen=True)
 class Hook:
     point: HookPoint
@@ -116,6 +128,15 @@ class Hook:
     keys: Mapping[str, MergePolicy] | None = None
     """A plugin's hook: the state keys (``scope:key``) its plugin declared, the only ones
     it may write (set by ``runtime.plugins.resolve``); None for the agent's own hooks."""
+
+    def __post_init__(self) -> None:
+        # a misspelt point would be a hook that silently never runs (a policy skipped)
+        if self.point not in HOOK_POINTS:
+            raise ValueError(
+                f"a hook's point is one of {', '.join(HOOK_POINTS)}, not {self.point!r}"
+            )
+        if not callable(self.fn):
+            raise TypeError(f"a hook's fn is a function, not a {type(self.fn).__name__}")
 
 
 @dataclass

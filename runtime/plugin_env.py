@@ -9,7 +9,7 @@ from runtime.agent import Agent
 from runtime.commit import Frontier
 from runtime.context import RunContext
 from runtime.faults import Unwind
-from runtime.hooks import RunEndInput
+from runtime.hooks import RunEndInput, verdict
 from runtime.lifecycle import EndCause, Failed, Natural
 from runtime.limits import printable, raised
 from runtime.messages import AssistantMessage, Message
@@ -57,8 +57,7 @@ def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> E
     )
     for guard in agent.run_end_guards:
         try:
-            why = guard(seen)
-            text = None if why is None else printable(str(why)) or "refused"
+            text = verdict(guard(seen), "refused")
         except Unwind:
             raise  # a crash test's Crash, a replay's Halt: nothing settles
         except BaseException as exc:  # a guard that cannot tell refuses (SystemExit too)

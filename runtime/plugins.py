@@ -34,9 +34,10 @@ runs no actions yet, so nothing executes them.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, get_args
 
 from runtime.errors import RatchetError
 from runtime.hooks import Gate, Hook, HookPoint, RunEndGuard
@@ -215,9 +216,9 @@ def _check_kinds(pid: str, made: Contributions) -> None:
     wanted: list[tuple[str, Any, Callable[[Any], bool]]] = [
         ("tools", made.tools, lambda t: isinstance(t, Tool)),
         ("hooks", made.hooks, lambda h: isinstance(h, Hook)),
-        ("gates", made.gates, callable),
+        ("gates", made.gates, _answers_at_once),
         ("actions", made.actions, lambda a: isinstance(a, str)),
-        ("run_end_guards", made.run_end_guards, callable),
+        ("run_end_guards", made.run_end_guards, _answers_at_once),
     ]
     for field_name, items, fits in wanted:
         if isinstance(items, str | bytes) or not isinstance(items, Sequence | set | frozenset):
@@ -229,6 +230,20 @@ def _check_kinds(pid: str, made: Contributions) -> None:
     keys = made.state_keys
     if not isinstance(keys, Mapping) or not all(isinstance(k, str) for k in keys):
         raise ContributionFailed(pid, "state_keys", "not a mapping of keys to merge policies")
+    for key, policy in keys.items():
+        scope, _, name = key.partition(":")
+        if scope not in ("run", "thread") or not name:
+            raise ContributionFailed(
+                pid, "state_keys", f"{key!r} is not 'run:<key>' or 'thread:<key>'"
+            )
+        if policy not in get_args(MergePolicy):
+            raise ContributionFailed(pid, "state_keys", f"{key!r}: no merge policy {policy!r}")
+
+
+def _answers_at_once(fn: object) -> bool:
+    """A gate or guard answers when called: a coroutine function's answer would be a
+    coroutine, which is neither None nor a reason."""
+    return callable(fn) and not inspect.iscoroutinefunction(fn)
 
 
 def _within_bound(manifest: PluginManifest, made: Contributions) -> None:

@@ -327,6 +327,10 @@ def test_a_plugin_whose_function_fails_is_refused_naming_it():
         resolve([Plugin(PluginManifest(id="c"), lambda: {"tools": []})])
 
 
+async def _async_gate(seen: object) -> None:
+    return None
+
+
 @pytest.mark.parametrize(
     ("made", "field"),
     [
@@ -334,7 +338,11 @@ def test_a_plugin_whose_function_fails_is_refused_naming_it():
         ({"tools": ["noop"]}, "tools"),  # a tool's name, not the Tool
         ({"state_keys": ["thread:a"]}, "state_keys"),  # a list, not a mapping
         ({"gates": ["deny"]}, "gates"),
+        ({"gates": [_async_gate]}, "gates"),  # its answer would be a coroutine
+        ({"run_end_guards": [_async_gate]}, "run_end_guards"),
         ({"actions": "one"}, "actions"),
+        ({"state_keys": {"a": "exclusive"}}, "state_keys"),  # no scope
+        ({"state_keys": {"thread:a": "whatever"}}, "state_keys"),  # no such policy
     ],
 )
 def test_contributions_of_the_wrong_kind_are_refused_naming_the_plugin(made, field):
@@ -343,6 +351,7 @@ def test_contributions_of_the_wrong_kind_are_refused_naming_the_plugin(made, fie
         hook_points=frozenset({"StepStart"}),
         state_keys=frozenset({"thread:a"}),
         gates=True,
+        run_end_guards=True,
         actions=frozenset({"one", "o", "n", "e"}),
     )
     with pytest.raises(ContributionFailed, match=rf"plugin 'p', {field}"):
@@ -353,3 +362,24 @@ def test_contributions_of_the_wrong_kind_are_refused_naming_the_plugin(made, fie
         plugins=[plugin("p", bound=bound, **made)],
     )
     assert isinstance(agent.plugins_refused, ContributionFailed)
+
+
+def test_a_hook_at_a_point_that_does_not_exist_is_refused_when_made():
+    """A misspelt point would be a hook that never runs: a policy silently skipped."""
+    with pytest.raises(ValueError, match="not 'beforeInference'"):
+        Hook(point="beforeInference", fn=lambda seen: None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="fn is a function"):
+        Hook(point="StepStart", fn="not callable")  # type: ignore[arg-type]
+
+
+async def test_an_async_run_end_guard_of_the_agent_refuses_with_a_clear_reason():
+    class Guard:  # an awaitable answer from a callable object (no coroutine function)
+        async def __call__(self, end: object) -> None:
+            return None
+
+    model = ScriptedModel([ModelResponse(text="bye")])
+    agent = Agent(name="a", model=model, run_end_guards=[Guard()])
+    f = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    cause = f.run_state.cause
+    assert (cause.failure, cause.code) == ("hook", "run_end_guard")
+    assert "plain functions" in cause.message
