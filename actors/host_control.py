@@ -95,10 +95,22 @@ class ControlHosting:
             return False
         # the end carries its claim: a driver elsewhere, if any, is fenced by it
         engine = control_engine(
-            self.store, owner=self.owner, publisher=self.publisher, children=self.children
+            self.store,
+            owner=self.owner,
+            publisher=self.publisher,
+            children=self.children,
+            limits=self.spec.limits,
         )
-        self._hand_back(await engine.terminate(thread, cause, run=run))
-        return engine.committed.is_set()
+        now = await engine.terminate(thread, cause, run=run)
+        self._hand_back(now)
+        if not engine.committed.is_set():
+            return False
+        # a drive spawned here meanwhile (a resume that landed first) is fenced by the end:
+        # stopped now, not at its next commit, which a long tool call can put off
+        drive = self.drives.get(thread)
+        if drive is not None and self.drives.fenced(drive, now):
+            await self.drives.stop(thread, drive, idle=False)
+        return True
 
     async def _see_it_ended(
         self, thread: ThreadId, run: RunId | None, cause: EndCause, drive: Drive
@@ -112,6 +124,8 @@ class ControlHosting:
         if drive.epoch is not None:  # it held the thread: the Run it drove, never a later one
             run = run or drive.run_id
         try:
+            if run is None:  # the Run the thread holds now, not one started after the drive
+                run = (await patiently(lambda: self.store.load(thread), ENDING_PATIENCE_S)).run_id
             await asyncio.wait({drive.task})
             ended = await patiently(lambda: self._end_stored(thread, run, cause), ENDING_PATIENCE_S)
             if ended:

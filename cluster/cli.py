@@ -404,7 +404,7 @@ async def _control(
         return
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:
-        handle = client.handle(thread)
+        handle = client.handle(thread, frontier.run_id)  # that Run, never a later one
         outcome = await (handle.cancel() if reason is None else handle.stop(reason))
         if outcome == "not_running":
             print_rest(thread, await handle.frontier(), prefix="nothing to do: ")

@@ -173,19 +173,22 @@ class RunHandle:
         whether the Run ended as asked (by the first call, or meanwhile)."""
         placement = await self._placement()
         calls = 0
+        # the Run to end is pinned before the first call: a call asked again (its host
+        # died before it answered) must not end a later Run the thread started meanwhile
+        run = self.run_id or (await self.frontier()).run_id
 
         async def end_run() -> Any:
             nonlocal calls
             calls += 1
             host = self.client.host_for(self.thread_id, placement)
             # the handle's Run only: a thread that moved on to a later Run keeps it
-            call = getattr(host, method).remote(self.thread_id, *args, run=self.run_id)
+            call = getattr(host, method).remote(self.thread_id, *args, run=run)
             return unwrap(await call)
 
         result: str = await on_a_live_host(end_run)
         if result == "not_running" and calls > 1:
             frontier = await self.frontier()
-            state, mine = frontier.run_state, self.run_id in (None, frontier.run_id)
+            state, mine = frontier.run_state, run in (None, frontier.run_id)
             if mine and isinstance(state, EndedState) and isinstance(state.cause, cause):
                 return ended_word
         return result

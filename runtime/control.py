@@ -9,6 +9,7 @@ from typing import Any
 from runtime.agent import Agent
 from runtime.delegation import ChildRunner
 from runtime.engine import Engine
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.models import ModelResponse
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
@@ -28,10 +29,14 @@ def control_engine(
     owner: str | None = None,
     publisher: Publisher | None = None,
     children: ChildRunner | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Engine:
-    """An engine that only ends Runs (``terminate``): it never infers nor runs a tool."""
+    """An engine that only ends Runs (``terminate``): it never infers nor runs a tool.
+    ``limits``: the system's (a thread id it accepted is one this engine accepts)."""
     agent = Agent(name="control", model=_NoModel())
-    return Engine(agent, store, _NO_TOOLS, owner=owner, publisher=publisher, children=children)
+    return Engine(
+        agent, store, _NO_TOOLS, owner=owner, publisher=publisher, children=children, limits=limits
+    )
 
 
 class _NoTools:

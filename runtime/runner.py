@@ -200,9 +200,10 @@ class InProcessChildren:
         frontier = await self.store.load(child_thread)
         if frontier.run_state is None or frontier.ended:
             return
-        await control_engine(self.store, publisher=self.publisher, children=self).terminate(
-            child_thread, run=child_run
+        engine = control_engine(
+            self.store, publisher=self.publisher, children=self, limits=self.limits
         )
+        await engine.terminate(child_thread, run=child_run)
 
     async def link_of(self, thread: ThreadId) -> ParentLink | None:
         return parent_link(await self.store.load(thread))

@@ -80,3 +80,17 @@ async def test_stream_starts_with_a_status_snapshot(make_system):
     assert facts[0].type == "run_started" and facts[-1].type == "run_finished"
     states = [f.status.state for f in frames if f.type == "thread_status"]
     assert states[-1] == "idle" and "running" in states
+
+
+async def test_a_run_on_a_long_thread_id_a_system_accepts_is_cancelled_at_rest(make_system):
+    """A system with a raised ``id_chars``: its hosts end a Run at rest on a thread id
+    past the default limit (their control engine is held to the system's limits)."""
+    from runtime.limits import Limits
+
+    client = await make_system(limits=Limits(id_chars=1024))
+    handle = await client.start(
+        "tests.ray.agents:permission_agent", "clean up", thread_id="t" * 300
+    )
+    assert isinstance((await handle.result(timeout_s=30)).run_state, AwaitingState)
+    assert await handle.cancel() == "cancelled"
+    assert (await handle.frontier()).run_state.cause.kind == "cancelled"

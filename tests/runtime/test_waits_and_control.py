@@ -218,6 +218,23 @@ async def test_a_terminate_of_a_named_run_leaves_the_threads_later_run_alone():
     assert isinstance(ended.run_state, EndedState) and ended.run_id == "r2"
 
 
+async def test_a_control_engine_ends_a_run_on_a_thread_id_its_system_accepted():
+    """A system with a raised ``id_chars`` started a Run on a long thread id: its control
+    engine (a host's cancel at rest, a dead letter) is held to the same limits."""
+    from runtime.control import control_engine
+    from runtime.limits import Limits
+
+    @tool(needs_permission=True)
+    def risky(x: int) -> str:
+        return "ran"
+
+    store, limits, thread = MemoryCommitStore(), Limits(id_chars=1024), "t" * 300
+    runner = InProcessRunner(one_tool_agent(risky), store, limits=limits)
+    assert isinstance((await runner.start("go", thread_id=thread)).run_state, AwaitingState)
+    ended = await control_engine(store, limits=limits).terminate(thread)
+    assert isinstance(ended.run_state, EndedState) and ended.run_state.cause.kind == "cancelled"
+
+
 async def test_a_stop_after_inference_runs_none_of_the_steps_calls():
     ran: list[int] = []
 
