@@ -170,10 +170,14 @@ class ResumeCommand(Frozen):
     one, was applied. Not checked against the ticket."""
 
 
-def validate_resume(ticket: ResumeTicket | None, command: ResumeCommand, now_us: int) -> None:
+def validate_resume(
+    ticket: ResumeTicket | None, command: ResumeCommand, now_us: int | None
+) -> None:
     """Check a command against the committed ticket in the fixed order of DESIGN §2.
 
     Raises ResumeRejected naming the first axis that fails; the ticket is untouched.
+    ``now_us`` None: the deadline is not checked (a client's pre-check: its clock is not
+    the one that decides, the host's is).
     """
     if ticket is None:
         raise ResumeRejected("ticket", "the run is not awaiting (no committed ticket)")
@@ -183,7 +187,7 @@ def validate_resume(ticket: ResumeTicket | None, command: ResumeCommand, now_us:
         raise ResumeRejected("run", f"ticket belongs to run {ticket.run_id!r}")
     if command.thread_id != ticket.thread_id:
         raise ResumeRejected("thread", f"ticket belongs to thread {ticket.thread_id!r}")
-    if ticket.deadline_us is not None and now_us > ticket.deadline_us:
+    if ticket.deadline_us is not None and now_us is not None and now_us > ticket.deadline_us:
         raise ResumeRejected("deadline", "the ticket's deadline has passed")
     if command.payload.kind != ticket.payload_kind:
         raise ResumeRejected(

@@ -66,6 +66,16 @@ def test_expired_deadline_is_rejected_before_the_payload():
     assert err.value.axis == "deadline"
 
 
+def test_a_check_without_a_clock_leaves_the_deadline_to_the_host():
+    """A client checks every axis but the deadline: its clock may run ahead of the host's,
+    which decides (a valid resume is never refused by a client's clock)."""
+    validate_resume(TICKET, GOOD, now_us=None)
+    bad = GOOD.model_copy(update={"payload": UserInput(text="t")})
+    with pytest.raises(ResumeRejected) as err:
+        validate_resume(TICKET, bad, now_us=None)
+    assert err.value.axis == "payload"
+
+
 def test_no_ticket_is_rejected():
     with pytest.raises(ResumeRejected) as err:
         validate_resume(None, GOOD, now_us=0)
