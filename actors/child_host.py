@@ -95,7 +95,9 @@ class ChildHosting:
         link = parent_link(child)
         if link is None or not child.ended:
             return
-        task = asyncio.create_task(deliver(self.store, child, link, self._host_of))
+        task = asyncio.create_task(
+            deliver(self.store, child, link, self._host_of, self.spec.limits)
+        )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -24,6 +24,7 @@ from runtime.commit import Frontier
 from runtime.delegation import CHILD_OUTCOME, ParentLink, awaited_child, delivery
 from runtime.errors import RatchetError
 from runtime.ids import ThreadId
+from runtime.limits import Limits
 from runtime.ports import CommitStore, Finished
 
 log = logging.getLogger("ratchet.deliveries")
@@ -45,7 +46,9 @@ def failed_delegation(why: str) -> Any:
     return CHILD_OUTCOME.dump_python(failed, mode="json")
 
 
-async def deliver(store: CommitStore, child: Frontier, link: ParentLink, host_of: HostOf) -> None:
+async def deliver(
+    store: CommitStore, child: Frontier, link: ParentLink, host_of: HostOf, limits: Limits
+) -> None:
     """Resume the parent with the ended child's outcome, asking again (each call with
     a deadline) while the parent still awaits it."""
     loop = asyncio.get_running_loop()
@@ -53,7 +56,7 @@ async def deliver(store: CommitStore, child: Frontier, link: ParentLink, host_of
     while True:
         try:
             # nothing to do once delivered (by an earlier call), or not awaited
-            await _hand_over(child, await store.load(link.thread), host_of)
+            await _hand_over(child, await store.load(link.thread), host_of, limits)
             return
         except Exception as exc:  # a host or the store out: asked again until give_up
             if loop.time() > give_up:
@@ -64,7 +67,9 @@ async def deliver(store: CommitStore, child: Frontier, link: ParentLink, host_of
         delay = min(delay * 2, 5.0)
 
 
-async def redeliver(store: CommitStore, parents: list[ThreadId], host_of: HostOf) -> int:
+async def redeliver(
+    store: CommitStore, parents: list[ThreadId], host_of: HostOf, limits: Limits
+) -> int:
     """For each of these threads that awaits a child which has ended, hand the child's
     outcome over (one call each; the next sweep asks again); how many were handed."""
 
@@ -72,7 +77,8 @@ async def redeliver(store: CommitStore, parents: list[ThreadId], host_of: HostOf
         try:
             parent = await store.load(thread)
             child = awaited_child(parent)
-            if child is not None and await _hand_over(await store.load(child), parent, host_of):
+            ended = await store.load(child) if child is not None else None
+            if ended is not None and await _hand_over(ended, parent, host_of, limits):
                 log.warning("the outcome of child %s had not reached %s: handed", child, thread)
                 return True
         except RatchetError as exc:  # refused (delivered meanwhile), corrupt, store out
@@ -96,9 +102,9 @@ async def each(threads: list[ThreadId], one: Callable[[ThreadId], Awaitable[bool
     return sum(await asyncio.gather(*(slotted(t) for t in threads)))
 
 
-async def _hand_over(child: Frontier, parent: Frontier, host_of: HostOf) -> bool:
+async def _hand_over(child: Frontier, parent: Frontier, host_of: HostOf, limits: Limits) -> bool:
     """Resume ``parent`` with ``child``'s outcome if it awaits exactly that: whether asked."""
-    command = delivery(child, parent)
+    command = delivery(child, parent, limits)
     host = host_of(parent) if command is not None else None
     if command is None or host is None:
         return False

@@ -273,7 +273,7 @@ class Supervisor:
         """Hand parents their children's outcomes and resume paused Runs that are due."""
         try:
             handed, fired = await asyncio.gather(
-                redeliver(self.store, parents, self._host_of),
+                redeliver(self.store, parents, self._host_of, self.spec.limits),
                 fire_due(self.store, paused, self._host_of, now_us()),
             )
             self.counts["outcomes_handed"] += handed

@@ -21,7 +21,7 @@ from pydantic import Field, TypeAdapter
 from runtime.base import Frozen
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
-from runtime.errors import RatchetError
+from runtime.errors import InputRefused, RatchetError
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -32,6 +32,7 @@ from runtime.lifecycle import (
     ToolWaitTarget,
     answer,
 )
+from runtime.limits import DEFAULT_LIMITS, Limits, check_text
 from runtime.messages import AssistantMessage
 from runtime.ports import CommitStore, Finished, Lost
 from runtime.state import Command
@@ -41,6 +42,8 @@ CHILDREN_KEY = "children"
 """Run-scoped state key: {call_id: child thread}, written with the executing commit."""
 PARENT_KEY = "parent"
 """Run-scoped state key of a child: its ParentLink."""
+NO_ANSWER = "(the child run ended without an answer of its own)"
+"""What a parent's call gets from a child that ended naturally having said nothing."""
 
 
 class DelegationLimits(Frozen):
@@ -203,7 +206,8 @@ def outcome_of(frontier: Frontier) -> ChildOutcome:
         return Lost(message=f"child {frontier.thread_id} is not at rest")
     if state.cause.kind == "natural":
         answer = next(
-            m.text for m in reversed(frontier.messages) if isinstance(m, AssistantMessage)
+            (m.text for m in reversed(frontier.messages) if isinstance(m, AssistantMessage)),
+            NO_ANSWER,  # a session child whose turns all went to its handler or a person
         )
         return Finished(output=ToolOutput(content=answer))
     detail = json.dumps(state.cause.model_dump(mode="json"))
@@ -230,8 +234,13 @@ def awaited_child(parent: Frontier) -> ThreadId | None:
     return ThreadId(child) if isinstance(child, str) else None
 
 
-def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
-    """The resume that hands an ended child's outcome to a parent awaiting exactly it."""
+def delivery(
+    child: Frontier, parent: Frontier, limits: Limits = DEFAULT_LIMITS
+) -> ResumeCommand | None:
+    """The resume that hands an ended child's outcome to a parent awaiting exactly it.
+    An answer its parent's call cannot hold (over ``tool_result_bytes``, as a child's
+    model may write) is handed as the error the running path's admission makes of it:
+    a resume the host refuses would leave the parent awaiting for ever."""
     link = child.state["run"].get(PARENT_KEY)
     state = parent.run_state
     if link is None or not child.ended or not isinstance(state, AwaitingState):
@@ -249,6 +258,12 @@ def delivery(child: Frontier, parent: Frontier) -> ResumeCommand | None:
         return None
     outcome = outcome_of(child)
     assert isinstance(outcome, Finished)
+    try:
+        check_text(
+            "tool result", outcome.output.content, limits.tool_result_bytes, "tool_result_bytes"
+        )
+    except InputRefused as exc:
+        outcome = Finished.refused(exc)
     return answer(state.ticket, DelegationOutcome(output=outcome.output))
 
 

@@ -242,7 +242,7 @@ def admit_outcome(
                 f"{so_far + adds} bytes; the limit is {limits.batch_result_bytes}",
             )
     except InputRefused as exc:
-        return Finished(output=ToolOutput(content=f"tool output refused: {exc}", is_error=True))
+        return Finished.refused(exc)
     return outcome
 
 

@@ -183,6 +183,12 @@ class Finished(Frozen):
     """What the tool asked of its Run (``ctx.execution.stop()``, ...), applied when the
     result is committed."""
 
+    @classmethod
+    def refused(cls, error: Exception) -> Finished:
+        """What the model is shown of an outcome that cannot be committed (over a limit,
+        not storable text): an error naming why; its commands and requests dropped."""
+        return cls(output=ToolOutput(content=f"tool output refused: {error}", is_error=True))
+
 
 class Unavailable(Frozen):
     """UnavailableBeforeDispatch: nothing was dispatched, safe to retry."""

@@ -216,4 +216,4 @@ class InProcessChildren:
 
     async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
         """The resume that hands an ended child's outcome to a parent awaiting it."""
-        return delivery(child, await self.store.load(link.thread))
+        return delivery(child, await self.store.load(link.thread), self.limits)

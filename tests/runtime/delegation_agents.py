@@ -60,6 +60,19 @@ needy_worker = Agent(
 )
 
 
+long_winded_worker = Agent(
+    name="long_winded_worker",
+    model=ScriptedModel(
+        [
+            ModelResponse(tool_calls=(call("publish", "p", x=1),)),
+            ModelResponse(text="w" * (40 * 1024)),  # a model's answer past tool_result_bytes
+        ]
+    ),
+    tools=[publish],
+)
+"""A lone child that asks a human first, then answers more than its parent's call holds."""
+
+
 def fanout_agent(
     target: str, n: int, limits: DelegationLimits | None = None, name: str = "fanout"
 ) -> Agent:

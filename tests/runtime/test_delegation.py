@@ -225,6 +225,38 @@ async def test_a_lone_child_surfaces_its_wait_and_its_outcome_resumes_the_parent
     assert json.loads(parent.messages[-1].text) == ["needy done"]
 
 
+async def test_a_child_answer_its_parents_call_cannot_hold_is_handed_over_as_an_error():
+    """The lone child's answer (its model's, within ``model_text_bytes``) is over
+    ``tool_result_bytes``: handed up raw, its resume would be refused by every host for
+    ever and the parent would never wake. It is handed as the error the running path
+    makes of it, and the parent goes on."""
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("long_winded_worker", 1), store)
+    f = await r.start("go", thread_id="p")
+    (kid,) = await children_of(store, f)
+    await r.resume(command_for(kid, PermissionDecision(approve=True)))
+    assert (await store.load(kid.thread_id)).run_state.cause.kind == "natural"
+    parent = await store.load("p")
+    assert parent.run_state.cause.kind == "natural"
+    (result,) = json.loads(parent.messages[-1].text)
+    assert "tool output refused" in result and "tool_result_bytes" in result
+
+
+def test_a_child_that_ended_naturally_having_said_nothing_has_an_outcome():
+    """A session child whose turns all went to its handler: no assistant message, and
+    still an outcome (not a StopIteration that fails every hand-over)."""
+    from runtime.commit import Frontier
+    from runtime.delegation import NO_ANSWER, outcome_of
+    from runtime.lifecycle import Natural
+    from runtime.ports import Finished
+
+    run = RunId("r")
+    ended = EndedState(run_id=run, cause=Natural())
+    frontier = Frontier(thread_id=ThreadId("kid"), run_id=run, run_state=ended)
+    outcome = outcome_of(frontier)
+    assert isinstance(outcome, Finished) and outcome.output.content == NO_ANSWER
+
+
 def _all_waiting(store, n: int) -> bool:
     kids = [t for t in store._threads if "@" in t]
     return len(kids) == n and all(
