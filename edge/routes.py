@@ -36,9 +36,10 @@ from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState
-from runtime.limits import check_id
+from runtime.limits import check_id, check_reason
 from runtime.patience import patiently
 from runtime.ports import RunSummary
+from runtime.resume import check_payload
 
 router = APIRouter()
 log = logging.getLogger("ratchet.edge")
@@ -190,6 +191,10 @@ async def resume(
     """The ids come from the thread's committed ticket, the payload from the body. A
     payload that does not fit the ticket is 409 ResumeRejected naming the ``axis``
     (``payload``, ``ticket``, ``deadline``, …); the ticket stays as it was."""
+    limits = client.spec.limits  # bad input is 413/422 whatever the thread holds
+    check_payload(body.payload, limits)
+    if body.request_id is not None:
+        check_id("request id", body.request_id, limits)
     frontier = await known(client, thread)
     handle = client.handle(thread, frontier.run_id)
     # asked again after a lost answer: a resume that landed under this id is a success,
@@ -229,6 +234,8 @@ async def stop(
 async def _end(
     client: Ratchet, thread: ThreadId, reason: str | None, wait: float, run: str | None
 ) -> ControlResult:
+    if reason is not None:  # bad input is 413/422 whatever the thread holds
+        check_reason(reason, client.spec.limits)
     frontier = await known(client, thread)
     if isinstance(frontier.run_state, EndedState) or run not in (None, frontier.run_id):
         # ended, or the thread holds a later Run than the one named (it ended): as

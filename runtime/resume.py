@@ -32,6 +32,7 @@ from runtime.lifecycle import (
     PauseTarget,
     PermissionDecision,
     ResumeCommand,
+    ResumePayload,
     ResumeTicket,
     ToolWaitTarget,
     UserInput,
@@ -58,7 +59,11 @@ def check_command(command: ResumeCommand, limits: Limits) -> None:
         check_id("call id", command.call_id, limits)
     if command.request_id is not None:
         check_id("request id", command.request_id, limits)
-    payload = command.payload
+    check_payload(command.payload, limits)
+
+
+def check_payload(payload: ResumePayload, limits: Limits) -> None:
+    """A resume payload within the limits (InputRefused otherwise)."""
     check_json_value(
         "resume payload",
         payload.model_dump(mode="python"),

@@ -231,6 +231,11 @@ def test_stop_and_cancel(http):
     assert cause == {"kind": "stopped", "reason": "over budget"}
     assert http.post(f"/threads/{thread}/cancel").json()["outcome"] == "not_running"
     problem(http.post("/threads/no-such-thread/cancel"), 404, "ThreadNotFound")
+    # bad input is refused as such whatever the thread holds (ended here), not 200 or 409
+    huge = {"reason": "x" * (DEFAULT_LIMITS.input_bytes + 1)}
+    problem(http.post(f"/threads/{thread}/stop", json=huge), 413, "InputRefused")
+    text = {"payload": {"kind": "user_input", "text": "x" * (DEFAULT_LIMITS.input_bytes + 1)}}
+    problem(http.post(f"/threads/{thread}/resume", json=text), 413, "InputRefused")
 
 
 def test_every_route_needs_a_token_unless_no_auth_on_loopback(service):
