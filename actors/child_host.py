@@ -25,6 +25,7 @@ from runtime.ids import ThreadId
 from runtime.ports import CommitStore
 
 UNTRUSTED = "child {} cannot be trusted: its records did not verify on this host"
+OTHER_RUN = "the child's thread {} holds another run ({}), not this call's child"
 
 
 class ChildHosting:
@@ -48,6 +49,8 @@ class ChildHosting:
                 return failed_delegation(UNTRUSTED.format(thread))
             await self.drives.loaded(request.agent)  # off the loop, before the check below
             drive = self.drives.get(thread)
+            if drive is not None and drive.run_id not in (None, request.child_run):
+                return failed_delegation(OTHER_RUN.format(thread, drive.run_id))
             if drive is None:
                 message_id = RunMeta(agent_ref=request.agent).message_id(request.child_run)
                 # its thread is made for it: new, but after a re-delegation
@@ -64,6 +67,8 @@ class ChildHosting:
                 frontier = await self._untilat_rest(thread)
             if frontier is None:
                 return failed_delegation(UNTRUSTED.format(thread))
+            if frontier.run_id != request.child_run:  # never another Run's answer as its own
+                return failed_delegation(OTHER_RUN.format(thread, frontier.run_id))
             return CHILD_OUTCOME.dump_python(outcome_of(frontier), mode="json")
         except StoreUnavailable as exc:  # the parent's drive pauses, and asks again later
             return remote_error(exc)

@@ -617,3 +617,34 @@ async def test_a_start_asked_again_after_the_thread_moved_on_is_its_repeat_on_a_
     with pytest.raises(InvalidTransition, match="another input"):
         unwrap(refused)
     GATE.set()
+
+
+async def test_a_child_call_never_joins_another_run_driven_on_the_child_s_thread():
+    """The child's derived thread is being driven here for another Run (a caller chose
+    that thread id): the parent's call fails naming it, rather than joining that drive
+    and taking its answer for its own child's."""
+    from runtime.delegation import CHILD_OUTCOME, ChildRequest
+
+    GATE.clear()
+    store = MemoryCommitStore()
+    host = _gated_host(store, store)
+    thread = ThreadId("ctl-child")
+    assert await host.start_run("ref", thread, RunId("other"), "not a child") is True
+    request = ChildRequest(
+        parent_thread=ThreadId("parent"),
+        parent_run=RunId("parent-run"),
+        call_id="d0",
+        agent="ref",
+        input="task",
+        child_thread=thread,
+        child_run=RunId("the-child"),
+        prompt_path=("p", "c"),
+        lineage=("ref",),
+    )
+    try:
+        answer = await asyncio.wait_for(host.run_child(request.model_dump()), 10)
+    finally:
+        GATE.set()
+    outcome = CHILD_OUTCOME.validate_python(answer)
+    assert outcome.kind == "finished" and outcome.output.is_error
+    assert "holds another run (other)" in outcome.output.content
