@@ -51,6 +51,8 @@ from runtime.timeutil import now_us
 from runtime.tracing import RunTrace
 
 log = logging.getLogger("ratchet.engine")
+CANCEL_CHILD_S = 30.0
+"""How long a parent's end waits for the cancel of one of its children (its host hung)."""
 T = TypeVar("T")
 
 
@@ -160,22 +162,30 @@ class Committing:
         return frontier
 
     async def _cancel_children(self, ctx: RunContext) -> None:
-        """Cancellation flows parent → child, after the parent's end is committed."""
+        """Cancellation flows parent → child, after the parent's end is committed: every
+        child at once, each within ``CANCEL_CHILD_S`` (a child's host that hangs must not
+        hold its parent's drive, which has ended)."""
         children = ctx.frontier.state["run"].get(CHILDREN_KEY, {})
         if self.children is None or not children:
             return
         mine = (ctx.frontier.thread_id, ctx.run_id)
-        for call, child in children.items():
+        runner = self.children
+
+        async def cancel(call: str, child: str) -> None:
+            # its own child's Run only, as the child's committed link says: the thread
+            # may hold another Run (a thread id a caller chose), or none yet
+            head = await self.store.load_head(ThreadId(child))
+            link = parent_link(head)
+            if link is not None and (link.thread, link.run, link.call_id) == (*mine, call):
+                await runner.cancel(ThreadId(child), head.run_id)
+
+        async def safely(call: str, child: str) -> None:
             try:
-                # its own child's Run only, as the child's committed link says: the thread
-                # may hold another Run (a thread id a caller chose), or none yet
-                head = await self.store.load_head(ThreadId(child))
-                link = parent_link(head)
-                if link is None or (link.thread, link.run, link.call_id) != (*mine, call):
-                    continue
-                await self.children.cancel(ThreadId(child), head.run_id)
-            except Exception as exc:  # the child's own recovery settles it later
-                log.warning("cancelling child %s of %s failed: %s", child, ctx.run_id, exc)
+                await asyncio.wait_for(cancel(call, child), CANCEL_CHILD_S)
+            except Exception as exc:  # a child left running ends at its next Step's look
+                log.warning("cancelling child %s of %s failed: %r", child, ctx.run_id, exc)
+
+        await asyncio.gather(*(safely(call, child) for call, child in children.items()))
 
     # ---- commits ----------------------------------------------------------------------
 

@@ -203,6 +203,38 @@ async def test_cancelling_the_parent_cancels_its_children():
     assert [k.run_state.cause.kind for k in kids] == ["cancelled"] * 3
 
 
+async def test_a_child_whose_cancel_hangs_holds_neither_its_parent_nor_its_siblings(
+    monkeypatch,
+):
+    """The cancel of one child never answers (its host hung): the parent's drive ends
+    after that cancel's deadline, and the other children are cancelled meanwhile."""
+    import runtime.committing
+
+    monkeypatch.setattr(runtime.committing, "CANCEL_CHILD_S", 0.2)
+    agents.BLOCK.clear()
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("slow_worker", 3), store)
+    cancel = r.children.cancel
+    hung: list[str] = []
+
+    async def hangs_for_the_first(child_thread, child_run=None):
+        if not hung:
+            hung.append(child_thread)
+            await asyncio.Event().wait()
+        await cancel(child_thread, child_run)
+
+    monkeypatch.setattr(r.children, "cancel", hangs_for_the_first)
+    engine = r.engine()
+    task = asyncio.create_task(engine.start("p", "go"))
+    await until(lambda: _all_waiting(store, 3))
+    engine.cancel()
+    f = await asyncio.wait_for(task, timeout=10)
+    assert f.run_state.cause.kind == "cancelled"
+    kids = {k.thread_id: k.run_state for k in await children_of(store, f)}
+    assert [s.cause.kind for t, s in kids.items() if t not in hung] == ["cancelled"] * 2
+    agents.BLOCK.set()  # the hung one's own tool lets go; it ends at its next look
+
+
 async def test_a_parallel_child_that_needs_a_human_ends_the_parent_indeterminate():
     store = MemoryCommitStore()
     f = await runner(agents.fanout_agent("needy_worker", 2), store).start("go", thread_id="p")
