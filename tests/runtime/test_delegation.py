@@ -189,16 +189,22 @@ async def test_a_model_delegates_only_to_agents_its_agent_may_start(target, allo
     assert await children_of(store, f) == []
 
 
-async def test_cancelling_the_parent_cancels_its_children():
-    agents.BLOCK.clear()
-    store = MemoryCommitStore()
-    r = runner(agents.fanout_agent("slow_worker", 3), store)
+async def _cancelled_with_three_children_waiting(store, r):
+    """Start a parent of three slow children, cancel it once all three wait: its end."""
     engine = r.engine()
     task = asyncio.create_task(engine.start("p", "go"))
     await until(lambda: _all_waiting(store, 3))
     engine.cancel()
-    f = await asyncio.wait_for(task, timeout=5)
+    f = await asyncio.wait_for(task, timeout=10)
     assert f.run_state.cause.kind == "cancelled"
+    return f
+
+
+async def test_cancelling_the_parent_cancels_its_children():
+    agents.BLOCK.clear()
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("slow_worker", 3), store)
+    f = await _cancelled_with_three_children_waiting(store, r)
     kids = await children_of(store, f)
     assert [k.run_state.cause.kind for k in kids] == ["cancelled"] * 3
 
@@ -211,7 +217,8 @@ async def test_a_child_whose_cancel_hangs_holds_neither_its_parent_nor_its_sibli
     import runtime.committing
 
     monkeypatch.setattr(runtime.committing, "CANCEL_CHILD_S", 0.2)
-    agents.BLOCK.clear()
+    # an Event of its own: one waited on in an earlier test is bound to that test's loop
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())
     store = MemoryCommitStore()
     r = runner(agents.fanout_agent("slow_worker", 3), store)
     cancel = r.children.cancel
@@ -224,12 +231,7 @@ async def test_a_child_whose_cancel_hangs_holds_neither_its_parent_nor_its_sibli
         await cancel(child_thread, child_run)
 
     monkeypatch.setattr(r.children, "cancel", hangs_for_the_first)
-    engine = r.engine()
-    task = asyncio.create_task(engine.start("p", "go"))
-    await until(lambda: _all_waiting(store, 3))
-    engine.cancel()
-    f = await asyncio.wait_for(task, timeout=10)
-    assert f.run_state.cause.kind == "cancelled"
+    f = await _cancelled_with_three_children_waiting(store, r)
     kids = {k.thread_id: k.run_state for k in await children_of(store, f)}
     assert [s.cause.kind for t, s in kids.items() if t not in hung] == ["cancelled"] * 2
     agents.BLOCK.set()  # the hung one's own tool lets go; it ends at its next look
