@@ -14,14 +14,21 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from actors.drives import Drive, Drives
+from actors.drives import Drive, Drives, drove
 from actors.wire import SystemSpec, remote_error
 from runtime.commit import Frontier
 from runtime.control import control_engine
 from runtime.engine import Engine
 from runtime.errors import InputRefused
 from runtime.ids import RunId, ThreadId
-from runtime.lifecycle import AwaitingState, Cancelled, EndCause, RunningState, Stopped
+from runtime.lifecycle import (
+    AwaitingState,
+    Cancelled,
+    EndCause,
+    EndedState,
+    RunningState,
+    Stopped,
+)
 from runtime.limits import check_reason
 from runtime.patience import patiently
 from runtime.ports import CommitStore
@@ -30,6 +37,11 @@ from runtime.publish import Publisher
 log = logging.getLogger("ratchet.run_host")
 ENDING_PATIENCE_S = 300.0
 """How long a host waits out a store outage to end a Run it told its caller it would end."""
+SIGNAL_WAIT_S = 5.0
+"""How long a cancel or stop told to a drive here waits for the drive to end the Run
+before it answers "signalled". An answer of the end itself is durable: the end was
+committed; a host that dies before it answers has its caller ask again, and the Run,
+recovered by then, is ended by the host that has it."""
 
 
 class ControlHosting:
@@ -77,13 +89,28 @@ class ControlHosting:
                 task = asyncio.create_task(self._see_it_ended(thread, run, cause, drive))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
-                return "signalled"
+                return ended if await self._drove_to(drive, run, cause) else "signalled"
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
             return ended if await self._end_stored(thread, run, cause) else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return remote_error(exc)
         finally:
             self._retire_if_idle()
+
+    async def _drove_to(self, drive: Drive, run: RunId | None, cause: EndCause) -> bool:
+        """Whether ``drive`` ended the Run with ``cause`` within ``SIGNAL_WAIT_S`` (its last
+        commit, which the store acknowledged, says so)."""
+        await asyncio.wait({drive.task}, timeout=SIGNAL_WAIT_S)
+        if not drive.task.done():
+            return False
+        try:
+            frontier = drove(drive.task)
+        except Exception:  # its own error stays with the drive: the end did not come from it
+            return False
+        if frontier is None or frontier.run_id not in {r for r in (run, drive.run_id) if r}:
+            return False
+        state = frontier.run_state
+        return isinstance(state, EndedState) and state.cause == cause
 
     async def _end_stored(self, thread: ThreadId, run: RunId | None, cause: EndCause) -> bool:
         """End the Run as the store has it (no drive here hears a signal); False if there

@@ -151,8 +151,9 @@ class RunHandle:
     async def cancel(self) -> str:
         """Cancel the Run wherever it is (a Run at rest is ended here and now).
 
-        ``"signalled"``: its driver was told (it ends ``cancelled`` at the next check);
-        ``"cancelled"``: it was at rest and is now ended; ``"not_running"``: nothing to do.
+        ``"cancelled"``: its end is committed (at rest, or by its driver within
+        ``SIGNAL_WAIT_S``); ``"signalled"``: its driver was told and has not ended it yet
+        (it ends ``cancelled`` at its next check); ``"not_running"``: nothing to do.
         """
         return await self._end_on_host("cancel_run", (), Cancelled, "cancelled")
 

@@ -8,6 +8,7 @@ from runtime.errors import ResumeRejected
 from runtime.lifecycle import AwaitingState, PermissionDecision, ResumeCommand
 from runtime.messages import ToolResultMessage
 
+from .checks import check_log
 from .conftest import wait_for
 
 pytestmark = pytest.mark.ray
@@ -59,7 +60,7 @@ async def test_cancel_a_running_run_and_an_awaiting_one(make_system, ledger):
         return bool(ledger.rows(f"tool-batch:{napping.run_id}:"))
 
     await wait_for(napping_now, what="the nap")
-    assert await napping.cancel() == "signalled"
+    assert await napping.cancel() == "cancelled"  # told, and its end committed
     ended = await napping.result(timeout_s=30)
     assert ended.run_state.cause.kind == "cancelled"
     assert (await napping.status()).state == "idle"
@@ -94,3 +95,25 @@ async def test_a_run_on_a_long_thread_id_a_system_accepts_is_cancelled_at_rest(m
     assert isinstance((await handle.result(timeout_s=30)).run_state, AwaitingState)
     assert await handle.cancel() == "cancelled"
     assert (await handle.frontier()).run_state.cause.kind == "cancelled"
+
+
+async def test_a_cancel_whose_host_dies_before_the_end_lands_still_ends_the_run(
+    make_system, ledger
+):
+    """The host is told the cancel and dies just before the Run's end would be committed
+    (kill -9 at that commit point): the Run, recovered, would otherwise nap on and end
+    naturally. The cancel is answered only once the end is committed, so its caller asks
+    the restarted host again, which ends the recovered Run."""
+    client = await make_system()
+    napping = await client.start(
+        "tests.ray.agents:napping_agent", "nap", faults=("before:ended", 1, "exit")
+    )
+
+    async def napping_now() -> bool:
+        return bool(ledger.rows(f"tool-batch:{napping.run_id}:"))
+
+    await wait_for(napping_now, what="the nap")
+    assert await napping.cancel() in ("cancelled", "signalled")
+    ended = await napping.result(timeout_s=60)
+    assert ended.run_state.cause.kind == "cancelled"
+    assert (await check_log(client.store, napping.thread_id)).lost == 1  # it did die

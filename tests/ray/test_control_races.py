@@ -528,10 +528,10 @@ async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
     )
     assert await host.start_run("ref", ThreadId("ctl-out"), RunId("r-out"), "go") is True
     await _in_its_tool(store, "ctl-out")
-    store.down = True
-    assert await host.cancel_run(ThreadId("ctl-out")) == "signalled"
     drive = host.drives.get(ThreadId("ctl-out"))
     assert drive is not None
+    store.down = True
+    assert await host.cancel_run(ThreadId("ctl-out")) == "signalled"  # its end is not in
     await asyncio.wait_for(asyncio.wait({drive.task}), 10)  # it gave up on the store
     assert ThreadId("ctl-out") in host.drives.ending
     await host.reconciler.once()  # not driven again: its end was promised

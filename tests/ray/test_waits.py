@@ -341,7 +341,7 @@ async def test_cancel_during_inference(system):
     handle = await system.start(f"{WAITS}:slow_model_agent", "think")
     began = asyncio.get_running_loop().time()
     assert (await handle.frontier()).batch is None  # the model is still thinking
-    assert await handle.cancel() == "signalled"
+    assert await handle.cancel() == "cancelled"  # told, and ended: the end is committed
     done = await ended(handle, "cancelled")
     assert asyncio.get_running_loop().time() - began < LONG_S / 2
     assert not any(isinstance(m, AssistantMessage) for m in done.messages)
@@ -361,7 +361,7 @@ async def _napping(system, ledger) -> RunHandle:
 async def test_cancel_during_a_tool(system, ledger):
     handle = await _napping(system, ledger)
     began = asyncio.get_running_loop().time()
-    assert await handle.cancel() == "signalled"
+    assert await handle.cancel() == "cancelled"
     done = await ended(handle, "cancelled")
     assert asyncio.get_running_loop().time() - began < LONG_S / 2
     (result,) = tool_results(done)
