@@ -22,6 +22,7 @@ from runtime.delegation import (
 from runtime.engine import Engine
 from runtime.errors import RatchetError, StoreUnavailable
 from runtime.ids import ThreadId
+from runtime.patience import patiently
 from runtime.ports import CommitStore
 
 UNTRUSTED = "child {} cannot be trusted: its records did not verify on this host"
@@ -82,7 +83,9 @@ class ChildHosting:
         once this host has quarantined the child (no engine here drives it again)."""
         delay = 0.02
         while thread not in self.drives.quarantined:
-            frontier = await self.store.load(thread)
+            # a passing outage is waited out here: told to the parent, it would cost the
+            # delegating call an attempt (its drive pauses and recovers)
+            frontier = await patiently(lambda: self.store.load(thread))
             if at_rest(frontier):
                 return frontier
             await asyncio.sleep(delay)

@@ -156,6 +156,7 @@ async def run_wave(
                     services, ctx, batch, call_id, outcome, retry, undispatched, commands
                 )
             spans.done(batch, outcomes)
+            _no_child_given_up(services, batch, wave, commands)
         wave = retry
     if batch.awaiting_call() is not None:
         # a lone child that surfaced a human wait: its wait is committed together with
@@ -294,6 +295,19 @@ def _record(
         return batch
     text = f"tool unavailable after {call.attempts} attempts: {outcome.message}"
     return complete(batch, call_id, ToolOutput(content=printable(text), is_error=True))
+
+
+def _no_child_given_up(
+    services: StepServices, batch: ActiveToolBatch, wave: list[CallId], commands: list[Command]
+) -> None:
+    """A delegating call whose attempts ran out (its child's host lost each time) ends the
+    Run indeterminate, as a recovery that finds it so does: a child the parent gave up on
+    must not run on without it (the end cancels the children), nor be delegated again."""
+    for call_id in wave:
+        phase = batch.call(call_id).phase
+        if phase.kind == "indeterminate" and delegates(services.agent, batch, call_id):
+            reason = f"delegation {call_id}: {phase.reason}"
+            raise EndRun(IndeterminateEnd(reason=reason), batch, commands)
 
 
 def _requested(

@@ -237,6 +237,34 @@ async def test_a_child_whose_cancel_hangs_holds_neither_its_parent_nor_its_sibli
     agents.BLOCK.set()  # the hung one's own tool lets go; it ends at its next look
 
 
+async def test_a_delegation_whose_child_host_is_lost_each_time_ends_the_parent(monkeypatch):
+    """Every attempt of the delegating call is Lost (the child's host dies each time):
+    once they are used up the parent ends indeterminate and cancels the child, as a
+    recovery that finds the call so does; not a call marked indeterminate beside a child
+    that runs on uncancelled (and which the model might delegate again)."""
+    from runtime.ports import Lost
+
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("slow_worker", 1), store)
+    really_run, started = r.children.run, []
+
+    async def lost_each_time(request):
+        if not started:  # the child does start, once, and runs on
+            started.append(asyncio.ensure_future(really_run(request)))
+            await until(lambda: _all_waiting(store, 1))
+        return Lost(message="the child's host died")
+
+    monkeypatch.setattr(r.children, "run", lost_each_time)
+    f = await asyncio.wait_for(r.start("go", thread_id="p"), 10)
+    assert f.run_state.cause.kind == "indeterminate" and "delegation d0" in f.run_state.cause.reason
+    (kid,) = await children_of(store, f)
+    assert kid.run_state.cause.kind == "cancelled"
+    agents.BLOCK.set()  # the child's first drive, fenced by that end, finds out and goes
+    await asyncio.wait(started, timeout=10)
+    assert started[0].done() and (await store.load(kid.thread_id)) == kid
+
+
 async def test_a_parallel_child_that_needs_a_human_ends_the_parent_indeterminate():
     store = MemoryCommitStore()
     f = await runner(agents.fanout_agent("needy_worker", 2), store).start("go", thread_id="p")
