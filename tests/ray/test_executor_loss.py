@@ -72,3 +72,15 @@ async def test_a_hung_executor_is_restarted_and_its_calls_settled_as_lost(make_s
     assert by_tool["slow_fetch"].phase.kind == "completed" and by_tool["slow_fetch"].attempts == 2
     restarted = [(await h.info.remote())["executors_restarted"] for h in client.hosts]
     assert sum(restarted) >= 1, restarted
+
+
+async def test_an_executor_busy_with_a_long_tool_answers_and_is_left_alone(make_system, ledger):
+    """A tool that naps for several leases keeps its executor's loop free: the pings are
+    answered, and nothing is restarted (only a hung executor is)."""
+    client = await make_system(lease_ttl_s=0.5, heartbeat_s=0.25)
+    frontier = await client.run("tests.ray.agents:napping_agent", "nap", timeout_s=60)
+    assert frontier.run_state.cause.kind == "natural"
+    (row,) = ledger.rows(f"tool-batch:{frontier.run_id}:")
+    assert row[2] == 1  # one attempt: the nap was never lost
+    restarted = [(await h.info.remote())["executors_restarted"] for h in client.hosts]
+    assert restarted == [0] * len(restarted)
