@@ -16,8 +16,9 @@ Supervisor was down, or a re-placement failed) and does the same. A Run whose
 recovery keeps failing is dead-lettered (``failed(recovery)``) by ``mark_lost``: a
 recovery counts as failed when the host refuses it or dies doing it. The same sweep
 hands an ended child's outcome to a parent still awaiting it, should the hand-over of
-the child's host have been lost (``actors.deliveries``), and resumes a Run paused until
-a time that has come (``actors.schedule``).
+the child's host have been lost (``actors.deliveries``), resumes a Run paused until
+a time that has come (``actors.schedule``), and ends a child at rest whose parent is
+gone (``actors.orphans``).
 
 Take-overs run in the background, ``TAKE_OVERS`` at a time, each re-placement within
 ``SystemSpec.recover_timeout_s``: a hung host delays only the Runs sent to it, never
@@ -41,6 +42,8 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.children import RayChildRunner
 from actors.deliveries import AWAITING_DELEGATION, redeliver
+from actors.hung_hosts import HungHosts, exists
+from actors.orphans import Orphans
 from actors.ownership import EXECUTION_LOST, mark_lost
 from actors.run_host import dedicated_host, hosted_host
 from actors.schedule import AWAITING_PAUSE, fire_due
@@ -56,8 +59,10 @@ from actors.wire import (
     run_meta,
 )
 from runtime.commit import Frontier
+from runtime.control import control_engine
 from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import Cancelled
 from runtime.ports import RunSummary, host_of, refused_in
 from runtime.publish import Publisher
 from runtime.timeutil import now_us
@@ -68,7 +73,7 @@ TAKE_OVERS = 8
 """Take-overs under way at once (each one is a few store calls and one host call)."""
 
 
-class Supervisor:
+class Supervisor(HungHosts):
     async def __init__(self, spec: SystemSpec) -> None:
         replace_spare_if_restarted(spec.warm_spares)
         self.spec = spec
@@ -93,6 +98,7 @@ class Supervisor:
         self._background: set[asyncio.Task[Any]] = set()
         self._waking: asyncio.Task[None] | None = None
         """The pass handing outcomes over and resuming due pauses, if under way."""
+        self.orphans = Orphans(self.store, self._end_orphan)
         self._silent: dict[str, float] = {}
         """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
         self._started = self._last_sweep = time.monotonic()
@@ -180,49 +186,6 @@ class Supervisor:
             self._last_sweep = now
             await self._sweep()
 
-    def _expect_pool(self, now: float) -> None:
-        """A pool host not heard from yet is given a lease from the moment it is seen to
-        exist: one that hangs before its first heartbeat is lost like any other (else a
-        start that hashes to it would wait for ever)."""
-        for i in range(self.spec.hosts):
-            name = self.spec.host_name(i)
-            if name not in self.kinds and _exists(name):
-                self.leases[name] = now + self.spec.lease_ttl_s
-                self.kinds[name] = "hosted"
-
-    async def _restart_hung(self, now: float) -> None:
-        """A host lost by its lease that stays silent a lease longer is hung (stopped, its
-        loop blocked): Ray takes its process for alive, so a call sent to it (a start
-        that hashes to it, a resume, a wait) would never be answered. Its Runs were taken
-        over when it was lost; the process is killed and Ray restarts it (a dedicated
-        host's next sweep starts it anew), and the calls it held fail and are asked again
-        of the new process (``cluster.waiting.on_a_live_host``)."""
-        due = [h for h, t in self._silent.items() if now - t >= self.spec.lease_ttl_s]
-        if not due or not await self._store_answers():
-            return  # a host restarted in an outage waits for the store in its constructor
-        for host_id in due:
-            del self._silent[host_id]
-        answering = await asyncio.gather(*(self._alive(h, now) for h in due))
-        for host_id, alive in zip(due, answering, strict=True):
-            if alive:
-                continue
-            try:
-                handle = ray.get_actor(host_id, namespace=NAMESPACE)
-            except ValueError:  # gone already
-                continue
-            log.warning("host %s is lost and still does not answer: restarting it", host_id)
-            self.counts["hosts_restarted"] += 1
-            self.events.append({"host": host_id, "why": "hung: restarted", "at": now_us()})
-            with contextlib.suppress(Exception):  # dead meanwhile: nothing to restart
-                ray.kill(handle, no_restart=False)
-
-    async def _store_answers(self) -> bool:
-        try:
-            await self.store.list_runs("running", host=self.owner)
-        except StoreUnavailable:
-            return False
-        return True
-
     async def _dead_hosts(self, hosts: list[str]) -> list[str]:
         """Hosts Ray reports dead for good (a restarting host is not dead)."""
         verdicts = await asyncio.gather(*(self._dead(h) for h in hosts))
@@ -266,20 +229,35 @@ class Supervisor:
         awaiting = [s for s in await self.store.list_runs("awaiting") if self._ours(s)]
         parents = [s.thread_id for s in awaiting if s.status.reason == AWAITING_DELEGATION]
         paused = [s.thread_id for s in awaiting if s.status.reason == AWAITING_PAUSE]
-        if parents or paused:
-            self._waking = asyncio.create_task(self._wake(parents, paused))
+        self._waking = asyncio.create_task(self._wake(parents, paused, awaiting))
 
-    async def _wake(self, parents: list[ThreadId], paused: list[ThreadId]) -> None:
-        """Hand parents their children's outcomes and resume paused Runs that are due."""
+    async def _wake(
+        self, parents: list[ThreadId], paused: list[ThreadId], awaiting: list[RunSummary]
+    ) -> None:
+        """Hand parents their children's outcomes, resume paused Runs that are due, and
+        end awaiting children whose parent is gone (``actors.orphans``)."""
         try:
-            handed, fired = await asyncio.gather(
+            handed, fired, ended = await asyncio.gather(
                 redeliver(self.store, parents, self._host_of, self.spec.limits),
                 fire_due(self.store, paused, self._host_of, now_us()),
+                self.orphans.sweep(awaiting),
             )
             self.counts["outcomes_handed"] += handed
             self.counts["pauses_resumed"] += fired
+            self.counts["orphan_children_ended"] += ended
         except Exception:  # the next sweep asks again; Runs stay as committed
             log.exception("waking Runs at rest failed")
+
+    async def _end_orphan(self, thread: ThreadId, run: RunId) -> None:
+        """End a child at rest whose parent is gone, as a cancel at rest would."""
+        engine = control_engine(
+            self.store,
+            owner=self.owner,
+            publisher=self.publisher,
+            children=self.children,
+            limits=self.spec.limits,
+        )
+        await engine.terminate(thread, Cancelled(), run=run)
 
     async def _running(self, host: str | None = None) -> list[RunSummary]:
         """The running Runs (of ``host``); a thread whose index entry does not verify is
@@ -480,21 +458,12 @@ class Supervisor:
             # no lease heard yet (the pool is still starting) or none left: any pool
             # host that exists, before bringing back one that is gone
             pool = [self.spec.host_name(i) for i in range(self.spec.hosts)]
-            live = [name for name in pool if _exists(name)]
+            live = [name for name in pool if exists(name)]
         if live:
             name = pick_live(thread, live)
             return name, ray.get_actor(name, namespace=NAMESPACE)
         index = int(pick_live(thread, [str(i) for i in range(self.spec.hosts)]))
         return self.spec.host_name(index), hosted_host(self.spec, index)
-
-
-def _exists(name: str) -> bool:
-    """A named actor Ray knows (alive, or restarting)."""
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
 
 
 RemoteSupervisor = ray.remote(Supervisor)

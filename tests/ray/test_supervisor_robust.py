@@ -265,6 +265,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     from collections import Counter
 
     import actors.schedule
+    from actors.orphans import Orphans
     from actors.schedule import due
     from actors.supervisor import Supervisor
     from actors.wire import SystemSpec
@@ -298,6 +299,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     bare.spec, bare.owner, bare.store = spec, spec.supervisor_name, store
     bare.counts, bare.quarantined, bare._taking, bare.leases = Counter(), set(), set(), {}
     bare._waking = None
+    bare.orphans = Orphans(store, bare._end_orphan)
     bare._host_of = lambda frontier: hung  # type: ignore[method-assign]
     await asyncio.wait_for(bare._sweep(), 30)  # not held by the hung host
     await wait_for(lambda: hung.calls == 6, what="every due Run to be asked at once")
