@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from actors.drives import Drive, Drives, drove
 from actors.wire import SystemSpec, remote_error
@@ -42,6 +42,26 @@ SIGNAL_WAIT_S = 5.0
 before it answers "signalled". An answer of the end itself is durable: the end was
 committed; a host that dies before it answers has its caller ask again, and the Run,
 recovered by then, is ended by the host that has it."""
+
+
+class SystemActor(Protocol):
+    spec: SystemSpec
+    store: CommitStore
+    owner: str
+    publisher: Publisher | None
+    children: Any  # actors.children.RayChildRunner
+
+
+def acting_for(actor: SystemActor) -> Engine:
+    """A control engine that ends Runs for a host or the Supervisor: its store and
+    owner (the end carries its claim), its publisher and children, the system's limits."""
+    return control_engine(
+        actor.store,
+        owner=actor.owner,
+        publisher=actor.publisher,
+        children=actor.children,
+        limits=actor.spec.limits,
+    )
 
 
 class ControlHosting:
@@ -121,13 +141,7 @@ class ControlHosting:
         if not isinstance(frontier.run_state, RunningState | AwaitingState):
             return False
         # the end carries its claim: a driver elsewhere, if any, is fenced by it
-        engine = control_engine(
-            self.store,
-            owner=self.owner,
-            publisher=self.publisher,
-            children=self.children,
-            limits=self.spec.limits,
-        )
+        engine = acting_for(self)
         now = await engine.terminate(thread, cause, run=run)
         self._hand_back(now)
         if not engine.committed.is_set():

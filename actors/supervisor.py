@@ -42,6 +42,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.children import RayChildRunner
 from actors.deliveries import AWAITING_DELEGATION, redeliver
+from actors.host_control import acting_for
 from actors.hung_hosts import HungHosts, exists
 from actors.orphans import Orphans
 from actors.ownership import EXECUTION_LOST, mark_lost
@@ -59,7 +60,6 @@ from actors.wire import (
     run_meta,
 )
 from runtime.commit import Frontier
-from runtime.control import control_engine
 from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import Cancelled
@@ -250,14 +250,7 @@ class Supervisor(HungHosts):
 
     async def _end_orphan(self, thread: ThreadId, run: RunId) -> None:
         """End a child at rest whose parent is gone, as a cancel at rest would."""
-        engine = control_engine(
-            self.store,
-            owner=self.owner,
-            publisher=self.publisher,
-            children=self.children,
-            limits=self.spec.limits,
-        )
-        await engine.terminate(thread, Cancelled(), run=run)
+        await acting_for(self).terminate(thread, Cancelled(), run=run)
 
     async def _running(self, host: str | None = None) -> list[RunSummary]:
         """The running Runs (of ``host``); a thread whose index entry does not verify is
