@@ -107,6 +107,13 @@ class Inference:
 
     async def step_committed(self, thread: ThreadId) -> None:
         """The Step's inference is committed: its checkpoint is spent."""
+        await self._spend(thread)
+
+    async def _spend(self, thread: ThreadId) -> None:
+        """Delete the checkpoint this engine wrote (or took up). An attempt that failed
+        spends its own too: a recovery must never take up what the runtime threw away (a
+        complete tool call of a stream that was cut, or of a response refused, would be
+        committed and run without the model being asked again)."""
         if self.checkpointed:
             self.checkpointed = False
             await self.checkpoints.delete(thread)
@@ -131,8 +138,10 @@ class Inference:
             except CancelledSignal:
                 raise
             except ModelRefused as exc:  # asking again cannot help: the Run ends now
+                await self._spend(ctx.frontier.thread_id)
                 raise EndRun(_failed(exc)) from None
             except ModelRateLimited as exc:  # wait it out, within the Run's budget
+                await self._spend(ctx.frontier.thread_id)
                 await self._back_off(ctx, exc, attempt)
                 continue
             except asyncio.CancelledError as exc:
@@ -149,6 +158,7 @@ class Inference:
                 log.warning(
                     "inference attempt %d of run %s failed: %s", attempt, ctx.run_id, raised(exc)
                 )
+            await self._spend(ctx.frontier.thread_id)
             failures += 1
         assert error is not None
         raise EndRun(_failed(error))

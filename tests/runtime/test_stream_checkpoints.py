@@ -18,6 +18,7 @@ from runtime import (
     tool,
 )
 from runtime.checkpoint import SafeCheckpoints
+from runtime.errors import ModelRateLimited, ModelUnavailable
 from runtime.messages import ContextMessage
 from storage.checkpoints import MemoryCheckpointStore
 from storage.memory import MemoryCommitStore
@@ -156,3 +157,54 @@ async def test_a_hung_checkpoint_store_delays_but_never_stops_a_run():
     f, model, _ = await asyncio.wait_for(run_interrupted([text("partial")], checkpoints=hung), 10)
     assert f.run_state.cause.kind == "natural"
     assert model.calls == [0, 0] and model.contexts[1] == []  # nothing was salvaged
+
+
+class FailingThenDying:
+    """Step 0's first attempt streams a complete call, then fails (``failure``); the
+    second dies before its first token; asked again after recovery, it answers."""
+
+    def __init__(self, failure: BaseException) -> None:
+        self.failure = failure
+        self.asked = 0
+
+    async def stream(self, request):
+        self.asked += 1
+        if self.asked == 1:
+            yield args("c1", '{"key": "prod"}')
+            raise self.failure
+        if self.asked == 2:
+            raise Crash("kill -9 before attempt 2's first token")
+        yield ModelResponse(text="not looking anything up")
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        ModelUnavailable("stream_cut", "connection reset"),
+        ModelRateLimited("rate", "slow down", retry_after_s=0),
+    ],
+    ids=["cut", "rate_limited"],
+)
+async def test_a_failed_attempts_checkpoint_is_never_taken_up_by_a_recovery(failure):
+    """The attempt the runtime threw away must not come back through its checkpoint: a
+    recovery would commit and run its complete call without the model asked again."""
+    ran: list[str] = []
+
+    @tool
+    def lookup(key: str) -> str:  # the call the failed attempt streamed
+        ran.append(key)
+        return key
+
+    model, store = FailingThenDying(failure), MemoryCommitStore()
+    checkpoints = MemoryCheckpointStore()
+    agent = Agent(name="cp", model=model, tools=[lookup], rate_limit_wait_s=60)
+    tools = LocalToolRunner([lookup])
+
+    def fresh() -> Engine:
+        return Engine(agent, store, tools, checkpoints=checkpoints, checkpoint_interval_s=0)
+
+    with pytest.raises(Crash):
+        await fresh().start("t", "go")
+    assert await checkpoints.get("t") is None  # spent with its attempt
+    done = await fresh().recover("t")
+    assert done.run_state.kind == "ended" and ran == [] and model.asked == 3
