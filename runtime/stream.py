@@ -113,6 +113,8 @@ async def follow(
         at_rest = fact.type in REST_FACTS
         moved = fact.seq > frontier.version  # committed after the load: it is stale
         yield from_fact(fact)
+        if until_rest and at_rest and moved:
+            return  # the rest that came after the load: not a later Run's, started since
     if until_rest and (at_rest or (not moved and _rests(frontier))):
         return
     live = _live(store, thread, cursor, bus, head, poll_s, terms)

@@ -359,3 +359,27 @@ async def test_a_run_pruned_as_it_ends_ends_the_stream_with_its_status(with_bus:
     await asyncio.wait_for(task, 10)
     assert seen[-1].type == "thread_status" and seen[-1].status == ended.status
     assert not any(f.event is not None and f.event.type == "run_finished" for f in seen)
+
+
+async def test_a_follower_ends_at_the_rest_of_the_run_it_loaded_not_a_later_one():
+    """The follower loads the thread while its Run runs; before it reads the log, that
+    Run ends and the thread's next Run starts. The stream ends at the first Run's rest,
+    not at the next Run's (which may be hours away)."""
+    store = MemoryCommitStore()
+    runner = InProcessRunner(
+        Agent(name="a", model=ScriptedModel([ModelResponse(text="ok")] * 2)), store
+    )
+    with pytest.raises(Crash):  # the first Run is running (its driver died)
+        await runner.start("one", thread_id="t", faults=FaultPlan(crash_at=("after:activation", 1)))
+    running = await store.load("t")
+    first = await runner.recover("t")
+    assert first.run_state.kind == "ended"
+    with pytest.raises(Crash):  # the next Run started, and runs on
+        await runner.start("two", thread_id="t", faults=FaultPlan(crash_at=("after:activation", 1)))
+    stream = follow(_LoadedBefore(store, running), "t", poll_s=0.01)
+    frames = await asyncio.wait_for(_all(stream), 10)
+    assert frames[-1].event.type == "run_finished" and frames[-1].event.run_id == first.run_id
+
+
+async def _all(stream) -> list[Frame]:
+    return [frame async for frame in stream]
