@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from actors.drives import Drive, Drives, drove
+from actors.drives import Drive, Drives
 from actors.wire import SystemSpec, remote_error
 from runtime.commit import Frontier
 from runtime.control import control_engine
@@ -109,7 +109,7 @@ class ControlHosting:
                 task = asyncio.create_task(self._see_it_ended(thread, run, cause, drive))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
-                return ended if await self._drove_to(drive, run, cause) else "signalled"
+                return ended if await self._drove_to(thread, drive, run, cause) else "signalled"
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
             return ended if await self._end_stored(thread, run, cause) else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
@@ -117,17 +117,22 @@ class ControlHosting:
         finally:
             self._retire_if_idle()
 
-    async def _drove_to(self, drive: Drive, run: RunId | None, cause: EndCause) -> bool:
-        """Whether ``drive`` ended the Run with ``cause`` within ``SIGNAL_WAIT_S`` (its last
-        commit, which the store acknowledged, says so)."""
-        await asyncio.wait({drive.task}, timeout=SIGNAL_WAIT_S)
-        if not drive.task.done():
-            return False
+    async def _drove_to(
+        self, thread: ThreadId, drive: Drive, run: RunId | None, cause: EndCause
+    ) -> bool:
+        """Whether ``drive`` ended the Run with ``cause`` within ``SIGNAL_WAIT_S``: its end
+        landed (not waiting for its children's cancels after it), and the store says so."""
+        landed = asyncio.ensure_future(drive.engine.end_landed.wait())
         try:
-            frontier = drove(drive.task)
-        except Exception:  # its own error stays with the drive: the end did not come from it
+            await asyncio.wait(
+                {drive.task, landed}, timeout=SIGNAL_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            landed.cancel()
+        if not (drive.engine.end_landed.is_set() or drive.task.done()):
             return False
-        if frontier is None or frontier.run_id not in {r for r in (run, drive.run_id) if r}:
+        frontier = await self.store.load(thread)
+        if frontier.run_id not in {r for r in (run, drive.run_id) if r}:
             return False
         state = frontier.run_state
         return isinstance(state, EndedState) and state.cause == cause

@@ -24,6 +24,7 @@ from runtime.errors import (
     HistoryLimitReached,
     PayloadTooLarge,
     RunEnded,
+    StateConflict,
     StoreUnavailable,
     VersionConflict,
 )
@@ -67,6 +68,7 @@ class Committing:
     children: ChildRunner | None
     store_retry: StoreRetry
     committed: asyncio.Event
+    end_landed: asyncio.Event
     limits: Limits
     trace: RunTrace | None = None
     """The span of the drive in progress, while tracing is on (``runtime.tracing``)."""
@@ -81,20 +83,23 @@ class Committing:
         commands: Sequence[Command] = (),
         claim: bool = False,
     ) -> None:
-        """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized."""
+        """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized.
+        ``commands`` that cannot merge (a wave's calls writing one exclusive key) are left
+        out, not the end: it is refused before anything is written, and made again."""
         open_batch_ = batch or ctx.frontier.batch
         sealed = seal(open_batch_) if open_batch_ is not None else None
         if sealed is not None and batch is None and not messages:
             messages = result_messages(sealed)
-        await self._commit(
-            ctx,
-            "ended",
-            EndedState(run_id=ctx.run_id, cause=cause),
-            claim=claim,
-            messages=messages,
-            batch=sealed,
-            commands=commands,
+        ended = EndedState(run_id=ctx.run_id, cause=cause)
+        end = functools.partial(
+            self._commit, ctx, "ended", ended, claim=claim, messages=messages, batch=sealed
         )
+        try:
+            await end(commands=commands)
+        except StateConflict:
+            if not commands:
+                raise
+            await end()
         if cause.kind != "natural":
             await self._cancel_children(ctx)
 
@@ -353,6 +358,8 @@ class Committing:
             receipt = await self.trace.commit(label, functools.partial(self._retrying, append))
         self.faults.hit(f"after:{label}")
         self.committed.set()
+        if label == "ended":
+            self.end_landed.set()
         if self.publisher is not None:  # stamping copies every fact: only for a listener
             self.publisher.offer(commit.thread_id, stamp_facts(commit, receipt.seq))
 

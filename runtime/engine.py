@@ -143,6 +143,9 @@ class Engine(Stepping):
         heard (a host then ends the Run at rest instead: ``resting``)."""
         self.committed = asyncio.Event()
         """Set once this engine's first commit has landed (a host answers its caller then)."""
+        self.end_landed = asyncio.Event()
+        """Set once the Run's end, committed by this engine, has landed (a cancel told to
+        it is answered then, before its children are cancelled)."""
         self._execution: ExecutionState | None = None
         publish = self.publisher.offer if self.publisher is not None else None
         # nothing here refers back to the engine: an engine must be freed by reference

@@ -22,6 +22,7 @@ from runtime.batch import ActiveToolBatch, Completed, ToolOutput, complete, mark
 from runtime.context import StepServices
 from runtime.delegation import CHILDREN_KEY, refusal
 from runtime.errors import InputRefused
+from runtime.execution import check_reaction_text
 from runtime.faults import Unwind
 from runtime.hooks import Gate, GateInput, verdict
 from runtime.ids import CallId
@@ -214,9 +215,8 @@ def admit_outcome(
     try:
         content = outcome.output.content
         check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")
-        for request in outcome.requests:
-            text = getattr(request, "text", None) or getattr(request, "reason", "")
-            check_text(f"a {request.kind} request", text, limits.input_bytes, "input_bytes")
+        for request in outcome.requests:  # held to what the Run's state will take of them
+            check_reaction_text(request, limits)
         for cmd in outcome.commands:
             check_writable(cmd, declared)
             check_id("state key", cmd.key, limits)

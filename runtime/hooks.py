@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import TypeAdapter, ValidationError
 
 from runtime.batch import ToolCall
-from runtime.errors import InputRefused
+from runtime.errors import InputRefused, StateConflict
 from runtime.execution import DenyCall, ExecutionState, Reaction, check_reaction_text
 from runtime.faults import Unwind
 from runtime.ids import RunId, ThreadId
@@ -186,8 +186,7 @@ async def run_hooks(
                 continue
             commands, context, reactions = _admitted(out, hook, hook_input, limits)
             if commands:  # a clash found now is this hook's (StateConflict)
-                merged = (*staged, *into.alongside, *into.commands, *commands)
-                apply_commands(hook_input.state, merged)
+                _merge_check(hook_input.state, (*staged, *into.alongside, *into.commands), commands)
         except asyncio.CancelledError as exc:
             if cancelling():
                 raise  # the Run's task is being cancelled: it goes on unwinding
@@ -204,6 +203,17 @@ async def run_hooks(
                 into.denied.setdefault(reaction.call_id, reaction.reason)
             else:
                 hook_input.execution.react(reaction)
+
+
+def _merge_check(state: StateView, before: Sequence[Command], commands: list[Command]) -> None:
+    """StateConflict if ``commands`` cannot merge with those their commit already holds;
+    nothing if those clash among themselves (a wave's tools writing one exclusive key):
+    that is not the hook's doing, and the commit itself says so."""
+    try:
+        apply_commands(state, before)
+    except StateConflict:
+        return
+    apply_commands(state, (*before, *commands))
 
 
 def _admitted(

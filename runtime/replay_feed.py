@@ -119,7 +119,7 @@ class Feed:
         self._note_request(request, response)
         ended = self._ended_as_answered(expected)
         if isinstance(ended, Stopped):
-            self.driver().stop(ended.reason)
+            fed_stop(self.driver(), ended.reason)
         elif ended is not None:
             self.driver().cancel()
         return response
@@ -184,7 +184,7 @@ class Feed:
         end = _outside_end(expected.commit)
         if isinstance(end, Cancelled) or (isinstance(end, Stopped) and outside_stop):
             engine = self.driver()
-            engine.cancel() if isinstance(end, Cancelled) else engine.stop(end.reason)
+            engine.cancel() if isinstance(end, Cancelled) else fed_stop(engine, end.reason)
             await asyncio.sleep(FED_STOP_WAIT_S)  # the engine's guard interrupts this
             asked += f" (it did not take the {end.kind} it was fed)"
         raise Halt(
@@ -294,3 +294,11 @@ def _waiting(request: ChildRequest) -> ResumeTicket:
         thread_id=request.child_thread,
         target=UserInputTarget(),
     )
+
+
+def fed_stop(engine: Engine, reason: str) -> None:
+    """Stop the replaying engine with the recording's reason as it was kept: not a
+    caller's, to be checked again (one recorded before blank reasons were refused, or a
+    tool's own, replays as it was)."""
+    engine.stop_reason = reason
+    engine.cancel()

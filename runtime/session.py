@@ -114,12 +114,17 @@ def closing() -> Command:
     return _set(ended=True)
 
 
+def forces(command: Command) -> bool:
+    """The command stages a ``force_turn``."""
+    return command.key == FORCED_KEY and command.scope == "run"
+
+
 def stage_forced(execution: ExecutionState, commands: list[Command]) -> None:
     """A ``force_turn`` made now is staged with ``commands`` (the last one counts)."""
     side, execution.forced_side = execution.forced_side, None
     if side is None:
         return
-    commands[:] = [c for c in commands if not (c.key == FORCED_KEY and c.scope == "run")]
+    commands[:] = [c for c in commands if not forces(c)]
     commands.append(Command(key=FORCED_KEY, scope="run", value=side))
 
 
@@ -129,10 +134,10 @@ def handoff(
     """``side`` ends its turn: ``staged`` without the forced side it may hold, and the
     commands passing the turn (to the forced side, else the other)."""
     forced = next(
-        (c.value for c in staged if c.key == FORCED_KEY and c.scope == "run"),
+        (c.value for c in staged if forces(c)),
         frontier.state["run"].get(FORCED_KEY),
     )
-    rest = tuple(c for c in staged if not (c.key == FORCED_KEY and c.scope == "run"))
+    rest = tuple(c for c in staged if not forces(c))
     turns = int(state_of(frontier).get("turns", 0)) + 1
     passing: tuple[Command, ...] = (_set(side=forced or other(side), turns=turns),)
     if FORCED_KEY in frontier.state["run"]:

@@ -38,7 +38,7 @@ from runtime.limits import printable
 from runtime.messages import Message
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.resume import await_call
-from runtime.session import stage_forced
+from runtime.session import forces, stage_forced
 from runtime.signals import CancelledSignal, EndRun
 from runtime.state import Command
 
@@ -174,6 +174,8 @@ async def run_wave(
             raise EndRun(failure_of(failed), batch, commands) from failed
         except CancelledSignal:  # cancelled or stopped while its hooks ran: the same
             raise EndRun(services.control_cause(ctx), batch, commands) from None
+        if any(forces(c) for c in hooks.commands):  # a hook's force_turn came last: it counts
+            commands = [c for c in commands if not forces(c)]
     try:  # the next inference may begin before this lands (Committing.commit, ``landing``)
         await services.commit(
             ctx,

@@ -22,6 +22,7 @@ from runtime import (
     InProcessRunner,
     ModelResponse,
     ScriptedModel,
+    ToolContext,
     call,
     tool,
 )
@@ -225,22 +226,32 @@ async def test_a_hook_whose_commands_clash_with_the_tools_is_the_one_that_fails(
     assert dict(done.state["thread"]) == {"balance": -42}
 
 
-async def test_tools_whose_commands_clash_end_the_run_with_their_results_kept() -> None:
+@tool
+async def claim(who: str) -> ToolResult:
+    """Writes one exclusive key: two calls of one wave clash."""
+    return ToolResult(content=who, commands=[Command(key="holder", value=who)])
+
+
+def _audit(_: Any) -> HookOutput:
+    return HookOutput(commands=[Command(key="audited", merge="commutative", value=1)])
+
+
+@pytest.mark.parametrize("hooks", [[], [Hook("AfterTool", _audit)]], ids=["alone", "audited"])
+async def test_tools_whose_commands_clash_end_the_run_with_their_results_kept(
+    hooks: list[Hook],
+) -> None:
     """Two calls of one wave write one exclusive key: the results commit cannot merge
     and is refused before anything is written. The Run ends failed(state_conflict)
-    with both calls' results (they ran), not sealed as outcomes unknown."""
-
-    @tool
-    async def claim(who: str) -> ToolResult:
-        return ToolResult(content=who, commands=[Command(key="holder", value=who)])
-
+    with both calls' results (they ran), not sealed as outcomes unknown; an AfterTool
+    hook writing another key is not blamed for the tools' clash."""
     model = ScriptedModel(
         [
             ModelResponse(tool_calls=(call("claim", "c1", who="a"), call("claim", "c2", who="b"))),
             ModelResponse(text="ok"),
         ]
     )
-    runner = InProcessRunner(Agent(name="a", model=model, tools=[claim]), MemoryCommitStore())
+    agent = Agent(name="a", model=model, tools=[claim], hooks=hooks)
+    runner = InProcessRunner(agent, MemoryCommitStore())
     done = await runner.start("go", thread_id="t")
     assert isinstance(done.run_state, EndedState) and isinstance(done.run_state.cause, Failed)
     assert done.run_state.cause.failure == "state_conflict"
@@ -294,3 +305,24 @@ async def test_a_hook_calling_the_live_controls_is_held_to_the_limits(
     ended = await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks))
     assert isinstance(ended.cause, Failed)
     assert (ended.cause.failure, ended.cause.code) == ("hook", "InputRefused")
+
+
+async def test_a_tools_stop_reason_over_the_limit_is_refused_with_its_result() -> None:
+    """A tool asks its Run to stop with a reason past ``model_text_bytes`` (within
+    ``input_bytes``): the outcome is refused at admission, as an over-limit result is,
+    and the model is told; not a Run failed ``internal`` with its wave sealed."""
+
+    @tool
+    async def halt(ctx: ToolContext) -> str:
+        ctx.execution.stop("x" * (100 * 1024))
+        return "halting"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("halt", "c1"),)), ModelResponse(text="ok")]
+    )
+    done = await InProcessRunner(
+        Agent(name="a", model=model, tools=[halt]), MemoryCommitStore()
+    ).start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState) and done.run_state.cause.kind == "natural"
+    ((is_error, content),) = _results(done)
+    assert is_error and "tool output refused" in content and "model_text_bytes" in content

@@ -315,8 +315,11 @@ async def test_a_recovery_that_now_decides_otherwise_is_reported():
     assert report.divergence.seq == await seq_of(store, "inference")
 
 
-@pytest.mark.parametrize("stop", [None, "operator says stop"])
+@pytest.mark.parametrize("stop", [None, "operator says stop", ""])
 async def test_a_cancel_or_stop_from_outside_while_a_tool_runs_is_fed_back(stop):
+    """ "": a blank reason, recorded before a caller's were refused, replays as kept."""
+    from runtime.replay_feed import fed_stop
+
     started, never = asyncio.Event(), asyncio.Event()
 
     @tool(recovery=("replay_safe",))
@@ -331,7 +334,12 @@ async def test_a_cancel_or_stop_from_outside_while_a_tool_runs_is_fed_back(stop)
     engine = InProcessRunner(agent, store).engine()
     drive = asyncio.ensure_future(engine.start("t", "go", run_id="r1"))
     await until(started.is_set)
-    engine.cancel() if stop is None else engine.stop(stop)
+    if stop is None:
+        engine.cancel()
+    elif stop:
+        engine.stop(stop)
+    else:  # as an older release took it (a caller's stop reason unchecked)
+        fed_stop(engine, stop)
     f = await drive
     assert f.run_state.cause.kind == ("cancelled" if stop is None else "stopped")
     assert (await replay(store, "t", agent)).clean

@@ -339,3 +339,24 @@ async def test_a_tools_forced_turn_is_committed_with_its_result(crash):
     sides = [side for kind, side, text in lines(f) if kind in ("assistant", "user") and side]
     assert sides == ["a", "a", "a", "b"]  # the call, its answer, a again, b
     assert f.run_state.cause.kind == "natural"
+
+
+async def test_a_tools_and_an_after_tool_hooks_forced_turns_in_one_step_the_last_counts():
+    """The tool forces side a, then the call's AfterTool hook forces side b: two writes
+    of the one key in one commit would fail the Run; the hook's, made last, counts."""
+
+    def hand_over(h):
+        h.execution.force_turn("b")
+
+    keeper = floor_keeper()
+    agent = Agent(
+        name=keeper.name,
+        model=keeper.model,
+        tools=[keep_the_floor],
+        session=keeper.session,
+        hooks=[Hook("AfterTool", hand_over)],
+    )
+    f = await start(agent)
+    assert f.run_state.cause.kind == "natural", f.run_state
+    sides = [side for kind, side, _ in lines(f) if kind in ("assistant", "user") and side]
+    assert sides[:3] == ["a", "a", "b"]  # the call, its result, then b as the hook asked
