@@ -15,8 +15,8 @@ answered ``Lost``; the engine's pinned recovery policy decides what those become
 that hangs (a stopped process, a tool that blocks its event loop) would hold its waves
 for ever where their tools have no timeout, since Ray takes it for alive: while a call
 has been out for a lease (``SystemSpec.lease_ttl_s``) the dispatcher pings its
-executor, and one that misses ``HUNG_STRIKES`` pings in a row is killed for Ray to
-restart, which loses its waves as a death does.
+executor, and one that answered before and misses ``HUNG_STRIKES`` pings in a row is
+killed for Ray to restart, which loses its waves as a death does.
 """
 
 from __future__ import annotations
@@ -77,10 +77,14 @@ class WaveDispatcher:
         self._calls: dict[asyncio.Task[None], tuple[Any, float]] = {}
         """Calls out → their executor and when they were sent."""
         self._watch: asyncio.Task[None] | None = None
+        self._up: set[Any] = set()
+        """Executors that answered a ping: only those are taken for hung when they miss."""
         self.sent = {"waves": 0, "calls": 0}
         """Counters for ``RunHost.info``: waves / calls is the coalescing achieved."""
         self.restarted = 0
         """Executors this dispatcher took for hung and killed."""
+        self.watched = 0
+        """Rounds of pings the watch of executors has made (diagnostics, tests)."""
 
     async def run(
         self, resources: Mapping[str, float], agent_ref: str, invocations: Sequence[ToolInvocation]
@@ -162,23 +166,32 @@ class WaveDispatcher:
 
     async def _watch_executors(self) -> None:
         """While calls are out: ping each executor that has had one out for a lease; one
-        that misses ``HUNG_STRIKES`` pings in a row is killed, for Ray to restart."""
+        that answered before and now misses ``HUNG_STRIKES`` pings in a row is killed, for
+        Ray to restart. An executor is pinged at once when it is first sent a call, to learn
+        that it is up: one that never answered yet (Ray still creating or restarting it,
+        or a pool waiting for its resources) holds its calls queued, which is no hang."""
         period = self.pools.spec.lease_ttl_s
         loop = asyncio.get_running_loop()
         strikes: dict[Any, int] = {}
         while self._calls:
-            await asyncio.sleep(period)
             now = loop.time()
-            due = list({ex for ex, sent in self._calls.values() if now - sent >= period})
-            answers = await asyncio.gather(*(_answers(ex) for ex in due))
-            missed = [ex for ex, ok in zip(due, answers, strict=True) if not ok]
+            out = {ex for ex, _ in self._calls.values()}
+            learn = [ex for ex in out if ex not in self._up]
+            stale = {ex for ex, sent in self._calls.values() if now - sent >= period}
+            due = [ex for ex in stale if ex in self._up]
+            answers = await asyncio.gather(*(_answers(ex) for ex in (*learn, *due)))
+            self.watched += 1
+            self._up.update(ex for ex, ok in zip(learn, answers, strict=False) if ok)
+            missed = [ex for ex, ok in zip(due, answers[len(learn) :], strict=True) if not ok]
             strikes = {ex: strikes.get(ex, 0) + 1 for ex in missed}  # in a row: others reset
             for executor in [ex for ex, n in strikes.items() if n >= HUNG_STRIKES]:
                 del strikes[executor]
+                self._up.discard(executor)  # its next incarnation is learnt afresh
                 log.warning("an executor with a call out does not answer: restarting it")
                 self.restarted += 1
                 with contextlib.suppress(Exception):  # dead meanwhile: its calls hear it
                     ray.kill(executor, no_restart=False)
+            await asyncio.sleep(period)
 
     def _cancel(self, wave: _Wave) -> None:
         if wave.executor is None:

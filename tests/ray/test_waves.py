@@ -151,3 +151,19 @@ async def test_a_wave_that_fails_around_its_tools_loses_only_itself(monkeypatch)
     (lost,), (fine,) = answered["w0"], answered["w1"]
     assert isinstance(lost, Lost) and "a bug around the tools" in lost.message
     assert isinstance(fine, Finished) and fine.output.content == "t1"
+
+
+async def test_an_executor_that_never_came_up_is_waited_for_not_restarted(make_system):
+    """A pool whose resources no node has: its executor is never created, the wave waits
+    queued in Ray. That is no hang: the watch pings it and, never having heard it, kills
+    nothing (a restart would only lose calls that never ran)."""
+    client = await make_system(executors=1, lease_ttl_s=0.2)
+    waves = WaveDispatcher(ExecutorPools(client.spec))
+    wave = asyncio.ensure_future(waves.run({"no-such-node": 1.0}, AGENT, _wave("echo_wave", 0)))
+
+    async def watched_a_while() -> bool:
+        return waves.watched >= 4
+
+    await wait_for(watched_a_while, what="the watch to ping a few times")
+    assert waves.restarted == 0 and not wave.done()
+    wave.cancel()
