@@ -191,14 +191,18 @@ class RedisStreamBus:
         return f"{self.prefix}:stream:{thread}"
 
     async def publish(self, thread: ThreadId, events: Sequence[Fact | Delta]) -> None:
-        """One round trip per batch; raises StoreUnavailable (the engine logs and goes on)."""
-        if not events:
+        """One round trip per batch; raises StoreUnavailable (the engine logs and goes on).
+        An event that cannot be encoded (a delta holding half a surrogate pair, as a
+        gateway that splits an emoji across chunks sends) is left out alone, not its batch:
+        the facts beside it still wake their followers."""
+        encoded = [e for e in map(_encoded, events) if e is not None]
+        if not encoded:
             return
         key = self.key(thread)
         with translated(self.where):
             async with self.client.pipeline(transaction=True) as pipe:
-                for event in events:
-                    fields: dict[FieldT, EncodableT] = {"e": event.model_dump_json()}
+                for event in encoded:
+                    fields: dict[FieldT, EncodableT] = {"e": event}
                     pipe.xadd(key, fields, maxlen=self.capacity, approximate=True)
                 if self.ttl_s:
                     pipe.expire(key, self.ttl_s)  # streams of finished threads go away
@@ -247,4 +251,12 @@ def _decode(key: str, entry_id: str, fields: dict[str, str]) -> Fact | Delta | N
         return _EVENTS.validate_json(fields.get("e", ""))
     except ValidationError as exc:
         log.warning("skipping unreadable bus entry %s of %s: %s", entry_id, key, exc)
+        return None
+
+
+def _encoded(event: Fact | Delta) -> str | None:
+    try:
+        return event.model_dump_json()
+    except ValueError as exc:  # pydantic's serialization error: no JSON holds it
+        log.warning("a %s event not published: %s", event.type, exc)
         return None

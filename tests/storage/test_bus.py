@@ -218,3 +218,17 @@ async def test_closing_the_embedded_bus_ends_its_subscriptions() -> None:
     reader = asyncio.create_task(take(stream, 5))
     await bus.close()
     assert await reader == []
+
+
+async def test_an_event_no_json_holds_is_left_out_alone_not_its_batch(make_bus: MakeBus) -> None:
+    """A delta holding half a surrogate pair (a gateway that splits an emoji across
+    chunks): the Redis bus cannot encode it; the facts published with it still go out."""
+    bus, thread = make_bus(), ThreadId("t-half-pair")
+    stream = bus.subscribe(thread, after=await bus.head(thread))
+    run = RunId("run-1")
+    half = Delta(type="text_delta", run_id=run, step=0, attempt=1, text="smile \ud83d")
+    fact = Fact(type="status", run_id=run, data={"n": 1}, seq=1, index=0)
+    reader = asyncio.create_task(take_until(stream, fact))
+    await bus.publish(thread, [half, fact])
+    got = [g.event for g in await reader]
+    assert got[-1] == fact and got in ([half, fact], [fact])  # the embedded bus keeps both
