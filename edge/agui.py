@@ -86,13 +86,23 @@ class AguiState:
     text: OpenText | None = None
     parent: str | None = None
     """The id of the run's last assistant message: its tool calls' parent."""
+    lapses: int = 0
+    """Times the run stopped running (an execution lost, a wait): a recovered execution
+    streams the same step and attempt numbers anew, under message ids of its own."""
 
 
 def transcode(state: AguiState, frame: Frame) -> tuple[AguiState, Events]:
     """The AG-UI events of one Ratchet frame, and the state after it."""
     if frame.type == "thread_status":
         state = replace(state, status=frame.status)
-        return state, (_snapshot(state),) if state.run is not None else ()
+        events: Events = (_snapshot(state),) if state.run is not None else ()
+        if state.text is not None and (frame.status is None or frame.status.state != "running"):
+            # the execution streaming it stopped: its text ends here, unfinished, and never
+            # takes in a recovered execution's (which the store alone vouches for)
+            state, ended = _end_text(state)
+            state = replace(state, lapses=state.lapses + 1)
+            events = (*ended, *events)
+        return state, events
     event = frame.event
     if isinstance(event, Delta):
         return _delta(state, event)
@@ -126,6 +136,8 @@ def _delta(state: AguiState, delta: Delta) -> tuple[AguiState, Events]:
         state, ended = _end_text(state)
         events += ended
         message_id = f"{delta.run_id}:step{delta.step}:attempt{delta.attempt}"
+        if state.lapses:
+            message_id += f":after{state.lapses}"
         text = OpenText(message_id, delta.run_id, delta.step, delta.attempt)
         events.append(TextMessageStartEvent(message_id=message_id, role="assistant"))
     if delta.text:

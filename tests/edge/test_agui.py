@@ -187,3 +187,28 @@ async def test_a_stream_that_fails_after_it_started_ends_with_the_problem() -> N
     assert last.value["kind"] == "StoreUnavailable"
     parsed = [EVENTS.validate_json(c.split("data: ", 1)[1].strip()) for c in chunks]
     assert all(e.type != EventType.RUN_ERROR for e in parsed)
+
+
+def test_a_lost_executions_text_ends_and_a_recovered_ones_is_a_message_of_its_own():
+    """The execution streaming Step 1 is lost mid-text; the recovered one streams Step 1
+    attempt 1 again. Its text is not appended to the dead one's (a message the store
+    never vouched for): the first ends when the status leaves running, and the second
+    opens under an id of its own."""
+    frames = [
+        Frame(type="thread_status", status=ThreadStatus()),
+        fact(1, 0, "run_started", input="ask"),
+        status(1, 1, "running"),
+        delta("The answer"),
+        status(2, 0, "failed", "execution_lost"),
+        status(3, 0, "running"),
+        delta("The answer is 42."),
+    ]
+    events = round_trip(transcode_all("t1", frames))
+    texts = [e for e in events if e.type.name.startswith("TEXT_MESSAGE")][3:]  # after the input
+    T = EventType
+    assert [e.type for e in texts] == [
+        T.TEXT_MESSAGE_START, T.TEXT_MESSAGE_CONTENT, T.TEXT_MESSAGE_END,  # the lost one
+        T.TEXT_MESSAGE_START, T.TEXT_MESSAGE_CONTENT,  # the recovered one
+    ]  # fmt: skip
+    assert texts[0].message_id != texts[3].message_id
+    assert texts[4].delta == "The answer is 42."
