@@ -258,11 +258,12 @@ async def _from_bus(
             # The bus says a commit landed; the facts served are the store's, read from
             # the cursor up to the one announced (which also fills whatever the bus
             # dropped): a fact only the bus holds (forged, or from a commit that never
-            # was) is never served. Not past it: deltas published after a later commit
-            # landed still come before that commit's facts, as the bus ordered them.
-            announced = (event.seq, event.index)
+            # was) is never served. The whole commit announced, at once (the bus has its
+            # facts together: one read per commit, not per fact); not past it: deltas
+            # published after a later commit landed still come before that commit's facts.
+            announced = event.seq
             async for fact in _stored_facts(store, thread, cursor):
-                if (fact.seq, fact.index) > announced:
+                if fact.seq > announced:
                     break
                 cursor = (fact.seq, fact.index)
                 yield from_fact(fact)

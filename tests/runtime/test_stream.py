@@ -232,8 +232,8 @@ async def test_a_fact_only_the_bus_holds_is_never_served():
 async def test_deltas_keep_their_place_among_facts_the_store_already_holds():
     """The bus announces facts after their commits land, and an inference's deltas can be
     published after the next commit has landed too: the stream serves the store's facts
-    up to the one announced, not past it, so a delta stays before the facts the bus put
-    after it (a reader that voids uncommitted text on a new execution relies on it)."""
+    up to the commit announced, not past it, so a delta stays before the facts the bus
+    put after it (a reader that voids uncommitted text on a new execution relies on it)."""
     bus, store = EmbeddedBus(), MemoryCommitStore()
     entered, gate = asyncio.Event(), asyncio.Event()
 
@@ -244,7 +244,11 @@ async def test_deltas_keep_their_place_among_facts_the_store_already_holds():
         return "ok"
 
     model = ScriptedModel(
-        [ModelResponse(tool_calls=(call("slow", "c"),)), ModelResponse(text="all done")]
+        [
+            ModelResponse(tool_calls=(call("slow", "c"),)),
+            ModelResponse(tool_calls=(call("slow", "c2"),)),  # a later commit, at least
+            ModelResponse(text="all done"),
+        ]
     )
     # the runner publishes nothing: the test plays the bus, in its own order
     runner = InProcessRunner(Agent(name="a", model=model, tools=[slow]), store)
@@ -256,15 +260,24 @@ async def test_deltas_keep_their_place_among_facts_the_store_already_holds():
 
     await asyncio.wait_for(entered.wait(), 10)  # the Run waits in its tool
     mark = (await stored())[-1].offset
-    following = asyncio.create_task(frames(store, "t", after=mark, bus=bus))
+    counted = _ReadsCounted(store)
+    following = asyncio.create_task(frames(counted, "t", after=mark, bus=bus))
     await until(lambda: "t" in bus._rings and bus._rings["t"].subscribers == 1)
     gate.set()
     await task  # every later commit has landed before the bus says a word
     later = [f.event for f in await stored() if parse_offset(f.offset) > parse_offset(mark)]
+    # a commit's facts are offered to the bus together: the delta comes after the first
+    # commit's, before the next commit's (as an inference's, published late, can)
+    first = [f for f in later if f.seq == later[0].seq]
+    assert len(first) < len(later)
     delta = Delta(type="text_delta", run_id=RunId("r"), step=1, attempt=0, text="x")
-    await bus.publish("t", [later[0], delta, *later[1:]])
+    reads_before = counted.reads
+    await bus.publish("t", [*first, delta, *later[len(first) :]])
     served = await asyncio.wait_for(following, 10)
-    assert [f.type == "delta" for f in served[1:]] == [False, True] + [False] * (len(later) - 1)
+    # one store read per commit announced, not one per fact (each costs every follower)
+    assert counted.reads - reads_before <= len({f.seq for f in later})
+    shape = [False] * len(first) + [True] + [False] * (len(later) - len(first))
+    assert [f.type == "delta" for f in served[1:]] == shape
     assert [f.event for f in served[1:] if f.type != "delta"] == later
 
 
@@ -383,3 +396,15 @@ async def test_a_follower_ends_at_the_rest_of_the_run_it_loaded_not_a_later_one(
 
 async def _all(stream) -> list[Frame]:
     return [frame async for frame in stream]
+
+
+class _ReadsCounted:
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner, self.reads = inner, 0
+
+    async def read(self, thread, after_seq=0):
+        self.reads += 1
+        return await self.inner.read(thread, after_seq)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
