@@ -131,7 +131,10 @@ class ControlHosting:
             landed.cancel()
         if not (drive.engine.end_landed.is_set() or drive.task.done()):
             return False
-        frontier = await self.store.load(thread)
+        try:
+            frontier = await self.store.load(thread)
+        except Exception:  # the store out: the caller was told, and hears "signalled"
+            return False
         if frontier.run_id not in {r for r in (run, drive.run_id) if r}:
             return False
         state = frontier.run_state
