@@ -79,6 +79,8 @@ class WaveDispatcher:
         self._watch: asyncio.Task[None] | None = None
         self._up: set[Any] = set()
         """Executors that answered a ping: only those are taken for hung when they miss."""
+        self._learning: dict[Any, asyncio.Future[Any]] = {}
+        """Executors not known up, and the ping that will say so when it is answered."""
         self.sent = {"waves": 0, "calls": 0}
         """Counters for ``RunHost.info``: waves / calls is the coalescing achieved."""
         self.restarted = 0
@@ -167,22 +169,28 @@ class WaveDispatcher:
     async def _watch_executors(self) -> None:
         """While calls are out: ping each executor that has had one out for a lease; one
         that answered before and now misses ``HUNG_STRIKES`` pings in a row is killed, for
-        Ray to restart. An executor is pinged at once when it is first sent a call, to learn
-        that it is up: one that never answered yet (Ray still creating or restarting it,
-        or a pool waiting for its resources) holds its calls queued, which is no hang."""
+        Ray to restart. An executor is pinged as soon as it is sent a call, to learn that it
+        is up (one ping in flight, however long it waits): one that never answered yet (Ray
+        still creating or restarting it, or a pool waiting for its resources) holds its
+        calls queued, which is no hang."""
         period = self.pools.spec.lease_ttl_s
         loop = asyncio.get_running_loop()
         strikes: dict[Any, int] = {}
         while self._calls:
+            for executor, pinged in list(self._learning.items()):
+                if pinged.done():  # answered (it is up), or failed (asked again if still out)
+                    del self._learning[executor]
+                    if not pinged.cancelled() and pinged.exception() is None:
+                        self._up.add(executor)
             now = loop.time()
             out = {ex for ex, _ in self._calls.values()}
-            learn = [ex for ex in out if ex not in self._up]
+            for executor in out - self._up - self._learning.keys():  # one ping in flight each
+                self._learning[executor] = asyncio.ensure_future(_pinged(executor))
             stale = {ex for ex, sent in self._calls.values() if now - sent >= period}
             due = [ex for ex in stale if ex in self._up]
-            answers = await asyncio.gather(*(_answers(ex) for ex in (*learn, *due)))
+            answers = await asyncio.gather(*(_answers(ex) for ex in due))
             self.watched += 1
-            self._up.update(ex for ex, ok in zip(learn, answers, strict=False) if ok)
-            missed = [ex for ex, ok in zip(due, answers[len(learn) :], strict=True) if not ok]
+            missed = [ex for ex, ok in zip(due, answers, strict=True) if not ok]
             strikes = {ex: strikes.get(ex, 0) + 1 for ex in missed}  # in a row: others reset
             for executor in [ex for ex, n in strikes.items() if n >= HUNG_STRIKES]:
                 del strikes[executor]
@@ -230,6 +238,10 @@ class RayToolRunner:
     def _resources(self, tool_id: str) -> Mapping[str, float]:
         tool: Tool | None = self.agent.deployed_tool(tool_id)
         return tool.resources if tool is not None else {}
+
+
+async def _pinged(executor: Any) -> Any:
+    return await executor.ping.remote()
 
 
 async def _answers(executor: Any) -> bool:
