@@ -307,13 +307,7 @@ class Drives:
             drive = self.table.get(thread)
             if drive is None or drive.epoch is not None:
                 return drive
-            claim = asyncio.ensure_future(drive.holding.claimed.wait())
-            try:
-                await asyncio.wait(
-                    {drive.task, claim}, timeout=STOP_S, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                claim.cancel()
+            await over_or(drive, drive.holding.claimed, STOP_S)
             if self.table.get(thread) is drive and drive.epoch is None:
                 return drive  # slow to claim (the store out): it can be told meanwhile
         return self.table.get(thread)
@@ -364,6 +358,17 @@ def rested(task: asyncio.Task[Any]) -> AtRest | None:
 
 FOLLOWED: tuple[type[RatchetError], ...] = (Fenced, RunEnded, StoreUnavailable)
 """A child's drive that ended so is settled by another (an owner, or this host again)."""
+
+
+async def over_or(drive: Drive, event: asyncio.Event, timeout_s: float) -> None:
+    """Wait until ``drive`` is over or ``event`` is set, at most ``timeout_s``."""
+    waiting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait(
+            {drive.task, waiting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        waiting.cancel()
 
 
 def drove(task: asyncio.Task[Any]) -> Frontier | None:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from actors.drives import Drive, Drives
+from actors.drives import Drive, Drives, over_or
 from actors.wire import SystemSpec, remote_error
 from runtime.commit import Frontier
 from runtime.control import control_engine
@@ -122,13 +122,7 @@ class ControlHosting:
     ) -> bool:
         """Whether ``drive`` ended the Run with ``cause`` within ``SIGNAL_WAIT_S``: its end
         landed (not waiting for its children's cancels after it), and the store says so."""
-        landed = asyncio.ensure_future(drive.engine.end_landed.wait())
-        try:
-            await asyncio.wait(
-                {drive.task, landed}, timeout=SIGNAL_WAIT_S, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            landed.cancel()
+        await over_or(drive, drive.engine.end_landed, SIGNAL_WAIT_S)
         if not (drive.engine.end_landed.is_set() or drive.task.done()):
             return False
         try:

@@ -59,7 +59,7 @@ class Orphans:
                 return await self._end_if_orphaned(thread, children[thread])
             except RatchetError as exc:  # moved meanwhile, corrupt, store out: next look
                 log.info("looking at the parent of %s: %s", thread, exc)
-            except Exception:
+            except Exception:  # a host gone or slow: the child stays at rest, looked at again
                 log.exception("looking at the parent of %s failed", thread)
             return False
 
