@@ -282,6 +282,7 @@ def tool(
     declared: WaitKind | None = "permission" if needs_permission else wait
 
     def build(f: Callable[..., Any]) -> Tool:
+        _check_seconds(name or f.__name__, "wait_deadline_s", wait_deadline_s)
         built = _build_tool(
             f, name or f.__name__, tuple(recovery), concurrency, dict(resources or {}), timeout_s
         )
@@ -305,15 +306,7 @@ def _build_tool(
         raise ToolDefinitionError(f"tool {tool_id}: unknown or empty recovery modes {unknown}")
     if concurrency not in ("parallel", "serial"):
         raise ToolDefinitionError(f"tool {tool_id}: concurrency must be parallel or serial")
-    if timeout_s is not None and not (
-        isinstance(timeout_s, int | float)
-        and not isinstance(timeout_s, bool)
-        and math.isfinite(timeout_s)
-        and timeout_s > 0
-    ):
-        raise ToolDefinitionError(
-            f"tool {tool_id}: timeout_s must be a positive finite number or None, not {timeout_s!r}"
-        )
+    _check_seconds(tool_id, "timeout_s", timeout_s)
     fields, context_param = _signature_fields(fn, tool_id)
     # no NaN or infinity: no JSON holds one (a "nan" text would pass a float parameter)
     config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -329,6 +322,21 @@ def _build_tool(
         timeout_s=timeout_s,
         description=inspect.getdoc(fn) or "",
     )
+
+
+def _check_seconds(tool_id: str, option: str, value: float | None) -> None:
+    """Refused when the tool is built, not when a call first meets it: NaN never
+    compares, infinity cannot be stored as a deadline (None is "no bound"), and zero or
+    less has passed before anything could run."""
+    if value is not None and not (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        raise ToolDefinitionError(
+            f"tool {tool_id}: {option} must be a positive finite number or None, not {value!r}"
+        )
 
 
 def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, Any], str | None]:

@@ -247,6 +247,9 @@ def test_settings_that_cannot_work_are_refused_when_built():
     for timeout in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ToolDefinitionError, match="timeout_s"):
             tool(timeout_s=timeout)(lambda: "x")
+        # a wait deadline that can never be met (or never stored) fails at import, not at a resume
+        with pytest.raises(ToolDefinitionError, match="wait_deadline_s"):
+            tool(needs_permission=True, wait_deadline_s=timeout)(lambda: "x")
 
 
 class _Flight(BaseModel):
