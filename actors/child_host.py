@@ -21,11 +21,12 @@ from runtime.delegation import (
 )
 from runtime.engine import Engine
 from runtime.errors import RatchetError, StoreUnavailable
-from runtime.ids import ThreadId
+from runtime.ids import RunId, ThreadId
 from runtime.patience import patiently
 from runtime.ports import CommitStore
 
 UNTRUSTED = "child {} cannot be trusted: its records did not verify on this host"
+NOT_STARTED = "child {}'s start did not land (the store was out): the parent asks again"
 OTHER_RUN = "the child's thread {} holds another run ({}), not this call's child"
 
 
@@ -65,7 +66,7 @@ class ChildHosting:
             await asyncio.wait({drive.task})
             frontier = drove(drive.task)
             if frontier is None or not at_rest(frontier):
-                frontier = await self._untilat_rest(thread)
+                frontier = await self._untilat_rest(thread, request.child_run)
             if frontier is None:
                 return failed_delegation(UNTRUSTED.format(thread))
             if frontier.run_id != request.child_run:  # never another Run's answer as its own
@@ -78,9 +79,14 @@ class ChildHosting:
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return remote_error(exc)
 
-    async def _untilat_rest(self, thread: ThreadId) -> Frontier | None:
+    async def _untilat_rest(self, thread: ThreadId, run: RunId) -> Frontier | None:
         """Another owner drives the child (or will recover it): follow the store. None
-        once this host has quarantined the child (no engine here drives it again)."""
+        once this host has quarantined the child (no engine here drives it again).
+
+        A start that gave up before its activation landed (the store out longer than
+        the engine's patience) leaves a thread with no Run, which nobody owns and so
+        nobody recovers: that is the parent's to ask again (StoreUnavailable pauses its
+        drive, and its recovery delegates the same child again)."""
         delay = 0.02
         while thread not in self.drives.quarantined:
             # a passing outage is waited out here: told to the parent, it would cost the
@@ -88,6 +94,9 @@ class ChildHosting:
             frontier = await patiently(lambda: self.store.load(thread))
             if at_rest(frontier):
                 return frontier
+            drive = self.drives.get(thread)
+            if frontier.run_id != run and (drive is None or drive.task.done()):
+                raise StoreUnavailable(NOT_STARTED.format(thread))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         return None

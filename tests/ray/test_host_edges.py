@@ -15,11 +15,14 @@ from sqlalchemy import select, update
 
 from actors.drives import Drive, Drives, Holding
 from actors.reconcile import Reconciler
+from actors.retiring import Admission
+from actors.run_host import RunHost
 from actors.store_actor import RemoteCommitStore, store_actor
 from actors.wire import SystemSpec, host_index, unwrap
 from cluster.client import Ratchet, command_for
 from runtime.agent import Agent
-from runtime.delegation import child_ids
+from runtime.context import StoreRetry
+from runtime.delegation import ChildRequest, child_ids
 from runtime.engine import Engine
 from runtime.errors import ResumeRejected, StoreUnavailable
 from runtime.faults import Crash, FaultPlan
@@ -279,3 +282,78 @@ async def test_a_drive_spawned_while_the_host_reconciles_is_not_marked_lost_unde
     frontier = await store.load(thread)
     assert frontier.status.state == "running"  # not marked lost over the new drive
     assert frontier.epoch == drives.get(thread).epoch and recovered == []
+
+
+class _AppendsOut:
+    """Appends fail while ``out`` (loads answer): the store came back for readers first."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner, self.out = inner, True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def append(self, *args: object, **kwargs: object) -> object:
+        if self.out:
+            raise StoreUnavailable("down")
+        return await self.inner.append(*args, **kwargs)
+
+
+def _child_host(store: object, owner: str, agent: Agent) -> RunHost:
+    """A RunHost's delegation side alone: its drives run ``agent`` on ``store``."""
+    host = object.__new__(RunHost)
+    host.spec = SystemSpec(name="edge", store_url="memory://")
+    host.store, host.owner, host.kind = store, owner, "hosted"
+    host.publisher = host.children = None
+    host._background = set()
+    host.admission = Admission()
+    host.drives = _drives(store, owner)  # type: ignore[arg-type]
+    retry = StoreRetry(give_up_after_s=0.2)
+
+    def engine(ref: str, faults: object, link: object, holding: Holding) -> Engine:
+        tools = LocalToolRunner(())
+        return Engine(agent, holding, tools, owner=owner, parent=link, store_retry=retry)
+
+    async def loaded(ref: str) -> None:
+        return None
+
+    host.drives.engine = engine  # type: ignore[method-assign]
+    host.drives.loaded = loaded  # type: ignore[method-assign]
+    return host
+
+
+async def test_a_child_whose_start_never_landed_sends_its_parent_to_ask_again():
+    """The child's start gave up before its activation landed (the store out longer than
+    the engine's patience) and the store came back: the thread holds no Run, nobody owns
+    it, so nobody would ever drive it. Following it waited for ever, and the parent's
+    delegating call with it; the parent is told StoreUnavailable and asks again."""
+    store = _AppendsOut(MemoryCommitStore())
+    child = Agent(name="child", model=ScriptedModel((ModelResponse(text="done"),)))
+    host = _child_host(store, "edge-host#3", child)
+    request = ChildRequest(
+        parent_thread=ThreadId("p"), parent_run=RunId("pr"), call_id=CallId("c1"),
+        agent="x:child", input="hi", child_thread=ThreadId("p/c1@pr"), child_run=RunId("pr/c1"),
+        prompt_path=("parent", "child"), lineage=("x:parent", "x:child"),
+    )  # fmt: skip
+    answer = asyncio.ensure_future(host.run_child(request.model_dump(mode="json")))
+    gave_up = lambda: _true(request.child_thread in host.drives.paused)  # noqa: E731
+    await wait_for(gave_up, 10, "the start gave up")
+    store.out = False
+    await Reconciler("edge-host", "edge-host#3", store, host.drives, _never).once()  # type: ignore[arg-type]
+    with pytest.raises(StoreUnavailable, match="did not land"):
+        unwrap(await asyncio.wait_for(answer, 10))
+    assert (await store.load(request.child_thread)).version == 0  # nothing was written
+    # asked again (the parent's recovery delegates the same child), it is started and
+    # answered (cancelled here: the child sees that no parent Run awaits it)
+    again = unwrap(await asyncio.wait_for(host.run_child(request.model_dump(mode="json")), 10))
+    assert again["kind"] == "finished"
+    ran = await store.load(request.child_thread)
+    assert ran.run_id == request.child_run and ran.ended
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _never(thread: ThreadId) -> bool:
+    raise AssertionError(f"nothing is ours to recover here ({thread})")
