@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from http import HTTPStatus
 from typing import Any
 
@@ -195,7 +196,8 @@ def starlette_problem(request: Request, exc: Exception) -> JSONResponse:
 def _unparsed(exc: HTTPException) -> InputRefused | None:
     """FastAPI answers a JSON body it cannot parse for any reason but its syntax with a
     bare 400 ("There was an error parsing the body"); the reason is its cause: bytes
-    that are not UTF-8, or nesting past the parser's recursion."""
+    that are not UTF-8, nesting past the parser's recursion, or an integer longer than
+    Python converts (``sys.get_int_max_str_digits``, a plain ValueError)."""
     if exc.status_code != 400:
         return None
     cause = exc.__cause__
@@ -203,6 +205,9 @@ def _unparsed(exc: HTTPException) -> InputRefused | None:
         return InputRefused("request body", "utf8", f"not UTF-8: {cause.reason}")
     if isinstance(cause, RecursionError):
         return InputRefused("request body", "json_depth", "JSON nested too deep to parse")
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        digits = sys.get_int_max_str_digits()  # not the cause's text: it advises a setting
+        return InputRefused("request body", "type", f"an integer of over {digits} digits")
     return None
 
 

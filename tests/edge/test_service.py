@@ -331,6 +331,9 @@ def test_bodies_the_parser_cannot_read_are_422_naming_the_rule(http):
     deep = b'{"agent": "x", "input": "y", "run_id": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
     nested = http.post(f"/threads/{new_thread()}/runs", content=deep, headers=headers)
     assert problem(nested, 422, "InputRefused")["limit"] == "json_depth"
+    huge = b'{"agent": "x", "input": "y", "run_id": ' + b"1" * 5_000 + b"}"
+    long_int = http.post(f"/threads/{new_thread()}/runs", content=huge, headers=headers)
+    assert problem(long_int, 422, "InputRefused")["limit"] == "type"  # past 4,300 digits
     ascii_input = {"agent": QUICK, "input": "x" * (DEFAULT_LIMITS.input_bytes + 1)}
     too_long = http.post(f"/threads/{new_thread()}/runs", json=ascii_input)
     assert problem(too_long, 413, "InputRefused")["limit"] == "input_bytes"  # as for "é" * n
