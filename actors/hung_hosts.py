@@ -49,8 +49,14 @@ class HungHosts:
         for i in range(self.spec.hosts):
             name = self.spec.host_name(i)
             if name not in self.kinds and exists(name):
-                self.leases[name] = now + self.spec.lease_ttl_s
-                self.kinds[name] = "hosted"
+                self._expect(name, "hosted", now)
+
+    def _expect(self, name: str, kind: str, now: float) -> None:
+        """A host not heard from yet gets a lease from ``now``: one still silent when it
+        runs out is lost (a dedicated one that does not answer then is ended, as is one
+        that hung after its heartbeats), one that comes up renews it by its heartbeat."""
+        self.leases[name] = now + self.spec.lease_ttl_s
+        self.kinds[name] = kind
 
     async def _restart_hung(self, now: float) -> None:
         """A host lost by its lease that stays silent a lease longer is hung (stopped, its

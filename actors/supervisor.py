@@ -382,8 +382,11 @@ class Supervisor(HungHosts):
             await asyncio.wait_for(host.ping.remote(), PING_TIMEOUT_S)
         except Exception as exc:  # the Run stays as committed, for the next sweep
             log.info("host %s not answering (%r); %s waits for the next sweep", name, exc, thread)
-            if meta.placement == "dedicated" and self._was_lost(name):
-                self._end_lost_dedicated(name, host)
+            if meta.placement == "dedicated":
+                if self._was_lost(name):
+                    self._end_lost_dedicated(name, host)
+                elif name not in self.kinds:  # never heard from: hung before this Supervisor
+                    self._expect(name, "dedicated", time.monotonic())
             return
         self._recovering[name] += 1
         try:

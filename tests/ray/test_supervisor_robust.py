@@ -352,3 +352,57 @@ async def test_a_failed_recovery_is_tried_again_only_after_a_while():
     assert thread not in reconciler.retry
     still = await store.load_head(thread)
     assert isinstance(still.run_state, RunningState) and still.version == marked.version
+
+
+async def test_a_hung_dedicated_host_this_supervisor_never_heard_from_is_ended(monkeypatch):
+    """A Run's dedicated host hangs (SIGSTOP) while the Supervisor does not know it (it
+    restarted, or the host never sent it a heartbeat): the Run was re-placed on that
+    hung host at every sweep for ever, as only a host whose lease ran out was ended,
+    and this Supervisor never granted it one. Now the first host that does not answer
+    gets a lease then, and is ended when it runs out."""
+    import importlib
+    from collections import Counter
+
+    from actors.wire import RunMeta, SystemSpec
+    from runtime.engine import Engine
+    from runtime.ids import RunId, ThreadId
+    from runtime.tools import LocalToolRunner
+
+    class _Hung:
+        class ping:
+            @staticmethod
+            def remote() -> Any:
+                return asyncio.get_running_loop().create_future()
+
+    sup = importlib.import_module("actors.supervisor")  # the package names its function so
+    killed: list[Any] = []
+    hung = _Hung()
+    monkeypatch.setattr(sup, "PING_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(sup, "dedicated_host", lambda spec, thread, extra=None: hung)
+    monkeypatch.setattr(sup.ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    store = MemoryCommitStore()
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
+    run, thread = RunId("r1"), ThreadId("hung-unknown")
+    engine = Engine(
+        agent,
+        store,
+        LocalToolRunner([]),
+        owner="sys:dedicated:abc#1",
+        faults=FaultPlan(crash_at=("after:activation", 1)),
+    )
+    with pytest.raises(Crash):  # started, then its host hung: running, driven by nobody
+        await engine.start(
+            thread, "go", run_id=run, message_id=RunMeta("m:a", "dedicated").message_id(run)
+        )
+    bare = object.__new__(sup.Supervisor)  # a Supervisor just restarted: no leases, no kinds
+    bare.spec = SystemSpec(name="sys", store_url="memory://", lease_ttl_s=0.05)
+    bare.store, bare.owner = store, bare.spec.supervisor_name
+    bare.leases, bare.kinds, bare._silent = {}, {}, {}
+    bare._recovering, bare.counts = Counter(), Counter()
+
+    async def ended_once_its_lease_ran_out() -> bool:
+        await bare._replace(await store.load(thread))
+        return bool(killed)
+
+    await wait_for(ended_once_its_lease_ran_out, 10, "the hung dedicated host to be ended")
+    assert killed == [hung]
