@@ -35,11 +35,10 @@ from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
 from runtime.ids import ThreadId
-from runtime.lifecycle import EndedState, StatusState
+from runtime.lifecycle import EndedState, StatusState, check_payload
 from runtime.limits import check_id, check_reason
 from runtime.patience import patiently
 from runtime.ports import RunSummary
-from runtime.resume import check_payload
 
 router = APIRouter()
 log = logging.getLogger("ratchet.edge")

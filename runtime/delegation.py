@@ -31,8 +31,9 @@ from runtime.lifecycle import (
     ResumeTicket,
     ToolWaitTarget,
     answer,
+    check_payload,
 )
-from runtime.limits import DEFAULT_LIMITS, Limits, check_text
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import AssistantMessage
 from runtime.ports import CommitStore, Finished, Lost
 from runtime.state import Command
@@ -239,8 +240,9 @@ def delivery(
 ) -> ResumeCommand | None:
     """The resume that hands an ended child's outcome to a parent awaiting exactly it.
     An answer its parent's call cannot hold (over ``tool_result_bytes``, as a child's
-    model may write) is handed as the error the running path's admission makes of it:
-    a resume the host refuses would leave the parent awaiting for ever."""
+    model may write, or a resume payload over ``resume_payload_bytes``) is handed as
+    the error the running path's admission makes of it: a resume the host refuses
+    would leave the parent awaiting for ever."""
     link = child.state["run"].get(PARENT_KEY)
     state = parent.run_state
     if link is None or not child.ended or not isinstance(state, AwaitingState):
@@ -258,13 +260,12 @@ def delivery(
         return None
     outcome = outcome_of(child)
     assert isinstance(outcome, Finished)
-    try:
-        check_text(
-            "tool result", outcome.output.content, limits.tool_result_bytes, "tool_result_bytes"
-        )
+    payload = DelegationOutcome(output=outcome.output)
+    try:  # by the rule the host's resume applies (its own limit on a payload too)
+        check_payload(payload, limits)
     except InputRefused as exc:
-        outcome = Finished.refused(exc)
-    return answer(state.ticket, DelegationOutcome(output=outcome.output))
+        payload = DelegationOutcome(output=Finished.refused(exc).output)
+    return answer(state.ticket, payload)
 
 
 CHILD_OUTCOME: TypeAdapter[Finished | Lost | ChildWaiting] = TypeAdapter(

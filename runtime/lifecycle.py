@@ -10,6 +10,7 @@ from runtime.base import Frozen
 from runtime.batch import ToolOutput, WaitKind
 from runtime.errors import ResumeRejected
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
+from runtime.limits import Limits, check_json_value, check_text
 
 # ---- end causes -----------------------------------------------------------------------
 
@@ -257,3 +258,19 @@ def answer(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:
         payload=payload,
         call_id=target.call_id if isinstance(target, ToolWaitTarget) else None,
     )
+
+
+def check_payload(payload: ResumePayload, limits: Limits) -> None:
+    """A resume payload within the limits (InputRefused otherwise)."""
+    check_json_value(
+        "resume payload",
+        payload.model_dump(mode="python"),
+        limits.resume_payload_bytes,
+        "resume_payload_bytes",
+        limits,
+    )
+    if isinstance(payload, UserInput):
+        check_text("user input", payload.text, limits.input_bytes, "input_bytes")
+    elif isinstance(payload, ExternalResult | DelegationOutcome):
+        content = payload.output.content
+        check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")

@@ -32,14 +32,14 @@ from runtime.lifecycle import (
     PauseTarget,
     PermissionDecision,
     ResumeCommand,
-    ResumePayload,
     ResumeTicket,
     ToolWaitTarget,
     UserInput,
     UserInputTarget,
+    check_payload,
     validate_resume,
 )
-from runtime.limits import Limits, check_id, check_json_value, check_text
+from runtime.limits import Limits, check_id
 from runtime.messages import Message, UserMessage
 from runtime.ports import Finished
 from runtime.session import human_answer
@@ -60,22 +60,6 @@ def check_command(command: ResumeCommand, limits: Limits) -> None:
     if command.request_id is not None:
         check_id("request id", command.request_id, limits)
     check_payload(command.payload, limits)
-
-
-def check_payload(payload: ResumePayload, limits: Limits) -> None:
-    """A resume payload within the limits (InputRefused otherwise)."""
-    check_json_value(
-        "resume payload",
-        payload.model_dump(mode="python"),
-        limits.resume_payload_bytes,
-        "resume_payload_bytes",
-        limits,
-    )
-    if isinstance(payload, UserInput):
-        check_text("user input", payload.text, limits.input_bytes, "input_bytes")
-    elif isinstance(payload, ExternalResult | DelegationOutcome):
-        content = payload.output.content
-        check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")
 
 
 async def await_call(

@@ -346,6 +346,35 @@ async def test_only_the_parents_own_child_answers_its_delegation():
     assert delivery(evolve(ended, thread_id=ThreadId("a-copy")), parent) is None
 
 
+async def test_a_child_answer_over_the_resume_payload_limit_is_handed_over_as_an_error(
+    monkeypatch,
+):
+    """With ``tool_result_bytes`` raised past ``resume_payload_bytes`` (a tuning), an
+    answer within the first and over the second passed ``delivery`` and was refused by
+    the host's resume for good: the parent awaited an ended child for ever. The
+    hand-over now meets the resume's own rule."""
+    import runtime.delegation
+    from runtime.batch import ToolOutput
+    from runtime.control import control_engine
+    from runtime.delegation import delivery
+    from runtime.lifecycle import Cancelled, check_payload
+    from runtime.limits import KIB, Limits
+    from runtime.ports import Finished
+
+    store = MemoryCommitStore()
+    parent = await runner(agents.lone_needy(), store).start("go", thread_id="p")
+    (kid,) = await children_of(store, parent)
+    ended = await control_engine(store, owner="test#1").terminate(kid.thread_id, Cancelled())
+    long = Finished(output=ToolOutput(content="x" * (80 * KIB)))
+    monkeypatch.setattr(runtime.delegation, "outcome_of", lambda child: long)
+    limits = Limits(tool_result_bytes=96 * KIB)  # resume_payload_bytes left at 64 KiB
+    command = delivery(ended, parent, limits)
+    assert command is not None
+    check_payload(command.payload, limits)  # what the parent's host checks: it holds
+    assert command.payload.output.is_error
+    assert "resume_payload_bytes" in command.payload.output.content
+
+
 async def test_a_child_whose_parent_ended_without_cancelling_it_ends_at_its_next_step():
     """The parent's end cancels its open children; a host killed between the two leaves
     them running (here: the parent ended at rest by a writer that cancels nothing). A
