@@ -188,6 +188,9 @@ def whole_frontier(
     if pruned is None:
         return with_history(head, tuple(kept))
     texts = pruned.texts[:before]
+    if any(type(text) is not str for text in texts):  # a SQLite BLOB: not hashable as text
+        wrong = "a pruned message holds a value of the wrong type"
+        raise CorruptRecord(thread, head.version, wrong)
     if len(texts) < before or history_digest("", texts) != (pruned.digest or ""):
         raise CorruptRecord(thread, head.version, "the pruned history does not match its digest")
     return with_history(head, (*(_message(thread, head.version, t) for t in texts), *kept))

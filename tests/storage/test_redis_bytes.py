@@ -78,3 +78,24 @@ async def test_a_key_of_the_wrong_type_leaves_only_its_thread_out_of_a_listing(
             await read
     assert (await audit_thread(store, BAD)).problems
     assert (await store.load(GOOD)).version == 5
+
+
+async def test_invalid_utf8_in_a_pruned_history_is_that_threads_corrupt_record(
+    store: Any, backend_url: str
+) -> None:
+    """SQLite's equivalent, a BLOB there, was an AttributeError out of the digest; Redis
+    reads the entry as text (its bytes escaped), which then fails the digest."""
+    from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
+
+    for said in ("one", "two"):  # a prune keeps at least the last Run
+        agent = Agent(name="a", model=ScriptedModel([ModelResponse(text=said)]))
+        await InProcessRunner(agent, store).start(said, thread_id=BAD)
+    assert await store.prune(BAD, 2)
+    raw = await _raw(store, backend_url)
+    try:
+        await raw.lset(f"{store.prefix}:thread:{BAD}:history", 0, b"\xff\xfe")
+    finally:
+        await raw.aclose()
+    with pytest.raises(CorruptRecord, match="pruned"):
+        await store.load(BAD)
+    assert (await audit_thread(store, BAD)).problems

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
+from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import audit_thread
-from storage.schema import commits, threads
+from storage.schema import commits, pruned_messages, threads
 from storage.sql import SqlCommitStore
 
 from .test_integrity import make_victim
@@ -67,6 +68,25 @@ async def test_a_value_of_the_wrong_type_is_that_threads_corrupt_record(
     assert (await audit_thread(sqlite, BAD)).problems
     assert not (await audit_thread(sqlite, GOOD)).problems
     assert (await sqlite.load(GOOD)).version == 5
+
+
+@pytest.mark.parametrize("value", ["CAST(body AS BLOB)", "CAST(x'7b22ff' AS TEXT)"])
+async def test_a_pruned_message_of_the_wrong_type_is_that_threads_corrupt_record(
+    sqlite: SqlCommitStore, value: str
+) -> None:
+    """The pruned history is hashed for its digest: a BLOB there was an AttributeError
+    out of the load, a StoreError the edge answered 503 (as if to be tried again)."""
+    for said in ("one", "two"):  # a prune keeps at least the last Run
+        agent = Agent(name="a", model=ScriptedModel([ModelResponse(text=said)]))
+        await InProcessRunner(agent, sqlite).start(said, thread_id=BAD)
+    assert await sqlite.prune(BAD, 2)
+    edit = f"UPDATE {pruned_messages.name} SET body = {value} WHERE thread_id = :t AND idx = 0"
+    async with sqlite.engine.begin() as conn:
+        await conn.execute(text(edit), {"t": BAD})
+    sqlite._frontiers = type(sqlite._frontiers)()
+    with pytest.raises(CorruptRecord, match="pruned"):
+        await sqlite.load(BAD)
+    assert (await audit_thread(sqlite, BAD)).problems
 
 
 async def test_a_thread_id_that_is_not_utf8_is_audited_and_skipped_not_a_whole_command(
