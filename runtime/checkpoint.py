@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.ids import CallId, RunId, ThreadId
+from runtime.limits import joined
 from runtime.messages import ContextMessage, ToolUse
 from runtime.models import ModelDelta, ModelResponse
 from runtime.ports import StreamCheckpoint, StreamCheckpointStore
@@ -77,11 +78,11 @@ class PartialOutput:
 
     @property
     def text(self) -> str:
-        return "".join(self.texts)
+        return joined(self.texts)
 
     def checkpoint(self) -> StreamCheckpoint:
         calls = tuple(
-            {"call_id": call_id, "tool": call["tool"], "arguments": "".join(call["arguments"])}
+            {"call_id": call_id, "tool": call["tool"], "arguments": joined(call["arguments"])}
             for call_id, call in self.calls.items()
         )
         return StreamCheckpoint(

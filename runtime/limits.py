@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -120,6 +120,20 @@ def utf8_problem(text: str) -> str | None:
     except UnicodeEncodeError as exc:
         return f"not valid Unicode text (an unpaired surrogate at character {exc.start})"
     return None
+
+
+_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def joined(fragments: Iterable[str]) -> str:
+    """Streamed fragments as one text. A provider may cut a character outside the BMP
+    between two chunks, each JSON-escaped alone (``"\\ud83d"`` then ``"\\ude00"``):
+    the halves, adjacent once joined, are made the one character they encode. A half
+    with no partner is left as it is, for ``utf8_problem`` to refuse."""
+    text = "".join(fragments)
+    if text.isascii() or utf8_problem(text) is None:
+        return text
+    return _PAIR.sub(lambda m: m[0].encode("utf-16-le", "surrogatepass").decode("utf-16-le"), text)
 
 
 def _utf8_len(text: str) -> int:

@@ -34,6 +34,7 @@ from runtime.base import Frozen
 from runtime.events import Delta, Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import ThreadStatus
+from runtime.limits import joined
 from runtime.patience import patiently
 from runtime.ports import BusEvent, CommitStore, LiveBus
 from runtime.rules import stamp_facts
@@ -327,4 +328,5 @@ class LiveText:
         self._parts[key] = (delta.attempt, text + delta.text)
 
     def text(self, run_id: str, step: int) -> str:
-        return self._parts.get((run_id, step), (0, ""))[1]
+        # the halves of a character cut between two deltas, made one (runtime.limits.joined)
+        return joined((self._parts.get((run_id, step), (0, ""))[1],))

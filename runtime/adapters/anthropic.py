@@ -44,6 +44,7 @@ from runtime.adapters.names import wire_name
 from runtime.adapters.usage import Usage, log, model_name
 from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
+from runtime.limits import joined
 from runtime.messages import (
     AssistantMessage,
     ContextMessage,
@@ -289,11 +290,11 @@ class MessagesFold:
             ToolUse(
                 call_id=CallId(use.id),
                 tool=use.name,
-                arguments="".join(use.arguments) or use.started_with or "{}",
+                arguments=joined(use.arguments) or use.started_with or "{}",
             )
             for _, use in sorted(self.uses.items())
         )
-        return ModelResponse(text="".join(self.text), tool_calls=uses, usage=self.usage)
+        return ModelResponse(text=joined(self.text), tool_calls=uses, usage=self.usage)
 
     @property
     def usage(self) -> Usage | None:

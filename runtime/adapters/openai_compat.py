@@ -42,6 +42,7 @@ from runtime.adapters.names import wire_id, wire_name
 from runtime.adapters.usage import Usage, log, model_name, token_count
 from runtime.errors import ModelUnavailable
 from runtime.ids import CallId
+from runtime.limits import joined
 from runtime.messages import (
     AssistantMessage,
     ContextMessage,
@@ -311,11 +312,11 @@ class ChatFold:
                 call_id=CallId(call.id or f"call_{index}"),
                 tool=call.name,
                 # no argument text at all means no arguments: the tool gets {}
-                arguments="".join(call.arguments) or "{}",
+                arguments=joined(call.arguments) or "{}",
             )
             for index, call in sorted(self.calls.items())
         )
-        return ModelResponse(text="".join(self.text), tool_calls=uses, usage=self.usage)
+        return ModelResponse(text=joined(self.text), tool_calls=uses, usage=self.usage)
 
 
 def usage_of(chunk: ChatCompletionChunk) -> Usage | None:

@@ -21,7 +21,10 @@ from runtime import (
 from runtime.adapters import AnthropicModel
 from runtime.adapters.anthropic import usage_of
 from runtime.adapters.usage import Usage
+from runtime.errors import InputRefused
 from runtime.ids import CallId
+from runtime.inference import admit_response
+from runtime.limits import DEFAULT_LIMITS
 from runtime.messages import ContextMessage
 
 from .conftest import API_KEY
@@ -194,6 +197,22 @@ async def test_text_and_tool_use_stream_as_deltas_then_one_response(provider, ma
     ]
     assert response.text == "Let me add."
     assert response.tool_calls == (use("toolu_1", '{"a": 1, "b": 2}'), use("toolu_2", "{}"))
+
+
+async def test_the_halves_of_a_character_cut_between_fragments_join(provider, make):
+    """As the answer's text does (test_end_to_end): a half with no partner stays one,
+    which the response's admission refuses, as before."""
+    provider.reply(
+        anthropic_stream(
+            text_block(0, "half \ud83d"),
+            tool_use_block(1, "toolu_1", "add", '{"a": "\ud83d', '\ude00"}'),
+            stop_reason="tool_use",
+        )
+    )
+    _, response = await collect(make(), request())
+    assert response.tool_calls == (use("toolu_1", '{"a": "\U0001f600"}'),)
+    with pytest.raises(InputRefused, match="utf8"):
+        admit_response(response, DEFAULT_LIMITS)
 
 
 async def test_thinking_streams_as_reasoning(provider, make):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from runtime import Agent, EndedState, InProcessRunner, ToolResultMessage, answer, tool
 from runtime.adapters import AnthropicModel, OpenAICompatible
 from runtime.lifecycle import Unpause
@@ -186,3 +188,23 @@ async def test_a_stream_held_open_by_keepalives_fails_its_attempt_past_the_deadl
         cause = f.run_state.cause
         assert (cause.kind, cause.failure, cause.code) == ("failed", "inference", "timeout")
         assert "inference_timeout_s" in cause.message
+
+
+@pytest.mark.parametrize("provider_kind", ["openai", "anthropic"])
+async def test_a_character_cut_between_two_chunks_is_one_character_in_the_answer(
+    provider, closing, provider_kind
+):
+    """A gateway may cut an emoji between two chunks, each JSON-escaped alone: each half
+    parses as a lone surrogate, which no store can hold, so the joined answer failed
+    its attempt, and the Run with it; joined, the halves are the one character again."""
+    halves = ("smile \ud83d", "\ude00 ok")
+    if provider_kind == "openai":
+        provider.reply(openai_text(*halves))
+        model = OpenAICompatible("gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY)
+    else:
+        provider.reply(anthropic_stream(text_block(0, *halves)))
+        model = AnthropicModel("claude-test", base_url=provider.url, api_key=API_KEY)
+    agent = Agent(name="a", model=closing(model), inference_attempts=1)
+    frontier = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
+    assert frontier.run_state.cause.kind == "natural", frontier.run_state
+    assert frontier.messages[-1].text == "smile \U0001f600 ok"

@@ -24,7 +24,10 @@ from runtime import (
 from runtime.adapters import OpenAICompatible
 from runtime.adapters.openai_compat import PLACEHOLDER_KEY, usage_of
 from runtime.adapters.usage import Usage
+from runtime.errors import InputRefused
 from runtime.ids import CallId
+from runtime.inference import admit_response
+from runtime.limits import DEFAULT_LIMITS
 from runtime.messages import ContextMessage
 
 from .conftest import API_KEY
@@ -175,6 +178,24 @@ async def test_tool_call_fragments_group_by_call_and_come_back_in_index_order(pr
         ToolUse(call_id=CallId("call_first"), tool="add", arguments='{"a": 1, "b": 2}'),
         ToolUse(call_id=CallId("call_second"), tool="add", arguments='{"a": 10, "b": 20}'),
     )
+
+
+async def test_the_halves_of_a_character_cut_between_fragments_join(provider, make):
+    """As the answer's text does (test_end_to_end): a half with no partner stays one,
+    which the response's admission refuses, as before."""
+    provider.reply(
+        openai_stream(
+            openai_chunk({"content": "half \ud83d"}),
+            openai_call_start(0, "call_1", "add"),
+            openai_call_args(0, '{"a": "\ud83d'),
+            openai_call_args(0, '\ude00"}'),
+            finish_reason="tool_calls",
+        )
+    )
+    _, response = await collect(make(), request())
+    assert response.tool_calls[0].arguments == '{"a": "\U0001f600"}'
+    with pytest.raises(InputRefused, match="utf8"):
+        admit_response(response, DEFAULT_LIMITS)
 
 
 async def test_reasoning_of_a_compatible_server_streams_as_reasoning_deltas(provider, make):

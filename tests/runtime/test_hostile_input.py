@@ -40,7 +40,7 @@ from runtime import (
 from runtime.base import canonical_json
 from runtime.commit import Frontier
 from runtime.lifecycle import DelegationOutcome, ScheduledFire, Unpause
-from runtime.limits import check_id, json_depth, stored_size, utf8_problem
+from runtime.limits import check_id, joined, json_depth, stored_size, utf8_problem
 from runtime.rules import replay
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore
@@ -200,6 +200,19 @@ def test_fuzzed_answer_text_is_committed_or_fails_the_inference(deltas, text):
         assert cause(frontier) == ("failed", "inference", "model_text_bytes")
     else:
         assert cause(frontier) == ("natural",) and frontier.messages[-1].text == text
+
+
+@given(parts=st.lists(hostile_text, max_size=4))
+def test_joined_fragments_pair_every_adjacent_half_and_keep_their_code_units(parts):
+    """``joined`` (a stream's fragments as one text) changes no UTF-16 code unit: it
+    only makes adjacent halves of a pair the character they encode; a half left alone
+    has no partner beside it, and stays for ``utf8_problem`` to refuse."""
+    text = joined(parts)
+    as_utf16 = "".join(parts).encode("utf-16-le", "surrogatepass")
+    assert text.encode("utf-16-le", "surrogatepass") == as_utf16
+    assert not re.search("[\ud800-\udbff][\udc00-\udfff]", text)
+    if utf8_problem("".join(parts)) is None:
+        assert text == "".join(parts)
 
 
 def expected_error(use: ToolUse, limits: Limits) -> str | None:

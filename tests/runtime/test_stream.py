@@ -173,6 +173,9 @@ def test_retried_inference_replaces_partial_text():
     text.add(Delta(type="text_delta", run_id=run, step=0, attempt=1, text="lo"))  # late
     text.add(Delta(type="text_delta", run_id=run, step=0, attempt=2, text=" world"))
     assert text.text("r", 0) == "Hello world"
+    text.add(Delta(type="text_delta", run_id=run, step=1, attempt=1, text="smile \ud83d"))
+    text.add(Delta(type="text_delta", run_id=run, step=1, attempt=1, text="\ude00"))
+    assert text.text("r", 1) == "smile \U0001f600"  # an emoji cut between two deltas
 
 
 def test_a_malformed_offset_is_a_clear_error():

@@ -92,6 +92,24 @@ async def test_complete_tool_calls_are_used_without_asking_the_model_again():
     assert await cps.get("t") is None  # deleted once the Step committed
 
 
+async def test_a_character_cut_between_deltas_is_one_character_in_the_checkpoint():
+    """The halves of a pair a provider cut between chunks (runtime.limits.joined): the
+    recovered Step commits the one character, not two halves no store can hold."""
+    f, model, _ = await run_interrupted(
+        [
+            text("smile \ud83d"),
+            text("\ude00"),
+            args("c1", '{"key": "\ud83d'),
+            args("c1", '\ude00"}'),
+        ]
+    )
+    assert model.calls == [0, 1]
+    assert f.messages[1].text == "smile \U0001f600"
+    assert [m.content for m in f.messages if isinstance(m, ToolResultMessage)] == [
+        "value of \U0001f600"
+    ]
+
+
 async def test_text_only_continues_from_it_as_request_only_context():
     f, model, _ = await run_interrupted([text("The answer "), text("is")])
     assert model.calls == [0, 0]
