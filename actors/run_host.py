@@ -30,9 +30,10 @@ import ray
 
 from actors.child_host import ChildHosting
 from actors.children import RayChildRunner
-from actors.drives import Drive, Drives, FaultSpec, rested, starting
+from actors.drives import FOLLOWED, Drive, Drives, FaultSpec, rested, starting
 from actors.heap import freeze_startup_heap
 from actors.host_control import ControlHosting
+from actors.ownership import mark_lost
 from actors.reconcile import Reconciler
 from actors.retiring import Admission, admitted
 from actors.spare import replace_spare_if_restarted
@@ -59,9 +60,11 @@ from runtime.delegation import (
 from runtime.engine import RACES
 from runtime.errors import (
     AgentImportError,
+    CorruptRecord,
     InvalidTransition,
     RatchetError,
     ResumeRejected,
+    StoreLost,
 )
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
@@ -243,15 +246,51 @@ class RunHost(ControlHosting, ChildHosting):
                     return True
             ref = agent_ref or _ref_of(frontier)
             link = parent_link(frontier)
-            self.drives.spawn(  # the frontier verified just now: not read again
+            drive = self.drives.spawn(  # the frontier verified just now: not read again
                 ref, thread, frontier.run_id, lambda e: e.recover(thread, frontier), link,
                 after=self._after,
             )  # fmt: skip
+            recovering_from = frontier.owner
+            drive.task.add_done_callback(
+                lambda task: self._recovery_ended(thread, drive, recovering_from)
+            )
             self.recovered += 1
             return True
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             self._retire_if_idle()  # a dedicated host whose stale drive was dropped
             return remote_error(exc)
+
+    def _recovery_ended(self, thread: ThreadId, drive: Drive, owner: str | None) -> None:
+        """A recovery whose drive failed before its first commit, for a reason of its own
+        (not stopped, fenced, paused by an outage, quarantined), counts towards the
+        Run's dead letter, as one that could not start does: its caller was told it
+        started, and the next pass would start it again, failing the same way, for ever."""
+        task = drive.task
+        if task.cancelled() or drive.engine.committed.is_set():
+            return
+        error = task.exception()
+        if error is None or isinstance(error, (*FOLLOWED, CorruptRecord, StoreLost)):
+            return
+        log.warning("recovering %s failed before its first commit: %r", thread, error)
+        lost_owner = self.owner if drive.epoch is not None else owner  # its claim landed?
+
+        async def count() -> None:
+            with contextlib.suppress(RatchetError):  # the store out: the next pass counts it
+                await mark_lost(
+                    self.store,
+                    thread,
+                    self.owner,
+                    lost_owner=lost_owner,
+                    reason=f"recovery_failed:{type(error).__name__}",
+                    again=True,
+                    publisher=self.publisher,
+                    children=self.children,
+                    unless=lambda: thread in self.drives,
+                )
+
+        task = asyncio.create_task(count())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @admitted
     async def resume_run(self, command: ResumeCommand, trace: dict[str, str] | None = None) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sqlite3
 import uuid
 from collections.abc import AsyncIterator
@@ -406,3 +407,53 @@ async def test_a_hung_dedicated_host_this_supervisor_never_heard_from_is_ended(m
 
     await wait_for(ended_once_its_lease_ran_out, 10, "the hung dedicated host to be ended")
     assert killed == [hung]
+
+
+async def test_a_recovery_that_fails_before_its_first_commit_counts_to_its_dead_letter():
+    """A recovery drive that dies before its first commit (here: the system's id_chars
+    was lowered below a running Run's thread id, which the engine's recovery refuses)
+    was never counted: the recovery had been "started", so each reconciliation pass
+    started another that died the same way, and the Run stayed running for ever."""
+    from actors.drives import Drives
+    from actors.reconcile import Reconciler
+    from actors.retiring import Admission
+    from actors.run_host import RunHost
+    from actors.wire import RunMeta, SystemSpec
+    from runtime.engine import Engine
+    from runtime.ids import RunId, ThreadId
+    from runtime.limits import Limits
+    from runtime.tools import LocalToolRunner
+
+    store = MemoryCommitStore()
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
+    run, thread, owner = RunId("r1"), ThreadId("t" * 200), "h#2"
+    with pytest.raises(Crash):  # the host process died after the activation landed
+        await Engine(
+            agent, store, LocalToolRunner([]), owner="h#1",
+            faults=FaultPlan(crash_at=("after:activation", 1)),
+        ).start(thread, "go", run_id=run, message_id=RunMeta("x:a").message_id(run))  # fmt: skip
+    host = object.__new__(RunHost)  # its new incarnation, under a lower id_chars
+    host.spec = SystemSpec(name="s", store_url="memory://", limits=Limits(id_chars=128))
+    host.store, host.owner, host.kind, host.recovered = store, owner, "hosted", 0
+    host.publisher = host.children = None
+    host._background, host.admission = set(), Admission()
+    host.drives = Drives(host.spec, store, owner, *[None] * 4, lambda: None)
+    host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
+        agent, holding, LocalToolRunner([]), owner=owner, limits=host.spec.limits
+    )
+
+    async def loaded(ref: str) -> None:
+        host.drives.agents.setdefault(ref, (agent, None))  # type: ignore[arg-type]
+
+    host.drives.loaded = loaded  # type: ignore[method-assign]
+    recover = functools.partial(host._recover, owner=owner)
+    reconciler = Reconciler("h", owner, store, host.drives, recover)
+
+    async def dead_lettered() -> bool:
+        await reconciler.once()
+        return (await store.load(thread)).ended
+
+    await wait_for(dead_lettered, 30, "the Run to be dead-lettered")
+    cause = (await store.load(thread)).run_state.cause
+    assert (cause.kind, cause.failure, cause.code) == ("failed", "recovery", "recovery_failed")
+    assert "InputRefused" in cause.message, cause.message
