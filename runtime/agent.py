@@ -229,13 +229,24 @@ def load_agent(ref: str) -> Agent:
     return obj
 
 
+IMPORT_WAIT_S = 60.0
+"""How long a request waits for an agent's import before hearing AgentImportError."""
+
+
 class AgentImports:
     """Agents imported in a thread, once for all who ask meanwhile: a module may list an
     MCP server's tools as it is imported (``mcp_tools``), which on an event loop would
     hold everything else on it for as long as that server takes. An import that fails
-    raises to everyone waiting for it, and is tried again by the next one to ask."""
+    raises to everyone waiting for it, and is tried again by the next one to ask.
 
-    def __init__(self) -> None:
+    An import that hangs (a server its module connects to without a timeout) is waited
+    for ``wait_s`` at most: past it, whoever asked hears AgentImportError, as for an
+    import that failed (a host's recovery counts it and tries again later), rather than
+    waiting for ever with every request queued behind it. The thread cannot be stopped;
+    the next to ask joins it, and none is started beside it."""
+
+    def __init__(self, wait_s: float = IMPORT_WAIT_S) -> None:
+        self.wait_s = wait_s
         self._loading: dict[str, asyncio.Future[Agent]] = {}
 
     async def load(self, ref: str) -> Agent:
@@ -244,4 +255,9 @@ class AgentImports:
             loading = asyncio.ensure_future(asyncio.to_thread(load_agent, ref))
             self._loading[ref] = loading
             loading.add_done_callback(lambda _: self._loading.pop(ref, None))
-        return await asyncio.shield(loading)
+        try:
+            return await asyncio.wait_for(asyncio.shield(loading), self.wait_s)
+        except TimeoutError:
+            raise AgentImportError(
+                f"importing {ref!r} has taken over {self.wait_s:g}s (still under way)"
+            ) from None

@@ -14,6 +14,7 @@ from runtime.agent import load_agent
 from runtime.errors import AgentImportError
 from runtime.stream import parse_offset
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
 NOT_TEXT = "half a pair: \udcff"
 
@@ -108,3 +109,34 @@ def test_a_stored_time_no_datetime_holds_is_shown_raw(since):
         correlation="c", run_id="r", thread_id="t", deadline_us=since, target=PauseTarget()
     )
     assert interrupt_of(ticket).expires_at is None
+
+
+async def test_an_agent_import_that_hangs_is_an_agent_import_error_after_a_while(monkeypatch):
+    """A module that connects to a server without a timeout as it is imported hung every
+    request of a host that asked for it (a restarted host's first reconciliation, and
+    every start and resume behind it). The wait is bounded; the import still under way
+    is joined by the next to ask, never started again beside it."""
+    import threading
+
+    import runtime.agent
+    from runtime.agent import AgentImports
+
+    release, started = threading.Event(), []
+
+    def hanging(ref: str) -> object:
+        started.append(ref)
+        release.wait(30)
+        return _factory()
+
+    monkeypatch.setattr(runtime.agent, "load_agent", hanging)
+    imports = AgentImports(wait_s=0.2)
+    try:
+        with pytest.raises(AgentImportError, match="still under way"):
+            await imports.load("x:hangs")
+        with pytest.raises(AgentImportError, match="still under way"):
+            await imports.load("x:hangs")
+        assert started == ["x:hangs"]  # one import, joined
+    finally:
+        release.set()
+    await until(lambda: not imports._loading)
+    assert started == ["x:hangs"]
