@@ -45,12 +45,12 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Literal
 
 import typer
-from rich.console import Console
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, thread_arg
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, run_page, run_query, run_row
 from cluster.cli_view import (
+    Terminal,
     WatchView,
     console,
     escape,
@@ -77,7 +77,7 @@ from storage.url import UnsupportedStoreUrl, open_store, redact
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Ratchet: durable agent Runs on Ray."
 )
-errors = Console(stderr=True)
+errors = Terminal(stderr=True)
 
 StoreOption = typer.Option(
     None, "--store", help="Store URL (default: RATCHET_STORE_URL or ./ratchet-data)"

@@ -20,17 +20,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import typer
-from rich.console import Console
 
 from cluster.cli_args import BadInput
-from cluster.cli_view import console
+from cluster.cli_view import Terminal, console
 from runtime.errors import CorruptRecord, InvalidTransition, StoreError, StoreUnavailable
 from runtime.ids import ThreadId
 from storage.retention import prune_point, run_logs
 
 DEFAULT_BATCH = 100
 """Threads a round: each is read whole and pruned in a transaction of its own."""
-errors = Console(stderr=True)
+errors = Terminal(stderr=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -24,14 +24,26 @@ from runtime.commit import Frontier
 from runtime.events import Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
-from runtime.limits import DEFAULT_LIMITS, history_headroom
+from runtime.limits import DEFAULT_LIMITS, history_headroom, visible
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
 from runtime.ports import CommittedRecord
 from runtime.stream import Frame
 from runtime.timeutil import utc_time
 from runtime.usage import USAGE_KEY, step_usage
 
-console = Console()
+
+class Terminal(Console):
+    """The CLI's console for people (``--json`` writes past it): every string it prints
+    is made ``visible`` first, whoever built it, so stored or streamed text — a model's
+    answer, a tool's error, a stop reason, an id — shows its control characters instead
+    of moving the cursor, erasing lines or retitling the window (a model's text could
+    hide the call it asks approval for). Rich's own styling is written after this."""
+
+    def render_str(self, text: str, **options: Any) -> Text:
+        return super().render_str(visible(text), **options)
+
+
+console = Terminal()
 
 RESUME_FLAGS = {
     "permission": "--approve or --deny",
@@ -78,7 +90,7 @@ def runs_table(rows: Sequence[Any], width: int, title: str) -> tuple[Table, int]
         else:
             table.add_column(name, overflow="fold")
     for row in rows:
-        table.add_row(*(Text(cell) for cell in _cells(row)[: len(columns)]))
+        table.add_row(*(Text(visible(cell)) for cell in _cells(row)[: len(columns)]))
     return table, max(width, _needed(columns, ids))
 
 
@@ -227,7 +239,9 @@ def print_raw(text: str) -> None:
 
 
 def escape(text: str) -> str:
-    return rich_escape(text)
+    """Stored text for a line of rich markup: shown as itself, markup and all, on any
+    console (``visible`` again on a ``Terminal`` changes nothing)."""
+    return rich_escape(visible(text))
 
 
 def print_rest(thread: str, frontier: Frontier, prefix: str = "") -> None:

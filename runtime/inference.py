@@ -31,6 +31,7 @@ from runtime.limits import (
     Limits,
     check_id,
     check_text,
+    escaped_char,
     printable,
     raised,
     said,
@@ -368,7 +369,7 @@ def _storable_id(value: str, limits: Limits) -> bool:
 def _shown(name: str, limits: Limits) -> str:
     """A tool name that cannot be stored as given, made storable (it names no tool)."""
     shown = printable(name, limits.id_chars).encode("ascii", "backslashreplace").decode()
-    shown = CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", shown)
+    shown = CONTROL_CHARS.sub(escaped_char, shown)
     return shown[: limits.id_chars] or "unnamed"
 
 

@@ -277,6 +277,25 @@ def printable(text: str, max_chars: int = 2000) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
 
 
+_UNSEEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+"""What a terminal obeys or cannot encode rather than shows: the C0 and C1 control
+characters but tab and newline (ESC opens a sequence that moves the cursor, erases a
+line or retitles the window; CR returns over a line) and unpaired surrogates."""
+
+
+def escaped_char(match: re.Match[str]) -> str:
+    """The matched character as its Python escape: ``\\x1b``, ``\\udcff``."""
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def visible(text: str) -> str:
+    """``text`` for a terminal: each character of ``_UNSEEN`` as its escape, so text
+    someone stored (a model's, a tool's, a caller's) is shown as it is and never acts on
+    the terminal showing it. Escapes are themselves visible: applying it twice is once."""
+    return _UNSEEN.sub(escaped_char, text)
+
+
 def said(exc: BaseException) -> str:
     """What ``exc`` says, made storable; an exception whose ``__str__`` raises (anything,
     SystemExit included) says so instead of raising out of the code describing it."""

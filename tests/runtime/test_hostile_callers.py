@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from cluster.cli import app
 from cluster.handle import RunHandle
+from cluster.stream import StreamText
 from runtime import Agent, InProcessRunner, InputRefused, ModelResponse, ScriptedModel
 from runtime.agent import load_agent
 from runtime.errors import AgentImportError
@@ -140,3 +141,55 @@ async def test_an_agent_import_that_hangs_is_an_agent_import_error_after_a_while
         release.set()
     await until(lambda: not imports._loading)
     assert started == ["x:hangs"]
+
+
+HOSTILE = "ok\x1b[1A\x1b[2K\r\x1b]0;pwned\x07\x9b2J"
+"""Erases the line above (the call a model asks approval for), retitles the window."""
+
+
+def test_stored_and_streamed_text_reaches_a_terminal_as_text(tmp_path, monkeypatch):
+    """A model's text, a tool's arguments, a failure's message or a streamed delta held
+    terminal control sequences, and ``show``, ``runs`` and ``watch`` sent them to the
+    terminal; each control character is shown as its escape (``--json`` is as it was)."""
+    import asyncio
+    import io
+
+    from cluster import cli_view
+    from runtime import call, tool
+    from runtime.errors import ModelRefused
+    from runtime.events import Delta
+    from runtime.stream import Frame
+    from storage.url import open_store
+
+    @tool(recovery=("replay_safe",), needs_permission=True)
+    def wire(to: str) -> str:
+        return "sent"
+
+    def refuse(request):
+        raise ModelRefused("invalid_request", HOSTILE)
+
+    store_url = f"sqlite:///{tmp_path}/esc.db"
+
+    async def fill() -> None:
+        store = await open_store(store_url)
+        asks = ModelResponse(text=HOSTILE, tool_calls=(call("wire", "c1", to=HOSTILE),))
+        for thread, script in (("asks", [asks]), ("refused", [refuse])):
+            agent = Agent(name="a", model=ScriptedModel(script), tools=[wire])
+            await InProcessRunner(agent, store).start(HOSTILE, thread_id=thread)
+        await store.close()
+
+    asyncio.run(fill())
+    shown = "\\x1b[1A\\x1b[2K\\x0d\\x1b]0;pwned\\x07\\x9b2J"
+    for args in (["show", "asks"], ["show", "refused"], ["runs"], ["watch", "refused"]):
+        result = CliRunner().invoke(app, [*args, "--store", store_url])
+        assert result.exit_code == 0, result.output
+        assert not set("\x1b\x07\r\x9b") & set(result.output), (args, result.output)
+    assert shown in result.output  # the failure's message, as watch prints its end
+    as_json = CliRunner().invoke(app, ["show", "asks", "--json", "--store", store_url])
+    assert "\\u001b[1A" in as_json.output  # JSON's own escape, left to the reader
+
+    out = io.StringIO()  # a terminal: rich's own styling is written, and must be
+    monkeypatch.setattr(cli_view, "console", cli_view.Terminal(file=out, force_terminal=True))
+    delta = Delta(type="text_delta", run_id="r", step=0, attempt=1, text=HOSTILE)
+    cli_view.WatchView(StreamText()).show(Frame(type="delta", event=delta))
+    assert shown in out.getvalue() and "\x1b]0;" not in out.getvalue()
