@@ -56,9 +56,9 @@ scheduled_agent = Agent(
 )
 
 
-@tool(needs_permission=True, wait_deadline_s=-1)
+@tool(needs_permission=True, wait_deadline_s=1e-6)
 def too_late(x: int) -> str:
-    """Its ticket's deadline has passed when it is committed."""
+    """Its ticket's deadline (a microsecond) has passed before any resume can arrive."""
     return "ran"
 
 

@@ -72,7 +72,8 @@ async def test_scheduled_action_runs_when_it_fires():
 
 
 async def test_wait_deadline_rejects_a_late_resume_and_keeps_the_ticket():
-    @tool(needs_permission=True, wait_deadline_s=-1)  # already expired when committed
+    # a microsecond: past before any resume can arrive (zero or less is refused when built)
+    @tool(needs_permission=True, wait_deadline_s=1e-6)
     def risky(x: int) -> str:
         return "ran"
 
