@@ -27,6 +27,7 @@ from runtime.commit import Frontier
 from runtime.delegation import CHILDREN_KEY
 from runtime.limits import DEFAULT_LIMITS, history_headroom
 from runtime.ports import CommittedRecord
+from runtime.reserved import reserved_value
 from runtime.usage import USAGE_KEY
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -83,7 +84,7 @@ def show_objects(
         "run_state": state.model_dump(mode="json") if state is not None else None,
         "status_history": [{"state": s, "reason": r} for s, r in report.statuses],
         "thread_usage": frontier.state["thread"].get(USAGE_KEY) or None,
-        "children": dict(frontier.state["run"].get(CHILDREN_KEY, {})),
+        "children": dict(reserved_value(frontier.state, f"run:{CHILDREN_KEY}")[0] or {}),
         "history": history_headroom(frontier.messages, frontier.version, DEFAULT_LIMITS),
     }
     for index, message in enumerate(frontier.messages):

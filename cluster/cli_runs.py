@@ -25,6 +25,7 @@ from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.lifecycle import StatusState
 from runtime.ports import RunSummary
+from runtime.reserved import reserved_value
 from runtime.timeutil import utc_time
 from runtime.usage import USAGE_KEY
 from storage.summary import RUN_STATES, RunStateKind, summarize
@@ -96,6 +97,10 @@ class RunRow:
     agent: str | None
     steps: int
     usage: dict[str, Any] | None
+    problem: str | None = None
+    """Why part of the thread's state cannot be shown (a reserved key holding what
+    Ratchet never writes: imported before imports were checked); the row shows the
+    rest, and the listing goes on past it."""
 
     @property
     def thread_id(self) -> ThreadId:
@@ -111,7 +116,8 @@ class RunRow:
         (inferences committed by the Run); ``agent`` (the agent reference it was
         started with, null if the Run records none, as in-process Runs do); ``usage``
         (the Run's token totals, null if its model reported none); ``version`` (the
-        thread's commit count) and ``owner`` (its current owner, or null).
+        thread's commit count), ``owner`` (its current owner, or null) and ``problem``
+        (null, or why part of the thread's state cannot be read).
         """
         s = self.summary
         return {
@@ -126,6 +132,7 @@ class RunRow:
             "usage": self.usage,
             "version": s.version,
             "owner": s.owner,
+            "problem": self.problem,
         }
 
 
@@ -136,12 +143,13 @@ def run_row(frontier: Frontier, meta: RunMeta | None = None) -> RunRow | None:
     if summary is None:
         return None
     meta = meta or run_meta(frontier)
-    usage = frontier.state["run"].get(USAGE_KEY)
+    usage, problem = reserved_value(frontier.state, f"run:{USAGE_KEY}")
     return RunRow(
         summary=summary,
         agent=meta.agent_ref if meta is not None else None,
         steps=frontier.steps,
         usage=dict(usage) if usage else None,
+        problem=problem,
     )
 
 

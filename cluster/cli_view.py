@@ -21,12 +21,15 @@ from cluster.report import (
     ticket_text,
 )
 from runtime.commit import Frontier
+from runtime.delegation import CHILDREN_KEY
+from runtime.errors import CorruptRecord, InputRefused
 from runtime.events import Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
 from runtime.limits import DEFAULT_LIMITS, history_headroom, visible
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
 from runtime.ports import CommittedRecord
+from runtime.reserved import reserved_value
 from runtime.stream import Frame
 from runtime.timeutil import utc_time
 from runtime.usage import USAGE_KEY, step_usage
@@ -109,7 +112,10 @@ def _cells(row: Any) -> tuple[str, ...]:
     return (
         s.thread_id,
         s.run_id,
-        s.state + (f" {s.cause}" if s.cause else ""),
+        # the reason in full is long for a column: show and --json print it
+        s.state
+        + (f" {s.cause}" if s.cause else "")
+        + (" (bad state: see show)" if row.problem else ""),
         status_text(s.status),
         str(row.steps),
         when(s.status.since),
@@ -167,9 +173,10 @@ def print_thread(
     history = " → ".join(f"{a}({b})" if b else a for a, b in report.statuses)
     console.print(f"status history: {history}", markup=False, highlight=False)
     for scope in ("run", "thread"):
-        total = frontier.state[scope].get(USAGE_KEY)
-        if total:
-            console.print(f"usage ({scope}): {usage_text(total)}", markup=False, highlight=False)
+        total, problem = reserved_value(frontier.state, f"{scope}:{USAGE_KEY}")
+        if total or problem:
+            shown = problem or usage_text(total)
+            console.print(f"usage ({scope}): {shown}", markup=False, highlight=False)
     room = history_headroom(frontier.messages, frontier.version, DEFAULT_LIMITS)
     console.print(
         f"history: {room['bytes']:,} of {room['bytes_limit']:,} bytes, "
@@ -182,14 +189,44 @@ def print_thread(
             console.print(line, markup=False, highlight=False)
 
 
-async def run_tree(db: Any, frontier: Any, depth: int = 0) -> list[str]:
-    """The Run and its child Runs, one indented line each (children in call order)."""
+MAX_TREE_DEPTH = 32
+"""Deeper than any delegation goes (``DelegationLimits.max_depth``: 8 unless a system
+sets more): a deeper tree is not one Ratchet made, and is cut there."""
+
+
+async def run_tree(
+    db: Any, frontier: Any, depth: int = 0, seen: set[str] | None = None
+) -> list[str]:
+    """The Run and its child Runs, one indented line each (children in call order). A
+    thread's children are read as Ratchet writes them (``runtime.reserved``); children
+    that name a thread already shown (a loop), one past ``MAX_TREE_DEPTH`` or one that
+    cannot be read is one line saying so: only an import made before imports were
+    checked could hold them, and they made ``show`` recurse without end or fail."""
+    seen = set() if seen is None else seen
+    seen.add(frontier.thread_id)
     state = frontier.run_state
     where = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
-    lines = [f"{'  ' * depth}{'└ ' if depth else ''}{frontier.thread_id}  [{where}]"]
-    for child in frontier.state["run"].get("children", {}).values():
-        lines += await run_tree(db, await db.load(ThreadId(child)), depth + 1)
+    indent = f"{'  ' * depth}{'└ ' if depth else ''}"
+    lines = [f"{indent}{frontier.thread_id}  [{where}]"]
+    children, problem = reserved_value(frontier.state, f"run:{CHILDREN_KEY}")
+    if problem is not None:
+        lines.append(f"{'  ' * (depth + 1)}({problem})")
+    for child in (children or {}).values():
+        lines += await _child_tree(db, ThreadId(child), depth + 1, seen)
     return lines
+
+
+async def _child_tree(db: Any, child: ThreadId, depth: int, seen: set[str]) -> list[str]:
+    line = f"{'  ' * depth}└ {child}"
+    if child in seen:
+        return [f"{line}  (shown above: the children loop)"]
+    if depth > MAX_TREE_DEPTH:
+        return [f"{line}  (deeper than {MAX_TREE_DEPTH} levels: not followed)"]
+    try:
+        frontier = await db.load(child)
+    except (CorruptRecord, InputRefused) as exc:  # that child's, not the whole tree's
+        return [f"{line}  (cannot be read: {exc})"]
+    return await run_tree(db, frontier, depth, seen)
 
 
 class WatchView:

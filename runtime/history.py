@@ -48,18 +48,18 @@ The body is the stored text exactly as hashed, carried as a JSON string so that 
 encoder touches it. Import checks every line — JSON (orjson: malformed text, lone
 surrogates, nesting past its limit), the header's format and version, seq continuity,
 each body against its hash, the decoded record, its thread, the chain, the header's
-count and head, a replay of the whole log — and refuses naming the line (1 is the
-header).
+count and head, a replay of the whole log, the values of Ratchet's reserved state
+keys (``runtime.reserved``) — and refuses naming the line (1 is the header).
 
     RatchetError
     └── HistoryRefused      a fork, export or import refused (``reason``; an export:
         │                   unknown_thread, pruned)
         ├── ForkRefused     unknown_thread, pruned, beyond_head, batch_open,
         │                   run_awaiting, run_running, thread_exists, record, replay,
-        │                   too_large
+        │                   reserved_state, too_large
         └── ImportRefused   names the ``line``: malformed, header, format, version, seq,
-                            hash, record, thread, chain, truncated, replay, too_large;
-                            thread_exists (no line)
+                            hash, record, thread, chain, truncated, replay,
+                            reserved_state, too_large; thread_exists (no line)
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ from runtime.integrity import body_hash
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord
+from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, with_claim
 
 COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
@@ -440,6 +441,9 @@ def _folded(
             raise refuse(seq, "replay", f"the log does not replay: {exc}") from None
         if not isinstance(admitted, Frontier):  # the same commit as an earlier one
             raise refuse(seq, "replay", "the log repeats an earlier commit")
+        problem = reserved_problem(admitted.state, commit.commands)
+        if problem is not None:  # no Run wrote it: the runtime and the CLI would choke on it
+            raise refuse(seq, "reserved_state", problem)
         frontier = admitted
         known[commit.operation_id] = receipt_of(commit, seq)
     return frontier

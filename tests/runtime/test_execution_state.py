@@ -335,6 +335,12 @@ def test_every_key_the_runtime_keeps_is_reserved():
     assert {f"run:{k}" for k in (*kept, INJECTED_KEY, FORCED_KEY)} <= RESERVED_KEYS
 
 
+def test_every_reserved_key_has_the_shape_an_import_holds_it_to():
+    from runtime.reserved import SHAPES
+
+    assert SHAPES.keys() == RESERVED_KEYS
+
+
 def keeper(**made) -> Plugin:
     bound = CapabilityBound(
         tools=frozenset({"stash"}),

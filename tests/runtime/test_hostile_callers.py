@@ -1,6 +1,7 @@
 """Hostile callers of the entry points around a Run: a stop's reason, an agent
 reference, a stream cursor and the command line's arguments are refused with a clear,
-typed error before anything is done."""
+typed error before anything is done; and what the command line prints of hostile
+stored data (control sequences, state of another shape) harms nothing around it."""
 
 from __future__ import annotations
 
@@ -193,3 +194,76 @@ def test_stored_and_streamed_text_reaches_a_terminal_as_text(tmp_path, monkeypat
     delta = Delta(type="text_delta", run_id="r", step=0, attempt=1, text=HOSTILE)
     cli_view.WatchView(StreamText()).show(Frame(type="delta", event=delta))
     assert shown in out.getvalue() and "\x1b]0;" not in out.getvalue()
+
+
+def _forged(lines: list[str], thread: str, *commands) -> list[str]:
+    """The export ``lines`` with ``commands`` added to its last record, re-chained."""
+    import json
+
+    from runtime.commit import assemble_commit, decode_commit
+
+    head, records = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    commit = decode_commit(records[-1]["body"], thread, len(records))
+    fields = {name: getattr(commit, name) for name in ("run_id", "ordinal", "label", "batch")}
+    made = assemble_commit(
+        thread_id=commit.thread_id,
+        disposition=commit.disposition,
+        messages=commit.messages,
+        commands=(*commit.commands, *commands),
+        status=commit.status,
+        extra_facts=commit.events,
+        prev=commit.prev,
+        epoch=commit.epoch,
+        claim=commit.claim,
+        **fields,
+    )
+    records[-1] = {"seq": len(records), "hash": made.payload_hash, "body": made.encoded}
+    return [json.dumps({**head, "head": made.payload_hash}), *map(json.dumps, records)]
+
+
+async def test_a_thread_holding_reserved_state_of_another_shape_is_a_problem_row(
+    tmp_path, monkeypatch
+):
+    """Imported before imports held Ratchet's reserved keys to their shapes
+    (``runtime.reserved``): usage as text made ``ratchet runs`` fail for every thread,
+    and children naming their own thread made ``show`` recurse without end."""
+    import asyncio
+    import json
+
+    from runtime import history
+    from runtime.ids import ThreadId
+    from runtime.state import Command
+    from storage.url import open_store
+
+    url = f"sqlite:///{tmp_path}/forged.db"
+    store = await open_store(url)
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="fine")]))
+    await InProcessRunner(agent, store).start("go", thread_id="good")
+    lines = _forged(
+        list(await history.export(store, ThreadId("good"))),
+        "good",
+        Command(key="usage", scope="run", value="lots"),
+        Command(key="children", scope="run", value={"c1": "evil", "c2": "good"}),
+    )
+    with pytest.raises(history.ImportRefused, match="reserved_state"):
+        await history.import_thread(store, lines, ThreadId("evil"))
+    monkeypatch.setattr(history, "reserved_problem", lambda state, commands: None)  # as it was
+    await history.import_thread(store, lines, ThreadId("evil"))
+    await store.close()
+
+    def cli(*args: str):
+        return asyncio.to_thread(CliRunner().invoke, app, [*args, "--store", url])
+
+    listed = await cli("runs", "--json")
+    rows = {row.get("thread_id"): row for row in map(json.loads, listed.stdout.splitlines())}
+    assert rows["evil"]["problem"].startswith("state key run:usage is not as Ratchet writes")
+    assert rows["evil"]["usage"] is None and rows["good"]["problem"] is None
+    table = await cli("runs")
+    assert table.exit_code == 0 and "│ good " in table.output and "(bad" in table.output
+    shown = await cli("show", "evil")
+    assert shown.exit_code == 0, shown.output
+    assert "└ evil  (shown above: the children loop)" in shown.output
+    assert "└ good  [natural]" in shown.output
+    assert "usage (run): state key run:usage is not as Ratchet writes it" in shown.output
+    as_json = await cli("show", "evil", "--json")
+    assert json.loads(as_json.stdout.splitlines()[0])["children"]["c1"] == "evil"

@@ -430,6 +430,11 @@ def _stored_too_deep(lines: list[Any]) -> list[Any]:
     deep: Any = 1
     for _ in range(170):
         deep = [deep]
+    return _ended_with(Command(key="deep", value=deep))
+
+
+def _ended_with(*commands: Command) -> list[str]:
+    """An export of a Run that starts, then ends carrying ``commands``."""
     one = _activation("run-1", "")
     ended = assemble_commit(
         thread_id=T,
@@ -437,10 +442,16 @@ def _stored_too_deep(lines: list[Any]) -> list[Any]:
         ordinal=1,
         label="ended",
         disposition=EndedState(run_id=RunId("run-1"), cause=Cancelled()),
-        commands=(Command(key="deep", value=deep),),
+        commands=commands,
         prev=one.payload_hash,
     )
     return _export_of(one, ended)
+
+
+def _reserved(key: str, value: Any, scope: Any = "run") -> Edit:
+    """A Run's end setting a key only Ratchet writes to what it never writes there: such
+    a thread, imported, made ``ratchet runs`` fail for every thread (``runtime.reserved``)."""
+    return lambda lines: _ended_with(Command(key=key, scope=scope, value=value))
 
 
 BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
@@ -466,6 +477,15 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "log that does not fold": (_illegal_log, 3, "replay"),
     "a commit after its Run's end": (_after_its_end, 3, "replay"),
     "a record no store takes": (_stored_too_deep, 3, "json_depth"),
+    "usage as text": (_reserved("usage", "lots"), 3, "reserved_state"),
+    "thread usage of a bool": (
+        _reserved("usage", {"inferences": True}, "thread"),
+        3,
+        "reserved_state",
+    ),
+    "children not thread ids": (_reserved("children", {"c1": 7}), 3, "reserved_state"),
+    "a parent of another shape": (_reserved("parent", {"thread": "t"}), 3, "reserved_state"),
+    "a reserved key never written": (_reserved("session", {}), 3, "reserved_state"),
 }
 
 
