@@ -197,9 +197,9 @@ def json_depth(text: str) -> int:
     Counted on the text, before any parser recurses into it (Python's json module
     raises RecursionError around 1,000 levels; pydantic refuses earlier).
     """
-    opened = text.count("[") + text.count("{")
-    if opened <= 1:
-        return opened  # the usual case (one object), without scanning
+    if "[" not in text and "{" not in text:
+        return 0  # nothing opens: no scan (a bracket inside a string opens nothing either,
+        # so a count of them is only a bound: ``check_json_text`` uses it as one)
     # one pass, jumping between the characters that matter (a text of unterminated
     # strings cost a regex of whole strings a scan from each quote: quadratic)
     depth = deepest = 0

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from runtime import (
@@ -641,6 +641,8 @@ async def test_results_a_resume_supplies_are_held_to_the_result_limits():
         max_leaves=30,
     )
 )
+@example("[")  # one bracket, in a string: it opens nothing (a count said 1)
+@example(["{"])
 def test_json_depth_counts_what_json_nests_whatever_its_strings_hold(value: Any) -> None:
     """Brackets, quotes and backslashes inside strings are text, not nesting."""
 
