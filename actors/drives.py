@@ -359,6 +359,17 @@ def rested(task: asyncio.Task[Any]) -> AtRest | None:
 FOLLOWED: tuple[type[RatchetError], ...] = (Fenced, RunEnded, StoreUnavailable)
 """A child's drive that ended so is settled by another (an owner, or this host again)."""
 
+NOT_THE_RUNS: tuple[type[RatchetError], ...] = (*FOLLOWED, CorruptRecord, StoreLost)
+"""Failures of a recovery that are not its Run's: another owner has it, it ended, the
+store is out (a flapping server, a partition: tried again later), its records do not
+verify (quarantined, not ended)."""
+
+
+def counts_against_run(error: Exception) -> bool:
+    """Whether a recovery that failed with ``error`` counts towards its Run's dead letter
+    (the one rule for a host's own recoveries, its reconciler and the Supervisor)."""
+    return not isinstance(error, NOT_THE_RUNS)
+
 
 async def over_or(drive: Drive, event: asyncio.Event, timeout_s: float) -> None:
     """Wait until ``drive`` is over or ``event`` is set, at most ``timeout_s``."""

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from actors.drives import Drives
+from actors.drives import Drives, counts_against_run
 from actors.ownership import EXECUTION_LOST, mark_lost, running_owned_by
 from actors.wire import RemoteError
 from runtime.errors import CorruptRecord, RatchetError
@@ -115,7 +115,11 @@ class Reconciler:
             result = await self.recover(thread)
             if isinstance(result, RemoteError):
                 self._back_off(thread)
-                await self._recovery_failed(thread, result)
+                if counts_against_run(result.rebuild()):
+                    await self._recovery_failed(thread, result)
+                else:  # the store out for this host, say: as a paused drive, not counted
+                    log.info("recovering %s: %s, not counted", thread, result.name)
+                    drives.paused.add(thread)
             else:
                 self.retry.pop(thread, None)
         except CorruptRecord as exc:

@@ -30,7 +30,7 @@ import ray
 
 from actors.child_host import ChildHosting
 from actors.children import RayChildRunner
-from actors.drives import FOLLOWED, Drive, Drives, FaultSpec, rested, starting
+from actors.drives import Drive, Drives, FaultSpec, counts_against_run, rested, starting
 from actors.heap import freeze_startup_heap
 from actors.host_control import ControlHosting
 from actors.ownership import mark_lost
@@ -60,11 +60,9 @@ from runtime.delegation import (
 from runtime.engine import RACES
 from runtime.errors import (
     AgentImportError,
-    CorruptRecord,
     InvalidTransition,
     RatchetError,
     ResumeRejected,
-    StoreLost,
 )
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
@@ -269,7 +267,7 @@ class RunHost(ControlHosting, ChildHosting):
         if task.cancelled() or drive.engine.committed.is_set():
             return
         error = task.exception()
-        if error is None or isinstance(error, (*FOLLOWED, CorruptRecord, StoreLost)):
+        if error is None or not isinstance(error, Exception) or not counts_against_run(error):
             return
         log.warning("recovering %s failed before its first commit: %r", thread, error)
         lost_owner = self.owner if drive.epoch is not None else owner  # its claim landed?

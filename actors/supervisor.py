@@ -42,6 +42,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.children import RayChildRunner
 from actors.deliveries import AWAITING_DELEGATION, redeliver
+from actors.drives import counts_against_run
 from actors.host_control import acting_for
 from actors.hung_hosts import HungHosts, exists
 from actors.orphans import Orphans
@@ -411,7 +412,8 @@ class Supervisor(HungHosts):
                 del self._recovering[name]
         if isinstance(answer, RemoteError):  # the host could not recover it: that counts
             log.warning("recovering %s failed: %s.%s", thread, answer.module, answer.name)
-            await self._recovery_failed(thread, f"recovery_failed:{answer.name}")
+            if counts_against_run(answer.rebuild()):  # not a store out for that host, say
+                await self._recovery_failed(thread, f"recovery_failed:{answer.name}")
             return
         self.counts["runs_replaced"] += 1
 

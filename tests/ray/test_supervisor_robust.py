@@ -457,3 +457,85 @@ async def test_a_recovery_that_fails_before_its_first_commit_counts_to_its_dead_
     cause = (await store.load(thread)).run_state.cause
     assert (cause.kind, cause.failure, cause.code) == ("failed", "recovery", "recovery_failed")
     assert "InputRefused" in cause.message, cause.message
+
+
+def _crashed_run(store: MemoryCommitStore, owner: str) -> Any:
+    """A Run started by ``owner``, whose process died after its activation landed."""
+    from actors.wire import RunMeta
+    from runtime.engine import Engine
+    from runtime.ids import RunId, ThreadId
+    from runtime.tools import LocalToolRunner
+
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
+    run = RunId("r1")
+    engine = Engine(
+        agent, store, LocalToolRunner([]), owner=owner,
+        faults=FaultPlan(crash_at=("after:activation", 1)),
+    )  # fmt: skip
+    message = RunMeta("x:a").message_id(run)
+    return engine.start(ThreadId("outage"), "go", run_id=run, message_id=message)
+
+
+@pytest.mark.parametrize("by", ["reconciler", "supervisor"])
+async def test_a_recovery_that_met_a_store_outage_does_not_count_to_its_dead_letter(by):
+    """The store flaps, or one host cannot reach it (a partition, "too many clients"
+    after a restart): a recovery whose own read met the outage failed for no fault of
+    its Run's, yet was counted, and three such passes (six seconds of Supervisor sweeps)
+    ended the Run ``failed(recovery)`` for good. Now it is tried again, not counted;
+    a recovery that fails for its Run's own reason still counts."""
+    from collections import Counter
+
+    from actors.drives import Drives
+    from actors.reconcile import Reconciler
+    from actors.supervisor import Supervisor
+    from actors.wire import RemoteError, SystemSpec
+    from runtime.errors import AgentImportError, StoreUnavailable
+    from runtime.ids import ThreadId
+
+    spec = SystemSpec(name="sys", store_url="memory://")
+    store = MemoryCommitStore()
+    thread, host_owner = ThreadId("outage"), f"{spec.host_name(0)}#1"
+    with pytest.raises(Crash):
+        await _crashed_run(store, host_owner)
+    answers = [RemoteError.of(StoreUnavailable("store out for this host"))] * 4
+
+    async def recover(*args: Any) -> Any:
+        return answers.pop(0)
+
+    if by == "reconciler":
+        drives = Drives(spec, store, host_owner, *[None] * 4, lambda: None)  # type: ignore[arg-type]
+        drives.paused.add(thread)  # its drive paused on the outage: ours to drive again
+        reconciler = Reconciler(spec.host_name(0), host_owner, store, drives, recover)
+
+        async def one_pass() -> None:
+            reconciler.retry.clear()  # as if the back-off had run out
+            await reconciler.once()
+    else:
+
+        class _Host:
+            class ping:
+                @staticmethod
+                async def remote() -> None:
+                    return None
+
+            class recover_run:
+                remote = staticmethod(recover)
+
+        bare = object.__new__(Supervisor)
+        bare.spec, bare.owner, bare.store = spec, spec.supervisor_name, store
+        bare.counts, bare._recovering, bare.leases, bare.kinds = Counter(), Counter(), {}, {}
+        bare.publisher = bare.children = None
+        bare._target = lambda thread, meta: ("host", _Host())  # type: ignore[method-assign]
+        await mark_lost(store, thread, bare.owner, lost_owner=host_owner)
+
+        async def one_pass() -> None:
+            await bare._replace(await store.load(thread))
+
+    before = (await store.load(thread)).failed_recoveries
+    for _ in range(4):
+        await one_pass()
+    after = await store.load(thread)
+    assert not after.ended and after.failed_recoveries == before
+    answers.append(RemoteError.of(AgentImportError("the deploy is under way")))
+    await one_pass()  # the Run's own failure still counts
+    assert (await store.load(thread)).failed_recoveries == before + 1
