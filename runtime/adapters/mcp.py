@@ -10,7 +10,11 @@ deduplicate a call Ratchet sends again.
 An ``McpServer`` keeps, in each process, one session to its server, opened by the first
 call in the running event loop and shared by every concurrent call. A session that dies
 is not mended under a call: that call ends as below, and the next call opens a fresh
-one. How each failure ends::
+one. A server that hangs (deadlocked, stopped) ends nothing by itself: once a call
+passes its deadline the server is pinged, and its session ended if no answer comes
+within ``PING_TIMEOUT_S`` (5 s; calls wait for the answer before they are sent, so the
+next goes to a fresh server; a slow tool's live server answers and keeps its session).
+How each failure ends::
 
     listing (mcp_tools), when the agent is built
     └── ToolDefinitionError   the server cannot be listed; a name no model provider

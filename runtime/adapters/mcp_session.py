@@ -1,6 +1,8 @@
 """The sessions behind ``runtime.adapters.mcp``: one per process and server, opened by
 the first call in the running event loop, shared by concurrent calls, and replaced by
-a fresh one after it dies (never mended under a call).
+a fresh one after it dies (never mended under a call) or hangs: a server that keeps its
+pipe open but answers nothing is pinged once a call passes its deadline, and its session
+ended if the ping goes unanswered (``PING_TIMEOUT_S``).
 
 Which calls the session had handed to its transport is noted as they go
 (``_NotingWrite``), so that a session that ends tells a call that cannot have reached
@@ -45,10 +47,15 @@ CONTEXT_PARAM = "__ratchet_context__"
 """Where Tool.invoke hands a call its ToolContext (it replaces an argument of that name,
 which no listed schema may declare)."""
 OPEN_TIMEOUT_S = 30.0
+"""How long a server may take to answer initialize and tools/list."""
 MAX_LIST_PAGES = 100
 """Pages of ``tools/list`` read at most: a server that hands out cursors without end
 (the same one again, say) would otherwise be listed for ever, its tools piling up."""
-"""How long a server may take to answer initialize and tools/list."""
+PING_TIMEOUT_S = 5.0
+"""How long a server has to answer the ping sent once a call passes its deadline. One
+that does not (deadlocked, stopped) keeps its pipe open, so nothing else would end its
+session: it is ended, and the next call opens a fresh one (a stdio server is killed). A
+server whose tool blocks its own event loop for longer looks hung too."""
 
 _T = TypeVar("_T")
 
@@ -173,13 +180,17 @@ class McpServer:
                 raise
             # its deadline came while the session was still opening: nothing was sent,
             # which only this call can tell (unavailable, tried again; not lost)
-            why = f"the call was given up while the session to {self.label} was opening"
+            why = f"the call was given up while its session to {self.label} was opening"
             raise McpUnavailable(why) from None
         meta = {"idempotency_key": ctx.operation_id, "attempt": ctx.attempt, "epoch": ctx.epoch}
         key = (str(ctx.operation_id), ctx.attempt)
         try:
             # an open map on the wire; the SDK types it as a TypedDict of its reserved keys
             result = await session.call_tool(name, arguments, meta=cast("RequestParamsMeta", meta))
+        except asyncio.CancelledError:
+            if cancelled_at_deadline():  # a slow tool, or a hung server: the ping tells
+                link.check(session, self.label)
+            raise
         except MCPError as exc:
             if exc.code != CONNECTION_CLOSED:  # the server answered, with an error
                 return ToolResult(printable(f"MCP error {exc.code}: {exc.message}"), is_error=True)
@@ -206,6 +217,9 @@ class McpServer:
     async def _session(self) -> tuple[_Link, ClientSession]:
         loop = asyncio.get_running_loop()
         link = self._link
+        if link is not None and link.serves(loop):
+            await link.checked()
+            link = self._link
         if link is None or not link.serves(loop):
             # made and started with no await in between: concurrent callers find this one
             link = self._link = _Link(loop)
@@ -285,6 +299,8 @@ class _Link:
         self.sent: set[tuple[str, int]] = set()
         """(operation id, attempt) of each call whose request reached the transport."""
         self.task: asyncio.Task[None]
+        self.ping: asyncio.Task[None] | None = None
+        """The ping sent after a call passed its deadline (``check``)."""
 
     def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
         return self.loop is loop and self.pid == os.getpid() and not self.ended.is_set()
@@ -292,6 +308,31 @@ class _Link:
     def end(self) -> None:
         self.live = False
         self.ended.set()
+
+    def check(self, session: ClientSession, label: str) -> None:
+        """Ping the server (once at a time), ending the session if no answer comes within
+        PING_TIMEOUT_S: a slow tool's server answers and keeps it, a hung one is replaced."""
+        if (self.ping is None or self.ping.done()) and not self.ended.is_set():
+            self.ping = self.loop.create_task(self._ping(session, label))
+
+    async def checked(self) -> None:
+        """Once the ping in flight, if any, is answered or given up: no call is sent to a
+        session suspected of hanging before then (shielded: the ping is its peers' too)."""
+        if self.ping is not None and not self.ping.done():
+            await asyncio.shield(self.ping)
+
+    async def _ping(self, session: ClientSession, label: str) -> None:
+        try:
+            await asyncio.wait_for(session.send_ping(), PING_TIMEOUT_S)
+        except TimeoutError:
+            log.warning(
+                "MCP server %s did not answer a ping within %ss: a fresh session replaces it",
+                label,
+                PING_TIMEOUT_S,
+            )
+            self.end()
+        except Exception as exc:  # an error answer is an answer; a closed session ends anyway
+            log.debug("ping of MCP server %s: %s", label, reason(exc))
 
 
 class _Stream:

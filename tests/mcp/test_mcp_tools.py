@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel, call
+from runtime.adapters import mcp_session
 from runtime.adapters.mcp import McpServer, McpUnavailable, mcp_tools
 from runtime.commit import Frontier
 from runtime.errors import ToolDefinitionError
@@ -22,7 +24,7 @@ from runtime.messages import ToolResultMessage
 from runtime.ports import Finished, Lost, ToolInvocation, Unavailable
 from runtime.tools import LocalToolRunner, Tool, ToolContext
 from storage.memory import MemoryCommitStore
-from tests.mcp.conftest import DEADLINE_S, SERVER, started_pids
+from tests.mcp.conftest import DEADLINE_S, SERVER, alive, started_pids
 from tests.support.servers import answers, free_port
 from tests.support.waiting import until
 
@@ -188,6 +190,28 @@ async def test_a_call_past_its_timeout_is_lost_and_its_session_lives_on(server):
     (lost,) = await runner.run([invocation("hang", "c2")])
     assert isinstance(lost, Lost) and "timed out after 0.5s" in lost.message
     assert await pid("c3") == before  # the same session, the same server process
+
+
+async def test_a_hung_server_is_replaced_once_a_call_passes_its_deadline(server, monkeypatch):
+    """A stopped (or deadlocked) server keeps its pipe open, so its session never ends by
+    itself: the ping after the lost call goes unanswered, and the next call is sent to a
+    fresh server instead of waiting out its own timeout on the hung one."""
+    monkeypatch.setattr(mcp_session, "PING_TIMEOUT_S", 1.0)
+    hasty = LocalToolRunner(mcp_tools(server, timeouts={"record": 0.5}))
+    patient = LocalToolRunner(mcp_tools(server, timeouts={"record": 20.0}))
+    (first,) = await patient.run([invocation("record", "c1", note="x")])
+    hung = int(json.loads(first.output.content)["pid"])
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        (lost,) = await hasty.run([invocation("record", "c2", note="x")])
+        assert isinstance(lost, Lost) and "timed out after 0.5s" in lost.message
+        (after,) = await patient.run([invocation("record", "c3", note="x")])
+        assert isinstance(after, Finished), after
+        assert int(json.loads(after.output.content)["pid"]) != hung
+        await until(lambda: not alive(hung), DEADLINE_S)  # the SDK killed the hung server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGKILL)
 
 
 async def test_a_server_that_cannot_start_is_unavailable_before_dispatch(server, records):
