@@ -28,9 +28,13 @@ How each failure ends::
     ├── McpUnavailable        nothing reached the server: it cannot be started or
     │   (UnavailableBeforeDispatch)   reached, or its session had ended before the
     │                         request was handed to the transport (retried as usual)
-    └── McpConnectionLost     the session ended while the server had the request: it
-        (OutcomeUnknown)      may have run; the call is Lost and its pinned recovery
-                              policy decides (never_replay: indeterminate)
+    ├── McpConnectionLost     the session ended while the server had the request: it
+    │   (OutcomeUnknown)      may have run; the call is Lost and its pinned recovery
+    │                         policy decides (never_replay: indeterminate)
+    └── McpReplyUnreadable    the server's reply cannot be read (a stdio line the SDK
+        (OutcomeUnknown)      drops, nested too deep, say): Lost at once, not waited
+                              out; one whose only fault is an unpaired surrogate
+                              escape is kept instead, U+FFFD in its place (mcp_reply)
 
 The SDK is imported when a server is listed or called, never with this module.
 """
@@ -56,18 +60,19 @@ from runtime.adapters.mcp_session import (
     CONTEXT_PARAM,
     TOOL_NAME,
     McpConnectionLost,
+    McpReplyUnreadable,
     McpServer,
     McpUnavailable,
     reason,
 )
 
-__all__ = ["McpConnectionLost", "McpServer", "McpUnavailable", "mcp_tools"]
+__all__ = ["McpConnectionLost", "McpReplyUnreadable", "McpServer", "McpUnavailable", "mcp_tools"]
 
 _T = TypeVar("_T")
 DEFAULT_CALL_TIMEOUT_S = 300.0
 """A call's timeout unless ``timeouts`` names one (None there: none). The SDK resolves a
-request only with its answer: one it cannot parse (a reply nested too deep, a lone
-surrogate) is logged and dropped, and the call would wait for ever."""
+request only with its answer: a reply that even Python's json cannot read (nested deeper
+than it recurses) is logged and dropped (``mcp_reply``), and the call would wait for ever."""
 
 
 # ---- tools --------------------------------------------------------------------------------

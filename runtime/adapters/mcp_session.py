@@ -23,6 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 from urllib.parse import urlsplit
 
+from runtime.adapters.mcp_reply import reread, unreadable
 from runtime.limits import printable
 from runtime.tools import (
     OutcomeUnknown,
@@ -67,6 +68,11 @@ class McpUnavailable(UnavailableBeforeDispatch):
 class McpConnectionLost(OutcomeUnknown):
     """The session ended while the server had the call: it may have run (the call is
     Lost: ``runtime.tools.invoke_safely``)."""
+
+
+class McpReplyUnreadable(OutcomeUnknown):
+    """The server answered the call with a reply that cannot be read (``mcp_reply``): it
+    may have run (the call is Lost)."""
 
 
 # ---- servers and their sessions ---------------------------------------------------------
@@ -192,6 +198,8 @@ class McpServer:
                 link.check(session, self.label)
             raise
         except MCPError as exc:
+            if unreadable(exc):
+                raise McpReplyUnreadable(f"MCP server {self.label}: {exc.message}") from exc
             if exc.code != CONNECTION_CLOSED:  # the server answered, with an error
                 return ToolResult(printable(f"MCP error {exc.code}: {exc.message}"), is_error=True)
             if key in link.sent:
@@ -253,8 +261,9 @@ class McpServer:
         from mcp import ClientSession
 
         read, write = await stack.enter_async_context(self._connect())
+        read = _WatchedRead(read, link.end if link is not None else _unwatched)
         if link is not None:
-            read, write = _WatchedRead(read, link.end), _NotingWrite(write, link.sent)
+            write = _NotingWrite(write, link.sent)
         session = await stack.enter_async_context(ClientSession(read, write))
         await self._within(session.initialize())
         if link is not None:
@@ -356,7 +365,8 @@ class _Stream:
 
 class _WatchedRead(_Stream):
     """The session's read stream, telling its link when the server's stream ends (the
-    SDK's dispatcher then fails the calls in flight; nothing else would notice)."""
+    SDK's dispatcher then fails the calls in flight; nothing else would notice), and
+    reading again the lines the SDK could not parse (``mcp_reply.reread``)."""
 
     def __init__(self, inner: Any, on_end: Callable[[], None]) -> None:
         super().__init__(inner)
@@ -375,10 +385,14 @@ class _WatchedRead(_Stream):
         import anyio
 
         try:
-            return cast("SessionMessage | Exception", await step)
+            return reread(cast("SessionMessage | Exception", await step))
         except (StopAsyncIteration, anyio.EndOfStream, anyio.ClosedResourceError):
             self._on_end()
             raise
+
+
+def _unwatched() -> None:
+    """A listing's session has no link to tell that its stream ended."""
 
 
 class _NotingWrite(_Stream):

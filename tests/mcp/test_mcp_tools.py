@@ -29,6 +29,7 @@ from tests.support.servers import answers, free_port
 from tests.support.waiting import until
 
 ROOT = Path(__file__).parents[2]
+RAW_SERVER = str(Path(__file__).with_name("raw_server.py"))
 ADD_SCHEMA = {
     "properties": {
         "a": {"title": "A", "type": "integer"},
@@ -212,6 +213,22 @@ async def test_a_hung_server_is_replaced_once_a_call_passes_its_deadline(server,
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGKILL)
+
+
+async def test_a_reply_the_sdk_cannot_parse_is_read_again_not_waited_out(records):
+    """The SDK drops a line it cannot parse, and the call would wait out its timeout: an
+    unpaired surrogate escape (a JS string cut mid-emoji) is read as U+FFFD instead (a
+    pair as its character), and a reply still unreadable (too deep) is lost at once."""
+    env = {"MCP_TEST_DIR": str(records)}
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
+    try:
+        runner = LocalToolRunner(mcp_tools(server, timeouts={"snippet": 20.0, "deep": 20.0}))
+        kept, deep = await runner.run([invocation("snippet", "c1"), invocation("deep", "c2")])
+    finally:
+        await server.aclose()
+    assert isinstance(kept, Finished), kept
+    assert kept.output.content == "charged; note: caf\ufffd \U0001f600"
+    assert isinstance(deep, Lost) and "reply could not be read" in deep.message, deep
 
 
 async def test_a_server_that_cannot_start_is_unavailable_before_dispatch(server, records):

@@ -1,0 +1,102 @@
+"""Lines from an MCP server that the SDK cannot parse, read again.
+
+The SDK's stdio transport hands such a line to the session as an exception, which the
+session logs and drops: the request it answers is never resolved, and its call waits
+out its timeout. ``reread`` turns what Python's ``json`` can read into a message:
+
+- strings holding an unpaired surrogate escape (``"\\ud83d"``, as ``JSON.stringify``
+  writes a JS string cut mid-emoji) are kept, U+FFFD in the surrogate's place;
+- any other reply to a request (one nested deeper than the SDK reads, say) becomes an
+  error answer marked ``UNREADABLE``, so that its call ends at once (``McpReplyUnreadable``:
+  the server answered, what it said is unknown).
+
+A line ``json`` cannot read either (nested deeper than Python recurses) is left to the
+SDK, and its call to its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+from runtime.limits import printable, utf8_problem
+
+if TYPE_CHECKING:
+    from mcp import MCPError
+    from mcp.shared.message import SessionMessage
+
+UNREADABLE = {"ratchet": "the reply could not be read"}
+"""The ``data`` of the error answer that stands in for an unreadable reply."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def reread(item: SessionMessage | Exception) -> SessionMessage | Exception:
+    """``item`` as a message if it is a line the SDK could not parse that Python can."""
+    unparsed = _unparsed(item)
+    if unparsed is None:
+        return item
+    line, why = unparsed
+    try:
+        raw = json.loads(line)
+    except (ValueError, RecursionError):
+        return item  # beyond Python's json too: left to the SDK
+    with contextlib.suppress(ValueError, RecursionError):  # ValidationError is a ValueError
+        if utf8_problem(json.dumps(raw, ensure_ascii=False)):
+            return _message(_mended(raw))
+    if isinstance(raw, dict) and "method" not in raw and _is_id(raw.get("id")):
+        return _unreadable(raw["id"], why)
+    return item
+
+
+def unreadable(exc: MCPError) -> bool:
+    """Whether an error answer stands in for a reply that could not be read."""
+    return bool(exc.data == UNREADABLE)
+
+
+def _unparsed(item: SessionMessage | Exception) -> tuple[str, str] | None:
+    """The line behind a parse failure of the SDK's (pydantic's ``json_invalid``), and why."""
+    if not isinstance(item, Exception):
+        return None
+    from pydantic import ValidationError
+
+    if not isinstance(item, ValidationError):
+        return None
+    first = item.errors()[0]
+    line = first.get("input")
+    if first["type"] != "json_invalid" or not isinstance(line, str):
+        return None
+    return line, first["msg"]
+
+
+def _mended(value: Any) -> Any:
+    """``value`` with every unpaired surrogate in its strings (keys too) made U+FFFD
+    (``json.loads`` has joined the escapes that pair)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_mended(v) for v in value]
+    if isinstance(value, dict):
+        return {_mended(k): _mended(v) for k, v in value.items()}
+    return value
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, str | int) and not isinstance(value, bool)
+
+
+def _message(value: Any) -> SessionMessage:
+    from mcp.shared.message import SessionMessage
+    from mcp.types import jsonrpc_message_adapter
+
+    return SessionMessage(jsonrpc_message_adapter.validate_python(value, by_name=False))
+
+
+def _unreadable(request_id: str | int, why: str) -> SessionMessage:
+    from mcp.shared.message import SessionMessage
+    from mcp.types import PARSE_ERROR, ErrorData, JSONRPCError
+
+    said = printable(f"the server's reply could not be read ({why})", 500)
+    error = ErrorData(code=PARSE_ERROR, message=said, data=UNREADABLE)
+    return SessionMessage(JSONRPCError(jsonrpc="2.0", id=request_id, error=error))

@@ -1,0 +1,52 @@
+"""A stdio MCP server written by hand, for replies the SDK's server would never write:
+``snippet`` answers with text holding an unpaired surrogate escape (as ``JSON.stringify``
+writes a JS string cut mid-emoji), ``deep`` with structured content nested deeper than
+the SDK reads. It appends its pid to ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+TOOLS = [
+    {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
+    for name in ("snippet", "deep")
+]
+SNIPPET = '{"content":[{"type":"text","text":"charged; note: caf\\ud83d \\ud83d\\ude00"}]}'
+DEEP = '{"content":[],"structuredContent":{"x":' + "[" * 300 + "]" * 300 + "}}"
+
+
+def answer(request: dict[str, object]) -> str:
+    method = request["method"]
+    if method == "initialize":
+        params = request["params"]
+        assert isinstance(params, dict)
+        info = {"name": "raw", "version": "1"}
+        result = json.dumps(
+            {
+                "protocolVersion": params["protocolVersion"],
+                "capabilities": {"tools": {}},
+                "serverInfo": info,
+            }
+        )
+    elif method == "tools/list":
+        result = json.dumps({"tools": TOOLS})
+    elif method == "tools/call":
+        params = request["params"]
+        assert isinstance(params, dict)
+        result = SNIPPET if params["name"] == "snippet" else DEEP
+    else:
+        result = "{}"
+    return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"result":' + result + "}"
+
+
+if __name__ == "__main__":
+    with (Path(os.environ["MCP_TEST_DIR"]) / "started.log").open("a") as started:
+        started.write(f"{os.getpid()}\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "id" in request:
+            sys.stdout.write(answer(request) + "\n")
+            sys.stdout.flush()
