@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +42,12 @@ OUR_OPTIONS = ("synchronous", "pool_size", "key_joins")
 DEFAULT_PG_POOL = 10
 """Connections per process (plus as many overflow). Every host of a cluster opens its
 own pool, and PostgreSQL allows 100 connections by default: keep each pool modest."""
+CLOSE_S = 3.0
+"""How long closing a PostgreSQL store waits for its connections to be seen off. asyncpg
+closes a connection by telling the server and waiting for its goodbye, up to the
+command timeout, and the pool closes them one after another: on a hung server
+(stopped, partitioned) a pool of ten took five minutes. Past this, the connections
+still open are cut without a word (``Database._cut``)."""
 
 
 def sqlalchemy_url(url: str) -> tuple[URL, dict[str, str]]:
@@ -211,9 +218,13 @@ class Database:
         opened by URL (``open``) does unless ``?key_joins=off``."""
         self.dialect = "sqlite"
         """The database's SQLAlchemy dialect name."""
+        self._opened: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The asyncpg connections of the pool, for ``_cut`` (gone once collected)."""
         if writer is None:
             async_engine = self.engine
             self.dialect = async_engine.dialect.name
+            if self.dialect == "postgresql":
+                event.listen(async_engine.sync_engine, "connect", self._opened_one)
             self._reads = async_engine.execution_options(isolation_level="AUTOCOMMIT")
             # Reads beyond what the pool holds beside the writers would open overflow
             # connections, which the pool closes again on return: a connect (and asyncpg's
@@ -333,14 +344,34 @@ class Database:
         await conn.close()
 
     async def close(self) -> None:
-        """Let bodies in flight finish, then release the threads and the engines."""
+        """Let bodies in flight finish, then release the threads and the engines; the
+        connections a server has not seen off within ``CLOSE_S`` are cut."""
         for thread in (self._writer, self._reader):
             if thread is not None:
                 await asyncio.to_thread(thread.close)
+        letting_go = asyncio.ensure_future(self._let_go())
+        try:
+            await asyncio.wait({letting_go}, timeout=CLOSE_S)
+        finally:
+            if not letting_go.done():  # a hung server (or our caller gave up)
+                self._cut()
+        await letting_go
+
+    async def _let_go(self) -> None:
         while self._held:  # for good: the engine closes the pool's connections next
             await _drop(self._held.pop())
         if self._engine is not None:
             await self._engine.dispose()
+
+    def _cut(self) -> None:
+        """Abort every connection still open, without waiting for the server: a close
+        waiting for the server's goodbye then returns at once, and the closes after it
+        find their connections closed already."""
+        for driver in list(self._opened):
+            driver.terminate()
+
+    def _opened_one(self, dbapi_conn: Any, _record: Any) -> None:
+        self._opened.add(dbapi_conn.driver_connection)
 
 
 GENERIC_PLANS = "SET plan_cache_mode = force_generic_plan"

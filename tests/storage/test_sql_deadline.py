@@ -1,19 +1,21 @@
 """The SQL store's deadline: a caller gives up on a stuck group writer, not on a long
-queue ahead of it, and a request whose caller gave up is not written.
+queue ahead of it, and a request whose caller gave up is not written; a store on a
+hung PostgreSQL server closes in seconds.
 
 The writer is slowed or held by wrapping ``_commit_taken`` (the real transaction runs
 after the wrapper lets it): a stand-in for a slow or hung server that leaves every
-statement real.
+statement real. A hung server is a private PostgreSQL whose processes are stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,10 @@ import pytest
 from runtime.errors import StoreUnavailable
 from runtime.ids import ThreadId
 from storage.sql import SqlCommitStore
+from storage.sql_engine import CLOSE_S
 from tests.storage.builders import activation
 from tests.storage.conftest import make_store
-from tests.support.servers import private_postgres
+from tests.support.servers import PrivatePostgres, private_postgres
 from tests.support.waiting import until
 
 DEADLINE_S = 0.6
@@ -153,18 +156,12 @@ async def test_a_hung_postgres_server_is_heard_within_the_deadline_and_nothing_i
         try:
             assert (await store.append(activation("h-before", "r"), 0, 0)).seq == 1
             commits = [activation(f"h-{i}", "r") for i in range(3)]
-            processes = _server_processes(server.data / "postmaster.pid")
-            for pid in processes:
-                os.kill(pid, signal.SIGSTOP)
-            try:
+            with _hung(server):
                 began = asyncio.get_running_loop().time()
                 outcomes = await asyncio.gather(
                     *(store.append(c, 0, 0) for c in commits), return_exceptions=True
                 )
                 waited = asyncio.get_running_loop().time() - began
-            finally:
-                for pid in processes:
-                    os.kill(pid, signal.SIGCONT)
             assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
             assert waited < 10 * DEADLINE_S  # the driver's own timeout is 30 s
             for commit in commits:  # retried after the outage: idempotent by operation id
@@ -174,6 +171,34 @@ async def test_a_hung_postgres_server_is_heard_within_the_deadline_and_nothing_i
                 assert len(await store.read(commit.thread_id)) == 1
         finally:
             await store.close()
+
+
+async def test_closing_a_store_on_a_hung_postgres_server_cuts_its_connections() -> None:
+    """asyncpg closes a connection by waiting for the server's goodbye, up to the
+    command timeout, and the pool closes its connections one after another: a pool of
+    ten on a stopped server took five minutes to close (a host's shutdown, the CLI)."""
+    with private_postgres() as server:
+        store = await SqlCommitStore.connect(server.url)
+        await asyncio.gather(*(store.load_head(ThreadId(f"k-{i}")) for i in range(6)))
+        assert store.engine.pool.checkedin() >= 3  # several connections to see off
+        with _hung(server):
+            began = asyncio.get_running_loop().time()
+            await asyncio.wait_for(store.close(), CLOSE_S + 10)
+            took = asyncio.get_running_loop().time() - began
+        assert took < CLOSE_S + 2
+
+
+@contextlib.contextmanager
+def _hung(server: PrivatePostgres) -> Iterator[None]:
+    """The server's processes stopped (SIGSTOP) while the block runs."""
+    processes = _server_processes(server.data / "postmaster.pid")
+    for pid in processes:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in processes:
+            os.kill(pid, signal.SIGCONT)
 
 
 def _server_processes(pid_file: Path) -> list[int]:
