@@ -67,21 +67,23 @@ thread — the single-writer funnel DESIGN §5 asks for, serialised across proce
 by a file lock — and reads on a dedicated reader thread, which in WAL mode never
 waits for the writer.
 
-Errors are translated in ``storage.sql_errors.translate``; messages name the
-store by ``redact(url)`` only. Every call has a deadline (``timeout_s``): a read that
-has not answered by then, and an append or claim whose group writer has neither taken
-nor finished a group for that long (a hung server or SQLite file lock), gets
-StoreUnavailable; an append retried after it is harmless (idempotent by operation
-id). A long queue behind a writer that keeps committing is not an outage: a caller
-waits its turn while the groups ahead of it land (20,000 Runs on one PostgreSQL
-writer waited 55 s per append, and a fixed deadline of 60 s turned that into retries,
-recoveries and more load: benchmarks/README.md, eleventh round). A group that meets
-an outage fails the requests queued behind it too, so an outage is heard at once,
-not one group's driver timeout after another. The writer drops a request whose
+Errors are translated in ``storage.sql_errors.translate``; messages name the store by
+``redact(url)`` only. Every call has a deadline (``timeout_s``): a read that has not
+answered by then, and an append or claim whose group writer has neither taken nor
+finished a group for that long (a hung server or SQLite file lock), gets
+StoreUnavailable; an append retried after it is harmless (idempotent by operation id).
+On PostgreSQL it is also the driver's statement timeout, and a connection not opened
+within ``CONNECT_TIMEOUT_S`` fails its call at once (``sql_engine``): the message says
+which of the three ran out. A long queue behind a writer that keeps committing is not
+an outage: a caller waits its turn while the groups ahead of it land (20,000 Runs on
+one PostgreSQL writer waited 55 s per append, and a fixed deadline of 60 s turned that
+into retries, recoveries and more load: benchmarks/README.md, eleventh round). A group
+that meets an outage fails the requests queued behind it too, so an outage is heard at
+once, not one group's driver timeout after another. The writer drops a request whose
 caller has given up (timed out or cancelled) before its group is taken: that caller
 heard StoreUnavailable or nothing, so not writing it is one of the outcomes it must
-already handle, and writing it would only add load. A group the database refuses for
-a reason of its own (not an outage) is written again request by request, so only the
+already handle, and writing it would only add load. A group the database refuses for a
+reason of its own (not an outage) is written again request by request, so only the
 culprit fails.
 """
 
@@ -104,7 +106,7 @@ from storage.checkpoints import SqlCheckpointStore
 from storage.frontiers import FrontierCache
 from storage.retention import Cut, prune_thread
 from storage.schema import migrate
-from storage.sql_engine import Database
+from storage.sql_engine import DEFAULT_TIMEOUT_S, Database
 from storage.sql_errors import translate
 from storage.sql_reads import (
     index_problem_body,
@@ -137,8 +139,6 @@ R = TypeVar("R")
 
 log = logging.getLogger("ratchet.storage.sql")
 
-DEFAULT_TIMEOUT_S = 60.0
-"""How long a store call may take before its caller hears StoreUnavailable."""
 LINGER_TURNS = 10
 """Event-loop turns a group writer lets pass before it takes its group, when the last
 group showed that several callers commit at once (see ``_drain``)."""
@@ -218,7 +218,7 @@ class SqlCommitStore:
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> SqlCommitStore:
         """Open the database, create or migrate the schema, start the group writers."""
-        store = cls(url, Database.open(url), payload_limit, group_commit, timeout_s)
+        store = cls(url, Database.open(url, timeout_s), payload_limit, group_commit, timeout_s)
         try:
             version = await store._write(migrate)
         except StoreError:
@@ -285,10 +285,8 @@ class SqlCommitStore:
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await self._write(prune_txn, cut)
-        except TimeoutError:
-            raise StoreUnavailable(
-                f"store {self.where} did not answer within {self.timeout_s:g}s"
-            ) from None
+        except TimeoutError:  # the driver's own are StoreUnavailable already (``_write``)
+            raise self._unanswered() from None
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -469,15 +467,16 @@ class SqlCommitStore:
             raise translate(exc, self.where) from exc
 
     async def _read(self, body: Callable[..., T], *args: Any) -> T:
+        deadline = asyncio.timeout(self.timeout_s)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with deadline:
                 return await self.db.read(body, *args)
         except StoreError:
             raise
-        except TimeoutError:
-            raise StoreUnavailable(
-                f"store {self.where} did not answer within {self.timeout_s:g}s"
-            ) from None
+        except TimeoutError as exc:
+            if deadline.expired():
+                raise self._unanswered() from None
+            raise translate(exc, self.where) from exc  # the driver's: it names which ran out
         except Exception as exc:
             raise translate(exc, self.where) from exc
 

@@ -14,7 +14,7 @@ import contextlib
 import fcntl
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +42,13 @@ OUR_OPTIONS = ("synchronous", "pool_size", "key_joins")
 DEFAULT_PG_POOL = 10
 """Connections per process (plus as many overflow). Every host of a cluster opens its
 own pool, and PostgreSQL allows 100 connections by default: keep each pool modest."""
+DEFAULT_TIMEOUT_S = 60.0
+"""How long a store call may take before its caller hears StoreUnavailable; on
+PostgreSQL also the driver's timeout for a statement (its ``command_timeout``), so that
+one setting governs: a statement allowed less than the call could never succeed."""
+CONNECT_TIMEOUT_S = 5.0
+"""How long opening a PostgreSQL connection may take (the store's timeout if that is
+shorter): reconnecting during an outage costs a refused connect, not a hang."""
 CLOSE_S = 3.0
 """How long closing a PostgreSQL store waits for its connections to be seen off. asyncpg
 closes a connection by telling the server and waiting for its goodbye, up to the
@@ -65,8 +72,9 @@ def sqlalchemy_url(url: str) -> tuple[URL, dict[str, str]]:
     raise ValueError(f"not a SQL store URL: {redact(url)}")
 
 
-def create_engine(url: str) -> AsyncEngine:
-    """The async engine: every statement on PostgreSQL; on SQLite, only for tests and tools."""
+def create_engine(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncEngine:
+    """The async engine: every statement on PostgreSQL; on SQLite, only for tests and tools.
+    ``timeout_s`` bounds each PostgreSQL statement (``pg_connect_args``)."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     sa_url, ours = sqlalchemy_url(url)
@@ -81,14 +89,17 @@ def create_engine(url: str) -> AsyncEngine:
         # so a modest pool serves many Runs (``?pool_size=N`` on the URL changes it).
         pool_size=pool,
         max_overflow=pool,
-        connect_args=pg_connect_args(ours),
+        connect_args=pg_connect_args(ours, timeout_s),
     )
 
 
-def pg_connect_args(ours: dict[str, str]) -> dict[str, Any]:
-    """asyncpg's connect arguments for our options of a PostgreSQL store URL."""
-    # Reconnection after an outage costs a refused connect, not a hang.
-    args: dict[str, Any] = {"timeout": 5, "command_timeout": 30}
+def pg_connect_args(ours: dict[str, str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """asyncpg's connect arguments for our options of a PostgreSQL store URL, its
+    statements bounded by the store's ``timeout_s``."""
+    args: dict[str, Any] = {
+        "timeout": min(CONNECT_TIMEOUT_S, timeout_s),
+        "command_timeout": timeout_s,
+    }
     if _key_joins(ours):
         args["server_settings"] = KEY_LOOKUPS_ONLY
     return args
@@ -194,11 +205,14 @@ class Database:
         reader: _DedicatedThread | None = None,
         *,
         url: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         """Bodies run over ``engine`` unless dedicated threads are given (``open`` does,
-        with ``url`` instead of an engine: see ``engine``)."""
+        with ``url`` instead of an engine: see ``engine``). ``timeout_s``: the driver's
+        statement timeout the engine was made with (``create_engine``)."""
         self._engine = engine
         self._url = url
+        self.timeout_s = timeout_s
         self.concurrency = 1
         """Group transactions in flight at once. SQLite has one writer thread. On
         PostgreSQL a second group in flight lets the server commit one while the client
@@ -239,15 +253,16 @@ class Database:
         then starts without importing its machinery."""
         if self._engine is None:
             assert self._url is not None, "a Database needs an engine or a URL"
-            self._engine = create_engine(self._url)
+            self._engine = create_engine(self._url, self.timeout_s)
         return self._engine
 
     @classmethod
-    def open(cls, url: str) -> Database:
-        """The database a store URL names, with the threads SQLite wants."""
+    def open(cls, url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Database:
+        """The database a store URL names, with the threads SQLite wants; a PostgreSQL
+        statement that has not answered within ``timeout_s`` fails (TimeoutError)."""
         sa_url, ours = sqlalchemy_url(url)
         if sa_url.get_backend_name() != "sqlite":
-            db = cls(create_engine(url))
+            db = cls(create_engine(url, timeout_s), timeout_s=timeout_s)
             db.generic_plans = _key_joins(ours)  # off: the server's settings are left alone
             return db
         sync_url = sa_url.set(drivername="sqlite+pysqlite")
@@ -259,21 +274,40 @@ class Database:
             _DedicatedThread(writer, "ratchet-sqlite-writer", f"{sa_url.database}.writer-lock"),
             _DedicatedThread(reader, "ratchet-sqlite-reader", None),
             url=url,
+            timeout_s=timeout_s,
         )
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a read body: a single statement (it gets no transaction of its own)."""
         if self._reader is not None:
             return await self._reader.run(fn, *args)
-        async with self._read_slots, self._reads.connect() as conn:
+        async with self._read_slots, self._checked_out(self._reads) as conn:
             return await conn.run_sync(fn, *args)
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a write body; the body opens and commits its own transaction(s)."""
         if self._writer is not None:
             return await self._writer.run(fn, *args)
-        async with self.engine.connect() as conn:
+        async with self._checked_out(self.engine) as conn:
             return await conn.run_sync(fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def _checked_out(self, engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+        """A connection of the pool for the block; a timeout named (``_timed_out``)."""
+        connected = False
+        try:
+            async with engine.connect() as conn:
+                connected = True
+                yield conn
+        except TimeoutError as exc:
+            raise self._timed_out(connected) from exc
+
+    def _timed_out(self, connected: bool) -> TimeoutError:
+        """asyncpg's timeouts come bare (``TimeoutError()``), its connect's and its
+        statements' alike: name the one that ran out (the store's message quotes it)."""
+        if connected:
+            return TimeoutError(f"a statement had no answer within {self.timeout_s:g}s")
+        return TimeoutError(f"no connection within {min(CONNECT_TIMEOUT_S, self.timeout_s):g}s")
 
     async def write_statement(
         self, sql: str, args: Sequence[Any], usable: Callable[[BaseException], bool]
@@ -291,7 +325,10 @@ class Database:
         # pass through the pool's events and two greenlet switches (50 writers
         # appending: client CPU per append 0.030 -> 0.028 ms).
         held = bool(self._held)
-        conn = self._held.pop() if held else await self.engine.connect()
+        try:
+            conn = self._held.pop() if held else await self.engine.connect()
+        except TimeoutError as exc:
+            raise self._timed_out(connected=False) from exc
         try:
             driver = await _driver(conn)
             if held and self.generic_plans and not conn.info.get(GENERIC):
@@ -302,6 +339,8 @@ class Database:
                 await self._keep(conn)
             else:
                 await _drop(conn)
+            if isinstance(exc, TimeoutError):
+                raise self._timed_out(connected=True) from exc
             raise
         await self._keep(conn)
         return value

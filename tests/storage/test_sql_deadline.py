@@ -1,6 +1,7 @@
 """The SQL store's deadline: a caller gives up on a stuck group writer, not on a long
-queue ahead of it, and a request whose caller gave up is not written; a store on a
-hung PostgreSQL server closes in seconds.
+queue ahead of it, and a request whose caller gave up is not written; on PostgreSQL
+the driver's own timeouts follow the store's and say which ran out, and a store on a
+hung server closes in seconds.
 
 The writer is slowed or held by wrapping ``_commit_taken`` (the real transaction runs
 after the wrapper lets it): a stand-in for a slow or hung server that leaves every
@@ -20,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import Connection, text
 
 from runtime.errors import StoreUnavailable
 from runtime.ids import ThreadId
 from storage.sql import SqlCommitStore
-from storage.sql_engine import CLOSE_S
+from storage.sql_engine import CLOSE_S, CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from tests.storage.builders import activation
 from tests.storage.conftest import make_store
 from tests.support.servers import PrivatePostgres, private_postgres
@@ -186,6 +188,52 @@ async def test_closing_a_store_on_a_hung_postgres_server_cuts_its_connections() 
             await asyncio.wait_for(store.close(), CLOSE_S + 10)
             took = asyncio.get_running_loop().time() - began
         assert took < CLOSE_S + 2
+
+
+async def test_a_statement_has_the_store_deadline_and_its_timeout_says_so(
+    pg_conformance_url: str,
+) -> None:
+    """asyncpg's command timeout was 30 s whatever the store's ``timeout_s``: a statement
+    over 30 s could never succeed, and one the store had given up on ran on."""
+    store = await SqlCommitStore.connect(pg_conformance_url, timeout_s=1)
+    try:
+        assert await store.db.read(_sleep, 0.1) == 1
+        assert await store.db.write(_sleep, 0.1) == 1
+        for run in (store.db.read, store.db.write):
+            with pytest.raises(TimeoutError, match="a statement had no answer within 1s"):
+                await asyncio.wait_for(run(_sleep, 10), 5)
+    finally:
+        await store.close()
+
+
+async def test_a_connection_a_hung_server_never_opens_is_named_as_such() -> None:
+    """The read's StoreUnavailable came after the connect timeout (5 s) saying the store
+    "did not answer within 60s"; the append's said "TimeoutError: " and nothing more."""
+    with private_postgres() as server:
+        store = await SqlCommitStore.connect(server.url)
+        try:
+            await store.engine.dispose()  # no connection to reuse: each call opens one
+            with _hung(server):
+                began = asyncio.get_running_loop().time()
+                outcomes = await asyncio.wait_for(
+                    asyncio.gather(
+                        store.load_head(ThreadId("n-read")),
+                        store.append(activation("n-append", "r"), 0, 0),
+                        return_exceptions=True,
+                    ),
+                    DEFAULT_TIMEOUT_S / 2,
+                )
+                waited = asyncio.get_running_loop().time() - began
+            for outcome in outcomes:
+                assert isinstance(outcome, StoreUnavailable), outcome
+                assert f"no connection within {CONNECT_TIMEOUT_S:g}s" in str(outcome)
+            assert waited < 2 * CONNECT_TIMEOUT_S
+        finally:
+            await store.close()
+
+
+def _sleep(conn: Connection, seconds: float) -> int:
+    return int(conn.execute(text("SELECT 1 FROM pg_sleep(:s)"), {"s": seconds}).scalar_one())
 
 
 @contextlib.contextmanager
