@@ -16,6 +16,7 @@ process, or after ``Ratchet.handle(thread_id)`` (``cluster.handle``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterable
@@ -50,6 +51,9 @@ from storage.summary import summarize
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
+WAIT_COUNT_S = 1.0
+"""The end of a ``wait_all`` deadline kept for counting the Runs still running (a tenth
+of it if that is less): the count must not take the waiter past its deadline."""
 
 
 class Ratchet:
@@ -249,36 +253,39 @@ class Ratchet:
         """Wait until every handle's Run is ended or awaiting.
 
         Each Run's host says when its drive is over; then one listing confirms them all
-        from the store (and polls, with backoff, for any still running elsewhere).
+        from the store (and polls, with backoff, for any still running elsewhere). At
+        ``timeout_s``, TimeoutError saying how many are still running, as far as the
+        store tells within the deadline (the end of it is kept for that count:
+        ``WAIT_COUNT_S``); a store that is out then is not waited for.
         """
         handles = list(handles)
         wanted = {h.thread_id: h.run_id for h in handles}
 
         async def all_at_rest() -> list[RunSummary] | None:
-            listing = await patiently(self.store.list_runs)
-            for thread in refused_in(listing):  # it would never be listed at rest
-                if thread in wanted:
-                    raise CorruptRecord(thread, 0, "its run index entry does not verify")
-            rows = {r.thread_id: r for r in listing}
-            done: list[RunSummary] = []
-            for t, run in wanted.items():
-                row = rows.get(t)
-                if _at_rest(row, run):
-                    done.append(row)  # type: ignore[arg-type]  # _at_rest: not None
-                elif row is not None and run is not None and moved_on(row.run_id, run):
-                    done.append(await _summary_at_end(self.store, t, run, row.run_id))
+            done = await _rested(self.store, wanted)
             return done if len(done) == len(wanted) else None
 
         async def settled() -> list[RunSummary]:
             await asyncio.gather(*(h.until_host_done() for h in handles))
             return await polled(all_at_rest)
 
+        if timeout_s is None:
+            return await settled()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline - min(WAIT_COUNT_S, timeout_s / 10)):
+                return await settled()
         try:
-            return await asyncio.wait_for(settled(), timeout_s)
-        except TimeoutError:
-            rows = {r.thread_id: r for r in await patiently(self.store.list_runs)}
-            left = sum(not _at_rest(rows.get(t), run) for t, run in wanted.items())
-            raise TimeoutError(f"{left} of {len(wanted)} runs still running") from None
+            async with asyncio.timeout_at(deadline):
+                done = await _rested(self.store, wanted)
+        except (TimeoutError, StoreUnavailable):
+            raise TimeoutError(
+                f"{len(wanted)} of {len(wanted)} runs not known at rest: the store did not "
+                "answer by the deadline"
+            ) from None
+        if len(done) == len(wanted):  # at rest in the part of the deadline kept for this
+            return done
+        raise TimeoutError(f"{len(wanted) - len(done)} of {len(wanted)} runs still running")
 
     async def supervisor_report(self) -> dict[str, Any]:
         result: dict[str, Any] = await supervisor(self.spec).report.remote()
@@ -300,6 +307,24 @@ class Ratchet:
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)
+
+
+async def _rested(store: CommitStore, wanted: dict[ThreadId, RunId | None]) -> list[RunSummary]:
+    """The summaries of the ``wanted`` Runs (by thread) the store holds at rest, from one
+    listing (waiting out an outage of a moment)."""
+    listing = await patiently(store.list_runs)
+    for thread in refused_in(listing):  # it would never be listed at rest
+        if thread in wanted:
+            raise CorruptRecord(thread, 0, "its run index entry does not verify")
+    rows = {r.thread_id: r for r in listing}
+    done: list[RunSummary] = []
+    for t, run in wanted.items():
+        row = rows.get(t)
+        if _at_rest(row, run):
+            done.append(row)  # type: ignore[arg-type]  # _at_rest: not None
+        elif row is not None and run is not None and moved_on(row.run_id, run):
+            done.append(await _summary_at_end(store, t, run, row.run_id))
+    return done
 
 
 async def _summary_at_end(

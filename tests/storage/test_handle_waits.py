@@ -1,6 +1,7 @@
 """A Run's handle follows the store: a store outage of a moment pauses it (as it
 pauses Runs and streams), it is not the Run's answer; and a host that hangs is not
-waited for once the store holds the Run at rest."""
+waited for once the store holds the Run at rest. ``wait_all`` keeps its deadline,
+outage or not."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import Any
 import pytest
 
 from actors.wire import SystemSpec
+from cluster.client import Ratchet
 from cluster.handle import RunHandle
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
 from runtime.errors import StoreUnavailable
 from runtime.ids import RunId, ThreadId
 from storage.memory import MemoryCommitStore
+from tests.storage.builders import activation
 
 
 class _Blips:
@@ -41,6 +44,23 @@ class _HungHost:
             return asyncio.get_running_loop().create_future()
 
     until_rest = _Never()
+
+
+class _Out:
+    """A store that is out: every listing fails StoreUnavailable."""
+
+    async def list_runs(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("out (test)")
+
+
+class _DoneHost:
+    """A host that says at once that it drives the Run no more."""
+
+    class _Done:
+        async def remote(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    until_rest = _Done()
 
 
 class _Client:  # what a handle asks of its client
@@ -79,3 +99,22 @@ async def test_a_handle_waits_out_a_store_outage_of_a_moment() -> None:
     frontier = await asyncio.wait_for(handle.settled(host_done=True), 30)
     assert frontier.run_id == "r1" and frontier.run_state.kind == "ended"
     assert blips.blips == 0
+
+
+@pytest.mark.parametrize("out", [True, False], ids=["store-out", "store-up"])
+async def test_wait_all_raises_at_its_deadline_with_what_the_store_told_by_then(
+    out: bool,
+) -> None:
+    """Past its deadline, wait_all counted the Runs still running with a minute's
+    patience for the store: during an outage it raised a minute late."""
+    store: Any = _Out() if out else MemoryCommitStore()
+    if not out:
+        await store.append(activation("th", "r1"), 0, 0)  # running, and it stays so
+    client = Ratchet(SystemSpec(name="t", store_url="memory://", hosts=1), store, [_DoneHost()])
+    handle = RunHandle(client, ThreadId("th"), RunId("r1"), "hosted")
+    told = "1 of 1 runs not known at rest" if out else "1 of 1 runs still running"
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises(TimeoutError, match=told):
+        await asyncio.wait_for(client.wait_all([handle], timeout_s=0.5), 30)
+    assert loop.time() - began < 1.0  # the deadline, and a moment
