@@ -1,16 +1,21 @@
 """Stream checkpoints: partial output of an interrupted inference (DESIGN §4).
 
-Best effort from end to end: writing one never fails a Run, and it is used only on
-the first Step a recovered engine runs, then deleted once that Step commits.
+Best effort from end to end: writing one never fails a Run, nor holds one up for more
+than a timeout while its store hangs (``SafeCheckpoints``), and it is used only on the
+first Step a recovered engine runs, then deleted once that Step commits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import time
+import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.limits import joined
@@ -19,6 +24,7 @@ from runtime.models import ModelDelta, ModelResponse
 from runtime.ports import StreamCheckpoint, StreamCheckpointStore
 
 log = logging.getLogger("ratchet.checkpoint")
+T = TypeVar("T")
 
 
 def plan_from_checkpoint(
@@ -90,34 +96,158 @@ class PartialOutput:
         )
 
 
-class SafeCheckpoints:
-    """Wraps a StreamCheckpointStore so that no failure of it ever reaches a Run: an
-    error, or an answer slower than ``timeout_s`` (a hung server), is logged and the
-    checkpoint treated as absent (one left behind is ignored: it names its run and step)."""
+COOL_DOWN_S = 30.0
+"""How long checkpoint I/O is skipped once the store failed or did not answer in time."""
+MAX_OWED = 10_000
+"""Threads whose owed delete is remembered (the oldest is forgotten past it)."""
 
-    def __init__(self, store: StreamCheckpointStore | None, timeout_s: float = 5.0) -> None:
-        self.store = store
-        self.timeout_s = timeout_s
+
+@dataclass
+class _Health:
+    """What every SafeCheckpoints over one store knows of it (there is one per engine,
+    so one per Run: an outage learnt by one Run spares the others)."""
+
+    failing: bool = False
+    """Whether its last call timed out: calls are skipped until one answers in time."""
+    resume_at: float = 0.0
+    """``time.monotonic()`` before which a failing store is not called (its cool-down)."""
+    probing: bool = False
+    """Whether a call is trying a failing store again (the others still skip it)."""
+    owed: dict[ThreadId, None] = field(default_factory=dict)
+    """Threads whose checkpoint should have been deleted and may not have been, oldest first."""
+
+
+_HEALTH: weakref.WeakKeyDictionary[Any, _Health] = weakref.WeakKeyDictionary()
+
+
+def _health_of(store: StreamCheckpointStore | None) -> _Health:
+    try:
+        return _HEALTH.setdefault(store, _Health())
+    except TypeError:  # None, or a store that cannot be weakly referenced: its own
+        return _Health()
+
+
+class _Failed(Exception):
+    """A call skipped, or one that raised, timed out, or answered as slowly as a store
+    that gave up."""
+
+
+class SafeCheckpoints:
+    """Wraps a StreamCheckpointStore so that no failure of it ever reaches a Run, nor
+    holds one up for long.
+
+    A call that raises is logged, and the checkpoint treated as absent. One that does
+    not answer within ``timeout_s``, or answers after half of it (a store that gave up
+    on its own timeout answers as if it had succeeded), is logged too, and the store is
+    left alone for ``cool_down_s``: puts are skipped, ``get`` answers None (the Step
+    infers again), deletes are owed. Then one call tries it again (the others still
+    skip it), and the store is used as before once that call answers in time. The
+    state is shared by every SafeCheckpoints over the same store object.
+
+    A delete not made is owed: until a later put or delete of that thread lands, this
+    process serves no checkpoint of it (``get`` makes the delete first, and answers
+    None). What it leaves in the store is harmless once its Step has committed (a
+    checkpoint names its Run and Step, and a recovery's first Step is a later one).
+    One a failed attempt left is replaced by the next attempt's first put, or deleted
+    when its Step commits; a process that dies before either, its store back when the
+    recovery reads, lets that attempt's complete calls be taken up — as a delete that
+    failed outright always could (nothing committed tells a failed attempt)."""
+
+    def __init__(
+        self,
+        store: StreamCheckpointStore | SafeCheckpoints | None,
+        timeout_s: float = 5.0,
+        cool_down_s: float = COOL_DOWN_S,
+    ) -> None:
+        if isinstance(store, SafeCheckpoints):  # wrapped already: taken as it is
+            timeout_s, cool_down_s = store.timeout_s, store.cool_down_s
+            store = store.store
+        self.store: StreamCheckpointStore | None = store
+        self.timeout_s: float = timeout_s
+        self.cool_down_s: float = cool_down_s
+        self.health = _health_of(store)
+
+    def cooling(self) -> bool:
+        """Whether calls skip the store now (a failing one, in its cool-down)."""
+        return self.health.failing and time.monotonic() < self.health.resume_at
 
     async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
-        if self.store is None:
+        store = self.store
+        if store is None:
+            return None
+        if thread in self.health.owed:  # what it holds may be stale
+            await self.delete(thread)
             return None
         try:
-            return await asyncio.wait_for(self.store.get(thread), self.timeout_s)
-        except Exception as exc:
-            log.warning("stream checkpoint read failed for %s: %r", thread, exc)
+            return await self._call("read", thread, lambda: store.get(thread))
+        except _Failed:
             return None
 
     async def put(self, thread: ThreadId, cp: StreamCheckpoint) -> None:
-        if self.store is not None:
-            try:
-                await asyncio.wait_for(self.store.put(thread, cp), self.timeout_s)
-            except Exception as exc:
-                log.warning("stream checkpoint write failed for %s: %r", thread, exc)
+        store = self.store
+        if store is None:
+            return
+        with contextlib.suppress(_Failed):
+            await self._call("write", thread, lambda: store.put(thread, cp))
+            self.health.owed.pop(thread, None)  # replaced: nothing stale is left
 
     async def delete(self, thread: ThreadId) -> None:
-        if self.store is not None:
-            try:
-                await asyncio.wait_for(self.store.delete(thread), self.timeout_s)
-            except Exception as exc:
-                log.warning("stream checkpoint delete failed for %s: %r", thread, exc)
+        store = self.store
+        if store is None:
+            return
+        try:
+            await self._call("delete", thread, lambda: store.delete(thread))
+        except _Failed:
+            self._owe(thread)
+        else:
+            self.health.owed.pop(thread, None)
+
+    async def _call(self, what: str, thread: ThreadId, work: Callable[[], Awaitable[T]]) -> T:
+        health = self.health
+        probe = health.failing
+        if probe:
+            if health.probing or time.monotonic() < health.resume_at:
+                raise _Failed  # left alone
+            health.probing = True
+        try:
+            return await self._timed(what, thread, work)
+        finally:
+            if probe:
+                health.probing = False
+
+    async def _timed(self, what: str, thread: ThreadId, work: Callable[[], Awaitable[T]]) -> T:
+        began = time.monotonic()
+        try:
+            answer = await asyncio.wait_for(work(), self.timeout_s)
+        except TimeoutError as exc:
+            self._cool_down(what, thread, f"no answer within {self.timeout_s:g}s")
+            raise _Failed from exc
+        except Exception as exc:  # quick to fail, so nothing to wait out
+            log.warning("stream checkpoint %s failed for %s: %r", what, thread, exc)
+            raise _Failed from exc
+        took = time.monotonic() - began
+        if took >= self.timeout_s / 2:
+            self._cool_down(what, thread, f"it took {took:.1f}s")
+            raise _Failed
+        if self.health.failing:
+            self.health.failing = False
+            log.warning("the stream checkpoint store answers again: checkpoints are kept")
+        return answer
+
+    def _cool_down(self, what: str, thread: ThreadId, why: str) -> None:
+        self.health.failing = True
+        self.health.resume_at = time.monotonic() + self.cool_down_s
+        log.warning(
+            "stream checkpoint %s failed for %s (%s): checkpoints are skipped for %gs",
+            what,
+            thread,
+            why,
+            self.cool_down_s,
+        )
+
+    def _owe(self, thread: ThreadId) -> None:
+        owed = self.health.owed
+        owed.pop(thread, None)
+        owed[thread] = None
+        if len(owed) > MAX_OWED:
+            del owed[next(iter(owed))]

@@ -1,4 +1,4 @@
-"""Stream checkpoints: each recovery case, and a checkpoint store that raises."""
+"""Stream checkpoints: each recovery case, and a checkpoint store that raises or hangs."""
 
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ from runtime import (
 )
 from runtime.checkpoint import SafeCheckpoints
 from runtime.errors import ModelRateLimited, ModelUnavailable
+from runtime.ids import RunId, ThreadId
 from runtime.messages import ContextMessage
+from runtime.ports import StreamCheckpoint
 from storage.checkpoints import MemoryCheckpointStore
 from storage.memory import MemoryCommitStore
+from tests.support.waiting import until
 
 
 @tool
@@ -224,5 +227,102 @@ async def test_a_failed_attempts_checkpoint_is_never_taken_up_by_a_recovery(fail
     with pytest.raises(Crash):
         await fresh().start("t", "go")
     assert await checkpoints.get("t") is None  # spent with its attempt
+    done = await fresh().recover("t")
+    assert done.run_state.kind == "ended" and ran == [] and model.asked == 3
+
+
+class Stoppable:
+    """A checkpoint store in memory that can be made to hang (a stopped server), and that
+    counts the calls that reach it."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryCheckpointStore()
+        self.hung = False
+        self.reached = 0
+
+    async def _reach(self) -> None:
+        self.reached += 1
+        if self.hung:
+            await asyncio.Event().wait()
+
+    async def get(self, thread):
+        await self._reach()
+        return await self.inner.get(thread)
+
+    async def put(self, thread, cp):
+        await self._reach()
+        await self.inner.put(thread, cp)
+
+    async def delete(self, thread):
+        await self._reach()
+        await self.inner.delete(thread)
+
+
+def checkpoint(text: str) -> StreamCheckpoint:
+    return StreamCheckpoint(run_id=RunId("r"), step=0, text=text)
+
+
+async def test_a_store_that_stops_answering_is_left_alone_for_a_cool_down():
+    """One call waits out its timeout; then, for the cool-down, puts are skipped, gets
+    answer None and deletes are owed, none reaching the store; then one call at a time
+    tries it again, and once it answers the owed delete is made before anything of that
+    thread is served."""
+    store = Stoppable()
+    safe = SafeCheckpoints(store, timeout_s=0.05, cool_down_s=0.3)
+    await safe.put(ThreadId("t"), checkpoint("before"))
+    store.hung = True
+    await safe.put(ThreadId("t"), checkpoint("timed out"))
+    reached = store.reached
+    assert safe.cooling()
+    await safe.put(ThreadId("t"), checkpoint("skipped"))
+    assert await safe.get(ThreadId("t")) is None
+    await safe.delete(ThreadId("t"))  # owed
+    assert store.reached == reached  # none of the three reached it
+    await until(lambda: not safe.cooling(), what="the cool-down to end")
+    puts = [safe.put(ThreadId(f"t{i}"), checkpoint("probe")) for i in range(4)]
+    await asyncio.gather(*puts)
+    assert store.reached == reached + 1  # one tried it (and timed out); the others skipped
+    store.hung = False
+    await until(lambda: not safe.cooling(), what="the next cool-down to end")
+    assert await safe.get(ThreadId("t")) is None  # owed: the delete is made, nothing served
+    assert await store.inner.get(ThreadId("t")) is None
+    await safe.put(ThreadId("t"), checkpoint("kept"))
+    assert await safe.get(ThreadId("t")) == checkpoint("kept")
+
+
+async def test_a_failed_attempts_delete_that_could_not_be_made_is_not_taken_up():
+    """The store hangs as the first attempt fails, so its checkpoint (a complete call)
+    cannot be deleted; the next attempt dies. A recovery in the same process, the store
+    answering again, must not run the call the runtime threw away."""
+    ran: list[str] = []
+
+    @tool
+    def lookup(key: str) -> str:
+        ran.append(key)
+        return key
+
+    store = Stoppable()
+
+    class HangingAsItFails(FailingThenDying):
+        async def stream(self, request):
+            async for item in super().stream(request):
+                yield item
+                if self.asked == 1:  # the call is checkpointed: now the store hangs
+                    store.hung = True
+
+    model = HangingAsItFails(ModelUnavailable("stream_cut", "connection reset"))
+    agent = Agent(name="cp", model=model, tools=[lookup])
+    commits = MemoryCommitStore()
+    safe = SafeCheckpoints(store, timeout_s=0.05, cool_down_s=0.2)
+
+    def fresh() -> Engine:
+        tools = LocalToolRunner([lookup])
+        return Engine(agent, commits, tools, checkpoints=safe, checkpoint_interval_s=0)
+
+    with pytest.raises(Crash):
+        await fresh().start("t", "go")
+    assert await store.inner.get(ThreadId("t")) is not None  # left behind
+    store.hung = False
+    await until(lambda: not safe.cooling(), what="the cool-down to end")
     done = await fresh().recover("t")
     assert done.run_state.kind == "ended" and ran == [] and model.asked == 3

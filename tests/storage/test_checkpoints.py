@@ -1,23 +1,34 @@
-"""StreamCheckpointStore: get/put/delete, and best effort when the server is gone."""
+"""StreamCheckpointStore: get/put/delete, and best effort when the server is gone or hung."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import os
+import shutil
+import signal
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import select, update
 
+from runtime import Agent, Crash, Engine, LocalToolRunner, ModelDelta, ModelResponse
+from runtime.checkpoint import SafeCheckpoints
 from runtime.ids import RunId, ThreadId
 from runtime.ports import StreamCheckpoint
 from storage.checkpoints import MemoryCheckpointStore, SqlCheckpointStore
+from storage.memory import MemoryCommitStore
+from storage.redis_checkpoints import RedisCheckpointStore
 from storage.schema import checkpoints
 from storage.sql import SqlCommitStore
 from storage.sql_engine import create_engine
+from tests.conftest import IN_CI
 from tests.storage.conftest import make_store
+from tests.support.servers import PrivateRedis, private_redis
+from tests.support.waiting import until
 
 T = ThreadId("t-checkpoint")
 CP = StreamCheckpoint(run_id=RunId("r"), step=2, text="partial", tool_calls=({"id": "c1"},))
@@ -113,3 +124,93 @@ async def test_a_checkpoint_edited_by_hand_or_moved_is_not_acted_on(
         assert await cps.get(T) is None  # another thread's checkpoint
     finally:
         await store.close()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        if IN_CI:
+            pytest.fail("redis-server is not installed (CI=true: a missing service fails)")
+        pytest.skip("redis-server is not installed")
+    with private_redis() as s:
+        yield s
+
+
+class Counted:
+    """The real store, counting the calls that reach it."""
+
+    def __init__(self, inner: RedisCheckpointStore) -> None:
+        self.inner = inner
+        self.reached = 0
+
+    async def get(self, thread: ThreadId) -> StreamCheckpoint | None:
+        self.reached += 1
+        return await self.inner.get(thread)
+
+    async def put(self, thread: ThreadId, cp: StreamCheckpoint) -> None:
+        self.reached += 1
+        await self.inner.put(thread, cp)
+
+    async def delete(self, thread: ThreadId) -> None:
+        self.reached += 1
+        await self.inner.delete(thread)
+
+
+class Streaming:
+    """Streams ``DELTAS`` words, 50 ms apart; ``at_word(i)`` runs before word i. Ends
+    with the whole text, or dies (Crash) after word ``dies_after`` if given."""
+
+    DELTAS = 60
+
+    def __init__(self, at_word: Any = None, dies_after: int | None = None) -> None:
+        self.at_word = at_word or (lambda i: None)
+        self.dies_after = dies_after
+
+    async def stream(self, request: Any) -> AsyncIterator[Any]:
+        for i in range(self.DELTAS):
+            self.at_word(i)
+            if i == self.dies_after:
+                raise Crash("the process died mid-inference")
+            await asyncio.sleep(0.05)
+            yield ModelDelta(text=f"w{i} ")
+        yield ModelResponse(text="".join(f"w{i} " for i in range(self.DELTAS)))
+
+
+def streaming_engine(model: Streaming, safe: SafeCheckpoints) -> Engine:
+    agent = Agent(name="cp", model=model)
+    return Engine(agent, MemoryCommitStore(), LocalToolRunner(()), checkpoints=safe)
+
+
+async def test_a_hung_redis_holds_up_a_streamed_step_once_not_at_every_checkpoint(
+    redis_server: PrivateRedis,
+) -> None:
+    """Redis stopped (SIGSTOP) mid-stream: the one checkpoint write that meets it waits
+    out its timeout, the rest are skipped, so the Step ends about one timeout later than
+    it would have (a 3 s stream; every write waiting out 1 s would take over 12 s). Once
+    Redis answers again and the cool-down is over, checkpoints are written again."""
+    pid = redis_server._proc.pid  # type: ignore[union-attr]
+    redis = RedisCheckpointStore.connect(redis_server.url)
+    counted = Counted(redis)
+    safe = SafeCheckpoints(counted, timeout_s=1.0, cool_down_s=6.0)
+    stopped_at: list[int] = []
+
+    def stop_at_word_10(i: int) -> None:
+        if i == 10:
+            stopped_at.append(counted.reached)
+            os.kill(pid, signal.SIGSTOP)
+
+    try:
+        run = streaming_engine(Streaming(stop_at_word_10), safe).start("t1", "go")
+        done = await asyncio.wait_for(run, 8.0)
+        assert done.run_state.cause.kind == "natural"
+        assert stopped_at[0] > 0 and counted.reached == stopped_at[0] + 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await until(lambda: not safe.cooling(), 10.0, what="the cool-down to end")
+    assert await safe.get(ThreadId("t1")) is None  # its delete was owed, and is made now
+    assert await redis.get(ThreadId("t1")) is None
+    with pytest.raises(Crash):
+        await streaming_engine(Streaming(dies_after=20), safe).start("t2", "go")
+    written = await redis.get(ThreadId("t2"))
+    assert written is not None and written.text.startswith("w0 w1 ")
+    await redis.close()
