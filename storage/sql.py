@@ -79,12 +79,13 @@ an outage: a caller waits its turn while the groups ahead of it land (20,000 Run
 one PostgreSQL writer waited 55 s per append, and a fixed deadline of 60 s turned that
 into retries, recoveries and more load: benchmarks/README.md, eleventh round). A group
 that meets an outage fails the requests queued behind it too, so an outage is heard at
-once, not one group's driver timeout after another. The writer drops a request whose
-caller has given up (timed out or cancelled) before its group is taken: that caller
-heard StoreUnavailable or nothing, so not writing it is one of the outcomes it must
-already handle, and writing it would only add load. A group the database refuses for a
-reason of its own (not an outage) is written again request by request, so only the
-culprit fails.
+once, not one group's driver timeout after another; a group that waited for a row
+another client holds locked past ``sql_statements.LOCK_TIMEOUT_S`` hears
+StoreUnavailable alone. The writer drops a request whose caller has given up (timed
+out or cancelled) before its group is taken: that caller heard StoreUnavailable or
+nothing, so not writing it is one of the outcomes it must already handle, and writing
+it would only add load. A group the database refuses for a reason of its own (not an
+outage) is written again request by request, so only the culprit fails.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ from storage.frontiers import FrontierCache
 from storage.retention import Cut, prune_thread
 from storage.schema import migrate
 from storage.sql_engine import DEFAULT_TIMEOUT_S, Database
-from storage.sql_errors import translate
+from storage.sql_errors import lock_timed_out, translate
 from storage.sql_reads import (
     index_problem_body,
     list_body,
@@ -408,7 +409,7 @@ class SqlCommitStore:
                 return
             log.warning("a group of %d requests failed: %s", len(group), error)
             outcomes = [_own_copy(error) for _ in group]
-            if isinstance(error, StoreUnavailable):
+            if isinstance(error, StoreUnavailable) and not lock_timed_out(error.__cause__):
                 self._fail_queued(error)
         appends = sum(isinstance(r, AppendRequest) for r in requests)
         if appends:
@@ -427,7 +428,8 @@ class SqlCommitStore:
         """An outage meets every request queued behind the group that met it: each
         would otherwise wait its own turn to meet it too (a server that hangs until
         the driver's command timeout, group after group), and its caller retries
-        with backoff anyway."""
+        with backoff anyway. A row lock waited for past ``LOCK_TIMEOUT_S`` is no
+        outage (another client holds one thread's row): only its group hears it."""
         while not self._queue.empty():
             _resolve(self._queue.get_nowait(), _own_copy(error))
 

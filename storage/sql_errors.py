@@ -9,8 +9,11 @@
     server shutting down or starting, too many
     connections, deadlock, SQLite busy or locked,
     disk full (SQLite's "database or disk is full",
-    PostgreSQL's 53100: space can be freed)         -> StoreUnavailable
+    PostgreSQL's 53100: space can be freed), a row
+    lock waited for past lock_timeout (55P03)       -> StoreUnavailable
     any other driver error                          -> StoreError
+
+A lock timeout is one thread's, not the store's: ``lock_timed_out`` tells it apart.
 
 A unique violation is told by the key it names, never by other words of its message:
 PostgreSQL's ``constraint_name`` (SQLSTATE 23505), SQLite's list of the key's columns
@@ -28,8 +31,10 @@ from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, Ver
 
 # SQLSTATE classes that mean "try again later", never "your data is wrong":
 # 08 connection exception, 53 insufficient resources, 57 operator intervention
-# (admin shutdown, cannot connect now), 40 transaction rollback (deadlock, serialization).
-_TRANSIENT_SQLSTATE = ("08", "53", "57", "40")
+# (admin shutdown, cannot connect now), 40 transaction rollback (deadlock, serialization),
+# 55P03 lock not available (a row another client holds past our lock_timeout).
+_LOCK_TIMEOUT = "55P03"
+_TRANSIENT_SQLSTATE = ("08", "53", "57", "40", _LOCK_TIMEOUT)
 _TRANSIENT_WORDS = (
     "database is locked",
     "database is busy",
@@ -73,6 +78,15 @@ def translate(
     if _transient(exc):
         return StoreUnavailable(f"store {where} unavailable: {_describe(exc)}")
     return StoreError(f"store {where} failed: {_describe(exc)}")
+
+
+def lock_timed_out(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (a driver's, wrapped or not) is a lock wait that ran past its
+    ``lock_timeout``: a row held by another client, not an outage of the server."""
+    if isinstance(exc, DBAPIError):
+        return _sqlstate(exc) == _LOCK_TIMEOUT
+    state = getattr(exc, "sqlstate", None)
+    return exc is not None and _from_asyncpg(exc) and state == _LOCK_TIMEOUT
 
 
 def _refused(exc: BaseException) -> bool:

@@ -287,6 +287,15 @@ class PgStatement:
 
 STALE_PLAN = "ratchet: stale plan"
 """What the planned statement fails with when a row moved (inside a 22P02 error)."""
+LOCK_TIMEOUT_S = 3
+"""How long a group's write transaction waits for a row lock another client holds
+(PostgreSQL's ``lock_timeout``, SQLSTATE 55P03 past it). Groups lock their rows for
+milliseconds; a lock held for seconds is a client stopped inside its transaction, and
+waiting for it out to the statement timeout held up every group of the process behind
+it, then failed them all as an outage (``SqlCommitStore._fail_queued``). Set for the
+transaction only, so it holds behind PgBouncer and never outlives the group."""
+PG_LOCK_TIMEOUT = f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_S}s'"
+"""The read-first transaction's first statement (``sql_txn.transact``)."""
 
 
 def _pg_planned_statement() -> PgStatement:
@@ -301,6 +310,12 @@ def _pg_planned_statement() -> PgStatement:
     without a function in the schema. The text depends on the count, so PostgreSQL
     cannot fold it at plan time and evaluates it only in the branch that fails.
     Sent without BEGIN and COMMIT, the group costs one round trip instead of three.
+
+    Having no BEGIN, it cannot ``SET LOCAL`` its ``LOCK_TIMEOUT_S``: each of its
+    writes sets it itself (``set_config(..., true)``: for its own transaction) in an
+    uncorrelated subquery of its condition, which PostgreSQL evaluates once, before
+    the first row (an InitPlan under a one-time filter): whichever write runs first,
+    no lock is waited for before the setting holds.
     """
     names: list[str] = []
 
@@ -314,6 +329,7 @@ def _pg_planned_statement() -> PgStatement:
         columns_as = [c.name for c in columns] + [f"b_{c.name}" for c in extra]
         return f"unnest({', '.join(arrays)}) AS v({', '.join(columns_as)})"
 
+    bounded = f"(SELECT set_config('lock_timeout', '{LOCK_TIMEOUT_S}s', true)) IS NOT NULL"
     row_cols = list(ROW_COLUMNS)
     set_cols = ", ".join(f"{c} = v.{c}" for c in _THREAD_COLUMNS)
     thread_names = ", ".join(c.name for c in row_cols)
@@ -322,11 +338,13 @@ def _pg_planned_statement() -> PgStatement:
         f"WITH moved AS (UPDATE {threads.name} AS t SET {set_cols}"
         f" FROM {unnest('u_', row_cols, (_t.version, _t.epoch, _t.owner))}"
         " WHERE t.thread_id = v.thread_id AND t.version = v.b_version"
-        " AND t.epoch = v.b_epoch AND t.owner IS NOT DISTINCT FROM v.b_owner RETURNING 1),"
+        " AND t.epoch = v.b_epoch AND t.owner IS NOT DISTINCT FROM v.b_owner"
+        f" AND {bounded} RETURNING 1),"
         f" fresh AS (INSERT INTO {threads.name} ({thread_names})"
-        f" SELECT {thread_names} FROM {unnest('f_', row_cols)} RETURNING 1),"
+        f" SELECT {thread_names} FROM {unnest('f_', row_cols)} WHERE {bounded} RETURNING 1),"
         f" logged AS (INSERT INTO {commits.name} ({commit_names})"
-        f" SELECT {commit_names} FROM {unnest('c_', list(commits.columns))} RETURNING 1)"
+        f" SELECT {commit_names} FROM {unnest('c_', list(commits.columns))}"
+        f" WHERE {bounded} RETURNING 1)"
         f" SELECT CASE WHEN count(*) = {param('n_updates', 'BIGINT')} THEN count(*)"
         f" ELSE CAST('{STALE_PLAN}: ' || count(*) || ' rows as planned' AS BIGINT) END"
         " FROM moved"

@@ -45,6 +45,7 @@ from storage.sql_statements import (
     LATEST_SEQ,
     MOVE_ANCHOR,
     PG_LOCK,
+    PG_LOCK_TIMEOUT,
     PG_PLANNED,
     PRUNED_COUNT,
     SQLITE_RECEIPTS,
@@ -300,7 +301,8 @@ def transact(
     """One transaction for the whole group; on a database refusal, one SAVEPOINT each.
 
     With a ``plan`` (SQLite) its transaction is tried first, and this one only if it
-    fails.
+    fails. On PostgreSQL a row lock held past ``LOCK_TIMEOUT_S`` fails the transaction
+    (``_bounded_lock_waits``).
     """
     if plan is not None:
         try:
@@ -309,11 +311,19 @@ def transact(
             pass
     try:
         with conn.begin():
+            _bounded_lock_waits(conn)
             return group_txn(conn, group, cache)
     except IntegrityError:
         # The database refused a write the pure rules admitted: find the culprit.
         with conn.begin():
+            _bounded_lock_waits(conn)
             return [_isolated(conn, request, where, cache) for request in group]
+
+
+def _bounded_lock_waits(conn: Connection) -> None:
+    """PostgreSQL: the transaction's lock waits end at ``LOCK_TIMEOUT_S`` (55P03)."""
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(PG_LOCK_TIMEOUT)
 
 
 def _isolated(conn: Connection, request: Request, where: str, cache: FrontierCache) -> Outcome:

@@ -410,6 +410,8 @@ def asyncpg_error(name: str, message: str) -> Exception:
         (OperationalError("SELECT 1", {}, _PgError("57P01", "terminating connection")),
          StoreUnavailable),
         (DBAPIError("SELECT 1", {}, _PgError("40P01", "deadlock detected")), StoreUnavailable),
+        (DBAPIError("SELECT 1", {}, _PgError("55P03", "lock timeout")), StoreUnavailable),
+        (asyncpg_error("LockNotAvailableError", "lock timeout"), StoreUnavailable),
         (ConnectionRefusedError(111, "Connect call failed"), StoreUnavailable),
         (asyncpg_error("ConnectionDoesNotExistError", "closed mid-operation"), StoreUnavailable),
         (asyncpg_error("InterfaceError", "connection is closed"), StoreUnavailable),

@@ -1,7 +1,8 @@
 """The SQL store's deadline: a caller gives up on a stuck group writer, not on a long
 queue ahead of it, and a request whose caller gave up is not written; on PostgreSQL
-the driver's own timeouts follow the store's and say which ran out, and a store on a
-hung server closes in seconds.
+the driver's own timeouts follow the store's and say which ran out, a row another
+client holds locked stalls the groups behind its own for seconds only, and a store on
+a hung server closes in seconds.
 
 The writer is slowed or held by wrapping ``_commit_taken`` (the real transaction runs
 after the wrapper lets it): a stand-in for a slow or hung server that leaves every
@@ -20,14 +21,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import Connection, text
 
 from runtime.errors import StoreUnavailable
 from runtime.ids import ThreadId
+from storage.frontiers import FrontierCache
 from storage.sql import SqlCommitStore
 from storage.sql_engine import CLOSE_S, CONNECT_TIMEOUT_S, DEFAULT_TIMEOUT_S
-from tests.storage.builders import activation
+from storage.sql_statements import LOCK_TIMEOUT_S
+from tests.storage.builders import activation, head, step
 from tests.storage.conftest import make_store
 from tests.support.servers import PrivatePostgres, private_postgres
 from tests.support.waiting import until
@@ -230,6 +234,58 @@ async def test_a_connection_a_hung_server_never_opens_is_named_as_such() -> None
             assert waited < 2 * CONNECT_TIMEOUT_S
         finally:
             await store.close()
+
+
+@pytest.mark.parametrize("way", ["planned", "read-first"])
+async def test_a_row_another_client_holds_locked_fails_its_own_group_only(
+    pg_conformance_url: str, way: str
+) -> None:
+    """A client stopped inside its transaction holds thread X's row. The group waiting
+    for it held up every group of the process behind it until the statement timeout,
+    then failed them all as an outage; now it hears StoreUnavailable after
+    ``LOCK_TIMEOUT_S`` and the appends queued behind it land."""
+    store: SqlCommitStore = await make_store("postgres", pg_conformance_url)
+    other = await asyncpg.connect(pg_conformance_url)
+    try:
+        x, y = ThreadId("lock-x"), ThreadId("lock-y")
+        for thread in (x, y):
+            await store.append(activation(thread, "r"), 0, 0)
+        hx, hy = await head(store, x), await head(store, y)
+        if way == "read-first":
+            store._frontiers = FrontierCache()  # nothing to plan from: rows are read first
+        holder = other.transaction()
+        await holder.start()
+        await other.execute("SELECT 1 FROM ratchet_threads WHERE thread_id = $1 FOR UPDATE", x)
+        blocked = asyncio.create_task(store.append(step(x, "r", 1, prev=hx), 1, 0))
+        waiting = await until(lambda: _waiting_on_a_lock(other), what="a group waiting on X")
+        assert ("WITH moved" if way == "planned" else "FOR UPDATE") in waiting
+        began = asyncio.get_running_loop().time()
+        behind = store.append(step(y, "r", 1, prev=hy), 1, 0)
+        assert (await asyncio.wait_for(behind, 3 * LOCK_TIMEOUT_S)).seq == 2
+        assert asyncio.get_running_loop().time() - began < LOCK_TIMEOUT_S + 2
+        with pytest.raises(StoreUnavailable, match="lock timeout"):
+            await blocked
+        await holder.rollback()  # the client goes on: X's append, retried, lands
+        assert (await store.append(step(x, "r", 1, prev=hx), 1, 0)).seq == 2
+        # the timeout was the transactions' own: the sessions keep the server's
+        assert await store.db.write_statement("SHOW lock_timeout", [], lambda _: True) == "0"
+        assert await store.db.read(_lock_timeout) == "0"
+    finally:
+        await other.close()
+        await store.close()
+
+
+async def _waiting_on_a_lock(conn: asyncpg.Connection) -> str | None:
+    """The query of a session of this database waiting for a lock, if one is."""
+    query: str | None = await conn.fetchval(
+        "SELECT a.query FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+        " WHERE NOT l.granted AND a.datname = current_database() LIMIT 1"
+    )
+    return query
+
+
+def _lock_timeout(conn: Connection) -> str:
+    return str(conn.exec_driver_sql("SHOW lock_timeout").scalar_one())
 
 
 def _sleep(conn: Connection, seconds: float) -> int:
