@@ -5,7 +5,8 @@
     thread row's key: someone wrote first           -> VersionConflict
     any other integrity violation (NOT NULL, CHECK,
     a trigger, a unique index not ours)             -> StoreError (the commit refused)
-    connection refused / lost / reset, timeouts,
+    connection refused / lost / reset, timeouts
+    (the pool's wait for a connection too),
     server shutting down or starting, too many
     connections, deadlock, SQLite busy or locked,
     disk full (SQLite's "database or disk is full",
@@ -26,6 +27,7 @@ another code). Errors arrive wrapped by SQLAlchemy, or as asyncpg raised them
 from __future__ import annotations
 
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, VersionConflict
 
@@ -123,6 +125,8 @@ def _transient(exc: BaseException) -> bool:
         if exc.connection_invalidated:
             return True
         return _transient_answer(_sqlstate(exc), str(exc.orig))
+    if isinstance(exc, PoolTimeout):  # every pooled connection out (a hung server holds them)
+        return True
     if isinstance(exc, SQLAlchemyError):
         return False
     if _from_asyncpg(exc):

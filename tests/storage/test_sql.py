@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from runtime.errors import (
     CorruptRecord,
@@ -418,6 +419,8 @@ def asyncpg_error(name: str, message: str) -> Exception:
         (asyncpg_error("AdminShutdownError", "terminating connection"), StoreUnavailable),
         (asyncpg_error("UndefinedTableError", "relation does not exist"), StoreError),
         (TimeoutError(), StoreUnavailable),
+        # every pooled connection checked out (a hung server holds them): try again later
+        (PoolTimeout("QueuePool limit of size 10 overflow 10 reached"), StoreUnavailable),
         (ProgrammingError("SELECT", {}, _PgError("42P01", "relation does not exist")),
          StoreError),
         (IntegrityError("INSERT", {}, sqlite3.IntegrityError(
