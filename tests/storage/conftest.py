@@ -8,6 +8,7 @@ dedicated db number, FLUSHDB before each test.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,8 @@ from runtime.ports import CommitStore
 from storage.memory import MemoryCommitStore
 from storage.schema import commits, threads
 from storage.sql import SqlCommitStore
+from tests.conftest import IN_CI
+from tests.support.servers import PrivateRedis, private_redis
 
 BACKENDS = ["memory", "sqlite", "postgres", "redis"]
 REDIS_TEST_DB = 9
@@ -158,3 +161,15 @@ def corrupt_frontier(store: Any, backend: str) -> Corruptor:
                 await conn.execute(stmt.values(frontier=body))
 
     return run
+
+
+@pytest.fixture
+def private_redis_server() -> Iterator[PrivateRedis]:
+    """A redis-server of the test's own (own port, temporary directory), for tests that
+    stop or hang it; in CI (CI=true) a missing redis-server fails, elsewhere it skips."""
+    if shutil.which("redis-server") is None:
+        if IN_CI:
+            pytest.fail("redis-server is not installed (CI=true: a missing service fails)")
+        pytest.skip("redis-server is not installed")
+    with private_redis() as s:
+        yield s

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -25,8 +24,7 @@ from runtime.stream import Frame, follow
 from storage.bus import RedisStreamBus
 from storage.memory import MemoryCommitStore
 from storage.redis_client import open_client
-from tests.conftest import IN_CI
-from tests.support.servers import PrivateRedis, private_redis
+from tests.support.servers import PrivateRedis
 from tests.support.waiting import until
 
 DEADLINE_S = 20.0
@@ -35,13 +33,8 @@ FOLLOW = {"idle_check_s": 0.2, "bus_retry_s": 0.1, "bus_timeout_s": 0.2, "poll_s
 
 
 @pytest.fixture
-def server() -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        if IN_CI:
-            pytest.fail("redis-server is not installed (CI=true: a missing service fails)")
-        pytest.skip("redis-server is not installed")
-    with private_redis() as s:
-        yield s
+def server(private_redis_server: PrivateRedis) -> PrivateRedis:
+    return private_redis_server
 
 
 @pytest.fixture

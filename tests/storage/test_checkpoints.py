@@ -6,9 +6,8 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,8 @@ from storage.redis_checkpoints import RedisCheckpointStore
 from storage.schema import checkpoints
 from storage.sql import SqlCommitStore
 from storage.sql_engine import create_engine
-from tests.conftest import IN_CI
 from tests.storage.conftest import make_store
-from tests.support.servers import PrivateRedis, private_redis
+from tests.support.servers import PrivateRedis
 from tests.support.waiting import until
 
 T = ThreadId("t-checkpoint")
@@ -127,13 +125,8 @@ async def test_a_checkpoint_edited_by_hand_or_moved_is_not_acted_on(
 
 
 @pytest.fixture
-def redis_server() -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        if IN_CI:
-            pytest.fail("redis-server is not installed (CI=true: a missing service fails)")
-        pytest.skip("redis-server is not installed")
-    with private_redis() as s:
-        yield s
+def redis_server(private_redis_server: PrivateRedis) -> PrivateRedis:
+    return private_redis_server
 
 
 class Counted:

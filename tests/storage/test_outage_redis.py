@@ -10,8 +10,6 @@ Run then completes, and its log replays to exactly the stored frontier.
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,20 +20,14 @@ from runtime.errors import StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.rules import replay
 from storage.redis_store import RedisCommitStore
-from tests.conftest import IN_CI
-from tests.support.servers import PrivateRedis, private_redis
+from tests.support.servers import PrivateRedis
 
 DEADLINE_S = 30.0
 
 
 @pytest.fixture
-def server() -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        if IN_CI:
-            pytest.fail("redis-server is not installed (CI=true: a missing service fails)")
-        pytest.skip("redis-server is not installed")
-    with private_redis() as s:
-        yield s
+def server(private_redis_server: PrivateRedis) -> PrivateRedis:
+    return private_redis_server
 
 
 class Watched:
