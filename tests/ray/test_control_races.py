@@ -25,11 +25,12 @@ from cluster.client import command_for
 from runtime import Agent, ModelResponse, ScriptedModel, call, tool
 from runtime.control import control_engine
 from runtime.engine import Engine
-from runtime.errors import InvalidTransition, ResumeRejected, StoreUnavailable
+from runtime.errors import InvalidTransition, ResumeRejected
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, Cancelled, EndedState, PermissionDecision, Stopped
 from runtime.tools import LocalToolRunner
 from storage.memory import MemoryCommitStore
+from tests.support.stores import AppendsOut
 from tests.support.waiting import until
 
 from .agents import permission_agent
@@ -497,21 +498,6 @@ async def test_a_signalled_cancel_outlives_a_take_over_of_its_run():
     assert (await store.load(ThreadId("ctl-taken"))).run_state.cause.kind == "cancelled"
 
 
-class _Out:
-    """The store, out for appends while ``down``."""
-
-    def __init__(self, inner: MemoryCommitStore) -> None:
-        self.inner, self.down = inner, False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def append(self, *args: Any, **kwargs: Any) -> Any:
-        if self.down:
-            raise StoreUnavailable("out (test)")
-        return await self.inner.append(*args, **kwargs)
-
-
 async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
     """The cancelled drive's end meets an outage longer than its backoff (the drive stops,
     paused): the reconciler does not drive the Run again meanwhile, and once the store is
@@ -520,7 +506,7 @@ async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
     from runtime.context import StoreRetry
 
     GATE.clear()
-    store = _Out(MemoryCommitStore())
+    store = AppendsOut(MemoryCommitStore())
     quick = StoreRetry(first_delay_s=0.01, max_delay_s=0.05, give_up_after_s=0.2)
     host = _gated_host(store, store, store_retry=quick)
     host.reconciler = Reconciler(

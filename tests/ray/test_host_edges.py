@@ -33,6 +33,7 @@ from runtime.runner import InProcessRunner
 from runtime.tools import LocalToolRunner
 from storage.memory import MemoryCommitStore
 from storage.schema import commits
+from tests.support.stores import AppendsOut
 
 from .agents import permission_agent
 from .checks import check_log
@@ -284,21 +285,6 @@ async def test_a_drive_spawned_while_the_host_reconciles_is_not_marked_lost_unde
     assert frontier.epoch == drives.get(thread).epoch and recovered == []
 
 
-class _AppendsOut:
-    """Appends fail while ``out`` (loads answer): the store came back for readers first."""
-
-    def __init__(self, inner: MemoryCommitStore) -> None:
-        self.inner, self.out = inner, True
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    async def append(self, *args: object, **kwargs: object) -> object:
-        if self.out:
-            raise StoreUnavailable("down")
-        return await self.inner.append(*args, **kwargs)
-
-
 def _child_host(store: object, owner: str, agent: Agent) -> RunHost:
     """A RunHost's delegation side alone: its drives run ``agent`` on ``store``."""
     host = object.__new__(RunHost)
@@ -327,7 +313,7 @@ async def test_a_child_whose_start_never_landed_sends_its_parent_to_ask_again():
     the engine's patience) and the store came back: the thread holds no Run, nobody owns
     it, so nobody would ever drive it. Following it waited for ever, and the parent's
     delegating call with it; the parent is told StoreUnavailable and asks again."""
-    store = _AppendsOut(MemoryCommitStore())
+    store = AppendsOut(MemoryCommitStore(), down=True)
     child = Agent(name="child", model=ScriptedModel((ModelResponse(text="done"),)))
     host = _child_host(store, "edge-host#3", child)
     request = ChildRequest(
@@ -338,7 +324,7 @@ async def test_a_child_whose_start_never_landed_sends_its_parent_to_ask_again():
     answer = asyncio.ensure_future(host.run_child(request.model_dump(mode="json")))
     gave_up = lambda: _true(request.child_thread in host.drives.paused)  # noqa: E731
     await wait_for(gave_up, 10, "the start gave up")
-    store.out = False
+    store.down = False
     await Reconciler("edge-host", "edge-host#3", store, host.drives, _never).once()  # type: ignore[arg-type]
     with pytest.raises(StoreUnavailable, match="did not land"):
         unwrap(await asyncio.wait_for(answer, 10))
