@@ -28,7 +28,7 @@ from runtime.batch import ToolOutput
 from runtime.errors import AgentImportError
 from runtime.limits import printable
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
-from runtime.tools import invoke_safely
+from runtime.tool_calls import invoke_safely
 
 DEFAULT_POOL = "default"
 

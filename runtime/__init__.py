@@ -91,14 +91,13 @@ from runtime.recovery import Decision, decide
 from runtime.rules import admit, advance, replay
 from runtime.runner import InProcessRunner
 from runtime.state import Command
+from runtime.tool_calls import LocalToolRunner, invoke_safely
 from runtime.tools import (
-    LocalToolRunner,
     OutcomeUnknown,
     Tool,
     ToolContext,
     ToolResult,
     UnavailableBeforeDispatch,
-    invoke_safely,
     tool,
 )
 

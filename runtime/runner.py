@@ -35,7 +35,7 @@ from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command
-from runtime.tools import LocalToolRunner
+from runtime.tool_calls import LocalToolRunner
 
 
 class InProcessRunner:

@@ -1,4 +1,4 @@
-"""Tools: the ``@tool`` decorator, argument validation, and the in-process ToolRunner.
+"""Tools: the ``@tool`` decorator and argument validation (calls run in ``runtime.tool_calls``).
 
 A tool is a plain function. ``@tool`` builds a pydantic model of its arguments from
 the signature; the parameter annotated ``ToolContext`` (if any) receives the call's
@@ -16,7 +16,7 @@ import inspect
 import json
 import math
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import UnionType
@@ -24,9 +24,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, RootModel, ValidationError, create_model
 
-from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolOutput, ToolRecoveryPolicy, WaitKind
+from runtime.batch import RECOVERY_MODES, RecoveryMode, ToolRecoveryPolicy, WaitKind
 from runtime.errors import InputRefused, ToolDefinitionError
-from runtime.execution import AbortSignal, ToolExecution, ToolRequest
+from runtime.execution import ToolExecution
 from runtime.frozen import FrozenDict, freeze
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.limits import (
@@ -35,13 +35,8 @@ from runtime.limits import (
     check_json_value,
     json_depth,
     printable,
-    raised,
-    said,
 )
-from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
-from runtime.signals import cancelling
 from runtime.state import Command
-from runtime.tracing_env import within
 
 Concurrency = Literal["parallel", "serial"]
 
@@ -389,160 +384,3 @@ class CallStart:
 
 class ToolExited(Exception):
     """A tool raised SystemExit or KeyboardInterrupt: its call failed, nothing more."""
-
-
-def _failed(text: str, requests: Sequence[Any]) -> Finished:
-    """The tool's error as the model sees it, with what it asked of its Run if that is a
-    list of requests (a tool can put anything there)."""
-    output = ToolOutput(content=text, is_error=True)
-    try:
-        return Finished(output=output, requests=tuple(requests))
-    except Exception:  # requests that are not requests: dropped, the call still failed
-        return Finished(output=output)
-
-
-def outcome_of(result: Any, requests: Sequence[ToolRequest] = ()) -> Finished:
-    """Turn a tool's return value (and what it asked of its Run) into a finished outcome."""
-    if isinstance(result, ToolResult):
-        return Finished(
-            output=ToolOutput(content=_to_text(result.content), is_error=result.is_error),
-            commands=tuple(result.commands),
-            requests=tuple(requests),
-        )
-    return Finished(output=ToolOutput(content=_to_text(result)), requests=tuple(requests))
-
-
-def _to_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, default=str)
-
-
-async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
-    """Run one invocation and classify how it ended; never raises an ordinary exception.
-
-    A call that times out or is cancelled has its abort signal set first; what it asked
-    of its Run is kept only if it finished (a retried call asks again)."""
-    abort = AbortSignal()
-    execution = None if inv.execution is None else ToolExecution(inv.execution, abort)
-    ctx = ToolContext(
-        operation_id=inv.operation_id,
-        attempt=inv.attempt,
-        call_id=inv.call_id,
-        run_id=inv.run_id,
-        thread_id=inv.thread_id,
-        prompt_path=inv.prompt_path,
-        epoch=inv.epoch,
-        execution=execution,
-    )
-    timeout = inv.timeout_s if inv.timeout_s is not None else t.timeout_s
-    requests = () if execution is None else execution.requests
-    start = CallStart()
-    try:
-        work = t.invoke(inv.arguments, ctx, start)
-        result = await (work if timeout is None else _within(work, timeout))
-    except _DeadlinePassed:
-        if start.abandon():
-            return Unavailable(
-                message=f"tool {t.id} got no tool thread within {timeout}s (all are busy)"
-            )
-        abort.set()  # a tool still running (in its thread, or ignoring its cancellation)
-        return Lost(message=f"tool {t.id} timed out after {timeout}s")
-    except UnavailableBeforeDispatch as exc:
-        return Unavailable(message=said(exc) or "unavailable before dispatch")
-    except OutcomeUnknown as exc:
-        return Lost(message=printable(f"tool {t.id}: {said(exc)}") or f"tool {t.id}: lost")
-    except asyncio.CancelledError as exc:
-        abort.set()
-        if cancelling():
-            raise  # the wave is being cancelled: it goes on unwinding
-        return _failed(raised(exc), requests)
-    except BaseException as exc:  # the tool's failure is the model's to see, never a crash
-        # (GeneratorExit or a BaseException of its own included: one call's failure
-        # must not fail the wave, nor the other Runs' waves sent in the same call)
-        return _failed(raised(exc), requests)
-    try:
-        return outcome_of(result, requests)
-    except BaseException as exc:  # a result that cannot be text is the tool's error
-        # (its __str__ or __repr__ may raise anything, SystemExit included)
-        return _failed(f"tool {t.id} returned what cannot be a result: {raised(exc)}", ())
-
-
-CANCEL_GRACE_S = 1.0
-"""How long a call past its deadline has to take its cancellation before it is left
-behind (a cooperative one unwinds, and its cleanup runs, before its Run goes on)."""
-
-
-class _DeadlinePassed(Exception):
-    """The call's own deadline (``timeout_s``) passed: not a TimeoutError the tool raised."""
-
-
-async def _within(work: Awaitable[Any], limit_s: float) -> Any:
-    """``work``'s result, or _DeadlinePassed once ``limit_s`` has passed: the call is then
-    cancelled and left behind, not waited for (one that ignores its cancellation would
-    hold its Run for as long as it likes). Its own TimeoutError is its own failure."""
-    bounded = contextvars.copy_context()
-    bounded.run(_BOUNDED.set, True)
-    task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(
-        _awaited(work), context=bounded
-    )
-    try:
-        await asyncio.wait({task}, timeout=limit_s)
-    except asyncio.CancelledError:
-        task.cancel()  # the wave is being cancelled: so is the call
-        raise
-    if not task.done():
-        task.cancel()  # a call that takes its cancellation ends within a moment
-        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-        if not task.done():
-            task.add_done_callback(_forget)
-        elif not task.cancelled():
-            unsent = task.exception()  # retrieved: what it ends with past its deadline
-            if isinstance(unsent, UnavailableBeforeDispatch):
-                raise unsent  # it says it had sent nothing yet: unavailable, not lost
-        raise _DeadlinePassed
-    return task.result()
-
-
-_BOUNDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "ratchet_call_bounded", default=False
-)
-
-
-async def _awaited(work: Awaitable[Any]) -> Any:
-    return await work
-
-
-def cancelled_at_deadline() -> bool:
-    """Whether the running call runs under its own ``timeout_s`` (in a task of its own, which
-    only its deadline or its wave's end cancels): a call cancelled there may answer
-    ``UnavailableBeforeDispatch`` if it had sent nothing yet (it is then tried again,
-    not lost). Anywhere else a CancelledError must go on unwinding."""
-    return _BOUNDED.get()
-
-
-def _forget(task: asyncio.Future[Any]) -> None:
-    """A call left behind past its deadline: whatever it ends with is dropped."""
-    if not task.cancelled():
-        task.exception()
-
-
-class LocalToolRunner:
-    """Runs tools in this process, a wave at a time, concurrently (the in-process runner)."""
-
-    def __init__(self, tools: Sequence[Tool]) -> None:
-        self.tools = {t.id: t for t in tools}
-
-    async def run(self, invocations: Sequence[ToolInvocation]) -> list[ToolOutcome]:
-        # A task per call, as gather would make (they run concurrently, each in its own
-        # context), awaited in order without gather's bookkeeping, which costs more than
-        # the tasks; if this is cancelled, so are they, as with a cancelled gather.
-        loop = asyncio.get_running_loop()
-        tasks = [
-            loop.create_task(within(i.trace_context, invoke_safely(self.tools[i.tool], i)))
-            for i in invocations
-        ]
-        try:
-            return [await task for task in tasks]
-        except BaseException:  # cancelled (or a bug of ours): no call outlives its wave
-            for task in tasks:
-                task.cancel()
-            raise

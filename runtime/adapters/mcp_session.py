@@ -25,13 +25,8 @@ from urllib.parse import urlsplit
 
 from runtime.adapters.mcp_reply import reread, unreadable
 from runtime.limits import printable
-from runtime.tools import (
-    OutcomeUnknown,
-    ToolContext,
-    ToolResult,
-    UnavailableBeforeDispatch,
-    cancelled_at_deadline,
-)
+from runtime.tool_calls import cancelled_at_deadline
+from runtime.tools import OutcomeUnknown, ToolContext, ToolResult, UnavailableBeforeDispatch
 
 if TYPE_CHECKING:
     from mcp import ClientSession
@@ -67,7 +62,7 @@ class McpUnavailable(UnavailableBeforeDispatch):
 
 class McpConnectionLost(OutcomeUnknown):
     """The session ended while the server had the call: it may have run (the call is
-    Lost: ``runtime.tools.invoke_safely``)."""
+    Lost: ``runtime.tool_calls.invoke_safely``)."""
 
 
 class McpReplyUnreadable(OutcomeUnknown):

@@ -87,7 +87,7 @@ async def test_a_resume_whose_answer_met_an_outage_is_its_success_once_it_landed
     from cluster.handle import command_for
     from runtime.engine import Engine
     from runtime.lifecycle import PermissionDecision
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
     from tests.ray.agents import permission_agent
 
     store = MemoryCommitStore()

@@ -22,7 +22,8 @@ from runtime.errors import ToolDefinitionError
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.messages import ToolResultMessage
 from runtime.ports import Finished, Lost, ToolInvocation, Unavailable
-from runtime.tools import LocalToolRunner, Tool, ToolContext
+from runtime.tool_calls import LocalToolRunner
+from runtime.tools import Tool, ToolContext
 from storage.memory import MemoryCommitStore
 from tests.mcp.conftest import DEADLINE_S, SERVER, alive, started_pids
 from tests.support.servers import answers, free_port

@@ -28,7 +28,7 @@ from runtime.engine import Engine
 from runtime.errors import InvalidTransition, ResumeRejected
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, Cancelled, EndedState, PermissionDecision, Stopped
-from runtime.tools import LocalToolRunner
+from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
 from tests.support.stores import AppendsOut
 from tests.support.waiting import until

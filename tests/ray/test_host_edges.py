@@ -30,7 +30,7 @@ from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import AwaitingState, PermissionDecision
 from runtime.models import ModelResponse, ScriptedModel
 from runtime.runner import InProcessRunner
-from runtime.tools import LocalToolRunner
+from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
 from storage.schema import commits
 from tests.support.stores import AppendsOut

@@ -315,7 +315,7 @@ async def test_two_hosts_starting_one_run_in_the_same_microsecond_run_it_once(mo
     """What the same-run-id race above meets once in a while: both hosts' activation
     commits are stamped in the same microsecond, so they are byte-identical."""
     from runtime.engine import Engine
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
     from storage.memory import MemoryCommitStore
 
     from .race_agents import CHARGES, charging_agent

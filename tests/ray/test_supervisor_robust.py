@@ -274,7 +274,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     from runtime.errors import ModelRateLimited
     from runtime.ids import ThreadId
     from runtime.timeutil import now_us
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
 
     class Limited:
         async def stream(self, request: Any) -> Any:
@@ -367,7 +367,7 @@ async def test_a_hung_dedicated_host_this_supervisor_never_heard_from_is_ended(m
     from actors.wire import RunMeta, SystemSpec
     from runtime.engine import Engine
     from runtime.ids import RunId, ThreadId
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
 
     class _Hung:
         class ping:
@@ -422,7 +422,7 @@ async def test_a_recovery_that_fails_before_its_first_commit_counts_to_its_dead_
     from runtime.engine import Engine
     from runtime.ids import RunId, ThreadId
     from runtime.limits import Limits
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
 
     store = MemoryCommitStore()
     agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
@@ -464,7 +464,7 @@ def _crashed_run(store: MemoryCommitStore, owner: str) -> Any:
     from actors.wire import RunMeta
     from runtime.engine import Engine
     from runtime.ids import RunId, ThreadId
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
 
     agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
     run = RunId("r1")

@@ -538,7 +538,7 @@ async def test_ids_the_system_s_limits_allow_are_stored(backend, tmp_path):
     only what they cannot store (a 300-character thread id was refused at 256)."""
     from runtime.engine import Engine
     from runtime.limits import Limits
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
     from storage.url import open_store
 
     store = (

@@ -54,7 +54,7 @@ from runtime.messages import AssistantMessage, ToolResultMessage, ToolUse, UserM
 from runtime.ports import ToolInvocation
 from runtime.rules import _fold, advance, replay
 from runtime.signals import CancelledSignal, CancelSignal, guarded
-from runtime.tools import LocalToolRunner
+from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
 from tests.support.waiting import until
 

@@ -23,7 +23,7 @@ from runtime import (
     tool,
 )
 from runtime.ports import Finished
-from runtime.tools import LocalToolRunner
+from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
 
 from .test_sync_tools import invocation

@@ -8,7 +8,7 @@ import threading
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel, call, tool
 from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.ports import Finished, Lost, ToolInvocation
-from runtime.tools import LocalToolRunner
+from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
 
 DEADLINE_S = 10.0

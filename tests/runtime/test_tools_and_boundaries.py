@@ -199,7 +199,7 @@ async def test_a_tool_gets_its_arguments_as_its_parameters_are_typed():
     a tuple as its signature says, not their JSON forms (str, dict, list)."""
     from runtime.ids import CallId, OperationId, RunId, ThreadId
     from runtime.ports import Finished, ToolInvocation
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
 
     raw = {"when": "2025-01-02T03:04:05Z", "price": "9.99", "color": "red",
            "p": {"x": 1, "y": 2}, "ids": [1, 2]}  # fmt: skip
@@ -282,7 +282,7 @@ async def test_a_typed_argument_is_validated_once_as_the_model_sent_it():
     validate back), and its validators run once (a non-idempotent one ran twice)."""
     from runtime.ids import CallId, OperationId, RunId, ThreadId
     from runtime.ports import Finished, ToolInvocation
-    from runtime.tools import LocalToolRunner
+    from runtime.tool_calls import LocalToolRunner
 
     def invocation(t: object, raw: dict[str, object]) -> ToolInvocation:
         return ToolInvocation(

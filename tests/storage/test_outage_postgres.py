@@ -19,7 +19,7 @@ from runtime import Agent, EndedState, ModelResponse, ScriptedModel, call, tool
 from runtime.engine import Engine, StoreRetry
 from runtime.ids import ThreadId
 from runtime.rules import replay
-from runtime.tools import LocalToolRunner
+from runtime.tool_calls import LocalToolRunner
 from storage.sql import SqlCommitStore
 from tests.support.servers import PrivatePostgres, private_postgres
 
