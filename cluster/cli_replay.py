@@ -79,7 +79,7 @@ async def _replay(
 
 
 def _exported(file: str) -> Source:
-    from runtime.history import parse_export
+    from runtime.history_format import parse_export
 
     try:
         with Path(file).open("rb") as lines:

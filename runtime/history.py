@@ -37,8 +37,8 @@ completed by running it again, which finds its own prefix and appends the rest; 
 repeat of one that finished writes nothing and returns the same frontier. A thread
 written by anyone else, or by another fork or import, is ``thread_exists``.
 
-**Export format**, one JSON object per line, UTF-8, no timestamps (an export of the
-same log is the same bytes)::
+**Export format** (``runtime.history_format``), one JSON object per line, UTF-8, no
+timestamps (an export of the same log is the same bytes)::
 
     {"format":"ratchet-thread","version":1,"thread_id":T,"records":N,"head":H}
     {"seq":1,"hash":H1,"body":"{...the commit's stored canonical JSON, as a string...}"}
@@ -65,10 +65,6 @@ keys (``runtime.reserved``) — and refuses naming the line (1 is the header).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-import orjson
 
 from runtime.base import evolve
 from runtime.commit import (
@@ -77,10 +73,8 @@ from runtime.commit import (
     Receipt,
     ThreadCommit,
     assemble_commit,
-    decode_commit,
 )
 from runtime.errors import (
-    CorruptRecord,
     Fenced,
     InputRefused,
     PayloadTooLarge,
@@ -88,22 +82,35 @@ from runtime.errors import (
     VersionConflict,
 )
 from runtime.facts import facts_of
+from runtime.history_format import (
+    ForkRefused,
+    HistoryRefused,
+    ImportRefused,
+    export_lines,
+    parse_export,
+)
 from runtime.ids import ThreadId
-from runtime.integrity import body_hash
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord
 from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, with_claim
 
+__all__ = [
+    "ForkRefused",
+    "HistoryRefused",
+    "ImportRefused",
+    "export",
+    "fork",
+    "fork_owner",
+    "import_owner",
+    "import_thread",
+    "parse_export",
+]
+
 COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
 """The id rule a copied record's run id is held to (its system's ``id_chars`` may have
 been larger than the default: derived child ids grow with each level)."""
-EXPORT_FORMAT = "ratchet-thread"
-EXPORT_VERSION = 1
-MAX_LINE_BYTES = 16 * DEFAULT_PAYLOAD_LIMIT
-"""A record line holds one commit as a JSON string: at most the payload limit, each
-byte escaped up to six times over (a control character), with room to spare."""
 
 
 def fork_owner(thread: ThreadId, at_seq: int) -> str:
@@ -114,31 +121,6 @@ def fork_owner(thread: ThreadId, at_seq: int) -> str:
 def import_owner(head: str) -> str:
     """The owner that writes an import of the export whose last record is ``head``."""
     return f"ratchet-import#{head}"
-
-
-class HistoryRefused(RatchetError):
-    """A fork, an export or an import refused; ``reason`` names the rule."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
-
-
-class ForkRefused(HistoryRefused):
-    """A fork refused (before anything was written, but for ``thread_exists`` found
-    once its writing had begun: then the part it wrote stays)."""
-
-
-class ImportRefused(HistoryRefused):
-    """An import refused (before anything was written, but as for ForkRefused). ``line``
-    is the 1-based line of the input at fault (1: the header), None when the fault is
-    not the input's (``thread_exists``)."""
-
-    def __init__(self, line: int | None, reason: str, detail: str) -> None:
-        super().__init__(reason, detail)
-        self.line = line
-        if line is not None:
-            self.args = (f"line {line}: {reason}: {detail}",)
 
 
 Refuse = Callable[[int, str, str], HistoryRefused]
@@ -192,7 +174,7 @@ def _check_at_rest(at: Frontier, thread: ThreadId, seq: int) -> None:
 async def export(store: CommitStore, thread: ThreadId) -> Iterator[str]:
     """The thread as JSON lines (no newlines): the header, then one line per record.
     The log is read (and verified) once, here; the lines are made as they are taken."""
-    return _lines(thread, await _whole_log(store, thread, HistoryRefused))
+    return export_lines(thread, await _whole_log(store, thread, HistoryRefused))
 
 
 async def _whole_log(
@@ -210,28 +192,6 @@ async def _whole_log(
     if records[0].seq != 1:  # pruned (``storage.retention``): the history is not whole
         raise error("pruned", f"thread {thread!r} keeps its records from seq {records[0].seq} only")
     return records
-
-
-def _lines(thread: ThreadId, records: Sequence[CommittedRecord]) -> Iterator[str]:
-    last = records[-1].commit
-    yield _dumps(
-        {
-            "format": EXPORT_FORMAT,
-            "version": EXPORT_VERSION,
-            "thread_id": thread,
-            "records": len(records),
-            "head": last.payload_hash,
-        }
-    )
-    for r in records:
-        try:
-            yield _dumps({"seq": r.seq, "hash": r.commit.payload_hash, "body": r.commit.encoded})
-        except orjson.JSONEncodeError as exc:  # no store can hold it: only a test aid could
-            raise CorruptRecord(thread, r.seq, f"the body is not valid Unicode: {exc}") from exc
-
-
-def _dumps(value: dict[str, Any]) -> str:
-    return orjson.dumps(value).decode()
 
 
 async def import_thread(
@@ -253,108 +213,6 @@ async def import_thread(
     _folded(planned, target, owner, refuse)
     _check_sizes(store, planned, refuse)
     return await _write(store, target, planned, owner, refuse)
-
-
-@dataclass(frozen=True)
-class Exported:
-    """An export, every line checked: the exported thread's id and its records."""
-
-    thread_id: ThreadId
-    records: tuple[CommittedRecord, ...]
-
-
-def parse_export(lines: Iterable[str | bytes]) -> Exported:
-    """The export in ``lines`` (with or without their newlines), checked line by line:
-    ImportRefused names the first line that does not hold (pure: no store)."""
-    numbered = enumerate(lines, start=1)
-    first = next(numbered, None)
-    if first is None:
-        raise ImportRefused(1, "header", "the input is empty")
-    thread, count, head = _header(_json_line(first[1], 1))
-    records: list[CommittedRecord] = []
-    prev, last = "", 1
-    for last, raw in numbered:
-        seq = len(records) + 1
-        if seq > count:
-            raise ImportRefused(last, "seq", f"record {seq} of an export of {count} records")
-        commit, stored = _record(_json_line(raw, last), last, thread, seq, prev)
-        records.append(CommittedRecord(seq=seq, commit=commit))
-        prev = stored
-    if len(records) != count or prev != head:
-        raise ImportRefused(
-            last + 1,
-            "truncated",
-            f"the input ends after line {last} with {len(records)} records; its header "
-            f"names {count} records ending in {head[:12]}",
-        )
-    return Exported(thread, tuple(records))
-
-
-def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
-    text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
-    if len(text) > MAX_LINE_BYTES:
-        raise ImportRefused(line, "too_large", f"the line is over {MAX_LINE_BYTES} bytes")
-    try:
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise ImportRefused(line, "malformed", f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ImportRefused(line, "malformed", "not a JSON object")
-    return value
-
-
-def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
-    if value.get("format") != EXPORT_FORMAT:
-        raise ImportRefused(1, "format", f"not a Ratchet thread export ({EXPORT_FORMAT!r})")
-    if value.get("version") != EXPORT_VERSION:
-        raise ImportRefused(
-            1,
-            "version",
-            f"format version {value.get('version')!r}; this Ratchet reads {EXPORT_VERSION}",
-        )
-    thread, count, head = value.get("thread_id"), value.get("records"), value.get("head")
-    try:
-        check_id("thread id", thread)
-    except InputRefused as exc:
-        raise ImportRefused(1, "header", str(exc)) from None
-    if not (isinstance(count, int) and _is_int(count) and count >= 1 and isinstance(head, str)):
-        raise ImportRefused(1, "header", "it needs records (a count of at least 1) and head")
-    # a Run that reaches the limit still commits its end past it: one more
-    if count > DEFAULT_LIMITS.history_commits + 1:
-        raise ImportRefused(1, "too_large", f"{count} records: more than a thread may hold")
-    return ThreadId(str(thread)), count, head
-
-
-def _record(
-    value: dict[str, Any], line: int, thread: ThreadId, seq: int, prev: str
-) -> tuple[ThreadCommit, str]:
-    """The record on ``line``, which must be record ``seq`` and extend ``prev``."""
-    if value.keys() != {"seq", "hash", "body"}:
-        raise ImportRefused(line, "malformed", "a record line holds seq, hash and body")
-    found, stored, body = value["seq"], value["hash"], value["body"]
-    if not _is_int(found) or not isinstance(stored, str) or not isinstance(body, str):
-        raise ImportRefused(line, "malformed", "seq is a number, hash and body are text")
-    if found != seq:
-        raise ImportRefused(
-            line, "seq", f"record {found} where record {seq} belongs: the log has a gap"
-        )
-    if body_hash(body) != stored:
-        raise ImportRefused(line, "hash", f"record {seq}: the body does not match its hash")
-    try:
-        commit = decode_commit(body, thread, seq)
-    except CorruptRecord as exc:
-        raise ImportRefused(line, "record", str(exc)) from None
-    if commit.thread_id != thread:
-        raise ImportRefused(
-            line, "thread", f"record {seq} belongs to thread {commit.thread_id!r}, not {thread!r}"
-        )
-    if commit.schema_version >= 2 and commit.prev != prev:
-        raise ImportRefused(line, "chain", f"record {seq} does not name its predecessor's hash")
-    return commit, stored
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---- the one write path -------------------------------------------------------------------

@@ -57,7 +57,7 @@ def _source(recorded: Recorded) -> Source:
 def _exported(lines: Iterable[str] | Iterable[bytes]) -> list[CommittedRecord]:
     """An export's records as they were stored (the bodies are the stored commits, their
     writers' epochs and claims kept: an import would make them one writer's)."""
-    from runtime.history import parse_export
+    from runtime.history_format import parse_export
 
     return list(parse_export(lines).records)
 

@@ -1,0 +1,177 @@
+"""The history errors and the export format of a thread (``runtime.history`` forks,
+exports and imports with them): one JSON object per line, the header first, then each
+record's stored body as a JSON string with its hash, checked line by line on the way in
+(``parse_export``: pure, no store). ``runtime.history``'s docstring describes the format
+and names every refusal's reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT, ThreadCommit, decode_commit
+from runtime.errors import CorruptRecord, InputRefused, RatchetError
+from runtime.ids import ThreadId
+from runtime.integrity import body_hash
+from runtime.limits import DEFAULT_LIMITS, check_id
+from runtime.ports import CommittedRecord
+
+
+class HistoryRefused(RatchetError):
+    """A fork, an export or an import refused; ``reason`` names the rule."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+class ForkRefused(HistoryRefused):
+    """A fork refused (before anything was written, but for ``thread_exists`` found
+    once its writing had begun: then the part it wrote stays)."""
+
+
+class ImportRefused(HistoryRefused):
+    """An import refused (before anything was written, but as for ForkRefused). ``line``
+    is the 1-based line of the input at fault (1: the header), None when the fault is
+    not the input's (``thread_exists``)."""
+
+    def __init__(self, line: int | None, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.line = line
+        if line is not None:
+            self.args = (f"line {line}: {reason}: {detail}",)
+
+
+EXPORT_FORMAT = "ratchet-thread"
+EXPORT_VERSION = 1
+MAX_LINE_BYTES = 16 * DEFAULT_PAYLOAD_LIMIT
+"""A record line holds one commit as a JSON string: at most the payload limit, each
+byte escaped up to six times over (a control character), with room to spare."""
+
+
+def export_lines(thread: ThreadId, records: Sequence[CommittedRecord]) -> Iterator[str]:
+    last = records[-1].commit
+    yield _dumps(
+        {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "thread_id": thread,
+            "records": len(records),
+            "head": last.payload_hash,
+        }
+    )
+    for r in records:
+        try:
+            yield _dumps({"seq": r.seq, "hash": r.commit.payload_hash, "body": r.commit.encoded})
+        except orjson.JSONEncodeError as exc:  # no store can hold it: only a test aid could
+            raise CorruptRecord(thread, r.seq, f"the body is not valid Unicode: {exc}") from exc
+
+
+def _dumps(value: dict[str, Any]) -> str:
+    return orjson.dumps(value).decode()
+
+
+@dataclass(frozen=True)
+class Exported:
+    """An export, every line checked: the exported thread's id and its records."""
+
+    thread_id: ThreadId
+    records: tuple[CommittedRecord, ...]
+
+
+def parse_export(lines: Iterable[str | bytes]) -> Exported:
+    """The export in ``lines`` (with or without their newlines), checked line by line:
+    ImportRefused names the first line that does not hold (pure: no store)."""
+    numbered = enumerate(lines, start=1)
+    first = next(numbered, None)
+    if first is None:
+        raise ImportRefused(1, "header", "the input is empty")
+    thread, count, head = _header(_json_line(first[1], 1))
+    records: list[CommittedRecord] = []
+    prev, last = "", 1
+    for last, raw in numbered:
+        seq = len(records) + 1
+        if seq > count:
+            raise ImportRefused(last, "seq", f"record {seq} of an export of {count} records")
+        commit, stored = _record(_json_line(raw, last), last, thread, seq, prev)
+        records.append(CommittedRecord(seq=seq, commit=commit))
+        prev = stored
+    if len(records) != count or prev != head:
+        raise ImportRefused(
+            last + 1,
+            "truncated",
+            f"the input ends after line {last} with {len(records)} records; its header "
+            f"names {count} records ending in {head[:12]}",
+        )
+    return Exported(thread, tuple(records))
+
+
+def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
+    text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
+    if len(text) > MAX_LINE_BYTES:
+        raise ImportRefused(line, "too_large", f"the line is over {MAX_LINE_BYTES} bytes")
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ImportRefused(line, "malformed", f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ImportRefused(line, "malformed", "not a JSON object")
+    return value
+
+
+def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
+    if value.get("format") != EXPORT_FORMAT:
+        raise ImportRefused(1, "format", f"not a Ratchet thread export ({EXPORT_FORMAT!r})")
+    if value.get("version") != EXPORT_VERSION:
+        raise ImportRefused(
+            1,
+            "version",
+            f"format version {value.get('version')!r}; this Ratchet reads {EXPORT_VERSION}",
+        )
+    thread, count, head = value.get("thread_id"), value.get("records"), value.get("head")
+    try:
+        check_id("thread id", thread)
+    except InputRefused as exc:
+        raise ImportRefused(1, "header", str(exc)) from None
+    if not (isinstance(count, int) and _is_int(count) and count >= 1 and isinstance(head, str)):
+        raise ImportRefused(1, "header", "it needs records (a count of at least 1) and head")
+    # a Run that reaches the limit still commits its end past it: one more
+    if count > DEFAULT_LIMITS.history_commits + 1:
+        raise ImportRefused(1, "too_large", f"{count} records: more than a thread may hold")
+    return ThreadId(str(thread)), count, head
+
+
+def _record(
+    value: dict[str, Any], line: int, thread: ThreadId, seq: int, prev: str
+) -> tuple[ThreadCommit, str]:
+    """The record on ``line``, which must be record ``seq`` and extend ``prev``."""
+    if value.keys() != {"seq", "hash", "body"}:
+        raise ImportRefused(line, "malformed", "a record line holds seq, hash and body")
+    found, stored, body = value["seq"], value["hash"], value["body"]
+    if not _is_int(found) or not isinstance(stored, str) or not isinstance(body, str):
+        raise ImportRefused(line, "malformed", "seq is a number, hash and body are text")
+    if found != seq:
+        raise ImportRefused(
+            line, "seq", f"record {found} where record {seq} belongs: the log has a gap"
+        )
+    if body_hash(body) != stored:
+        raise ImportRefused(line, "hash", f"record {seq}: the body does not match its hash")
+    try:
+        commit = decode_commit(body, thread, seq)
+    except CorruptRecord as exc:
+        raise ImportRefused(line, "record", str(exc)) from None
+    if commit.thread_id != thread:
+        raise ImportRefused(
+            line, "thread", f"record {seq} belongs to thread {commit.thread_id!r}, not {thread!r}"
+        )
+    if commit.schema_version >= 2 and commit.prev != prev:
+        raise ImportRefused(line, "chain", f"record {seq} does not name its predecessor's hash")
+    return commit, stored
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
