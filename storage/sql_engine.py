@@ -1,8 +1,8 @@
 """Engines for SQLite and PostgreSQL, and where transaction bodies run.
 
 Dialect differences are kept here as small overrides: URL mapping, SQLite's
-pragmas and BEGIN IMMEDIATE, where a transaction body runs (``Database``), the
-upsert construct. Driver errors are translated in ``storage.sql_errors``.
+pragmas and BEGIN IMMEDIATE (``storage.sql_sqlite``), where a transaction body runs
+(``Database``), the upsert construct. Driver errors are translated in ``storage.sql_errors``.
 
 Nothing above storage/ ever sees a sqlalchemy, asyncpg or sqlite3 exception.
 """
@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import os
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection, Engine, event
-from sqlalchemy import create_engine as sa_create_engine
+from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql.dml import Insert
 
+from storage.sql_sqlite import DedicatedThread, configure_sqlite, sqlite_engine, synchronous_of
 from storage.url import redact, scheme_of
 
 if TYPE_CHECKING:  # the asyncio extension costs a process ~0.2 s to import: SQLite hosts
@@ -32,9 +27,6 @@ if TYPE_CHECKING:  # the asyncio extension costs a process ~0.2 s to import: SQL
         AsyncConnection,
         AsyncEngine,
     )
-
-_SYNCHRONOUS = ("off", "normal", "full", "extra")
-
 
 SQL_DIALECTS = ("sqlite", "postgresql")
 OUR_OPTIONS = ("synchronous", "pool_size", "key_joins")
@@ -80,7 +72,7 @@ def create_engine(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncEngine
     sa_url, ours = sqlalchemy_url(url)
     if sa_url.get_backend_name() == "sqlite":
         engine = create_async_engine(sa_url, connect_args={"timeout": 30})
-        _configure_sqlite(engine.sync_engine, _synchronous(ours), begin="BEGIN")
+        configure_sqlite(engine.sync_engine, synchronous_of(ours), begin="BEGIN")
         return engine
     pool = _pool_size(ours)
     return create_async_engine(
@@ -130,49 +122,6 @@ def _pool_size(ours: dict[str, str]) -> int:
     return int(raw)
 
 
-def _synchronous(ours: dict[str, str]) -> str:
-    synchronous = ours.get("synchronous", "full").lower()
-    if synchronous not in _SYNCHRONOUS:
-        raise ValueError(f"sqlite synchronous must be one of {_SYNCHRONOUS}")
-    return synchronous
-
-
-def _configure_sqlite(engine: Engine, synchronous: str, begin: str | None) -> None:
-    """Pragmas on connect; ``begin`` is what a transaction opens with (None: autocommit)."""
-    if engine.url.database:
-        Path(engine.url.database).parent.mkdir(parents=True, exist_ok=True)
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # We issue BEGIN ourselves (below), so the driver must not.
-        dbapi_conn.isolation_level = None
-        # text that is not UTF-8 (written by hand) reads as lone surrogates, which every
-        # check of a record refuses (that thread's CorruptRecord), not as an error of the
-        # whole statement, a listing's included
-        _raw(dbapi_conn).text_factory = _lenient_text
-        cursor = dbapi_conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA synchronous={synchronous}")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.close()
-
-    if begin is not None:
-
-        @event.listens_for(engine, "begin")
-        def _on_begin(conn: Any) -> None:
-            conn.exec_driver_sql(begin)
-
-
-def _lenient_text(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def _raw(dbapi_conn: Any) -> Any:
-    """The sqlite3 connection under SQLAlchemy's aiosqlite adapter (or itself)."""
-    inner = getattr(dbapi_conn, "_connection", dbapi_conn)  # the aiosqlite connection
-    return getattr(inner, "_conn", inner)  # its sqlite3 connection
-
-
 T = TypeVar("T")
 
 
@@ -201,8 +150,8 @@ class Database:
     def __init__(
         self,
         engine: AsyncEngine | None = None,
-        writer: _DedicatedThread | None = None,
-        reader: _DedicatedThread | None = None,
+        writer: DedicatedThread | None = None,
+        reader: DedicatedThread | None = None,
         *,
         url: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -266,13 +215,13 @@ class Database:
             db.generic_plans = _key_joins(ours)  # off: the server's settings are left alone
             return db
         sync_url = sa_url.set(drivername="sqlite+pysqlite")
-        synchronous = _synchronous(ours)
-        writer = _sqlite_engine(sync_url, synchronous, "BEGIN IMMEDIATE")
-        reader = _sqlite_engine(sync_url, synchronous, None)
+        synchronous = synchronous_of(ours)
+        writer = sqlite_engine(sync_url, synchronous, "BEGIN IMMEDIATE")
+        reader = sqlite_engine(sync_url, synchronous, None)
         return cls(
             None,
-            _DedicatedThread(writer, "ratchet-sqlite-writer", f"{sa_url.database}.writer-lock"),
-            _DedicatedThread(reader, "ratchet-sqlite-reader", None),
+            DedicatedThread(writer, "ratchet-sqlite-writer", f"{sa_url.database}.writer-lock"),
+            DedicatedThread(reader, "ratchet-sqlite-reader", None),
             url=url,
             timeout_s=timeout_s,
         )
@@ -432,82 +381,6 @@ async def _drop(conn: AsyncConnection) -> None:
         await conn.invalidate()
     with contextlib.suppress(Exception):
         await conn.close()
-
-
-def _sqlite_engine(url: URL, synchronous: str, begin: str | None) -> Engine:
-    engine = sa_create_engine(url, connect_args={"timeout": 30})
-    _configure_sqlite(engine, synchronous, begin)
-    return engine
-
-
-class _DedicatedThread:
-    """One thread and one open connection; runs bodies one at a time, in arrival order."""
-
-    def __init__(self, engine: Engine, name: str, lock_path: str | None) -> None:
-        self._engine = engine
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._conn: Connection | None = None
-        self._lock_path = lock_path
-        self._lock_fd: int | None = None
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, fn, args)
-
-    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        if self._conn is None:
-            self._conn = self._engine.connect()
-        conn = self._conn
-        try:
-            with self._exclusive():
-                return fn(conn, *args)
-        except SQLAlchemyError:
-            self._drop()  # a driver failure may leave the connection unusable: reopen next time
-            raise
-        finally:
-            self._settle()
-
-    def _settle(self) -> None:
-        """End what a body left open: a read's transaction is SQLAlchemy's bookkeeping only
-        (the driver runs in autocommit), a write body's was committed or rolled back."""
-        if self._conn is None or not self._conn.in_transaction():
-            return
-        try:
-            self._conn.rollback()
-        except SQLAlchemyError:
-            self._drop()
-
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        if self._lock_path is None:
-            yield
-            return
-        if self._lock_fd is None:
-            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(SQLAlchemyError):
-                self._conn.close()
-            self._conn = None
-
-    def _release(self) -> None:
-        self._drop()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-        self._engine.dispose()
-
-    def close(self) -> None:
-        """Finish what is queued, then close the connection on its own thread."""
-        with contextlib.suppress(RuntimeError):  # already shut down
-            self._executor.submit(self._release).result()
-        self._executor.shutdown(wait=True)
 
 
 def _dialect(name: str) -> Any:
