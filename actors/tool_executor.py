@@ -45,7 +45,7 @@ class ToolExecutor:
         replace_spare_if_restarted(warm_spares)
         freeze_startup_heap()
 
-    @ray.method(num_returns="streaming")  # type: ignore[misc]
+    @ray.method(num_returns="streaming")
     async def run_waves(
         self, waves: Sequence[tuple[str, str, Sequence[ToolInvocation]]]
     ) -> AsyncIterator[list[tuple[str, list[Any]]]]:
@@ -65,7 +65,7 @@ class ToolExecutor:
         finally:
             for task in pending:
                 task.cancel()
-            for wave_id in running.values():
+            for wave_id, _ in running.values():
                 self._waves.pop(wave_id, None)
 
     async def run_wave(
@@ -119,7 +119,7 @@ class ToolExecutor:
         ctx = ray.get_runtime_context()
         return {
             "node": ctx.get_node_id(),
-            "resources": ctx.get_assigned_resources(),
+            "resources": ctx.get_assigned_resources(),  # type: ignore[no-untyped-call]
             "pid": os.getpid(),
         }
 

@@ -153,6 +153,21 @@ async def test_a_wave_that_fails_around_its_tools_loses_only_itself(monkeypatch)
     assert isinstance(fine, Finished) and fine.output.content == "t1"
 
 
+async def test_a_streamed_call_forgets_its_waves_once_answered():
+    """An executor keeps a wave by id only while it runs (so its host can cancel it): a
+    streamed call that kept every answered wave grew the executor by one task, outcomes
+    and all, per wave for as long as it lived (no Ray: the method, in this process)."""
+    from actors.tool_executor import ToolExecutor
+
+    executor = ToolExecutor(warm_spares=False)
+    stream = ToolExecutor.run_waves
+    stream = getattr(stream, "__wrapped__", stream)  # the method under @ray.method
+    calls = [(f"w{n}", AGENT, _wave("echo_wave", 1, text=f"t{n}")) for n in range(3)]
+    answered = {w async for batch in stream(executor, calls) for w, _ in batch}
+    assert answered == {"w0", "w1", "w2"}
+    assert executor._waves == {}
+
+
 async def test_an_executor_that_never_came_up_is_waited_for_not_restarted(make_system):
     """A pool whose resources no node has: its executor is never created, the wave waits
     queued in Ray. That is no hang: the watch pings it and, never having heard it, kills
