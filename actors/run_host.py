@@ -81,7 +81,8 @@ FINISHING_S = 5.0
 
 
 class RunHost(ControlHosting, ChildHosting):
-    async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:
+    # Ray awaits an async actor's __init__ in the actor's own event loop
+    async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:  # type: ignore[misc]
         self.startup = {"init": time.time()}
         """Wall-clock marks of this incarnation's start (``info``; recovery figures)."""
         self.spec, self.host_id, self.kind = spec, host_id, kind

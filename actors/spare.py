@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from typing import Any
 
 import ray
 
@@ -51,11 +52,15 @@ def request_spare() -> bool:
         from ray._private.grpc_utils import init_grpc_channel
         from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
-        worker = ray._private.worker.global_worker
+        # Ray's private API, untyped: what a raylet is asked, in its own words
+        pb2: Any = node_manager_pb2
+        common: Any = common_pb2
+        grpc: Any = node_manager_pb2_grpc
+        worker: Any = ray._private.worker.global_worker
         node = worker.node
         channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
-        request = node_manager_pb2.PrestartWorkersRequest(
-            language=common_pb2.PYTHON,
+        request = pb2.PrestartWorkersRequest(
+            language=common.PYTHON,
             job_id=worker.current_job_id.binary(),
             keep_alive_duration_secs=KEEP_ALIVE_S,
             num_workers=1,
@@ -63,9 +68,7 @@ def request_spare() -> bool:
         # the same runtime env as the job's actors, or Ray would not hand them the spare
         request.runtime_env_info.CopyFrom(worker.core_worker.get_job_config().runtime_env_info)
         try:
-            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
-                request, timeout=5
-            )
+            grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=5)
         finally:
             channel.close()
         return True

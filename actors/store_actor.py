@@ -58,7 +58,8 @@ async def open_local_store(url: str) -> CommitStore:
 class StoreActor:
     """Owns the system's store; every method returns a value or a RemoteError."""
 
-    async def __init__(self, url: str, warm_spares: bool = True) -> None:
+    # Ray awaits an async actor's __init__ in the actor's own event loop
+    async def __init__(self, url: str, warm_spares: bool = True) -> None:  # type: ignore[misc]
         self.store = await outlasting_outages(lambda: open_local_store(url), "the store actor")
         self.lost = url.startswith("memory") and restarted()
         """An in-memory store that Ray restarted: its contents are gone (see above)."""

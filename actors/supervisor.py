@@ -75,7 +75,8 @@ TAKE_OVERS = 8
 
 
 class Supervisor(HungHosts):
-    async def __init__(self, spec: SystemSpec) -> None:
+    # Ray awaits an async actor's __init__ in the actor's own event loop
+    async def __init__(self, spec: SystemSpec) -> None:  # type: ignore[misc]
         replace_spare_if_restarted(spec.warm_spares)
         self.spec = spec
         self.owner = spec.supervisor_name
@@ -118,7 +119,7 @@ class Supervisor(HungHosts):
             return False
         try:  # the host agrees to go, and from then on starts no drive (actors.retiring)
             handle = ray.get_actor(host_id, namespace=NAMESPACE)
-            agreed = await asyncio.wait_for(handle.retire_now.remote(), PING_TIMEOUT_S)
+            agreed: bool = await asyncio.wait_for(handle.retire_now.remote(), PING_TIMEOUT_S)
         except ValueError:  # gone already
             agreed = True
         except Exception:  # slow to answer, or restarting: it asks again once idle
@@ -139,7 +140,7 @@ class Supervisor(HungHosts):
     async def _idle(self, host_id: str) -> bool:
         try:
             handle = ray.get_actor(host_id, namespace=NAMESPACE)
-            driving = await asyncio.wait_for(handle.driving.remote(), PING_TIMEOUT_S)
+            driving: bool = await asyncio.wait_for(handle.driving.remote(), PING_TIMEOUT_S)
         except ValueError:  # gone already: nothing to end
             return True
         except Exception:  # slow to answer, or restarting: not idle, as far as we know
@@ -364,7 +365,7 @@ class Supervisor(HungHosts):
         answers as another incarnation (Ray restarted it). Not known: False."""
         try:
             handle = ray.get_actor(host_of(summary.owner) or "", namespace=NAMESPACE)
-            info = await asyncio.wait_for(handle.info.remote(), PING_TIMEOUT_S)
+            info: dict[str, Any] = await asyncio.wait_for(handle.info.remote(), PING_TIMEOUT_S)
         except (ValueError, ActorDiedError):
             return True
         except Exception:  # slow, restarting or unreachable

@@ -16,7 +16,7 @@ import base64
 import binascii
 import logging
 from dataclasses import dataclass
-from typing import Any, cast, get_args
+from typing import Any, get_args
 
 from actors.wire import RunMeta, run_meta, stored_run_meta
 from cluster.cli_args import BadInput
@@ -80,8 +80,8 @@ def run_query(
     if limit < 1:
         raise BadInput(f"--limit must be at least 1, not {limit}")
     return RunQuery(
-        state=cast(RunStateKind | None, "ended" if failed else state),
-        status=cast(StatusState | None, status),
+        state="ended" if failed else state,
+        status=status,
         agent=agent,
         failed=failed,
         limit=limit,

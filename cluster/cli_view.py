@@ -165,7 +165,7 @@ def print_thread(
     console.rule("status")
     s = frontier.status
     state = frontier.run_state
-    where = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
+    where: str = state.cause.kind if isinstance(state, EndedState) else state.kind if state else "-"
     if isinstance(state, AwaitingState):
         where += f" ({state.ticket.payload_kind}, correlation {state.ticket.correlation})"
     console.print(f"run {frontier.run_id}: {where}", markup=False)

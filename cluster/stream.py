@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from runtime.events import Delta, Fact
@@ -31,7 +31,7 @@ async def follow_thread(
     redis_url: str | None = None,
     until_rest: bool = True,
     idle_check_s: float = IDLE_CHECK_S,
-) -> AsyncIterator[Frame]:
+) -> AsyncGenerator[Frame, None]:
     """``runtime.stream.follow`` over the Redis bus when there is one, else the store."""
     parse_offset(after)  # a malformed cursor is a ValueError before anything is opened
     bus = live_bus(redis_url)

@@ -98,7 +98,7 @@ async def follow(
     idle_check_s: float = 2.0,
     bus_retry_s: float = 1.0,
     bus_timeout_s: float = 1.0,
-) -> AsyncIterator[Frame]:
+) -> AsyncGenerator[Frame, None]:
     """Frames for ``thread`` after the cursor ``after``; stops at rest if ``until_rest``."""
     parse_offset(after)  # a malformed cursor fails before the store is asked
     terms = _Terms(idle_check_s, bus_retry_s, bus_timeout_s, until_rest)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, RootModel, ValidationError, create_model
 
@@ -254,8 +254,10 @@ def _tool_threads() -> ThreadPoolExecutor:
     return _threads[0]
 
 
+@overload
 def tool(
-    fn: Callable[..., Any] | None = None,
+    fn: Callable[..., Any],
+    /,
     *,
     name: str | None = None,
     recovery: Sequence[RecoveryMode] = ("never_replay",),
@@ -266,7 +268,40 @@ def tool(
     resources: Mapping[str, float] | None = None,
     timeout_s: float | None = None,
     sees_history: bool = False,
-) -> Any:
+) -> Tool: ...
+
+
+@overload
+def tool(
+    fn: None = None,
+    /,
+    *,
+    name: str | None = None,
+    recovery: Sequence[RecoveryMode] = ("never_replay",),
+    concurrency: Concurrency = "parallel",
+    needs_permission: bool = False,
+    wait: WaitKind | None = None,
+    wait_deadline_s: float | None = None,
+    resources: Mapping[str, float] | None = None,
+    timeout_s: float | None = None,
+    sees_history: bool = False,
+) -> Callable[[Callable[..., Any]], Tool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    recovery: Sequence[RecoveryMode] = ("never_replay",),
+    concurrency: Concurrency = "parallel",
+    needs_permission: bool = False,
+    wait: WaitKind | None = None,
+    wait_deadline_s: float | None = None,
+    resources: Mapping[str, float] | None = None,
+    timeout_s: float | None = None,
+    sees_history: bool = False,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Declare a tool; usable bare (``@tool``) or with options (``@tool(recovery=...)``).
 
     ``recovery`` lists the modes the tool supports; the first is its default policy.
