@@ -32,6 +32,7 @@ from runtime.limits import (
     check_id,
     check_text,
     escaped_char,
+    live_piece,
     printable,
     raised,
     said,
@@ -212,6 +213,7 @@ class Inference:
         checkpointing = self.checkpoints.store is not None  # else the partial is never read
         clock = asyncio.get_running_loop().time
         last_put = clock()
+        halves: dict[tuple[str, str | None], str] = {}  # a character cut between chunks
         thread = ctx.frontier.thread_id
         streamed, most = 0, self.limits.response_bytes
         reasoned, most_reasoning = 0, self.limits.reasoning_bytes
@@ -245,14 +247,17 @@ class Inference:
                     await self.checkpoints.put(thread, partial.checkpoint())
                     self.checkpointed, last_put = True, clock()
             if self.publish is not None:
-                delta = Delta(
-                    type=item.type,
-                    run_id=request.run_id,
-                    step=request.step,
-                    attempt=request.attempt,
-                    text=item.text,
-                )
-                self.publish(thread, (delta,))
+                key = (item.type, item.call_id)
+                text, halves[key] = live_piece(halves.get(key, ""), item.text)
+                if text or not item.text:  # not a chunk that was only a held half
+                    delta = Delta(
+                        type=item.type,
+                        run_id=request.run_id,
+                        step=request.step,
+                        attempt=request.attempt,
+                        text=text,
+                    )
+                    self.publish(thread, (delta,))
         if response is None:
             raise RuntimeError("the model stream ended without a complete response")
         return response

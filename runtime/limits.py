@@ -136,6 +136,24 @@ def joined(fragments: Iterable[str]) -> str:
     return _PAIR.sub(lambda m: m[0].encode("utf-16-le", "surrogatepass").decode("utf-16-le"), text)
 
 
+def live_piece(held: str, text: str) -> tuple[str, str]:
+    """A streamed chunk made valid Unicode for live followers: ``(to publish, to hold)``.
+    A high surrogate that ends the chunk (the first half of a character the provider cut)
+    is held and put before the next chunk's text, so the halves travel as the one
+    character; a half with no partner is published as U+FFFD. Encoders of the live path
+    (a Redis bus, an SSE stream) cannot carry a lone half; the committed text is joined
+    and checked apart from this (``joined``)."""
+    text = held + text
+    if text.isascii():
+        return text, ""
+    held = text[-1] if "\ud800" <= text[-1] <= "\udbff" else ""
+    if held:
+        text = text[:-1]
+    if utf8_problem(text) is not None:
+        text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return text, held
+
+
 def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 

@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
@@ -39,6 +39,8 @@ from runtime import (
 )
 from runtime.base import canonical_json
 from runtime.commit import Frontier
+from runtime.events import Delta, Fact
+from runtime.ids import ThreadId
 from runtime.lifecycle import DelegationOutcome, ScheduledFire, Unpause
 from runtime.limits import check_id, joined, json_depth, stored_size, utf8_problem
 from runtime.rules import replay
@@ -200,6 +202,37 @@ def test_fuzzed_answer_text_is_committed_or_fails_the_inference(deltas, text):
         assert cause(frontier) == ("failed", "inference", "model_text_bytes")
     else:
         assert cause(frontier) == ("natural",) and frontier.messages[-1].text == text
+
+
+class Recording(EmbeddedBus):
+    """The embedded bus, keeping every delta it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deltas: list[Delta] = []
+
+    async def publish(self, thread: ThreadId, events: Sequence[Fact | Delta]) -> None:
+        self.deltas.extend(e for e in events if isinstance(e, Delta))
+        await super().publish(thread, events)
+
+
+@FUZZ
+@given(deltas=st.lists(hostile_text, max_size=5))
+def test_live_deltas_are_whole_text_with_a_cut_character_carried_over(deltas):
+    """What a follower gets live is valid Unicode, whatever the provider sent: a Redis bus
+    or an SSE stream could not encode a lone half. A character cut between two chunks
+    travels whole with the second; a half with no partner is U+FFFD."""
+    bus = Recording()
+    items = [*(ModelDelta(text=d) for d in deltas), ModelResponse(text="ok")]
+    asyncio.run(drive(answering(*items), SMALL, bus=bus))
+    live = [d.text for d in bus.deltas]
+    assert all(utf8_problem(t) is None for t in live)
+    sent = joined(deltas)
+    if utf8_problem(sent) is None:
+        assert "".join(live) == sent
+    else:
+        whole = sent.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+        assert "".join(live) == whole.removesuffix("\ufffd") or "".join(live) == whole
 
 
 @given(parts=st.lists(hostile_text, max_size=4))

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
+from runtime import Agent, InProcessRunner, ModelDelta, ModelResponse, ScriptedModel
 from runtime.errors import StoreUnavailable
 from runtime.events import Delta, Fact
 from runtime.ids import RunId, ThreadId
@@ -193,6 +193,28 @@ async def test_a_run_publishes_its_stamped_facts_and_live_deltas(make_bus: MakeB
     got = [g.event for g in await take_until(stream, committed[-1])]
     assert [e for e in got if isinstance(e, Fact)] == committed
     assert "".join(e.text for e in got if isinstance(e, Delta)) == "hello live world"
+
+
+class CutEmoji:
+    """A model whose gateway cuts an emoji between two chunks, each JSON-escaped alone."""
+
+    async def stream(self, request: object) -> AsyncIterator[ModelDelta | ModelResponse]:
+        yield ModelDelta(text="smile \ud83d")
+        yield ModelDelta(text="\ude00!")
+        yield ModelResponse(text="smile \U0001f600!")
+
+
+async def test_an_emoji_cut_between_two_chunks_goes_live_whole(make_bus: MakeBus) -> None:
+    """The Redis bus cannot encode half a character, and dropped the first delta: the
+    live text lost its "smile ". The engine now holds the half for the next chunk."""
+    bus, thread, store = make_bus(), ThreadId("t-cut"), MemoryCommitStore()
+    stream = bus.subscribe(thread, after=await bus.head(thread))
+    await InProcessRunner(Agent(name="a", model=CutEmoji()), store, bus=bus).start(
+        "hi", thread_id=thread
+    )
+    committed = [f for r in await store.read(thread) for f in stamp_facts(r.commit, r.seq)]
+    got = [g.event for g in await take_until(stream, committed[-1])]
+    assert [e.text for e in got if isinstance(e, Delta)] == ["smile ", "\U0001f600!"]
 
 
 async def test_the_embedded_bus_forgets_idle_threads_beyond_its_limit() -> None:
