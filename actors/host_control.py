@@ -109,7 +109,9 @@ class ControlHosting:
                 task = asyncio.create_task(self._see_it_ended(thread, run, cause, drive))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
-                return ended if await self._drove_to(thread, drive, run, cause) else "signalled"
+                if await self._drove_to(thread, drive, run, cause):
+                    return ended
+                return ended if await self._fenced_out(thread, run, cause, drive) else "signalled"
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
             return ended if await self._end_stored(thread, run, cause) else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
@@ -129,10 +131,28 @@ class ControlHosting:
             frontier = await self.store.load(thread)
         except Exception:  # the store out: the caller was told, and hears "signalled"
             return False
-        if frontier.run_id not in {r for r in (run, drive.run_id) if r}:
+        return _ended_with(frontier, run, drive, cause)
+
+    async def _fenced_out(
+        self, thread: ThreadId, run: RunId | None, cause: EndCause, drive: Drive
+    ) -> bool:
+        """A drive told to end its Run that has not within ``SIGNAL_WAIT_S`` (a tool that
+        ignores its cancellation, an end held up): the Run is ended from the store now, its
+        claim fencing that drive, so that the answer is durable, not a promise held in this
+        host's memory. Not a drive that has claimed nothing (the thread's Run is not yet
+        its own), nor with the store out (waited for ``SIGNAL_WAIT_S`` at most): then
+        the caller hears "signalled"."""
+        if drive.epoch is None:
             return False
-        state = frontier.run_state
-        return isinstance(state, EndedState) and state.cause == cause
+        try:
+            async with asyncio.timeout(SIGNAL_WAIT_S):  # the store out: never a caller held
+                if await self._end_stored(thread, run or drive.run_id, cause):
+                    return True
+                frontier = await self.store.load(thread)  # its drive ended it meanwhile?
+        except Exception as exc:  # the promise stands: _see_it_ended keeps it
+            log.info("ending %s from the store after its drive was told failed: %s", thread, exc)
+            return False
+        return _ended_with(frontier, run, drive, cause)
 
     async def _end_stored(self, thread: ThreadId, run: RunId | None, cause: EndCause) -> bool:
         """End the Run as the store has it (no drive here hears a signal); False if there
@@ -204,6 +224,14 @@ class ControlHosting:
         log.info("the drive of %s here is stale: stopping it", thread)
         await self.drives.stop(thread, drive, idle=False)
         return await self.drives.claimed(thread)  # one a request spawned meanwhile answers
+
+
+def _ended_with(frontier: Frontier, run: RunId | None, drive: Drive, cause: EndCause) -> bool:
+    """Whether the store has the Run asked for (or the drive's) ended with ``cause``."""
+    if frontier.run_id not in {r for r in (run, drive.run_id) if r}:
+        return False
+    state = frontier.run_state
+    return isinstance(state, EndedState) and state.cause == cause
 
 
 __all__ = ["ControlHosting"]

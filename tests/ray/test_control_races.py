@@ -480,22 +480,71 @@ class _TakenOverBeforeTheEnd:
         return await self.inner.append(commit, *args, **kwargs)
 
 
-async def test_a_signalled_cancel_outlives_a_take_over_of_its_run():
+async def test_a_cancel_whose_drive_was_taken_over_ends_the_run_from_the_store():
     """The drive told to cancel is fenced by another host's take-over as it commits the
-    end (it stops, Fenced): the caller heard "signalled", so the host ends the Run from
-    the store, its end fencing the new owner in turn."""
+    end (it stops, Fenced): the host ends the Run from the store, its end fencing the new
+    owner in turn, before it answers: "cancelled" is durable, not a promise in memory."""
     GATE.clear()
     store = MemoryCommitStore()
     taken = _TakenOverBeforeTheEnd(store)
     host = _gated_host(store, taken)
     assert await host.start_run("ref", ThreadId("ctl-taken"), RunId("r-taken"), "go") is True
     await _in_its_tool(store, "ctl-taken")
-    assert await host.cancel_run(ThreadId("ctl-taken")) == "signalled"
+    assert await host.cancel_run(ThreadId("ctl-taken")) == "cancelled"
     await _ended_as(store, "ctl-taken", "cancelled")  # the other host is still in its tool
     GATE.set()
     with contextlib.suppress(Exception):  # fenced in turn
         await asyncio.wait_for(taken.other, 10)
     assert (await store.load(ThreadId("ctl-taken"))).run_state.cause.kind == "cancelled"
+
+
+class StubbornModel:
+    """A model (a hostile one, or an SDK stuck in a C call) that swallows its
+    cancellation: its drive cannot end the Run until the test lets the stream go."""
+
+    def __init__(self) -> None:
+        self.streaming, self.release = asyncio.Event(), asyncio.Event()
+
+    async def stream(self, request: Any) -> Any:
+        self.streaming.set()
+        while not self.release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.release.wait()
+        yield ModelResponse(text="went on")
+
+
+async def test_a_cancel_its_drive_cannot_carry_out_is_durable_before_it_is_answered(
+    monkeypatch,
+):
+    """The Run's model ignores its cancellation, so its drive cannot end the Run: once
+    ``SIGNAL_WAIT_S`` has passed the host ends it from the store, its claim fencing that
+    drive. The answer is "cancelled", already committed: a host that dies right after
+    (another host recovering the Run) finds it at rest. Before, the answer was
+    "signalled", a promise held in this host's memory that died with it."""
+    import actors.drives
+    import actors.host_control
+
+    monkeypatch.setattr(actors.host_control, "SIGNAL_WAIT_S", 0.5)
+    monkeypatch.setattr(actors.drives, "STOP_S", 0.1)
+    model = StubbornModel()
+    stubborn = Agent(name="stubborn", model=model)
+    store = MemoryCommitStore()
+    host = _host(store, store)
+    host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
+        stubborn, holding, LocalToolRunner([]), owner=OWNER
+    )
+    thread = ThreadId("ctl-stubborn")
+    try:
+        assert await host.start_run("ref", thread, RunId("r-stubborn"), "go") is True
+        await asyncio.wait_for(model.streaming.wait(), 10)
+        assert await host.cancel_run(thread) == "cancelled"
+        assert (await store.load(thread)).run_state.cause.kind == "cancelled"
+        other = Engine(stubborn, store, LocalToolRunner([]), owner="other#2")
+        recovered = await asyncio.wait_for(other.recover(thread), 10)  # this host "died"
+        assert recovered.run_state.cause.kind == "cancelled"
+    finally:
+        model.release.set()
+    assert "went on" not in [getattr(m, "text", None) for m in recovered.messages]
 
 
 async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
