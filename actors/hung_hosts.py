@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,7 +36,7 @@ class HungHosts:
     leases: dict[str, float]
     kinds: dict[str, str]
     counts: Counter[str]
-    events: list[dict[str, Any]]
+    events: deque[dict[str, Any]]
     _silent: dict[str, float]
     """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
 
@@ -76,7 +76,8 @@ class HungHosts:
                 continue
             try:
                 handle = ray.get_actor(host_id, namespace=NAMESPACE)
-            except ValueError:  # gone already
+            except ValueError:  # gone already: a host of that name is a new one
+                self.kinds.pop(host_id, None)
                 continue
             log.warning("host %s is lost and still does not answer: restarting it", host_id)
             self.counts["hosts_restarted"] += 1

@@ -53,7 +53,10 @@ class Admission:
 
 
 def admitted(method: M) -> M:
-    """A request of a host that may start a drive: it waits while the door is closed."""
+    """A request of a host that may start a drive: it waits while the door is closed.
+    Once answered, a dedicated host left with nothing to drive asks to retire, whatever
+    the answer was: one started for a resume that was refused (past its deadline, its
+    ticket taken by another) or a recovery that found the Run overtaken lived on idle."""
 
     @functools.wraps(method)
     async def entry(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -64,5 +67,6 @@ def admitted(method: M) -> M:
             return await method(self, *args, **kwargs)
         finally:
             admission.inside -= 1
+            self._retire_if_idle()
 
     return entry  # type: ignore[return-value]

@@ -394,7 +394,9 @@ class RunHost(ControlHosting, ChildHosting):
         cancel or stop its Run at rest."""
         busy = len(self.drives) or self.drives.replacing or self.drives.ending
         if self.kind == "dedicated" and not busy:
-            self._background.add(asyncio.create_task(self._retire()))
+            task = asyncio.create_task(self._retire())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _retire(self) -> None:
         """A dedicated host lives for its one Run."""

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import ray
@@ -72,6 +72,8 @@ log = logging.getLogger("ratchet.supervisor")
 PING_TIMEOUT_S = 2.0
 TAKE_OVERS = 8
 """Take-overs under way at once (each one is a few store calls and one host call)."""
+EVENTS_KEPT = 1000
+"""The latest lost and restarted hosts ``report`` shows (its counts have them all)."""
 
 
 class Supervisor(HungHosts):
@@ -89,7 +91,7 @@ class Supervisor(HungHosts):
         """host id → monotonic time its lease expires."""
         self.kinds: dict[str, str] = {}
         self.counts: Counter[str] = Counter()
-        self.events: list[dict[str, Any]] = []
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.quarantined: set[ThreadId] = set()
         """Threads whose records do not verify: this Supervisor never takes them over."""
         self._taking: set[ThreadId] = set()
@@ -183,6 +185,8 @@ class Supervisor(HungHosts):
         self._silent.update((h, now) for h in expired)  # before a store outage ends the tick
         for host_id in [*expired, *dead]:
             self.leases.pop(host_id, None)
+            if host_id in dead:  # gone for good: a host of that name is a new one
+                self.kinds.pop(host_id, None)
             await self._host_lost(host_id, "lease expired" if host_id in expired else "dead")
         if now - self._last_sweep >= self.spec.reconcile_s:
             self._last_sweep = now
