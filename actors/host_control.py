@@ -111,7 +111,7 @@ class ControlHosting:
                 task.add_done_callback(self._background.discard)
                 if await self._drove_to(thread, drive, run, cause):
                     return ended
-                return ended if await self._fenced_out(thread, run, cause, drive) else "signalled"
+                return await self._fenced_out(thread, run, cause, ended, drive)
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
             return ended if await self._end_stored(thread, run, cause) else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
@@ -134,25 +134,33 @@ class ControlHosting:
         return _ended_with(frontier, run, drive, cause)
 
     async def _fenced_out(
-        self, thread: ThreadId, run: RunId | None, cause: EndCause, drive: Drive
-    ) -> bool:
-        """A drive told to end its Run that has not within ``SIGNAL_WAIT_S`` (a tool that
-        ignores its cancellation, an end held up): the Run is ended from the store now, its
-        claim fencing that drive, so that the answer is durable, not a promise held in this
-        host's memory. Not a drive that has claimed nothing (the thread's Run is not yet
-        its own), nor with the store out (waited for ``SIGNAL_WAIT_S`` at most): then
-        the caller hears "signalled"."""
+        self, thread: ThreadId, run: RunId | None, cause: EndCause, ended: str, drive: Drive
+    ) -> str:
+        """A drive told to end its Run that has not within ``SIGNAL_WAIT_S`` (a model or a
+        tool that ignores its cancellation, an end held up): the Run is ended from the
+        store now, its claim fencing that drive, so that the answer (``ended``) is durable,
+        not a promise held in this host's memory. "not_running" if the Run came to rest
+        otherwise meanwhile (a stop that raced this cancel ended it: this call ended
+        nothing). "signalled" for a drive that has claimed nothing (the thread's Run is
+        not yet its own), or with the store out (waited for ``SIGNAL_WAIT_S`` at most)."""
         if drive.epoch is None:
-            return False
+            return "signalled"
+        run = run or drive.run_id
         try:
             async with asyncio.timeout(SIGNAL_WAIT_S):  # the store out: never a caller held
-                if await self._end_stored(thread, run or drive.run_id, cause):
-                    return True
-                frontier = await self.store.load(thread)  # its drive ended it meanwhile?
+                if await self._end_stored(thread, run, cause):
+                    return ended
+                frontier = await self.store.load(thread)  # ended meanwhile, and how?
         except Exception as exc:  # the promise stands: _see_it_ended keeps it
             log.info("ending %s from the store after its drive was told failed: %s", thread, exc)
-            return False
-        return _ended_with(frontier, run, drive, cause)
+            return "signalled"
+        if _ended_with(frontier, run, drive, cause):
+            return ended  # by its drive, just now
+        if frontier.run_id != run or not isinstance(
+            frontier.run_state, RunningState | AwaitingState
+        ):
+            return "not_running"  # at rest otherwise, or the thread moved on past it
+        return "signalled"
 
     async def _end_stored(self, thread: ThreadId, run: RunId | None, cause: EndCause) -> bool:
         """End the Run as the store has it (no drive here hears a signal); False if there

@@ -547,6 +547,47 @@ async def test_a_cancel_its_drive_cannot_carry_out_is_durable_before_it_is_answe
     assert "went on" not in [getattr(m, "text", None) for m in recovered.messages]
 
 
+RACED: list[asyncio.Event] = []
+"""The gate of ``held_call``, made by the test that uses it (an event is its loop's)."""
+
+
+@tool(recovery=("replay_safe",))
+async def held_call() -> str:
+    """Runs until the test lets it go; takes its cancellation."""
+    await RACED[-1].wait()
+    return "let go"
+
+
+HELD = Agent(
+    name="held",
+    model=ScriptedModel(
+        [ModelResponse(tool_calls=(call("held_call", "h1"),)), ModelResponse(text="went on")]
+    ),
+    tools=[held_call],
+)
+
+
+async def test_a_cancel_and_a_stop_racing_end_the_run_once_and_the_loser_ended_nothing():
+    """Both are told to the Run's drive; it ends with the first, and the other call finds
+    it at rest with another cause: that one ended nothing ("not_running"), where it
+    was told "signalled", a promise of an end that would never come."""
+    RACED.append(asyncio.Event())
+    store = MemoryCommitStore()
+    host = _host(store, store)
+    host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
+        HELD, holding, LocalToolRunner(HELD.tools), owner=OWNER
+    )
+    thread = ThreadId("ctl-raced")
+    try:
+        assert await host.start_run("ref", thread, RunId("r-raced"), "go") is True
+        await _in_its_tool(store, thread)
+        answers = await asyncio.gather(host.cancel_run(thread), host.stop_run(thread, "budget"))
+    finally:
+        RACED[-1].set()
+    kind = (await store.load(thread)).run_state.cause.kind
+    assert sorted(answers) == sorted([kind, "not_running"]), (answers, kind)
+
+
 async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
     """The cancelled drive's end meets an outage longer than its backoff (the drive stops,
     paused): the reconciler does not drive the Run again meanwhile, and once the store is
