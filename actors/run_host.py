@@ -45,6 +45,7 @@ from actors.wire import (
     Placement,
     RunMeta,
     SystemSpec,
+    asked_before,
     at_rest,
     checkpoint_store,
     live_bus,
@@ -173,8 +174,23 @@ class RunHost(ControlHosting, ChildHosting):
                 await asyncio.wait({drive.task})  # its own errors stay with the drive
                 return rested(drive.task) or started
             return started
+        except InvalidTransition as exc:  # asked with another placement, it is a repeat
+            if await self._asked_elsewhere(thread, run_id, agent_ref, text):
+                return True  # its caller follows the Run in the store to its rest
+            return remote_error(exc)
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
             return remote_error(exc)
+
+    async def _asked_elsewhere(
+        self, thread: ThreadId, run_id: RunId, agent_ref: str, text: str
+    ) -> bool:
+        """A start refused as another ask of the Run (its input message names another
+        placement) that asked the same input and agent: the same Run, asked through
+        another door. Never an error of its own: the refusal stands."""
+        try:
+            return asked_before(await self.store.load(thread), run_id, agent_ref, text)
+        except Exception:
+            return False
 
     async def _finishing(
         self, thread: ThreadId, drive: Drive, run_id: RunId, message: str, text: str

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from runtime.commit import Frontier
-from runtime.errors import RatchetError
+from runtime.errors import InvalidTransition, RatchetError
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore
+from runtime.rules import check_repeated_start
 
 NAMESPACE = "ratchet"
 Placement = Literal["hosted", "dedicated"]
+PLACEMENTS: tuple[Placement, ...] = ("hosted", "dedicated")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,21 @@ class RunMeta:
 
     def message_id(self, run_id: str) -> str:
         return f"{run_id}:input|{self.placement}|{self.agent_ref}"
+
+
+def asked_before(frontier: Frontier, run_id: str, agent_ref: str, text: str) -> bool:
+    """Whether ``frontier`` holds the start of ``run_id`` asked with this agent and input,
+    whichever placement it asked for: a start asked again through another door (the
+    HTTP edge's default placement, say) asks the same Run, and joins it."""
+    for placement in PLACEMENTS:
+        message = RunMeta(agent_ref=agent_ref, placement=placement).message_id(run_id)
+        if any(isinstance(m, UserMessage) and m.id == message for m in frontier.messages):
+            try:
+                check_repeated_start(frontier, message, text, run_id)
+            except InvalidTransition:
+                return False
+            return True
+    return False
 
 
 def run_meta(frontier: Frontier) -> RunMeta | None:

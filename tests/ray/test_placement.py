@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from runtime.errors import AgentImportError
+from runtime.errors import AgentImportError, InvalidTransition
 from runtime.messages import ToolResultMessage
 
 from .conftest import actor_gone, wait_for
@@ -44,6 +44,24 @@ async def test_a_dedicated_run_gets_a_host_of_its_own(make_system):
     name = client.spec.dedicated_name("dedicated-1")
     assert frontier.owner.startswith(name)
     await wait_for(actor_gone(name), what="the dedicated host to retire after its Run")
+
+
+@pytest.mark.parametrize("first", ["hosted", "dedicated"])
+async def test_a_start_asked_again_with_the_other_placement_joins_its_run(make_system, first):
+    """A retry through another door (the HTTP edge's default placement, say) asks the same
+    Run: it joins it, wherever it runs. It was refused as "another input or agent"."""
+    client = await make_system()
+    thread, run = f"again-{first}", f"again-{first}-run"
+    other = "dedicated" if first == "hosted" else "hosted"
+    agent = "tests.ray.agents:quick_agent"
+    original = await client.start(agent, "hi", thread_id=thread, run_id=run, placement=first)
+    again = await client.start(agent, "hi", thread_id=thread, run_id=run, placement=other)
+    assert again.run_id == original.run_id
+    frontier = await again.result(timeout_s=60)
+    assert frontier.run_id == run and frontier.run_state.cause.kind == "natural"
+    assert [m.text for m in frontier.messages if getattr(m, "id", "").startswith(run)] == ["hi"]
+    with pytest.raises(InvalidTransition, match="another input or agent"):
+        await client.start(agent, "bye", thread_id=thread, run_id=run, placement=other)
 
 
 @pytest.mark.parametrize("placement", ["hosted", "dedicated"])
