@@ -20,7 +20,16 @@ from ray.exceptions import RayActorError, RayError
 from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, unwrap
 from cluster.config import ClusterUnavailable
 from cluster.stream import follow_thread
-from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, polled, rests
+from cluster.waiting import (
+    POLL_FIRST_S,
+    POLL_MAX_S,
+    end_of,
+    moved_on,
+    notice_or_rest,
+    on_a_live_host,
+    polled,
+    rests,
+)
 from runtime import tracing_env
 from runtime.commit import Frontier
 from runtime.errors import ResumeRejected, StoreUnavailable
@@ -44,6 +53,10 @@ from runtime.ports import CommitStore
 from runtime.resume import check_command
 from runtime.rules import stamp_facts
 from runtime.stream import Frame
+
+RESUME_GIVE_UP_S = 60.0
+"""How long a resume whose hosts die or restart is asked again, from the first failure
+(as a start, cancel or stop is: ``cluster.waiting.on_a_live_host``)."""
 
 
 class Client(Protocol):
@@ -226,25 +239,35 @@ class RunHandle:
         # the host decides the deadline by its clock: a client's may run ahead
         validate_resume(_ticket_of(await self.frontier()), command, None)
         placement = await self._placement()
-        for _ in range(max(len(self.client.hosts), 1) + 1):
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None  # as a start's (on_a_live_host): from the first failure
+        delay = POLL_FIRST_S
+        while True:
             target = self.client.host_for(self.thread_id, placement, index)
             try:
                 unwrap(await target.resume_run.remote(command, trace=tracing_env.carrier()))
                 return
-            except RayActorError:
+            except RayActorError as exc:
                 ticket = await self.ticket()
                 if ticket is None or ticket.correlation != command.correlation:
                     await self._landed(command)  # returns if it was ours, else raises
                     return
-                if placement == "dedicated":
-                    continue  # a dedicated host is re-created under the same name
-                current = (
-                    index
-                    if index is not None
-                    else host_index(self.thread_id, self.client.spec.hosts)
-                )
-                index = (current + 1) % self.client.spec.hosts
-        raise ClusterUnavailable(f"no host accepted the resume of {self.thread_id}")
+                if deadline is None:
+                    deadline = loop.time() + RESUME_GIVE_UP_S
+                elif loop.time() > deadline:
+                    raise ClusterUnavailable(
+                        f"no host accepted the resume of {self.thread_id} within "
+                        f"{RESUME_GIVE_UP_S:g}s; its ticket is as it was: ask again"
+                    ) from exc
+                if placement == "hosted":  # the next host (a dedicated one is re-created)
+                    current = (
+                        index
+                        if index is not None
+                        else host_index(self.thread_id, self.client.spec.hosts)
+                    )
+                    index = (current + 1) % self.client.spec.hosts
+                await asyncio.sleep(delay)  # hosts restarting (a kill of several at once)
+                delay = min(delay * 2, POLL_MAX_S)
 
     async def _landed(self, command: ResumeCommand) -> None:
         """The ticket is gone: whose resume was applied? Ours: return; else ResumeRejected."""

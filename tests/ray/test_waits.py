@@ -318,6 +318,28 @@ class _AnswerLost:
         return _Lost
 
 
+class _Down:
+    """A host that is dead or restarting: every call fails, nothing is done."""
+
+    class resume_run:
+        @staticmethod
+        async def remote(*args, **kwargs):
+            raise ray.exceptions.RayActorError()
+
+
+async def test_a_resume_whose_hosts_are_all_down_for_a_while_is_asked_again(system, monkeypatch):
+    """Every host of the pool dead or restarting at once (a kill of several): a resume is
+    asked again until one answers, as a start is, for up to 60 s. It gave up after one
+    round of the pool, the ticket intact but the caller told ``ClusterUnavailable``."""
+    handle = await system.start(PERMISSION, "all down", host=0)
+    await awaiting(handle)
+    down = [_Down()] * (len(system.hosts) * 2 + 2)  # several rounds of the pool
+    monkeypatch.setattr(system, "host_for", lambda *a, **k: down.pop() if down else system.hosts[0])
+    await handle.resume(command_for((await handle.ticket()), PermissionDecision(approve=True)))
+    assert not down
+    await ended(handle, "natural")
+
+
 @pytest.mark.parametrize(
     ("method", "cause"), [("cancel_run", "cancelled"), ("stop_run", "stopped")]
 )
