@@ -13,6 +13,7 @@ app's problem handler).
 
 from __future__ import annotations
 
+import codecs
 import hmac
 import json
 from collections.abc import Callable
@@ -94,17 +95,42 @@ class Guard:
 
     def _capped(self, receive: Receive) -> Receive:
         seen = 0
+        utf8 = codecs.getincrementaldecoder("utf-8")()
 
         async def capped() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
+                body = message.get("body", b"")
+                seen += len(body)
                 if seen > self.max_body_bytes:
                     raise BodyTooLarge(self.max_body_bytes)
+                _check_utf8(utf8, body, not message.get("more_body", False))
             return message
 
         return capped
+
+
+class BodyNotUtf8(HTTPException):
+    """A body that is not UTF-8, as the framework's own parse failure is answered (a 400
+    whose cause is a UnicodeDecodeError: ``edge.problems`` makes it 422, ``utf8``)."""
+
+    def __init__(self) -> None:
+        super().__init__(400, "There was an error parsing the body")
+
+
+def _check_utf8(decoder: codecs.IncrementalDecoder, chunk: bytes, last: bool) -> None:
+    """Every body is JSON, which travels as UTF-8 (RFC 8259). Python's parser would take
+    UTF-16 and UTF-32 too, by their byte patterns: such a text holds NUL bytes, which
+    JSON in UTF-8 never does (a control character in a string is escaped)."""
+    nul = chunk.find(b"\x00")
+    try:
+        if nul >= 0:
+            reason = "a NUL byte (UTF-16 or UTF-32 text?)"
+            raise UnicodeDecodeError("utf-8", chunk, nul, nul + 1, reason)
+        decoder.decode(chunk, final=last)
+    except UnicodeDecodeError as exc:
+        raise BodyNotUtf8() from exc
 
 
 BODILESS = ("GET", "HEAD")

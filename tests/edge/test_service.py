@@ -342,6 +342,30 @@ def test_bodies_the_parser_cannot_read_are_422_naming_the_rule(http):
     assert "SEQ:INDEX" in problem(bad_cursor, 422, "ValidationError")["detail"]
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_a_body_in_another_unicode_encoding_is_refused_as_not_utf8(http, encoding):
+    """JSON travels as UTF-8 (RFC 8259); Python's parser also takes UTF-16 and UTF-32 by
+    their byte patterns, so such a body started a Run."""
+    thread = new_thread()
+    body = json.dumps({"agent": QUICK, "input": "café 中"}).encode(encoding)
+    headers = {"content-type": "application/json"}
+    refused = http.post(f"/threads/{thread}/runs", content=body, headers=headers)
+    assert problem(refused, 422, "InputRefused")["limit"] == "utf8"
+    problem(http.get(f"/threads/{thread}"), 404, "ThreadNotFound")
+
+
+def test_a_character_cut_between_two_chunks_of_a_body_is_whole_utf8(http):
+    """The UTF-8 check reads a streamed body chunk by chunk: a character cut between two
+    chunks is whole once both are in."""
+    text = json.dumps({"agent": QUICK, "input": "café 中"}, ensure_ascii=False).encode()
+    cut = text.index("中".encode()) + 1
+    chunks = iter([text[:cut], text[cut:]])
+    headers = {"content-type": "application/json"}
+    thread = new_thread()
+    started = http.post(f"/threads/{thread}/runs", content=chunks, headers=headers)
+    assert started.status_code == 201, started.text
+
+
 def test_a_body_sent_with_a_stream_request_is_dropped_not_refused_midway(http):
     thread = start(http)["thread_id"]
     chunks = (b"x" * 65_536 for _ in range(40))  # chunked: no Content-Length
