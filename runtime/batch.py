@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, StrictBool, ValidationError, model_validator
 
 from runtime.base import Frozen, evolve, trusted
 from runtime.errors import CorruptBatch, InvalidTransition
@@ -49,7 +49,8 @@ class ToolRecoveryPolicy(Frozen):
 class ToolOutput(Frozen):
     content: str
     """What the model sees as the tool's result."""
-    is_error: bool = False
+    is_error: StrictBool = False
+    """true or false (a caller's external result is held to it: "no" is no boolean)."""
 
 
 class Requested(Frozen):

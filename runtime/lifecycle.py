@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from runtime.base import Frozen
 from runtime.batch import ToolOutput, WaitKind
@@ -125,7 +125,8 @@ class ResumeTicket(Frozen):
 
 class PermissionDecision(Frozen):
     kind: Literal["permission"] = "permission"
-    approve: bool
+    approve: StrictBool
+    """true or false, nothing that reads as either ("yes", 1): a decision authorises."""
     note: str = ""
 
 

@@ -44,7 +44,7 @@ def outcome_of(result: Any, requests: Sequence[ToolRequest] = ()) -> Finished:
     """Turn a tool's return value (and what it asked of its Run) into a finished outcome."""
     if isinstance(result, ToolResult):
         return Finished(
-            output=ToolOutput(content=_to_text(result.content), is_error=result.is_error),
+            output=ToolOutput(content=_to_text(result.content), is_error=bool(result.is_error)),
             commands=tuple(result.commands),
             requests=tuple(requests),
         )

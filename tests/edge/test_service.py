@@ -134,6 +134,19 @@ def test_a_resume_that_does_not_fit_is_409_and_the_ticket_stays(http):
     assert problem(again, 409, "ResumeRejected")["axis"] == "ticket"
 
 
+@pytest.mark.parametrize("approve", ["yes", 1, "true", None])
+def test_a_permission_that_is_no_boolean_authorises_nothing(http, approve):
+    """A decision authorises a tool to run (a payment, say): only true or false is one.
+    Validated leniently, "yes" or 1 read as an approval and the tool ran."""
+    thread = start(http)["thread_id"]
+    before = http.get(f"/threads/{thread}").json()
+    loose = {"payload": {"kind": "permission", "approve": approve}}
+    problem(http.post(f"/threads/{thread}/resume", json=loose), 422, "ValidationError")
+    result = {"payload": {"kind": "external_result", "output": {"content": "x", "is_error": "no"}}}
+    problem(http.post(f"/threads/{thread}/resume", json=result), 422, "ValidationError")
+    assert http.get(f"/threads/{thread}").json() == before  # the ticket is as it was
+
+
 def test_a_resume_asked_again_under_its_request_id_is_its_success(http):
     """The answer to a resume was lost (the client timed out, its connection broke): asked
     again with the same request id once the resume landed, it is 200, not a 409 for a
