@@ -126,7 +126,8 @@ def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
 def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
     if value.get("format") != EXPORT_FORMAT:
         raise ImportRefused(1, "format", f"not a Ratchet thread export ({EXPORT_FORMAT!r})")
-    if value.get("version") != EXPORT_VERSION:
+    version = value.get("version")
+    if not _is_int(version) or version != EXPORT_VERSION:  # true and 1.0 are == 1
         raise ImportRefused(
             1,
             "version",

@@ -465,6 +465,8 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "empty": (lambda ls: [], 1, "header"),
     "other format": (_header(format="jsonl"), 1, "format"),
     "format version 2": (_header(version=2), 1, "version"),
+    "format version true": (_header(version=True), 1, "version"),  # == 1 in Python
+    "format version 1.0": (_header(version=1.0), 1, "version"),
     "header without count": (_header(records=None), 1, "header"),
     "another thread's records": (_header(thread_id="elsewhere"), 2, "thread"),
     "malformed JSON": (lambda ls: _set(4, ls[4][:-3])(ls), 5, "malformed"),
