@@ -46,6 +46,7 @@ from runtime.errors import (
     StoreUnavailable,
     VersionConflict,
 )
+from runtime.limits import too_many_digits
 
 log = logging.getLogger("ratchet.edge")
 PROBLEM_JSON = "application/problem+json"
@@ -205,7 +206,7 @@ def _unparsed(exc: HTTPException) -> InputRefused | None:
         return InputRefused("request body", "utf8", f"not UTF-8: {cause.reason}")
     if isinstance(cause, RecursionError):
         return InputRefused("request body", "json_depth", "JSON nested too deep to parse")
-    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+    if cause is not None and too_many_digits(cause):
         digits = sys.get_int_max_str_digits()  # not the cause's text: it advises a setting
         return InputRefused("request body", "type", f"an integer of over {digits} digits")
     return None

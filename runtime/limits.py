@@ -136,6 +136,12 @@ def joined(fragments: Iterable[str]) -> str:
     return _PAIR.sub(lambda m: m[0].encode("utf-16-le", "surrogatepass").decode("utf-16-le"), text)
 
 
+def too_many_digits(exc: BaseException) -> bool:
+    """Whether ``exc`` is Python's refusal of an integer longer than it converts
+    (``sys.get_int_max_str_digits``: a plain ValueError whose text advises a setting)."""
+    return isinstance(exc, ValueError) and "integer string conversion" in str(exc)
+
+
 def live_piece(held: str, text: str) -> tuple[str, str]:
     """A streamed chunk made valid Unicode for live followers: ``(to publish, to hold)``.
     A high surrogate that ends the chunk (the first half of a character the provider cut)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -48,6 +49,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from runtime.errors import ModelError, ModelRateLimited, ModelRefused, ModelUnavailable
+from runtime.limits import too_many_digits
 from runtime.models import ModelDelta, ModelResponse
 
 
@@ -202,6 +204,13 @@ def translate(exc: BaseException, sdk: SdkErrors, *, streaming: bool) -> ModelEr
         return _from_body(None, body, sdk, fallback=str(exc))
     if isinstance(exc, json.JSONDecodeError):
         message = _message(sdk, None, f"chunk is not JSON: {exc}")
+        return ModelUnavailable("malformed_stream", message)
+    if isinstance(exc, UnicodeDecodeError):  # a chunk's bytes (the SDK decodes each alone)
+        message = _message(sdk, None, f"a chunk is not UTF-8: {exc.reason}")
+        return ModelUnavailable("malformed_stream", message)
+    if too_many_digits(exc):  # its text advises a setting of this process: not said
+        digits = sys.get_int_max_str_digits()
+        message = _message(sdk, None, f"a chunk holds a number of over {digits} digits")
         return ModelUnavailable("malformed_stream", message)
     if isinstance(exc, RecursionError | ValidationError):
         # JSON nested past the SDK's parser, or parts the response cannot hold (a call

@@ -383,6 +383,29 @@ STREAM_FAILURES = [
         "malformed_stream",
         id="not-an-event",
     ),
+    pytest.param(
+        Sse(
+            [
+                message_start(),
+                *text_block(0, "Hel"),
+                b'event: content_block_delta\ndata: {"type": "content_block_delta", "\xff": 0}\n\n',
+            ]
+        ),
+        "malformed_stream",
+        id="not-utf8",
+    ),
+    pytest.param(
+        Sse(
+            [
+                message_start(),
+                *text_block(0, "Hel"),
+                b'event: message_delta\ndata: {"type": "message_delta", "delta": {}, '
+                b'"usage": {"output_tokens": ' + b"7" * 5000 + b"}}\n\n",
+            ]
+        ),
+        "malformed_stream",
+        id="usage-of-5000-digits",
+    ),
 ]
 
 
@@ -396,6 +419,7 @@ async def test_a_broken_stream_is_transient(provider, make, reply, code):
     assert type(caught.value) is ModelUnavailable and caught.value.code == code
     assert [d.text for d in seen] == ["Hel"]
     assert API_KEY not in str(caught.value)
+    assert "set_int_max_str_digits" not in str(caught.value)  # advice to this process
 
 
 async def test_a_server_that_never_answers_times_out(provider, make):

@@ -383,6 +383,21 @@ STREAM_FAILURES = [
         id="not-a-chunk",
     ),
     pytest.param(
+        Sse([data(openai_chunk({"content": "Hel"})), b'data: {"choices": "\xff"}\n\n']),
+        "malformed_stream",
+        id="not-utf8",
+    ),
+    pytest.param(
+        Sse(
+            [
+                data(openai_chunk({"content": "Hel"})),
+                b'data: {"choices": [], "usage": {"prompt_tokens": ' + b"7" * 5000 + b"}}\n\n",
+            ]
+        ),
+        "malformed_stream",
+        id="usage-of-5000-digits",
+    ),
+    pytest.param(
         Sse(
             [
                 data(openai_chunk({"content": "Hel"})),
@@ -415,6 +430,7 @@ async def test_a_broken_stream_is_transient(provider, reply, code, make):
     assert type(caught.value) is ModelUnavailable and caught.value.code == code
     assert [d.text for d in seen] == ["Hel"]  # the deltas before the break were streamed
     assert API_KEY not in str(caught.value)
+    assert "set_int_max_str_digits" not in str(caught.value)  # advice to this process
 
 
 async def test_a_mid_stream_rate_limit_event_is_rate_limited(provider, make):
