@@ -154,6 +154,8 @@ async def list_runs(
     """Pages in thread id order; ``cursor`` is the previous page's ``next_cursor``.
     ``agent`` reads each candidate's head and its latest Run's records (the store's
     listing does not name the agent), not its whole log."""
+    if cursor is not None:  # a thread id: one that cannot be is refused, not an empty page
+        check_id("cursor", cursor, client.spec.limits)
     rows = sorted(await client.runs(state), key=lambda r: r.thread_id)
     page: list[RunSummary] = []
     for row in rows:
@@ -235,6 +237,8 @@ async def _end(
 ) -> ControlResult:
     if reason is not None:  # bad input is 413/422 whatever the thread holds
         check_reason(reason, client.spec.limits)
+    if run is not None:  # an id no Run can have is refused, not "not_running"
+        check_id("run id", run, client.spec.limits)
     frontier = await known(client, thread)
     if isinstance(frontier.run_state, EndedState) or run not in (None, frontier.run_id):
         # ended, or the thread holds a later Run than the one named (it ended): as

@@ -379,6 +379,19 @@ def test_a_character_cut_between_two_chunks_of_a_body_is_whole_utf8(http):
     assert started.status_code == 201, started.text
 
 
+def test_query_ids_no_run_or_thread_can_have_are_refused(http):
+    """A page cursor and a control request's ``run_id`` are ids: one holding a control
+    character is 422, not an empty page or a "not_running" that says nothing was wrong."""
+    refused = http.get("/runs", params={"cursor": "a\x00b"})
+    assert problem(refused, 422, "InputRefused")["limit"] == "control_chars"
+    thread = start(http)["thread_id"]
+    for path in ("cancel", "stop"):
+        body = {"reason": "r"} if path == "stop" else None
+        sent = http.post(f"/threads/{thread}/{path}", params={"run_id": "a\x1bb"}, json=body)
+        assert problem(sent, 422, "InputRefused")["limit"] == "control_chars"
+    assert http.get(f"/threads/{thread}").json()["run_state"]["kind"] == "awaiting"
+
+
 def test_a_body_sent_with_a_stream_request_is_dropped_not_refused_midway(http):
     thread = start(http)["thread_id"]
     chunks = (b"x" * 65_536 for _ in range(40))  # chunked: no Content-Length
