@@ -369,8 +369,9 @@ def test_a_body_in_another_unicode_encoding_is_refused_as_not_utf8(http, encodin
 
 def test_a_character_cut_between_two_chunks_of_a_body_is_whole_utf8(http):
     """The UTF-8 check reads a streamed body chunk by chunk: a character cut between two
-    chunks is whole once both are in."""
-    text = json.dumps({"agent": QUICK, "input": "café 中"}, ensure_ascii=False).encode()
+    chunks is whole once both are in (the permission agent: the paging test below counts
+    the quick agent's Runs)."""
+    text = json.dumps({"agent": PERMISSION, "input": "café 中"}, ensure_ascii=False).encode()
     cut = text.index("中".encode()) + 1
     chunks = iter([text[:cut], text[cut:]])
     headers = {"content-type": "application/json"}
