@@ -150,12 +150,15 @@ class ControlHosting:
             async with asyncio.timeout(SIGNAL_WAIT_S):  # the store out: never a caller held
                 if await self._end_stored(thread, run, cause):
                     return ended
+        except Exception as exc:  # its end may have landed (the drive slow to stop): see
+            log.info("ending %s from the store after its drive was told: %s", thread, exc)
+        try:
+            async with asyncio.timeout(SIGNAL_WAIT_S):
                 frontier = await self.store.load(thread)  # ended meanwhile, and how?
-        except Exception as exc:  # the promise stands: _see_it_ended keeps it
-            log.info("ending %s from the store after its drive was told failed: %s", thread, exc)
+        except Exception:  # the promise stands: _see_it_ended keeps it
             return "signalled"
         if _ended_with(frontier, run, drive, cause):
-            return ended  # by its drive, just now
+            return ended  # by this call (its drive slow to stop), or by its drive just now
         if frontier.run_id != run or not isinstance(
             frontier.run_state, RunningState | AwaitingState
         ):
