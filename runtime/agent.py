@@ -16,6 +16,7 @@ from runtime.errors import AgentImportError
 from runtime.execution import ExecutionState, Side
 from runtime.hooks import Gate, Hook, RunEndGuard
 from runtime.ids import RunId, ThreadId
+from runtime.limits import raised
 from runtime.messages import Message
 from runtime.models import Model
 from runtime.plugins import DuplicateId, Plugin, PluginRefused, ResolvedExecutionEnv, resolve
@@ -209,21 +210,28 @@ def load_agent(ref: str) -> Agent:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise AgentImportError(f"agent reference {ref!r} must look like 'package.module:name'")
-    try:  # whatever the import raises (a relative name, the module's own error) is ours
+    # whatever the module's code raises is the agent's failure, never the caller's: a
+    # SystemExit or a BaseException of its own included (in a RunHost it would end the
+    # process, and every Run it drives with it)
+    try:  # a relative name, the module's own error
         module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise AgentImportError(f"cannot import module {module_name!r} for {ref!r}: {exc}") from exc
+    except BaseException as exc:
+        why = f"cannot import module {module_name!r} for {ref!r}: {raised(exc)}"
+        raise AgentImportError(why[:2000]) from exc
     try:
         obj = getattr(module, attr)
     except AttributeError as exc:
         raise AgentImportError(f"module {module_name!r} has no attribute {attr!r}") from exc
+    except BaseException as exc:  # a module __getattr__ of its own
+        raise AgentImportError(f"looking up {ref!r} raised {raised(exc)}"[:2000]) from exc
     # only a function of that module is a factory: a reference must never call whatever
     # else is callable there (a class, os:abort, builtins:input)
     if inspect.isfunction(obj) and obj.__module__ == module.__name__:
         try:
             obj = obj()
-        except Exception as exc:
-            raise AgentImportError(f"the agent factory {ref!r} raised {exc!r}"[:2000]) from exc
+        except BaseException as exc:
+            why = f"the agent factory {ref!r} raised {raised(exc)}"
+            raise AgentImportError(why[:2000]) from exc
     if not isinstance(obj, Agent):
         raise AgentImportError(f"{ref!r} is a {type(obj).__name__}, not an Agent")
     return obj

@@ -41,7 +41,7 @@ from typing import Any, get_args
 
 from runtime.errors import RatchetError
 from runtime.hooks import Gate, Hook, HookPoint, RunEndGuard
-from runtime.limits import printable
+from runtime.limits import printable, raised
 from runtime.state import MergePolicy
 from runtime.tools import Tool
 
@@ -200,8 +200,9 @@ def _contributions(plugin: Plugin) -> Contributions:
     pid = plugin.manifest.id
     try:
         made = plugin.contribute()
-    except Exception as exc:  # the plugin's bug is a refusal naming it, never a crash
-        raise ContributionFailed(pid, "its contributions", f"{type(exc).__name__}: {exc}") from exc
+    except BaseException as exc:  # the plugin's bug is a refusal naming it, never a crash
+        # (a SystemExit or a BaseException of its own included; its text may not print)
+        raise ContributionFailed(pid, "its contributions", raised(exc)) from exc
     if not isinstance(made, Contributions):
         kind = type(made).__name__
         raise ContributionFailed(pid, "its contributions", f"a {kind}, not Contributions")

@@ -72,6 +72,40 @@ def test_an_agent_reference_runs_nothing_but_its_own_module_s_factory(ref, says)
     assert load_agent(f"{__name__}:_factory").name == "made"
 
 
+class _Own(BaseException):
+    """A BaseException of the agent module's own."""
+
+
+class _Unprintable(Exception):
+    def __repr__(self) -> str:
+        raise ValueError("no text")
+
+    __str__ = __repr__
+
+
+@pytest.mark.parametrize(
+    "raising", [SystemExit(4), KeyboardInterrupt(), GeneratorExit(), _Own("own"), _Unprintable()]
+)
+@pytest.mark.parametrize("where", ["import", "factory", "lookup"])
+def test_an_agent_module_raising_anything_is_an_agent_import_error(
+    tmp_path, monkeypatch, raising, where
+):
+    """Whatever an agent's module raises — as it is imported, from its factory, from a
+    module ``__getattr__`` — is AgentImportError: a SystemExit escaped as itself (in a
+    RunHost it ended the process, and every Run driven there with it)."""
+    name = f"hostile_agent_{where}_{type(raising).__name__.lower()}"
+    body = {
+        "import": "raise RAISING\n",
+        "factory": "def agent():\n    raise RAISING\n",
+        "lookup": "def __getattr__(name):\n    raise RAISING\n",
+    }[where]
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("builtins.RAISING", raising, raising=False)
+    with pytest.raises(AgentImportError, match=type(raising).__name__):
+        load_agent(f"{name}:agent")
+
+
 @pytest.mark.parametrize("offset", [f"{10**20}:0", f"1:{10**19}"])
 def test_a_stream_cursor_past_64_bit_integers_is_bad_input(offset):
     with pytest.raises(ValueError, match="below 10"):

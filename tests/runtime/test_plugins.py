@@ -327,6 +327,36 @@ def test_a_plugin_whose_function_fails_is_refused_naming_it():
         resolve([Plugin(PluginManifest(id="c"), lambda: {"tools": []})])
 
 
+class _Own(BaseException):
+    """A BaseException of the plugin's own."""
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+@pytest.mark.parametrize(
+    "raising", [SystemExit(3), KeyboardInterrupt(), GeneratorExit(), _Own("own"), _Unprintable()]
+)
+def test_a_plugin_raising_anything_is_refused_naming_it_never_escaping(raising):
+    """'Raises' means anything: a SystemExit escaped Agent() (in a RunHost, the agent's
+    import, it ended the process), and an exception whose text cannot print escaped as
+    the ValueError its __str__ raised."""
+
+    def broken() -> Contributions:
+        raise raising
+
+    with pytest.raises(ContributionFailed, match=rf"plugin 'b'.*{type(raising).__name__}"):
+        resolve([Plugin(PluginManifest(id="b"), broken)])
+    agent = Agent(
+        name="a",
+        model=ScriptedModel([ModelResponse(text="x")]),
+        plugins=[Plugin(PluginManifest(id="b"), broken)],
+    )
+    assert isinstance(agent.plugins_refused, ContributionFailed)
+
+
 async def _async_gate(seen: object) -> None:
     return None
 
