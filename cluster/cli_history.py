@@ -144,7 +144,7 @@ def import_command(
 
 async def _import(file: str, as_thread: str | None, store: str | None) -> None:
     lines = _read_lines(file)  # unreadable input fails before the store is opened
-    db = await _opened(store)
+    db = await _opened(store, existing=False)  # a fixture into a new store, say
     try:
         frontier = await import_thread(
             db, lines, None if as_thread is None else ThreadId(as_thread)
@@ -168,7 +168,7 @@ def _read_lines(file: str) -> list[bytes]:
     return data.splitlines()
 
 
-async def _opened(store: str | None) -> Any:
+async def _opened(store: str | None, *, existing: bool = True) -> Any:
     from cluster.cli import _open
 
-    return await _open(store)
+    return await _open(store, existing=existing)

@@ -65,6 +65,16 @@ def scheme_of(url: str) -> str:
     return url.partition("://")[0].partition("+")[0].lower()
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file a SQLite store URL names; None if it names none (or cannot be read)."""
+    from sqlalchemy.engine import make_url  # a SQLite URL's reader: SQLAlchemy's own
+
+    try:
+        return make_url(url).database or None
+    except Exception:  # a malformed URL: opening the store says what is wrong with it
+        return None
+
+
 def default_store_url() -> str:
     """RATCHET_STORE_URL, else a SQLite file under the working directory."""
     return os.environ.get("RATCHET_STORE_URL") or DEFAULT_STORE_URL

@@ -62,6 +62,18 @@ def test_expected_failures_are_one_line(args, expected):
     assert "hunter2" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    "command", [("runs",), ("show", "t"), ("verify", "--all"), ("export", "t")]
+)
+def test_a_command_on_a_sqlite_store_that_is_not_there_makes_none(tmp_path, command):
+    """A mistyped path is said so; it made an empty store there, directories and all."""
+    missing = tmp_path / "typo" / "nothing.db"
+    done = _ratchet(*command, "--store", f"sqlite:///{missing}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"no store at {missing}" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "typo").exists()
+
+
 def test_run_then_runs_then_show(tmp_path):
     store = f"sqlite:///{tmp_path}/cli.db"
     runner = CliRunner()
