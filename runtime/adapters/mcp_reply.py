@@ -8,7 +8,9 @@ out its timeout. ``reread`` turns what Python's ``json`` can read into a message
   writes a JS string cut mid-emoji) are kept, U+FFFD in the surrogate's place;
 - any other reply to a request (one nested deeper than the SDK reads, say) becomes an
   error answer marked ``UNREADABLE``, so that its call ends at once (``McpReplyUnreadable``:
-  the server answered, what it said is unknown).
+  the server answered, what it said is unknown); so does a reply that is JSON but not a
+  JSON-RPC answer (a ``result`` that is no object, an error code that is no number), which
+  the SDK refuses by its shape.
 
 A line ``json`` cannot read either (nested deeper than Python recurses) is left to the
 SDK, and its call to its timeout.
@@ -34,6 +36,10 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def reread(item: SessionMessage | Exception) -> SessionMessage | Exception:
     """``item`` as a message if it is a line the SDK could not parse that Python can."""
+    misshapen = _misshapen(item)
+    if misshapen is not None:
+        reply, why = misshapen
+        return _unreadable(reply["id"], why)
     unparsed = _unparsed(item)
     if unparsed is None:
         return item
@@ -68,6 +74,41 @@ def _unparsed(item: SessionMessage | Exception) -> tuple[str, str] | None:
     if first["type"] != "json_invalid" or not isinstance(line, str):
         return None
     return line, first["msg"]
+
+
+def _misshapen(item: SessionMessage | Exception) -> tuple[dict[str, Any], str] | None:
+    """A reply to a request that is JSON but none of JSON-RPC's messages, and why. The
+    SDK reads a line as the union of those messages: each of its branches refuses the
+    whole line, and the request's branch names it as the input that has no ``method``."""
+    if not isinstance(item, Exception):
+        return None
+    from pydantic import ValidationError
+
+    if not isinstance(item, ValidationError):
+        return None
+    errors = item.errors()
+    whole = next(
+        (
+            e["input"]
+            for e in errors
+            if e["type"] == "missing"
+            and tuple(e["loc"])[1:] == ("method",)
+            and isinstance(e.get("input"), dict)
+        ),
+        None,
+    )
+    if whole is None or "method" in whole or not _is_id(whole.get("id")):
+        return None  # a request or notification of the server's: no call waits for it
+    why = next(
+        (
+            f"{'.'.join(map(str, tuple(e['loc'])[1:]))}: {e['msg']}"
+            for e in errors
+            if tuple(e["loc"])[:1] in (("JSONRPCResponse",), ("JSONRPCError",))
+            and e["type"] != "missing"
+        ),
+        "not a JSON-RPC answer",
+    )
+    return whole, why
 
 
 def _mended(value: Any) -> Any:

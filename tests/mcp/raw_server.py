@@ -1,7 +1,9 @@
 """A stdio MCP server written by hand, for replies the SDK's server would never write:
 ``snippet`` answers with text holding an unpaired surrogate escape (as ``JSON.stringify``
 writes a JS string cut mid-emoji), ``deep`` with structured content nested deeper than
-the SDK reads. It appends its pid to ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
+the SDK reads, ``not_an_object`` with a ``result`` of 42 and ``code_of_text`` with an
+error whose code is text (JSON, but no JSON-RPC answer). It appends its pid to
+``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 TOOLS = [
     {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
-    for name in ("snippet", "deep")
+    for name in ("snippet", "deep", "not_an_object", "code_of_text")
 ]
 SNIPPET = '{"content":[{"type":"text","text":"charged; note: caf\\ud83d \\ud83d\\ude00"}]}'
 DEEP = '{"content":[],"structuredContent":{"x":' + "[" * 300 + "]" * 300 + "}}"
@@ -36,7 +38,10 @@ def answer(request: dict[str, object]) -> str:
     elif method == "tools/call":
         params = request["params"]
         assert isinstance(params, dict)
-        result = SNIPPET if params["name"] == "snippet" else DEEP
+        if params["name"] == "code_of_text":
+            error = '{"code":"E1","message":"x"}'
+            return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"error":' + error + "}"
+        result = {"snippet": SNIPPET, "deep": DEEP, "not_an_object": "42"}[str(params["name"])]
     else:
         result = "{}"
     return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"result":' + result + "}"

@@ -232,6 +232,21 @@ async def test_a_reply_the_sdk_cannot_parse_is_read_again_not_waited_out(records
     assert isinstance(deep, Lost) and "reply could not be read" in deep.message, deep
 
 
+@pytest.mark.parametrize("tool", ["not_an_object", "code_of_text"])
+async def test_a_reply_that_is_no_json_rpc_answer_is_lost_at_once(records, tool):
+    """JSON, but none of JSON-RPC's messages (a ``result`` of 42, an error code of text):
+    the SDK drops it by its shape, and the call waited out its timeout (for ever with
+    none). It is lost at once, as a reply nothing can read."""
+    env = {"MCP_TEST_DIR": str(records)}
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
+    try:
+        runner = LocalToolRunner(mcp_tools(server, timeouts={tool: None}))
+        (outcome,) = await asyncio.wait_for(runner.run([invocation(tool, "c1")]), DEADLINE_S)
+    finally:
+        await server.aclose()
+    assert isinstance(outcome, Lost) and "reply could not be read" in outcome.message, outcome
+
+
 async def test_a_server_that_cannot_start_is_unavailable_before_dispatch(server, records):
     runner = LocalToolRunner(mcp_tools(server))
     (records / "refuse").touch()  # from now on the server exits as it starts
