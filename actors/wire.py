@@ -20,7 +20,7 @@ from runtime.errors import InvalidTransition, RatchetError
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore
-from runtime.rules import check_repeated_start
+from runtime.rules import check_repeated_start, ran_before
 
 NAMESPACE = "ratchet"
 Placement = Literal["hosted", "dedicated"]
@@ -126,7 +126,7 @@ def asked_before(frontier: Frontier, run_id: str, agent_ref: str, text: str) -> 
     HTTP edge's default placement, say) asks the same Run, and joins it."""
     for placement in PLACEMENTS:
         message = RunMeta(agent_ref=agent_ref, placement=placement).message_id(run_id)
-        if any(isinstance(m, UserMessage) and m.id == message for m in frontier.messages):
+        if ran_before(frontier, message):
             try:
                 check_repeated_start(frontier, message, text, run_id)
             except InvalidTransition:
