@@ -124,10 +124,10 @@ def _check_utf8(decoder: codecs.IncrementalDecoder, chunk: bytes, last: bool) ->
     UTF-16 and UTF-32 too, by their byte patterns: such a text holds NUL bytes, which
     JSON in UTF-8 never does (a control character in a string is escaped)."""
     nul = chunk.find(b"\x00")
+    if nul >= 0:
+        why = "a NUL byte (UTF-16 or UTF-32 text?)"
+        raise BodyNotUtf8() from UnicodeDecodeError("utf-8", chunk, nul, nul + 1, why)
     try:
-        if nul >= 0:
-            reason = "a NUL byte (UTF-16 or UTF-32 text?)"
-            raise UnicodeDecodeError("utf-8", chunk, nul, nul + 1, reason)
         decoder.decode(chunk, final=last)
     except UnicodeDecodeError as exc:
         raise BodyNotUtf8() from exc
