@@ -189,7 +189,7 @@ class RunHost(ControlHosting, ChildHosting):
         another door. Never an error of its own: the refusal stands."""
         try:
             return asked_before(await self.store.load(thread), run_id, agent_ref, text)
-        except Exception:
+        except Exception:  # the store out or the thread corrupt: the refusal it met stands
             return False
 
     async def _finishing(
