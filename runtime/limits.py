@@ -4,7 +4,8 @@ Everything from outside — a caller's input and ids, a model's output, a tool's
 a hook's commands, a resume payload — is checked here before anything is committed.
 A refusal is ``InputRefused`` naming the limit (the field of ``Limits``) or the rule
 broken (``utf8``: text with an unpaired surrogate, which no store can encode;
-``control_chars``: an id with a control character). Callers' input is refused with
+``control_chars``: an id with a control character; ``dot_segment``: an id that is
+``.`` or ``..``). Callers' input is refused with
 no thread row and no Run; model and tool output that breaks a limit becomes a
 model-visible error or a committed ``failed(...)`` (see ``admit_response`` and
 ``admit_output``). The README's Errors section has this table.
@@ -212,7 +213,15 @@ def check_id(what: str, value: object, limits: Limits = DEFAULT_LIMITS) -> str:
         raise InputRefused(what, "utf8", problem)
     if CONTROL_CHARS.search(value):
         raise InputRefused(what, "control_chars", "ids may not hold control characters")
+    if value in DOT_SEGMENTS:
+        # a URL's path step, not a name: every HTTP client resolves it before sending, so
+        # a thread of this id could never be addressed (``/threads/./commits`` would be
+        # sent as ``/threads/commits``, another thread's)
+        raise InputRefused(what, "dot_segment", f"{value!r} is a step in a URL path, not an id")
     return value
+
+
+DOT_SEGMENTS = frozenset({".", ".."})
 
 
 def json_depth(text: str) -> int:

@@ -393,6 +393,17 @@ def test_query_ids_no_run_or_thread_can_have_are_refused(http):
     assert http.get(f"/threads/{thread}").json()["run_state"]["kind"] == "awaiting"
 
 
+def test_a_thread_id_no_url_can_name_is_refused(http):
+    """``.`` and ``..`` sent percent-encoded reach the service as themselves, but every
+    client resolves them as path steps before sending: a thread so named could never be
+    read back (``/threads/./commits`` would ask for the thread ``commits``)."""
+    for dots in ("%2E", "%2E%2E", ".%2E"):
+        started = http.post(f"/threads/{dots}/runs", json={"text": "go"})
+        assert problem(started, 422, "InputRefused")["limit"] == "dot_segment"
+        assert problem(http.get(f"/threads/{dots}"), 422, "InputRefused")
+    assert all(r["thread_id"] not in (".", "..") for r in http.get("/runs").json()["runs"])
+
+
 def test_a_body_sent_with_a_stream_request_is_dropped_not_refused_midway(http):
     thread = start(http)["thread_id"]
     chunks = (b"x" * 65_536 for _ in range(40))  # chunked: no Content-Length

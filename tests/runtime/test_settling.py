@@ -395,6 +395,9 @@ EDGE_CASES = [
     ({"run_id": LONG}, "id_chars"),
     ({"run_id": "run-\udcff"}, "utf8"),
     ({"run_id": "run\x7f"}, "control_chars"),
+    ({"thread_id": "."}, "dot_segment"),
+    ({"thread_id": ".."}, "dot_segment"),
+    ({"run_id": ".."}, "dot_segment"),
 ]
 
 
