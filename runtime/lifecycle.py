@@ -178,8 +178,10 @@ def validate_resume(
     """Check a command against the committed ticket in the fixed order of DESIGN §2.
 
     Raises ResumeRejected naming the first axis that fails; the ticket is untouched.
-    ``now_us`` None: the deadline is not checked (a client's pre-check: its clock is not
-    the one that decides, the host's is).
+    ``now_us`` None: a client's pre-check, whose clock is not the one that decides (the
+    host's is). It stops before the deadline of a ticket that has one: the later axes
+    are the host's to judge, after the deadline, or a late resume would be refused on
+    its payload by the client and on its deadline by the host.
     """
     if ticket is None:
         raise ResumeRejected("ticket", "the run is not awaiting (no committed ticket)")
@@ -189,8 +191,11 @@ def validate_resume(
         raise ResumeRejected("run", f"ticket belongs to run {ticket.run_id!r}")
     if command.thread_id != ticket.thread_id:
         raise ResumeRejected("thread", f"ticket belongs to thread {ticket.thread_id!r}")
-    if ticket.deadline_us is not None and now_us is not None and now_us > ticket.deadline_us:
-        raise ResumeRejected("deadline", "the ticket's deadline has passed")
+    if ticket.deadline_us is not None:
+        if now_us is None:
+            return
+        if now_us > ticket.deadline_us:
+            raise ResumeRejected("deadline", "the ticket's deadline has passed")
     if command.payload.kind != ticket.payload_kind:
         raise ResumeRejected(
             "payload", f"expected a {ticket.payload_kind} payload, got {command.payload.kind}"

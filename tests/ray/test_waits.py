@@ -283,6 +283,9 @@ async def test_every_rejection_axis_through_the_client(system, ledger):
     with pytest.raises(ResumeRejected) as rejected:
         await late.respond(PermissionDecision(approve=True))
     assert rejected.value.axis == "deadline"
+    with pytest.raises(ResumeRejected) as rejected:  # late, and of the wrong kind too
+        await late.respond(UserInput(text="late"))
+    assert rejected.value.axis == "deadline"  # the deadline comes first (DESIGN §2)
     assert (await late.frontier()).run_state == kept.run_state
     assert await late.cancel() == "cancelled"
 

@@ -66,13 +66,20 @@ def test_expired_deadline_is_rejected_before_the_payload():
     assert err.value.axis == "deadline"
 
 
-def test_a_check_without_a_clock_leaves_the_deadline_to_the_host():
-    """A client checks every axis but the deadline: its clock may run ahead of the host's,
-    which decides (a valid resume is never refused by a client's clock)."""
+def test_a_check_without_a_clock_leaves_the_deadline_and_what_follows_to_the_host():
+    """A client's clock may run ahead of the host's, which decides the deadline (a valid
+    resume is never refused by a client's clock); the axes after it are the host's too,
+    or a late resume of the wrong kind would be refused on its payload by the client and
+    on its deadline by the host."""
     validate_resume(TICKET, GOOD, now_us=None)
     bad = GOOD.model_copy(update={"payload": UserInput(text="t")})
+    validate_resume(TICKET, bad, now_us=None)  # left to the host
     with pytest.raises(ResumeRejected) as err:
-        validate_resume(TICKET, bad, now_us=None)
+        validate_resume(TICKET, bad.model_copy(update={"run_id": "other"}), now_us=None)
+    assert err.value.axis == "run"  # the axes before the deadline are checked
+    no_deadline = TICKET.model_copy(update={"deadline_us": None})
+    with pytest.raises(ResumeRejected) as err:
+        validate_resume(no_deadline, bad, now_us=None)
     assert err.value.axis == "payload"
 
 
