@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal, Protocol
 
 from pydantic import Field, TypeAdapter
@@ -21,7 +22,7 @@ from pydantic import Field, TypeAdapter
 from runtime.base import Frozen
 from runtime.batch import ToolOutput
 from runtime.commit import Frontier
-from runtime.errors import InputRefused, RatchetError
+from runtime.errors import InputRefused, RatchetError, ResumeRejected
 from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -266,6 +267,28 @@ def delivery(
     except InputRefused as exc:
         payload = DelegationOutcome(output=Finished.refused(exc).output)
     return answer(state.ticket, payload)
+
+
+async def check_delegation_answer(
+    parent: Frontier,
+    command: ResumeCommand,
+    load: Callable[[ThreadId], Awaitable[Frontier]],
+    limits: Limits = DEFAULT_LIMITS,
+) -> None:
+    """A delegation's ticket takes its child's own outcome only, as the child's stored
+    end makes it (``delivery``): a caller's made-up outcome, or one sent while the child
+    still runs, is ResumeRejected on its payload and the ticket stays. ``load`` reads
+    (and verifies) the child's thread."""
+    if not isinstance(command.payload, DelegationOutcome):
+        return
+    child = awaited_child(parent)
+    vouched = delivery(await load(child), parent, limits) if child is not None else None
+    if vouched is None:
+        raise ResumeRejected(
+            "payload", f"a delegation is answered by its child's end; {child} has not ended"
+        )
+    if vouched.payload != command.payload:
+        raise ResumeRejected("payload", f"not the outcome its child {child} ended with")
 
 
 CHILD_OUTCOME: TypeAdapter[Finished | Lost | ChildWaiting] = TypeAdapter(

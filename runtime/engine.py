@@ -38,7 +38,13 @@ from runtime.batch import result_messages, seal
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, whole_of, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
-from runtime.delegation import ChildRunner, ParentLink, parent_gone, parent_link
+from runtime.delegation import (
+    ChildRunner,
+    ParentLink,
+    check_delegation_answer,
+    parent_gone,
+    parent_link,
+)
 from runtime.errors import (
     DuplicateOperation,
     Fenced,
@@ -322,6 +328,7 @@ class Engine(Stepping):
             frontier = loaded or await self._verified(command.thread_id)
             loaded = None  # a retry reads the thread again
             ticket = validate_ticket(frontier, command)
+            await check_delegation_answer(frontier, command, self._verified, self.limits)
             ctx = self._context(frontier)
             try:
                 return ctx, await resume_commit(self, ctx, ticket, command)

@@ -287,6 +287,49 @@ async def test_a_lone_child_surfaces_its_wait_and_its_outcome_resumes_the_parent
     assert json.loads(parent.messages[-1].text) == ["needy done"]
 
 
+async def test_a_delegation_takes_only_its_child_s_own_outcome():
+    """A caller's made-up child outcome, sent while the child still waits for its human,
+    is refused on its payload: the parent keeps waiting, and the child's real answer
+    resumes it. The child's stored end is the only voucher of a delegation's result."""
+    from runtime import ResumeRejected
+    from runtime.lifecycle import DelegationOutcome
+    from runtime.ports import ToolOutput
+
+    store = MemoryCommitStore()
+    r = runner(agents.fanout_agent("needy_worker", 1), store)
+    parked = await r.start("go", thread_id="p")
+    (kid,) = await children_of(store, parked)
+    forged = command_for(parked, DelegationOutcome(output=ToolOutput(content="FORGED")))
+    with pytest.raises(ResumeRejected, match="has not ended") as refused:
+        await r.resume(forged)
+    assert refused.value.axis == "payload"
+    assert (await store.load("p")).run_state == parked.run_state  # the ticket stayed
+    await r.resume(command_for(kid, PermissionDecision(approve=True)))
+    parent = await store.load("p")
+    assert parent.run_state.cause.kind == "natural"
+    assert json.loads(parent.messages[-1].text) == ["needy done"]
+
+
+async def test_a_delegation_refuses_an_outcome_other_than_its_ended_child_s():
+    from runtime import ResumeRejected
+    from runtime.control import control_engine
+    from runtime.delegation import check_delegation_answer, delivery
+    from runtime.lifecycle import Cancelled, DelegationOutcome
+    from runtime.ports import ToolOutput
+
+    store = MemoryCommitStore()
+    parent = await runner(agents.lone_needy(), store).start("go", thread_id="p")
+    (kid,) = await children_of(store, parent)
+    await control_engine(store, owner="test#1").terminate(kid.thread_id, Cancelled())
+    vouched = delivery(await store.load(kid.thread_id), parent)
+    assert vouched is not None
+    await check_delegation_answer(parent, vouched, store.load)  # the child's own: taken
+    other = command_for(parent, DelegationOutcome(output=ToolOutput(content="all fine")))
+    with pytest.raises(ResumeRejected, match="not the outcome") as refused:
+        await check_delegation_answer(parent, other, store.load)
+    assert refused.value.axis == "payload"
+
+
 async def test_a_child_answer_its_parents_call_cannot_hold_is_handed_over_as_an_error():
     """The lone child's answer (its model's, within ``model_text_bytes``) is over
     ``tool_result_bytes``: handed up raw, its resume would be refused by every host for
