@@ -81,8 +81,11 @@ class Session:
     first: Side = "a"
 
     def __post_init__(self) -> None:
-        if self.max_session_turns < 1:
-            raise ValueError("max_session_turns must be at least 1")
+        if not _counts(self.max_session_turns):  # 1.5 would give 2 turns, "3" a TypeError
+            raise ValueError(
+                f"max_session_turns must be an integer of at least 1, not "
+                f"{self.max_session_turns!r}"
+            )
         if self.first not in ("a", "b"):
             raise ValueError("first is 'a' or 'b'")
 

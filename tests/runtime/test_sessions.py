@@ -255,6 +255,13 @@ def test_a_session_side_is_backed_by_exactly_one_thing():
         SessionSide(handler=echo_handler, human="hi")
 
 
+@pytest.mark.parametrize("turns", [0, -1, 1.5, "3", None, True])
+def test_max_session_turns_is_a_whole_count(turns):
+    side = SessionSide(handler=echo_handler)
+    with pytest.raises(ValueError, match="max_session_turns must be an integer"):
+        Session(b=side, max_session_turns=turns)
+
+
 # ---- crash at every fault point -------------------------------------------------------
 
 AGENTS: dict[str, Callable[[], Agent]] = {
