@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from cluster.config import ClusterUnavailable
+from edge.strict_json import DuplicateKey
 from runtime.errors import (
     AgentImportError,
     CorruptRecord,
@@ -197,13 +198,16 @@ def starlette_problem(request: Request, exc: Exception) -> JSONResponse:
 def _unparsed(exc: HTTPException) -> InputRefused | None:
     """FastAPI answers a JSON body it cannot parse for any reason but its syntax with a
     bare 400 ("There was an error parsing the body"); the reason is its cause: bytes
-    that are not UTF-8, nesting past the parser's recursion, or an integer longer than
+    that are not UTF-8, a key an object repeats (``edge.strict_json``), nesting past the
+    parser's recursion, or an integer longer than
     Python converts (``sys.get_int_max_str_digits``, a plain ValueError)."""
     if exc.status_code != 400:
         return None
     cause = exc.__cause__
     if isinstance(cause, UnicodeDecodeError):
         return InputRefused("request body", "utf8", f"not UTF-8: {cause.reason}")
+    if isinstance(cause, DuplicateKey):
+        return InputRefused("request body", "duplicate_key", str(cause))
     if isinstance(cause, RecursionError):
         return InputRefused("request body", "json_depth", "JSON nested too deep to parse")
     if cause is not None and too_many_digits(cause):

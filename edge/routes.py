@@ -31,6 +31,7 @@ from edge.models import (
 )
 from edge.paths import THREAD_KEY
 from edge.problems import HttpProblem, problems
+from edge.strict_json import StrictJsonRoute
 from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
@@ -40,7 +41,7 @@ from runtime.limits import check_id, check_reason
 from runtime.patience import patiently
 from runtime.ports import RunSummary
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 log = logging.getLogger("ratchet.edge")
 READ_BACK_S = 60.0
 """How long a route waits out a store outage to read back what it just did."""

@@ -36,11 +36,12 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from edge.agui import AguiState, transcode
 from edge.problems import HttpProblem, problem_body, problems, status_of
 from edge.routes import Client, Thread, known
+from edge.strict_json import StrictJsonRoute
 from runtime.errors import RatchetError
 from runtime.stream import Frame, check_cursor, parse_offset
 
 log = logging.getLogger("ratchet.edge")
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 STREAM_ERROR = "ratchet.stream_error"
 """The AG-UI ``CUSTOM`` event's name that ends a stream early (its value: the problem)."""
 AGUI_MEDIA_TYPE = "application/vnd.ag-ui+json"

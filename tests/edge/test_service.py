@@ -147,6 +147,25 @@ def test_a_permission_that_is_no_boolean_authorises_nothing(http, approve):
     assert http.get(f"/threads/{thread}").json() == before  # the ticket is as it was
 
 
+def test_a_body_that_repeats_a_key_means_nothing(http):
+    """Python keeps a repeated key's last value, other parsers its first: a decision of
+    ``"approve": false, "approve": true`` would be a denial to a proxy in front and an
+    approval here. It is refused; the ticket stays."""
+    headers = {"content-type": "application/json"}
+    thread = start(http)["thread_id"]
+    before = http.get(f"/threads/{thread}").json()
+    twice = b'{"payload": {"kind": "permission", "approve": false, "approve": true}}'
+    sent = http.post(f"/threads/{thread}/resume", content=twice, headers=headers)
+    refused = problem(sent, 422, "InputRefused")
+    assert refused["limit"] == "duplicate_key" and "'approve'" in refused["detail"]
+    assert http.get(f"/threads/{thread}").json() == before
+    fresh = new_thread()
+    start_twice = b'{"agent": "%s", "input": "go", "input": "went"}' % PERMISSION.encode()
+    sent = http.post(f"/threads/{fresh}/runs", content=start_twice, headers=headers)
+    assert problem(sent, 422, "InputRefused")["limit"] == "duplicate_key"
+    assert http.get(f"/threads/{fresh}").status_code == 404
+
+
 def test_a_resume_asked_again_under_its_request_id_is_its_success(http):
     """The answer to a resume was lost (the client timed out, its connection broke): asked
     again with the same request id once the resume landed, it is 200, not a 409 for a
