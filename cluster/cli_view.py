@@ -40,7 +40,11 @@ class Terminal(Console):
     is made ``visible`` first, whoever built it, so stored or streamed text — a model's
     answer, a tool's error, a stop reason, an id — shows its control characters instead
     of moving the cursor, erasing lines or retitling the window (a model's text could
-    hide the call it asks approval for). Rich's own styling is written after this."""
+    hide the call it asks approval for). Rich's own styling is written after this, and
+    its emoji codes are off: ``:smile:`` in a stored id or answer prints as written."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**{"emoji": False, **options})
 
     def render_str(self, text: str, **options: Any) -> Text:
         return super().render_str(visible(text), **options)
