@@ -92,7 +92,7 @@ from runtime.history_format import (
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
-from runtime.ports import CommitStore, CommittedRecord
+from runtime.ports import CommitStore, CommittedRecord, vouched_records
 from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, with_claim
 
@@ -180,8 +180,8 @@ async def export(store: CommitStore, thread: ThreadId) -> Iterator[str]:
 async def _whole_log(
     store: CommitStore, thread: ThreadId, error: type[HistoryRefused]
 ) -> list[CommittedRecord]:
-    """The thread's log from its first record (verified by the store's ``read``)."""
-    records = await store.read(thread)
+    """The thread's log from its first record, its frontier verified too."""
+    records = await vouched_records(store, thread)
     if not records:
         head = await store.load_head(thread)
         if head.version:  # every record was pruned; the frontier stays

@@ -190,6 +190,15 @@ class Finished(Frozen):
         return cls(output=ToolOutput(content=f"tool output refused: {error}", is_error=True))
 
 
+async def vouched_records(store: CommitStore, thread: ThreadId) -> list[CommittedRecord]:
+    """The thread's records, for a whole-log operation (prune, fork, export, replay).
+    ``read`` verifies only the records' chain; the frontier is checked first (``load``:
+    its checksum, its owner epoch, the log it folds from), so a thread whose frontier
+    does not verify is CorruptRecord here, never pruned, copied or exported as whole."""
+    await store.load(thread)
+    return await store.read(thread)
+
+
 class Unavailable(Frozen):
     """UnavailableBeforeDispatch: nothing was dispatched, safe to retry."""
 

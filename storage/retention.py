@@ -31,7 +31,7 @@ from runtime.errors import InvalidTransition, StoreError
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import message_text
 from runtime.lifecycle import EndedState
-from runtime.ports import CommitStore, CommittedRecord
+from runtime.ports import CommitStore, CommittedRecord, vouched_records
 
 ATTEMPTS = 5
 """Cuts refused because another prune moved the anchor first, before giving up."""
@@ -89,7 +89,7 @@ async def prune_thread(
     if through < 1:
         raise InvalidTransition(f"thread {thread}: cannot prune through seq {through}")
     for _ in range(ATTEMPTS):
-        records = await store.read(thread)
+        records = await vouched_records(store, thread)
         if not records:
             frontier = await store.load(thread)  # pruned through its head, or empty
             if through <= frontier.version:

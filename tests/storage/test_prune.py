@@ -447,6 +447,26 @@ async def test_the_command_names_a_thread_it_cannot_prune_and_goes_on(
     assert await store.read(ThreadId("fine")) == []
 
 
+async def test_a_thread_whose_frontier_does_not_verify_is_not_pruned_copied_or_exported(
+    store: Any, url: str, corrupt_frontier: Any
+) -> None:
+    """Its log verifies, its frontier does not: the log is the intact copy of its history.
+    A prune that read only the log removed it (exit 0, the thread still unreadable); a
+    fork or export took it as whole (a fork passed ``verify``: the damage laundered)."""
+    ends = await three_runs(store)
+    await corrupt_frontier(T, 1, '{"thread_id": "tampered", "version": 1}')
+    with pytest.raises(CorruptRecord):
+        await store.prune(T, ends[0])
+    with pytest.raises(CorruptRecord):
+        await fork(store, T, ends[0], ThreadId("copy"))
+    with pytest.raises(CorruptRecord):
+        await export(store, T)
+    result = await ratchet("prune", "--ended-before", "2030-01-01", "--store", url)
+    assert result.exit_code == 1 and f"skipped: thread {T!r}" in result.stderr
+    assert len(await store.read(T)) == ends[2]  # every record kept
+    assert (await store.load_head(ThreadId("copy"))).version == 0
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
