@@ -335,48 +335,53 @@ class RedisCommitStore:
                 for s in states:
                     pipe.hgetall(self._index(s))
                 indexes = await pipe.execute()
-        rows = [(str(t), str(x)) for index in indexes for t, x in sorted(index.items())]
+        rows = [
+            (str(t), s) for s, index in zip(states, indexes, strict=True) for t in sorted(index)
+        ]
         return await self._vouched(rows, state, host)
 
     async def _running_of(self, host: str) -> list[RunSummary]:
         """The owner index: running threads whose owner belongs to ``host``."""
         with translated(self.where):
             threads = sorted(await self.client.hkeys(f"{self.prefix}:owner:{host}"))
-            if not threads:
-                return []
-            texts = await self.client.hmget(self._index("running"), threads)
-        rows = [(str(t), str(x)) for t, x in zip(threads, texts, strict=True) if x]
+        rows: list[tuple[str, RunStateKind]] = [(str(t), "running") for t in threads]
         return await self._vouched(rows, "running", host)
 
     async def _vouched(
-        self, rows: list[tuple[str, str]], state: RunStateKind | None, host: str | None
+        self, rows: list[tuple[str, RunStateKind]], state: RunStateKind | None, host: str | None
     ) -> list[RunSummary]:
-        """The run index entries ``rows`` as their threads' verified heads have them (in
-        one round trip: each thread's meta and hash tail read at one instant); one that
-        does not verify, or says otherwise, is left out (``storage.summary.kept``)."""
+        """The threads ``rows`` found in the run index of the state named, each as its
+        verified head has it. The entry is read again beside the head, in one round trip
+        (each thread's entry, meta and hash tail at one instant): a Run that committed
+        since the index was read has a newer entry, not a corrupt one; one that left that
+        state meanwhile is no longer in it. An entry that does not verify, or says
+        otherwise, is left out (``storage.summary.kept``)."""
         with translated(self.where):
             async with self.client.pipeline(transaction=True) as pipe:
-                for thread, _ in rows:
+                for thread, indexed in rows:
                     pipe.hmget(self._key(thread, "meta"), _META[:8])
                     pipe.llen(self._key(thread, "sums"))
                     pipe.lindex(self._key(thread, "sums"), -1)
+                    pipe.hget(self._index(indexed), thread)
                 # one thread's key of the wrong type (edited by hand) is that thread's
                 # answer, not the whole listing's error
                 answers = await pipe.execute(raise_on_error=False)
 
-        def summary(i: int, thread: str, text: str) -> RunSummary:
-            mine = answers[3 * i : 3 * i + 3]
+        def summary(i: int, thread: str) -> RunSummary | None:
+            mine = answers[4 * i : 4 * i + 4]
             refused = next((a for a in mine if isinstance(a, Exception)), None)
             if refused is not None:
                 raise CorruptRecord(thread, 0, f"its keys refuse a read: {refused}")
-            (frontier, version, epoch, owner, checksum, head, *anchored), n, last = mine
+            (frontier, version, epoch, owner, checksum, head, *anchored), n, last, text = mine
+            if text is None:
+                return None  # it left the state it was listed in
             anchor = anchor_of(thread, *anchored)
             verified = verified_frontier(
                 thread, frontier, version, epoch, owner, checksum, head, n, last, anchor
             )
-            return vouched(decode_summary(thread, text), verified)
+            return vouched(decode_summary(thread, str(text)), verified)
 
-        makes = (functools.partial(summary, i, t, x) for i, (t, x) in enumerate(rows))
+        makes = (functools.partial(summary, i, t) for i, (t, _) in enumerate(rows))
         return kept(makes, state, host)
 
     async def index_problem(self, thread: ThreadId) -> str | None:

@@ -44,11 +44,14 @@ def vouched(listed: RunSummary, head: Frontier) -> RunSummary:
 
 
 def kept(
-    summaries: Iterable[Callable[[], RunSummary]], state: RunStateKind | None, host: str | None
+    summaries: Iterable[Callable[[], RunSummary | None]],
+    state: RunStateKind | None,
+    host: str | None,
 ) -> Listing:
-    """The listing: each entry built and checked on its own. One that does not verify is
-    left out (logged, and named in ``refused``): a single bad row must not stop every
-    listing, and with it every sweep of the Supervisor and every host's reconciliation."""
+    """The listing: each entry built and checked on its own (None: no longer listed). One
+    that does not verify is left out (logged, and named in ``refused``): a single bad row
+    must not stop every listing, and with it every sweep of the Supervisor and every
+    host's reconciliation."""
     found, refused = [], []
     for make in summaries:
         try:
@@ -56,6 +59,8 @@ def kept(
         except CorruptRecord as exc:
             log.error("a run index entry does not verify, left out of the listing: %s", exc)
             refused.append(ThreadId(exc.thread))
+            continue
+        if summary is None:
             continue
         if (state is None or summary.state == state) and (
             host is None or host_of(summary.owner) == host

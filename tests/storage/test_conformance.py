@@ -21,6 +21,7 @@ from runtime.errors import (
 )
 from runtime.ids import ThreadId
 from runtime.limits import MAX_JSON_DEPTH, STORED_DEPTH
+from runtime.ports import refused_in
 from runtime.rules import replay
 from runtime.state import Command
 from tests.storage.builders import activation, ended, head, step
@@ -413,6 +414,47 @@ async def test_list_runs_by_state(store: Any) -> None:
     [done] = await store.list_runs("ended")
     assert (done.thread_id, done.cause, done.version) == (b, "natural", 2)
     assert await store.list_runs("awaiting") == []
+
+
+async def test_a_listing_beside_commits_lists_every_healthy_run(store: Any) -> None:
+    """Runs committing while they are listed are listed as they are, never refused as
+    corrupt: a refused Run is quarantined by the Supervisor (never taken over) and fails
+    ``wait_all``. Redis read its run index and the threads' heads in two round trips, and
+    a commit between them made a healthy entry look forged."""
+    threads = [ThreadId(f"busy-{i}") for i in range(4)]
+    for t in threads:
+        await _started(store, t, f"run-{t}")
+    refused: list[ThreadId] = []
+    moving = True
+
+    async def commits(t: ThreadId) -> None:
+        for _ in range(25):
+            await _next(store, t, f"run-{t}")
+        e = (await store.load_head(t)).epoch
+        await store.append(ended(t, f"run-{t}", 26, prev=await head(store, t), epoch=e), 26, e)
+
+    async def listings() -> int:
+        count = 0
+        while moving or count < 3:
+            for state in (None, "running"):
+                listing = await store.list_runs(state)
+                refused.extend(refused_in(listing))
+                assert {s.thread_id for s in listing} <= set(threads)
+            for host in ("owner-1", None):
+                refused.extend(refused_in(await store.list_runs("running", host=host)))
+            count += 1
+            await asyncio.sleep(0)  # let the commits go on between listings
+        return count
+
+    listed = asyncio.create_task(listings())
+    await asyncio.gather(*(commits(t) for t in threads))
+    moving = False
+    assert await listed >= 3
+    assert refused == []
+    every = await store.list_runs()
+    assert sorted((s.thread_id, s.state, s.version) for s in every) == [
+        (t, "ended", 27) for t in threads
+    ]
 
 
 async def test_the_owner_index_lists_running_runs_by_host(store: Any) -> None:
