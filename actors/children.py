@@ -9,10 +9,11 @@ joined, a committed one is recovered, a finished one just answers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 
 from actors.wire import SystemSpec, host_index, unwrap
 from runtime.delegation import CHILD_OUTCOME, ChildOutcome, ChildRequest
@@ -20,6 +21,10 @@ from runtime.ids import RunId, ThreadId
 from runtime.ports import Lost
 
 log = logging.getLogger("ratchet.children")
+HOST_BACK_S = 60.0
+"""How long a child's call is asked again while the child's host is dead or restarting."""
+BACK_POLL_S = (0.05, 1.0)
+"""The first and the longest pause between those asks."""
 
 
 class RayChildRunner:
@@ -36,16 +41,31 @@ class RayChildRunner:
         return self._hosts[index]
 
     async def run(self, request: ChildRequest) -> ChildOutcome:
-        host = self.host_for(request.child_thread)
-        try:
-            raw = unwrap(await host.run_child.remote(request.model_dump(mode="json")))
-        except RayError as exc:
-            # the child's host died, or its answer was lost: the child recovers on its own
-            # (the supervisor or Ray's restart); the parent's durable_request policy
-            # reconnects to it (the same call names the same child)
-            self._hosts.clear()
-            return Lost(message=f"host of child {request.child_thread} lost: {exc}")
-        return CHILD_OUTCOME.validate_python(raw)
+        """The child's outcome. Its host dead or restarting, the same call is asked again
+        once it is back (for up to ``HOST_BACK_S``): it names the same child, which that
+        host joins or recovers. Ray refuses a call to a restarting actor at once, so an
+        attempt given up at the first refusal was spent while the host restarted, and
+        one death spent every attempt of the parent's call."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HOST_BACK_S
+        pause, longest = BACK_POLL_S
+        while True:
+            host = self.host_for(request.child_thread)
+            try:
+                raw = unwrap(await host.run_child.remote(request.model_dump(mode="json")))
+            except RayActorError as exc:
+                self._hosts.clear()  # a host re-created under its name is looked up again
+                if loop.time() < deadline:
+                    await asyncio.sleep(pause)  # Ray restarts it: a backoff, not a sync
+                    pause = min(pause * 2, longest)
+                    continue
+                return Lost(message=f"host of child {request.child_thread} lost: {exc}")
+            except RayError as exc:
+                # its answer was lost: the child goes on, or recovers on its own; the
+                # parent's durable_request policy reconnects to it
+                self._hosts.clear()
+                return Lost(message=f"host of child {request.child_thread} lost: {exc}")
+            return CHILD_OUTCOME.validate_python(raw)
 
     async def cancel(self, child_thread: ThreadId, child_run: RunId | None = None) -> None:
         try:

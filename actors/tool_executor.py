@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import os
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Container, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -194,6 +194,13 @@ class ExecutorPools:
             **options,
         ).remote(self.spec.warm_spares)
 
-    def pick(self, resources: Mapping[str, float]) -> Any:
+    def pick(self, resources: Mapping[str, float], avoid: Container[Any] = ()) -> Any:
+        """The pool's next executor in turn, passing over those in ``avoid`` (seen dead,
+        restarting) while another is left."""
         pool = self.pool(resources)
-        return pool[next(self._turn) % len(pool)]
+        first = next(self._turn)
+        for i in range(len(pool)):
+            executor = pool[(first + i) % len(pool)]
+            if executor not in avoid:
+                return executor
+        return pool[first % len(pool)]

@@ -17,6 +17,12 @@ for ever where their tools have no timeout, since Ray takes it for alive: while 
 has been out for a lease (``SystemSpec.lease_ttl_s``) the dispatcher pings its
 executor, and one that answered before and misses ``HUNG_STRIKES`` pings in a row is
 killed for Ray to restart, which loses its waves as a death does.
+
+An executor seen dying is passed over while its pool has another; a call bound for one
+anyway (a pool of one: a resource pool, or ``executors=1``) waits until it answers a
+ping again, up to ``RESTART_WAIT_S``. Ray refuses a call to a restarting actor at once,
+so the next attempt of a replay-safe call, sent straight away, was lost too, and one
+death spent every attempt without ever running the tool again.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ PING_TIMEOUT_S = 2.0
 HUNG_STRIKES = 2
 """Pings in a row, a lease apart, an executor with a call out may miss before it is
 taken for hung and restarted."""
+RESTART_WAIT_S = 60.0
+"""How long a call bound for an executor seen dying waits for it to answer again."""
+BACK_POLL_S = (0.05, 1.0)
+"""The first and the longest pause between pings of an executor being restarted."""
 
 
 @dataclass(eq=False)
@@ -87,6 +97,9 @@ class WaveDispatcher:
         """Executors this dispatcher took for hung and killed."""
         self.watched = 0
         """Rounds of pings the watch of executors has made (diagnostics, tests)."""
+        self._back: dict[Any, asyncio.Task[None]] = {}
+        """Executors seen dying (a call to them lost) → the pings that end when it answers
+        again (or ``RESTART_WAIT_S`` passed): passed over by ``pick`` until then."""
 
     async def run(
         self, resources: Mapping[str, float], agent_ref: str, invocations: Sequence[ToolInvocation]
@@ -121,7 +134,7 @@ class WaveDispatcher:
         if not waves:
             return
         try:
-            executor = self.pools.pick(self._resources[key])
+            executor = self.pools.pick(self._resources[key], avoid=self._back)
         except Exception as exc:  # e.g. resources Ray refuses: the Runs hear it, not the loop
             for wave in waves:
                 wave.done.set_exception(exc)
@@ -138,6 +151,12 @@ class WaveDispatcher:
             self._watch = loop.create_task(self._watch_executors())
 
     async def _call(self, executor: Any, waves: list[_Wave]) -> None:
+        coming_back = self._back.get(executor)
+        if coming_back is not None:
+            await asyncio.shield(coming_back)
+            waves = [w for w in waves if not w.done.done()]  # given up on meanwhile
+            if not waves:
+                return
         open_waves = {w.id: w for w in waves}
         try:
             if len(waves) == 1:  # a lone wave: a plain call, cheaper than a stream
@@ -150,6 +169,7 @@ class WaveDispatcher:
                     for wave_id, outcomes in await ref:
                         open_waves.pop(wave_id).settle(outcomes)
         except RayActorError as exc:
+            self._seen_down(executor)
             message = f"executor died mid-call ({type(exc).__name__})"
         except RayTaskError as exc:  # the executor itself failed around the tools
             message = f"executor failed: {exc.cause!r}"
@@ -201,6 +221,12 @@ class WaveDispatcher:
                     ray.kill(executor, no_restart=False)
             await asyncio.sleep(period)
 
+    def _seen_down(self, executor: Any) -> None:
+        if executor not in self._back:
+            task = asyncio.get_running_loop().create_task(_until_back(executor))
+            self._back[executor] = task
+            task.add_done_callback(lambda _: self._back.pop(executor, None))
+
     def _cancel(self, wave: _Wave) -> None:
         if wave.executor is None:
             return  # not sent yet: the flush skips it
@@ -242,6 +268,17 @@ class RayToolRunner:
 
 async def _pinged(executor: Any) -> Any:
     return await executor.ping.remote()
+
+
+async def _until_back(executor: Any) -> None:
+    """Until ``executor`` answers a ping (it is up again), or ``RESTART_WAIT_S`` passed
+    (a call bound for it is sent anyway, and hears what becomes of it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RESTART_WAIT_S
+    pause, longest = BACK_POLL_S
+    while loop.time() < deadline and not await _answers(executor):
+        await asyncio.sleep(pause)  # Ray is restarting it: a backoff, not a sync
+        pause = min(pause * 2, longest)
 
 
 async def _answers(executor: Any) -> bool:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
+from actors.wire import host_index
 from cluster.cli_view import run_tree
 from runtime.control import control_engine
+from runtime.delegation import child_ids
+from runtime.ids import CallId, RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
     EndedState,
@@ -69,6 +74,35 @@ async def test_the_parents_host_dies_and_every_child_runs_once(make_system, poin
         assert await activations(client.store, kid.thread_id) == 1
         assert kid.run_state.cause.kind == "natural"
     assert sum(m.kind == "tool_result" for m in f.messages) == 8
+
+
+async def test_one_death_of_a_child_s_host_does_not_spend_its_parent_s_call(make_system):
+    """The child's host is killed mid-child; the parent's host lives. Ray refuses calls to
+    the restarting host at once: each attempt of the parent's call was given up at that
+    refusal, all three within the restart, and the parent ended indeterminate (its child
+    cancelled) although the restarted host recovered the child."""
+    client = await make_system()
+    hosts = client.spec.hosts
+    for i in range(64):  # a parent and its child on different hosts
+        thread, run = ThreadId(f"cross-{i}"), RunId(f"cross-run-{i}")
+        kid, _ = child_ids(thread, run, CallId("d0"))
+        if host_index(kid, hosts) != host_index(thread, hosts):
+            break
+    handle = await client.start(f"{HERE}:lone_patient", "go", thread_id=thread, run_id=run)
+
+    async def child_started() -> bool:
+        return (await client.store.load_head(kid)).version > 0
+
+    await wait_for(child_started, what="the child's first commit")
+    info = await client.hosts[host_index(kid, hosts)].info.remote()
+    os.kill(info["pid"], signal.SIGKILL)  # within the child's one-second inference
+    f = await handle.result(timeout_s=120)
+    assert f.run_state.cause.kind == "natural", f.run_state
+    assert json.loads(f.messages[-1].text) == ["done: task 0"]
+    child = await client.store.load(kid)
+    assert child.run_state.cause.kind == "natural"
+    labels = [r.commit.label for r in await client.store.read(thread)]
+    assert labels == ["activation", "inference", "results", "ended"]  # no attempt spent
 
 
 async def test_a_lone_child_waiting_for_a_human_resumes_its_parent_when_done(make_system):

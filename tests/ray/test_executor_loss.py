@@ -49,6 +49,31 @@ async def test_executor_killed_mid_call(make_system, ledger):
     assert not results["c2"].is_error and "attempt 2" in results["c2"].content
 
 
+async def test_the_next_attempt_waits_for_a_pool_of_one_to_come_back(make_system, ledger):
+    """A pool of one executor (a resource pool always is): its death mid-call is one lost
+    attempt. Ray refuses calls to the restarting executor at once, and the replay-safe
+    call's next attempts, sent straight away, were lost the same way: one death spent
+    every attempt and the tool never ran again."""
+    client = await make_system(executors=1)
+    handle = await client.start("tests.ray.agents:blocking_agent", "go")
+    prefix = f"tool-batch:{handle.run_id}:"
+
+    async def both_started() -> bool:
+        return len(ledger.rows(prefix)) >= 2
+
+    await wait_for(both_started, what="both calls inside the executor")
+    (pid,) = {row[3] for row in ledger.rows(prefix)}
+    os.kill(pid, signal.SIGKILL)
+    frontier = await handle.result(timeout_s=120)
+    report = await check_log(client.store, handle.thread_id)
+    by_tool = {c.tool: c for c in report.calls.values()}
+    assert by_tool["slow_charge"].phase.kind == "indeterminate"  # never_replay
+    fetch = by_tool["slow_fetch"]
+    assert fetch.phase.kind == "completed" and fetch.attempts == 2, fetch
+    assert [r[2] for r in ledger.rows(prefix) if r[1] == "slow_fetch"] == [1, 2]
+    assert frontier.run_state.cause.kind == "natural"
+
+
 async def test_a_hung_executor_is_restarted_and_its_calls_settled_as_lost(make_system, ledger):
     """SIGSTOP the executor mid-call: Ray takes a stopped process for alive and the
     tools have no timeout, so the Run would wait for ever. The host pings the executor

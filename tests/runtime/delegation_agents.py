@@ -163,6 +163,11 @@ patient_worker = Agent(
 )
 
 
+def lone_patient():
+    """One child whose inference takes a second: time to kill its host mid-Run."""
+    return fanout_agent("patient_worker", 1, name="lone_patient")
+
+
 def fanout_patient():
     """Eight children whose inference takes a second: overlap shows in the timestamps."""
     return fanout_agent("patient_worker", 8, name="fanout_patient")
