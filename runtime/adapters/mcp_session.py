@@ -195,7 +195,11 @@ class McpServer:
         except MCPError as exc:
             if unreadable(exc):
                 raise McpReplyUnreadable(f"MCP server {self.label}: {exc.message}") from exc
-            if exc.code != CONNECTION_CLOSED:  # the server answered, with an error
+            if exc.code != CONNECTION_CLOSED or not link.ended.is_set():
+                # the server answered, with an error. The SDK's own "connection closed"
+                # shares its code with a server's (JSON-RPC leaves -32000 to -32099 to
+                # servers): it comes only once the session has ended, which the link is
+                # told first (its read stream's end, or a write the transport refused)
                 return ToolResult(printable(f"MCP error {exc.code}: {exc.message}"), is_error=True)
             if key in link.sent:
                 why = f"the session to MCP server {self.label} ended during the call"
@@ -258,7 +262,7 @@ class McpServer:
         read, write = await stack.enter_async_context(self._connect())
         read = _WatchedRead(read, link.end if link is not None else _unwatched)
         if link is not None:
-            write = _NotingWrite(write, link.sent)
+            write = _NotingWrite(write, link)
         session = await stack.enter_async_context(ClientSession(read, write))
         await self._within(session.initialize())
         if link is not None:
@@ -392,23 +396,25 @@ def _unwatched() -> None:
 
 class _NotingWrite(_Stream):
     """The session's write stream, noting each tools/call it hands to the transport: a
-    call whose session then ends may have reached the server; one not handed over has not."""
+    call whose session then ends may have reached the server; one not handed over has not.
+    A send the transport refuses ends the link: the session is closed."""
 
-    def __init__(self, inner: Any, sent: set[tuple[str, int]]) -> None:
+    def __init__(self, inner: Any, link: _Link) -> None:
         super().__init__(inner)
-        self._sent = sent
+        self._link = link
 
     async def send(self, item: SessionMessage, /) -> None:
         import anyio
 
         key = _call_key(item)
         if key is not None:
-            self._sent.add(key)  # before the send: a cancelled send may still deliver
+            self._link.sent.add(key)  # before the send: a cancelled send may still deliver
         try:
             await self._inner.send(item)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             if key is not None:  # refused whole: nothing left this process
-                self._sent.discard(key)
+                self._link.sent.discard(key)
+            self._link.end()
             raise
 
 

@@ -1,8 +1,9 @@
 """A stdio MCP server written by hand, for replies the SDK's server would never write:
 ``snippet`` answers with text holding an unpaired surrogate escape (as ``JSON.stringify``
 writes a JS string cut mid-emoji), ``deep`` with structured content nested deeper than
-the SDK reads, ``not_an_object`` with a ``result`` of 42 and ``code_of_text`` with an
-error whose code is text (JSON, but no JSON-RPC answer). It appends its pid to
+the SDK reads, ``not_an_object`` with a ``result`` of 42, ``code_of_text`` with an
+error whose code is text (JSON, but no JSON-RPC answer) and ``declined`` with a server
+error of code -32000 (the code the SDK gives its own "connection closed"). It appends its pid to
 ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 TOOLS = [
     {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
-    for name in ("snippet", "deep", "not_an_object", "code_of_text")
+    for name in ("snippet", "deep", "not_an_object", "code_of_text", "declined")
 ]
 SNIPPET = '{"content":[{"type":"text","text":"charged; note: caf\\ud83d \\ud83d\\ude00"}]}'
 DEEP = '{"content":[],"structuredContent":{"x":' + "[" * 300 + "]" * 300 + "}}"
@@ -38,8 +39,10 @@ def answer(request: dict[str, object]) -> str:
     elif method == "tools/call":
         params = request["params"]
         assert isinstance(params, dict)
-        if params["name"] == "code_of_text":
-            error = '{"code":"E1","message":"x"}'
+        errors = {"code_of_text": '{"code":"E1","message":"x"}'}
+        errors["declined"] = '{"code":-32000,"message":"card declined"}'
+        if params["name"] in errors:
+            error = errors[str(params["name"])]
             return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"error":' + error + "}"
         result = {"snippet": SNIPPET, "deep": DEEP, "not_an_object": "42"}[str(params["name"])]
     else:

@@ -247,6 +247,26 @@ async def test_a_reply_that_is_no_json_rpc_answer_is_lost_at_once(records, tool)
     assert isinstance(outcome, Lost) and "reply could not be read" in outcome.message, outcome
 
 
+async def test_a_server_error_with_the_sdk_s_closing_code_is_the_server_s_answer(records):
+    """JSON-RPC leaves -32000..-32099 to servers, and the SDK uses -32000 for its own
+    "connection closed": a live server's "card declined" of that code was taken for a
+    session that ended mid-call (lost: indeterminate, or run again by a replay-safe
+    policy after the server had refused). It is the error the model sees."""
+    env = {"MCP_TEST_DIR": str(records)}
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
+    try:
+        runner = LocalToolRunner(mcp_tools(server, timeouts={"declined": 20.0}))
+        (outcome,) = await runner.run([invocation("declined", "c1")])
+        (again,) = await runner.run([invocation("declined", "c2")])
+    finally:
+        await server.aclose()
+    for one in (outcome, again):
+        assert isinstance(one, Finished), one
+        assert one.output.is_error and one.output.content == "MCP error -32000: card declined"
+    started = (records / "started.log").read_text().split()
+    assert len(started) == 2  # one process listed the tools, one session took both calls
+
+
 async def test_a_server_that_cannot_start_is_unavailable_before_dispatch(server, records):
     runner = LocalToolRunner(mcp_tools(server))
     (records / "refuse").touch()  # from now on the server exits as it starts
