@@ -575,6 +575,24 @@ async def test_delegating_threads_replay_cleanly_and_start_no_child():
                 assert (await replay(store, kid, child_agent)).clean, kid
 
 
+async def test_a_parent_resumed_by_its_lone_child_replays_cleanly():
+    """The parent's resume carries the child's outcome, which a live engine checks against
+    the child's stored end; the replay's scratch store holds no child, and the recording
+    vouches for it."""
+    from . import delegation_agents as kids
+
+    store = MemoryCommitStore()
+    ref = f"{kids.HERE}:lone_needy"
+    runner = InProcessRunner(kids.lone_needy(), store, agent_ref=ref)
+    parked = await runner.start("go", thread_id="p", run_id="r1")
+    (kid,) = [await store.load(t) for t in parked.state["run"]["children"].values()]
+    await runner.resume(answer(kid.run_state.ticket, PermissionDecision(approve=True)))
+    labels = [r.commit.label for r in await store.read("p")]
+    assert labels == ["activation", "inference", "awaiting", "resume", "ended"]
+    report = await replay(store, "p", kids.lone_needy(), lineage=[ref])
+    assert report.clean, report.line()
+
+
 async def test_sessions_replay_cleanly():
     from runtime import UserInput
     from runtime.agent import Session, SessionSide
