@@ -107,7 +107,8 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""C0, DEL and C1: U+009B is a terminal's CSI, as ESC [ is."""
 _ESCAPED = re.compile(r'[\x00-\x1f"\\]')
 _SPECIAL = re.compile(r'[\[\]{}"\\]')
 

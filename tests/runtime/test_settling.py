@@ -395,6 +395,8 @@ EDGE_CASES = [
     ({"run_id": LONG}, "id_chars"),
     ({"run_id": "run-\udcff"}, "utf8"),
     ({"run_id": "run\x7f"}, "control_chars"),
+    ({"thread_id": "thread\x9b1m"}, "control_chars"),  # C1: a terminal's CSI
+    ({"run_id": "run\x85"}, "control_chars"),
     ({"thread_id": "."}, "dot_segment"),
     ({"thread_id": ".."}, "dot_segment"),
     ({"run_id": ".."}, "dot_segment"),
