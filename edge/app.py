@@ -80,7 +80,11 @@ def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] 
     tokens = () if options.no_auth else options.tokens
     app.add_middleware(ThreadPaths)  # inside the guard: nothing is decoded before auth
     app.add_middleware(
-        Guard, tokens=tokens, max_body_bytes=max_body_bytes(client.spec.limits), public=public
+        Guard,
+        tokens=tokens,
+        max_body_bytes=max_body_bytes(client.spec.limits),
+        public=public,
+        origins=options.cors_origins,
     )
     if options.cors_origins:  # outside the guard: a preflight carries no token
         app.add_middleware(

@@ -22,6 +22,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from edge.options import is_loopback
 from edge.problems import PROBLEM_JSON, problem_body
 
 
@@ -41,18 +42,31 @@ class Guard:
         tokens: tuple[str, ...],
         max_body_bytes: int,
         public: Callable[[str, str], bool] | None = None,
+        origins: tuple[str, ...] = (),
     ) -> None:
-        """``public(method, path)``: whether an HTTP request needs no token."""
+        """``public(method, path)``: whether an HTTP request needs no token. With no
+        tokens (``--no-auth``, loopback only) a request is served only if addressed to a
+        loopback name and, from a browser, sent by the server's own page or one of
+        ``origins`` (``--cors-origin``): see ``_local``."""
         self.app = app
         self._tokens = tuple(t.encode() for t in tokens)
         self.max_body_bytes = max_body_bytes
         self._public = public
+        self._origins = frozenset(o.encode() for o in origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)  # lifespan
             return
         headers = {name.lower(): value for name, value in scope.get("headers", ())}
+        refused = None if self._tokens else self._local(headers)
+        if refused is not None:
+            if scope["type"] == "websocket":
+                await receive()
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await _problem(send, scope, 403, "NotLocal", refused)
+            return
         if self._tokens and not self._open(scope, headers):
             if scope["type"] == "websocket":  # closed before it is accepted: HTTP 403
                 await receive()
@@ -85,6 +99,25 @@ class Guard:
             and scope["type"] == "http"
             and public(scope["method"], scope["path"])
         )
+
+    def _local(self, headers: dict[bytes, bytes]) -> str | None:
+        """Why a request to a server with no token is refused, or None. Its loopback
+        address keeps other machines out, not other web pages in a browser on this one:
+        a page elsewhere can send a POST that needs no preflight (a cancel has no body),
+        and one whose name it points at 127.0.0.1 (DNS rebinding) is, to the browser, on
+        the server's own origin. So the ``Host`` must be a loopback name, and a browser's
+        ``Origin``, if sent, the server's own or a ``--cors-origin``."""
+        host = headers.get(b"host", b"")
+        if not is_loopback(_hostname(host)):
+            return f"no token here: only requests to a loopback name, not {host[:100]!r}"
+        origin = headers.get(b"origin")
+        if origin is None or origin in self._origins:
+            return None
+        if origin not in (b"http://" + host, b"https://" + host):
+            return (
+                f"this server has no token: it answers no page of another origin ({origin[:100]!r})"
+            )
+        return None
 
     def _authorised(self, header: bytes) -> bool:
         scheme, _, token = header.partition(b" ")
@@ -135,6 +168,14 @@ def _check_utf8(decoder: codecs.IncrementalDecoder, chunk: bytes, last: bool) ->
 
 BODILESS = ("GET", "HEAD")
 """Methods whose routes read no body."""
+
+
+def _hostname(host: bytes) -> str:
+    """The name in a ``Host`` header, without its port (``[::1]:8000`` → ``::1``)."""
+    text = host.decode("latin-1")
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else ""
+    return text.rpartition(":")[0] if ":" in text else text
 
 
 def _dropped(receive: Receive) -> Receive:

@@ -290,6 +290,29 @@ def test_every_route_needs_a_token_unless_no_auth_on_loopback(service):
     assert "not one this server may start" in problem(refused, 422, "AgentImportError")["detail"]
 
 
+def test_a_server_with_no_token_answers_no_other_page_and_no_other_name(service):
+    """``--no-auth`` binds to loopback, which keeps other machines out but not other web
+    pages in a browser here: a page elsewhere could POST a cancel (no body: no preflight),
+    and one whose name resolves to 127.0.0.1 (DNS rebinding) reads and writes as if it
+    were the server's own page. Only loopback names, and the server's own origin."""
+    open_url = service.open_url
+    port = open_url.rsplit(":", 1)[1]
+    thread = new_thread()  # refused before any thread is looked at
+    for origin in ("http://evil.example", "http://localhost:1", "null"):
+        sent = httpx2.post(f"{open_url}/threads/{thread}/cancel", headers={"Origin": origin})
+        assert "another origin" in problem(sent, 403, "NotLocal")["detail"]
+    for host in ("evil.example", f"attacker.test:{port}", "127.0.0.1.nip.io"):
+        sent = httpx2.get(f"{open_url}/runs", headers={"Host": host})
+        assert "loopback name" in problem(sent, 403, "NotLocal")["detail"]
+    for own in (open_url, f"http://localhost:{port}"):
+        headers = {"Origin": own, "Host": own.removeprefix("http://")}
+        assert httpx2.get(f"{open_url}/runs", headers=headers).status_code == 200
+        sent = httpx2.post(f"{open_url}/threads/{thread}/cancel", headers=headers)
+        problem(sent, 404, "ThreadNotFound")  # through the guard: there is no such thread
+    ipv6 = httpx2.get(f"{open_url}/runs", headers={"Host": f"[::1]:{port}"})
+    assert ipv6.status_code == 200
+
+
 def test_cors_is_off_unless_an_origin_is_given(service):
     asked = {"Origin": ORIGIN, "Access-Control-Request-Method": "GET",
              "Access-Control-Request-Headers": "authorization"}  # fmt: skip
@@ -302,7 +325,8 @@ def test_cors_is_off_unless_an_origin_is_given(service):
     stranger = httpx2.get(f"{service.url}/runs", headers={"Origin": "http://elsewhere.example"})
     assert "access-control-allow-origin" not in stranger.headers
     closed = httpx2.get(f"{service.open_url}/runs", headers={"Origin": ORIGIN})
-    assert closed.status_code == 200 and "access-control-allow-origin" not in closed.headers
+    assert "access-control-allow-origin" not in closed.headers
+    problem(closed, 403, "NotLocal")  # a server with no token answers no other origin
     elsewhere = {**asked, "Origin": "http://elsewhere.example"}
     refused = httpx2.options(f"{service.url}/runs", headers=elsewhere)
     assert problem(refused, 400, "CorsRefused")["detail"] == (
