@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from runtime.limits import printable, utf8_problem
@@ -29,8 +30,10 @@ if TYPE_CHECKING:
     from mcp import MCPError
     from mcp.shared.message import SessionMessage
 
-UNREADABLE = {"ratchet": "the reply could not be read"}
-"""The ``data`` of the error answer that stands in for an unreadable reply."""
+UNREADABLE = {"ratchet": "the reply could not be read", "mark": secrets.token_hex(16)}
+"""The ``data`` of the error answer that stands in for an unreadable reply. Its mark is
+this process's secret: a server that sends the same words is answering, not unreadable
+(it would have had its answered call taken for lost, and run again)."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

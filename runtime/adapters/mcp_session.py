@@ -13,12 +13,14 @@ the server (``McpUnavailable``: sent again as usual) from one the server may hav
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 from urllib.parse import urlsplit
@@ -29,7 +31,7 @@ from runtime.tool_calls import cancelled_at_deadline
 from runtime.tools import OutcomeUnknown, ToolContext, ToolResult, UnavailableBeforeDispatch
 
 if TYPE_CHECKING:
-    from mcp import ClientSession
+    from mcp import ClientSession, MCPError
     from mcp.shared.message import SessionMessage
     from mcp.types import CallToolResult, ContentBlock, RequestParamsMeta
     from mcp.types import Tool as ListedTool
@@ -81,14 +83,34 @@ def _stdio_streams(
     return stdio_client(StdioServerParameters(command=command, args=[*args], env=env, cwd=cwd))
 
 
+_FORGOTTEN: ContextVar[set[object] | None] = ContextVar("mcp_forgotten", default=None)
+"""Where an HTTP transport notes the requests its server answered 404 for the session
+(set by the link that opens it: ``_Link.forgotten``)."""
+
+
 @asynccontextmanager
 async def _http_streams(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
     import httpx2
     from mcp.client.streamable_http import streamable_http_client
 
+    forgotten = _FORGOTTEN.get()
+
+    async def noted(response: httpx2.Response) -> None:
+        """A 404 to a request of a session: the server no longer knows it (restarted, or
+        it ended the session), and ran nothing. The SDK hands the call an error the
+        server's own could be; its request id, noted here, tells them apart."""
+        request = response.request
+        if forgotten is None or response.status_code != 404 or request.method != "POST":
+            return
+        if "mcp-session-id" in request.headers:
+            with contextlib.suppress(ValueError, AttributeError):
+                forgotten.add(json.loads(request.content).get("id"))
+
     timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's: a response may stream for long
     async with (
-        httpx2.AsyncClient(headers=headers, timeout=timeout) as client,
+        httpx2.AsyncClient(
+            headers=headers, timeout=timeout, event_hooks={"response": [noted]}
+        ) as client,
         streamable_http_client(url, http_client=client) as streams,
     ):
         yield streams
@@ -172,7 +194,6 @@ class McpServer:
     async def call(self, name: str, arguments: dict[str, Any], ctx: ToolContext) -> ToolResult:
         """One tools/call on this process's session, its operation id in ``_meta``."""
         from mcp import MCPError
-        from mcp.types import CONNECTION_CLOSED
 
         try:
             link, session = await self._session()
@@ -195,12 +216,13 @@ class McpServer:
         except MCPError as exc:
             if unreadable(exc):
                 raise McpReplyUnreadable(f"MCP server {self.label}: {exc.message}") from exc
-            if exc.code != CONNECTION_CLOSED or not link.ended.is_set():
-                # the server answered, with an error. The SDK's own "connection closed"
-                # shares its code with a server's (JSON-RPC leaves -32000 to -32099 to
-                # servers): it comes only once the session has ended, which the link is
-                # told first (its read stream's end, or a write the transport refused)
+            if link.forgotten_call(key):  # the server answered 404 to the session: not run
+                link.end()  # the next call opens a fresh session
+                why = f"MCP server {self.label} no longer knows this session (restarted?)"
+                raise McpUnavailable(why) from exc
+            if not transport_failed(exc):  # the server answered, with an error
                 return ToolResult(printable(f"MCP error {exc.code}: {exc.message}"), is_error=True)
+            link.end()
             if key in link.sent:
                 why = f"the session to MCP server {self.label} ended during the call"
                 raise McpConnectionLost(why) from exc
@@ -208,6 +230,7 @@ class McpServer:
             raise McpUnavailable(why) from exc
         finally:
             link.sent.discard(key)
+            link.request_ids.pop(key, None)
         return ToolResult(content=_result_text(result), is_error=result.is_error)
 
     async def aclose(self) -> None:
@@ -259,7 +282,11 @@ class McpServer:
         against the tool's outputSchema."""
         from mcp import ClientSession
 
-        read, write = await stack.enter_async_context(self._connect())
+        noting = _FORGOTTEN.set(link.forgotten if link is not None else None)
+        try:
+            read, write = await stack.enter_async_context(self._connect())
+        finally:
+            _FORGOTTEN.reset(noting)
         read = _WatchedRead(read, link.end if link is not None else _unwatched)
         if link is not None:
             write = _NotingWrite(write, link)
@@ -306,6 +333,10 @@ class _Link:
         self.live = False
         self.sent: set[tuple[str, int]] = set()
         """(operation id, attempt) of each call whose request reached the transport."""
+        self.request_ids: dict[tuple[str, int], object] = {}
+        """Each call's JSON-RPC request id, while it is out."""
+        self.forgotten: set[object] = set()
+        """Request ids an HTTP server answered 404 for the session (``_http_streams``)."""
         self.task: asyncio.Task[None]
         self.ping: asyncio.Task[None] | None = None
         """The ping sent after a call passed its deadline (``check``)."""
@@ -316,6 +347,10 @@ class _Link:
     def end(self) -> None:
         self.live = False
         self.ended.set()
+
+    def forgotten_call(self, key: tuple[str, int]) -> bool:
+        """Whether the server answered the call's request with a 404 for the session."""
+        return key in self.request_ids and self.request_ids[key] in self.forgotten
 
     def check(self, session: ClientSession, label: str) -> None:
         """Ping the server (once at a time), ending the session if no answer comes within
@@ -409,6 +444,7 @@ class _NotingWrite(_Stream):
         key = _call_key(item)
         if key is not None:
             self._link.sent.add(key)  # before the send: a cancelled send may still deliver
+            self._link.request_ids[key] = getattr(item.message, "id", None)
         try:
             await self._inner.send(item)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -426,6 +462,23 @@ def _call_key(item: SessionMessage) -> tuple[str, int] | None:
         return None
     meta = (message.params or {}).get("_meta") or {}
     return str(meta.get("idempotency_key")), int(meta.get("attempt", 0))
+
+
+def transport_failed(exc: MCPError) -> bool:
+    """Whether an error is the SDK's word that the connection failed, not the server's.
+
+    The SDK gives its own "connection closed" the code -32000, which JSON-RPC leaves to
+    servers (-32000 to -32099): a live server's -32000 "card declined" is its answer.
+    The SDK's are told by their words — over stdio raised when the stream ends, over
+    HTTP also put in the stream as if the server had sent them (``streamable_http``:
+    a connection cut, an SSE stream that ended without the answer). A server that says
+    these words of itself is taken at them: its call is lost, not answered."""
+    from mcp.types import CONNECTION_CLOSED
+
+    said = str(exc.message)
+    return bool(exc.code == CONNECTION_CLOSED) and (
+        said == "Connection closed" or said.startswith(("SSE stream ended", "SSE stream failed"))
+    )
 
 
 def reason(exc: BaseException) -> str:

@@ -3,7 +3,9 @@
 writes a JS string cut mid-emoji), ``deep`` with structured content nested deeper than
 the SDK reads, ``not_an_object`` with a ``result`` of 42, ``code_of_text`` with an
 error whose code is text (JSON, but no JSON-RPC answer) and ``declined`` with a server
-error of code -32000 (the code the SDK gives its own "connection closed"). It appends its pid to
+error of code -32000 (the code the SDK gives its own "connection closed"), and
+``forged`` with an error whose data is the words the adapter marks an unreadable
+reply with. It appends its pid to
 ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 TOOLS = [
     {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
-    for name in ("snippet", "deep", "not_an_object", "code_of_text", "declined")
+    for name in ("snippet", "deep", "not_an_object", "code_of_text", "declined", "forged")
 ]
 SNIPPET = '{"content":[{"type":"text","text":"charged; note: caf\\ud83d \\ud83d\\ude00"}]}'
 DEEP = '{"content":[],"structuredContent":{"x":' + "[" * 300 + "]" * 300 + "}}"
@@ -41,6 +43,8 @@ def answer(request: dict[str, object]) -> str:
         assert isinstance(params, dict)
         errors = {"code_of_text": '{"code":"E1","message":"x"}'}
         errors["declined"] = '{"code":-32000,"message":"card declined"}'
+        said = '{"ratchet":"the reply could not be read"}'
+        errors["forged"] = '{"code":-32700,"message":"no","data":' + said + "}"
         if params["name"] in errors:
             error = errors[str(params["name"])]
             return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"error":' + error + "}"

@@ -258,11 +258,14 @@ async def test_a_server_error_with_the_sdk_s_closing_code_is_the_server_s_answer
         runner = LocalToolRunner(mcp_tools(server, timeouts={"declined": 20.0}))
         (outcome,) = await runner.run([invocation("declined", "c1")])
         (again,) = await runner.run([invocation("declined", "c2")])
+        (forged,) = await runner.run([invocation("forged", "c3")])
     finally:
         await server.aclose()
     for one in (outcome, again):
         assert isinstance(one, Finished), one
         assert one.output.is_error and one.output.content == "MCP error -32000: card declined"
+    # the words the adapter marks an unreadable reply with, said by the server: an answer
+    assert isinstance(forged, Finished) and forged.output.content == "MCP error -32700: no"
     started = (records / "started.log").read_text().split()
     assert len(started) == 2  # one process listed the tools, one session took both calls
 
@@ -305,6 +308,52 @@ async def test_over_streamable_http(records: Path):
         await server.aclose()
         process.terminate()
         await asyncio.wait_for(process.wait(), DEADLINE_S)
+
+
+async def _http_server(records: Path, port: int) -> asyncio.subprocess.Process:
+    env = {**os.environ, "MCP_TEST_DIR": str(records)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, SERVER, "http", str(port), env=env
+    )
+    await until(lambda: answers(port), DEADLINE_S)
+    return process
+
+
+async def test_an_http_server_that_dies_mid_call_loses_the_call_and_a_restart_is_a_new_session(
+    records: Path,
+):
+    """Over HTTP the SDK puts its own "connection closed" into the stream as if the server
+    had answered it (-32000, a server's code too): the call the server had when it died
+    is lost, not a finished error; and after a restart the server answers 404 to the old
+    session (the SDK's "Session terminated"), which ended nothing: every later call
+    failed on the dead session. That call is unavailable (nothing ran), and the next
+    opens a fresh session."""
+    port = free_port()
+    process = await _http_server(records, port)
+    server = McpServer.http(f"http://127.0.0.1:{port}/mcp")
+    try:
+        runner = LocalToolRunner(mcp_tools(server, timeouts={"hang": 60.0}))
+        hung = asyncio.ensure_future(runner.run([invocation("hang", "c1")]))
+        await until(lambda: (records / "hang.pid").exists(), DEADLINE_S)
+        process.kill()
+        await process.wait()
+        (lost,) = await asyncio.wait_for(hung, DEADLINE_S)
+        assert isinstance(lost, Lost) and "ended during the call" in lost.message, lost
+        process = await _http_server(records, port)  # the same address, a new server
+        (fresh,) = await runner.run([invocation("record", "c2", note="x")])
+        assert isinstance(fresh, Finished) and not fresh.output.is_error, fresh
+        process.kill()  # restarted between calls: the session's id is unknown to it
+        await process.wait()
+        process = await _http_server(records, port)
+        (refused,) = await runner.run([invocation("record", "c3", note="y")])
+        assert isinstance(refused, Unavailable) and "restarted" in refused.message, refused
+        (kept,) = await runner.run([invocation("record", "c4", note="z")])
+        assert isinstance(kept, Finished) and not kept.output.is_error, kept
+    finally:
+        await server.aclose()
+        if process.returncode is None:
+            process.terminate()
+            await asyncio.wait_for(process.wait(), DEADLINE_S)
 
 
 def test_importing_the_adapter_does_not_import_the_sdk():
