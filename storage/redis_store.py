@@ -350,31 +350,38 @@ class RedisCommitStore:
     async def _vouched(
         self, rows: list[tuple[str, RunStateKind]], state: RunStateKind | None, host: str | None
     ) -> list[RunSummary]:
-        """The threads ``rows`` found in the run index of the state named, each as its
-        verified head has it. The entry is read again beside the head, in one round trip
-        (each thread's entry, meta and hash tail at one instant): a Run that committed
-        since the index was read has a newer entry, not a corrupt one; one that left that
-        state meanwhile is no longer in it. An entry that does not verify, or says
-        otherwise, is left out (``storage.summary.kept``)."""
+        """The threads ``rows`` found in the run indexes, each as its verified head has it.
+        Its entry is read again beside the head, in one round trip (each thread's entries
+        in every state's index, meta and hash tail at one instant): a Run that committed
+        since the indexes were read has a newer entry, maybe in another state's index (a
+        Run ended, a new one started), not a corrupt one. An entry that does not verify,
+        or says otherwise, is left out (``storage.summary.kept``), as is one of another
+        state than asked."""
+        per = 3 + len(RUN_STATES)
         with translated(self.where):
             async with self.client.pipeline(transaction=True) as pipe:
-                for thread, indexed in rows:
+                for thread, _ in rows:
                     pipe.hmget(self._key(thread, "meta"), _META[:8])
                     pipe.llen(self._key(thread, "sums"))
                     pipe.lindex(self._key(thread, "sums"), -1)
-                    pipe.hget(self._index(indexed), thread)
+                    for s in RUN_STATES:
+                        pipe.hget(self._index(s), thread)
                 # one thread's key of the wrong type (edited by hand) is that thread's
                 # answer, not the whole listing's error
                 answers = await pipe.execute(raise_on_error=False)
 
         def summary(i: int, thread: str) -> RunSummary | None:
-            mine = answers[4 * i : 4 * i + 4]
+            mine = answers[per * i : per * i + per]
             refused = next((a for a in mine if isinstance(a, Exception)), None)
             if refused is not None:
                 raise CorruptRecord(thread, 0, f"its keys refuse a read: {refused}")
-            (frontier, version, epoch, owner, checksum, head, *anchored), n, last, text = mine
-            if text is None:
-                return None  # it left the state it was listed in
+            (frontier, version, epoch, owner, checksum, head, *anchored), n, last = mine[:3]
+            entries = [e for e in mine[3:] if e is not None]
+            if not entries:
+                return None  # its entry is gone (edited by hand): nothing to list
+            if len(entries) > 1:  # a Run is in one state: an index edited by hand
+                raise CorruptRecord(thread, 0, "its run index entry is in two states")
+            (text,) = entries
             anchor = anchor_of(thread, *anchored)
             verified = verified_frontier(
                 thread, frontier, version, epoch, owner, checksum, head, n, last, anchor

@@ -428,10 +428,14 @@ async def test_a_listing_beside_commits_lists_every_healthy_run(store: Any) -> N
     moving = True
 
     async def commits(t: ThreadId) -> None:
-        for _ in range(25):
-            await _next(store, t, f"run-{t}")
-        e = (await store.load_head(t)).epoch
-        await store.append(ended(t, f"run-{t}", 26, prev=await head(store, t), epoch=e), 26, e)
+        for run in (f"run-{t}", f"again-{t}"):  # ended, then running again: states move
+            if run.startswith("again"):
+                await _started(store, t, run)
+            for _ in range(12):
+                await _next(store, t, run)
+            f = await store.load_head(t)
+            last = ended(t, run, f.next_ordinal, prev=f.head, epoch=f.epoch)
+            await store.append(last, f.version, f.epoch)
 
     async def listings() -> int:
         count = 0
@@ -439,7 +443,10 @@ async def test_a_listing_beside_commits_lists_every_healthy_run(store: Any) -> N
             for state in (None, "running"):
                 listing = await store.list_runs(state)
                 refused.extend(refused_in(listing))
-                assert {s.thread_id for s in listing} <= set(threads)
+                listed = sorted(s.thread_id for s in listing)
+                if state is None:  # every thread, once, whatever state it is in
+                    assert listed == sorted(threads)
+                assert set(listed) <= set(threads)
             for host in ("owner-1", None):
                 refused.extend(refused_in(await store.list_runs("running", host=host)))
             count += 1
@@ -452,8 +459,8 @@ async def test_a_listing_beside_commits_lists_every_healthy_run(store: Any) -> N
     assert await listed >= 3
     assert refused == []
     every = await store.list_runs()
-    assert sorted((s.thread_id, s.state, s.version) for s in every) == [
-        (t, "ended", 27) for t in threads
+    assert sorted((s.thread_id, s.run_id, s.state) for s in every) == [
+        (t, f"again-{t}", "ended") for t in sorted(threads)
     ]
 
 
