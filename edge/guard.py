@@ -18,6 +18,7 @@ import hmac
 import json
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote_plus
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -76,6 +77,11 @@ class Guard:
             return
         if scope["type"] == "websocket":
             await self.app(scope, receive, send)
+            return
+        repeated = _repeated_key(scope.get("query_string", b""))
+        if repeated is not None:
+            detail = f"the query names {repeated!r:.80} twice: no route takes a list"
+            await _problem(send, scope, 422, "InputRefused", detail, limit="duplicate_key")
             return
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
@@ -168,6 +174,21 @@ def _check_utf8(decoder: codecs.IncrementalDecoder, chunk: bytes, last: bool) ->
 
 BODILESS = ("GET", "HEAD")
 """Methods whose routes read no body."""
+
+
+def _repeated_key(query: bytes) -> str | None:
+    """A key the query string gives twice: the framework keeps the last, a proxy or a log
+    in front may read the first (``?run_id=a&run_id=b`` would name two Runs)."""
+    seen: set[str] = set()
+    for part in query.split(b"&"):  # as the framework splits it (``parse_qsl``)
+        if not part:
+            continue
+        raw = part.split(b"=", 1)[0].decode("latin-1")
+        key = unquote_plus(raw, errors="surrogateescape")  # run%5Fid is run_id there too
+        if key in seen:
+            return key.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        seen.add(key)
+    return None
 
 
 def _hostname(host: bytes) -> str:

@@ -447,6 +447,17 @@ def test_a_thread_id_no_url_can_name_is_refused(http):
     assert all(r["thread_id"] not in (".", "..") for r in http.get("/runs").json()["runs"])
 
 
+def test_a_query_that_repeats_a_key_is_refused(http):
+    """The framework keeps a repeated key's last value, a proxy or log in front may read the
+    first: ``?run_id=a&run_id=b`` named one Run to one reader and another to the next."""
+    thread = start(http)["thread_id"]
+    for query in ("run_id=a&run_id=b", "limit=1&cursor=x&limit=2", "run_id=a&run%5Fid=b"):
+        path = f"/threads/{thread}/cancel" if "run_id" in query else "/runs"
+        sent = http.post(f"{path}?{query}") if "run_id" in query else http.get(f"{path}?{query}")
+        assert problem(sent, 422, "InputRefused")["limit"] == "duplicate_key"
+    assert http.get(f"/threads/{thread}").json()["run_state"]["kind"] == "awaiting"
+
+
 def test_a_body_sent_with_a_stream_request_is_dropped_not_refused_midway(http):
     thread = start(http)["thread_id"]
     chunks = (b"x" * 65_536 for _ in range(40))  # chunked: no Content-Length
