@@ -11,7 +11,9 @@ same id, as AG-UI resumes an interrupted run.
                             text message
     resumed fact            RUN_STARTED (and STATE_SNAPSHOT); a user_input resume's
                             text as a user text message
-    text_delta              TEXT_MESSAGE_START (first of its Step's attempt), _CONTENT
+    text_delta              TEXT_MESSAGE_START (first of its Step's attempt), _CONTENT;
+                            only inside the run a stored fact opened (a delta naming
+                            another run, or none open, is dropped: the bus is no voucher)
     assistant_message fact  what streamed text lacked, TEXT_MESSAGE_END (a whole text
                             message if nothing streamed)
     tool_call fact          TOOL_CALL_START, TOOL_CALL_ARGS, TOOL_CALL_END
@@ -124,14 +126,18 @@ def transcode_all(thread_id: str, frames: Iterable[Frame]) -> list[BaseEvent]:
 
 
 def _delta(state: AguiState, delta: Delta) -> tuple[AguiState, Events]:
-    if delta.type != "text_delta":
+    if delta.type != "text_delta" or state.run is None or delta.run_id != state.run:
+        # text streams only inside the run a stored fact opened: a delta never opens one.
+        # Anyone who can publish on the bus can send a delta naming any run, and it opened
+        # a run the thread never had (a RUN_STARTED, while another was open or at rest).
+        # A delta that outran its run's first fact is the committed message's text, sent
+        # whole with it (``_assistant``).
         return state, ()
-    state, opened = _joined(state, delta.run_id)
     text = state.text
     same_step = text is not None and (text.run_id, text.step) == (delta.run_id, delta.step)
     if same_step and text is not None and delta.attempt < text.attempt:
-        return state, opened  # a late fragment of an abandoned attempt
-    events = list(opened)
+        return state, ()  # a late fragment of an abandoned attempt
+    events: list[BaseEvent] = []
     if text is None or not same_step or delta.attempt > text.attempt:
         state, ended = _end_text(state)
         events += ended

@@ -108,6 +108,23 @@ def test_a_run_with_a_wait_becomes_two_agui_runs_that_validate():
     assert events[-2].snapshot["status"]["reason"] == "natural"
 
 
+def test_a_delta_never_opens_a_run():
+    """Anyone who can publish on the bus can send a delta naming any run: it opened a run
+    the thread never had (RUN_STARTED while the thread was at rest, or inside another
+    run). Text streams only inside the run a stored fact opened."""
+    phantom = Delta(type="text_delta", run_id="phantom-run", step=1, attempt=1, text="boo")
+    forged = Frame(type="delta", event=phantom)
+    at_rest = [*A_RUN[:10], forged, *A_RUN[10:]]  # after the awaiting fact
+    running = [*A_RUN[:3], forged, *A_RUN[3:]]  # inside the real run
+    for frames in (at_rest, running, [Frame(type="thread_status", status=ThreadStatus()), forged]):
+        events = round_trip(transcode_all("t1", frames))
+        assert all(getattr(e, "run_id", RUN) == RUN for e in events)
+        assert all(getattr(e, "delta", None) != "boo" for e in events)
+    assert [e.type for e in transcode_all("t1", at_rest)] == [
+        e.type for e in transcode_all("t1", A_RUN)
+    ]
+
+
 def test_a_stream_joined_midway_opens_the_run_first():
     joined = [
         Frame(type="thread_status", status=ThreadStatus(state="running", since=5)),
