@@ -143,6 +143,9 @@ class McpServer:
         self._failing = failing
         self.open_timeout_s = open_timeout_s
         self._link: _Link | None = None
+        self._ending: set[asyncio.Task[None]] = set()
+        """Sessions replaced while still ending (a hung stdio server is killed as its
+        session ends, seconds later): ``aclose`` waits for them too."""
 
     @classmethod
     def stdio(
@@ -178,7 +181,7 @@ class McpServer:
         return f"McpServer({self.label!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "_link": None}
+        return {**vars(self), "_link": None, "_ending": set()}
 
     @property
     def connected(self) -> bool:
@@ -236,13 +239,15 @@ class McpServer:
     async def aclose(self) -> None:
         """Close this process's session (a stdio server is stopped and reaped)."""
         link, self._link = self._link, None
+        ending = [t for t in self._ending if t.get_loop() is asyncio.get_running_loop()]
         if link is None or link.pid != os.getpid() or link.loop.is_closed():
+            await asyncio.gather(*ending, return_exceptions=True)
             return
         if link.loop is not asyncio.get_running_loop():
             link.loop.call_soon_threadsafe(link.ended.set)
             return
         link.ended.set()
-        await link.task
+        await asyncio.gather(link.task, *ending, return_exceptions=True)
 
     async def _session(self) -> tuple[_Link, ClientSession]:
         loop = asyncio.get_running_loop()
@@ -251,6 +256,10 @@ class McpServer:
             await link.checked()
             link = self._link
         if link is None or not link.serves(loop):
+            old = link
+            if old is not None and old.pid == os.getpid() and not old.task.done():
+                self._ending.add(old.task)  # still ending: a close waits for it
+                old.task.add_done_callback(self._ending.discard)
             # made and started with no await in between: concurrent callers find this one
             link = self._link = _Link(loop)
             link.task = loop.create_task(self._hold(link), name=f"mcp session {self.label}")

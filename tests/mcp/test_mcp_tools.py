@@ -216,6 +216,28 @@ async def test_a_hung_server_is_replaced_once_a_call_passes_its_deadline(server,
             os.kill(hung, signal.SIGKILL)
 
 
+async def test_a_close_waits_for_a_hung_server_s_session_to_end(server, monkeypatch):
+    """The hung server's session is replaced, and ends (its server killed) seconds later.
+    A close right after the replacement returned without it: a process that then ended
+    its loop waited for ever on the SDK's ending of it, and left the stopped server."""
+    monkeypatch.setattr(mcp_session, "PING_TIMEOUT_S", 1.0)
+    hasty = LocalToolRunner(mcp_tools(server, timeouts={"record": 0.5}))
+    patient = LocalToolRunner(mcp_tools(server, timeouts={"record": 20.0}))
+    (first,) = await patient.run([invocation("record", "c1", note="x")])
+    hung = int(json.loads(first.output.content)["pid"])
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        (lost,) = await hasty.run([invocation("record", "c2", note="x")])
+        assert isinstance(lost, Lost)
+        (after,) = await patient.run([invocation("record", "c3", note="x")])
+        assert isinstance(after, Finished), after
+        await asyncio.wait_for(server.aclose(), DEADLINE_S)
+        assert not alive(hung)  # the close waited for the old session's end
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGKILL)
+
+
 async def test_a_reply_the_sdk_cannot_parse_is_read_again_not_waited_out(records):
     """The SDK drops a line it cannot parse, and the call would wait out its timeout: an
     unpaired surrogate escape (a JS string cut mid-emoji) is read as U+FFFD instead (a
