@@ -282,7 +282,9 @@ async def check_delegation_answer(
     if not isinstance(command.payload, DelegationOutcome):
         return
     child = awaited_child(parent)
-    vouched = delivery(await load(child), parent, limits) if child is not None else None
+    if child is None:
+        raise ResumeRejected("payload", "the parent's record names no child for this call")
+    vouched = delivery(await load(child), parent, limits)
     if vouched is None:
         raise ResumeRejected(
             "payload", f"a delegation is answered by its child's end; {child} has not ended"
