@@ -115,14 +115,14 @@ class Guard:
         ``Origin``, if sent, the server's own or a ``--cors-origin``."""
         host = headers.get(b"host", b"")
         if not is_loopback(_hostname(host)):
-            return f"no token here: only requests to a loopback name, not {host[:100]!r}"
+            shown = host[:100].decode("latin-1")
+            return f"no token here: only requests to a loopback name, not {shown!r}"
         origin = headers.get(b"origin")
         if origin is None or origin in self._origins:
             return None
         if origin not in (b"http://" + host, b"https://" + host):
-            return (
-                f"this server has no token: it answers no page of another origin ({origin[:100]!r})"
-            )
+            shown = origin[:100].decode("latin-1")
+            return f"no token here: no page of another origin ({shown!r})"
         return None
 
     def _authorised(self, header: bytes) -> bool:

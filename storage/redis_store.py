@@ -335,22 +335,19 @@ class RedisCommitStore:
                 for s in states:
                     pipe.hgetall(self._index(s))
                 indexes = await pipe.execute()
-        rows = [
-            (str(t), s) for s, index in zip(states, indexes, strict=True) for t in sorted(index)
-        ]
-        return await self._vouched(rows, state, host)
+        threads = [str(t) for index in indexes for t in sorted(index)]
+        return await self._vouched(threads, state, host)
 
     async def _running_of(self, host: str) -> list[RunSummary]:
         """The owner index: running threads whose owner belongs to ``host``."""
         with translated(self.where):
             threads = sorted(await self.client.hkeys(f"{self.prefix}:owner:{host}"))
-        rows: list[tuple[str, RunStateKind]] = [(str(t), "running") for t in threads]
-        return await self._vouched(rows, "running", host)
+        return await self._vouched([str(t) for t in threads], "running", host)
 
     async def _vouched(
-        self, rows: list[tuple[str, RunStateKind]], state: RunStateKind | None, host: str | None
+        self, threads: list[str], state: RunStateKind | None, host: str | None
     ) -> list[RunSummary]:
-        """The threads ``rows`` found in the run indexes, each as its verified head has it.
+        """The ``threads`` found in the run indexes, each as its verified head has it.
         Its entry is read again beside the head, in one round trip (each thread's entries
         in every state's index, meta and hash tail at one instant): a Run that committed
         since the indexes were read has a newer entry, maybe in another state's index (a
@@ -360,7 +357,7 @@ class RedisCommitStore:
         per = 3 + len(RUN_STATES)
         with translated(self.where):
             async with self.client.pipeline(transaction=True) as pipe:
-                for thread, _ in rows:
+                for thread in threads:
                     pipe.hmget(self._key(thread, "meta"), _META[:8])
                     pipe.llen(self._key(thread, "sums"))
                     pipe.lindex(self._key(thread, "sums"), -1)
@@ -388,7 +385,7 @@ class RedisCommitStore:
             )
             return vouched(decode_summary(thread, str(text)), verified)
 
-        makes = (functools.partial(summary, i, t) for i, (t, _) in enumerate(rows))
+        makes = (functools.partial(summary, i, t) for i, t in enumerate(threads))
         return kept(makes, state, host)
 
     async def index_problem(self, thread: ThreadId) -> str | None:
