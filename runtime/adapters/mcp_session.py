@@ -13,25 +13,29 @@ the server (``McpUnavailable``: sent again as usual) from one the server may hav
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
-from urllib.parse import urlsplit
 
 from runtime.adapters.mcp_reply import reread, unreadable
+from runtime.adapters.mcp_transport import (
+    FORGOTTEN,
+    http_streams,
+    stdio_streams,
+    transport_failed,
+    url_label,
+)
 from runtime.limits import printable
 from runtime.tool_calls import cancelled_at_deadline
 from runtime.tools import OutcomeUnknown, ToolContext, ToolResult, UnavailableBeforeDispatch
 
 if TYPE_CHECKING:
-    from mcp import ClientSession, MCPError
+    from mcp import ClientSession
     from mcp.shared.message import SessionMessage
     from mcp.types import CallToolResult, ContentBlock, RequestParamsMeta
     from mcp.types import Tool as ListedTool
@@ -75,54 +79,6 @@ class McpReplyUnreadable(OutcomeUnknown):
 # ---- servers and their sessions ---------------------------------------------------------
 
 
-def _stdio_streams(
-    command: str, args: tuple[str, ...], env: dict[str, str] | None, cwd: str | None
-) -> AbstractAsyncContextManager[Any]:
-    from mcp.client.stdio import StdioServerParameters, stdio_client
-
-    return stdio_client(StdioServerParameters(command=command, args=[*args], env=env, cwd=cwd))
-
-
-_FORGOTTEN: ContextVar[set[object] | None] = ContextVar("mcp_forgotten", default=None)
-"""Where an HTTP transport notes the requests its server answered 404 for the session
-(set by the link that opens it: ``_Link.forgotten``)."""
-
-
-@asynccontextmanager
-async def _http_streams(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
-    import httpx2
-    from mcp.client.streamable_http import streamable_http_client
-
-    forgotten = _FORGOTTEN.get()
-
-    async def noted(response: httpx2.Response) -> None:
-        """A 404 to a request of a session: the server no longer knows it (restarted, or
-        it ended the session), and ran nothing. The SDK hands the call an error the
-        server's own could be; its request id, noted here, tells them apart."""
-        request = response.request
-        if forgotten is None or response.status_code != 404 or request.method != "POST":
-            return
-        if "mcp-session-id" in request.headers:
-            with contextlib.suppress(ValueError, AttributeError):
-                forgotten.add(json.loads(request.content).get("id"))
-
-    timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's: a response may stream for long
-    async with (
-        httpx2.AsyncClient(
-            headers=headers, timeout=timeout, event_hooks={"response": [noted]}
-        ) as client,
-        streamable_http_client(url, http_client=client) as streams,
-    ):
-        yield streams
-
-
-def _url_label(url: str) -> str:
-    """The URL without what may hold a credential (userinfo, query, fragment)."""
-    parts = urlsplit(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
-
-
 class McpServer:
     """An MCP server to list and call, and the one session per process its calls share.
 
@@ -160,7 +116,7 @@ class McpServer:
         """A subprocess speaking MCP on stdin/stdout; ``env`` is added to the few
         variables the SDK passes on (PATH, HOME, ...)."""
         connect = partial(
-            _stdio_streams, command, tuple(args), None if env is None else dict(env), cwd
+            stdio_streams, command, tuple(args), None if env is None else dict(env), cwd
         )
         label = " ".join((command, *args))
         return cls(label, connect, failing="started", open_timeout_s=open_timeout_s)
@@ -174,8 +130,8 @@ class McpServer:
         open_timeout_s: float = OPEN_TIMEOUT_S,
     ) -> McpServer:
         """A server speaking streamable HTTP at ``url``."""
-        connect = partial(_http_streams, url, dict(headers or {}))
-        return cls(_url_label(url), connect, open_timeout_s=open_timeout_s)
+        connect = partial(http_streams, url, dict(headers or {}))
+        return cls(url_label(url), connect, open_timeout_s=open_timeout_s)
 
     def __repr__(self) -> str:
         return f"McpServer({self.label!r})"
@@ -291,11 +247,11 @@ class McpServer:
         against the tool's outputSchema."""
         from mcp import ClientSession
 
-        noting = _FORGOTTEN.set(link.forgotten if link is not None else None)
+        noting = FORGOTTEN.set(link.forgotten if link is not None else None)
         try:
             read, write = await stack.enter_async_context(self._connect())
         finally:
-            _FORGOTTEN.reset(noting)
+            FORGOTTEN.reset(noting)
         read = _WatchedRead(read, link.end if link is not None else _unwatched)
         if link is not None:
             write = _NotingWrite(write, link)
@@ -345,7 +301,7 @@ class _Link:
         self.request_ids: dict[tuple[str, int], object] = {}
         """Each call's JSON-RPC request id, while it is out."""
         self.forgotten: set[object] = set()
-        """Request ids an HTTP server answered 404 for the session (``_http_streams``)."""
+        """Request ids an HTTP server answered 404 for the session (``mcp_transport``)."""
         self.task: asyncio.Task[None]
         self.ping: asyncio.Task[None] | None = None
         """The ping sent after a call passed its deadline (``check``)."""
@@ -471,23 +427,6 @@ def _call_key(item: SessionMessage) -> tuple[str, int] | None:
         return None
     meta = (message.params or {}).get("_meta") or {}
     return str(meta.get("idempotency_key")), int(meta.get("attempt", 0))
-
-
-def transport_failed(exc: MCPError) -> bool:
-    """Whether an error is the SDK's word that the connection failed, not the server's.
-
-    The SDK gives its own "connection closed" the code -32000, which JSON-RPC leaves to
-    servers (-32000 to -32099): a live server's -32000 "card declined" is its answer.
-    The SDK's are told by their words — over stdio raised when the stream ends, over
-    HTTP also put in the stream as if the server had sent them (``streamable_http``:
-    a connection cut, an SSE stream that ended without the answer). A server that says
-    these words of itself is taken at them: its call is lost, not answered."""
-    from mcp.types import CONNECTION_CLOSED
-
-    said = str(exc.message)
-    return bool(exc.code == CONNECTION_CLOSED) and (
-        said == "Connection closed" or said.startswith(("SSE stream ended", "SSE stream failed"))
-    )
 
 
 def reason(exc: BaseException) -> str:
