@@ -81,7 +81,7 @@ async def test_a_trace_goes_from_the_caller_through_the_host_to_the_executor(mak
     http_trace, http_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     app = create_app(client, ServeOptions(no_auth=True), agents=[f"{HERE}:quick"])
     transport = httpx2.ASGITransport(app=app)
-    async with httpx2.AsyncClient(transport=transport, base_url="http://edge") as http:
+    async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
         answer = await http.post(
             "/threads/t-http/runs?wait=30",
             json={"agent": f"{HERE}:quick", "input": "hi"},
