@@ -192,10 +192,11 @@ class Finished(Frozen):
 
 async def vouched_records(store: CommitStore, thread: ThreadId) -> list[CommittedRecord]:
     """The thread's records, for a whole-log operation (prune, fork, export, replay).
-    ``read`` verifies only the records' chain; the frontier is checked first (``load``:
-    its checksum, its owner epoch, the log it folds from), so a thread whose frontier
-    does not verify is CorruptRecord here, never pruned, copied or exported as whole."""
-    await store.load(thread)
+    ``read`` verifies only the records' chain; the head is checked first (``load_head``:
+    the frontier's checksum, its owner epoch, the hash of the record at its version),
+    so a thread whose frontier does not verify is CorruptRecord here, never pruned,
+    copied or exported as whole. The log is read once, by ``read``."""
+    await store.load_head(thread)
     return await store.read(thread)
 
 
