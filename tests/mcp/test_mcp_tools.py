@@ -194,10 +194,9 @@ async def test_a_call_past_its_timeout_is_lost_and_its_session_lives_on(server):
     assert await pid("c3") == before  # the same session, the same server process
 
 
-async def test_a_hung_server_is_replaced_once_a_call_passes_its_deadline(server, monkeypatch):
-    """A stopped (or deadlocked) server keeps its pipe open, so its session never ends by
-    itself: the ping after the lost call goes unanswered, and the next call is sent to a
-    fresh server instead of waiting out its own timeout on the hung one."""
+async def _hung_and_replaced(server: McpServer, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Stop the server of a live session, lose a call on it, and make the next call on a
+    fresh server; the stopped server's pid (killed by the SDK as its session ends)."""
     monkeypatch.setattr(mcp_session, "PING_TIMEOUT_S", 1.0)
     hasty = LocalToolRunner(mcp_tools(server, timeouts={"record": 0.5}))
     patient = LocalToolRunner(mcp_tools(server, timeouts={"record": 20.0}))
@@ -210,6 +209,18 @@ async def test_a_hung_server_is_replaced_once_a_call_passes_its_deadline(server,
         (after,) = await patient.run([invocation("record", "c3", note="x")])
         assert isinstance(after, Finished), after
         assert int(json.loads(after.output.content)["pid"]) != hung
+    except BaseException:
+        os.kill(hung, signal.SIGKILL)
+        raise
+    return hung
+
+
+async def test_a_hung_server_is_replaced_once_a_call_passes_its_deadline(server, monkeypatch):
+    """A stopped (or deadlocked) server keeps its pipe open, so its session never ends by
+    itself: the ping after the lost call goes unanswered, and the next call is sent to a
+    fresh server instead of waiting out its own timeout on the hung one."""
+    hung = await _hung_and_replaced(server, monkeypatch)
+    try:
         await until(lambda: not alive(hung), DEADLINE_S)  # the SDK killed the hung server
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -220,17 +231,8 @@ async def test_a_close_waits_for_a_hung_server_s_session_to_end(server, monkeypa
     """The hung server's session is replaced, and ends (its server killed) seconds later.
     A close right after the replacement returned without it: a process that then ended
     its loop waited for ever on the SDK's ending of it, and left the stopped server."""
-    monkeypatch.setattr(mcp_session, "PING_TIMEOUT_S", 1.0)
-    hasty = LocalToolRunner(mcp_tools(server, timeouts={"record": 0.5}))
-    patient = LocalToolRunner(mcp_tools(server, timeouts={"record": 20.0}))
-    (first,) = await patient.run([invocation("record", "c1", note="x")])
-    hung = int(json.loads(first.output.content)["pid"])
-    os.kill(hung, signal.SIGSTOP)
+    hung = await _hung_and_replaced(server, monkeypatch)
     try:
-        (lost,) = await hasty.run([invocation("record", "c2", note="x")])
-        assert isinstance(lost, Lost)
-        (after,) = await patient.run([invocation("record", "c3", note="x")])
-        assert isinstance(after, Finished), after
         await asyncio.wait_for(server.aclose(), DEADLINE_S)
         assert not alive(hung)  # the close waited for the old session's end
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import pytest
 
@@ -15,8 +16,9 @@ from .conftest import stopped, wait_for
 pytestmark = pytest.mark.ray
 
 
-async def test_executor_killed_mid_call(make_system, ledger):
-    client = await make_system()
+async def both_inside(client, ledger) -> tuple[Any, str, set[int]]:
+    """A blocking_agent Run with both of its calls inside an executor: its handle, the
+    prefix of its ledger rows, and the pids of the executors that run them."""
     handle = await client.start("tests.ray.agents:blocking_agent", "go")
     prefix = f"tool-batch:{handle.run_id}:"
 
@@ -24,7 +26,12 @@ async def test_executor_killed_mid_call(make_system, ledger):
         return len(ledger.rows(prefix)) >= 2
 
     await wait_for(both_started, what="both calls inside the executor")
-    pids = {row[3] for row in ledger.rows(prefix)}
+    return handle, prefix, {row[3] for row in ledger.rows(prefix)}
+
+
+async def test_executor_killed_mid_call(make_system, ledger):
+    client = await make_system()
+    handle, prefix, pids = await both_inside(client, ledger)
     assert len(pids) == 1, "one wave is one executor round trip"
     os.kill(pids.pop(), signal.SIGKILL)
 
@@ -55,14 +62,7 @@ async def test_the_next_attempt_waits_for_a_pool_of_one_to_come_back(make_system
     call's next attempts, sent straight away, were lost the same way: one death spent
     every attempt and the tool never ran again."""
     client = await make_system(executors=1)
-    handle = await client.start("tests.ray.agents:blocking_agent", "go")
-    prefix = f"tool-batch:{handle.run_id}:"
-
-    async def both_started() -> bool:
-        return len(ledger.rows(prefix)) >= 2
-
-    await wait_for(both_started, what="both calls inside the executor")
-    (pid,) = {row[3] for row in ledger.rows(prefix)}
+    handle, prefix, (pid,) = await both_inside(client, ledger)
     os.kill(pid, signal.SIGKILL)
     frontier = await handle.result(timeout_s=120)
     report = await check_log(client.store, handle.thread_id)
@@ -80,14 +80,7 @@ async def test_a_hung_executor_is_restarted_and_its_calls_settled_as_lost(make_s
     while its call is out; it misses its pings, is killed for Ray to restart, and its
     calls become what their policies say, as if it had died."""
     client = await make_system(lease_ttl_s=1.0, heartbeat_s=0.25)
-    handle = await client.start("tests.ray.agents:blocking_agent", "go")
-    prefix = f"tool-batch:{handle.run_id}:"
-
-    async def both_started() -> bool:
-        return len(ledger.rows(prefix)) >= 2
-
-    await wait_for(both_started, what="both calls inside the executor")
-    (pid,) = {row[3] for row in ledger.rows(prefix)}
+    handle, _, (pid,) = await both_inside(client, ledger)
     with stopped(pid):
         frontier = await handle.result(timeout_s=60)
     assert frontier.run_state.cause.kind == "natural"
