@@ -17,7 +17,8 @@ recovery keeps failing is dead-lettered (``failed(recovery)``) by ``mark_lost``:
 recovery counts as failed when the host refuses it or dies doing it. The same sweep
 hands an ended child's outcome to a parent still awaiting it, should the hand-over of
 the child's host have been lost (``actors.deliveries``), resumes a Run paused until
-a time that has come (``actors.schedule``), and ends a child at rest whose parent is
+a time that has come and expires a tool wait past its deadline (``actors.schedule``),
+and ends a child at rest whose parent is
 gone (``actors.orphans``).
 
 Take-overs run in the background, ``TAKE_OVERS`` at a time, each re-placement within
@@ -48,7 +49,7 @@ from actors.hung_hosts import HungHosts, exists
 from actors.orphans import Orphans
 from actors.ownership import EXECUTION_LOST, mark_lost
 from actors.run_host import dedicated_host, hosted_host
-from actors.schedule import AWAITING_PAUSE, fire_due
+from actors.schedule import Alarms
 from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
 from actors.wire import (
@@ -101,8 +102,9 @@ class Supervisor(HungHosts):
         self._slots = asyncio.Semaphore(TAKE_OVERS)
         self._background: set[asyncio.Task[Any]] = set()
         self._waking: asyncio.Task[None] | None = None
-        """The pass handing outcomes over and resuming due pauses, if under way."""
+        """The pass handing outcomes over and waking Runs that are due, if under way."""
         self.orphans = Orphans(self.store, self._end_orphan)
+        self.alarms = Alarms()
         self._silent: dict[str, float] = {}
         """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
         self._started = self._last_sweep = time.monotonic()
@@ -228,28 +230,28 @@ class Supervisor(HungHosts):
             if lost:  # a live host reconciles its own Runs
                 self.counts["orphans"] += self._take_over_all(by_host[host])
         # Runs at rest that wait for the system, not for a person: parents awaiting a
-        # child's outcome (its hand-over may have been lost) and Runs paused until a time
-        # (in the background, one pass at a time: each is a call to a host, which may hang)
+        # child's outcome (its hand-over may have been lost), Runs paused until a time and
+        # waits past their deadline (in the background, one pass at a time: each is a
+        # call to a host, which may hang)
         if self._waking is not None and not self._waking.done():
             return  # the last pass is still asking: this sweep's Runs are its too
         awaiting = [s for s in await self.store.list_runs("awaiting") if self._ours(s)]
         parents = [s.thread_id for s in awaiting if s.status.reason == AWAITING_DELEGATION]
-        paused = [s.thread_id for s in awaiting if s.status.reason == AWAITING_PAUSE]
-        self._waking = asyncio.create_task(self._wake(parents, paused, awaiting))
+        self._waking = asyncio.create_task(self._wake(parents, awaiting))
 
-    async def _wake(
-        self, parents: list[ThreadId], paused: list[ThreadId], awaiting: list[RunSummary]
-    ) -> None:
-        """Hand parents their children's outcomes, resume paused Runs that are due, and
-        end awaiting children whose parent is gone (``actors.orphans``)."""
+    async def _wake(self, parents: list[ThreadId], awaiting: list[RunSummary]) -> None:
+        """Hand parents their children's outcomes, wake Runs whose time has come (a pause
+        or a wait's deadline: ``actors.schedule``), and end awaiting children whose parent
+        is gone (``actors.orphans``)."""
         try:
-            handed, fired, ended = await asyncio.gather(
+            handed, (unpaused, expired), ended = await asyncio.gather(
                 redeliver(self.store, parents, self._host_of, self.spec.limits),
-                fire_due(self.store, paused, self._host_of, now_us()),
+                self.alarms.fire(self.store, awaiting, self._host_of, now_us()),
                 self.orphans.sweep(awaiting),
             )
             self.counts["outcomes_handed"] += handed
-            self.counts["pauses_resumed"] += fired
+            self.counts["pauses_resumed"] += unpaused
+            self.counts["waits_expired"] += expired
             self.counts["orphan_children_ended"] += ended
         except Exception:  # the next sweep asks again; Runs stay as committed
             log.exception("waking Runs at rest failed")

@@ -8,7 +8,7 @@
     ratchet show THREAD               transcript, tool-batch phases, status
     ratchet verify THREAD | --all     audit the store: hashes, the chain, the frontiers
     ratchet resume THREAD --approve   answer the Run's ticket (--deny, --input TEXT,
-                                      --result JSON, --fire, --unpause)
+                                      --result JSON, --fire, --unpause, --expire)
     ratchet cancel THREAD             end the Run cancelled
     ratchet stop THREAD --reason TEXT end the Run stopped(reason)
     ratchet watch THREAD [--after O]  follow the live stream until the Run is at rest
@@ -321,6 +321,7 @@ def resume(
     is_error: bool = typer.Option(False, "--error", help="With --result: the tool failed"),
     fire: bool = typer.Option(False, "--fire", help="Fire the scheduled action it waits for"),
     unpause: bool = typer.Option(False, "--unpause", help="Continue a paused Run"),
+    expire: bool = typer.Option(False, "--expire", help="End a tool wait past its deadline"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the Run rests again"),
     store: str | None = StoreOption,
     address: str | None = AddressOption,
@@ -329,7 +330,7 @@ def resume(
     """Answer the ticket of THREAD's awaiting Run with exactly one payload flag."""
     _cli(_resume)(
         thread,
-        (approve, deny, note, text, result, is_error, fire, unpause),
+        (approve, deny, note, text, result, is_error, fire, unpause, expire),
         wait,
         store,
         address,

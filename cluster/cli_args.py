@@ -22,6 +22,7 @@ from runtime.lifecycle import (
     ScheduledFire,
     Unpause,
     UserInput,
+    WaitExpired,
 )
 from runtime.limits import check_id
 
@@ -31,7 +32,7 @@ class BadInput(Exception):
 
 
 def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
-    approve, deny, note, text, result, is_error, fire, unpause = flags
+    approve, deny, note, text, result, is_error, fire, unpause, expire = flags
     given = [
         name
         for name, on in (
@@ -41,13 +42,15 @@ def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
             ("--result", result is not None),
             ("--fire", fire),
             ("--unpause", unpause),
+            ("--expire", expire),
         )
         if on
     ]
     if len(given) != 1:
         got = f" (got {', '.join(given)})" if given else ""
         raise BadInput(
-            f"give exactly one of --approve, --deny, --input, --result, --fire, --unpause{got}"
+            "give exactly one of --approve, --deny, --input, --result, --fire, --unpause, "
+            f"--expire{got}"
         )
     if approve or deny:
         return PermissionDecision(approve=approve, note=note)
@@ -60,6 +63,8 @@ def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
             raise BadInput(f"--result must be JSON: {exc!s:.200}") from None
         content = value if isinstance(value, str) else json.dumps(value)
         return ExternalResult(output=ToolOutput(content=content, is_error=is_error))
+    if expire:
+        return WaitExpired()
     return ScheduledFire() if fire else Unpause()
 
 

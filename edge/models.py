@@ -25,6 +25,7 @@ from runtime.lifecycle import (
     ThreadStatus,
     Unpause,
     UserInput,
+    WaitExpired,
 )
 from runtime.limits import DEFAULT_LIMITS, Limits, history_headroom
 from runtime.ports import RunSummary
@@ -61,12 +62,13 @@ class StartRun(Body):
 
 
 CallerPayload = Annotated[
-    PermissionDecision | ExternalResult | ScheduledFire | UserInput | Unpause,
+    PermissionDecision | ExternalResult | ScheduledFire | UserInput | Unpause | WaitExpired,
     Field(discriminator="kind"),
 ]
 """What a caller may answer a ticket with: ``permission`` (approve or deny, a note),
 ``external_result`` (a client-executed tool's output), ``scheduled_action`` (fire),
-``user_input`` (text) or ``pause`` (unpause). A delegation's outcome is its child's."""
+``user_input`` (text), ``pause`` (unpause) or ``expired`` (end a tool wait whose
+deadline has passed). A delegation's outcome is its child's."""
 
 
 class Resume(Body):

@@ -71,6 +71,7 @@ from runtime.lifecycle import (
     RunningState,
     ThreadStatus,
     UserInput,
+    WaitExpired,
     answer,
     validate_resume,
 )
@@ -199,6 +200,7 @@ __all__ = [
     "UserInput",
     "UserMessage",
     "VersionConflict",
+    "WaitExpired",
     "admit",
     "advance",
     "answer",

@@ -173,9 +173,10 @@ class Engine(Stepping):
         # behind X before X's receipt would be, so a fault plan keeps each commit apart
         ordered = getattr(store, "ordered_appends", False) is True
         self.chains = self.lands_later and ordered and faults.crash_at is None
-        # a delegation's resume must carry its child's stored outcome (a replay, which
-        # feeds the recorded resume to a store without the child, turns this off)
-        self.vouches_delegations = True
+        # a replay feeds the recorded resumes, which landed when they were made: their
+        # deadlines are judged as then, and a delegation's outcome is not checked against
+        # its child (the replay's store has none); live, it must be the child's stored end
+        self.recorded_resumes = False
         self._sides: dict[str, tuple[Agent, Inference, tuple[str, ...]]] = {}
 
     # ---- control --------------------------------------------------------------------
@@ -330,8 +331,8 @@ class Engine(Stepping):
         for _ in range(RACES):
             frontier = loaded or await self._verified(command.thread_id)
             loaded = None  # a retry reads the thread again
-            ticket = validate_ticket(frontier, command)
-            if self.vouches_delegations:
+            ticket = validate_ticket(frontier, command, self.recorded_resumes)
+            if not self.recorded_resumes:
                 await check_delegation_answer(frontier, command, self._verified, self.limits)
             ctx = self._context(frontier)
             try:

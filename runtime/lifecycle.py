@@ -153,8 +153,22 @@ class Unpause(Frozen):
     kind: Literal["pause"] = "pause"
 
 
+class WaitExpired(Frozen):
+    """Ends a tool call's wait whose deadline (``wait_deadline_s``) has passed: the call
+    completes with a model-visible error and the Run goes on. Accepted only after the
+    deadline, by the host's clock; on a cluster the Supervisor sends it."""
+
+    kind: Literal["expired"] = "expired"
+
+
 ResumePayload = Annotated[
-    PermissionDecision | ExternalResult | ScheduledFire | DelegationOutcome | UserInput | Unpause,
+    PermissionDecision
+    | ExternalResult
+    | ScheduledFire
+    | DelegationOutcome
+    | UserInput
+    | Unpause
+    | WaitExpired,
     Field(discriminator="kind"),
 ]
 
@@ -181,7 +195,8 @@ def validate_resume(
     ``now_us`` None: a client's pre-check, whose clock is not the one that decides (the
     host's is). It stops before the deadline of a ticket that has one: the later axes
     are the host's to judge, after the deadline, or a late resume would be refused on
-    its payload by the client and on its deadline by the host.
+    its payload by the client and on its deadline by the host. ``WaitExpired`` turns the
+    deadline axis round: it is accepted only once a ticket's deadline has passed.
     """
     if ticket is None:
         raise ResumeRejected("ticket", "the run is not awaiting (no committed ticket)")
@@ -191,12 +206,20 @@ def validate_resume(
         raise ResumeRejected("run", f"ticket belongs to run {ticket.run_id!r}")
     if command.thread_id != ticket.thread_id:
         raise ResumeRejected("thread", f"ticket belongs to thread {ticket.thread_id!r}")
-    if ticket.deadline_us is not None:
-        if now_us is None:
-            return
-        if now_us > ticket.deadline_us:
-            raise ResumeRejected("deadline", "the ticket's deadline has passed")
-    if command.payload.kind != ticket.payload_kind:
+    expiry = isinstance(command.payload, WaitExpired)
+    if ticket.deadline_us is None:
+        if expiry:
+            raise ResumeRejected("deadline", "the ticket has no deadline to expire")
+    elif now_us is None:
+        return
+    elif now_us > ticket.deadline_us and not expiry:
+        raise ResumeRejected("deadline", "the ticket's deadline has passed")
+    elif now_us <= ticket.deadline_us and expiry:
+        raise ResumeRejected("deadline", "the ticket's deadline has not passed")
+    if expiry:
+        if ticket.payload_kind == "delegation":  # its wait ends with its child's end
+            raise ResumeRejected("payload", "a delegation's wait does not expire")
+    elif command.payload.kind != ticket.payload_kind:
         raise ResumeRejected(
             "payload", f"expected a {ticket.payload_kind} payload, got {command.payload.kind}"
         )

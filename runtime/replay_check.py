@@ -291,9 +291,9 @@ class _Replay:
         )
         # the feed follows the log in order: each commit lands before the code goes on
         engine.lands_later = engine.chains = False
-        # a parent's recorded delegation resume is vouched for by the recording: the
-        # scratch store holds no child to check it against
-        engine.vouches_delegations = False
+        # the recorded resumes are vouched for by the recording: a delegation's outcome
+        # (the scratch store holds no child to check it against) and its deadline verdict
+        engine.recorded_resumes = True
         return engine
 
     async def _way_in(self, thread: ThreadId, way: Way, engine: Engine) -> None:

@@ -36,6 +36,7 @@ from runtime.lifecycle import (
     ToolWaitTarget,
     UserInput,
     UserInputTarget,
+    WaitExpired,
     check_payload,
     validate_resume,
 )
@@ -46,6 +47,13 @@ from runtime.session import human_answer
 from runtime.state import Command
 from runtime.timeutil import now_us
 from runtime.usage import budget_granted
+
+EXPIRED = {
+    "permission": "blocked: no permission decision came before the wait's deadline",
+    "external_result": "no result came before the wait's deadline",
+    "scheduled_action": "not run: its schedule did not fire before the wait's deadline",
+}
+"""The model-visible error of a call whose wait expired (``WaitExpired``), by wait kind."""
 
 
 def check_command(command: ResumeCommand, limits: Limits) -> None:
@@ -129,6 +137,9 @@ async def resume_commit(
             batch = _completed(services, batch, call_id, ToolOutput(content=denied, is_error=True))
         elif isinstance(payload, ExternalResult | DelegationOutcome):
             batch = _completed(services, batch, call_id, payload.output)
+        elif isinstance(payload, WaitExpired):
+            expired = EXPIRED.get(target.wait, "blocked: the wait expired")
+            batch = _completed(services, batch, call_id, ToolOutput(content=expired, is_error=True))
         else:  # approved permission or a scheduled action fires: run the call now
             batch = mark_executing(batch, call_id)
             run_now = call_id
@@ -155,10 +166,20 @@ def _completed(
     return complete(batch, call_id, admitted.output)
 
 
-def validate_ticket(frontier: Frontier, command: ResumeCommand) -> ResumeTicket:
-    """The committed ticket ``command`` answers; ResumeRejected (naming the axis) if not."""
+def validate_ticket(
+    frontier: Frontier, command: ResumeCommand, recorded: bool = False
+) -> ResumeTicket:
+    """The committed ticket ``command`` answers; ResumeRejected (naming the axis) if not.
+
+    ``recorded``: a replay's resume, which landed when it was made; its deadline is
+    judged as it was then (an expiry after the deadline, any other answer before it),
+    not by the replay's clock, which set the replayed ticket's deadline afresh.
+    """
     state = frontier.run_state
     ticket = state.ticket if isinstance(state, AwaitingState) else None
-    validate_resume(ticket, command, now_us())
+    now = now_us()
+    if recorded and ticket is not None and ticket.deadline_us is not None:
+        now = ticket.deadline_us + isinstance(command.payload, WaitExpired)
+    validate_resume(ticket, command, now)
     assert ticket is not None
     return ticket

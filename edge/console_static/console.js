@@ -395,7 +395,8 @@ function threadView(thread) {
   function ticketContent(ticket) {
     const target = ticket.target;
     const parts = [];
-    const deadline = ticket.deadline_us ? el("p", { class: "muted" }, "answer by " + iso(ticket.deadline_us)) : null;
+    const expires = target.kind === "tool_call" ? "; then the wait expires (the call fails, the Run goes on)" : "";
+    const deadline = ticket.deadline_us ? el("p", { class: "muted" }, "answer by " + iso(ticket.deadline_us) + expires) : null;
     if (target.kind === "tool_call") {
       parts.push(el("h2", {}, "Awaiting " + target.wait.replace("_", " ")),
         el("p", {}, "Call ", el("code", { class: "ticket-call" }, target.tool + "(" + target.arguments + ")"),

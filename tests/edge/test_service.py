@@ -124,6 +124,10 @@ def test_a_resume_that_does_not_fit_is_409_and_the_ticket_stays(http):
         "resume rejected on payload: expected a permission payload, got user_input"
     )
     assert http.get(f"/threads/{thread}").json() == before  # nothing was committed
+    early = {"payload": {"kind": "expired"}}  # a wait with no deadline never expires
+    body = problem(http.post(f"/threads/{thread}/resume", json=early), 409, "ResumeRejected")
+    assert body["axis"] == "deadline" and "no deadline" in body["detail"]
+    assert http.get(f"/threads/{thread}").json() == before
     right = http.post(f"/threads/{thread}/resume", params={"wait": 30}, json=APPROVE)
     assert right.status_code == 200, right.text
     done = right.json()

@@ -103,6 +103,9 @@ def test_a_wrong_flag_prints_the_rejection_and_keeps_the_ticket(system):
     assert frontier(handle).run_state == before
     line = one_error_line(ratchet(system, "resume", handle.thread_id, "--unpause"))
     assert "expected a permission payload, got pause" in line
+    line = one_error_line(ratchet(system, "resume", handle.thread_id, "--expire"))
+    assert line == "error: resume rejected on deadline: the ticket has no deadline to expire"
+    assert frontier(handle).run_state == before
     assert ratchet(system, "resume", handle.thread_id, "--approve").exit_code == 0
     line = one_error_line(ratchet(system, "resume", handle.thread_id, "--approve"))
     assert line.startswith("error: resume rejected on ticket: thread ")
@@ -118,6 +121,7 @@ def test_a_wrong_flag_prints_the_rejection_and_keeps_the_ticket(system):
         (["watch", "no-such-thread"], "thread 'no-such-thread' has no commits"),
         (["resume", "t"], "give exactly one of --approve, --deny, --input"),
         (["resume", "t", "--approve", "--deny"], "(got --approve, --deny)"),
+        (["resume", "t", "--fire", "--expire"], "(got --fire, --expire)"),
         (["resume", "t", "--result", "{not json"], "--result must be JSON: "),
         (["watch", "t", "--after", "yesterday"], "must look like 'SEQ:INDEX'"),
         (["stop", "t", "--reason", " "], "--reason must not be empty"),

@@ -267,7 +267,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
 
     import actors.schedule
     from actors.orphans import Orphans
-    from actors.schedule import due
+    from actors.schedule import Alarms, alarm
     from actors.supervisor import Supervisor
     from actors.wire import SystemSpec
     from runtime.engine import Engine
@@ -292,7 +292,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     threads = [ThreadId(f"p{i}") for i in range(6)]
 
     async def all_due() -> bool:
-        return all([due(await store.load(t), now_us()) for t in threads])
+        return all([alarm(await store.load(t))[0] <= now_us() for t in threads])
 
     await wait_for(all_due, what="the pauses' time to come")
     hung = _HungHost()
@@ -300,13 +300,66 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     bare.spec, bare.owner, bare.store = spec, spec.supervisor_name, store
     bare.counts, bare.quarantined, bare._taking, bare.leases = Counter(), set(), set(), {}
     bare._waking = None
-    bare.orphans = Orphans(store, bare._end_orphan)
+    bare.orphans, bare.alarms = Orphans(store, bare._end_orphan), Alarms()
     bare._host_of = lambda frontier: hung  # type: ignore[method-assign]
     await asyncio.wait_for(bare._sweep(), 30)  # not held by the hung host
     await wait_for(lambda: hung.calls == 6, what="every due Run to be asked at once")
     await asyncio.wait_for(bare._sweep(), 30)
     assert hung.calls == 6 and not bare._waking.done()  # the pass under way goes on
     bare._waking.cancel()
+
+
+async def test_timed_runs_at_rest_are_read_once_per_version_and_woken_when_due(monkeypatch):
+    """The sweep reads when a Run at rest is due (a wait's deadline) from its frontier:
+    once per committed version, not once per sweep for every parked Run, and again
+    when due, to wake it. Runs with no deadline are not read again at all."""
+    import runtime.resume
+    from actors.schedule import Alarms
+    from runtime.engine import Engine
+    from runtime.ids import ThreadId
+    from runtime.timeutil import now_us
+    from runtime.tool_calls import LocalToolRunner
+    from tests.runtime.agents import answer_any_time as never
+    from tests.runtime.agents import answer_within_an_hour as later
+
+    class Counting(MemoryCommitStore):
+        loads = 0
+
+        async def load(self, thread: str) -> Any:
+            Counting.loads += 1
+            return await super().load(thread)
+
+    class Host:
+        calls: list[Any] = []
+
+        class resume_run:
+            @staticmethod
+            async def remote(command: Any) -> Any:
+                Host.calls.append((command, Counting.loads))
+                return await engines[command.thread_id].resume(command)
+
+    store, engines = Counting(), {}
+    for name, t in (("soon", later), ("none", never)):
+        script = [ModelResponse(tool_calls=(call(t.id, "c1", x=1),)), ModelResponse(text="ok")]
+        agent = Agent(name=name, model=ScriptedModel(script), tools=[t])
+        engines[name] = Engine(agent, store, LocalToolRunner([t]), owner="sys:host-0#1")
+        await engines[name].start(ThreadId(name), "go")
+    alarms = Alarms()
+    awaiting = list(await store.list_runs("awaiting"))
+    assert {s.status.reason for s in awaiting} == {"awaiting_permission"}
+    Counting.loads = 0
+    now = now_us()
+    assert await alarms.fire(store, awaiting, lambda f: Host, now) == (0, 0)
+    assert Counting.loads == 2
+    for _ in range(5):  # nothing changed, nothing due: nothing read
+        assert await alarms.fire(store, awaiting, lambda f: Host, now) == (0, 0)
+    assert Counting.loads == 2 and Host.calls == []
+    # past the deadline (by the host's clock too): the Run is read again and its wait
+    # expired through its host
+    later_us = now + 3601 * 10**6
+    monkeypatch.setattr(runtime.resume, "now_us", lambda: later_us)
+    assert await alarms.fire(store, awaiting, lambda f: Host, later_us) == (0, 1)
+    assert [(c.payload.kind, loads) for c, loads in Host.calls] == [("expired", 3)]
 
 
 async def test_a_failed_recovery_is_tried_again_only_after_a_while():

@@ -278,16 +278,33 @@ async def test_every_rejection_axis_through_the_client(system, ledger):
     assert rejected.value.axis == "ticket"
     assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
 
+
+async def test_a_wait_past_its_deadline_is_refused_then_expired_by_the_supervisor(system, ledger):
+    """A late answer is refused on the deadline (before its kind: DESIGN §2). Before, that
+    was all: nothing ended the wait and the Run stayed awaiting for good. The
+    Supervisor's sweep now expires it: the call completes with an error the model sees,
+    the tool never runs, and the Run goes on to its end."""
     late = await system.start(f"{WAITS}:deadline_agent", "go")
-    kept = await awaiting(late)
-    with pytest.raises(ResumeRejected) as rejected:
-        await late.respond(PermissionDecision(approve=True))
-    assert rejected.value.axis == "deadline"
-    with pytest.raises(ResumeRejected) as rejected:  # late, and of the wrong kind too
-        await late.respond(UserInput(text="late"))
-    assert rejected.value.axis == "deadline"  # the deadline comes first (DESIGN §2)
-    assert (await late.frontier()).run_state == kept.run_state
-    assert await late.cancel() == "cancelled"
+    await awaiting(late)
+    for payload in (PermissionDecision(approve=True), UserInput(text="late")):
+        with pytest.raises(ResumeRejected) as rejected:
+            await late.respond(payload)
+        # the Supervisor, sweeping every heartbeat, may have expired the wait first
+        assert rejected.value.axis in ("deadline", "ticket")
+
+    async def expired() -> bool:
+        return (await late.frontier()).ended
+
+    await wait_for(expired, what="the Supervisor to expire the wait")
+    done = await ended(late, "natural")
+    (result,) = tool_results(done)
+    assert result.is_error and "no permission decision" in result.content
+    assert ledger.rows(f"tool-batch:{late.run_id}:") == []
+    resumed = [f for f in await late.events() if f.type == "resumed"]
+    assert [f.data["kind"] for f in resumed] == ["expired"]
+    report = await system.supervisor_report()
+    assert report["counts"]["waits_expired"] >= 1
+    await check_log(system.store, late.thread_id)
 
 
 async def test_cancelling_an_awaiting_dedicated_run_leaves_no_host_behind(system):

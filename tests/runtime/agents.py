@@ -46,3 +46,15 @@ def crash_matrix_agent(ledger: Ledger, steps: int = 3) -> Agent:
     ]
     script.append(ModelResponse(text="all done"))
     return Agent(name="crashy", model=ScriptedModel(script), tools=[charge, lookup])
+
+
+@tool(needs_permission=True, wait_deadline_s=3600)
+def answer_within_an_hour(x: int) -> str:
+    """A permission wait whose deadline no test reaches by the clock."""
+    return "ran"
+
+
+@tool(needs_permission=True)
+def answer_any_time(x: int) -> str:
+    """A permission wait with no deadline."""
+    return "ran"

@@ -44,6 +44,7 @@ from runtime.errors import ModelRefused
 from runtime.history import export
 from runtime.hooks import Hook, HookOutput
 from runtime.lifecycle import AwaitingState
+from runtime.messages import ToolResultMessage
 from runtime.plugins import CapabilityBound, Contributions, Plugin, PluginManifest
 from runtime.ports import CommitStore
 from runtime.replay_check import ReplayInputError, ReplayReport, replay
@@ -400,6 +401,44 @@ async def test_a_rate_limit_pause_and_its_unpause_replay_cleanly():
     f = await runner.resume(answer(f.run_state.ticket, Unpause()))
     assert f.run_state.cause.kind == "natural"
     assert (await replayed(store, billing())).clean
+
+
+async def test_waits_answered_and_expired_replay_by_their_recorded_deadlines(monkeypatch):
+    """A replay makes each ticket afresh, its deadline from the replay's clock: an answer
+    recorded just before a short deadline, and an expiry recorded past a long one, were
+    refused when replayed (the replay's clock is past the first and before the second).
+    The recording's resumes are judged as they were when they landed."""
+    import runtime.resume
+    from runtime.lifecycle import WaitExpired
+
+    @tool(needs_permission=True, wait_deadline_s=1e-6)
+    def soon(x: int) -> str:
+        return "ran"
+
+    @tool(needs_permission=True, wait_deadline_s=3600)
+    def later(x: int) -> str:
+        raise AssertionError("its wait expires")
+
+    def agent() -> Agent:
+        script = [
+            ModelResponse(tool_calls=(call("soon", "c1", x=1),)),
+            ModelResponse(tool_calls=(call("later", "c2", x=2),)),
+            ModelResponse(text="done"),
+        ]
+        return Agent(name="deadlines", model=ScriptedModel(script), tools=[soon, later])
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(agent(), store)
+    f = await runner.start("go", thread_id="t", run_id="r1")
+    for payload, skew_us in ((PermissionDecision(approve=True), -1), (WaitExpired(), 1)):
+        at = f.run_state.ticket.deadline_us + skew_us  # the resume lands this side of it
+        with monkeypatch.context() as clock:
+            clock.setattr(runtime.resume, "now_us", lambda at=at: at)
+            f = await runner.resume(answer(f.run_state.ticket, payload))
+    assert f.run_state.cause.kind == "natural"
+    outputs = [m for m in f.messages if isinstance(m, ToolResultMessage)]
+    assert outputs[0].content == "ran" and outputs[1].is_error
+    assert (await replayed(store, agent())).clean
 
 
 async def test_an_end_at_rest_and_a_manual_pause_replay_cleanly():

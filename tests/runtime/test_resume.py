@@ -83,6 +83,33 @@ def test_a_check_without_a_clock_leaves_the_deadline_and_what_follows_to_the_hos
     assert err.value.axis == "payload"
 
 
+def test_an_expiry_turns_the_deadline_axis_round():
+    """``WaitExpired`` lands only past a ticket's deadline (by the host's clock: a client
+    leaves it to the host), never on a ticket without one, nor on a delegation's wait
+    (its child ends it); the axes before the deadline and the call id still apply."""
+    from runtime.lifecycle import DelegationOutcome, WaitExpired
+
+    expiry = GOOD.model_copy(update={"payload": WaitExpired()})
+    validate_resume(TICKET, expiry, now_us=2000)
+    validate_resume(TICKET, expiry, now_us=None)  # left to the host
+    for ticket, now in ((TICKET, 1000), (TICKET.model_copy(update={"deadline_us": None}), 2000)):
+        with pytest.raises(ResumeRejected) as err:
+            validate_resume(ticket, expiry, now_us=now)
+        assert err.value.axis == "deadline"
+    with pytest.raises(ResumeRejected) as err:
+        validate_resume(TICKET, expiry.model_copy(update={"call_id": "other"}), now_us=2000)
+    assert err.value.axis == "call_id"
+    with pytest.raises(ResumeRejected) as err:
+        validate_resume(TICKET, expiry.model_copy(update={"run_id": "other"}), now_us=None)
+    assert err.value.axis == "run"
+    target = TICKET.target.model_copy(update={"wait": "delegation"})
+    delegation = TICKET.model_copy(update={"target": target})
+    with pytest.raises(ResumeRejected) as err:
+        validate_resume(delegation, expiry, now_us=2000)
+    assert err.value.axis == "payload"
+    assert DelegationOutcome(output=ToolOutput(content="x")).kind == delegation.payload_kind
+
+
 def test_no_ticket_is_rejected():
     with pytest.raises(ResumeRejected) as err:
         validate_resume(None, GOOD, now_us=0)

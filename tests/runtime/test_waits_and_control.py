@@ -88,6 +88,55 @@ async def test_wait_deadline_rejects_a_late_resume_and_keeps_the_ticket():
     assert (await store.load("t")).run_state == f.run_state
 
 
+@pytest.mark.parametrize(
+    ("wait", "said"),
+    [
+        ({"needs_permission": True}, "blocked: no permission decision"),
+        ({"wait": "external_result"}, "no result came"),
+        ({"wait": "scheduled_action"}, "not run: its schedule did not fire"),
+    ],
+)
+async def test_a_wait_past_its_deadline_expires_and_the_run_goes_on(wait, said):
+    """Before, a wait past its deadline refused every resume and nothing ended it: the
+    Run stayed awaiting for good. ``WaitExpired`` completes the call with an error the
+    model sees, never runs the tool, and the Run goes on to its next Step."""
+    from runtime import WaitExpired
+
+    @tool(wait_deadline_s=1e-6, **wait)
+    def act(x: int) -> str:
+        raise AssertionError("an expired wait never runs its tool")
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(one_tool_agent(act), store)
+    f = await runner.start("go", thread_id="t")
+    done = await runner.resume(command_for(f, WaitExpired()))
+    assert done.run_state.cause.kind == "natural"
+    (result,) = results(done)
+    assert result.is_error and result.content.startswith(said)
+    with pytest.raises(ResumeRejected) as err:  # the ticket is gone: one expiry lands
+        await runner.resume(command_for(f, WaitExpired()))
+    assert err.value.axis == "ticket"
+
+
+async def test_a_wait_expires_only_past_a_deadline_it_has():
+    """An expiry before the deadline, or of a wait with none, is refused on the deadline
+    axis and leaves the ticket for the real answer."""
+    from runtime import PermissionDecision, WaitExpired
+
+    from .agents import answer_any_time, answer_within_an_hour
+
+    for act in (answer_within_an_hour, answer_any_time):
+        store = MemoryCommitStore()
+        runner = InProcessRunner(one_tool_agent(act), store)
+        f = await runner.start("go", thread_id="t")
+        with pytest.raises(ResumeRejected) as err:
+            await runner.resume(command_for(f, WaitExpired()))
+        assert err.value.axis == "deadline"
+        assert (await store.load("t")).run_state == f.run_state
+        done = await runner.resume(command_for(f, PermissionDecision(approve=True)))
+        assert results(done)[0].content == "ran"
+
+
 async def test_user_input_requested_by_a_hook_then_resumed_with_text():
     asked = []
 

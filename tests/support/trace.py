@@ -58,7 +58,8 @@ marked executing, or completed by a gate; an end may also seal calls indetermina
 
 _RESUMED_PHASES = {"permission": ("executing", "completed"), "scheduled_action": ("executing",)}
 """What a resume makes of the call it releases, by wait kind: approved or denied, the
-result supplied or the child's outcome delivered (completed), the schedule fired."""
+result supplied or the child's outcome delivered (completed), the schedule fired. A wait
+past its deadline that expired is completed whatever its kind."""
 
 
 @dataclass(frozen=True)
@@ -459,7 +460,8 @@ def _released(m: _Move) -> Iterator[str]:
     if target is None:
         return
     call = _find(m.current, target.call_id)
-    allowed = _RESUMED_PHASES.get(target.wait, ("completed",))
+    expired = any(f.type == "resumed" and f.data.get("kind") == "expired" for f in m.commit.facts)
+    allowed = ("completed",) if expired else _RESUMED_PHASES.get(target.wait, ("completed",))
     if call is None or call.phase.kind not in allowed:
         kind = "missing" if call is None else call.phase.kind
         yield f"resume: a {target.wait} resume leaves call {target.call_id} {kind}"
