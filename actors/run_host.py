@@ -30,7 +30,15 @@ import ray
 
 from actors.child_host import ChildHosting
 from actors.children import RayChildRunner
-from actors.drives import Drive, Drives, FaultSpec, counts_against_run, rested, starting
+from actors.drives import (
+    Drive,
+    Drives,
+    FaultSpec,
+    counts_against_run,
+    over_or,
+    rested,
+    starting,
+)
 from actors.heap import freeze_startup_heap
 from actors.host_control import ControlHosting
 from actors.ownership import mark_lost
@@ -199,8 +207,15 @@ class RunHost(ControlHosting, ChildHosting):
         past (it asked the same: ``check_repeated_start``) is a repeat: (True, None). Else,
         if that other Run has ended (its drive is winding up), wait for the drive to go; if
         it is active, the start is refused. A start of ``run_id`` that got in meanwhile is
-        joined."""
+        joined.
+
+        A drive whose first commit has not landed is starting, not winding up: whether it
+        lands decides. Taken for one winding up, a start racing it waited for its Run to
+        end and then began a second Run on the thread (one Run's start is refused)."""
         frontier = await self.store.load(thread)
+        if frontier.run_id != drive.run_id and not ran_before(frontier, message):
+            await over_or(drive, drive.engine.committed, FINISHING_S)
+            frontier = await self.store.load(thread)
         if ran_before(frontier, message):
             check_repeated_start(frontier, message, text, run_id)
             return True, None

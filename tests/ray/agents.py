@@ -168,3 +168,16 @@ long_napping_agent = Agent(
     ),
     tools=(long_nap,),
 )
+
+slow_model_agent = Agent(
+    name="slow-model",
+    model=ScriptedModel(
+        (
+            ModelResponse(text="echo", tool_calls=(call("echo", "c1", text="hi"),)),
+            ModelResponse(text="said hi"),
+        ),
+        latency_s=0.5,
+    ),
+    tools=(echo,),
+)
+"""Ends within about a second, each answer of its model taking half a second."""
