@@ -6,6 +6,7 @@ checker so a ``CallId`` is never passed where a ``RunId`` is expected.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal, NewType
 
 RunId = NewType("RunId", str)
@@ -31,3 +32,15 @@ def call_operation_id(batch: BatchId, call: CallId) -> OperationId:
 
 def commit_operation_id(run: RunId, ordinal: int) -> OperationId:
     return OperationId(f"{run}:commit:{ordinal}")
+
+
+def distinct_id(raw: str, taken: Collection[str], max_chars: int | None = None) -> str:
+    """``raw``, or, when another call of the same answer has it, ``raw#2``, ``raw#3``...
+    (``raw`` cut so that the whole stays within ``max_chars``): models sometimes repeat a
+    call id, and every call must stay addressable."""
+    n, cid = 1, raw
+    while cid in taken:
+        n += 1
+        suffix = f"#{n}"
+        cid = (raw if max_chars is None else raw[: max(max_chars - len(suffix), 0)]) + suffix
+    return cid

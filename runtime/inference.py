@@ -24,7 +24,7 @@ from runtime.errors import (
 )
 from runtime.events import Delta
 from runtime.faults import Unwind
-from runtime.ids import CallId, ThreadId
+from runtime.ids import CallId, ThreadId, distinct_id
 from runtime.lifecycle import Failed, PauseTarget
 from runtime.limits import (
     CONTROL_CHARS,
@@ -394,15 +394,8 @@ def unique_calls(calls: Sequence[ToolUse], limits: Limits) -> tuple[ToolUse, ...
     (and resumable: a renamed id stays within ``id_chars``)."""
     seen: set[str] = set()
     out = []
-    for i, use in enumerate(calls):
-        cid = use.call_id or "call"
-        n = 1
-        while cid in seen:
-            n += 1
-            suffix = f"#{n}"
-            cid = f"{use.call_id[: limits.id_chars - len(suffix)]}{suffix}"
-            if cid in seen and n > len(calls):  # cannot happen; but never loop for ever
-                cid = f"call-{i + 1}"
+    for use in calls:
+        cid = distinct_id(use.call_id or "call", seen, limits.id_chars)
         seen.add(cid)
         out.append(use if cid == use.call_id else evolve(use, call_id=CallId(cid)))
     return tuple(out)

@@ -28,6 +28,15 @@ that ends before ``message_stop`` was cut (ModelUnavailable); an ``error`` event
 classified by its type (``overloaded_error`` → ModelRateLimited, ...). Event types this
 adapter does not know (``ping``, future ones) are skipped, as the API reference asks.
 
+Nothing the model did not finish saying is taken: a message event after
+``message_stop`` (a second message, a call sent after the end) is ``malformed_stream``;
+so is a ``tool_use`` block that never got its ``content_block_stop``, unless the stop
+reason says the answer was cut (``max_tokens``, ``model_context_window_exceeded``):
+then asking again cannot help, and it is ``ModelRefused("max_tokens")``. A stop reason
+of ``refusal`` (the API's safety classifiers stepped in) is ``ModelRefused("refusal")``.
+Two blocks with one call id get distinct ids (``toolu_1``, ``toolu_1#2``) from their
+start, so their live deltas and a stream checkpoint keep them apart.
+
 Not done: prompt caching (``cache_control``), extended thinking (thinking blocks are
 streamed as reasoning but not sent back, so do not enable ``thinking`` with tools).
 """
@@ -42,8 +51,8 @@ from typing import TYPE_CHECKING, Any, cast
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.names import wire_name
 from runtime.adapters.usage import Usage, log, model_name
-from runtime.errors import ModelUnavailable
-from runtime.ids import CallId
+from runtime.errors import ModelRefused, ModelUnavailable
+from runtime.ids import CallId, distinct_id
 from runtime.limits import joined
 from runtime.messages import (
     AssistantMessage,
@@ -215,6 +224,17 @@ class _Use:
     arguments: list[str] = field(default_factory=list)
     started_with: str = ""
     """``content_block_start``'s ``input`` as JSON, for a call that streams no input."""
+    stopped: bool = False
+    """Its ``content_block_stop`` came: the model finished the call."""
+
+
+MESSAGE_EVENTS = frozenset(
+    {"message_start", "content_block_start", "content_block_delta", "content_block_stop"}
+    | {"message_delta", "message_stop"}
+)
+"""The events of a message: none may follow its ``message_stop``."""
+CUT_SHORT = frozenset({"max_tokens", "model_context_window_exceeded"})
+"""Stop reasons of an answer cut before the model finished it."""
 
 
 @dataclass
@@ -223,6 +243,7 @@ class MessagesFold:
 
     text: list[str] = field(default_factory=list)
     uses: dict[int, _Use] = field(default_factory=dict)
+    started: bool = False
     stopped: bool = False
     stop_reason: str | None = None
     model: str = ""
@@ -237,12 +258,21 @@ class MessagesFold:
             raise ModelUnavailable("malformed_stream", message) from exc
 
     def _add(self, event: RawMessageStreamEvent) -> list[ModelDelta]:
+        if self.stopped and event.type in MESSAGE_EVENTS:
+            message = f"anthropic: {event.type} after message_stop"
+            raise ModelUnavailable("malformed_stream", message)
         if event.type == "message_start":
+            if self.started:
+                raise ModelUnavailable("malformed_stream", "anthropic: a second message_start")
+            self.started = True
             self.model, self.start_usage = event.message.model, event.message.usage
         elif event.type == "content_block_start":
             return self._start(event.index, event.content_block)
         elif event.type == "content_block_delta":
             return self._delta(event.index, event.delta)
+        elif event.type == "content_block_stop":
+            if event.index in self.uses:
+                self.uses[event.index].stopped = True
         elif event.type == "message_delta":
             self.stop_reason, self.end_usage = event.delta.stop_reason, event.usage
         elif event.type == "message_stop":
@@ -258,7 +288,10 @@ class MessagesFold:
                 raise ModelUnavailable(
                     "malformed_stream", f"anthropic: content block {index} started twice"
                 )
-            use = _Use(id=block.id, name=block.name, started_with=_json(block.input))
+            taken = {use.id for use in self.uses.values()}
+            use = _Use(
+                id=distinct_id(block.id, taken), name=block.name, started_with=_json(block.input)
+            )
             self.uses[index] = use
             return [ModelDelta(type="tool_call_delta", call_id=use.id, tool=use.name, text="")]
         return []
@@ -286,6 +319,19 @@ class MessagesFold:
     def response(self) -> ModelResponse:
         if not self.stopped:
             raise ModelUnavailable("stream_cut", "anthropic: the stream ended before message_stop")
+        unfinished = [use.id for use in self.uses.values() if not use.stopped]
+        if unfinished and self.stop_reason in CUT_SHORT:
+            raise ModelRefused(
+                "max_tokens",
+                f"anthropic: the answer was cut ({self.stop_reason}) inside tool call "
+                f"{unfinished[0]!r}; raise max_tokens",
+            )
+        if unfinished:
+            raise ModelUnavailable(
+                "malformed_stream", f"anthropic: tool call {unfinished[0]!r} was never stopped"
+            )
+        if self.stop_reason == "refusal":
+            raise ModelRefused("refusal", "anthropic: the model declined (stop_reason refusal)")
         uses = tuple(
             ToolUse(
                 call_id=CallId(use.id),
@@ -319,7 +365,10 @@ def usage_of(start: Any, end: Any, model: str) -> Usage | None:
         return 0
 
     cached = count("cache_read_input_tokens")
-    total_in = count("input_tokens") + cached + count("cache_creation_input_tokens")
+    parts = (count("input_tokens"), cached, count("cache_creation_input_tokens"))
+    # a negative part would vanish into the sum: kept negative, it is not believed
+    # (runtime.usage.admitted_usage)
+    total_in = sum(parts) if min(parts) >= 0 else min(parts)
     return Usage(
         input_tokens=total_in,
         output_tokens=count("output_tokens"),

@@ -38,6 +38,7 @@ through ``scrub`` so that no credential reaches a log or a committed failure.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Mapping
@@ -313,11 +314,13 @@ def retry_after_seconds(headers: Mapping[str, Any], now: datetime) -> float | No
     return max((when - now).total_seconds(), 0.0)
 
 
+_DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]+)?")
+"""A count of seconds as the header writes it (RFC 9110: digits; a fraction is read too).
+Python's ``float`` reads more — ``1_000``, ``1e3``, ``inf`` — that no server means."""
+
+
 def _number(value: object) -> float | None:
-    if not isinstance(value, str):
+    if not isinstance(value, str) or not _DECIMAL.fullmatch(value.strip()):
         return None
-    try:
-        number = float(value.strip())
-    except ValueError:
-        return None
-    return number if number == number and number != float("inf") else None  # not NaN or inf
+    number = float(value.strip())
+    return number if math.isfinite(number) else None  # 400 digits read as inf

@@ -23,6 +23,10 @@ extra field of vLLM, DeepSeek, OpenRouter) → ``reasoning_delta``; each fragmen
 ``delta.tool_calls[i]`` → ``tool_call_delta`` named by the call's id and tool (both
 arrive on the call's first fragment); then one ``ModelResponse`` with the calls in
 index order. A stream that ends without a ``finish_reason`` was cut (ModelUnavailable).
+A ``length`` finish with tool calls may have cut the last call short (the format marks
+no call's end): asking again cannot help, so it is ``ModelRefused("max_tokens")`` and no
+call of it runs. Two calls with one id get distinct ids (``call_1``, ``call_1#2``) from
+their first fragment, so their live deltas and a stream checkpoint keep them apart.
 
 Retries are Ratchet's (``Agent.inference_attempts``, rate-limit backoff), so the SDK's
 are off. ``timeout_s`` bounds connecting and every wait for the next chunk, not the
@@ -40,8 +44,8 @@ from typing import TYPE_CHECKING, Any, cast
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.names import wire_id, wire_name
 from runtime.adapters.usage import Usage, log, model_name, token_count
-from runtime.errors import ModelUnavailable
-from runtime.ids import CallId
+from runtime.errors import ModelRefused, ModelUnavailable
+from runtime.ids import CallId, distinct_id
 from runtime.limits import joined
 from runtime.messages import (
     AssistantMessage,
@@ -224,7 +228,10 @@ def chat_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]
 
 @dataclass
 class _Call:
+    raw_id: str = ""
+    """The id the model gave the call."""
     id: str = ""
+    """The id it goes by: ``raw_id``, or ``raw_id#2``... when an earlier call has that."""
     name: str = ""
     arguments: list[str] = field(default_factory=list)
 
@@ -269,11 +276,14 @@ class ChatFold:
         for fragment in delta.tool_calls or ():
             index = self._index_of(fragment)
             call = self.calls.setdefault(index, _Call())
-            if fragment.id and call.id and fragment.id != call.id:  # two calls at one index
+            if fragment.id and call.raw_id and fragment.id != call.raw_id:  # two at one index
                 raise ModelUnavailable(
-                    "malformed_stream", f"openai: call {fragment.id!r} at the index of {call.id!r}"
+                    "malformed_stream",
+                    f"openai: call {fragment.id!r} at the index of {call.raw_id!r}",
                 )
-            call.id = call.id or fragment.id or ""
+            if fragment.id and not call.raw_id:
+                taken = {other.id for other in self.calls.values() if other is not call}
+                call.raw_id, call.id = fragment.id, distinct_id(fragment.id, taken)
             function = fragment.function
             call.name = call.name or (function.name if function and function.name else "")
             arguments = (function.arguments if function else None) or ""
@@ -301,12 +311,16 @@ class ChatFold:
         if not self.calls:
             return 0
         last = max(self.calls)
-        starts = fragment.id and fragment.id != self.calls[last].id
+        starts = fragment.id and fragment.id != self.calls[last].raw_id
         return last + 1 if starts else last
 
     def response(self) -> ModelResponse:
         if self.finish_reason is None:
             raise ModelUnavailable("stream_cut", "openai: the stream ended before a finish_reason")
+        if self.finish_reason == "length" and self.calls:  # the last call may be cut short
+            raise ModelRefused(
+                "max_tokens", "openai: the answer was cut (length) in its calls; raise max_tokens"
+            )
         uses = tuple(
             ToolUse(
                 call_id=CallId(call.id or f"call_{index}"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime import InferenceRequest, ModelDelta, ModelResponse, RunId
+from runtime import InferenceRequest, ModelDelta, ModelError, ModelResponse, RunId
 from runtime.messages import RequestMessage, UserMessage
 
 ADD_SCHEMA: dict[str, Any] = {
@@ -36,6 +36,16 @@ async def collect(model: Any, req: InferenceRequest) -> tuple[list[ModelDelta], 
     deltas = items[:-1]
     assert all(isinstance(d, ModelDelta) for d in deltas)
     return deltas, items[-1]
+
+
+async def failure(model: Any, kind: type[ModelError]) -> str:
+    """The code of the error of exactly ``kind`` that one stream of ``model`` ends with."""
+    try:
+        await collect(model, request())
+    except ModelError as exc:
+        assert type(exc) is kind, repr(exc)
+        return exc.code
+    raise AssertionError(f"the stream ended without {kind.__name__}")
 
 
 def free_port() -> int:

@@ -42,7 +42,7 @@ from .fake_provider import (
     text_block,
     tool_use_block,
 )
-from .helpers import ADD_SCHEMA, collect, free_port, request
+from .helpers import ADD_SCHEMA, collect, failure, free_port, request
 
 
 @pytest.fixture
@@ -515,3 +515,92 @@ async def test_a_tool_use_block_the_response_cannot_hold_is_a_malformed_stream(
     with pytest.raises(ModelUnavailable) as caught:
         await collect(make(), request())
     assert caught.value.code == "malformed_stream"
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        pytest.param(tool_use_block(1, "toolu_z", "add", '{"a": 6, "b": 6}'), id="a-call"),
+        pytest.param([message_start(), *text_block(0, "second")], id="a-second-message"),
+    ],
+)
+async def test_nothing_after_message_stop_is_taken(provider, make, after):
+    """Events after the end were folded in: a call sent after ``message_stop`` was
+    committed and run, and a second message's text joined the first's."""
+    frames = [message_start(), *text_block(0, "final"), *message_end(), *after]
+    provider.reply(Sse([*frames, *message_end()]))
+    assert await failure(make(), ModelUnavailable) == "malformed_stream"
+
+
+def _unstopped_call(stop_reason: str) -> Sse:
+    """Text, then a ``tool_use`` block that gets no ``content_block_stop``."""
+    block = {"type": "tool_use", "id": "toolu_w", "name": "add", "input": {}}
+    start = {"type": "content_block_start", "index": 1, "content_block": block}
+    return Sse(
+        [
+            message_start(),
+            *text_block(0, "I am going to"),
+            event("content_block_start", start),
+            *message_end(stop_reason),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "kind", "code"),
+    [
+        ("max_tokens", ModelRefused, "max_tokens"),
+        ("model_context_window_exceeded", ModelRefused, "max_tokens"),
+        ("tool_use", ModelUnavailable, "malformed_stream"),
+    ],
+)
+async def test_a_call_the_model_did_not_finish_is_never_taken(
+    provider, make, stop_reason, kind, code
+):
+    """A ``tool_use`` block cut off before its ``content_block_stop`` was taken with the
+    arguments so far (none: ``{}``) and run. Cut by max_tokens, asking again cannot
+    help; with no such reason, the stream is not the API's."""
+    provider.reply(_unstopped_call(stop_reason))
+    assert await failure(make(), kind) == code
+
+
+async def test_a_refusal_is_a_refusal_not_an_answer(provider, make):
+    provider.reply(anthropic_stream(text_block(0, "I can"), stop_reason="refusal"))
+    assert await failure(make(), ModelRefused) == "refusal"
+
+
+async def test_two_blocks_with_one_call_id_stay_two_calls_from_their_start(provider, make):
+    """Their live deltas shared the id, so a stream checkpoint folded them into one call
+    (the second's name on the first's arguments), which a recovery ran."""
+    from runtime.checkpoint import PartialOutput, plan_from_checkpoint
+    from runtime.ids import RunId
+
+    provider.reply(
+        anthropic_stream(
+            tool_use_block(0, "toolu_1", "add", '{"a": 1, "b": 2}'),
+            tool_use_block(1, "toolu_1", "sub", '{"a": 3, "b": 4}'),
+            stop_reason="tool_use",
+        )
+    )
+    deltas, response = await collect(make(), request())
+    assert [(c.call_id, c.tool, c.arguments) for c in response.tool_calls] == [
+        ("toolu_1", "add", '{"a": 1, "b": 2}'),
+        ("toolu_1#2", "sub", '{"a": 3, "b": 4}'),
+    ]
+    partial = PartialOutput(run_id=RunId("r"), step=1)
+    for delta in deltas:
+        partial.add(delta)
+    plan = plan_from_checkpoint(partial.checkpoint(), RunId("r"), 1)
+    assert plan.tool_calls == response.tool_calls
+
+
+def test_a_negative_usage_count_is_not_summed_away():
+    """A negative input count plus cache reads summed to a count that looked whole, and
+    was recorded; kept negative, it is not believed."""
+    from anthropic.types import Usage as StartUsage
+
+    from runtime.usage import admitted_usage
+
+    start = StartUsage(input_tokens=-1000, output_tokens=1, cache_read_input_tokens=2000)
+    usage = usage_of(start, None, "claude-test")
+    assert usage is not None and admitted_usage(usage) is None

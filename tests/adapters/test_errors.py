@@ -77,6 +77,11 @@ def test_a_rate_limit_crosses_process_boundaries_with_its_hint():
         ({"retry-after": "-4"}, 0.0),
         ({"retry-after": "soon"}, None),
         ({"retry-after": "nan"}, None),
+        ({"retry-after": "1_000"}, None),  # float() reads these; no server means them
+        ({"retry-after": "1e3"}, None),
+        ({"retry-after": "inf"}, None),
+        ({"retry-after": " 12 "}, 12.0),
+        ({"retry-after": "9" * 400}, None),
         ({}, None),
     ],
 )

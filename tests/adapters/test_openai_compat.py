@@ -45,7 +45,7 @@ from .fake_provider import (
     openai_stream,
     openai_text,
 )
-from .helpers import ADD_SCHEMA, collect, free_port, request
+from .helpers import ADD_SCHEMA, collect, failure, free_port, request
 
 
 @pytest.fixture
@@ -593,3 +593,44 @@ async def test_a_chunk_the_sdk_cannot_parse_or_hold_is_a_malformed_stream(provid
     with pytest.raises(ModelUnavailable) as caught:
         await collect(make(), request())
     assert caught.value.code == "malformed_stream"
+
+
+async def test_two_calls_with_one_id_stay_two_calls_from_their_first_fragment(provider, make):
+    """Their live deltas shared the id, so a stream checkpoint folded them into one call
+    (the second's name on the first's arguments), which a recovery ran."""
+    provider.reply(
+        openai_stream(
+            openai_call_start(0, "call_1", "add"),
+            openai_call_args(0, '{"a": 1, "b": 2}'),
+            openai_call_start(1, "call_1", "add"),
+            openai_call_args(1, '{"a": 3, "b": 4}'),
+            finish_reason="tool_calls",
+        )
+    )
+    deltas, response = await collect(make(), request())
+    assert [d.call_id for d in deltas if d.type == "tool_call_delta"] == [
+        "call_1",
+        "call_1",
+        "call_1#2",
+        "call_1#2",
+    ]
+    assert [(c.call_id, c.arguments) for c in response.tool_calls] == [
+        ("call_1", '{"a": 1, "b": 2}'),
+        ("call_1#2", '{"a": 3, "b": 4}'),
+    ]
+
+
+async def test_calls_cut_at_the_length_limit_are_refused_not_run(provider, make):
+    """A call cut by max_tokens reads whole when it streamed no arguments (``{}``) or was
+    cut just after a closing brace: it ran, with arguments the model never finished."""
+    provider.reply(
+        openai_stream(
+            openai_chunk({"content": "I will wipe"}),
+            openai_call_start(0, "call_1", "wipe"),
+            finish_reason="length",
+        )
+    )
+    assert await failure(make(), ModelRefused) == "max_tokens"
+    provider.reply(openai_stream(openai_chunk({"content": "cut"}), finish_reason="length"))
+    _, response = await collect(make(), request())  # text alone is what was said
+    assert response.text == "cut" and response.tool_calls == ()
