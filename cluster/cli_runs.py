@@ -21,9 +21,10 @@ from typing import Any, get_args
 from actors.wire import RunMeta, run_meta, stored_run_meta
 from cluster.cli_args import BadInput
 from runtime.commit import Frontier
-from runtime.errors import CorruptRecord
+from runtime.errors import CorruptRecord, InputRefused
 from runtime.ids import ThreadId
 from runtime.lifecycle import StatusState
+from runtime.limits import check_id
 from runtime.ports import RunSummary
 from runtime.reserved import reserved_value
 from runtime.timeutil import utc_time
@@ -194,7 +195,10 @@ def thread_after(text: str) -> ThreadId:
         raise bad from None
     if not thread or cursor(thread) != text:  # one spelling per cursor
         raise bad
-    return ThreadId(thread)
+    try:  # an id no thread can have (a lone surrogate, a control character, too long)
+        return ThreadId(check_id("thread id", thread))
+    except InputRefused:
+        raise bad from None
 
 
 def iso_time(since_us: int) -> str | None:

@@ -18,7 +18,7 @@ import hmac
 import json
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_to_bytes
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -78,10 +78,10 @@ class Guard:
         if scope["type"] == "websocket":
             await self.app(scope, receive, send)
             return
-        repeated = _repeated_key(scope.get("query_string", b""))
-        if repeated is not None:
-            detail = f"the query names {repeated!r:.80} twice: no route takes a list"
-            await _problem(send, scope, 422, "InputRefused", detail, limit="duplicate_key")
+        refused_query = _query_problem(scope.get("query_string", b""))
+        if refused_query is not None:
+            limit, detail = refused_query
+            await _problem(send, scope, 422, "InputRefused", detail, limit=limit)
             return
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
@@ -176,17 +176,29 @@ BODILESS = ("GET", "HEAD")
 """Methods whose routes read no body."""
 
 
-def _repeated_key(query: bytes) -> str | None:
-    """A key the query string gives twice: the framework keeps the last, a proxy or a log
-    in front may read the first (``?run_id=a&run_id=b`` would name two Runs)."""
-    seen: set[str] = set()
+def _query_problem(query: bytes) -> tuple[str, str] | None:
+    """Why the query string is refused, as (limit, detail), or None.
+
+    - a key given twice (``duplicate_key``): the framework keeps the last, a proxy or a
+      log in front may read the first (``?run_id=a&run_id=b`` would name two Runs);
+    - a key or value whose percent-decoded bytes are not UTF-8 (``utf8``): the framework
+      turns them into U+FFFD, which then passed for an id (a cursor that names no thread
+      listed an empty last page), where the same bytes in the path are refused.
+    """
+    seen: set[bytes] = set()
     for part in query.split(b"&"):  # as the framework splits it (``parse_qsl``)
         if not part:
             continue
-        raw = part.split(b"=", 1)[0].decode("latin-1")
-        key = unquote_plus(raw, errors="surrogateescape")  # run%5Fid is run_id there too
+        raw_key, _, raw_value = part.partition(b"=")
+        key = unquote_to_bytes(raw_key.replace(b"+", b" "))  # run%5Fid is run_id there too
+        shown = key.decode("utf-8", "replace")
+        for text in (key, unquote_to_bytes(raw_value.replace(b"+", b" "))):
+            try:
+                text.decode("utf-8")
+            except UnicodeDecodeError:
+                return "utf8", f"the query's {shown!r:.80} is not UTF-8 once percent-decoded"
         if key in seen:
-            return key.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            return "duplicate_key", f"the query names {shown!r:.80} twice: no route takes a list"
         seen.add(key)
     return None
 

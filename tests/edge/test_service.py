@@ -462,6 +462,14 @@ def test_a_query_that_repeats_a_key_is_refused(http):
     assert http.get(f"/threads/{thread}").json()["run_state"]["kind"] == "awaiting"
 
 
+def test_a_query_whose_bytes_are_not_utf8_is_refused(http):
+    """Turned into U+FFFD by the framework, such a cursor passed for a thread id: an
+    empty last page (``next_cursor`` null), or a page from somewhere never asked for."""
+    for query in ("cursor=%ED%A0%80", "cursor=%FF", "cursor=s1%FF", "agent=%ED%A0%80", "%FF=1"):
+        assert problem(http.get(f"/runs?{query}"), 422, "InputRefused")["limit"] == "utf8"
+    assert http.get("/runs?cursor=%C3%A9").status_code == 200  # é, percent-encoded UTF-8
+
+
 def test_a_body_sent_with_a_stream_request_is_dropped_not_refused_midway(http):
     thread = start(http)["thread_id"]
     chunks = (b"x" * 65_536 for _ in range(40))  # chunked: no Content-Length
