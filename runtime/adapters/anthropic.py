@@ -302,9 +302,10 @@ class MessagesFold:
             return [ModelDelta(text=delta.text)]
         if delta.type == "input_json_delta":
             use = self.uses.get(index)
-            if use is None:  # the documented order starts a block before its deltas
+            if use is None or use.stopped:  # the documented order: start, deltas, stop
+                when = "never started" if use is None else "after its stop"
                 raise ModelUnavailable(
-                    "malformed_stream", f"anthropic: input for content block {index}, never started"
+                    "malformed_stream", f"anthropic: input for content block {index}, {when}"
                 )
             use.arguments.append(delta.partial_json)
             return [

@@ -485,6 +485,20 @@ async def test_the_repr_shows_no_key(make):
             ],
             id="input-for-a-block-never-started",
         ),
+        pytest.param(
+            [
+                *tool_use_block(1, "toolu_a", "add", '{"a": 1}'),
+                event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 1,
+                        "delta": {"type": "input_json_delta", "partial_json": ', "b": 2}'},
+                    },
+                ),
+            ],
+            id="input-for-a-block-after-its-stop",
+        ),
     ],
 )
 async def test_tool_use_events_out_of_the_documented_order_are_malformed(provider, make, frames):
