@@ -160,6 +160,12 @@ class Agent:
             value = getattr(self, name)
             if not _seconds(value) or (name == "inference_timeout_s" and value == 0):
                 raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
+        for name, kind in (("budget", Budget), ("session", Session)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):  # a dict from a config file
+                raise TypeError(f"{name} must be a {kind.__name__} or None, not {value!r:.80}")
+        if not isinstance(self.delegation, DelegationLimits):
+            raise TypeError(f"delegation must be a DelegationLimits, not {self.delegation!r:.80}")
         self._resolve_plugins()
         ids = [t.id for t in self.tools]
         if len(set(ids)) != len(ids):

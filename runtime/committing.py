@@ -94,12 +94,14 @@ class Committing:
         end = functools.partial(
             self._commit, ctx, "ended", ended, claim=claim, messages=messages, batch=sealed
         )
+        # an inference made and not committed: what it used is recorded with the end
+        spent = tuple(c for c in ctx.spent if not any(c is given for given in commands))
         try:
-            await end(commands=commands)
+            await end(commands=(*commands, *spent))
         except StateConflict:
             if not commands:
                 raise
-            await end()
+            await end(commands=ctx.spent)  # usage counters merge: they never conflict
         if cause.kind != "natural":
             await self._cancel_children(ctx)
 
@@ -156,7 +158,7 @@ class Committing:
         open_batch_ = ctx.frontier.batch
         sealed = seal(open_batch_) if open_batch_ is not None and smaller == 1 else None
         ended = EndedState(run_id=ctx.run_id, cause=cause)
-        await self._commit(ctx, "ended", ended, batch=sealed)
+        await self._commit(ctx, "ended", ended, batch=sealed, commands=ctx.spent)
         await self._cancel_children(ctx)
 
     async def _reloaded(self, ctx: RunContext) -> Frontier:
@@ -321,6 +323,8 @@ class Committing:
         else:
             await self._behind(ctx, label, append, commit)
         _fold(ctx, new_frontier, added, run)
+        if ctx.spent and any(c is ctx.spent[0] for c in commands):
+            ctx.spent = ()  # the inference's usage is recorded
         if label in ("inference", "ended"):
             await self.inference.step_committed(f.thread_id)
 

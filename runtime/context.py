@@ -73,6 +73,11 @@ class RunContext:
     """A commit folded into this copy whose receipt has not come back yet
     (``Committing.commit(..., landing=True)``): the next commit waits for it first."""
 
+    spent: tuple[Command, ...] = ()
+    """The usage of an inference made whose commit has not landed: an end before it (a
+    hook that raises, the commit refused past a limit) carries it, so that what the
+    provider counted is recorded (``Committing.end``)."""
+
     _running: RunningState | None = field(default=None, init=False, repr=False)
 
     def ends_step(self, batch_id: str) -> bool:

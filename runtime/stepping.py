@@ -84,6 +84,7 @@ class Stepping(Sides):
             except PauseRun as pause:
                 ctx.pause_step(pause.target, hooks.commands)
                 return
+        ctx.spent = usage_commands(response.usage)  # recorded even if the Run ends here
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)
         # Tools were withheld on the last Step: calls the model makes anyway are dropped,
         # never committed without results (every provider refuses a history with a
@@ -94,7 +95,7 @@ class Stepping(Sides):
         assistant = trusted(AssistantMessage, text=response.text, tool_calls=calls, side=answered)
         messages: tuple[Message, ...] = (*results, *injected, assistant)
         # the Step's record of what it used, and (in a session) that this side took a Step
-        usage = (*usage_commands(response.usage), *stepped(root, f, side))
+        usage = (*ctx.spent, *stepped(root, f, side))
         hooks.commands[:] = restaged(hooks.commands)  # AfterInference's wait for the next
         if not calls:
             if not response.tool_calls:

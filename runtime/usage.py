@@ -71,6 +71,8 @@ def admitted_usage(usage: Any) -> Usage | None:
     counts = [getattr(usage, f) for f in TOKEN_FIELDS]
     if not all(type(n) is int and 0 <= n <= MAX_TOKENS for n in counts):
         return None
+    if usage.cached_tokens > usage.input_tokens:  # cached input is a part of the input
+        return None
     return Usage(**dict(zip(TOKEN_FIELDS, counts, strict=True)), model=printable(usage.model, 200))
 
 
@@ -100,6 +102,8 @@ def over_budget(budget: Budget | None, frontier: Frontier) -> bool:
         return False
     base = frontier.state["run"].get(BUDGET_FROM) or {}
     spent = {f: total.get(f, 0) - base.get(f, 0) for f in (*TOKEN_FIELDS, "inferences")}
+    if not spent["inferences"]:  # a grant allows one inference at least, as a Run's start
+        return False  # does: else an average above the budget re-paused at every Unpause
     guess = {f: total.get(f, 0) // inferences for f in TOKEN_FIELDS}
     return budget.exceeded(spent, guess)
 

@@ -50,6 +50,9 @@ def test_usage_a_provider_cannot_have_used_is_not_believed():
     assert admitted_usage(Usage(output_tokens=2**62)) is None
     assert admitted_usage(Usage.model_construct(input_tokens="12")) is None  # built unchecked
     assert admitted_usage({"input_tokens": 1}) is None
+    # cached input is a part of the input: more of it made every later input free of cost
+    assert admitted_usage(Usage(input_tokens=0, cached_tokens=10**9)) is None
+    assert admitted_usage(Usage(input_tokens=10, cached_tokens=10)) is not None
     shown = admitted_usage(Usage(input_tokens=1, model="m\ud800" + "x" * 500))
     assert shown is not None and len(shown.model) <= 200 and "\ud800" not in shown.model
 
@@ -91,3 +94,53 @@ def test_a_budget_that_cannot_be_is_refused_when_made():
     for bad in ({"max_tokens": -1}, {"max_cost": float("nan")}, {"input_cost": -0.5}):
         with pytest.raises(ValidationError):
             Budget(**bad)
+
+
+def test_a_budget_of_the_wrong_type_is_refused_when_the_agent_is_made():
+    """(A dict from a config file was taken, and the Run failed ``internal`` at its second
+    inference, the first one spent.)"""
+    import pytest
+
+    for bad in ({"max_tokens": 5}, 5):
+        with pytest.raises(TypeError, match="budget"):
+            Agent(name="a", model=spending(1, USED), tools=[noop], budget=bad)
+
+
+async def test_an_inference_the_run_ends_on_before_its_commit_is_still_counted():
+    """The provider counted it, whatever ends the Run before its commit: an
+    AfterInference hook that raises, or a commit past the thread's history limit. Both
+    ends used to record no usage of it."""
+    from runtime.hooks import Hook
+    from runtime.limits import Limits
+
+    def broken(hook_input):
+        raise RuntimeError("hook bug")
+
+    hooked = Agent(
+        name="a", model=spending(1, USED), tools=[noop], hooks=[Hook("AfterInference", broken)]
+    )
+    f = await InProcessRunner(hooked, MemoryCommitStore()).start("go", thread_id="t")
+    assert (f.run_state.cause.kind, f.run_state.cause.failure) == ("failed", "hook")
+    one = {"input_tokens": 60, "output_tokens": 40, "cached_tokens": 10, "inferences": 1}
+    assert f.state["run"]["usage"] == one == f.state["thread"]["usage"]
+
+    long = ModelResponse(text="x" * 5000, tool_calls=(call("noop", "c1"),), usage=USED)
+    agent = Agent(name="a", model=ScriptedModel([long]), tools=[noop])
+    runner = InProcessRunner(agent, MemoryCommitStore(), limits=Limits(history_bytes=4000))
+    f = await runner.start("go", thread_id="t")
+    assert (f.run_state.cause.kind, f.run_state.cause.code) == ("failed", "history_bytes")
+    assert f.state["run"]["usage"] == one
+
+
+async def test_an_unpause_always_lets_the_run_move():
+    """A first inference far over the budget made the average alone pass it: every
+    Unpause committed a resume and at once a new pause, and the Run never moved."""
+    huge = Usage(input_tokens=1_000_000, output_tokens=0)
+    agent = Agent(name="a", model=spending(3, huge), tools=[noop], budget=Budget(max_tokens=10))
+    runner = InProcessRunner(agent, MemoryCommitStore())
+    f = await runner.start("go", thread_id="t")
+    for inferences in (1, 2, 3):
+        assert f.run_state.ticket.target.reason == "budget"
+        assert f.state["run"]["usage"]["inferences"] == inferences
+        f = await runner.resume(answer(f.run_state.ticket, Unpause()))
+    assert f.run_state.cause.kind == "natural" and f.state["run"]["usage"]["inferences"] == 4
