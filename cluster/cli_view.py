@@ -291,6 +291,9 @@ def print_rest(thread: str, frontier: Frontier, prefix: str = "") -> None:
     if isinstance(state, AwaitingState):
         flag = RESUME_FLAGS.get(state.ticket.payload_kind)
         hint = f"; answer with: ratchet resume {thread} {flag}" if flag else ""
+        deadline = state.ticket.deadline_us
+        if flag and deadline is not None:  # a tool's wait with a deadline: then it expires
+            hint += f" by {when(deadline)} UTC, or after it: --expire"
         line = f"run {run} on thread {thread} awaits {ticket_text(state.ticket)}{hint}"
     elif isinstance(state, EndedState):
         line = f"run {run} on thread {thread} ended {cause_text(state.cause.model_dump())}"

@@ -101,11 +101,21 @@ class HistoryLimitReached(InputRefused):
 
 class ModelError(RatchetError):
     """A model provider failed; ``code`` names how (``rate_limit``, ``status_500``,
-    ``invalid_request``, ...). The message is the provider's, never a credential."""
+    ``invalid_request``, ...). The message is the provider's, never a credential.
 
-    def __init__(self, code: str, message: str, *, status: int | None = None) -> None:
+    ``usage``: what the provider reported using for an answer it refused to stand by (a
+    refusal, a cut at ``max_tokens``): a ``runtime.models.Usage``, recorded with the
+    Run's end, since the provider bills it; None when it said nothing."""
+
+    usage: Any = None
+
+    def __init__(
+        self, code: str, message: str, *, status: int | None = None, usage: Any = None
+    ) -> None:
         super().__init__(message)
         self.code, self.status = code, status
+        if usage is not None:
+            self.usage = usage
 
 
 class ModelRefused(ModelError):

@@ -49,7 +49,7 @@ from runtime.messages import (
 from runtime.models import InferenceRequest, ModelDelta, ModelResponse
 from runtime.signals import CancelledSignal, EndRun, PauseRun, cancelling
 from runtime.timeutil import now_us
-from runtime.usage import admitted_usage
+from runtime.usage import admitted_usage, usage_commands
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -141,6 +141,9 @@ class Inference:
                 raise
             except ModelRefused as exc:  # asking again cannot help: the Run ends now
                 await self._spend(ctx.frontier.thread_id)
+                # an answer refused after it was made (a refusal, a cut) is billed: its
+                # usage goes with the end
+                ctx.spent = usage_commands(admitted_usage(exc.usage))
                 raise EndRun(_failed(exc)) from None
             except ModelRateLimited as exc:  # wait it out, within the Run's budget
                 await self._spend(ctx.frontier.thread_id)

@@ -32,7 +32,9 @@ Nothing the model did not finish saying is taken: a message event after
 ``message_stop`` (a second message, a call sent after the end) is ``malformed_stream``;
 so is a ``tool_use`` block that never got its ``content_block_stop``, unless the stop
 reason says the answer was cut (``max_tokens``, ``model_context_window_exceeded``):
-then asking again cannot help, and it is ``ModelRefused("max_tokens")``. A stop reason
+then asking again cannot help, and it is ``ModelRefused("max_tokens")`` — as it is when
+the answer so cut ends in a ``tool_use`` block, stopped or not (the API stops a cut
+block too, its input unfinished). A stop reason
 of ``refusal`` (the API's safety classifiers stepped in) is ``ModelRefused("refusal")``.
 Two blocks with one call id get distinct ids (``toolu_1``, ``toolu_1#2``) from their
 start, so their live deltas and a stream checkpoint keep them apart.
@@ -244,6 +246,8 @@ class MessagesFold:
     text: list[str] = field(default_factory=list)
     uses: dict[int, _Use] = field(default_factory=dict)
     started: bool = False
+    last_block: int = -1
+    """The highest index a block started at: the block an answer cut short ends in."""
     stopped: bool = False
     stop_reason: str | None = None
     model: str = ""
@@ -280,6 +284,7 @@ class MessagesFold:
         return []
 
     def _start(self, index: int, block: Any) -> list[ModelDelta]:
+        self.last_block = max(self.last_block, index)
         if block.type == "text" and block.text:
             self.text.append(block.text)
             return [ModelDelta(text=block.text)]
@@ -321,18 +326,23 @@ class MessagesFold:
         if not self.stopped:
             raise ModelUnavailable("stream_cut", "anthropic: the stream ended before message_stop")
         unfinished = [use.id for use in self.uses.values() if not use.stopped]
+        if self.stop_reason in CUT_SHORT and self.last_block in self.uses:
+            # the API stops every block, a cut one too: a call in the last block is cut
+            unfinished.append(self.uses[self.last_block].id)
         if unfinished and self.stop_reason in CUT_SHORT:
             raise ModelRefused(
                 "max_tokens",
                 f"anthropic: the answer was cut ({self.stop_reason}) inside tool call "
                 f"{unfinished[0]!r}; raise max_tokens",
+                usage=self.usage,
             )
         if unfinished:
             raise ModelUnavailable(
                 "malformed_stream", f"anthropic: tool call {unfinished[0]!r} was never stopped"
             )
         if self.stop_reason == "refusal":
-            raise ModelRefused("refusal", "anthropic: the model declined (stop_reason refusal)")
+            message = "anthropic: the model declined (stop_reason refusal)"
+            raise ModelRefused("refusal", message, usage=self.usage)
         uses = tuple(
             ToolUse(
                 call_id=CallId(use.id),

@@ -319,7 +319,9 @@ class ChatFold:
             raise ModelUnavailable("stream_cut", "openai: the stream ended before a finish_reason")
         if self.finish_reason == "length" and self.calls:  # the last call may be cut short
             raise ModelRefused(
-                "max_tokens", "openai: the answer was cut (length) in its calls; raise max_tokens"
+                "max_tokens",
+                "openai: the answer was cut (length) in its calls; raise max_tokens",
+                usage=self.usage,
             )
         uses = tuple(
             ToolUse(

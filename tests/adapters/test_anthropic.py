@@ -578,9 +578,54 @@ async def test_a_call_the_model_did_not_finish_is_never_taken(
     assert await failure(make(), kind) == code
 
 
+@pytest.mark.parametrize("arguments", ['{"a": 1', ""])
+async def test_an_answer_cut_in_its_last_call_is_refused_though_the_block_stopped(
+    provider, make, arguments
+):
+    """The API stops a block cut by max_tokens too: a last call with no input yet read
+    as ``{}`` and ran; one with half its input failed only on its JSON."""
+    provider.reply(
+        anthropic_stream(
+            text_block(0, "I will"),
+            tool_use_block(1, "toolu_w", "add", *([arguments] if arguments else [])),
+            stop_reason="max_tokens",
+        )
+    )
+    assert await failure(make(), ModelRefused) == "max_tokens"
+
+
+async def test_text_cut_after_a_whole_call_is_the_answer(provider, make):
+    provider.reply(
+        anthropic_stream(
+            tool_use_block(0, "toolu_1", "add", '{"a": 1, "b": 2}'),
+            text_block(1, "and then"),
+            stop_reason="max_tokens",
+        )
+    )
+    _, response = await collect(make(), request())
+    assert response.tool_calls == (use("toolu_1", '{"a": 1, "b": 2}'),)
+
+
 async def test_a_refusal_is_a_refusal_not_an_answer(provider, make):
     provider.reply(anthropic_stream(text_block(0, "I can"), stop_reason="refusal"))
     assert await failure(make(), ModelRefused) == "refusal"
+
+
+@pytest.mark.parametrize("cut", [False, True])
+async def test_an_answer_refused_after_it_was_made_is_still_counted(provider, make, cut):
+    """A refusal or a cut at max_tokens is billed: its usage is recorded with the Run's
+    end (it was lost with the error)."""
+    from runtime import Agent, InProcessRunner
+    from storage.memory import MemoryCommitStore
+
+    reply = _unstopped_call("max_tokens") if cut else None
+    provider.reply(reply or anthropic_stream(text_block(0, "I can"), stop_reason="refusal"))
+    runner = InProcessRunner(Agent(name="a", model=make()), MemoryCommitStore())
+    ended = await runner.start("go", thread_id="t")
+    cause = ended.run_state.cause
+    assert (cause.failure, cause.code) == ("inference", "max_tokens" if cut else "refusal")
+    one = {"input_tokens": 35, "output_tokens": 15, "cached_tokens": 10, "inferences": 1}
+    assert ended.state["run"]["usage"] == one == ended.state["thread"]["usage"]
 
 
 async def test_two_blocks_with_one_call_id_stay_two_calls_from_their_start(provider, make):

@@ -45,7 +45,7 @@ from .fake_provider import (
     openai_stream,
     openai_text,
 )
-from .helpers import ADD_SCHEMA, collect, failure, free_port, request
+from .helpers import ADD_SCHEMA, collect, free_port, request
 
 
 @pytest.fixture
@@ -622,7 +622,8 @@ async def test_two_calls_with_one_id_stay_two_calls_from_their_first_fragment(pr
 
 async def test_calls_cut_at_the_length_limit_are_refused_not_run(provider, make):
     """A call cut by max_tokens reads whole when it streamed no arguments (``{}``) or was
-    cut just after a closing brace: it ran, with arguments the model never finished."""
+    cut just after a closing brace: it ran, with arguments the model never finished. The
+    refusal carries the usage reported (it is billed)."""
     provider.reply(
         openai_stream(
             openai_chunk({"content": "I will wipe"}),
@@ -630,7 +631,10 @@ async def test_calls_cut_at_the_length_limit_are_refused_not_run(provider, make)
             finish_reason="length",
         )
     )
-    assert await failure(make(), ModelRefused) == "max_tokens"
+    with pytest.raises(ModelRefused) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "max_tokens"
+    assert (caught.value.usage.input_tokens, caught.value.usage.output_tokens) == (31, 9)
     provider.reply(openai_stream(openai_chunk({"content": "cut"}), finish_reason="length"))
     _, response = await collect(make(), request())  # text alone is what was said
     assert response.text == "cut" and response.tool_calls == ()

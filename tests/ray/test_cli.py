@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,28 @@ def test_show_and_watch_name_a_thread_pruned_through_its_head(tmp_path):
     assert shown.exit_code == 1 and "keeps no records: pruned through seq 2" in shown.output
     watched = CliRunner().invoke(app, ["watch", "p-1", "--store", store_url])
     assert watched.exit_code == 0 and "at rest" in watched.output, watched.output
+
+
+def test_watch_names_a_wait_s_deadline_and_its_expiry(tmp_path):
+    """Past its deadline a wait refuses an answer: ``watch`` suggested ``--approve or
+    --deny`` alone, with no word of the deadline or of ``--expire``."""
+    from tests.runtime.agents import answer_within_an_hour
+
+    store_url = f"sqlite:///{tmp_path}/deadline.db"
+
+    async def run() -> int:
+        store = await open_store(store_url)
+        script = [ModelResponse(tool_calls=(call("answer_within_an_hour", "c1", x=1),))]
+        agent = Agent(name="a", model=ScriptedModel(script), tools=[answer_within_an_hour])
+        parked = await InProcessRunner(agent, store).start("go", thread_id="d-1")
+        await store.close()
+        return parked.run_state.ticket.deadline_us
+
+    deadline = asyncio.run(run())
+    shown = CliRunner().invoke(app, ["watch", "d-1", "--store", store_url])
+    assert shown.exit_code == 0, shown.output
+    by = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(deadline // 10**6))
+    assert f"--approve or --deny by {by} UTC, or after it: --expire" in shown.output
 
 
 # ---- runs, show and watch for scripts: --json, filters, pages, whole ids ---------------
