@@ -71,9 +71,11 @@ def admitted_usage(usage: Any) -> Usage | None:
     counts = [getattr(usage, f) for f in TOKEN_FIELDS]
     if not all(type(n) is int and 0 <= n <= MAX_TOKENS for n in counts):
         return None
-    if usage.cached_tokens > usage.input_tokens:  # cached input is a part of the input
-        return None
-    return Usage(**dict(zip(TOKEN_FIELDS, counts, strict=True)), model=printable(usage.model, 200))
+    admitted = dict(zip(TOKEN_FIELDS, counts, strict=True))
+    # cached input is a part of the input: a surplus would make later inferences' input
+    # free of cost in the Run's totals; held to the input, the report still counts
+    admitted["cached_tokens"] = min(admitted["cached_tokens"], admitted["input_tokens"])
+    return Usage(**admitted, model=printable(usage.model, 200))
 
 
 def usage_commands(usage: Usage | None) -> tuple[Command, ...]:

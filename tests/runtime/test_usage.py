@@ -51,8 +51,8 @@ def test_usage_a_provider_cannot_have_used_is_not_believed():
     assert admitted_usage(Usage.model_construct(input_tokens="12")) is None  # built unchecked
     assert admitted_usage({"input_tokens": 1}) is None
     # cached input is a part of the input: more of it made every later input free of cost
-    assert admitted_usage(Usage(input_tokens=0, cached_tokens=10**9)) is None
-    assert admitted_usage(Usage(input_tokens=10, cached_tokens=10)) is not None
+    held = admitted_usage(Usage(input_tokens=7, cached_tokens=10**9, output_tokens=3))
+    assert held == Usage(input_tokens=7, cached_tokens=7, output_tokens=3)
     shown = admitted_usage(Usage(input_tokens=1, model="m\ud800" + "x" * 500))
     assert shown is not None and len(shown.model) <= 200 and "\ud800" not in shown.model
 
@@ -144,3 +144,25 @@ async def test_an_unpause_always_lets_the_run_move():
         assert f.state["run"]["usage"]["inferences"] == inferences
         f = await runner.resume(answer(f.run_state.ticket, Unpause()))
     assert f.run_state.cause.kind == "natural" and f.state["run"]["usage"]["inferences"] == 4
+
+
+async def test_a_cached_surplus_does_not_make_later_input_free():
+    """One report of more cached input than input (0 input, 10**9 cached) gave the Run's
+    totals a surplus that priced every later inference's input at the cached rate: the
+    Run ran past ``max_cost`` without a pause."""
+    odd = Usage(input_tokens=0, cached_tokens=10**9)
+    big = Usage(input_tokens=1_000_000)
+    script = [
+        ModelResponse(tool_calls=(call("noop", f"c{i}"),), usage=odd if i == 0 else big)
+        for i in range(8)
+    ]
+    budget = Budget(max_cost=2.5, input_cost=1.0)  # a dollar per inference after the first
+    agent = Agent(
+        name="a",
+        model=ScriptedModel([*script, ModelResponse(text="done")]),
+        tools=[noop],
+        budget=budget,
+    )
+    f = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert f.run_state.ticket.target.reason == "budget"
+    assert f.state["run"]["usage"]["inferences"] == 3  # $2 spent; a third would pass 2.5
