@@ -6,8 +6,11 @@ from __future__ import annotations
 # The shebang opts into Redis 7 script flags: without allow-oom the server refuses the
 # whole script up front when out of memory, instead of failing between two writes.
 # KEYS: meta log sums ops runs:running runs:awaiting runs:ended owner:OLD owner:NEW
+# instance. ARGV[16]: the instance token read at connect ('' checks nothing): 'lost'
+# when the store's contents are gone (``storage.redis_instance``).
 APPEND_LUA = """#!lua
 local meta, log, sums, ops = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+if ARGV[16] ~= '' and redis.call('GET', KEYS[10]) ~= ARGV[16] then return 'lost' end
 local want = {'hash', 'list', 'list', 'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}
 for i = 1, 9 do
   local t = redis.call('TYPE', KEYS[i])['ok']
@@ -38,8 +41,9 @@ if ARGV[13] == '1' then redis.call('HSET', KEYS[9], ARGV[12], '1') end
 return 'ok'
 """
 
-# KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW
-# ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded.
+# KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW instance
+# ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded, the
+# instance token ('' checks nothing).
 # The run-index entry is the last append's summary with the owner patched in: it ends
 # with the owner, RunSummary's last field (a string holds no bare `,"owner":`); an entry
 # that does not end in a JSON string or null there is reported, never rewritten.
@@ -47,6 +51,7 @@ return 'ok'
 # left (version, frontier, checksum, head, hash-list length, last hash) to verify.
 CLAIM_LUA = r"""#!lua
 local meta, sums, thread = KEYS[1], KEYS[2], ARGV[3]
+if ARGV[6] ~= '' and redis.call('GET', KEYS[8]) ~= ARGV[6] then return {'lost'} end
 local want = {'hash', 'list', 'hash', 'hash', 'hash', 'hash', 'hash'}
 for i = 1, 7 do
   local t = redis.call('TYPE', KEYS[i])['ok']

@@ -108,6 +108,7 @@ from runtime.ports import CommittedRecord, RunSummary, host_of
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.redis_audit import index_problem
 from storage.redis_client import open_client, translated
+from storage.redis_instance import check_instance, instance_key, instance_of
 from storage.redis_rows import (
     anchor_of,
     decode_receipt,
@@ -171,6 +172,9 @@ class RedisCommitStore:
         self._append_script = client.register_script(APPEND_LUA)
         self._claim_script = client.register_script(CLAIM_LUA)
         self._prune_script = client.register_script(PRUNE_LUA)
+        self._instance = instance_key(prefix)
+        self.instance: str | None = None
+        """The store's instance token read at connect (``storage.redis_instance``)."""
 
     @classmethod
     async def connect(
@@ -183,6 +187,7 @@ class RedisCommitStore:
             with translated(store.where):
                 await store.client.ping()
                 await upgrade_layout(store.client, store.prefix, store.where)
+                store.instance = await instance_of(store.client, store.prefix)
         except StoreError:
             await store.client.aclose()
             raise
@@ -242,12 +247,15 @@ class RedisCommitStore:
                 pipe.lrange(self._key(thread, "log"), 0, -1)
                 pipe.lrange(self._key(thread, "sums"), 0, -1)
                 pipe.lrange(self._key(thread, "history"), 0, -1)
+                pipe.get(self._instance)
                 (
                     (text, version, epoch, owner, checksum, stored_head, *anchored),
                     bodies,
                     sums,
                     texts,
+                    instance,
                 ) = await pipe.execute()
+        check_instance(instance, self.instance, self.where)
         anchor = anchor_of(thread, *anchored[:2])
         last = sums[-1] if sums else None
         head = verified_frontier(
@@ -279,7 +287,9 @@ class RedisCommitStore:
                     )
                     pipe.lrange(self._key(thread, "log"), start, -1)
                     pipe.lrange(self._key(thread, "sums"), start, -1)
-                    (version, head, *anchored), bodies, sums = await pipe.execute()
+                    pipe.get(self._instance)
+                    (version, head, *anchored), bodies, sums, instance = await pipe.execute()
+                check_instance(instance, self.instance, self.where)
                 anchor = anchor_of(thread, *anchored)
                 pruned = anchor[0] if anchor else 0
                 if max(after_seq - pruned - 1, 0) == start:
@@ -307,9 +317,12 @@ class RedisCommitStore:
         thread = loaded.thread_id
         keys = [self._key(thread, "meta"), self._key(thread, "sums")]
         keys += [self._index(s) for s in RUN_STATES]
-        keys += [self._owners(loaded.owner), self._owners(owner)]
+        keys += [self._owners(loaded.owner), self._owners(owner), self._instance]
         args: list[str | int] = [loaded.epoch, owner, thread, json.dumps(owner), loaded.version]
+        args.append(self.instance or "")
         reply = await self._claim_script(keys=keys, args=args)
+        if reply[0] == "lost":
+            check_instance(None, self.instance, self.where)
         if reply[0] == "fenced":
             raise Fenced(thread, loaded.epoch, number_of(thread, "owner epoch", reply[1]))
         if reply[0] != "ok":
@@ -334,14 +347,21 @@ class RedisCommitStore:
             async with self.client.pipeline(transaction=True) as pipe:
                 for s in states:
                     pipe.hgetall(self._index(s))
-                indexes = await pipe.execute()
+                pipe.get(self._instance)
+                *indexes, instance = await pipe.execute()
+        check_instance(instance, self.instance, self.where)
         threads = [str(t) for index in indexes for t in sorted(index)]
         return await self._vouched(threads, state, host)
 
     async def _running_of(self, host: str) -> list[RunSummary]:
         """The owner index: running threads whose owner belongs to ``host``."""
         with translated(self.where):
-            threads = sorted(await self.client.hkeys(f"{self.prefix}:owner:{host}"))
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hkeys(f"{self.prefix}:owner:{host}")
+                pipe.get(self._instance)
+                owned, instance = await pipe.execute()
+        check_instance(instance, self.instance, self.where)
+        threads = sorted(owned)
         return await self._vouched([str(t) for t in threads], "running", host)
 
     async def _vouched(
@@ -363,9 +383,11 @@ class RedisCommitStore:
                     pipe.lindex(self._key(thread, "sums"), -1)
                     for s in RUN_STATES:
                         pipe.hget(self._index(s), thread)
+                pipe.get(self._instance)
                 # one thread's key of the wrong type (edited by hand) is that thread's
                 # answer, not the whole listing's error
-                answers = await pipe.execute(raise_on_error=False)
+                *answers, instance = await pipe.execute(raise_on_error=False)
+        check_instance(instance, self.instance, self.where)
 
         def summary(i: int, thread: str) -> RunSummary | None:
             mine = answers[per * i : per * i + per]
@@ -448,12 +470,15 @@ class RedisCommitStore:
             pipe.hget(self._key(thread, "ops"), op or "")
             pipe.llen(self._key(thread, "sums"))
             pipe.lindex(self._key(thread, "sums"), -1)
+            pipe.get(self._instance)
             (
                 (text, version, epoch, owner, checksum, head, *anchored),
                 known,
                 n,
                 last,
+                instance,
             ) = await pipe.execute()
+        check_instance(instance, self.instance, self.where)
         anchor = anchor_of(thread, *anchored)
         frontier = verified_frontier(
             thread, text, version, epoch, owner, checksum, head, n, last, anchor
@@ -474,7 +499,7 @@ class RedisCommitStore:
         thread = commit.thread_id
         keys = [self._key(thread, p) for p in ("meta", "log", "sums", "ops")]
         keys += [self._index(s) for s in RUN_STATES]
-        keys += [self._owners(loaded.owner), self._owners(new.owner)]
+        keys += [self._owners(loaded.owner), self._owners(new.owner), self._instance]
         text = frontier_text(new)  # its epoch and owner too: decode_frontier checks them
         args: list[str | int] = [
             loaded.version,
@@ -492,12 +517,15 @@ class RedisCommitStore:
             1 + RUN_STATES.index(summary.state),
             claim or "",
             summary.model_dump_json(),
+            self.instance or "",
         ]
         reply = await self._append_script(keys=keys, args=args)
         if reply == "ok":
             return receipt
         if reply == "refused":
             return None
+        if reply == "lost":
+            check_instance(None, self.instance, self.where)
         raise CorruptRecord(thread, receipt.seq, f"unexpected shape of {reply.partition(' ')[2]}")
 
 

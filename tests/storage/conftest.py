@@ -63,11 +63,13 @@ def redis_test_url(redis_url: str) -> str:
 
 
 async def _redis_store(url: str) -> CommitStore:
+    from storage.redis_client import open_client
     from storage.redis_store import RedisCommitStore  # another helper's module
 
-    store = await RedisCommitStore.connect(url)
-    await store.client.flushdb()
-    return store
+    client = open_client(url)  # emptied before the store connects: emptied after, it is
+    await client.flushdb()  # a store whose contents were lost (StoreLost)
+    await client.aclose()
+    return await RedisCommitStore.connect(url)
 
 
 async def _postgres_store(url: str) -> SqlCommitStore:

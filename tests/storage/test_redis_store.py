@@ -439,3 +439,51 @@ async def test_verify_compares_one_moment_of_a_live_thread_s_indexes(
 
     assert await index_problem(AppendedAfterTheHead(), thread) is None  # type: ignore[arg-type]
     assert (await store.load_head(thread)).version == 2
+
+
+async def test_a_store_whose_contents_are_lost_fails_closed(redis_url: str) -> None:
+    """A FLUSHDB (or a server restarted without persistence) left an empty database that
+    passed for the truth: appends were refused as Fenced (the epoch "went back" to 0),
+    hosts dropped their Runs as another owner's, and waiters saw version 0 for ever.
+    Every read, listing and append of a process connected before it is StoreLost now;
+    one that connects afterwards starts on the new, empty store."""
+    from runtime.errors import StoreLost
+
+    prefix = f"store-test-{uuid.uuid4().hex[:8]}"
+    url = db_url(redis_url, TEST_DB)
+    before = await RedisCommitStore.connect(url, prefix=prefix)
+    thread = ThreadId("lost-1")
+    epoch = (await before.claim(thread, "h#1", 0)).epoch
+    await before.append(one_shot(thread, "r1", epoch=epoch), 0, epoch)
+    loaded = await before.load(thread)
+    assert loaded.version == 1
+    keys = [k async for k in before.client.scan_iter(match=f"{prefix}:*")]
+    await before.client.delete(*keys)  # the prefix's FLUSHDB
+    later = one_shot(thread, "r2", epoch=epoch)
+    reads = (
+        # flushed between an append's or a claim's read and its script: the script sees it
+        before._apply(later, loaded, advance(loaded, later), None),
+        before._claim(loaded, "h#1"),
+        before.load(thread),
+        before.load_head(thread),
+        before.read(thread),
+        before.list_runs(),
+        before.list_runs("running", host="h"),
+        before.append(later, 1, epoch),
+        before.claim(thread, "h#1", epoch),
+    )
+    for read in reads:
+        with pytest.raises(StoreLost):
+            await read
+    after = await RedisCommitStore.connect(url, prefix=prefix)
+    try:
+        assert (await after.load(thread)).version == 0
+        fresh = (await after.claim(thread, "h#2", 0)).epoch
+        await after.append(one_shot(thread, "r3", epoch=fresh), 0, fresh)
+        with pytest.raises(StoreLost):  # the old process still knows better
+            await before.load(thread)
+    finally:
+        keys = [k async for k in after.client.scan_iter(match=f"{prefix}:*")]
+        await after.client.delete(*keys)
+        await after.close()
+        await before.close()
