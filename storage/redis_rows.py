@@ -21,6 +21,19 @@ from runtime.integrity import (
 )
 from runtime.ports import CommittedRecord, RunSummary
 
+META = [
+    "frontier",
+    "version",
+    "epoch",
+    "owner",
+    "checksum",
+    "head",
+    "pruned",
+    "pruned_hash",
+    "pruned_digest",
+]
+"""The meta fields a load reads (a snapshot the first eight)."""
+
 
 def verified_frontier(
     thread: str,

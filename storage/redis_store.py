@@ -82,7 +82,6 @@ RunEnded, VersionConflict; "corrupt KEY" -> CorruptRecord.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 
@@ -109,10 +108,11 @@ from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.redis_audit import index_problem
 from storage.redis_client import open_client, translated
 from storage.redis_instance import check_instance, instance_key, instance_of
+from storage.redis_listing import list_runs
 from storage.redis_rows import (
+    META,
     anchor_of,
     decode_receipt,
-    decode_summary,
     number_of,
     read_rows,
     verified_frontier,
@@ -120,23 +120,11 @@ from storage.redis_rows import (
 from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, PRUNE_LUA
 from storage.redis_upgrade import upgrade_layout
 from storage.retention import Cut, prune_thread
-from storage.summary import RUN_STATES, RunStateKind, kept, summarize, vouched
+from storage.summary import RUN_STATES, RunStateKind, summarize
 from storage.url import redact
 
 log = logging.getLogger("ratchet.storage.redis")
 
-_META = [
-    "frontier",
-    "version",
-    "epoch",
-    "owner",
-    "checksum",
-    "head",
-    "pruned",
-    "pruned_hash",
-    "pruned_digest",
-]
-"""The meta fields a load reads (a snapshot the first eight)."""
 _THREAD_KEYS = ("meta", "log", "sums", "ops", "history")
 """The keys of a thread (``P:thread:T:<part>``)."""
 _ATTEMPTS = 3
@@ -243,7 +231,7 @@ class RedisCommitStore:
         the log verified, the messages taken from it (``whole_frontier``)."""
         with translated(self.where, thread):
             async with self.client.pipeline(transaction=True) as pipe:
-                pipe.hmget(self._key(thread, "meta"), _META)
+                pipe.hmget(self._key(thread, "meta"), META)
                 pipe.lrange(self._key(thread, "log"), 0, -1)
                 pipe.lrange(self._key(thread, "sums"), 0, -1)
                 pipe.lrange(self._key(thread, "history"), 0, -1)
@@ -340,75 +328,7 @@ class RedisCommitStore:
     async def list_runs(
         self, state: RunStateKind | None = None, *, host: str | None = None
     ) -> list[RunSummary]:
-        if host is not None and state == "running":
-            return await self._running_of(host)
-        states = RUN_STATES if state is None else (state,)
-        with translated(self.where):
-            async with self.client.pipeline(transaction=True) as pipe:
-                for s in states:
-                    pipe.hgetall(self._index(s))
-                pipe.get(self._instance)
-                *indexes, instance = await pipe.execute()
-        check_instance(instance, self.instance, self.where)
-        threads = [str(t) for index in indexes for t in sorted(index)]
-        return await self._vouched(threads, state, host)
-
-    async def _running_of(self, host: str) -> list[RunSummary]:
-        """The owner index: running threads whose owner belongs to ``host``."""
-        with translated(self.where):
-            async with self.client.pipeline(transaction=True) as pipe:
-                pipe.hkeys(f"{self.prefix}:owner:{host}")
-                pipe.get(self._instance)
-                owned, instance = await pipe.execute()
-        check_instance(instance, self.instance, self.where)
-        threads = sorted(owned)
-        return await self._vouched([str(t) for t in threads], "running", host)
-
-    async def _vouched(
-        self, threads: list[str], state: RunStateKind | None, host: str | None
-    ) -> list[RunSummary]:
-        """The ``threads`` found in the run indexes, each as its verified head has it.
-        Its entry is read again beside the head, in one round trip (each thread's entries
-        in every state's index, meta and hash tail at one instant): a Run that committed
-        since the indexes were read has a newer entry, maybe in another state's index (a
-        Run ended, a new one started), not a corrupt one. An entry that does not verify,
-        or says otherwise, is left out (``storage.summary.kept``), as is one of another
-        state than asked."""
-        per = 3 + len(RUN_STATES)
-        with translated(self.where):
-            async with self.client.pipeline(transaction=True) as pipe:
-                for thread in threads:
-                    pipe.hmget(self._key(thread, "meta"), _META[:8])
-                    pipe.llen(self._key(thread, "sums"))
-                    pipe.lindex(self._key(thread, "sums"), -1)
-                    for s in RUN_STATES:
-                        pipe.hget(self._index(s), thread)
-                pipe.get(self._instance)
-                # one thread's key of the wrong type (edited by hand) is that thread's
-                # answer, not the whole listing's error
-                *answers, instance = await pipe.execute(raise_on_error=False)
-        check_instance(instance, self.instance, self.where)
-
-        def summary(i: int, thread: str) -> RunSummary | None:
-            mine = answers[per * i : per * i + per]
-            refused = next((a for a in mine if isinstance(a, Exception)), None)
-            if refused is not None:
-                raise CorruptRecord(thread, 0, f"its keys refuse a read: {refused}")
-            (frontier, version, epoch, owner, checksum, head, *anchored), n, last = mine[:3]
-            entries = [e for e in mine[3:] if e is not None]
-            if not entries:
-                return None  # its entry is gone (edited by hand): nothing to list
-            if len(entries) > 1:  # a Run is in one state: an index edited by hand
-                raise CorruptRecord(thread, 0, "its run index entry is in two states")
-            (text,) = entries
-            anchor = anchor_of(thread, *anchored)
-            verified = verified_frontier(
-                thread, frontier, version, epoch, owner, checksum, head, n, last, anchor
-            )
-            return vouched(decode_summary(thread, str(text)), verified)
-
-        makes = (functools.partial(summary, i, t) for i, t in enumerate(threads))
-        return kept(makes, state, host)
+        return await list_runs(self, state, host)
 
     async def index_problem(self, thread: ThreadId) -> str | None:
         """What is wrong with the thread's index entries and receipts (``redis_audit``)."""
@@ -416,16 +336,23 @@ class RedisCommitStore:
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         """Threads by their keys, any of them (a SCAN: for audits, not for hot paths): a
-        log whose meta was deleted is listed too, so that an audit finds it."""
+        log whose meta was deleted is listed too, so that an audit finds it; and so is a
+        thread a run index names that has no keys at all (a ghost entry, which listings
+        leave out and the Supervisor quarantines)."""
         first = f"{self.prefix}:thread:"
         with translated(self.where):
             keys = [str(k) async for k in self.client.scan_iter(match=f"{first}*", count=1000)]
+            async with self.client.pipeline(transaction=False) as pipe:
+                for state in RUN_STATES:
+                    pipe.hkeys(self._index(state))
+                indexed = await pipe.execute(raise_on_error=False)
         found = {
             key[len(first) : -len(part) - 1]
             for key in keys
             for part in _THREAD_KEYS
             if key.endswith(f":{part}")
         }
+        found.update(str(t) for names in indexed if isinstance(names, list) for t in names)
         return [ThreadId(t) for t in sorted(found) if t > after][:limit]
 
     async def prune(self, thread: ThreadId, through_seq: int) -> int:
@@ -466,7 +393,7 @@ class RedisCommitStore:
         """The frontier (verified, with its epoch and owner) and the receipt under ``op``,
         read at one instant."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hmget(self._key(thread, "meta"), _META[:8])
+            pipe.hmget(self._key(thread, "meta"), META[:8])
             pipe.hget(self._key(thread, "ops"), op or "")
             pipe.llen(self._key(thread, "sums"))
             pipe.lindex(self._key(thread, "sums"), -1)

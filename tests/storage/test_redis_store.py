@@ -487,3 +487,46 @@ async def test_a_store_whose_contents_are_lost_fails_closed(redis_url: str) -> N
         await after.client.delete(*keys)
         await after.close()
         await before.close()
+
+
+async def test_a_run_index_key_of_the_wrong_type_is_left_out_not_every_listing(
+    store: RedisCommitStore,
+) -> None:
+    """``SET P:runs:ended oops``: every listing failed with the driver's WRONGTYPE, and a
+    listing of one state refused every thread (each thread's entry is read in every
+    state's index), so a Supervisor quarantined every Run for good. That index is left
+    out now, logged; the others are listed, and once it is repaired it is listed too."""
+    from runtime.ports import refused_in
+
+    done, live = ThreadId("ix-ended"), ThreadId("ix-running")
+    for thread in (done, live):
+        epoch = (await store.claim(thread, "host-0#1", 0)).epoch
+        commit = one_shot(thread, "r") if thread == done else activation(thread, "r", epoch=epoch)
+        await store.append(commit.model_copy(update={"epoch": epoch}), 0, epoch)
+    ended = f"{store.prefix}:runs:ended"
+    saved = await store.client.hgetall(ended)
+    await store.client.delete(ended)
+    await store.client.set(ended, "oops")
+    everything = await store.list_runs()
+    assert [s.thread_id for s in everything] == [live] and refused_in(everything) == ()
+    running = await store.list_runs("running")
+    assert [s.thread_id for s in running] == [live] and refused_in(running) == ()
+    assert await store.list_runs("ended") == []
+    await store.client.delete(ended)
+    await store.client.hset(ended, mapping=saved)
+    assert {s.thread_id for s in await store.list_runs()} == {done, live}
+
+
+async def test_verify_all_finds_a_run_index_entry_naming_no_thread(
+    store: RedisCommitStore,
+) -> None:
+    """A ghost entry (an index names a thread that has no keys) was left out of listings
+    and quarantined by the Supervisor, but ``verify --all`` audited only threads with
+    keys: "0 threads audited, 0 with problems"."""
+    from runtime.integrity import audit
+
+    ghost = ThreadId("ghost-1")
+    await store.client.hset(store._index("running"), ghost, '{"thread_id": "ghost-1"}')
+    assert ghost in await store.thread_ids()
+    (problem,) = await audit(store, ghost)
+    assert problem.thread == ghost
