@@ -13,6 +13,8 @@ Every pass (at start, then every ``SystemSpec.reconcile_s``):
   its next commit (which a long tool call can put off indefinitely): its waves are
   cancelled on the executors;
 - a thread whose records do not verify is quarantined: no engine here acts on it.
+  One listed again (its head verifies: repaired by hand, say) is looked at again after
+  ``RECOVERY_RETRY_S``, doubling, and driven if it verifies whole.
 
 A recovery that fails here (its agent cannot be imported: a deploy under way, a server
 its module asks for restarting) counts towards the Run's dead letter, and is tried
@@ -86,12 +88,17 @@ class Reconciler:
         drives = self.drives
         if (
             thread in drives
-            or thread in drives.quarantined
             or thread in drives.replacing
             or thread in drives.ending  # a promised end comes first (host_control)
             or self._backing_off(thread)
         ):
             return
+        if thread in drives.quarantined:
+            # listed, so its head verifies: a thread repaired by hand (an index key put
+            # back) is driven again. Still corrupt, its recovery quarantines it again,
+            # and the next look waits twice as long (RECOVERY_RETRY_S, doubling)
+            drives.quarantined.discard(thread)
+            self._back_off(thread)
         try:
             ours = summary.owner == self.owner
             marked_already = summary.status.state != "running"
@@ -123,8 +130,9 @@ class Reconciler:
             else:
                 self.retry.pop(thread, None)
         except CorruptRecord as exc:
-            log.error("thread %s cannot be trusted (%s); not driving it again", thread, exc)
+            log.error("thread %s cannot be trusted (%s); not driving it for now", thread, exc)
             drives.quarantined.add(thread)
+            self._back_off(thread)
 
     def _backing_off(self, thread: ThreadId) -> bool:
         retry = self.retry.get(thread)

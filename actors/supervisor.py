@@ -48,6 +48,7 @@ from actors.host_control import acting_for
 from actors.hung_hosts import HungHosts, exists
 from actors.orphans import Orphans
 from actors.ownership import EXECUTION_LOST, mark_lost
+from actors.reconcile import RECOVERY_RETRY_S
 from actors.run_host import dedicated_host, hosted_host
 from actors.schedule import Alarms
 from actors.spare import replace_spare_if_restarted
@@ -95,6 +96,7 @@ class Supervisor(HungHosts):
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.quarantined: set[ThreadId] = set()
         """Threads whose records do not verify: this Supervisor never takes them over."""
+        self._quarantined_at: dict[ThreadId, float] = {}
         self._taking: set[ThreadId] = set()
         """Threads with a take-over queued or under way (one at a time per thread)."""
         self._recovering: Counter[str] = Counter()
@@ -264,8 +266,22 @@ class Supervisor(HungHosts):
         """The running Runs (of ``host``); a thread whose index entry does not verify is
         not listed, and is quarantined here (reported, never taken over)."""
         runs = await self.store.list_runs("running", host=host)
-        self.quarantined.update(refused_in(runs))
+        now = time.monotonic()
+        for thread in refused_in(runs):
+            self._quarantine(thread, now)
+        for summary in runs:  # listed: its entry and head verify now (repaired by hand)
+            since = self._quarantined_at.get(summary.thread_id)
+            if since is not None and now - since > RECOVERY_RETRY_S:
+                self.quarantined.discard(summary.thread_id)
+                del self._quarantined_at[summary.thread_id]
         return runs
+
+    def _quarantine(self, thread: ThreadId, now: float) -> None:
+        """Never taken over while its records do not verify; looked at again once it is
+        listed (its head verifies) and ``RECOVERY_RETRY_S`` has passed (a take-over that
+        meets it corrupt quarantines it again)."""
+        self.quarantined.add(thread)
+        self._quarantined_at.setdefault(thread, now)
 
     def _ours(self, summary: RunSummary) -> bool:
         """Owned by this system's hosts (or this actor)."""
@@ -324,7 +340,8 @@ class Supervisor(HungHosts):
             return await self._take_over(summary)
         except CorruptRecord as exc:  # fail closed: no engine acts on it (DESIGN §5)
             log.error("thread %s cannot be trusted (%s); not taking it over", thread, exc)
-            self.quarantined.add(thread)
+            self._quarantined_at.pop(thread, None)  # the wait starts again
+            self._quarantine(thread, time.monotonic())
         except StoreUnavailable as exc:
             log.warning("store unavailable taking %s over (%s); next sweep", thread, exc)
             store_out.set()

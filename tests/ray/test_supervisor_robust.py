@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import sqlite3
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -299,6 +300,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     bare = object.__new__(Supervisor)  # the sweep only: no actor, no hosts
     bare.spec, bare.owner, bare.store = spec, spec.supervisor_name, store
     bare.counts, bare.quarantined, bare._taking, bare.leases = Counter(), set(), set(), {}
+    bare._quarantined_at = {}
     bare._waking = None
     bare.orphans, bare.alarms = Orphans(store, bare._end_orphan), Alarms()
     bare._host_of = lambda frontier: hung  # type: ignore[method-assign]
@@ -406,6 +408,61 @@ async def test_a_failed_recovery_is_tried_again_only_after_a_while():
     assert thread not in reconciler.retry
     still = await store.load_head(thread)
     assert isinstance(still.run_state, RunningState) and still.version == marked.version
+
+
+async def test_a_quarantined_run_listed_again_is_driven_again_after_a_while():
+    """A thread quarantined for records that did not verify (an index key set to another
+    type by hand), then repaired: host and Supervisor kept it quarantined for their
+    lives, and its Run stayed running, driven by nobody. Listed again (its head
+    verifies), it is looked at again once RECOVERY_RETRY_S has passed."""
+    from actors.drives import Drives
+    from actors.reconcile import RECOVERY_RETRY_S, Reconciler
+    from actors.supervisor import Supervisor
+    from actors.wire import RemoteError, SystemSpec
+    from runtime.errors import CorruptRecord
+    from runtime.ids import ThreadId
+
+    spec = SystemSpec(name="sys", store_url="memory://")
+    store = MemoryCommitStore()
+    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
+    thread = ThreadId("t-repaired")
+    with pytest.raises(Crash):
+        await InProcessRunner(agent, store).start(
+            "go", thread_id=thread, faults=FaultPlan(crash_at=("before:ended", 1))
+        )
+    host, owner = spec.host_name(0), f"{spec.host_name(0)}#1"
+    await store.claim(thread, owner, supersedes=(await store.load_head(thread)).epoch)
+    recovered: list[ThreadId] = []
+    corrupt = [True]
+
+    async def recover(t: ThreadId) -> Any:
+        recovered.append(t)
+        if corrupt[0]:  # its drive meets records that do not verify, and quarantines it
+            drives.quarantined.add(t)
+            return RemoteError.of(CorruptRecord(t, 3, "checksum"))
+        return True  # repaired: a drive started
+
+    drives = Drives(spec, store, owner, *[None] * 4, lambda: None)
+    drives.quarantined.add(thread)  # its drive met records that did not verify
+    reconciler = Reconciler(host, owner, store, drives, recover)
+    await reconciler.once()  # listed: looked at again, still corrupt
+    assert recovered == [thread] and thread in drives.quarantined
+    for _ in range(3):  # the next look waits
+        await reconciler.once()
+    assert recovered == [thread]
+    corrupt[0] = False  # repaired by hand, and the wait is over
+    reconciler.retry[thread] = (0.0, reconciler.retry[thread][1])
+    await reconciler.once()
+    assert recovered == [thread, thread] and thread not in drives.quarantined
+
+    bare = object.__new__(Supervisor)
+    bare.store, bare.quarantined, bare._quarantined_at = store, set(), {}
+    bare._quarantine(thread, time.monotonic())
+    await bare._running()  # listed, but quarantined only now: kept
+    assert bare.quarantined == {thread}
+    bare._quarantined_at[thread] -= RECOVERY_RETRY_S + 1
+    await bare._running()
+    assert bare.quarantined == set() and bare._quarantined_at == {}
 
 
 async def test_a_hung_dedicated_host_this_supervisor_never_heard_from_is_ended(monkeypatch):
