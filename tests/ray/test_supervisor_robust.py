@@ -42,6 +42,16 @@ def _killer() -> tuple[str, str]:
     return token, f"tests.ray.crashing_agents:recovery_killer_{token}"
 
 
+async def _left_running(store: Any, thread: str) -> Any:
+    """A thread whose Run's host died before its end: running, driven by nobody."""
+    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
+    with pytest.raises(Crash):
+        await InProcessRunner(agent, store).start(
+            "go", thread_id=thread, faults=FaultPlan(crash_at=("before:ended", 1))
+        )
+    return thread
+
+
 def _assert_dead_lettered(frontier: Any) -> None:
     state = frontier.run_state
     assert isinstance(state, EndedState), state
@@ -214,15 +224,9 @@ async def test_a_take_over_decided_from_a_stale_listing_leaves_the_run_to_its_ne
     it now, at that claim's epoch, would fence a drive nobody judged lost: the take-over
     does nothing, and the next sweep judges the new owner afresh."""
     from actors.supervisor import Supervisor
-    from runtime.ids import ThreadId
 
     store = MemoryCommitStore()
-    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
-    thread = ThreadId("t-stale")
-    with pytest.raises(Crash):
-        await InProcessRunner(agent, store).start(
-            "go", thread_id=thread, faults=FaultPlan(crash_at=("before:ended", 1))
-        )
+    thread = await _left_running(store, "t-stale")
     lost = (await store.load_head(thread)).owner
     assert await mark_lost(store, thread, "supervisor", lost_owner=lost) == "lost"
     (listed,) = await store.list_runs("running")
@@ -424,12 +428,7 @@ async def test_a_quarantined_run_listed_again_is_driven_again_after_a_while():
 
     spec = SystemSpec(name="sys", store_url="memory://")
     store = MemoryCommitStore()
-    agent = Agent(name="once", model=ScriptedModel([ModelResponse(text="done")]))
-    thread = ThreadId("t-repaired")
-    with pytest.raises(Crash):
-        await InProcessRunner(agent, store).start(
-            "go", thread_id=thread, faults=FaultPlan(crash_at=("before:ended", 1))
-        )
+    thread = await _left_running(store, "t-repaired")
     host, owner = spec.host_name(0), f"{spec.host_name(0)}#1"
     await store.claim(thread, owner, supersedes=(await store.load_head(thread)).epoch)
     recovered: list[ThreadId] = []
