@@ -33,11 +33,12 @@ from runtime.lifecycle import (
     UserInputTarget,
 )
 from runtime.messages import AssistantMessage
-from runtime.models import InferenceRequest, ModelDelta, ModelResponse
+from runtime.models import InferenceRequest, ModelDelta, ModelResponse, Usage
 from runtime.ports import CommitStore, CommittedRecord, Finished, Lost, ToolInvocation, ToolOutcome
 from runtime.replay_compare import Divergence, DivergenceKind, commit_text, divergence
 from runtime.replay_log import WITHHELD, Attempted, Outcome, Recording, Way
 from runtime.state import Command
+from runtime.usage import TOKEN_FIELDS, step_usage
 
 RATE_LIMIT_PAUSE_S = 1e9
 """A replayed rate limit asks for this long a wait: longer than any Run waits out."""
@@ -108,9 +109,10 @@ class Feed:
         if response is None and _settled(expected.commit):
             # the model answered, but the Step failed before its commit landed (a state
             # conflict, a store refusal): the answer is not on record, so none is given
+            # (what it used is, with the end)
             text = "no response is recorded (the Step failed first): an empty one fed"
             self._note(request.run_id, request.step, text)
-            response = ModelResponse()
+            response = ModelResponse(usage=_recorded_usage(expected.commit))
         if response is None:
             after_results = (last := self.last_made()) is not None and last.label == "results"
             await self.unanswered(asked, "unrecorded_inference", outside_stop=after_results)
@@ -203,11 +205,21 @@ def _raise_recorded_failure(expected: ThreadCommit) -> None:
         cause = state.cause
         answered = any(isinstance(m, AssistantMessage) for m in expected.messages)
         if cause.failure == "inference" and not answered:
-            raise ModelRefused(cause.code, cause.message)
+            # an answer refused after it was made recorded its usage with the end
+            raise ModelRefused(cause.code, cause.message, usage=_recorded_usage(expected))
     if isinstance(state, AwaitingState):
         target = state.ticket.target
         if isinstance(target, PauseTarget) and target.reason == "rate_limit":
             raise ModelRateLimited("rate_limit", "replayed", retry_after_s=RATE_LIMIT_PAUSE_S)
+
+
+def _recorded_usage(commit: ThreadCommit) -> Usage | None:
+    """The usage a commit recorded (its run-scope counters), as the model reported it."""
+    recorded = step_usage(commit.commands)
+    if recorded is None:
+        return None
+    counted, model = recorded
+    return Usage(**{f: counted.get(f, 0) for f in TOKEN_FIELDS}, model=model)
 
 
 def _settled(commit: ThreadCommit) -> bool:

@@ -550,7 +550,7 @@ def bad(text: str | None, most: int, *, is_id: bool = False) -> bool:
     if text is None:
         return False
     size = len(text) if is_id else stored_size(text)
-    control = is_id and (not text or re.search(r"[\x00-\x1f\x7f]", text) is not None)
+    control = is_id and (not text or re.search(r"[\x00-\x1f\x7f-\x9f]", text) is not None)
     return utf8_problem(text) is not None or size > most or control
 
 

@@ -182,6 +182,31 @@ async def test_a_denied_permission_and_a_model_failure_replay_cleanly():
     assert report.clean, report.line()
 
 
+async def test_a_refusal_with_its_usage_replays_cleanly():
+    """The end of an answer refused after it was made records its usage; the replay's
+    refusal carries the recorded usage, so its end is the same."""
+    from runtime.models import Usage
+
+    def refused(request):
+        raise ModelRefused("refusal", "declined", usage=Usage(input_tokens=9, output_tokens=4))
+
+    store = await record(billing(script=[refused]), "go")
+    ended = await store.load("t")
+    assert ended.state["run"]["usage"]["input_tokens"] == 9
+    report = await replayed(store, billing(script=[refused]))
+    assert report.clean, report.line()
+
+    def broken(hook_input):  # the Run ends before the answer's commit: its usage with it
+        raise RuntimeError("hook bug")
+
+    answered = [ModelResponse(text="hi", usage=Usage(input_tokens=5, output_tokens=2))]
+    hooked = billing(script=answered, hooks=[Hook("AfterInference", broken)])
+    store = await record(hooked, "go")
+    assert (await store.load("t")).state["run"]["usage"]["input_tokens"] == 5
+    report = await replayed(store, billing(script=answered, hooks=[Hook("AfterInference", broken)]))
+    assert report.clean, report.line()
+
+
 async def test_a_two_run_thread_replays_each_run_in_order():
     store = await record(billing(), "first", "second")
     report = await replayed(store, billing())
