@@ -22,6 +22,9 @@ from edge.problems import PROBLEM_JSON, problem_body
 THREAD_KEY = "ratchet.thread"
 """The scope key of the decoded thread id (``routes.thread_of`` reads it)."""
 _PREFIX = b"/threads/"
+_CONSOLE = b"/console/threads/"
+"""The console's thread page: the same shell for every thread, but its address names
+the thread its script shows, so bytes that are not UTF-8 are refused there too."""
 
 
 class ThreadPaths:
@@ -30,15 +33,16 @@ class ThreadPaths:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = scope.get("raw_path") if scope["type"] == "http" else None
+        if raw and raw.startswith(_CONSOLE) and _strict(raw[len(_CONSOLE) :]) is None:
+            await _refuse(send, raw)
+            return
         if not raw or not raw.startswith(_PREFIX):
             await self.app(scope, receive, send)
             return
         segment, slash, rest = raw[len(_PREFIX) :].partition(b"/")
-        try:
-            thread = unquote_to_bytes(segment).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            detail = f"thread id refused (utf8): the path's bytes are not UTF-8 ({exc.reason})"
-            await _refuse(send, raw.decode("ascii", "backslashreplace"), detail)
+        thread = _strict(segment)
+        if thread is None:
+            await _refuse(send, raw)
             return
         routed = "/threads/" + quote(thread, safe="")
         if slash:  # the rest is decoded as the server decodes a path
@@ -46,7 +50,17 @@ class ThreadPaths:
         await self.app({**scope, THREAD_KEY: thread, "path": routed}, receive, send)
 
 
-async def _refuse(send: Send, path: str, detail: str) -> None:
+def _strict(segment: bytes) -> str | None:
+    """The percent-decoded segment, if its bytes are UTF-8."""
+    try:
+        return unquote_to_bytes(segment).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+async def _refuse(send: Send, raw: bytes) -> None:
+    detail = "thread id refused (utf8): the path's bytes are not UTF-8"
+    path = raw.decode("ascii", "backslashreplace")
     body = problem_body(422, "InputRefused", detail, path, limit="utf8")
     payload = json.dumps(body).encode()
     headers = [

@@ -614,11 +614,19 @@ function main() {
   const path = location.pathname;
   let start;
   if (path.startsWith(prefix)) {
-    let thread;
+    let thread = null;
     try {
       thread = decodeURIComponent(path.slice(prefix.length));
     } catch (_) {
-      thread = path.slice(prefix.length);
+      // not percent-encoded UTF-8: it names no thread (taken as raw text, it named
+      // another thread, whose page and buttons then stood behind this address)
+    }
+    if (thread === null) {
+      const box = $("#error");
+      box.hidden = false;
+      setText(box, "This address names no thread: it is not percent-encoded UTF-8.");
+      $("#thread-view").hidden = false;
+      return;
     }
     start = threadView(thread);
   } else {

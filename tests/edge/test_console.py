@@ -174,6 +174,9 @@ def test_the_shell_needs_no_token_and_holds_no_data(console):
         assert response.headers["x-content-type-options"] == "nosniff"
         assert thread not in response.text
     assert httpx2.get(f"{console.url}/console/threads/x").text == httpx2.get(console.url).text
+    for segment in ("%FF", "%C0%AF", "%ED%A0%80"):  # not UTF-8: the API refuses it too
+        refused = httpx2.get(f"{console.url}/console/threads/{segment}")
+        assert refused.status_code == 422 and refused.json()["limit"] == "utf8"
     for method, path in [("GET", "/runs"), ("GET", f"/threads/{thread}"), ("POST", "/"),
                          ("GET", "/console"), ("GET", f"/threads/{thread}/stream")]:  # fmt: skip
         assert httpx2.request(method, console.url + path).status_code == 401, (method, path)
@@ -237,6 +240,16 @@ def _screenshot(browser: webdriver.Chrome, path: Path) -> None:
     wanted = os.environ.get(SCREENSHOT_ENV)
     if wanted:
         shutil.copyfile(path, wanted)
+
+
+def test_an_address_that_is_no_percent_encoding_names_no_thread(console):
+    """``decodeURIComponent`` refuses ``%ZZ``: the page took the raw text for the thread
+    id, so a thread named so stood (page, buttons and all) behind such an address."""
+    console.open("/console/threads/%ZZ")
+    error = console.css("#error")
+    console.until(lambda: error.is_displayed(), "the error")
+    assert error.text == "This address names no thread: it is not percent-encoded UTF-8."
+    assert not console.css("#controls").is_displayed()
 
 
 def test_html_is_shown_as_text_and_stop_ends_the_run(console):
