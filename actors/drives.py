@@ -4,7 +4,8 @@ Every failure inside a Run is settled by its Engine (``Engine.settle``); a drive
 settles a Run itself. What reaches a drive's task is what the engine could not settle
 — fenced, refused, corrupt, the store out for too long — and it goes to whoever
 awaits the drive (``first_commit``), never reported as success. The host's
-reconciliation reads ``paused`` (drive it again) and ``quarantined`` (never again).
+reconciliation reads ``paused`` (drive it again) and ``quarantined`` (not until the
+thread is listed again, its head verifying: ``actors.reconcile``).
 
 **Which drives are stale.** Each engine reaches the store through a ``Holding``, which
 notes the owner epoch the engine holds the thread at, from the moment its claim
@@ -165,7 +166,8 @@ class Drives:
         self.paused: set[ThreadId] = set()
         """Drives stopped by a store outage that outlasted their backoff: driven again."""
         self.quarantined: set[ThreadId] = set()
-        """Threads whose records do not verify: no engine here acts on them again."""
+        """Threads whose records do not verify: no engine here acts on them (until the
+        reconciliation looks at one again: ``actors.reconcile``)."""
         self.replacing: set[ThreadId] = set()
         """Threads whose stale drive is being stopped (a dedicated host must not retire)."""
         self.ending: Counter[ThreadId] = Counter()

@@ -25,7 +25,8 @@ Take-overs run in the background, ``TAKE_OVERS`` at a time, each re-placement wi
 ``SystemSpec.recover_timeout_s``: a hung host delays only the Runs sent to it, never
 the watch. So do hand-overs and due pauses (``WAKE_AT_ONCE`` calls at a time, one
 pass under way at most). What goes wrong with one Run stays with it: a thread whose records do not
-verify is quarantined (never taken over by this Supervisor), any other error is
+verify is quarantined (not taken over until it is listed again, its head verifying, and
+``RECOVERY_RETRY_S`` has passed), any other error is
 logged and the Run tried again at the next sweep; a store outage ends the pass.
 """
 
@@ -95,7 +96,7 @@ class Supervisor(HungHosts):
         self.counts: Counter[str] = Counter()
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.quarantined: set[ThreadId] = set()
-        """Threads whose records do not verify: this Supervisor never takes them over."""
+        """Threads whose records do not verify: not taken over (``_quarantine``)."""
         self._quarantined_at: dict[ThreadId, float] = {}
         self._taking: set[ThreadId] = set()
         """Threads with a take-over queued or under way (one at a time per thread)."""
@@ -264,7 +265,7 @@ class Supervisor(HungHosts):
 
     async def _running(self, host: str | None = None) -> list[RunSummary]:
         """The running Runs (of ``host``); a thread whose index entry does not verify is
-        not listed, and is quarantined here (reported, never taken over)."""
+        not listed, and is quarantined here (reported, not taken over)."""
         runs = await self.store.list_runs("running", host=host)
         now = time.monotonic()
         for thread in refused_in(runs):
