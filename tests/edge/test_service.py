@@ -541,4 +541,5 @@ def test_the_openapi_schema_names_every_route_and_its_problems(http):
     assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     kinds = schemas["Resume"]["properties"]["payload"]["discriminator"]["mapping"]
     callers = {"permission", "external_result", "scheduled_action", "user_input", "pause"}
+    callers.add("expired")  # a wait past its deadline
     assert set(kinds) == callers  # a delegation's outcome is not a caller's to give
