@@ -56,6 +56,9 @@ thread's run-index entry and moves the thread in the owner index, or answers ``f
     P:owner:HOST          hash    thread id -> "1": running threads whose owner
                                   belongs to HOST (``runtime.ports.host_of``)
     P:schema              string  "4" once the layout above is in place
+    P:instance            string  the store's token, set by the first process to
+                                  connect: gone or another, the contents were lost
+                                  (``storage.redis_instance``: StoreLost)
     P:upgrading           string  the layout upgrade's lock (``storage.redis_upgrade``)
 
 A store of an earlier layout (no ``sums``, no checksums; "2", which had no prunes; or
