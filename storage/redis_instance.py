@@ -33,7 +33,8 @@ async def instance_of(client: aioredis.Redis, prefix: str) -> str:
 
 def check_instance(seen: object, expected: str | None, where: str) -> None:
     """StoreLost unless ``seen`` (read beside the data) is the token read at connect
-    (``expected`` None: a store not opened by ``connect``, which checks nothing)."""
+    (``expected`` None: a store not opened by ``connect``, which checks nothing). A read
+    the key refused (it holds another type: edited by hand) is no token either."""
     if expected is not None and seen != expected:
         raise StoreLost(
             f"redis at {where} lost the store's contents (its instance key is "

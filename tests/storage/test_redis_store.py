@@ -482,6 +482,11 @@ async def test_a_store_whose_contents_are_lost_fails_closed(redis_url: str) -> N
         await after.append(one_shot(thread, "r3", epoch=fresh), 0, fresh)
         with pytest.raises(StoreLost):  # the old process still knows better
             await before.load(thread)
+        await after.client.delete(f"{prefix}:instance")  # another type, set by hand
+        await after.client.hset(f"{prefix}:instance", "token", after.instance or "")
+        for listing in (after.list_runs(), after.list_runs("ended")):
+            with pytest.raises(StoreLost):  # not the driver's WRONGTYPE, untranslated
+                await listing
     finally:
         keys = [k async for k in after.client.scan_iter(match=f"{prefix}:*")]
         await after.client.delete(*keys)
