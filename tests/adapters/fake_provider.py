@@ -269,18 +269,19 @@ def text_block(index: int, *parts: str) -> list[bytes]:
     return frames
 
 
+def input_json(index: int, fragment: str) -> bytes:
+    """One ``input_json_delta`` of the tool_use block at ``index``."""
+    delta = {"type": "input_json_delta", "partial_json": fragment}
+    return event(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )
+
+
 def tool_use_block(index: int, use_id: str, name: str, *fragments: str) -> list[bytes]:
     block = {"type": "tool_use", "id": use_id, "name": name, "input": {}}
     start = {"type": "content_block_start", "index": index, "content_block": block}
     frames = [event("content_block_start", start)]
-    for fragment in fragments:
-        delta = {"type": "input_json_delta", "partial_json": fragment}
-        frames.append(
-            event(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": delta},
-            )
-        )
+    frames += [input_json(index, fragment) for fragment in fragments]
     frames.append(event("content_block_stop", {"type": "content_block_stop", "index": index}))
     return frames
 

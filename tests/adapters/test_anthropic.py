@@ -37,6 +37,7 @@ from .fake_provider import (
     anthropic_error,
     anthropic_stream,
     event,
+    input_json,
     message_end,
     message_start,
     text_block,
@@ -473,30 +474,11 @@ async def test_the_repr_shows_no_key(make):
             id="a-block-started-twice",
         ),
         pytest.param(
-            [
-                event(
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": 5,
-                        "delta": {"type": "input_json_delta", "partial_json": '{"a": 1}'},
-                    },
-                )
-            ],
+            [input_json(5, '{"a": 1}')],
             id="input-for-a-block-never-started",
         ),
         pytest.param(
-            [
-                *tool_use_block(1, "toolu_a", "add", '{"a": 1}'),
-                event(
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": 1,
-                        "delta": {"type": "input_json_delta", "partial_json": ', "b": 2}'},
-                    },
-                ),
-            ],
+            [*tool_use_block(1, "toolu_a", "add", '{"a": 1}'), input_json(1, ', "b": 2}')],
             id="input-for-a-block-after-its-stop",
         ),
     ],
