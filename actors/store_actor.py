@@ -38,21 +38,23 @@ from ray.exceptions import RayError, RayTaskError
 
 from actors.heap import freeze_startup_heap
 from actors.spare import replace_spare_if_restarted, restarted
+from actors.store_instance import held_to_first_instance
 from actors.wire import NAMESPACE, RemoteError, SystemSpec, unwrap
 from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.context import DEFAULT_RETRY, StoreRetry
 from runtime.errors import CorruptRecord, RatchetError, StoreLost, StoreUnavailable
 from runtime.ids import ThreadId
-from runtime.ports import CommitStore, CommittedRecord, RunSummary
+from runtime.ports import CommitStore, CommittedRecord, Lease, RunSummary
 
 log = logging.getLogger("ratchet.store_actor")
 
 
 async def open_local_store(url: str) -> CommitStore:
-    """Open the backend named by ``url`` in this process."""
+    """Open the backend named by ``url`` in this process, held to the store instance the
+    cluster first saw (``actors.store_instance``)."""
     from storage.url import open_store
 
-    return await open_store(url)
+    return held_to_first_instance(await open_store(url), url)
 
 
 class StoreActor:
@@ -118,6 +120,12 @@ class StoreActor:
 
     async def prune(self, thread: ThreadId, through_seq: int) -> Any:
         return await self._call("prune", thread, through_seq)
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Any:
+        return await self._call("hold_lease", name, holder, ttl_s)
+
+    async def drop_lease(self, name: str, holder: str) -> Any:
+        return await self._call("drop_lease", name, holder)
 
     async def ping(self) -> Any:
         """True, or StoreLost for a restarted in-memory store (a connect fails at once)."""
@@ -239,6 +247,13 @@ class RemoteCommitStore:
     async def prune(self, thread: ThreadId, through_seq: int) -> int:
         removed: int = await self._call("prune", thread, through_seq)
         return removed
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        lease: Lease = await self._call("hold_lease", name, holder, ttl_s)
+        return lease
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        await self._call("drop_lease", name, holder)
 
     async def close(self) -> None:
         """The actor owns the store; a proxy has nothing to close."""

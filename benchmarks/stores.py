@@ -67,11 +67,14 @@ async def _fresh_redis(url: str) -> PreparedStore:
     import redis.asyncio as aioredis
 
     async def flush() -> None:
+        from actors.store_instance import forget_first_instance
+
         client = aioredis.from_url(url)
         try:
             await client.flushdb()
         finally:
             await client.aclose()
+        forget_first_instance(url)  # emptied on purpose: the next trial's is a new store
 
     await flush()
     return PreparedStore("redis", url, flush)

@@ -8,7 +8,8 @@ process to connect to the store), and every read, listing and append checks it i
 same round trip (the append and claim scripts, atomically). Should it be gone or
 another, the store's contents were lost: ``StoreLost``, and the process fails closed
 (no Run is driven, nor served, from an empty store), as it does for an in-memory store
-whose actor restarted. A process connected afterwards starts on the new, empty store.
+whose actor restarted. A process connected afterwards starts on the new, empty store,
+unless it joins a cluster that knew the old one (``actors.store_instance``).
 """
 
 from __future__ import annotations
