@@ -33,6 +33,7 @@ from typing import Any
 
 from actors.drives import Drives, counts_against_run
 from actors.ownership import EXECUTION_LOST, mark_lost, running_owned_by
+from actors.system_lease import hold_system
 from actors.wire import RemoteError
 from runtime.errors import CorruptRecord, RatchetError
 from runtime.ids import ThreadId
@@ -52,12 +53,19 @@ class Reconciler:
         store: CommitStore,
         drives: Drives,
         recover: Callable[[ThreadId], Awaitable[Any]],
+        *,
+        system: str | None = None,
     ) -> None:
         self.host_id = host_id
+        self.system = system
+        """The system whose lease gates taking another incarnation's Runs (None: none
+        does, for a host outside a cluster)."""
         self.owner = owner
         self.store = store
         self.drives = drives
         self.recover = recover
+        self.passes = 0
+        """Passes made (a host's ``info`` reports them as ``reconciled``)."""
         self.retry: dict[ThreadId, tuple[float, float]] = {}
         """thread → (monotonic time before which its recovery is not tried again, the
         wait after the next failure): Runs whose recovery failed here."""
@@ -69,7 +77,23 @@ class Reconciler:
         # a paused drive whose Run another owner took, or that ended, is not ours to resume
         self.drives.paused &= ours
         await self._stop_fenced(ours)
+        if any(s.owner != self.owner for s in owned) and not await self._cluster_serves():
+            owned = [s for s in owned if s.owner == self.owner]
         await asyncio.gather(*(self._take_back(s) for s in owned))
+        self.passes += 1
+
+    async def _cluster_serves(self) -> bool:
+        """Whether this cluster holds its system's lease (``actors.system_lease``): a Run
+        another incarnation owns may be another live cluster's, not a dead one's."""
+        if self.system is None or await hold_system(self.store, self.system):
+            return True
+        log.error(
+            "host %s takes over no Run of another incarnation: another Ray cluster "
+            "serves system %s on the same store",
+            self.host_id,
+            self.system,
+        )
+        return False
 
     async def _stop_fenced(self, ours: set[ThreadId]) -> None:
         for thread, drive in list(self.drives.table.items()):

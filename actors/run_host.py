@@ -119,6 +119,7 @@ class RunHost(ControlHosting, ChildHosting):
             self.store,
             self.drives,
             functools.partial(self._recover, owner=self.owner),
+            system=spec.name,
         )
         # requests wait for the first reconciliation: a retried start must not race the
         # recording of the crash (failed/execution_lost) for the Runs this host owned
@@ -401,6 +402,7 @@ class RunHost(ControlHosting, ChildHosting):
             "driving": len(self.drives),
             "finished": self.drives.finished,
             "recovered": self.recovered,
+            "reconciled": self.reconciler.passes,
             "quarantined": sorted(self.drives.quarantined),
             "waves_sent": self.waves.sent["waves"],
             "executor_calls": self.waves.sent["calls"],

@@ -54,6 +54,7 @@ from actors.run_host import dedicated_host, hosted_host
 from actors.schedule import Alarms
 from actors.spare import replace_spare_if_restarted
 from actors.store_actor import open_system_store
+from actors.system_lease import LeaseKeeper
 from actors.wire import (
     NAMESPACE,
     RemoteError,
@@ -108,6 +109,7 @@ class Supervisor(HungHosts):
         """The pass handing outcomes over and waking Runs that are due, if under way."""
         self.orphans = Orphans(self.store, self._end_orphan)
         self.alarms = Alarms()
+        self.lease = LeaseKeeper(self.store, spec.name)
         self._silent: dict[str, float] = {}
         """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
         self._started = self._last_sweep = time.monotonic()
@@ -162,6 +164,7 @@ class Supervisor(HungHosts):
             "events": list(self.events),
             "quarantined": sorted(self.quarantined),
             "taking": len(self._taking),
+            "serves": self.lease.held,
         }
 
     # ---- the watch ---------------------------------------------------------------
@@ -176,6 +179,7 @@ class Supervisor(HungHosts):
 
     async def _tick(self) -> None:
         now = time.monotonic()
+        await self.lease.renew(now)
         self._expect_pool(now)
         expired = [h for h, t in self.leases.items() if t <= now]
         # a host whose heartbeat is late but which answers is slow, not lost (a loaded
@@ -313,7 +317,9 @@ class Supervisor(HungHosts):
     def _take_over_all(self, runs: list[RunSummary], settled: str | None = None) -> int:
         """Take these Runs over in the background (a thread being taken over already, or
         quarantined, is left alone); how many were queued. ``settled`` counts those
-        re-placed."""
+        re-placed. None while another Ray cluster serves the system (``actors.system_lease``)."""
+        if not self.lease.held:
+            return 0
         todo = [s for s in runs if s.thread_id not in self._taking | self.quarantined]
         self._taking.update(s.thread_id for s in todo)
         task = asyncio.create_task(self._take_batch(todo, settled))

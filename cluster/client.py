@@ -28,6 +28,7 @@ import ray
 from actors.run_host import dedicated_host, hosted_host
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
+from actors.system_lease import claim_system, release_system
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, unwrap
 from cluster.config import (
     ClusterUnavailable,
@@ -91,6 +92,11 @@ class Ratchet:
             **spec_options,
         )
         store = await _open_store(spec)
+        try:  # before any actor starts: another live cluster on this store is refused
+            await claim_system(store, spec.name)
+        except BaseException:
+            await store.close()
+            raise
         supervisor(spec)
         pool = [hosted_host(spec, i) for i in range(spec.hosts)]
         return cls(spec, store, pool)
@@ -295,7 +301,9 @@ class Ratchet:
         await self.store.close()
 
     async def shutdown(self) -> None:
-        """Stop every actor of this system (the store's data stays)."""
+        """Stop every actor of this system (the store's data stays), and give up its lease
+        (another cluster may serve the store at once)."""
+        await release_system(self.store, self.spec.name)
         await self.close()
         prefix = f"{self.spec.name}:"
         for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -45,6 +45,7 @@ from runtime.errors import (
     StoreError,
     StoreLost,
     StoreUnavailable,
+    SystemInUse,
     VersionConflict,
 )
 from runtime.limits import too_many_digits
@@ -64,6 +65,7 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (AgentImportError, 422),
     (PayloadTooLarge, 413),
     (StoreUnavailable, 503),
+    (SystemInUse, 503),
     (StoreLost, 503),
     (CorruptRecord, 500),
     (StoreError, 503),  # StoreTooNew and the like: this server's store cannot serve now

@@ -43,6 +43,7 @@ from runtime.errors import (
     StoreError,
     StoreLost,
     StoreUnavailable,
+    SystemInUse,
     ToolDefinitionError,
     VersionConflict,
 )
@@ -181,6 +182,7 @@ __all__ = [
     "StoreUnavailable",
     "StreamCheckpoint",
     "StreamCheckpointStore",
+    "SystemInUse",
     "ThreadCommit",
     "ThreadId",
     "ThreadStatus",

@@ -5,9 +5,11 @@
     ├── CorruptBatch             a persisted batch failed re-validation on decode
     ├── ResumeRejected           a ResumeCommand did not match the ticket (names the axis)
     ├── StateConflict            state commands of one commit cannot be merged
-    ├── ToolDefinitionError      a @tool cannot be built from its signature
+    ├── ToolDefinitionError      a @tool cannot be built from its signature, or two tools
+    │                            of an agent (an MCP listing) share a name
     ├── ScriptExhausted          a ScriptedModel was asked for more than its script
     ├── AgentImportError         an agent reference ``module:attr`` cannot be resolved
+    ├── SystemInUse              another live Ray cluster serves the store's system
     ├── InputRefused             input refused at the edge: a limit, bad text, deep JSON
     │   │                        (names the limit; nothing was committed)
     │   └── HistoryLimitReached  the thread's history is at its size or commit limit
@@ -72,8 +74,10 @@ class StateConflict(RatchetError):
     """Two state commands of one commit cannot be merged under their policy."""
 
 
-class ToolDefinitionError(RatchetError):
-    """A tool's declaration is unusable (bad signature, unknown recovery mode)."""
+class ToolDefinitionError(RatchetError, ValueError):
+    """A tool's declaration is unusable (bad signature, unknown recovery mode, a name two
+    tools of one agent share). A ValueError too: what an agent's tools were refused with
+    before it was typed."""
 
 
 class ScriptExhausted(RatchetError):
@@ -186,6 +190,20 @@ class RunSuperseded(RatchetError):
             "its log keeps no end of it to answer with (pruned?)"
         )
         self.thread, self.run, self.current = thread, run, current
+
+
+class SystemInUse(RatchetError):
+    """Another Ray cluster, alive, serves this system (its store): a second cluster on the
+    same store would take the first one's Runs for a dead incarnation's, and the two would
+    drive them in turn. Join that cluster (``--address``), or stop it first."""
+
+    def __init__(self, system: str, holder: str) -> None:
+        super().__init__(
+            f"system {system} is served by another Ray cluster on the same store (cluster "
+            f"{holder}, which renews its lease): join it with --address (or RAY_ADDRESS), "
+            "or stop it first"
+        )
+        self.system, self.holder = system, holder
 
 
 class StoreUnavailable(StoreError):

@@ -109,7 +109,23 @@ class CommitStore(Protocol):
         chain from it. Receipts of removed records go with them (a retry of one is no
         longer recognised). Safe beside appends and other prunes of the same thread."""
 
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        """Hold the lease ``name`` for ``ttl_s`` from now, by the store's clock, if it is
+        free, expired or ``holder``'s already (then renewed); else leave it as it is.
+        Answers who holds it now, and for how much longer. One atomic step: of callers
+        racing for a free lease, one holds it."""
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        """Give the lease ``name`` up, if ``holder`` holds it."""
+
     async def close(self) -> None: ...
+
+
+class Lease(NamedTuple):
+    """Who holds a store lease (``CommitStore.hold_lease``) and for how much longer."""
+
+    holder: str
+    expires_in_s: float
 
 
 def host_of(owner: str | None) -> str | None:

@@ -49,7 +49,7 @@ from runtime.lifecycle import EndedState, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 from runtime.models import Model
-from runtime.ports import CommitStore, CommittedRecord, RunSummary, vouched_records
+from runtime.ports import CommitStore, CommittedRecord, Lease, RunSummary, vouched_records
 from runtime.replay_compare import (
     Divergence,
     DivergenceKind,
@@ -218,6 +218,12 @@ class _CheckingStore:
 
     async def prune(self, thread: ThreadId, through_seq: int) -> int:
         return await self.inner.prune(thread, through_seq)
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        return await self.inner.hold_lease(name, holder, ttl_s)
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        await self.inner.drop_lease(name, holder)
 
     async def close(self) -> None:
         await self.inner.close()

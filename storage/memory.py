@@ -24,8 +24,9 @@ from runtime.integrity import (
     verified_records,
     whole_frontier,
 )
-from runtime.ports import CommittedRecord, RunSummary
+from runtime.ports import CommittedRecord, Lease, RunSummary
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
+from storage.leases import LeaseTable
 from storage.retention import Cut, prune_thread
 from storage.summary import summaries_of
 
@@ -60,6 +61,7 @@ class MemoryCommitStore:
         self.payload_limit = payload_limit
         self._threads: dict[str, _Thread] = {}
         self._lock = asyncio.Lock()
+        self._leases = LeaseTable()
 
     def _thread(self, thread: ThreadId) -> _Thread:
         """The thread's entry, or a new one not kept yet (``_keep``: a refused request
@@ -160,6 +162,12 @@ class MemoryCommitStore:
             t.history.extend(cut.messages)
             t.digest = history_digest(t.digest, cut.messages)
             return True
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        return self._leases.hold(name, holder, ttl_s)
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        self._leases.drop(name, holder)
 
     async def close(self) -> None:
         return None

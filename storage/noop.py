@@ -25,8 +25,9 @@ from typing import Literal
 
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, head_only
 from runtime.ids import ThreadId
-from runtime.ports import CommittedRecord, RunSummary
+from runtime.ports import CommittedRecord, Lease, RunSummary
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
+from storage.leases import LeaseTable
 from storage.summary import summaries_of
 
 
@@ -47,6 +48,7 @@ class NoopCommitStore:
         """Appends admitted (a host's ``info`` reports it as ``store_appends``)."""
         self._threads: dict[str, _Folded] = {}
         self._lock = asyncio.Lock()
+        self._leases = LeaseTable()
 
     def _thread(self, thread: ThreadId) -> _Folded:
         if thread not in self._threads:
@@ -99,6 +101,12 @@ class NoopCommitStore:
 
     async def prune(self, thread: ThreadId, through_seq: int) -> int:
         return 0  # no records to remove
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        return self._leases.hold(name, holder, ttl_s)
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        self._leases.drop(name, holder)
 
     async def close(self) -> None:
         return None

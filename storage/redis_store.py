@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import redis.asyncio as aioredis
 
@@ -106,7 +107,7 @@ from runtime.integrity import (
     history_digest,
     whole_frontier,
 )
-from runtime.ports import CommittedRecord, RunSummary, host_of
+from runtime.ports import CommittedRecord, Lease, RunSummary, host_of
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.redis_audit import index_problem
 from storage.redis_client import open_client, translated
@@ -120,7 +121,7 @@ from storage.redis_rows import (
     read_rows,
     verified_frontier,
 )
-from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, PRUNE_LUA
+from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, LEASE_LUA, PRUNE_LUA, UNLEASE_LUA
 from storage.redis_upgrade import upgrade_layout
 from storage.retention import Cut, prune_thread
 from storage.summary import RUN_STATES, RunStateKind, summarize
@@ -163,6 +164,8 @@ class RedisCommitStore:
         self._append_script = client.register_script(APPEND_LUA)
         self._claim_script = client.register_script(CLAIM_LUA)
         self._prune_script = client.register_script(PRUNE_LUA)
+        self._lease_script = client.register_script(LEASE_LUA)
+        self._unlease_script = client.register_script(UNLEASE_LUA)
         self._instance = instance_key(prefix)
         self.instance: str | None = None
         """The store's instance token read at connect (``storage.redis_instance``)."""
@@ -376,6 +379,23 @@ class RedisCommitStore:
                 cut.thread, cut.through, f"{reply.partition(' ')[2]} is of the wrong type"
             )
         return bool(reply == "ok")
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        key = f"{self.prefix}:lease:{name}"
+        ttl_ms = str(max(1, math.ceil(ttl_s * 1000)))
+        with translated(self.where):
+            reply = await self._lease_script(
+                keys=[key, self._instance], args=[holder, ttl_ms, self.instance or ""]
+            )
+        if reply == "lost":
+            check_instance(None, self.instance, self.where)
+        if not isinstance(reply, list):
+            raise StoreError(f"redis at {self.where}: the lease key {key} is not a string")
+        return Lease(str(reply[0]), int(reply[1]) / 1000)
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        with translated(self.where):
+            await self._unlease_script(keys=[f"{self.prefix}:lease:{name}"], args=[holder])
 
     async def close(self) -> None:
         with translated(self.where):

@@ -33,6 +33,9 @@ Tables:
   records a prune removed (``body``: one message's JSON; ``idx`` from 0 in thread
   order), written by the prune that removes them.
 - ``ratchet_checkpoints``: best-effort stream checkpoints, one per thread.
+- ``ratchet_leases``: store leases (``CommitStore.hold_lease``): a Ray cluster's hold on
+  its system name (``actors.system_lease``); ``expires_at`` in seconds since the epoch
+  by the database's clock (``storage.sql_lease``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Connection,
+    Double,
     Index,
     Integer,
     MetaData,
@@ -120,6 +124,14 @@ checkpoints = Table(
     Column("thread_id", String, primary_key=True),
     Column("body", Text, nullable=False),
     Column("updated", BigInteger, nullable=False),
+)
+
+leases = Table(
+    "ratchet_leases",
+    metadata,
+    Column("name", String, primary_key=True),
+    Column("holder", String, nullable=False),
+    Column("expires_at", Double, nullable=False),
 )
 
 schema_version = Table(
@@ -267,6 +279,11 @@ def _v6_incremental_history(conn: Connection) -> None:
         )
 
 
+def _v7_leases(conn: Connection) -> None:
+    """Store leases: which Ray cluster serves a system name (``actors.system_lease``)."""
+    leases.create(conn, checkfirst=True)
+
+
 MIGRATIONS: list[tuple[int, Step]] = [
     (1, _v1_initial),
     (2, _v2_thread_rows_leave_room),
@@ -274,6 +291,7 @@ MIGRATIONS: list[tuple[int, Step]] = [
     (4, _v4_chain_checksums_owner_index),
     (5, _v5_retention_anchor),
     (6, _v6_incremental_history),
+    (7, _v7_leases),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator

@@ -94,14 +94,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit
 from runtime.errors import RatchetError, StoreError, StoreUnavailable
 from runtime.ids import ThreadId
-from runtime.ports import CommittedRecord, RunSummary
+from runtime.ports import CommittedRecord, Lease, RunSummary
 from runtime.rules import check_size, trace_checks
 from storage.checkpoints import SqlCheckpointStore
 from storage.frontiers import FrontierCache
@@ -109,6 +109,7 @@ from storage.retention import Cut, prune_thread
 from storage.schema import migrate
 from storage.sql_engine import DEFAULT_TIMEOUT_S, Database
 from storage.sql_errors import lock_timed_out, translate
+from storage.sql_lease import drop_body, hold_body
 from storage.sql_reads import (
     index_problem_body,
     list_body,
@@ -283,11 +284,21 @@ class SqlCommitStore:
 
     async def _cut(self, cut: Cut) -> bool:
         """One transaction on the writer, beside the group writers' (``prune_txn``)."""
+        return await self._bounded(self._write(prune_txn, cut))
+
+    async def _bounded(self, write: Awaitable[T]) -> T:
+        """A write outside the group writers, given up after ``timeout_s``."""
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self._write(prune_txn, cut)
+                return await write
         except TimeoutError:  # the driver's own are StoreUnavailable already (``_write``)
             raise self._unanswered() from None
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        return await self._bounded(self._write(hold_body, name, holder, ttl_s))
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        await self._bounded(self._write(drop_body, name, holder))
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -76,6 +76,7 @@ async def _postgres_store(url: str) -> SqlCommitStore:
     store = await SqlCommitStore.connect(url)
     async with store.engine.begin() as conn:
         tables = "ratchet_threads, ratchet_commits, ratchet_pruned_messages, ratchet_checkpoints"
+        tables += ", ratchet_leases"
         await conn.execute(text(f"TRUNCATE {tables}"))
     return store
 

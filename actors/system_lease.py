@@ -1,0 +1,128 @@
+"""Which Ray cluster serves a system: two clusters alive on one store must not both.
+
+A system's name comes from its store's URL (``cluster.config.system_name``), so that a
+cluster started again after the whole cluster was lost takes up the Runs the old one
+left: its hosts bear the old hosts' names and find Runs owned under them, which they
+take as a dead incarnation's (``actors.reconcile``, the Supervisor's take-overs). Two
+clusters alive at once on one store — two ``ratchet serve`` without ``--address``, each
+starting a Ray of its own — would each take the other's Runs so, over and over, running
+their tools on both sides, until the Runs were dead-lettered.
+
+So a cluster holds its system's lease in the store (``CommitStore.hold_lease``, timed
+by the store's clock), under a token every process of the cluster shares (kept in Ray's
+KV): ``Ratchet.connect`` takes it before it starts the system's actors, waiting for a
+dead cluster's lease to run out and refusing with ``SystemInUse`` if its holder renews
+it; the Supervisor renews it every ``RENEW_S``; and a host or the Supervisor takes over
+a Run not driven by its own cluster only while its cluster holds it. A cluster that
+lost the lease (its store out longer than ``LEASE_TTL_S`` while another connected)
+takes over nothing more and logs why; the other takes its Runs, fencing its drives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from ray.experimental import internal_kv
+
+from actors.wire import NAMESPACE
+from runtime.errors import RatchetError, SystemInUse
+from runtime.ports import CommitStore
+
+log = logging.getLogger("ratchet.system_lease")
+
+LEASE_TTL_S = 15.0
+"""How long a cluster's hold outlives its last renewal (a dead cluster's, the wait)."""
+RENEW_S = 3.0
+"""How often the Supervisor renews it: several times within ``LEASE_TTL_S``."""
+_POLL_S = 0.5
+_TOKEN_KEY = "cluster-token"
+
+
+def cluster_token() -> str:
+    """This Ray cluster's token, the same in each of its processes (made by the first)."""
+    token = secrets.token_hex(8)
+    internal_kv._internal_kv_put(_TOKEN_KEY, token, overwrite=False, namespace=NAMESPACE)
+    held = internal_kv._internal_kv_get(_TOKEN_KEY, namespace=NAMESPACE)
+    return held.decode() if held is not None else token
+
+
+def lease_name(system: str) -> str:
+    return f"system:{system}"
+
+
+async def hold_system(store: CommitStore, system: str) -> bool:
+    """Take or renew the system's lease for this cluster: whether it holds it now."""
+    token = cluster_token()
+    lease = await store.hold_lease(lease_name(system), token, LEASE_TTL_S)
+    return lease.holder == token
+
+
+async def claim_system(
+    store: CommitStore, system: str, say: Callable[[str], None] | None = None
+) -> None:
+    """Hold the system's lease before its actors start, or SystemInUse.
+
+    A lease held by another cluster is waited on until it runs out (its cluster died);
+    seen renewed, its holder is alive: SystemInUse at once."""
+    token = cluster_token()
+    deadline = time.monotonic() + LEASE_TTL_S + 5.0
+    left: float | None = None
+    while True:
+        lease = await store.hold_lease(lease_name(system), token, LEASE_TTL_S)
+        if lease.holder == token:
+            return
+        if (left is not None and lease.expires_in_s > left + _POLL_S) or (
+            time.monotonic() > deadline
+        ):
+            raise SystemInUse(system, lease.holder)
+        if left is None:
+            (say or log.warning)(
+                f"system {system} was served by another Ray cluster ({lease.holder}); "
+                f"waiting up to {lease.expires_in_s:.0f} s for its lease to run out"
+            )
+        left = lease.expires_in_s
+        await asyncio.sleep(min(_POLL_S, max(lease.expires_in_s, 0.01)))
+
+
+async def release_system(store: CommitStore, system: str) -> None:
+    """Give the lease up (the system's actors were shut down): best effort, as it runs
+    out by itself."""
+    try:
+        await store.drop_lease(lease_name(system), cluster_token())
+    except RatchetError as exc:
+        log.warning("could not release the lease of system %s: %s", system, exc)
+
+
+class LeaseKeeper:
+    """The Supervisor's renewals, and what it reports of them."""
+
+    def __init__(self, store: CommitStore, system: str) -> None:
+        self.store = store
+        self.system = system
+        self.held = True
+        """As last renewed (``Ratchet.connect`` took it before the Supervisor started)."""
+        self._renewed = -RENEW_S
+
+    async def renew(self, now: float) -> None:
+        if now - self._renewed < RENEW_S:
+            return
+        try:
+            held = await hold_system(self.store, self.system)
+        except RatchetError as exc:  # the store out: the next tick tries again
+            log.warning("could not renew the lease of system %s: %s", self.system, exc)
+            return
+        self._renewed = now
+        if held != self.held:
+            if held:
+                log.warning("this cluster holds the lease of system %s again", self.system)
+            else:
+                log.error(
+                    "system %s is served by another Ray cluster on the same store: this "
+                    "cluster takes over no Run from now on",
+                    self.system,
+                )
+        self.held = held

@@ -1,0 +1,134 @@
+"""Two Ray clusters alive on one store: the second is refused, and a cluster that does
+not hold its system's lease takes over none of the other's Runs (``actors.system_lease``).
+
+Before, both clusters took the name the store's URL gives, and each one's hosts took the
+other's Runs for a dead incarnation's, in turn: tools ran on both sides, replay-safe ones
+up to their attempts, and Runs were dead-lettered though no process had died. Another
+cluster is played here by its lease (held and renewed under another token) and by a
+claim under one of its hosts' owner names: two Ray clusters in one test session would
+cost a second Ray's start-up and memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from actors.system_lease import LEASE_TTL_S, cluster_token, lease_name
+from actors.wire import NAMESPACE
+from cluster.client import Ratchet
+from cluster.config import store_url_from, system_name
+from runtime.errors import SystemInUse
+from runtime.ids import ThreadId
+from runtime.lifecycle import EndedState
+from runtime.ports import CommitStore
+from storage.url import open_store
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.ray
+
+OTHER = "another-cluster"
+
+
+@contextlib.asynccontextmanager
+async def another_cluster(store: CommitStore, system: str, ttl_s: float) -> AsyncIterator[None]:
+    """Hold the system's lease as another live cluster would: renewed until the end."""
+    stop = asyncio.Event()
+
+    async def renew() -> None:
+        while not stop.is_set():
+            await store.hold_lease(lease_name(system), OTHER, ttl_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ttl_s / 4)
+
+    assert (await store.hold_lease(lease_name(system), OTHER, ttl_s)).holder == OTHER
+    task = asyncio.create_task(renew())
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+        await store.drop_lease(lease_name(system), OTHER)
+
+
+def _actors_of(system: str) -> list[str]:
+    return [
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(f"{system}:")
+    ]
+
+
+async def test_a_cluster_is_refused_a_store_another_live_cluster_serves(tmp_path: Path) -> None:
+    url = store_url_from(f"sqlite:///{tmp_path}/served.db")
+    system = system_name(url)
+    store = await open_store(url)
+    try:
+        async with another_cluster(store, system, LEASE_TTL_S):
+            with pytest.raises(SystemInUse) as refused:
+                await Ratchet.connect(store_url=url)
+            assert refused.value.holder == OTHER
+            assert _actors_of(system) == []  # refused before any actor started
+    finally:
+        await store.close()
+
+
+async def test_a_dead_clusters_lease_is_waited_out(tmp_path: Path) -> None:
+    """Its holder died without giving it up: the lease runs out, and a new cluster
+    serves the store (a whole cluster restarted after it was lost)."""
+    url = store_url_from(f"sqlite:///{tmp_path}/left.db")
+    system = system_name(url)
+    store = await open_store(url)
+    try:
+        await store.hold_lease(lease_name(system), OTHER, 2.0)  # never renewed
+        client = await Ratchet.connect(store_url=url)
+        try:
+            lease = await store.hold_lease(lease_name(system), OTHER, 2.0)
+            assert lease.holder == cluster_token()
+            run = await client.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
+            assert isinstance(run.run_state, EndedState)
+        finally:
+            await client.shutdown()
+        # given up at shutdown: another cluster need not wait for it to run out
+        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == OTHER
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_cluster_without_the_lease_takes_no_run_of_another(make_system) -> None:
+    client = await make_system()
+    system, store = client.spec.name, client.store
+    handle = await client.start("tests.ray.agents:long_napping_agent", "nap", host=0)
+    thread = ThreadId(handle.thread_id)
+
+    async def napping() -> bool:
+        return (await store.load_head(thread)).version >= 2  # the inference committed
+
+    await wait_for(napping, timeout_s=60, what="the nap to start")
+    await store.drop_lease(lease_name(system), cluster_token())
+    async with another_cluster(store, system, 3.0):
+        # one of the other cluster's hosts, named as our host 0, takes the Run
+        foreign = f"{client.spec.host_name(0)}#424242"
+        claimed = await store.claim(thread, foreign, (await store.load_head(thread)).epoch)
+        passes = (await client.hosts[0].info.remote())["reconciled"]
+
+        async def reconciled_thrice() -> bool:
+            return bool((await client.hosts[0].info.remote())["reconciled"] >= passes + 3)
+
+        await wait_for(reconciled_thrice, timeout_s=60, what="three reconcile passes")
+        after = await store.load_head(thread)
+        assert (after.owner, after.version) == (foreign, claimed.version)  # not taken
+        supervisor = ray.get_actor(client.spec.supervisor_name, namespace=NAMESPACE)
+        report = await supervisor.report.remote()
+        assert report["serves"] is False
+    # the other cluster is gone (its lease given up): ours takes the Run and ends it
+    result = await handle.result(timeout_s=120)
+    assert isinstance(result.run_state, EndedState)
+    assert (await store.load_head(thread)).owner != foreign
