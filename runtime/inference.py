@@ -46,7 +46,7 @@ from runtime.messages import (
     ToolUse,
     UserMessage,
 )
-from runtime.models import InferenceRequest, ModelDelta, ModelResponse
+from runtime.models import InferenceRequest, ModelDelta, ModelResponse, Refusing
 from runtime.signals import CancelledSignal, EndRun, PauseRun, cancelling
 from runtime.timeutil import now_us
 from runtime.usage import admitted_usage, usage_commands
@@ -223,6 +223,12 @@ class Inference:
         async for item in items:
             if isinstance(item, ModelResponse):
                 response = item
+                continue
+            if isinstance(item, Refusing):  # a recovery must not take up its calls
+                checkpointing = False
+                if self.checkpointed:
+                    self.checkpointed = False
+                    await self.checkpoints.delete(thread)
                 continue
             # a stream longer than a response may be fails its attempt now, not once it
             # ends: each delta costs every follower of the thread (a character is a byte

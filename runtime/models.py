@@ -36,6 +36,17 @@ class ModelDelta(Frozen):
     """tool_call_delta only: the tool's name (on the call's first fragment at least)."""
 
 
+class Refusing(ModelDelta):
+    """Said by an adapter as soon as it knows the answer will be refused whatever follows
+    (cut by its token limit inside its calls, declined), before the stream ends (the
+    usage may still come): nothing streamed of it may be taken up, so its stream
+    checkpoint is dropped at once. Anything that does not know it reads an empty text
+    delta."""
+
+    text: str = ""
+    reason: str = ""
+
+
 class Usage(Frozen):
     """What one inference used, as its provider counted it."""
 

@@ -64,7 +64,7 @@ from runtime.messages import (
     ToolUse,
     UserMessage,
 )
-from runtime.models import InferenceRequest, ModelDelta, ModelResponse
+from runtime.models import InferenceRequest, ModelDelta, ModelResponse, Refusing
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic, AsyncStream
@@ -279,6 +279,8 @@ class MessagesFold:
                 self.uses[event.index].stopped = True
         elif event.type == "message_delta":
             self.stop_reason, self.end_usage = event.delta.stop_reason, event.usage
+            if self.refused_reason() is not None:
+                return [Refusing(reason=self.refused_reason() or "")]
         elif event.type == "message_stop":
             self.stopped = True
         return []
@@ -322,13 +324,23 @@ class MessagesFold:
             return [ModelDelta(type="reasoning_delta", text=delta.thinking)]
         return []
 
-    def response(self) -> ModelResponse:
-        if not self.stopped:
-            raise ModelUnavailable("stream_cut", "anthropic: the stream ended before message_stop")
+    def _unfinished(self) -> list[str]:
         unfinished = [use.id for use in self.uses.values() if not use.stopped]
         if self.stop_reason in CUT_SHORT and self.last_block in self.uses:
             # the API stops every block, a cut one too: a call in the last block is cut
             unfinished.append(self.uses[self.last_block].id)
+        return unfinished
+
+    def refused_reason(self) -> str | None:
+        """Why the answer will be refused, once its stop reason says (``Refusing``)."""
+        if self.stop_reason in CUT_SHORT and self._unfinished():
+            return "max_tokens"
+        return "refusal" if self.stop_reason == "refusal" else None
+
+    def response(self) -> ModelResponse:
+        if not self.stopped:
+            raise ModelUnavailable("stream_cut", "anthropic: the stream ended before message_stop")
+        unfinished = self._unfinished()
         if unfinished and self.stop_reason in CUT_SHORT:
             raise ModelRefused(
                 "max_tokens",

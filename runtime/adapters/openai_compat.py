@@ -55,7 +55,7 @@ from runtime.messages import (
     ToolUse,
     UserMessage,
 )
-from runtime.models import InferenceRequest, ModelDelta, ModelResponse
+from runtime.models import InferenceRequest, ModelDelta, ModelResponse, Refusing
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI, AsyncStream
@@ -252,16 +252,26 @@ class ChatFold:
             raise ModelUnavailable("malformed_stream", f"openai: unreadable chunk: {exc}") from exc
 
     def _add(self, chunk: ChatCompletionChunk) -> list[ModelDelta]:
-        if chunk.usage is not None:
-            self.usage = usage_of(chunk)
+        found = usage_of(chunk)
+        if found is not None and (self.usage is None or counts(found)):
+            self.usage = found  # one of the wrong shape counts nothing, and erases nothing
         deltas: list[ModelDelta] = []
         for choice in chunk.choices:
             if choice.index != 0:  # one choice is asked for (n=1); ignore any other
                 continue
+            finished = self.finish_reason
             if choice.delta is not None:
                 deltas.extend(self._delta(choice.delta))
+            if finished is not None and (
+                deltas or (choice.finish_reason and choice.finish_reason != finished)
+            ):  # a call sent after the end, or an end said again otherwise
+                raise ModelUnavailable(
+                    "malformed_stream", f"openai: output after the choice finished ({finished})"
+                )
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
+                if self.finish_reason == "length" and self.calls and finished is None:
+                    deltas.append(Refusing(reason="max_tokens"))
         return deltas
 
     def _delta(self, delta: ChoiceDelta) -> list[ModelDelta]:
@@ -333,6 +343,10 @@ class ChatFold:
             for index, call in sorted(self.calls.items())
         )
         return ModelResponse(text=joined(self.text), tool_calls=uses, usage=self.usage)
+
+
+def counts(usage: Usage) -> bool:
+    return bool(usage.input_tokens or usage.output_tokens or usage.cached_tokens)
 
 
 def usage_of(chunk: ChatCompletionChunk) -> Usage | None:

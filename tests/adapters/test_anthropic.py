@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import anthropic
@@ -645,3 +646,25 @@ def test_a_negative_usage_count_is_not_summed_away():
     start = StartUsage(input_tokens=-1000, output_tokens=1, cache_read_input_tokens=2000)
     usage = usage_of(start, None, "claude-test")
     assert usage is not None and admitted_usage(usage) is None
+
+
+@pytest.mark.parametrize("stop_reason", ["max_tokens", "refusal"])
+async def test_a_refused_answer_is_said_at_its_stop_reason_before_the_stream_ends(
+    provider, make, stop_reason
+):
+    """``Refusing`` comes with the ``message_delta`` (a stream stalled before its
+    ``message_stop`` left a checkpoint of the cut call for a recovery to run)."""
+    from runtime.models import Refusing
+
+    frames = [message_start(), *tool_use_block(0, "toolu_w", "add", '{"a": 1, "b": 2}')]
+    frames.append(message_end(stop_reason)[0])  # the message_delta alone, then a stall
+    provider.reply(Sse(frames, ending="hang"))
+    stream = make().stream(request())
+    try:
+        items = []
+        while not any(isinstance(item, Refusing) for item in items):
+            items.append(await asyncio.wait_for(anext(stream), 30))
+        reason = "max_tokens" if stop_reason == "max_tokens" else "refusal"
+        assert items[-1] == Refusing(reason=reason)
+    finally:
+        await stream.aclose()

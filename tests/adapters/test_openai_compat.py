@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from datetime import UTC, datetime, timedelta
@@ -638,3 +639,71 @@ async def test_calls_cut_at_the_length_limit_are_refused_not_run(provider, make)
     provider.reply(openai_stream(openai_chunk({"content": "cut"}), finish_reason="length"))
     _, response = await collect(make(), request())  # text alone is what was said
     assert response.text == "cut" and response.tool_calls == ()
+
+
+async def test_a_length_cut_in_the_calls_is_said_before_the_stream_ends(provider, make):
+    """``Refusing`` comes with the finish chunk, the usage and the end still to come (a
+    stream stalled there left a checkpoint of the cut call for a recovery to run)."""
+    from runtime.models import Refusing
+
+    provider.reply(
+        Sse(
+            [
+                data(openai_chunk({"role": "assistant", "content": ""})),
+                data(openai_call_start(0, "call_1", "charge")),
+                data(openai_call_args(0, '{"amount": 7}')),
+                data(openai_chunk({}, "length")),
+            ],
+            ending="hang",
+        )
+    )
+    stream = make().stream(request())
+    try:
+        items = []
+        while not any(isinstance(item, Refusing) for item in items):
+            items.append(await asyncio.wait_for(anext(stream), 30))
+        assert items[-1] == Refusing(reason="max_tokens")
+    finally:
+        await stream.aclose()
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        [openai_call_args(0, "2}"), openai_chunk({}, "tool_calls")],  # "length" then more
+        [openai_call_start(1, "call_2", "charge"), openai_call_args(1, '{"amount": 1}')],
+        [openai_chunk({"content": "and more"})],
+        [openai_chunk({}, "tool_calls")],
+    ],
+    ids=["args-then-another-finish", "a-call", "text", "another-finish"],
+)
+async def test_output_after_the_choice_finished_is_malformed(provider, make, after):
+    """Deltas after a finish were taken, and the last finish won: a call whose arguments
+    the stream said were cut (``length``) ran as finished by a later chunk."""
+    frames = [
+        openai_call_start(0, "call_1", "charge"),
+        openai_call_args(0, '{"amount": 4'),
+        openai_chunk({}, "length"),
+        *after,
+    ]
+    provider.reply(openai_stream(*frames, finish_reason="stop"))
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "malformed_stream"
+
+
+async def test_a_usage_chunk_of_the_wrong_shape_erases_no_earlier_count(provider, make):
+    provider.reply(
+        Sse(
+            [
+                data(openai_chunk({"role": "assistant", "content": "hi"})),
+                data(openai_chunk({}, "stop")),
+                data(openai_chunk(usage={"prompt_tokens": 3, "completion_tokens": 2})),
+                data({**openai_chunk(usage={}), "usage": "bad"}),
+                data("[DONE]"),
+            ]
+        )
+    )
+    _, response = await collect(make(), request())
+    assert response.usage is not None
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (3, 2)

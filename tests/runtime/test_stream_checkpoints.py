@@ -326,3 +326,17 @@ async def test_a_failed_attempts_delete_that_could_not_be_made_is_not_taken_up()
     await until(lambda: not safe.cooling(), what="the cool-down to end")
     done = await fresh().recover("t")
     assert done.run_state.kind == "ended" and ran == [] and model.asked == 3
+
+
+async def test_an_answer_said_to_be_refused_leaves_no_checkpoint_to_take_up():
+    """An adapter that learns the answer is refused (OpenAI ``length`` inside its calls)
+    says so before its stream ends, the usage still to come: a process killed then left
+    the checkpoint of its complete-looking call, which the recovery ran."""
+    from runtime.models import Refusing
+
+    f, model, cps = await run_interrupted(
+        [args("c1", '{"key": "a"}'), Refusing(reason="max_tokens"), text("never seen")]
+    )
+    assert model.calls == [0, 0]  # asked again: the refused call was not taken up
+    assert not [m for m in f.messages if isinstance(m, ToolResultMessage)]
+    assert await cps.get("t") is None
