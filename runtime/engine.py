@@ -56,6 +56,7 @@ from runtime.errors import (
 from runtime.execution import ExecutionState
 from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
+from runtime.history import copy_under_way
 from runtime.hooks import HookResults
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
 from runtime.inference import Inference
@@ -243,6 +244,8 @@ class Engine(Stepping):
                 raise InvalidTransition(
                     f"thread {thread} already has an active run {frontier.run_id}"
                 )
+            if (copying := copy_under_way(frontier)) is not None:
+                raise InvalidTransition(copying)
             ctx = self._context(frontier)
             try:
                 await self._commit(
@@ -331,6 +334,8 @@ class Engine(Stepping):
         for _ in range(RACES):
             frontier = loaded or await self._verified(command.thread_id)
             loaded = None  # a retry reads the thread again
+            if (copying := copy_under_way(frontier)) is not None:
+                raise InvalidTransition(copying)
             ticket = validate_ticket(frontier, command, self.recorded_resumes)
             if not self.recorded_resumes:
                 await check_delegation_answer(frontier, command, self._verified, self.limits)

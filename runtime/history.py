@@ -26,7 +26,7 @@ recovery claims the thread, then commits), the writer claims the thread before t
 record. The copy keeps the source's shape of ownership — where each way in began,
 which a replay reads — but not its claimants: those owners never owned the new
 thread. The owner's name says where the thread came from (``fork_owner``:
-``ratchet-fork#{thread}@{seq}``; ``import_owner``: ``ratchet-import#{head}``); its
+``ratchet-fork#{thread}@{seq}``; ``import_owner``: ``ratchet-import#{head}@{records}``); its
 host part has no ``:``, so no system's Supervisor takes over what it owns (a system's
 owners are ``{system}:...``, ``actors.supervisor``). A Run started or resumed on the
 new thread claims it from there, as on any thread.
@@ -35,7 +35,9 @@ new thread claims it from there, as on any thread.
 name): a fork or an import cut short (the store went out, the process died) is
 completed by running it again, which finds its own prefix and appends the rest; a
 repeat of one that finished writes nothing and returns the same frontier. A thread
-written by anyone else, or by another fork or import, is ``thread_exists``.
+written by anyone else, or by another fork or import, is ``thread_exists``. Until the
+copy is whole, no Run starts or resumes on it (``copy_under_way``: InvalidTransition),
+so none takes a Run of it at rest half way through the copy for the thread's latest.
 
 **Export format** (``runtime.history_format``), one JSON object per line, UTF-8, no
 timestamps (an export of the same log is the same bytes)::
@@ -118,9 +120,27 @@ def fork_owner(thread: ThreadId, at_seq: int) -> str:
     return f"ratchet-fork#{thread}@{at_seq}"
 
 
-def import_owner(head: str) -> str:
-    """The owner that writes an import of the export whose last record is ``head``."""
-    return f"ratchet-import#{head}"
+def import_owner(head: str, records: int) -> str:
+    """The owner that writes an import of the ``records`` of the export whose last record
+    is ``head``."""
+    return f"ratchet-import#{head}@{records}"
+
+
+def copy_under_way(frontier: Frontier) -> str | None:
+    """Why no Run may start or resume on ``frontier``'s thread yet: a fork or an import is
+    writing it (its owner's name ends in how many records it writes), and one of its
+    Runs at rest in the middle of the copy is no thread to take over: the copy's next
+    record would be refused, and the thread left holding part of it."""
+    owner = frontier.owner or ""
+    if not owner.startswith(("ratchet-fork#", "ratchet-import#")):
+        return None
+    count = owner.rpartition("@")[2]
+    if not (count.isdigit() and len(count) < 19) or frontier.version >= int(count):
+        return None  # written whole (or by an earlier release, which named no count)
+    return (
+        f"thread {frontier.thread_id} is being written by {owner.partition('#')[0]} "
+        f"({frontier.version} of {count} records): run it again to complete it"
+    )
 
 
 Refuse = Callable[[int, str, str], HistoryRefused]
@@ -208,7 +228,7 @@ async def import_thread(
         return ImportRefused(seq + 1, reason, f"record {seq}: {detail}")
 
     commits = [r.commit for r in exported.records]
-    owner = import_owner(commits[-1].payload_hash)
+    owner = import_owner(commits[-1].payload_hash, len(commits))
     planned = remade(commits, target, owner, refuse)
     _folded(planned, target, owner, refuse)
     _check_sizes(store, planned, refuse)

@@ -123,9 +123,15 @@ def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
     return value
 
 
+_HEADER_FIELDS = frozenset({"format", "version", "thread_id", "records", "head"})
+
+
 def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
     if value.get("format") != EXPORT_FORMAT:
         raise ImportRefused(1, "format", f"not a Ratchet thread export ({EXPORT_FORMAT!r})")
+    extra = sorted(value.keys() - _HEADER_FIELDS)
+    if extra:
+        raise ImportRefused(1, "malformed", f"the header holds fields no export writes: {extra}")
     version = value.get("version")
     if not _is_int(version) or version != EXPORT_VERSION:  # true and 1.0 are == 1
         raise ImportRefused(
@@ -161,6 +167,10 @@ def _record(
         )
     if body_hash(body) != stored:
         raise ImportRefused(line, "hash", f"record {seq}: the body does not match its hash")
+    try:  # what a store's reader takes but no encoder writes: 1e400, NaN, Infinity
+        orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ImportRefused(line, "record", f"record {seq}: its body is no JSON: {exc}") from None
     try:
         commit = decode_commit(body, thread, seq)
     except CorruptRecord as exc:

@@ -32,7 +32,7 @@ from runtime import (
     tool,
 )
 from runtime.commit import Frontier, ThreadCommit, assemble_commit
-from runtime.errors import InputRefused, StoreUnavailable
+from runtime.errors import InputRefused, InvalidTransition, StoreUnavailable
 from runtime.history import (
     ForkRefused,
     HistoryRefused,
@@ -264,6 +264,26 @@ async def test_an_interrupted_fork_is_completed_by_running_it_again(store: Any) 
     assert refused.value.reason == "thread_exists"
 
 
+async def test_no_run_starts_or_resumes_on_a_copy_half_written(store: Any) -> None:
+    """An import (or fork) cut off, or slow, just after one of its Runs ended: a start
+    on the new thread took it for a thread at rest and committed a Run there, the copy's
+    next record was refused, and the thread held half the copy under the start's Run."""
+    runner, end_of_one = await two_runs(store)
+    lines = list(await export(store, T))
+    copy = ThreadId("copy-1")
+    with pytest.raises(StoreUnavailable):
+        await import_thread(CutOff(store, end_of_one), lines, copy)
+    with pytest.raises(InvalidTransition, match=f"import .{end_of_one} of 8 records"):
+        await runner.start("racer", thread_id=copy)
+    with pytest.raises(StoreUnavailable):
+        await fork(CutOff(store, end_of_one), T, 8, F)
+    with pytest.raises(InvalidTransition, match="being written by ratchet-fork"):
+        await runner.start("racer", thread_id=F)
+    done = await import_thread(store, lines, copy)  # run again: completed
+    assert done.version == 8 and await audit(store, copy) == []
+    assert (await runner.start("after", thread_id=copy)).run_state is not None
+
+
 async def test_forks_racing_to_one_thread_leave_one_fork(store: Any) -> None:
     _, end_of_one = await two_runs(store)
     same = await asyncio.gather(fork(store, T, end_of_one, F), fork(store, T, end_of_one, F))
@@ -448,6 +468,20 @@ def _ended_with(*commands: Command) -> list[str]:
     return _export_of(one, ended)
 
 
+def _non_finite(token: str) -> Edit:
+    """A Run's end whose state value reads as a float JSON cannot hold (``1e400``, and
+    literals no JSON has), its hash and the header's head recomputed: it was imported,
+    the store kept the text and folded ``null``, and the thread failed ``verify``."""
+
+    def edit(lines: list[Any]) -> list[Any]:
+        ended = _ended_with(Command(key="x", value=7.5))
+        body = _body(ended, 2).replace("7.5", token, 1)
+        digest = hashlib.sha256(body.encode()).hexdigest()
+        return _header(head=digest)([*ended[:2], _line(2, body, digest)])
+
+    return edit
+
+
 def _reserved(key: str, value: Any, scope: Any = "run") -> Edit:
     """A Run's end setting a key only Ratchet writes to what it never writes there: such
     a thread, imported, made ``ratchet runs`` fail for every thread (``runtime.reserved``)."""
@@ -468,6 +502,10 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "format version true": (_header(version=True), 1, "version"),  # == 1 in Python
     "format version 1.0": (_header(version=1.0), 1, "version"),
     "header without count": (_header(records=None), 1, "header"),
+    "header with an extra field": (_header(surprise={"x": 1}), 1, "malformed"),
+    "a float past JSON's": (_non_finite("1e400"), 3, "record"),
+    "NaN": (_non_finite("NaN"), 3, "record"),
+    "Infinity": (_non_finite("-Infinity"), 3, "record"),
     "another thread's records": (_header(thread_id="elsewhere"), 2, "thread"),
     "malformed JSON": (lambda ls: _set(4, ls[4][:-3])(ls), 5, "malformed"),
     "not a record": (_set(2, '{"seq": 2}'), 3, "malformed"),
