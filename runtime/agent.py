@@ -12,7 +12,7 @@ from typing import Literal
 
 from runtime.batch import ToolRecoveryPolicy
 from runtime.delegation import DelegationLimits
-from runtime.errors import AgentImportError
+from runtime.errors import AgentImportError, ToolDefinitionError
 from runtime.execution import ExecutionState, Side
 from runtime.hooks import Gate, Hook, RunEndGuard
 from runtime.ids import RunId, ThreadId
@@ -169,14 +169,16 @@ class Agent:
         self._resolve_plugins()
         ids = [t.id for t in self.tools]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"agent {self.name}: duplicate tool ids {ids}")
+            raise ToolDefinitionError(f"agent {self.name}: duplicate tool ids {ids}")
         object.__setattr__(self, "_by_id", {t.id: t for t in self.tools})
         object.__setattr__(self, "delegating", any(t.delegates for t in self.tools))
         deployed = dict(self._by_id)
         other = self.session.b.agent if self.session is not None else None
         for t in other.tools if other is not None else ():
             if deployed.setdefault(t.id, t) is not t:
-                raise ValueError(f"agent {self.name}: the sides have different tools {t.id!r}")
+                raise ToolDefinitionError(
+                    f"agent {self.name}: the sides have different tools {t.id!r}"
+                )
         object.__setattr__(self, "deployed_tools", tuple(deployed.values()))
 
     def _resolve_plugins(self) -> None:

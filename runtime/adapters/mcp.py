@@ -42,6 +42,7 @@ The SDK is imported when a server is listed or called, never with this module.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
@@ -118,7 +119,9 @@ def _blocking(work: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
 
 
 def _check_names(server: McpServer, names: list[str], asked: list[str]) -> None:
-    # a name listed twice needs no check here: the Agent refuses duplicate tool ids
+    twice = sorted(name for name, n in Counter(names).items() if n > 1)
+    if twice:
+        raise ToolDefinitionError(f"MCP server {server.label} lists {twice} more than once")
     unknown = sorted(set(asked) - set(names))
     if unknown:
         raise ToolDefinitionError(

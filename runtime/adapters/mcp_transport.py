@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from contextvars import ContextVar
@@ -27,7 +30,32 @@ def stdio_streams(
 ) -> AbstractAsyncContextManager[Any]:
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
+    command, args = _dying_with_this_process(command, args, env)
     return stdio_client(StdioServerParameters(command=command, args=[*args], env=env, cwd=cwd))
+
+
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the parent died before the line above
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dying_with_this_process(
+    command: str, args: tuple[str, ...], env: dict[str, str] | None
+) -> tuple[str, tuple[str, ...]]:
+    """On Linux, the server started through a few lines that have the kernel kill it
+    when this process dies, then become the server (``exec``: same pid, nothing left
+    between). The SDK starts it in a session of its own, so nothing else reaches it: a
+    process killed with ``kill -9`` (an executor Ray restarts) left its servers running
+    for good, a hung one included. A command that cannot be found is left as it is, for
+    the SDK to say so."""
+    path = (os.environ if env is None else env).get("PATH", os.defpath)
+    if not sys.platform.startswith("linux") or shutil.which(command, path=path) is None:
+        return command, args
+    return sys.executable, ("-c", _DIE_WITH_PARENT, str(os.getpid()), command, *args)
 
 
 FORGOTTEN: ContextVar[set[object] | None] = ContextVar("mcp_forgotten", default=None)

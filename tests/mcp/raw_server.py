@@ -5,7 +5,8 @@ the SDK reads, ``not_an_object`` with a ``result`` of 42, ``code_of_text`` with 
 error whose code is text (JSON, but no JSON-RPC answer) and ``declined`` with a server
 error of code -32000 (the code the SDK gives its own "connection closed"), and
 ``forged`` with an error whose data is the words the adapter marks an unreadable
-reply with. It appends its pid to
+reply with. ``stall`` sleeps ten minutes, deaf to its stdin closing. With ``MCP_TEST_TWICE`` set it
+lists ``snippet`` twice. It appends its pid to
 ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 TOOLS = [
     {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
-    for name in ("snippet", "deep", "not_an_object", "code_of_text", "declined", "forged")
+    for name in ("snippet", "deep", "not_an_object", "code_of_text", "declined", "forged", "stall")
 ]
 SNIPPET = '{"content":[{"type":"text","text":"charged; note: caf\\ud83d \\ud83d\\ude00"}]}'
 DEEP = '{"content":[],"structuredContent":{"x":' + "[" * 300 + "]" * 300 + "}}"
@@ -37,7 +39,8 @@ def answer(request: dict[str, object]) -> str:
             }
         )
     elif method == "tools/list":
-        result = json.dumps({"tools": TOOLS})
+        twice = TOOLS[:1] if os.environ.get("MCP_TEST_TWICE") else []  # a name listed twice
+        result = json.dumps({"tools": [*TOOLS, *twice]})
     elif method == "tools/call":
         params = request["params"]
         assert isinstance(params, dict)
@@ -45,6 +48,9 @@ def answer(request: dict[str, object]) -> str:
         errors["declined"] = '{"code":-32000,"message":"card declined"}'
         said = '{"ratchet":"the reply could not be read"}'
         errors["forged"] = '{"code":-32700,"message":"no","data":' + said + "}"
+        if params["name"] == "stall":  # busy, deaf to its stdin closing: only a kill ends it
+            (Path(os.environ["MCP_TEST_DIR"]) / "stalling").touch()
+            time.sleep(600)
         if params["name"] in errors:
             error = errors[str(params["name"])]
             return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"error":' + error + "}"

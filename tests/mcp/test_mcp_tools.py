@@ -23,10 +23,10 @@ from runtime.ids import CallId, OperationId, RunId, ThreadId
 from runtime.messages import ToolResultMessage
 from runtime.ports import Finished, Lost, ToolInvocation, Unavailable
 from runtime.tool_calls import LocalToolRunner
-from runtime.tools import Tool, ToolContext
+from runtime.tools import Tool, ToolContext, tool
 from storage.memory import MemoryCommitStore
 from tests.mcp.conftest import DEADLINE_S, SERVER, alive, started_pids
-from tests.support.servers import answers, free_port
+from tests.support.servers import answers, free_port, wait_until
 from tests.support.waiting import until
 
 ROOT = Path(__file__).parents[2]
@@ -441,3 +441,70 @@ async def test_a_call_whose_deadline_comes_while_its_session_opens_is_unavailabl
     patient = LocalToolRunner(mcp_tools(server))  # the same session, once it has opened
     (outcome,) = await patient.run([invocation("record", "c2", note="y")])
     assert isinstance(outcome, Finished) and not outcome.output.is_error
+
+
+def test_a_listing_that_names_a_tool_twice_is_a_definition_error(records):
+    """It was the Agent's untyped ValueError, as a local tool of an MCP tool's name is."""
+    env = {"MCP_TEST_DIR": str(records), "MCP_TEST_TWICE": "1"}
+    with pytest.raises(ToolDefinitionError, match=r"lists \['snippet'\] more than once"):
+        mcp_tools(McpServer.stdio(sys.executable, [RAW_SERVER], env=env))
+    once = {**env, "MCP_TEST_TWICE": ""}
+    listed = mcp_tools(McpServer.stdio(sys.executable, [RAW_SERVER], env=once))
+
+    @tool(name="snippet")
+    def clash() -> str:
+        return "local"
+
+    with pytest.raises(ToolDefinitionError, match="duplicate tool ids"):
+        Agent(name="a", model=ScriptedModel((ModelResponse(text="x"),)), tools=[*listed, clash])
+
+
+_HOLDS_A_SESSION = """
+import asyncio, sys
+from runtime.adapters.mcp import McpServer
+from runtime.ids import CallId, OperationId, RunId, ThreadId
+from runtime.tools import ToolContext
+
+server = McpServer.stdio(sys.executable, [sys.argv[1]], env={"MCP_TEST_DIR": sys.argv[2]})
+ctx = ToolContext(OperationId("op"), 1, CallId("c"), RunId("r"), ThreadId("t"))
+asyncio.run(server.call("stall", {}, ctx))
+"""
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (its parent died: whoever adopted it reaps it when it will)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_stdio_server_dies_with_the_process_that_started_it(records):
+    """The SDK starts a server in a session of its own: an executor killed with ``kill
+    -9`` mid-call (Ray restarts it) left its server running for good, one busy in a
+    call (deaf to its stdin closing) for as long as the call took."""
+    root = str(Path(__file__).parents[2])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDS_A_SESSION, RAW_SERVER, str(records)],
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    try:
+        (server,) = wait_until_started(records)
+        stalling = records / "stalling"
+        wait_until(stalling.exists, "the server to be in the call", DEADLINE_S)
+        assert not _dead(server)
+        holder.kill()
+        holder.wait()
+        wait_until(lambda: _dead(server), f"MCP server {server} to die with its holder", DEADLINE_S)
+    finally:
+        holder.kill()
+        holder.wait()
+        for pid in started_pids(records):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_until_started(records: Path) -> list[int]:
+    wait_until(lambda: started_pids(records), "the MCP server to start", DEADLINE_S)
+    return started_pids(records)
