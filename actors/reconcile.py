@@ -66,6 +66,8 @@ class Reconciler:
         self.recover = recover
         self.passes = 0
         """Passes made (a host's ``info`` reports them as ``reconciled``)."""
+        self.serves = True
+        """Whether its cluster held the system's lease when it last looked."""
         self.retry: dict[ThreadId, tuple[float, float]] = {}
         """thread → (monotonic time before which its recovery is not tried again, the
         wait after the next failure): Runs whose recovery failed here."""
@@ -85,15 +87,16 @@ class Reconciler:
     async def _cluster_serves(self) -> bool:
         """Whether this cluster holds its system's lease (``actors.system_lease``): a Run
         another incarnation owns may be another live cluster's, not a dead one's."""
-        if self.system is None or await hold_system(self.store, self.system):
-            return True
-        log.error(
-            "host %s takes over no Run of another incarnation: another Ray cluster "
-            "serves system %s on the same store",
-            self.host_id,
-            self.system,
-        )
-        return False
+        serves = self.system is None or await hold_system(self.store, self.system)
+        if not serves and self.serves:  # said once, not at every pass
+            log.error(
+                "host %s takes over no Run of another incarnation: another Ray cluster "
+                "serves system %s on the same store",
+                self.host_id,
+                self.system,
+            )
+        self.serves = serves
+        return serves
 
     async def _stop_fenced(self, ours: set[ThreadId]) -> None:
         for thread, drive in list(self.drives.table.items()):

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
 
 from ray.experimental import internal_kv
 
@@ -61,9 +60,7 @@ async def hold_system(store: CommitStore, system: str) -> bool:
     return lease.holder == token
 
 
-async def claim_system(
-    store: CommitStore, system: str, say: Callable[[str], None] | None = None
-) -> None:
+async def claim_system(store: CommitStore, system: str) -> None:
     """Hold the system's lease before its actors start, or SystemInUse.
 
     A lease held by another cluster is waited on until it runs out (its cluster died);
@@ -80,9 +77,12 @@ async def claim_system(
         ):
             raise SystemInUse(system, lease.holder)
         if left is None:
-            (say or log.warning)(
-                f"system {system} was served by another Ray cluster ({lease.holder}); "
-                f"waiting up to {lease.expires_in_s:.0f} s for its lease to run out"
+            log.warning(
+                "system %s was served by another Ray cluster (%s); waiting up to %.0f s "
+                "for its lease to run out",
+                system,
+                lease.holder,
+                lease.expires_in_s,
             )
         left = lease.expires_in_s
         await asyncio.sleep(min(_POLL_S, max(lease.expires_in_s, 0.01)))
