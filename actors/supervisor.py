@@ -65,7 +65,7 @@ from actors.wire import (
     run_meta,
 )
 from runtime.commit import Frontier
-from runtime.errors import CorruptRecord, RatchetError, StoreUnavailable
+from runtime.errors import CorruptRecord, RatchetError, StoreLost, StoreUnavailable
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import Cancelled
 from runtime.ports import RunSummary, host_of, refused_in
@@ -110,6 +110,8 @@ class Supervisor(HungHosts):
         self.orphans = Orphans(self.store, self._end_orphan)
         self.alarms = Alarms()
         self.lease = LeaseKeeper(self.store, spec.name)
+        self.store_lost = False
+        """Whether the store answered StoreLost (its contents gone: ``report`` says so)."""
         self._silent: dict[str, float] = {}
         """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
         self._started = self._last_sweep = time.monotonic()
@@ -165,6 +167,7 @@ class Supervisor(HungHosts):
             "quarantined": sorted(self.quarantined),
             "taking": len(self._taking),
             "serves": self.lease.held,
+            "store_lost": self.store_lost,
         }
 
     # ---- the watch ---------------------------------------------------------------
@@ -173,6 +176,10 @@ class Supervisor(HungHosts):
         while True:
             try:
                 await self._tick()
+            except StoreLost as exc:  # for good: said once, and in the report
+                if not self.store_lost:
+                    log.error("the store is lost; nothing is taken over: %s", exc)
+                self.store_lost = True
             except Exception:  # the next tick tries again; Runs stay as committed
                 log.exception("supervisor tick failed")
             await asyncio.sleep(self.spec.heartbeat_s)

@@ -11,6 +11,7 @@ import ray
 import redis.asyncio as aioredis
 
 from actors.store_instance import forget_first_instance
+from actors.wire import NAMESPACE
 from cluster.client import Ratchet
 from runtime.errors import StoreLost
 from runtime.lifecycle import EndedState
@@ -47,10 +48,17 @@ async def test_a_host_and_a_client_joining_after_the_loss_drive_nothing_on_the_e
                     return False
 
             await wait_for(restarted, timeout_s=60, what="host 1 to be restarted")
-            later = await Ratchet.connect(store_url=server.url, name=name)
-            with pytest.raises(StoreLost):
-                await later.run(AGENT, "after", thread_id="after-1", host=1, timeout_s=60)
+            with pytest.raises(StoreLost):  # a client connecting now: at connect
+                later = await Ratchet.connect(store_url=server.url, name=name)
+            with pytest.raises(StoreLost):  # the restarted host
+                await client.run(AGENT, "after", thread_id="after-1", host=1, timeout_s=60)
             assert [key async for key in redis.scan_iter(match="*after-1*")] == []
+            supervisor = ray.get_actor(client.spec.supervisor_name, namespace=NAMESPACE)
+
+            async def reported() -> bool:
+                return bool((await supervisor.report.remote())["store_lost"])
+
+            await wait_for(reported, timeout_s=30, what="the Supervisor to report the loss")
         finally:
             for each in (later, client):
                 if each is not None:
