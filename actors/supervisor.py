@@ -232,7 +232,10 @@ class Supervisor(HungHosts):
 
     async def _sweep(self) -> None:
         """Every running Run of this system whose owner is not a live host (the owner
-        index: the listing carries each Run's owner; no frontier is loaded)."""
+        index: the listing carries each Run's owner; no frontier is loaded). None while
+        another Ray cluster serves the system: waking a Run claims it too."""
+        if not self.lease.held:
+            return
         now = time.monotonic()
         by_host: dict[str, list[RunSummary]] = {}
         for summary in await self._running():
@@ -335,6 +338,9 @@ class Supervisor(HungHosts):
         return len(todo)
 
     async def _take_batch(self, runs: list[RunSummary], settled: str | None) -> None:
+        if runs and not await self.lease.serves():  # asked afresh: see LeaseKeeper.serves
+            self._taking.difference_update(s.thread_id for s in runs)
+            return
         store_out = asyncio.Event()  # the store is out: the rest waits for the next pass
 
         async def one(summary: RunSummary) -> None:

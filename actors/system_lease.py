@@ -25,6 +25,7 @@ import logging
 import secrets
 import time
 
+import ray
 from ray.experimental import internal_kv
 
 from actors.wire import NAMESPACE
@@ -41,12 +42,20 @@ _POLL_S = 0.5
 _TOKEN_KEY = "cluster-token"
 
 
+_TOKENS: dict[str, str] = {}
+"""GCS address → the token read there: each process asks the GCS once per cluster (a
+blocking call, which a slow GCS would make the event loop wait for)."""
+
+
 def cluster_token() -> str:
     """This Ray cluster's token, the same in each of its processes (made by the first)."""
-    token = secrets.token_hex(8)
-    internal_kv._internal_kv_put(_TOKEN_KEY, token, overwrite=False, namespace=NAMESPACE)
-    held = internal_kv._internal_kv_get(_TOKEN_KEY, namespace=NAMESPACE)
-    return held.decode() if held is not None else token
+    gcs = ray.get_runtime_context().gcs_address
+    if gcs not in _TOKENS:
+        token = secrets.token_hex(8)
+        internal_kv._internal_kv_put(_TOKEN_KEY, token, overwrite=False, namespace=NAMESPACE)
+        held = internal_kv._internal_kv_get(_TOKEN_KEY, namespace=NAMESPACE)
+        _TOKENS[gcs] = held.decode() if held is not None else token
+    return _TOKENS[gcs]
 
 
 def lease_name(system: str) -> str:
@@ -108,14 +117,19 @@ class LeaseKeeper:
         self._renewed = -RENEW_S
 
     async def renew(self, now: float) -> None:
-        if now - self._renewed < RENEW_S:
-            return
+        if now - self._renewed >= RENEW_S:
+            await self.serves(now)
+
+    async def serves(self, now: float | None = None) -> bool:
+        """Renew it now: whether this cluster holds it (as last known, if the store did
+        not answer). Asked before each take-over too: one learnt only at the next renewal
+        would let a cluster that just lost the lease take a Run up to ``RENEW_S`` late."""
+        self._renewed = time.monotonic() if now is None else now  # a failure too
         try:
             held = await hold_system(self.store, self.system)
-        except RatchetError as exc:  # the store out: the next tick tries again
+        except RatchetError as exc:
             log.warning("could not renew the lease of system %s: %s", self.system, exc)
-            return
-        self._renewed = now
+            return self.held
         if held != self.held:
             if held:
                 log.warning("this cluster holds the lease of system %s again", self.system)
@@ -126,3 +140,4 @@ class LeaseKeeper:
                     self.system,
                 )
         self.held = held
+        return held

@@ -33,6 +33,7 @@ from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, un
 from cluster.config import (
     ClusterUnavailable,
     connect_ray,
+    owns_ray,
     redact,
     redis_url_from,
     store_url_from,
@@ -298,23 +299,37 @@ class Ratchet:
         return result
 
     async def close(self) -> None:
+        """Close the client's store. A process that started its own Ray (which ends with
+        it: ``ratchet run``, ``serve``) gives up the system's lease too, so that the next
+        cluster on the store need not wait it out (``actors.system_lease``)."""
+        if owns_ray():
+            await release_system(self.store, self.spec.name)
         await self.store.close()
 
     async def shutdown(self) -> None:
         """Stop every actor of this system (the store's data stays), and give up its lease
         (another cluster may serve the store at once)."""
+        prefix, store = f"{self.spec.name}:", self.spec.store_name
+        named = [
+            entry["name"]
+            for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix)
+        ]
+        # the lease given up once no actor is left to renew it, and before the store actor
+        # (if the store is behind one) goes: it is given up through it
+        _kill([name for name in named if name != store])
         await release_system(self.store, self.spec.name)
-        await self.close()
-        prefix = f"{self.spec.name}:"
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
-                try:
-                    ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-                except ValueError:
-                    continue
+        _kill([name for name in named if name == store])
+        await self.store.close()
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)
+
+
+def _kill(names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(ValueError):  # gone already
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
 
 
 async def _rested(store: CommitStore, wanted: dict[ThreadId, RunId | None]) -> list[RunSummary]:

@@ -90,6 +90,12 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool
         raise ClusterUnavailable(f"cannot connect to {where}: {exc}".splitlines()[0]) from exc
 
 
+def owns_ray() -> bool:
+    """Whether this process started the Ray it is connected to (which ends with it)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return ray.is_initialized() and bool(getattr(node, "head", False))
+
+
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
     """Fail fast on a dead address (ray.init would retry for minutes)."""
     target = address.removeprefix("ray://")

@@ -78,10 +78,19 @@ from runtime.lifecycle import (
 )
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import AssistantMessage, ToolResultMessage, ToolUse, UserMessage
-from runtime.models import InferenceRequest, Model, ModelDelta, ModelResponse, ScriptedModel, call
+from runtime.models import (
+    InferenceRequest,
+    Model,
+    ModelDelta,
+    ModelResponse,
+    Refusing,
+    ScriptedModel,
+    call,
+)
 from runtime.ports import (
     CommitStore,
     CommittedRecord,
+    Lease,
     LiveBus,
     RunSummary,
     StreamCheckpoint,
@@ -142,6 +151,7 @@ __all__ = [
     "InjectMessage",
     "InputRefused",
     "InvalidTransition",
+    "Lease",
     "Limits",
     "LiveBus",
     "LocalToolRunner",
@@ -159,6 +169,7 @@ __all__ = [
     "PermissionDecision",
     "RatchetError",
     "Receipt",
+    "Refusing",
     "RequestInput",
     "ResumeCommand",
     "ResumeRejected",

@@ -226,9 +226,7 @@ class Inference:
                 continue
             if isinstance(item, Refusing):  # a recovery must not take up its calls
                 checkpointing = False
-                if self.checkpointed:
-                    self.checkpointed = False
-                    await self.checkpoints.delete(thread)
+                await self._spend(thread)
                 continue
             # a stream longer than a response may be fails its attempt now, not once it
             # ends: each delta costs every follower of the thread (a character is a byte

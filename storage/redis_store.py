@@ -60,6 +60,8 @@ thread's run-index entry and moves the thread in the owner index, or answers ``f
                                   connect: gone or another, the contents were lost
                                   (``storage.redis_instance``: StoreLost)
     P:upgrading           string  the layout upgrade's lock (``storage.redis_upgrade``)
+    P:lease:NAME          string  the holder of the store lease NAME, with a TTL (the
+                                  server's clock: ``CommitStore.hold_lease``)
 
 A store of an earlier layout (no ``sums``, no checksums; "2", which had no prunes; or
 "3", whose frontiers held the messages and whose pruned threads no ``history``) is

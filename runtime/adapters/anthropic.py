@@ -341,20 +341,21 @@ class MessagesFold:
         if not self.stopped:
             raise ModelUnavailable("stream_cut", "anthropic: the stream ended before message_stop")
         unfinished = self._unfinished()
-        if unfinished and self.stop_reason in CUT_SHORT:
+        refused = self.refused_reason()  # as ``Refusing`` said it: one decision
+        if refused == "max_tokens":
             raise ModelRefused(
                 "max_tokens",
                 f"anthropic: the answer was cut ({self.stop_reason}) inside tool call "
                 f"{unfinished[0]!r}; raise max_tokens",
                 usage=self.usage,
             )
+        if refused == "refusal":
+            message = "anthropic: the model declined (stop_reason refusal)"
+            raise ModelRefused("refusal", message, usage=self.usage)
         if unfinished:
             raise ModelUnavailable(
                 "malformed_stream", f"anthropic: tool call {unfinished[0]!r} was never stopped"
             )
-        if self.stop_reason == "refusal":
-            message = "anthropic: the model declined (stop_reason refusal)"
-            raise ModelRefused("refusal", message, usage=self.usage)
         uses = tuple(
             ToolUse(
                 call_id=CallId(use.id),

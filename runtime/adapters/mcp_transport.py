@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -25,12 +26,15 @@ if TYPE_CHECKING:
     from mcp import MCPError
 
 
+log = logging.getLogger("ratchet.mcp")
+
+
 def stdio_streams(
     command: str, args: tuple[str, ...], env: dict[str, str] | None, cwd: str | None
 ) -> AbstractAsyncContextManager[Any]:
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
-    command, args = _dying_with_this_process(command, args, env)
+    command, args = _dying_with_this_process(command, args, env, cwd)
     return stdio_client(StdioServerParameters(command=command, args=[*args], env=env, cwd=cwd))
 
 
@@ -44,7 +48,7 @@ os.execvp(sys.argv[2], sys.argv[2:])
 
 
 def _dying_with_this_process(
-    command: str, args: tuple[str, ...], env: dict[str, str] | None
+    command: str, args: tuple[str, ...], env: dict[str, str] | None, cwd: str | None
 ) -> tuple[str, tuple[str, ...]]:
     """On Linux, the server started through a few lines that have the kernel kill it
     when this process dies, then become the server (``exec``: same pid, nothing left
@@ -52,10 +56,17 @@ def _dying_with_this_process(
     process killed with ``kill -9`` (an executor Ray restarts) left its servers running
     for good, a hung one included. A command that cannot be found is left as it is, for
     the SDK to say so."""
-    path = (os.environ if env is None else env).get("PATH", os.defpath)
-    if not sys.platform.startswith("linux") or shutil.which(command, path=path) is None:
+    from mcp.client.stdio import get_default_environment
+
+    path = (get_default_environment() | (env or {})).get("PATH", os.defpath)  # the SDK's
+    found = shutil.which(
+        os.path.join(cwd or "", command) if os.sep in command else command, path=path
+    )
+    if not sys.platform.startswith("linux") or found is None:
+        log.debug("MCP server %r started as it is: not found on its PATH", command)
         return command, args
-    return sys.executable, ("-c", _DIE_WITH_PARENT, str(os.getpid()), command, *args)
+    # -I -S: the server's environment (PYTHONPATH, PYTHONHOME) is not the wrapper's
+    return sys.executable, ("-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), command, *args)
 
 
 FORGOTTEN: ContextVar[set[object] | None] = ContextVar("mcp_forgotten", default=None)

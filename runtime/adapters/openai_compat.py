@@ -270,7 +270,7 @@ class ChatFold:
                 )
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
-                if self.finish_reason == "length" and self.calls and finished is None:
+                if self.cut_in_calls() and finished is None:
                     deltas.append(Refusing(reason="max_tokens"))
         return deltas
 
@@ -324,10 +324,15 @@ class ChatFold:
         starts = fragment.id and fragment.id != self.calls[last].raw_id
         return last + 1 if starts else last
 
+    def cut_in_calls(self) -> bool:
+        """The answer was cut by its token limit with calls in it: the last may be cut
+        short, and reads whole all the same (no arguments yet, ``{}``)."""
+        return self.finish_reason == "length" and bool(self.calls)
+
     def response(self) -> ModelResponse:
         if self.finish_reason is None:
             raise ModelUnavailable("stream_cut", "openai: the stream ended before a finish_reason")
-        if self.finish_reason == "length" and self.calls:  # the last call may be cut short
+        if self.cut_in_calls():  # as ``Refusing`` said it: one decision
             raise ModelRefused(
                 "max_tokens",
                 "openai: the answer was cut (length) in its calls; raise max_tokens",

@@ -508,3 +508,23 @@ def test_a_stdio_server_dies_with_the_process_that_started_it(records):
 def wait_until_started(records: Path) -> list[int]:
     wait_until(lambda: started_pids(records), "the MCP server to start", DEADLINE_S)
     return started_pids(records)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_death_wrapper_finds_a_command_where_the_sdk_runs_it(tmp_path, monkeypatch):
+    """It looked on ``env``'s PATH alone (``os.defpath`` without one), where the SDK
+    starts the server with the inherited PATH under ``env``: a ``uvx`` given with
+    ``env={"API_KEY": ...}`` was not wrapped. A relative command is the server's
+    ``cwd``'s."""
+    from runtime.adapters.mcp_transport import _dying_with_this_process
+
+    (tmp_path / "bin").mkdir()
+    server = tmp_path / "bin" / "my-server"
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ.get('PATH', '')}")
+    command, args = _dying_with_this_process("my-server", ("--x",), {"API_KEY": "k"}, None)
+    assert command == sys.executable and args[-2:] == ("my-server", "--x")
+    command, _ = _dying_with_this_process("./bin/my-server", (), None, str(tmp_path))
+    assert command == sys.executable
+    assert _dying_with_this_process("no-such-server", (), None, None) == ("no-such-server", ())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -87,8 +88,10 @@ async def test_a_dead_clusters_lease_is_waited_out(tmp_path: Path) -> None:
     store = await open_store(url)
     try:
         await store.hold_lease(lease_name(system), OTHER, 2.0)  # never renewed
+        began = time.monotonic()
         client = await Ratchet.connect(store_url=url)
         try:
+            assert time.monotonic() - began > 1.0  # waited for it, not taken from it
             lease = await store.hold_lease(lease_name(system), OTHER, 2.0)
             assert lease.holder == cluster_token()
             run = await client.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
@@ -103,32 +106,41 @@ async def test_a_dead_clusters_lease_is_waited_out(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 async def test_a_cluster_without_the_lease_takes_no_run_of_another(make_system) -> None:
+    """Claimed by one of the other cluster's hosts named as our host 0 (our host's to
+    take back), and by one named as a host ours does not run (the Supervisor's)."""
     client = await make_system()
     system, store = client.spec.name, client.store
-    handle = await client.start("tests.ray.agents:long_napping_agent", "nap", host=0)
-    thread = ThreadId(handle.thread_id)
+    handles = [
+        await client.start("tests.ray.agents:long_napping_agent", "nap", host=host)
+        for host in (0, 1)
+    ]
+    threads = [ThreadId(handle.thread_id) for handle in handles]
 
-    async def napping() -> bool:
-        return (await store.load_head(thread)).version >= 2  # the inference committed
+    async def napping() -> bool:  # both inferences committed
+        return all([(await store.load_head(t)).version >= 2 for t in threads])
 
-    await wait_for(napping, timeout_s=60, what="the nap to start")
+    await wait_for(napping, timeout_s=60, what="the naps to start")
     await store.drop_lease(lease_name(system), cluster_token())
     async with another_cluster(store, system, 3.0):
-        # one of the other cluster's hosts, named as our host 0, takes the Run
-        foreign = f"{client.spec.host_name(0)}#424242"
-        claimed = await store.claim(thread, foreign, (await store.load_head(thread)).epoch)
+        foreign = [f"{client.spec.host_name(i)}#424242" for i in (0, 9)]
+        claimed = [
+            await store.claim(t, owner, (await store.load_head(t)).epoch)
+            for t, owner in zip(threads, foreign, strict=True)
+        ]
         passes = (await client.hosts[0].info.remote())["reconciled"]
 
-        async def reconciled_thrice() -> bool:
+        async def reconciled_thrice() -> bool:  # the Supervisor swept as often meanwhile
             return bool((await client.hosts[0].info.remote())["reconciled"] >= passes + 3)
 
         await wait_for(reconciled_thrice, timeout_s=60, what="three reconcile passes")
-        after = await store.load_head(thread)
-        assert (after.owner, after.version) == (foreign, claimed.version)  # not taken
+        for t, owner, was in zip(threads, foreign, claimed, strict=True):
+            after = await store.load_head(t)
+            assert (after.owner, after.version) == (owner, was.version)  # not taken
         supervisor = ray.get_actor(client.spec.supervisor_name, namespace=NAMESPACE)
         report = await supervisor.report.remote()
         assert report["serves"] is False
-    # the other cluster is gone (its lease given up): ours takes the Run and ends it
-    result = await handle.result(timeout_s=120)
-    assert isinstance(result.run_state, EndedState)
-    assert (await store.load_head(thread)).owner != foreign
+    # the other cluster is gone (its lease given up): ours takes the Runs and ends them
+    for handle, t, owner in zip(handles, threads, foreign, strict=True):
+        result = await handle.result(timeout_s=120)
+        assert isinstance(result.run_state, EndedState)
+        assert (await store.load_head(t)).owner != owner
