@@ -268,7 +268,8 @@ async def test_a_schema_3_store_migrates_and_verifies(sql_url: str) -> None:
         async with store.engine.connect() as conn:
             versions = (await conn.execute(select(schema_version.c.version))).scalars().all()
             rows = {r.thread_id: r for r in await conn.execute(select(threads))}
-        assert sorted(versions) == [1, 2, 3, 4, 5, 6] and SCHEMA_VERSION == 6
+        assert sorted(versions) == [1, 2, 3, 4, 5, 6, 7] and SCHEMA_VERSION == 7
+        assert (await store.hold_lease("system:x", "c1", 30.0)).holder == "c1"  # 7: leases
         for old in olds:
             row = rows[old.thread]
             assert (row.head, row.host) == (old.head, host_of(old.frontier.owner))

@@ -144,7 +144,7 @@ async def test_sqlite_file_is_created_in_wal_mode_and_migrated_once(tmp_path: Pa
                 await conn.execute(select(func.count()).select_from(schema_version))
             ).scalar()
         await store.close()
-        assert mode == "wal" and versions == SCHEMA_VERSION == 6
+        assert mode == "wal" and versions == SCHEMA_VERSION == 7
     assert (tmp_path / "deep" / "er" / "ratchet.db").exists()
 
 
