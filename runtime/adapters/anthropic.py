@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.names import wire_name
-from runtime.adapters.usage import Usage, log, model_name
+from runtime.adapters.usage import Reported, Usage, log, model_name
 from runtime.errors import ModelRefused, ModelUnavailable
 from runtime.ids import CallId, distinct_id
 from runtime.limits import joined
@@ -251,8 +251,7 @@ class MessagesFold:
     stopped: bool = False
     stop_reason: str | None = None
     model: str = ""
-    start_usage: Any = None
-    end_usage: Any = None
+    reported: Reported = field(default_factory=Reported)
 
     def add(self, event: RawMessageStreamEvent) -> list[ModelDelta]:
         try:
@@ -269,7 +268,8 @@ class MessagesFold:
             if self.started:
                 raise ModelUnavailable("malformed_stream", "anthropic: a second message_start")
             self.started = True
-            self.model, self.start_usage = event.message.model, event.message.usage
+            self.model = event.message.model
+            self.reported.add(event.message.usage, USAGE_FIELDS)
         elif event.type == "content_block_start":
             return self._start(event.index, event.content_block)
         elif event.type == "content_block_delta":
@@ -278,12 +278,25 @@ class MessagesFold:
             if event.index in self.uses:
                 self.uses[event.index].stopped = True
         elif event.type == "message_delta":
-            self.stop_reason, self.end_usage = event.delta.stop_reason, event.usage
-            if self.refused_reason() is not None:
-                return [Refusing(reason=self.refused_reason() or "")]
+            self.reported.add(event.usage, USAGE_FIELDS)  # cumulative: the newest count wins
+            return self._stop_reason(event.delta.stop_reason)
         elif event.type == "message_stop":
             self.stopped = True
         return []
+
+    def _stop_reason(self, reason: Any) -> list[ModelDelta]:
+        """A ``message_delta``'s stop reason. A second one may repeat the first or give
+        none; one that says another would undo a refusal already said (``Refusing``)."""
+        if reason is None or reason == self.stop_reason:
+            return []
+        if self.stop_reason is not None:
+            raise ModelUnavailable(
+                "malformed_stream",
+                f"anthropic: stop_reason {reason!r} after {self.stop_reason!r}",
+            )
+        self.stop_reason = reason
+        refused = self.refused_reason()
+        return [] if refused is None else [Refusing(reason=refused)]
 
     def _start(self, index: int, block: Any) -> list[ModelDelta]:
         self.last_block = max(self.last_block, index)
@@ -368,26 +381,34 @@ class MessagesFold:
 
     @property
     def usage(self) -> Usage | None:
-        return usage_of(self.start_usage, self.end_usage, self.model)
+        return _usage(self.reported, self.model)
 
 
 def _json(value: object) -> str:
     return json.dumps(value) if value else ""
 
 
+USAGE_FIELDS = (
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+)
+
+
 def usage_of(start: Any, end: Any, model: str) -> Usage | None:
     """The usage of a message from its ``message_start`` and ``message_delta`` usage
     (the latter's counts are cumulative, so they win where given)."""
-    if start is None and end is None:
+    reported = Reported()
+    reported.add(start, USAGE_FIELDS)
+    reported.add(end, USAGE_FIELDS)
+    return _usage(reported, model)
+
+
+def _usage(reported: Reported, model: str) -> Usage | None:
+    if not reported.any:
         return None
-
-    def count(name: str) -> int:
-        for usage in (end, start):
-            value = getattr(usage, name, None)
-            if type(value) is int:
-                return value
-        return 0
-
+    count = reported.count
     cached = count("cache_read_input_tokens")
     parts = (count("input_tokens"), cached, count("cache_creation_input_tokens"))
     # a negative part would vanish into the sum: kept negative, it is not believed

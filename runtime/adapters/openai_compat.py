@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.names import wire_id, wire_name
-from runtime.adapters.usage import Usage, log, model_name, token_count
+from runtime.adapters.usage import Reported, Usage, log, model_name
 from runtime.errors import ModelRefused, ModelUnavailable
 from runtime.ids import CallId, distinct_id
 from runtime.limits import joined
@@ -243,7 +243,9 @@ class ChatFold:
     text: list[str] = field(default_factory=list)
     calls: dict[int, _Call] = field(default_factory=dict)
     finish_reason: str | None = None
-    usage: Usage | None = None
+    reported: Reported = field(default_factory=Reported)
+    cached: Reported = field(default_factory=Reported)
+    model: str = ""
 
     def add(self, chunk: ChatCompletionChunk) -> list[ModelDelta]:
         try:
@@ -252,9 +254,10 @@ class ChatFold:
             raise ModelUnavailable("malformed_stream", f"openai: unreadable chunk: {exc}") from exc
 
     def _add(self, chunk: ChatCompletionChunk) -> list[ModelDelta]:
-        found = usage_of(chunk)
-        if found is not None and (self.usage is None or counts(found)):
-            self.usage = found  # one of the wrong shape counts nothing, and erases nothing
+        if chunk.usage is not None:  # one of the wrong shape counts nothing, erases nothing
+            self.reported.add(chunk.usage, USAGE_FIELDS)
+            self.cached.add(getattr(chunk.usage, "prompt_tokens_details", None), CACHED)
+            self.model = model_name(getattr(chunk, "model", None))
         deltas: list[ModelDelta] = []
         for choice in chunk.choices:
             if choice.index != 0:  # one choice is asked for (n=1); ignore any other
@@ -324,6 +327,17 @@ class ChatFold:
         starts = fragment.id and fragment.id != self.calls[last].raw_id
         return last + 1 if starts else last
 
+    @property
+    def usage(self) -> Usage | None:
+        if not self.reported.any:
+            return None
+        return Usage(
+            input_tokens=self.reported.count("prompt_tokens"),
+            output_tokens=self.reported.count("completion_tokens"),
+            cached_tokens=self.cached.count("cached_tokens"),
+            model=self.model,
+        )
+
     def cut_in_calls(self) -> bool:
         """The answer was cut by its token limit with calls in it: the last may be cut
         short, and reads whole all the same (no arguments yet, ``{}``)."""
@@ -350,21 +364,14 @@ class ChatFold:
         return ModelResponse(text=joined(self.text), tool_calls=uses, usage=self.usage)
 
 
-def counts(usage: Usage) -> bool:
-    return bool(usage.input_tokens or usage.output_tokens or usage.cached_tokens)
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
+CACHED = ("cached_tokens",)
 
 
 def usage_of(chunk: ChatCompletionChunk) -> Usage | None:
-    """The usage a chunk reports (the last one, with ``include_usage``), if any."""
-    usage = chunk.usage
-    if usage is None:
-        return None
-    # the SDK builds chunks unvalidated: "usage" may be 5, "n/a" or a list, which is
-    # bookkeeping gone wrong, not a reason to throw the model's answer away
-    details = getattr(usage, "prompt_tokens_details", None)
-    return Usage(
-        input_tokens=token_count(getattr(usage, "prompt_tokens", None)),
-        output_tokens=token_count(getattr(usage, "completion_tokens", None)),
-        cached_tokens=token_count(getattr(details, "cached_tokens", None)),
-        model=model_name(getattr(chunk, "model", None)),
-    )
+    """The usage a chunk reports (the last one, with ``include_usage``), if any. The SDK
+    builds chunks unvalidated: "usage" may be 5, "n/a" or a list, which is bookkeeping
+    gone wrong, not a reason to throw the model's answer away."""
+    fold = ChatFold()
+    fold.add(chunk)
+    return fold.usage

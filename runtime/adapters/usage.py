@@ -25,8 +25,32 @@ def token_count(value: object) -> int:
     return value if type(value) is int else 0
 
 
+class Reported:
+    """The counts of a stream's usage reports, each the newest one given: a later report
+    of the wrong shape (a null, a string, a negative count) erases no earlier count. A
+    negative count with none before it is kept, so that it is not believed
+    (``runtime.usage.admitted_usage``)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.any = False
+        """Whether any report came (none: the usage is unknown, not zero)."""
+
+    def add(self, report: object, names: tuple[str, ...]) -> None:
+        if report is None:
+            return
+        self.any = True
+        for name in names:
+            value = getattr(report, name, None)
+            if type(value) is int and (value >= 0 or name not in self.counts):
+                self.counts[name] = value
+
+    def count(self, name: str) -> int:
+        return self.counts.get(name, 0)
+
+
 def model_name(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-__all__ = ["Usage", "log", "model_name", "token_count"]
+__all__ = ["Reported", "Usage", "log", "model_name", "token_count"]

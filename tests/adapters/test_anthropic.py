@@ -668,3 +668,39 @@ async def test_a_refused_answer_is_said_at_its_stop_reason_before_the_stream_end
         assert items[-1] == Refusing(reason=reason)
     finally:
         await stream.aclose()
+
+
+def _delta(stop_reason: str | None, usage: object) -> bytes:
+    delta = {"stop_reason": stop_reason, "stop_sequence": None}
+    return event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "kind", "code"),
+    [
+        ("refusal", None, ModelRefused, "refusal"),
+        ("refusal", "tool_use", ModelUnavailable, "malformed_stream"),
+        ("max_tokens", "tool_use", ModelUnavailable, "malformed_stream"),
+    ],
+)
+async def test_a_second_message_delta_undoes_no_stop_reason(
+    provider, make, first, second, kind, code
+):
+    """A later delta's stop reason replaced the first: a refusal (said at once as
+    ``Refusing``) was undone by a ``tool_use`` or a null, and the call ran."""
+    frames = [message_start(), *tool_use_block(0, "toolu_1", "add", '{"a": 1, "b": 2}')]
+    frames += [_delta(first, {"output_tokens": 9}), _delta(second, {"output_tokens": 9})]
+    frames.append(event("message_stop", {"type": "message_stop"}))
+    provider.reply(Sse(frames))
+    assert await failure(make(), kind) == code
+
+
+@pytest.mark.parametrize("later", ["bad", {"output_tokens": None}, None, {"output_tokens": -5}])
+async def test_a_later_usage_of_the_wrong_shape_erases_no_earlier_count(provider, make, later):
+    frames = [message_start(), *text_block(0, "hi")]
+    frames += [_delta("end_turn", {"output_tokens": 9}), _delta(None, later)]
+    frames.append(event("message_stop", {"type": "message_stop"}))
+    provider.reply(Sse(frames))
+    _, response = await collect(make(), request())
+    assert response.usage is not None
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (35, 9)

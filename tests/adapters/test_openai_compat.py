@@ -707,3 +707,32 @@ async def test_a_usage_chunk_of_the_wrong_shape_erases_no_earlier_count(provider
     _, response = await collect(make(), request())
     assert response.usage is not None
     assert (response.usage.input_tokens, response.usage.output_tokens) == (3, 2)
+
+
+@pytest.mark.parametrize(
+    ("later", "counts"),
+    [
+        ({"prompt_tokens": None, "completion_tokens": 1}, (3, 1)),
+        ({"prompt_tokens": -1, "completion_tokens": 2}, (3, 2)),
+        ({"prompt_tokens": "x"}, (3, 2)),
+    ],
+)
+async def test_a_later_usage_chunk_keeps_each_earlier_count_it_does_not_give(
+    provider, make, later, counts
+):
+    """A null or negative count in a later chunk erased the earlier chunk's (or every
+    count: a negative one made the whole usage unbelieved)."""
+    provider.reply(
+        Sse(
+            [
+                data(openai_chunk({"role": "assistant", "content": "hi"})),
+                data(openai_chunk({}, "stop")),
+                data(openai_chunk(usage={"prompt_tokens": 3, "completion_tokens": 2})),
+                data(openai_chunk(usage=later)),
+                data("[DONE]"),
+            ]
+        )
+    )
+    _, response = await collect(make(), request())
+    assert response.usage is not None
+    assert (response.usage.input_tokens, response.usage.output_tokens) == counts
