@@ -29,7 +29,7 @@ import ray
 from ray.experimental import internal_kv
 
 from actors.wire import NAMESPACE
-from runtime.errors import RatchetError, SystemInUse
+from runtime.errors import RatchetError, StoreUnavailable, SystemInUse
 from runtime.ports import CommitStore
 
 log = logging.getLogger("ratchet.system_lease")
@@ -87,8 +87,8 @@ async def claim_system(store: CommitStore, system: str) -> None:
             raise SystemInUse(system, lease.holder)
         if left is None:
             log.warning(
-                "system %s was served by another Ray cluster (%s); waiting up to %.0f s "
-                "for its lease to run out",
+                "system %s is held by another Ray cluster (%s) for %.0f s more: waiting to "
+                "see whether it renews its lease (it is alive) or not (it died)",
                 system,
                 lease.holder,
                 lease.expires_in_s,
@@ -127,9 +127,12 @@ class LeaseKeeper:
         self._renewed = time.monotonic() if now is None else now  # a failure too
         try:
             held = await hold_system(self.store, self.system)
-        except RatchetError as exc:
+        except StoreUnavailable as exc:  # out for now: as it was, till the store answers
             log.warning("could not renew the lease of system %s: %s", self.system, exc)
             return self.held
+        except RatchetError as exc:  # a lease that does not read (edited by hand): not ours
+            log.error("the lease of system %s does not read: %s", self.system, exc)
+            held = False
         if held != self.held:
             if held:
                 log.warning("this cluster holds the lease of system %s again", self.system)

@@ -144,3 +144,25 @@ async def test_a_cluster_without_the_lease_takes_no_run_of_another(make_system) 
         result = await handle.result(timeout_s=120)
         assert isinstance(result.run_state, EndedState)
         assert (await store.load_head(t)).owner != owner
+
+
+class _LeaseRefused:
+    """A store whose lease read fails: ``error`` raised by every hold."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> None:
+        raise self.error
+
+
+async def test_a_lease_that_does_not_read_is_not_held_an_outage_changes_nothing() -> None:
+    """A lease row edited by hand (a SQLite ``expires_at`` of text, a Redis key of another
+    type) left the Supervisor serving, taking Runs over, on a lease nobody could read."""
+    from actors.system_lease import LeaseKeeper
+    from runtime.errors import StoreError, StoreUnavailable
+
+    out = LeaseKeeper(_LeaseRefused(StoreUnavailable("out")), "s")  # type: ignore[arg-type]
+    assert await out.serves() is True  # as it was: the store will answer again
+    unreadable = LeaseKeeper(_LeaseRefused(StoreError("not a float")), "s")  # type: ignore[arg-type]
+    assert await unreadable.serves() is False
