@@ -135,8 +135,10 @@ def copy_under_way(frontier: Frontier) -> str | None:
     if not owner.startswith(("ratchet-fork#", "ratchet-import#")):
         return None
     count = owner.rpartition("@")[2]
-    if not (count.isdigit() and len(count) < 19) or frontier.version >= int(count):
-        return None  # written whole (or by an earlier release, which named no count)
+    if not (count.isascii() and count.isdigit() and len(count) < 19):
+        return None  # written by an earlier release, which named no count
+    if frontier.version >= int(count):
+        return None  # written whole
     return (
         f"thread {frontier.thread_id} is being written by {owner.partition('#')[0]} "
         f"({frontier.version} of {count} records): run it again to complete it"
