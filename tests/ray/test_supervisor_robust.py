@@ -274,6 +274,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     from actors.orphans import Orphans
     from actors.schedule import Alarms, alarm
     from actors.supervisor import Supervisor
+    from actors.system_lease import LeaseKeeper
     from actors.wire import SystemSpec
     from runtime.engine import Engine
     from runtime.errors import ModelRateLimited
@@ -307,6 +308,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     bare._quarantined_at = {}
     bare._waking = None
     bare.orphans, bare.alarms = Orphans(store, bare._end_orphan), Alarms()
+    bare.lease = LeaseKeeper(store, spec.name)  # held, as Ratchet.connect leaves it
     bare._host_of = lambda frontier: hung  # type: ignore[method-assign]
     await asyncio.wait_for(bare._sweep(), 30)  # not held by the hung host
     await wait_for(lambda: hung.calls == 6, what="every due Run to be asked at once")
