@@ -45,19 +45,17 @@ class ClusterUnavailable(RuntimeError):
 
 
 def store_url_from(store_url: str | None) -> str:
-    """The store URL to use, with a relative SQLite path made absolute (and its folder made).
-
-    Every Ray worker must open the same file, whatever its working directory.
-    """
+    """The store URL to use, with a relative SQLite path made absolute: every Ray worker
+    must open the same file, whatever its working directory. Its folder is made by what
+    writes the store (``storage.sql_sqlite``), not here: a command that only reads makes
+    nothing where no store is."""
     url = store_url or default_store_url()
     if scheme_of(url) != "sqlite":
         return url
     head, sep, path = url.partition(":///")
     if not sep or path.startswith("/") or path in ("", ":memory:"):
         return url
-    absolute = Path(path).resolve()
-    absolute.parent.mkdir(parents=True, exist_ok=True)
-    return f"{head}:///{absolute}"
+    return f"{head}:///{Path(path).resolve()}"
 
 
 def redis_url_from(redis_url: str | None) -> str | None:

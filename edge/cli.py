@@ -99,10 +99,17 @@ async def _serve(
             "name the agents callers may start (--agent MODULE:ATTR, repeatable), "
             "or pass --any-agent"
         )
-    import uvicorn
+    try:
+        import uvicorn
+
+        from edge.app import create_app
+    except ImportError as exc:  # the base install has no web framework
+        raise BadInput(
+            f"ratchet serve needs the serve extra ({exc.name} is missing): "
+            "pip install -e '.[serve]'"
+        ) from None
 
     from cluster.client import Ratchet
-    from edge.app import create_app
     from runtime.agent import load_agent
 
     if os.getcwd() not in sys.path:  # as `ratchet run`: the user's modules are importable

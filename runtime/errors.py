@@ -200,8 +200,8 @@ class SystemInUse(RatchetError):
     def __init__(self, system: str, holder: str) -> None:
         super().__init__(
             f"system {system} is served by another Ray cluster on the same store (cluster "
-            f"{holder}, which renews its lease): join it with --address (or RAY_ADDRESS), "
-            "or stop it first"
+            f"{holder}, which renews its lease): join it with --address (`auto` for a Ray "
+            "on this machine; or RAY_ADDRESS), or stop it first"
         )
         self.system, self.holder = system, holder
 

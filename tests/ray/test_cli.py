@@ -75,6 +75,23 @@ def test_a_command_on_a_sqlite_store_that_is_not_there_makes_none(tmp_path, comm
     assert not (tmp_path / "typo").exists()
 
 
+def test_a_command_on_the_default_store_that_is_not_there_makes_no_folder(tmp_path):
+    """The default store is a relative path (``ratchet-data/ratchet.db``): making it
+    absolute made its folder, so ``ratchet runs`` in an empty directory left one."""
+    env_free = {k: v for k, v in os.environ.items() if k != "RATCHET_STORE_URL"}
+    code = "from cluster.cli import app; app()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "runs"],
+        cwd=tmp_path,
+        env={**env_free, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "no store at" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_run_then_runs_then_show(tmp_path):
     store = f"sqlite:///{tmp_path}/cli.db"
     runner = CliRunner()
@@ -454,3 +471,18 @@ def test_a_reader_that_leaves_ends_the_command_quietly(listed):
     proc.stdout.close()  # long before it writes: it imports Ray first
     assert proc.wait(timeout=60) == 141
     assert proc.stderr.read() == b""
+
+
+def test_serve_without_its_extra_says_which_to_install():
+    """The first command of the README installs no web framework: ``ratchet serve`` then
+    ended in a traceback of ``ModuleNotFoundError: uvicorn``."""
+    code = "import sys; sys.modules['uvicorn'] = None; from cluster.cli import app; app()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "serve", "--no-auth", "--any-agent"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "pip install -e '.[serve]'" in done.stderr
