@@ -58,8 +58,22 @@ PING_TIMEOUT_S = 5.0
 that does not (deadlocked, stopped) keeps its pipe open, so nothing else would end its
 session: it is ended, and the next call opens a fresh one (a stdio server is killed). A
 server whose tool blocks its own event loop for longer looks hung too."""
+CLOSE_WAIT_S = 10.0
+"""How long ``aclose`` waits for a session to end before cancelling it: an HTTP server
+stopped mid-read held it for the client's read timeout (300 s); a stdio server is
+killed and reaped within a few seconds (the SDK's own bound)."""
 
 _T = TypeVar("_T")
+
+
+async def _ended(tasks: list[asyncio.Task[None]]) -> None:
+    """Wait for sessions to end, cancelling those still open after ``CLOSE_WAIT_S``."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 class McpUnavailable(UnavailableBeforeDispatch):
@@ -193,17 +207,18 @@ class McpServer:
         return ToolResult(content=_result_text(result), is_error=result.is_error)
 
     async def aclose(self) -> None:
-        """Close this process's session (a stdio server is stopped and reaped)."""
+        """Close this process's session (a stdio server is stopped and reaped), waiting
+        at most ``CLOSE_WAIT_S`` for each session to end before cancelling it."""
         link, self._link = self._link, None
         ending = [t for t in self._ending if t.get_loop() is asyncio.get_running_loop()]
         if link is None or link.pid != os.getpid() or link.loop.is_closed():
-            await asyncio.gather(*ending, return_exceptions=True)
+            await _ended(ending)
             return
         if link.loop is not asyncio.get_running_loop():
             link.loop.call_soon_threadsafe(link.ended.set)
             return
         link.ended.set()
-        await asyncio.gather(link.task, *ending, return_exceptions=True)
+        await _ended([link.task, *ending])
 
     async def _session(self) -> tuple[_Link, ClientSession]:
         loop = asyncio.get_running_loop()

@@ -528,3 +528,25 @@ def test_the_death_wrapper_finds_a_command_where_the_sdk_runs_it(tmp_path, monke
     command, _ = _dying_with_this_process("./bin/my-server", (), None, str(tmp_path))
     assert command == sys.executable
     assert _dying_with_this_process("no-such-server", (), None, None) == ("no-such-server", ())
+
+
+async def test_a_close_waits_a_bounded_time_for_a_stopped_http_server(records, monkeypatch):
+    """A server stopped (SIGSTOP) while a read of its session was open held ``aclose``
+    for the HTTP client's read timeout, 300 s; the session is now cancelled after
+    ``CLOSE_WAIT_S``."""
+    monkeypatch.setattr(mcp_session, "CLOSE_WAIT_S", 0.5, raising=False)
+    port = free_port()
+    process = await _http_server(records, port)
+    server = McpServer.http(f"http://127.0.0.1:{port}/mcp")
+    try:
+        runner = LocalToolRunner(mcp_tools(server, timeouts={"record": 2.0}))
+        (first,) = await runner.run([invocation("record", "c1", note="before")])
+        assert isinstance(first, Finished)
+        process.send_signal(signal.SIGSTOP)
+        (lost,) = await runner.run([invocation("record", "c2", note="stopped")])
+        assert isinstance(lost, Lost)
+        await asyncio.wait_for(server.aclose(), 30)
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.kill()
+        await asyncio.wait_for(process.wait(), DEADLINE_S)
