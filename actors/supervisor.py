@@ -338,7 +338,11 @@ class Supervisor(HungHosts):
         return len(todo)
 
     async def _take_batch(self, runs: list[RunSummary], settled: str | None) -> None:
-        if runs and not await self.lease.serves():  # asked afresh: see LeaseKeeper.serves
+        try:  # asked afresh: see LeaseKeeper.serves
+            serves = not runs or await self.lease.serves()
+        except StoreLost:  # the tick says so
+            serves = False
+        if not serves:
             self._taking.difference_update(s.thread_id for s in runs)
             return
         store_out = asyncio.Event()  # the store is out: the rest waits for the next pass

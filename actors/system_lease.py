@@ -29,7 +29,7 @@ import ray
 from ray.experimental import internal_kv
 
 from actors.wire import NAMESPACE
-from runtime.errors import RatchetError, StoreUnavailable, SystemInUse
+from runtime.errors import RatchetError, StoreLost, StoreUnavailable, SystemInUse
 from runtime.ports import CommitStore
 
 log = logging.getLogger("ratchet.system_lease")
@@ -130,6 +130,9 @@ class LeaseKeeper:
         except StoreUnavailable as exc:  # out for now: as it was, till the store answers
             log.warning("could not renew the lease of system %s: %s", self.system, exc)
             return self.held
+        except StoreLost:  # the store's own: its caller says so (the Supervisor's report)
+            self.held = False
+            raise
         except RatchetError as exc:  # a lease that does not read (edited by hand): not ours
             log.error("the lease of system %s does not read: %s", self.system, exc)
             held = False

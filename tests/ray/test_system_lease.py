@@ -160,9 +160,13 @@ async def test_a_lease_that_does_not_read_is_not_held_an_outage_changes_nothing(
     """A lease row edited by hand (a SQLite ``expires_at`` of text, a Redis key of another
     type) left the Supervisor serving, taking Runs over, on a lease nobody could read."""
     from actors.system_lease import LeaseKeeper
-    from runtime.errors import StoreError, StoreUnavailable
+    from runtime.errors import StoreError, StoreLost, StoreUnavailable
 
     out = LeaseKeeper(_LeaseRefused(StoreUnavailable("out")), "s")  # type: ignore[arg-type]
     assert await out.serves() is True  # as it was: the store will answer again
     unreadable = LeaseKeeper(_LeaseRefused(StoreError("not a float")), "s")  # type: ignore[arg-type]
     assert await unreadable.serves() is False
+    lost = LeaseKeeper(_LeaseRefused(StoreLost("flushed")), "s")  # type: ignore[arg-type]
+    with pytest.raises(StoreLost):  # the Supervisor's tick reports it (store_lost)
+        await lost.serves()
+    assert lost.held is False
