@@ -95,7 +95,7 @@ class Ratchet:
         store = await _open_store(spec)
         try:  # before any actor starts: another live cluster on this store is refused
             await claim_system(store, spec.name)
-        except BaseException:
+        except BaseException:  # refused or cancelled: the store opened here is closed, re-raised
             await store.close()
             raise
         supervisor(spec)

@@ -289,13 +289,14 @@ def tool_use_block(index: int, use_id: str, name: str, *fragments: str) -> list[
 PING = event("ping", {"type": "ping"})
 
 
-def message_end(stop_reason: str = "end_turn") -> list[bytes]:
+def message_delta(stop_reason: str | None, usage: object) -> bytes:
     delta = {"stop_reason": stop_reason, "stop_sequence": None}
+    return event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+
+
+def message_end(stop_reason: str = "end_turn") -> list[bytes]:
     return [
-        event(
-            "message_delta",
-            {"type": "message_delta", "delta": delta, "usage": {"output_tokens": 15}},
-        ),
+        message_delta(stop_reason, {"output_tokens": 15}),
         event("message_stop", {"type": "message_stop"}),
     ]
 

@@ -39,6 +39,7 @@ from .fake_provider import (
     anthropic_stream,
     event,
     input_json,
+    message_delta,
     message_end,
     message_start,
     text_block,
@@ -670,11 +671,6 @@ async def test_a_refused_answer_is_said_at_its_stop_reason_before_the_stream_end
         await stream.aclose()
 
 
-def _delta(stop_reason: str | None, usage: object) -> bytes:
-    delta = {"stop_reason": stop_reason, "stop_sequence": None}
-    return event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-
-
 @pytest.mark.parametrize(
     ("first", "second", "kind", "code"),
     [
@@ -689,7 +685,7 @@ async def test_a_second_message_delta_undoes_no_stop_reason(
     """A later delta's stop reason replaced the first: a refusal (said at once as
     ``Refusing``) was undone by a ``tool_use`` or a null, and the call ran."""
     frames = [message_start(), *tool_use_block(0, "toolu_1", "add", '{"a": 1, "b": 2}')]
-    frames += [_delta(first, {"output_tokens": 9}), _delta(second, {"output_tokens": 9})]
+    frames += [message_delta(reason, {"output_tokens": 9}) for reason in (first, second)]
     frames.append(event("message_stop", {"type": "message_stop"}))
     provider.reply(Sse(frames))
     assert await failure(make(), kind) == code
@@ -698,7 +694,7 @@ async def test_a_second_message_delta_undoes_no_stop_reason(
 @pytest.mark.parametrize("later", ["bad", {"output_tokens": None}, None, {"output_tokens": -5}])
 async def test_a_later_usage_of_the_wrong_shape_erases_no_earlier_count(provider, make, later):
     frames = [message_start(), *text_block(0, "hi")]
-    frames += [_delta("end_turn", {"output_tokens": 9}), _delta(None, later)]
+    frames += [message_delta("end_turn", {"output_tokens": 9}), message_delta(None, later)]
     frames.append(event("message_stop", {"type": "message_stop"}))
     provider.reply(Sse(frames))
     _, response = await collect(make(), request())

@@ -29,11 +29,15 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ratchet(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    code = "from cluster.cli import app; app()"
+def _ratchet(
+    *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, before: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """``ratchet ARGS`` in a process of its own; ``before``: code run before the CLI."""
+    code = f"{before}from cluster.cli import app; app()"
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
@@ -79,15 +83,7 @@ def test_a_command_on_the_default_store_that_is_not_there_makes_no_folder(tmp_pa
     """The default store is a relative path (``ratchet-data/ratchet.db``): making it
     absolute made its folder, so ``ratchet runs`` in an empty directory left one."""
     env_free = {k: v for k, v in os.environ.items() if k != "RATCHET_STORE_URL"}
-    code = "from cluster.cli import app; app()"
-    done = subprocess.run(
-        [sys.executable, "-c", code, "runs"],
-        cwd=tmp_path,
-        env={**env_free, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _ratchet("runs", cwd=tmp_path, env={**env_free, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 1 and "no store at" in done.stderr, done.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -476,13 +472,7 @@ def test_a_reader_that_leaves_ends_the_command_quietly(listed):
 def test_serve_without_its_extra_says_which_to_install():
     """The first command of the README installs no web framework: ``ratchet serve`` then
     ended in a traceback of ``ModuleNotFoundError: uvicorn``."""
-    code = "import sys; sys.modules['uvicorn'] = None; from cluster.cli import app; app()"
-    done = subprocess.run(
-        [sys.executable, "-c", code, "serve", "--no-auth", "--any-agent"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    no_uvicorn = "import sys; sys.modules['uvicorn'] = None; "
+    done = _ratchet("serve", "--no-auth", "--any-agent", before=no_uvicorn)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "pip install -e '.[serve]'" in done.stderr
