@@ -83,6 +83,15 @@ class RunHandle:
     async def frontier(self) -> Frontier:
         return await self.client.store.load(self.thread_id)
 
+    async def view(self) -> Frontier:
+        """The thread as this Run left it: the thread's frontier while the Run is its
+        latest, as the Run's end left it once a later Run followed (a start repeated
+        for an earlier Run is answered with that Run, not the thread's latest)."""
+        frontier = await self.frontier()
+        if self.run_id is not None and moved_on(frontier.run_id, self.run_id):
+            return await end_of(self.client.store, self.thread_id, self.run_id, frontier.run_id)
+        return frontier
+
     async def result(self, timeout_s: float | None = None) -> Frontier:
         """The frontier once the Run is Ended or Awaiting.
 

@@ -16,12 +16,11 @@ from ray.exceptions import RayActorError
 
 from cluster.config import ClusterUnavailable
 from runtime.commit import Frontier
-from runtime.errors import RunSuperseded
+from runtime.history import end_of_run
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
 from runtime.patience import patiently
 from runtime.ports import CommitStore
-from runtime.rules import replay
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
@@ -76,14 +75,9 @@ def moved_on(current: RunId | None, run_id: RunId | None) -> bool:
 async def end_of(
     store: CommitStore, thread: ThreadId, run_id: RunId, current: RunId | None
 ) -> Frontier:
-    """The thread's whole frontier as ``run_id``'s last commit left it: the store's
-    verified log folded up to that commit. RunSuperseded if the log does not start at
-    its first commit (pruned) or holds no commit of the Run."""
-    records = await patiently(lambda: store.read(thread))
-    ends = [i for i, r in enumerate(records) if r.commit.run_id == run_id]
-    if not ends or records[0].seq != 1:
-        raise RunSuperseded(thread, run_id, current)
-    return replay(thread, [r.commit for r in records[: ends[-1] + 1]])
+    """The thread's whole frontier as ``run_id``'s last commit left it (``end_of_run``),
+    from the store's verified log."""
+    return end_of_run(thread, await patiently(lambda: store.read(thread)), run_id, current)
 
 
 async def on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:

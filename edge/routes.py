@@ -104,7 +104,7 @@ async def at_rest(handle: RunHandle, wait_s: float) -> ThreadSummary:
         if wait_s > 0:
             with contextlib.suppress(TimeoutError):
                 await patiently(lambda: handle.result(timeout_s=wait_s), READ_BACK_S)
-        frontier = await patiently(handle.frontier, READ_BACK_S)
+        frontier = await patiently(handle.view, READ_BACK_S)
     except StoreUnavailable as exc:
         raise HttpProblem(
             503,

@@ -56,7 +56,7 @@ from runtime.errors import (
 from runtime.execution import ExecutionState
 from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
-from runtime.history import copy_under_way
+from runtime.history import copy_under_way, end_of_run
 from runtime.hooks import HookResults
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
 from runtime.inference import Inference
@@ -212,7 +212,8 @@ class Engine(Stepping):
 
         Idempotent by run id: if the Run exists already its frontier is returned as it
         is (whoever drives it; a Run whose driver is gone is recovered by its owner's
-        host or the Supervisor, or in-process by ``recover``). Refused with
+        host or the Supervisor, or in-process by ``recover``); an earlier Run of the
+        thread, as its end left the thread (RunSuperseded if that was pruned). Refused with
         InvalidTransition while another Run of the thread is active, and with
         InputRefused (nothing written) for input or ids over the limits.
 
@@ -239,7 +240,10 @@ class Engine(Stepping):
             if frontier.run_id == run_id or ran_before(frontier, message_id):
                 check_repeated_start(frontier, message_id, text, run_id)
                 self.listening = False  # this engine drives nothing: a signal is not heard
-                return frontier
+                if frontier.run_id == run_id:
+                    return frontier
+                records = await self._retrying(lambda: self.store.read(thread))
+                return end_of_run(thread, records, run_id, frontier.run_id)  # as it ended
             if frontier.run_state is not None and not frontier.ended:
                 raise InvalidTransition(
                     f"thread {thread} already has an active run {frontier.run_id}"

@@ -81,6 +81,7 @@ from runtime.errors import (
     InputRefused,
     PayloadTooLarge,
     RatchetError,
+    RunSuperseded,
     VersionConflict,
 )
 from runtime.facts import facts_of
@@ -96,7 +97,7 @@ from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord, vouched_records
 from runtime.reserved import reserved_problem
-from runtime.rules import admit, check_size, receipt_of, with_claim
+from runtime.rules import admit, check_size, receipt_of, replay, with_claim
 
 __all__ = [
     "ForkRefused",
@@ -124,6 +125,19 @@ def import_owner(head: str, records: int) -> str:
     """The owner that writes an import of the ``records`` of the export whose last record
     is ``head``."""
     return f"ratchet-import#{head}@{records}"
+
+
+def end_of_run(
+    thread: ThreadId, records: Sequence[CommittedRecord], run_id: str, current: str | None
+) -> Frontier:
+    """The thread's whole frontier as ``run_id``'s last commit left it: ``records`` (the
+    thread's verified log) folded up to that commit. RunSuperseded if the log does not
+    start at its first commit (pruned) or holds no commit of the Run (``current``: the
+    thread's latest Run, for the message)."""
+    ends = [i for i, r in enumerate(records) if r.commit.run_id == run_id]
+    if not ends or records[0].seq != 1:
+        raise RunSuperseded(thread, run_id, current)
+    return replay(thread, [r.commit for r in records[: ends[-1] + 1]])
 
 
 def copy_under_way(frontier: Frontier) -> str | None:

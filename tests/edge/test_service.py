@@ -109,6 +109,24 @@ async def test_start_is_idempotent_by_run_id(service, http):
     problem(another, 409, "InvalidTransition")
 
 
+def test_a_start_repeated_after_a_later_run_answers_with_its_own_run(http):
+    """A client whose answer was lost asks again after another Run began: it is told of
+    its own Run (as its end left the thread), not of the later one."""
+    thread, first = new_thread(), {"agent": QUICK, "input": "go", "run_id": "run-first"}
+    ended = http.post(f"/threads/{thread}/runs", params={"wait": 30}, json=first).json()
+    assert ended["run_state"]["kind"] == "ended"
+    later = {"agent": PERMISSION, "input": "again", "run_id": "run-later"}
+    awaiting = http.post(f"/threads/{thread}/runs", params={"wait": 30}, json=later)
+    assert awaiting.json()["run_state"]["kind"] == "awaiting", awaiting.text
+    for wait in (0, 5):
+        again = http.post(f"/threads/{thread}/runs", params={"wait": wait}, json=first)
+        assert again.status_code == 201, again.text
+        assert again.json()["run_id"] == "run-first"
+        assert again.json()["run_state"] == ended["run_state"]
+        assert again.json()["version"] == ended["version"]
+    assert http.get(f"/threads/{thread}").json()["run_id"] == "run-later"
+
+
 def test_a_resume_that_does_not_fit_is_409_and_the_ticket_stays(http):
     thread = start(http)["thread_id"]
     before = http.get(f"/threads/{thread}").json()
