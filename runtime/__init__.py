@@ -23,6 +23,7 @@ from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.engine import Engine, RunContext, StoreRetry, now_us
 from runtime.errors import (
     AgentImportError,
+    CommitRefused,
     CorruptBatch,
     CorruptRecord,
     DuplicateOperation,
@@ -123,6 +124,7 @@ __all__ = [
     "CallId",
     "CallSpec",
     "Command",
+    "CommitRefused",
     "CommitStore",
     "CommittedRecord",
     "CorrelationId",

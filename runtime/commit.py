@@ -27,7 +27,7 @@ from pydantic import AfterValidator, Field, TypeAdapter, ValidationError, model_
 
 from runtime.base import Frozen, canonical_model_json, evolve, is_plain, sha256_hex, trusted
 from runtime.batch import ActiveToolBatch, check_invariants
-from runtime.errors import CorruptRecord
+from runtime.errors import CommitRefused, CorruptRecord
 from runtime.events import Fact
 from runtime.facts import facts_of
 from runtime.frozen import FrozenDict, freeze
@@ -128,7 +128,25 @@ class ThreadCommit(Frozen):
 
     @cached_property
     def payload_hash(self) -> str:
-        return sha256_hex(self.encoded)
+        """Taken before anything is stored (``advance``): text no store can hold as
+        UTF-8 is refused here, whatever part of the commit carries it (the texts a user
+        or a model gives are refused earlier, by name; this catches the rest, such as an
+        agent's own configuration: a plugin id, a session's prompt)."""
+        try:
+            return sha256_hex(self.encoded)
+        except UnicodeEncodeError as exc:
+            raise unstorable_text(self, exc) from None
+
+
+def unstorable_text(commit: ThreadCommit, exc: UnicodeEncodeError) -> CommitRefused:
+    """The refusal of a commit whose encoding holds an unpaired surrogate, with the text
+    before it (escaped), so that the part of the commit carrying it can be told."""
+    around = commit.encoded[max(0, exc.start - 60) : exc.start + 1]
+    return CommitRefused(
+        f"commit {commit.operation_id}",
+        "utf8",
+        f"an unpaired surrogate at {exc.start}, in ...{around!a}",
+    )
 
 
 def _check_legal(commit: ThreadCommit) -> None:

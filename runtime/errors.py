@@ -97,6 +97,12 @@ class InputRefused(RatchetError):
         self.what, self.limit, self.detail = what, limit, detail
 
 
+class CommitRefused(InputRefused):
+    """A commit no store can hold (text with an unpaired surrogate, nesting past
+    ``STORED_DEPTH``), refused before it is written: a Run that makes one ends
+    ``failed(store, <limit>)``."""
+
+
 class HistoryLimitReached(InputRefused):
     """A commit would take the thread past ``history_bytes`` or ``history_commits``
     (``runtime.limits``): a start is refused with nothing written, a Run that reaches

@@ -9,6 +9,7 @@ EndRun, RunOver) never gets here, nor do the errors that mean "not ours to settl
 from __future__ import annotations
 
 from runtime.errors import (
+    CommitRefused,
     CorruptRecord,
     Fenced,
     HistoryLimitReached,
@@ -44,6 +45,8 @@ def failure_of(exc: BaseException) -> Failed:
         return Failed(failure="history_limit", code=exc.limit, message=message)
     if isinstance(exc, PayloadTooLarge):
         return Failed(failure="store", code="payload_too_large", message=message)
+    if isinstance(exc, CommitRefused):
+        return Failed(failure="store", code=exc.limit, message=message)
     if isinstance(exc, StoreError):
         return Failed(failure="store", code=type(exc).__name__, message=message)
     if isinstance(exc, InputRefused):

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from runtime.base import evolve, trusted
-from runtime.commit import Frontier, Receipt, ThreadCommit
+from runtime.commit import Frontier, Receipt, ThreadCommit, unstorable_text
 from runtime.errors import (
+    CommitRefused,
     CorruptRecord,
     DuplicateOperation,
     Fenced,
-    InputRefused,
     InvalidTransition,
     PayloadTooLarge,
     RunEnded,
@@ -148,21 +148,19 @@ def receipt_of(commit: ThreadCommit, seq: int) -> Receipt:
 def check_size(commit: ThreadCommit, limit: int) -> None:
     """What every store checks of a commit before writing it: storable text, ids included
     (no unpaired surrogate), at most ``limit`` bytes, and nested no deeper than a record
-    may be to decode again (``STORED_DEPTH``); InputRefused or PayloadTooLarge otherwise.
+    may be to decode again (``STORED_DEPTH``); CommitRefused or PayloadTooLarge otherwise.
     Its typed parts nest a few levels; only its free-form JSON (command values, fact data)
     can nest deeper, and that is what is measured."""
     text = commit.encoded
     try:
         size = len(text.encode())
     except UnicodeEncodeError as exc:
-        raise InputRefused(
-            f"commit {commit.operation_id}", "utf8", f"an unpaired surrogate at {exc.start}"
-        ) from None
+        raise unstorable_text(commit, exc) from None
     if size > limit:
         raise PayloadTooLarge(size, limit)
     free_form = [c.value for c in commit.commands] + [f.data for f in commit.events]
     if _deeper_than(free_form, STORED_DEPTH - _RECORD_DEPTH):
-        raise InputRefused(
+        raise CommitRefused(
             f"commit {commit.operation_id}",
             "json_depth",
             f"the record nests deeper than {STORED_DEPTH} levels: it would not decode again",

@@ -326,3 +326,38 @@ async def test_a_tools_stop_reason_over_the_limit_is_refused_with_its_result() -
     assert isinstance(done.run_state, EndedState) and done.run_state.cause.kind == "natural"
     ((is_error, content),) = _results(done)
     assert is_error and "tool output refused" in content and "model_text_bytes" in content
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_an_agent_s_own_text_no_store_can_hold_is_refused_typed(backend, tmp_path) -> None:
+    """Text of the agent's own configuration that reaches a commit (a plugin's id, pinned
+    at the activation; a session's prompt, in its ticket) with an unpaired surrogate: the
+    start is refused with nothing written, the Run that meets it mid-way ends
+    ``failed(store, utf8)`` — never a UnicodeEncodeError out of the engine."""
+    from runtime import CommitRefused, InputRefused
+    from runtime.plugins import Contributions, Plugin, PluginManifest
+    from storage.url import open_store
+
+    store = (
+        MemoryCommitStore()
+        if backend == "memory"
+        else await open_store(f"sqlite:///{tmp_path}/s.db")
+    )
+    model = ScriptedModel([ModelResponse(text="hi"), ModelResponse(text="bye")])
+    plugin = Plugin(PluginManifest(id="p\ud800"), lambda: Contributions())
+    with pytest.raises(CommitRefused, match="unpaired surrogate") as refused:
+        await InProcessRunner(Agent(name="a", model=model, plugins=[plugin]), store).start(
+            "go", thread_id="t1"
+        )
+    assert isinstance(refused.value, InputRefused) and refused.value.limit == "utf8"
+    assert (await store.load(ThreadId("t1"))).version == 0
+
+    side = SessionSide(human="your turn\ud800")
+    agent = Agent(name="a", model=model, session=Session(b=side))
+    f = await InProcessRunner(agent, store).start("go", thread_id="t2")
+    assert isinstance(f.run_state, EndedState)
+    cause = f.run_state.cause
+    assert isinstance(cause, Failed) and (cause.failure, cause.code) == ("store", "utf8")
+    assert "your turn" in cause.message
+    assert (await store.load(ThreadId("t2"))).run_state == f.run_state
+    await store.close()
