@@ -82,9 +82,8 @@ class Resume(Body):
 
 class Stop(Body):
     reason: str = Field(
-        min_length=1,
-        pattern=r"\S",
-        description=f"At most {LIMITS.input_bytes} bytes as stored (UTF-8): more is 413",
+        description=f"At most {LIMITS.input_bytes} bytes as stored (UTF-8): more is 413; "
+        "a blank one is 422 InputRefused(empty)",
         examples=["over budget"],
     )
 

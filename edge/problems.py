@@ -171,6 +171,11 @@ def http_problem(request: Request, exc: Exception) -> JSONResponse:
 def validation_problem(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = [_plain(e) for e in exc.errors()]
+    for error in errors:  # pydantic's checks of a text's length or pattern meet it first
+        if error.get("type") == "string_unicode":
+            where = ".".join(str(p) for p in error.get("loc", ()))
+            unpaired = "not valid Unicode text (an unpaired surrogate)"
+            return ratchet_problem(request, InputRefused(where, "utf8", unpaired))
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()))
     detail = f"{where}: {first.get('msg', 'invalid')}" if first else "invalid request"

@@ -277,7 +277,10 @@ def test_the_agui_stream_of_a_real_run_validates(http, asked):
 
 def test_stop_and_cancel(http):
     thread = start(http)["thread_id"]
-    problem(http.post(f"/threads/{thread}/stop", json={"reason": "  "}), 422, "ValidationError")
+    blank = problem(
+        http.post(f"/threads/{thread}/stop", json={"reason": "  "}), 422, "InputRefused"
+    )
+    assert blank["limit"] == "empty"
     stopped = http.post(f"/threads/{thread}/stop", json={"reason": "over budget"})
     assert stopped.status_code == 200, stopped.text
     assert stopped.json()["outcome"] == "stopped"
@@ -399,6 +402,27 @@ def test_a_thread_id_holding_a_slash_is_one_path_segment(http):
     assert http.get(f"/threads/{stem}").json()["run_id"] != "run-slashed"
     not_utf8 = http.post("/threads/%FF/runs", json={"agent": PERMISSION, "input": "x"})
     assert problem(not_utf8, 422, "InputRefused")["limit"] == "utf8"
+
+
+def test_an_unpaired_surrogate_is_input_refused_utf8_in_every_field(http):
+    """Escaped in the JSON (``\\ud800``), in fields pydantic checks for length or pattern
+    as in those it does not: one error kind, naming the field."""
+    thread = start(http)["thread_id"]
+    lone = "x\ud800"
+    bodies = [
+        (f"/threads/{new_thread()}/runs", {"agent": QUICK, "input": lone}),
+        (f"/threads/{new_thread()}/runs", {"agent": QUICK, "input": "x", "run_id": lone}),
+        (f"/threads/{new_thread()}/runs", {"agent": f"{QUICK}{lone}", "input": "x"}),
+        (f"/threads/{thread}/stop", {"reason": lone}),
+        (f"/threads/{thread}/resume", {"payload": APPROVE["payload"], "request_id": lone}),
+        (f"/threads/{thread}/resume", {"payload": {"kind": "user_input", "text": lone}}),
+    ]
+    headers = {"content-type": "application/json"}
+    for path, body in bodies:
+        sent = http.post(path, content=json.dumps(body), headers=headers)  # escaped: ASCII
+        refused = problem(sent, 422, "InputRefused")
+        assert refused["limit"] == "utf8", (path, body, refused)
+    assert http.get(f"/threads/{thread}").json()["run_state"]["kind"] == "awaiting"
 
 
 def test_bodies_the_parser_cannot_read_are_422_naming_the_rule(http):
