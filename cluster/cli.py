@@ -48,7 +48,7 @@ import typer
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, thread_arg
 from cluster.cli_json import emit, show_objects
-from cluster.cli_runs import DEFAULT_LIMIT, run_page, run_query, run_row
+from cluster.cli_runs import DEFAULT_LIMIT, cursor, run_page, run_query, run_row
 from cluster.cli_view import (
     Terminal,
     WatchView,
@@ -211,9 +211,10 @@ async def _runs(flags: tuple[Any, ...], as_json: bool, store: str | None) -> Non
     query = run_query(*flags)  # bad input fails before the store is opened
     db = await _open(store)
     try:
-        rows, next_cursor = await run_page(db, query)
+        rows, last = await run_page(db, query)
     finally:
         await db.close()
+    next_cursor = None if last is None else cursor(last)
     if as_json:
         for row in rows:
             emit(row.json())

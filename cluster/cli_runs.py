@@ -154,9 +154,13 @@ def run_row(frontier: Frontier, meta: RunMeta | None = None) -> RunRow | None:
     )
 
 
-async def run_page(db: Any, query: RunQuery) -> tuple[list[RunRow], str | None]:
-    """Up to ``query.limit`` rows in thread-id order, and the cursor after them (None:
-    this is the last page). One row more is looked for, so a next page is never empty."""
+async def run_page(db: Any, query: RunQuery) -> tuple[list[RunRow], ThreadId | None]:
+    """Up to ``query.limit`` rows in thread-id order, and the thread the next page starts
+    after (None: this is the last page). One row more is looked for, so a next page is
+    never empty. Each row is the thread's verified head, its agent read from the Run's
+    own verified records: the store's listing only names the candidates (its columns
+    are not what a checksum covers), and a thread that does not verify is left out,
+    logged (``ratchet runs``, ``GET /runs``)."""
     listed = await db.list_runs(query.state)
     after = query.after
     threads = sorted(s.thread_id for s in listed if after is None or s.thread_id > after)
@@ -172,7 +176,7 @@ async def run_page(db: Any, query: RunQuery) -> tuple[list[RunRow], str | None]:
         if row is not None and query.admits(row):
             rows.append(row)
             if len(rows) > query.limit:
-                return rows[: query.limit], cursor(rows[query.limit - 1].thread_id)
+                return rows[: query.limit], rows[query.limit - 1].summary.thread_id
     return rows, None
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.wire import run_meta
+from cluster.cli_runs import RunRow
 from runtime.commit import Frontier
 from runtime.ids import ThreadId
 from runtime.lifecycle import (
@@ -130,8 +131,20 @@ class ThreadSummary(BaseModel):
         )
 
 
+class RunItem(RunSummary):
+    """A thread's latest Run in a listing (as ``ratchet runs`` lists it)."""
+
+    agent: str | None = None
+    """The agent the Run was started with (``MODULE:ATTR``); None: not started by
+    reference (a library Run)."""
+
+    @classmethod
+    def of(cls, row: RunRow) -> RunItem:
+        return cls(**row.summary.model_dump(), agent=row.agent)
+
+
 class RunsPage(BaseModel):
-    runs: list[RunSummary]
+    runs: list[RunItem]
     next_cursor: ThreadId | None
     """Pass as ``cursor`` for the next page; None: this was the last."""
 

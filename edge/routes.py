@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 
-from actors.wire import stored_run_meta
 from cluster.cli_args import awaiting_ticket
+from cluster.cli_runs import RunQuery, run_page
 from cluster.client import Ratchet, RunHandle, command_for
 from edge.models import (
     AGENT_REF_CHARS,
@@ -24,6 +24,7 @@ from edge.models import (
     CommitsPage,
     ControlResult,
     Resume,
+    RunItem,
     RunsPage,
     StartRun,
     Stop,
@@ -34,12 +35,11 @@ from edge.problems import HttpProblem, problems
 from edge.strict_json import StrictJsonRoute
 from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
-from runtime.errors import AgentImportError, CorruptRecord, StoreUnavailable
+from runtime.errors import AgentImportError, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState, check_payload
 from runtime.limits import check_id, check_reason
 from runtime.patience import patiently
-from runtime.ports import RunSummary
 
 router = APIRouter(route_class=StrictJsonRoute)
 log = logging.getLogger("ratchet.edge")
@@ -152,34 +152,16 @@ async def list_runs(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[str | None, Query(max_length=LIMITS.id_chars)] = None,
 ) -> RunsPage:
-    """Pages in thread id order; ``cursor`` is the previous page's ``next_cursor``.
-    ``agent`` reads each candidate's head and its latest Run's records (the store's
-    listing does not name the agent), not its whole log."""
+    """Pages in thread id order; ``cursor`` is the previous page's ``next_cursor``. Each
+    item is the thread's verified head with the agent its Run was started with (read
+    from the Run's own records, not the whole log), as ``ratchet runs`` lists it; a
+    thread whose records do not verify is left out (and logged)."""
     if cursor is not None:  # a thread id: one that cannot be is refused, not an empty page
         check_id("cursor", cursor, client.spec.limits)
-    rows = sorted(await client.runs(state), key=lambda r: r.thread_id)
-    page: list[RunSummary] = []
-    for row in rows:
-        if cursor is not None and row.thread_id <= cursor:
-            continue
-        if status is not None and row.status.state != status:
-            continue
-        if agent is not None and await _agent_of(client, row.thread_id) != agent:
-            continue
-        if len(page) == limit:
-            return RunsPage(runs=page, next_cursor=page[-1].thread_id)
-        page.append(row)
-    return RunsPage(runs=page, next_cursor=None)
-
-
-async def _agent_of(client: Ratchet, thread: ThreadId) -> str | None:
-    store = client.store
-    try:
-        meta = await stored_run_meta(store, await store.load_head(thread))
-    except CorruptRecord as exc:  # unverified: no agent is vouched for, the page goes on
-        log.error("thread %s left out of the listing: %s", thread, exc)
-        return None
-    return meta.agent_ref if meta is not None else None
+    after = None if cursor is None else ThreadId(cursor)
+    query = RunQuery(state=state, status=status, agent=agent, limit=limit, after=after)
+    rows, last = await run_page(client.store, query)
+    return RunsPage(runs=[RunItem.of(row) for row in rows], next_cursor=last)
 
 
 @router.post(

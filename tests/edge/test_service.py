@@ -538,7 +538,7 @@ def test_runs_and_commits_are_paged(http):
     everything = http.get("/runs", params={"limit": 1000}).json()["runs"]
     assert [r["thread_id"] for r in everything] == listed
     quick = http.get("/runs", params={"state": "ended", "agent": QUICK}).json()["runs"]
-    assert [r["thread_id"] for r in quick] == [thread]
+    assert [(r["thread_id"], r["agent"]) for r in quick] == [(thread, QUICK)]
     seqs, after = [], 0
     while after is not None:
         page = http.get(f"/threads/{thread}/commits", params={"after": after, "limit": 2}).json()

@@ -78,19 +78,23 @@ async def test_redis_run_fields_edited_by_hand_do_not_wedge_the_run(
 async def test_one_corrupt_thread_does_not_stop_the_listing_of_the_others(
     sql_store: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``ratchet runs`` and ``GET /runs?agent=`` read each listed Run's own records (the
-    listing vouches for heads only): a record of one of them edited by hand leaves that
-    thread out, logged, and lists the rest."""
+    """``ratchet runs`` and ``GET /runs`` (one listing, ``run_page``) read each listed
+    Run's verified head and own records (the store's listing columns are not what a
+    checksum covers): a record of one of them edited by hand leaves that thread out,
+    logged, and lists the rest."""
     from cluster.cli_runs import RunQuery, run_page
-    from edge.routes import _agent_of
+    from edge.routes import list_runs
+    from runtime.limits import DEFAULT_LIMITS
 
     good, bad = ThreadId("a-good"), ThreadId("b-bad")
     await make_victim(sql_store, good)
     victim = await make_victim(sql_store, bad)
     await SqlTamper(sql_store, bad).set_record(3, body=victim.bodies[2].replace("a", "b", 1))
+    client = SimpleNamespace(store=sql_store, spec=SimpleNamespace(limits=DEFAULT_LIMITS))
     with caplog.at_level(logging.ERROR):
         rows, after = await run_page(sql_store, RunQuery())
-        agents = [await _agent_of(SimpleNamespace(store=sql_store), t) for t in (good, bad)]
+        page = await list_runs(client)  # type: ignore[arg-type]
     assert [r.summary.thread_id for r in rows] == [good] and after is None
-    assert agents == [None, None]  # started without an agent reference; the bad one unread
+    assert [(r.thread_id, r.agent) for r in page.runs] == [(good, None)]  # no agent reference
+    assert page.next_cursor is None
     assert "b-bad" in caplog.text and "left out" in caplog.text
