@@ -37,7 +37,14 @@ from runtime.limits import (
     stored_size,
 )
 from runtime.ports import Finished
-from runtime.recovery import MarkIndeterminate, Replay, RunGates, WaitOnCall, plan_calls
+from runtime.recovery import (
+    MarkIndeterminate,
+    Reconnect,
+    Replay,
+    RunGates,
+    WaitOnCall,
+    plan_calls,
+)
 from runtime.signals import EndRun
 from runtime.state import Command, MergePolicy, StateView, check_writable
 
@@ -54,6 +61,8 @@ class CallPlan:
     waiter: CallId | None = None
     parsed: dict[CallId, dict[str, Any]] = field(default_factory=dict)
     """Arguments the gates validated, for the calls' first invocation."""
+    joined: set[CallId] = field(default_factory=set)
+    """Ready calls whose attempt goes on (``Reconnect``): not marked executing again."""
 
 
 def plan(
@@ -74,6 +83,9 @@ def plan(
             out.batch = mark_indeterminate(out.batch, action.call_id, action.reason)
         elif isinstance(action, Replay):
             out.ready.append(action.call_id)
+        elif isinstance(action, Reconnect):
+            out.ready.append(action.call_id)
+            out.joined.add(action.call_id)
         elif isinstance(action, WaitOnCall):
             out.waiter = out.waiter or action.call_id
         elif isinstance(action, RunGates):

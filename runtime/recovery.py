@@ -61,6 +61,16 @@ class Replay(Frozen):
     attempt: int
 
 
+class Reconnect(Frozen):
+    """Executing under ``durable_request`` (a delegation): its attempt goes on. The same
+    call names the same child, which runs on whatever became of its parent: asking for
+    it again joins the child, it does not start another or spend an attempt (only an
+    attempt that ends lost does: its child's host died)."""
+
+    kind: Literal["reconnect"] = "reconnect"
+    call_id: CallId
+
+
 class MarkIndeterminate(Frozen):
     kind: Literal["mark_indeterminate"] = "mark_indeterminate"
     call_id: CallId
@@ -72,7 +82,7 @@ class WaitOnCall(Frozen):
     call_id: CallId
 
 
-CallAction = KeepTerminal | RunGates | Replay | MarkIndeterminate | WaitOnCall
+CallAction = KeepTerminal | RunGates | Replay | Reconnect | MarkIndeterminate | WaitOnCall
 RunAction = NoRun | ContinueStep | ReturnTerminus | WaitForResume
 
 
@@ -113,6 +123,8 @@ def _plan_call(call: ToolCall, supports: Supports) -> CallAction:
         return MarkIndeterminate(
             call_id=call.call_id, reason=f"tool no longer supports the pinned mode {mode}"
         )
+    if mode == "durable_request":
+        return Reconnect(call_id=call.call_id)
     if call.attempts >= call.policy.max_attempts:
         return MarkIndeterminate(
             call_id=call.call_id, reason=f"all {call.policy.max_attempts} attempts used"

@@ -79,7 +79,9 @@ async def advance_batch(
             return  # the loop ends the Run next; its calls are sealed without running
     for i, wave in enumerate(ready_waves):
         marked = opening is not None and i == 0
-        batch = await run_wave(services, ctx, batch, wave, marked=marked, parsed=planned.parsed)
+        batch = await run_wave(
+            services, ctx, batch, wave, marked=marked, parsed=planned.parsed, joined=planned.joined
+        )
     lone_child = batch.awaiting_call()
     waiter = lone_child.call_id if lone_child is not None else planned.waiter
     if waiter is not None:
@@ -117,20 +119,24 @@ async def run_wave(
     *,
     marked: bool = False,
     parsed: dict[CallId, dict[str, Any]] | None = None,
+    joined: set[CallId] | frozenset[CallId] = frozenset(),
 ) -> ActiveToolBatch:
     """Commit executing for the wave, run it in one round trip, commit its results.
 
     ``parsed`` holds arguments the gates validated; each serves one invocation only, so
-    a retried call gets freshly parsed arguments, as the first attempt did.
+    a retried call gets freshly parsed arguments, as the first attempt did. ``joined``:
+    calls whose committed attempt goes on (a recovered delegation rejoins its child), run
+    at first without a new attempt, and not committed again if they are all the wave.
     """
     parsed = {} if parsed is None else parsed
     commands: list[Command] = []
     undispatched: set[CallId] = set()
     members = list(wave)
     while wave:
-        if not marked:
-            for call_id in wave:
-                batch = mark_executing(batch, call_id, undispatched=call_id in undispatched)
+        marking = [] if marked else [c for c in wave if c not in joined]
+        for call_id in marking:
+            batch = mark_executing(batch, call_id, undispatched=call_id in undispatched)
+        if marking or commands:
             # the delegation relationship is committed with executing, before any child starts;
             # so are the commands of calls that finished beside those retried now: the
             # batch committed here holds those calls completed, and a recovery from it
@@ -140,10 +146,10 @@ async def run_wave(
                 "executing",
                 ctx.running(),
                 batch=batch,
-                commands=(*commands, *_relationships(services, ctx, batch, wave)),
+                commands=(*commands, *_relationships(services, ctx, batch, marking)),
             )
             commands.clear()
-        marked = False
+        marked, joined = False, frozenset()  # a call retried after a loss: a new attempt
         services.faults.hit("during:tools")
         with tracing.tool_calls(batch, wave) as spans:  # a no-op while tracing is off
             work = _dispatch(services, ctx, batch, wave, parsed, spans)

@@ -611,3 +611,26 @@ async def test_ending_a_parent_ends_its_children_whatever_the_system_s_id_limit(
     await r.engine().terminate(ThreadId("p"))
     for thread in ("p", child_thread, grand_thread):
         assert (await store.load(ThreadId(thread))).ended, thread
+
+
+async def test_a_parent_recovered_again_and_again_rejoins_its_children_without_spending_attempts():
+    """A parent that dies while its delegations are executing, more times than a call
+    has attempts, rejoins the same children each time (``Reconnect``): its own deaths are
+    no attempt of its children's, which run on (an attempt is spent only when a child's
+    host is lost). Spending one per recovery ended the parent indeterminate on its
+    third death and cancelled a healthy tree."""
+    store = MemoryCommitStore()
+    with pytest.raises(Crash):
+        await runner(agents.fanout(), store).start(
+            "go", thread_id="p", faults=FaultPlan(("during:tools", 1))
+        )
+    for _ in range(4):  # max_attempts is 3
+        with pytest.raises(Crash):
+            await runner(agents.fanout(), store).recover("p", faults=FaultPlan(("during:tools", 1)))
+        calls = (await store.load("p")).batch.calls
+        assert {(c.phase.kind, c.attempts) for c in calls} == {("executing", 1)}
+    f = await runner(agents.fanout(), store).recover("p")
+    assert f.run_state.cause.kind == "natural"
+    assert json.loads(f.messages[-1].text) == [f"done: task {i}" for i in range(8)]
+    for kid in await children_of(store, f):
+        assert await activations(store, kid.thread_id) == 1

@@ -30,6 +30,7 @@ from runtime.recovery import (
     KeepTerminal,
     MarkIndeterminate,
     NoRun,
+    Reconnect,
     Replay,
     ReturnTerminus,
     RunGates,
@@ -39,6 +40,7 @@ from runtime.recovery import (
 
 RUN, THREAD = RunId("r"), ThreadId("t")
 SAFE = ToolRecoveryPolicy(mode="replay_safe", max_attempts=2)
+DURABLE = ToolRecoveryPolicy(mode="durable_request", max_attempts=2)
 
 
 def batch(*policies: ToolRecoveryPolicy):
@@ -109,6 +111,13 @@ ROWS = [
         supports_all,
         ContinueStep(),
         (MarkIndeterminate(call_id=c(0), reason="all 2 attempts used"),),
+    ),
+    (
+        "executing, durable_request (a delegation): its attempt goes on, whatever its count",
+        running(mark_executing(mark_executing(batch(DURABLE), c(0)), c(0))),
+        supports_all,
+        ContinueStep(),
+        (Reconnect(call_id=c(0)),),
     ),
     (
         "a call awaiting",
