@@ -109,6 +109,7 @@ async def _serve(
             "pip install -e '.[serve]'"
         ) from None
 
+    from actors.heap import freeze_startup_heap
     from cluster.client import Ratchet
     from runtime.agent import load_agent
 
@@ -126,6 +127,7 @@ async def _serve(
     )
     try:
         app = create_app(client, options, agents=agents or ())
+        freeze_startup_heap()  # Ray's client, FastAPI, the agents: out of every collection
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level)
         await uvicorn.Server(config).serve()
     finally:
