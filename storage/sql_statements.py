@@ -23,7 +23,10 @@ from sqlalchemy import (
     any_,
     bindparam,
     cast,
+    exists,
     func,
+    literal_column,
+    or_,
     select,
     true,
     union,
@@ -76,17 +79,36 @@ UPDATE_THREADS = _Many(
 )
 INSERT_COMMITS = _Many(commits.insert(), [c.name for c in commits.columns])
 INSERT_THREADS = _Many(threads.insert(), [c.name for c in ROW_COLUMNS])
+_at_head = commits.alias("at_head")
+HEAD_KEPT = or_(
+    _t.version == literal_column("0"),  # no bound parameter: ``_Many`` binds only its own
+    and_(_t.pruned_through.is_not(None), _t.pruned_through == _t.version),  # never NULL
+    exists().where(
+        _at_head.c.thread_id == _t.thread_id,
+        _at_head.c.seq == _t.version,
+        _at_head.c.payload_hash == _t.head,
+    ),
+)
+"""The record at a thread row's version is stored, with the hash the row names as its
+head (or pruned through it, or there is none yet). An append writes the next record
+without reading the log; a head record deleted by hand would otherwise be written
+past, leaving a gap every later read refuses, under a Run that went on as if whole."""
+HEADLESS = select(_t.thread_id).where(
+    _t.thread_id.in_(bindparam("ids", expanding=True)), ~HEAD_KEPT
+)
+"""Which of the thread rows ``ids`` have lost their head record (``HEAD_KEPT``)."""
 UPDATE_UNCHANGED = _Many(
     threads.update().where(
         _t.thread_id == bindparam("b_thread"),
         _t.version == bindparam("b_version"),
         _t.epoch == bindparam("b_epoch"),
         _t.owner.is_not_distinct_from(bindparam("b_owner")),
+        HEAD_KEPT,
     ),
     [*_THREAD_COLUMNS, "b_thread", "b_version", "b_epoch", "b_owner"],
 )
 """Update a thread row only if it is still at the version, epoch and owner a plan
-started from."""
+started from, its head record kept (``HEAD_KEPT``)."""
 LATEST_SEQ = select(func.max(_c.seq)).where(_c.thread_id == bindparam("thread"))
 _tail = commits.alias("tail")
 _LAST_SEQ = (
@@ -339,6 +361,10 @@ def _pg_planned_statement() -> PgStatement:
         f" FROM {unnest('u_', row_cols, (_t.version, _t.epoch, _t.owner))}"
         " WHERE t.thread_id = v.thread_id AND t.version = v.b_version"
         " AND t.epoch = v.b_epoch AND t.owner IS NOT DISTINCT FROM v.b_owner"
+        " AND (t.version = 0 OR t.pruned_through IS NOT NULL AND t.pruned_through = t.version"
+        " OR EXISTS (SELECT 1"
+        f" FROM {commits.name} AS h WHERE h.thread_id = t.thread_id AND h.seq = t.version"
+        " AND h.payload_hash = t.head))"  # HEAD_KEPT
         f" AND {bounded} RETURNING 1),"
         f" fresh AS (INSERT INTO {threads.name} ({thread_names})"
         f" SELECT {thread_names} FROM {unnest('f_', row_cols)} WHERE {bounded} RETURNING 1),"

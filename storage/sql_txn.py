@@ -38,6 +38,7 @@ from storage.sql_statements import (
     DROP_UNUSED,
     HASH_AT,
     HEAD,
+    HEADLESS,
     INSERT_COMMITS,
     INSERT_FRESH,
     INSERT_PRUNED,
@@ -119,8 +120,11 @@ class Group:
         cache: FrontierCache,
         frontiers: dict[str, Frontier] | None = None,
         deferred: list[tuple[Frontier, ThreadCommit]] | None = None,
+        headless: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.rows = rows
+        self.headless = headless
+        """Threads whose row's head record is gone (``HEADLESS``): no append goes past it."""
         self.known = known
         self.cache = cache
         self.frontiers: dict[str, Frontier] = frontiers or {}
@@ -149,6 +153,9 @@ class Group:
     def _append(self, request: AppendRequest) -> Receipt:
         commit = request.commit
         thread, operation = commit.thread_id, commit.operation_id
+        if thread in self.headless:
+            version = self.rows[thread].version
+            raise CorruptRecord(thread, version, "the record at the frontier's head is gone")
         known = self.known.get((thread, operation))
         outcome = admit(
             self.frontier(thread),
@@ -363,7 +370,9 @@ def group_txn(conn: Connection, group: Sequence[Request], cache: FrontierCache) 
     """Lock, admit each request on its own, then write what was admitted."""
     pairs = [(r.thread, r.commit.operation_id) for r in group if isinstance(r, AppendRequest)]
     rows, known, created = lock(conn, {r.thread for r in group}, pairs, cache)
-    pure = Group(rows, known, cache)
+    appended = sorted({thread for thread, _ in pairs if thread in rows})
+    headless = set(conn.execute(HEADLESS, {"ids": appended}).scalars()) if appended else set()
+    pure = Group(rows, known, cache, headless=headless)
     outcomes = [pure.admit(request) for request in group]
     if pure.new_commits:
         INSERT_COMMITS(conn, pure.new_commits)

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from cluster.cli_prune import register
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
 from runtime.commit import Frontier, ThreadCommit
-from runtime.errors import CorruptRecord, InvalidTransition
+from runtime.errors import CorruptRecord, InvalidTransition, RunSuperseded
 from runtime.history import ForkRefused, HistoryRefused, export, fork
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import audit, audit_thread
@@ -213,15 +213,18 @@ async def test_a_start_retried_after_its_run_was_pruned_does_not_run_it_again(
 ) -> None:
     """A start is idempotent by run id; an earlier Run's start receipt goes with a prune,
     yet its input message stays in the history: a retried start of it is that Run's
-    repeat (the thread as it is), never a second Run under the same id (its tool calls
-    would reuse their operation ids); with another input it is refused."""
+    repeat, never a second Run under the same id (its tool calls would reuse their
+    operation ids). Its end, which would answer it, went with the prune: RunSuperseded
+    says so (not the later Run's frontier, as if it were this one's); with another input
+    it is refused."""
     agent = Agent(name="again", model=ScriptedModel([ModelResponse(text="hi")] * 3))
     runner = InProcessRunner(agent, store)
-    await runner.start("first", thread_id=T, run_id="run-x")
+    first = await runner.start("first", thread_id=T, run_id="run-x")
     second = await runner.start("second", thread_id=T, run_id="run-y")
+    assert (await runner.start("first", thread_id=T, run_id="run-x")).version == first.version
     assert await store.prune(T, second.version) == second.version
-    repeated = await runner.start("first", thread_id=T, run_id="run-x")
-    assert (repeated.run_id, repeated.version) == ("run-y", second.version)
+    with pytest.raises(RunSuperseded, match="run-y"):
+        await runner.start("first", thread_id=T, run_id="run-x")
     with pytest.raises(InvalidTransition, match="another input"):
         await runner.start("not the first", thread_id=T, run_id="run-x")
     assert (await store.load(T)).version == second.version  # nothing was written

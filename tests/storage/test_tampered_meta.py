@@ -4,13 +4,14 @@ Each is either checked against what the chain vouches for or never acted on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
@@ -98,3 +99,41 @@ async def test_one_corrupt_thread_does_not_stop_the_listing_of_the_others(
     assert [(r.thread_id, r.agent) for r in page.runs] == [(good, None)]  # no agent reference
     assert page.next_cursor is None
     assert "b-bad" in caplog.text and "left out" in caplog.text
+
+
+async def test_a_head_record_deleted_under_a_running_run_stops_its_next_append(
+    sql_store: Any,
+) -> None:
+    """An append writes the next record without reading the log. The record at the
+    frontier's head deleted by hand while a Run ran (its tool still busy) was written
+    past: the Run went on over the gap to its end, ``ended natural``, and only later
+    reads refused the thread. The append now checks the head record is still there (in
+    the planned group's update, and in the read-first group): CorruptRecord, nothing
+    more written."""
+    from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel, call, tool
+
+    busy, release = asyncio.Event(), asyncio.Event()
+
+    @tool(recovery=("replay_safe",))
+    async def slow() -> str:
+        busy.set()
+        await release.wait()
+        return "done"
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("slow", "c1"),)), ModelResponse(text="ok")]
+    )
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[slow]), sql_store)
+    drive = asyncio.create_task(runner.start("go", thread_id="t-gap"))
+    await asyncio.wait_for(busy.wait(), 10)
+    head = await sql_store.load_head(ThreadId("t-gap"))
+    await SqlTamper(sql_store, ThreadId("t-gap")).delete(head.version)
+    release.set()
+    with pytest.raises(CorruptRecord, match="head is gone"):
+        await asyncio.wait_for(drive, 30)
+    stored = await SqlTamper(sql_store, ThreadId("t-gap"))._run(
+        select(func.max(commits.c.seq)).where(commits.c.thread_id == "t-gap")
+    )
+    assert stored == [(head.version - 1,)]  # nothing written past the gap
+    with pytest.raises(CorruptRecord):
+        await sql_store.load(ThreadId("t-gap"))
