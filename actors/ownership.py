@@ -11,7 +11,8 @@ running again.
 **Dead letters.** Each such status commit counts (``Frontier.failed_recoveries``,
 reset by any progress). The ``DEAD_LETTER_AFTER``-th loss in a row ends the Run
 ``failed(recovery)`` with the last reason instead (``ratchet runs --failed``): a Run
-that kills its host every time, or that no host can rebuild, stops being retried.
+that kills its host every time, or that no host can rebuild, stops being retried. Not
+while a child it waits on runs on (``children_run_on``): it is marked lost again.
 A failed recovery counts too, whether it failed in the host (``again``) or took its
 host down with it before the Run was running again: the Run is then still marked
 lost, by an owner that is gone, and whoever finds it so marks it again.
@@ -26,9 +27,9 @@ from typing import Literal
 from runtime.commit import Frontier, ThreadCommit, assemble_commit
 from runtime.context import RunContext
 from runtime.control import control_engine
-from runtime.delegation import ChildRunner
+from runtime.delegation import CHILDREN_KEY, ChildRunner
 from runtime.engine import RACES, Engine
-from runtime.errors import Fenced, RunEnded, VersionConflict
+from runtime.errors import CorruptRecord, Fenced, RunEnded, VersionConflict
 from runtime.execution import ExecutionState
 from runtime.ids import ThreadId
 from runtime.lifecycle import Failed, RunningState
@@ -89,7 +90,8 @@ async def mark_lost(
         if frontier.status.state != "running" and not again:
             return None  # marked already; whoever marked it recovers it
         try:
-            if frontier.failed_recoveries + 1 >= dead_letter_after:
+            due = frontier.failed_recoveries + 1 >= dead_letter_after
+            if due and not await children_run_on(store, frontier):
                 engine = control_engine(store, owner=owner, publisher=publisher, children=children)
                 await _dead_letter(engine, frontier, state, reason, dead_letter_after)
                 return "dead_lettered"
@@ -100,6 +102,29 @@ async def mark_lost(
             log.info("marking %s lost raced a commit (%s); looking again", thread, exc)
     log.warning("thread %s kept moving; not marked lost", thread)
     return None
+
+
+async def children_run_on(store: CommitStore, frontier: Frontier) -> bool:
+    """Whether a child of one of the Run's executing delegations is still running or
+    awaiting. A parent that waits on it runs none of its own code (a recovered one only
+    rejoins it), so the deaths of its host are not its doing, and a dead letter would
+    cancel children that run on: it waits until they end (a child that does not verify
+    is taken for ended)."""
+    batch = frontier.batch
+    if batch is None:
+        return False
+    children = frontier.state.get("run", {}).get(CHILDREN_KEY, {})
+    for call in batch.calls:
+        thread = children.get(call.call_id) if isinstance(children, dict) else None
+        if call.phase.kind != "executing" or not isinstance(thread, str):
+            continue
+        try:
+            child = await store.load_head(ThreadId(thread))
+        except CorruptRecord:
+            continue
+        if child.run_state is not None and not child.ended:
+            return True
+    return False
 
 
 def _lost(frontier: Frontier, state: RunningState, owner: str, reason: str) -> ThreadCommit:

@@ -634,3 +634,47 @@ async def test_a_parent_recovered_again_and_again_rejoins_its_children_without_s
     assert json.loads(f.messages[-1].text) == [f"done: task {i}" for i in range(8)]
     for kid in await children_of(store, f):
         assert await activations(store, kid.thread_id) == 1
+
+
+async def test_a_parent_is_not_dead_lettered_while_a_child_it_waits_on_runs_on(monkeypatch):
+    """A parent's host dying three times in a row while the parent only waits on its
+    children (its recoveries rejoin them, committing nothing: no progress) is marked
+    lost, not dead-lettered: that would cancel children that run on. Once they end, the
+    next loss is the dead letter the count asked for."""
+    from actors.ownership import mark_lost  # imports ray, starts nothing
+
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
+    store = MemoryCommitStore()
+    agent = agents.fanout_agent("slow_worker", 2)
+    runner = InProcessRunner(agent, store, agent_ref=f"{HERE}:{agent.name}")
+    drive = asyncio.create_task(runner.start("go", thread_id="p"))
+
+    async def children_waiting() -> bool:
+        p = await store.load(ThreadId("p"))
+        kids = p.state.get("run", {}).get("children", {})
+        heads = [await store.load(ThreadId(t)) for t in kids.values()]
+        return len(heads) == 2 and all(h.batch is not None for h in heads)
+
+    await until(children_waiting, what="both children in their tool")
+    owner = (await store.load(ThreadId("p"))).owner
+    for n in range(4):  # past the dead letter's three
+        marked = await mark_lost(store, ThreadId("p"), f"host-{n}", lost_owner=owner, again=n > 0)
+        assert marked == "lost", n
+        owner = f"host-{n}"
+    assert (await store.load(ThreadId("p"))).failed_recoveries == 4
+    agents.BLOCK.set()  # the children end (their parent's drive, fenced, hears nothing)
+
+    async def children_ended() -> bool:
+        p = await store.load(ThreadId("p"))
+        kids = p.state["run"]["children"].values()
+        return all([(await store.load(ThreadId(t))).ended for t in kids])
+
+    await until(children_ended, what="both children ended")
+    marked = await mark_lost(store, ThreadId("p"), "host-9", lost_owner=owner, again=True)
+    assert marked == "dead_lettered"
+    ended = (await store.load(ThreadId("p"))).run_state
+    assert isinstance(ended, EndedState) and ended.cause.kind == "failed"
+    assert ended.cause.failure == "recovery"
+    drive.cancel()
+    with contextlib.suppress(BaseException):
+        await drive
