@@ -44,7 +44,7 @@ from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, po
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
-from runtime.errors import CorruptRecord, StoreError, StoreUnavailable
+from runtime.errors import CorruptRecord, StoreError, StoreUnavailable, SystemInUse
 from runtime.ids import RunId, ThreadId
 from runtime.limits import check_id, check_text
 from runtime.patience import patiently
@@ -95,8 +95,10 @@ class Ratchet:
         store = await _open_store(spec)
         try:  # before any actor starts: another live cluster on this store is refused
             await claim_system(store, spec.name)
-        except BaseException:  # refused or cancelled: the store opened here is closed, re-raised
+        except BaseException as exc:  # refused or cancelled: the store opened here is closed
             await store.close()
+            if isinstance(exc, SystemInUse) and spec.funnels_writes:
+                _kill([spec.store_name])  # it would hold the store open here, for nobody
             raise
         supervisor(spec)
         pool = [hosted_host(spec, i) for i in range(spec.hosts)]

@@ -66,16 +66,23 @@ def _actors_of(system: str) -> list[str]:
     ]
 
 
-async def test_a_cluster_is_refused_a_store_another_live_cluster_serves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["direct", "actor"])
+async def test_a_cluster_is_refused_a_store_another_live_cluster_serves(
+    tmp_path: Path, writer: str
+) -> None:
+    """Refused before any host or Supervisor starts; a store actor (SQLite behind one)
+    started to ask for the lease goes too: it held the store open for nobody."""
     url = store_url_from(f"sqlite:///{tmp_path}/served.db")
     system = system_name(url)
     store = await open_store(url)
     try:
         async with another_cluster(store, system, LEASE_TTL_S):
             with pytest.raises(SystemInUse) as refused:
-                await Ratchet.connect(store_url=url)
+                await Ratchet.connect(store_url=url, sqlite_writer=writer)
             assert refused.value.holder == OTHER
-            assert _actors_of(system) == []  # refused before any actor started
+            await wait_for(  # refused before any other actor started; a store actor killed
+                lambda: asyncio.sleep(0, _actors_of(system) == []), what="no actor left"
+            )
     finally:
         await store.close()
 
