@@ -69,6 +69,8 @@ async def advance_batch(
     refused = opening.refused if opening is not None else None
     planned = plan(services, ctx.frontier.state, batch, refused)
     batch = planned.batch
+    if opening is None:  # a batch committed before: a recovery may have sealed calls
+        await _after_sealed(services, ctx, batch)
     ready_waves = waves(services.agent, batch, planned.ready)
     if opening is not None:
         # cancelled as the model answered, or stopped by an AfterInference hook
@@ -171,17 +173,9 @@ async def run_wave(
         ctx.pending.extend(commands)
         return batch
     hooks = HookResults(alongside=commands)
-    if services.agent.hooks:  # else skip even building each call's arguments
-        try:
-            for call_id in members:
-                call = batch.call(call_id)
-                await services.hooks(ctx, "AfterTool", hooks, step=batch.step, call=call)
-        except HookFailed as failed:  # the Run ends; what the tools did is kept in its end
-            raise EndRun(failure_of(failed), batch, commands) from failed
-        except CancelledSignal:  # cancelled or stopped while its hooks ran: the same
-            raise EndRun(services.control_cause(ctx), batch, commands) from None
-        if any(forces(c) for c in hooks.commands):  # a hook's force_turn came last: it counts
-            commands = [c for c in commands if not forces(c)]
+    await _after_tool(services, ctx, batch, members, hooks, commands)
+    if any(forces(c) for c in hooks.commands):  # a hook's force_turn came last: it counts
+        commands = [c for c in commands if not forces(c)]
     try:  # the next inference may begin before this lands (Committing.commit, ``landing``)
         await services.commit(
             ctx,
@@ -194,6 +188,48 @@ async def run_wave(
     except StateConflict as conflict:  # the tools' own commands clash: refused, unwritten
         raise EndRun(failure_of(conflict), batch) from conflict  # their results are kept
     return batch
+
+
+async def _after_tool(
+    services: StepServices,
+    ctx: RunContext,
+    batch: ActiveToolBatch,
+    call_ids: Sequence[CallId],
+    hooks: HookResults,
+    kept: Sequence[Command],
+) -> None:
+    """The AfterTool hooks of ``call_ids``, their commands into ``hooks``. A hook that
+    fails ends the Run, and so does a cancel or stop while they run: what the tools did
+    (``batch``, and ``kept``: their commands) is kept in its end."""
+    if not services.agent.hooks:  # else skip even building each call's arguments
+        return
+    try:
+        for call_id in call_ids:
+            call = batch.call(call_id)
+            await services.hooks(ctx, "AfterTool", hooks, step=batch.step, call=call)
+    except HookFailed as failed:
+        raise EndRun(failure_of(failed), batch, kept) from failed
+    except CancelledSignal:
+        raise EndRun(services.control_cause(ctx), batch, kept) from None
+
+
+async def _after_sealed(services: StepServices, ctx: RunContext, batch: ActiveToolBatch) -> None:
+    """A recovery's gates sealed calls whose tool may have run (``never_replay``, or a
+    tool that dropped its pinned mode: now ``indeterminate``): their AfterTool hooks run
+    before anything commits that seal, as a call that timed out has them; their
+    commands ride with the next commit."""
+    before = ctx.frontier.batch
+    sealed = [
+        c.call_id
+        for c in batch.calls
+        if c.phase.kind == "indeterminate"
+        and before is not None
+        and before.call(c.call_id).phase.kind == "executing"
+    ]
+    if sealed:
+        hooks = HookResults()
+        await _after_tool(services, ctx, batch, sealed, hooks, ())
+        ctx.pending.extend(hooks.commands)
 
 
 async def _dispatch(

@@ -361,3 +361,49 @@ async def test_an_agent_s_own_text_no_store_can_hold_is_refused_typed(backend, t
     assert "your turn" in cause.message
     assert (await store.load(ThreadId("t2"))).run_state == f.run_state
     await store.close()
+
+
+@pytest.mark.parametrize("mode", ["never_replay", "replay_safe"])
+async def test_a_call_a_recovery_seals_or_runs_again_has_its_after_tool_hooks(mode: str) -> None:
+    """A Step's host died while its tool ran. On recovery a ``replay_safe`` call runs
+    again, a ``never_replay`` one is sealed ``indeterminate`` by the gates: both have
+    their AfterTool hooks before the commit that makes them terminal (as a call that
+    timed out has), their commands committed; one that raises ends the Run
+    failed(hook). The sealed call skipped them: an audit hook never saw the uncertain
+    payment, and the Run ended natural."""
+    from runtime import Crash, FaultPlan
+
+    seen: list[tuple[str, str]] = []
+
+    def audit(h: Any) -> HookOutput:
+        seen.append((h.call.call_id, h.call.phase.kind))
+        return HookOutput(commands=[Command(key="audited", merge="commutative", value=1)])
+
+    @tool(recovery=(mode,))
+    def pay() -> str:
+        return "paid"
+
+    def agent(hooks: list[Hook]) -> Agent:
+        model = ScriptedModel(
+            [ModelResponse(tool_calls=(call("pay", "c0"),)), ModelResponse(text="ok")]
+        )
+        return Agent(name="a", model=model, tools=[pay], hooks=hooks)
+
+    for hooks in ([Hook("AfterTool", audit)], [Hook("AfterTool", _raising("SystemExit"))]):
+        store = MemoryCommitStore()
+        with pytest.raises(Crash):
+            await InProcessRunner(agent(hooks), store).start(
+                "go", thread_id="t", faults=FaultPlan(("during:tools", 1))
+            )
+        done = await InProcessRunner(agent(hooks), store).recover("t")
+        assert isinstance(done.run_state, EndedState)
+        if hooks[0].fn is audit:
+            kind = "indeterminate" if mode == "never_replay" else "completed"
+            assert seen == [("c0", kind)] and done.run_state.cause.kind == "natural"
+            assert done.state["thread"]["audited"] == 1
+        else:
+            cause = done.run_state.cause
+            assert isinstance(cause, Failed) and (cause.failure, cause.code) == (
+                "hook",
+                "SystemExit",
+            )
