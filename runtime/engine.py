@@ -83,7 +83,7 @@ from runtime.plugin_env import pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, resume_commit, validate_ticket
-from runtime.rules import check_repeated_start, ran_before
+from runtime.rules import check_repeated_start, ran_before, run_id_used
 from runtime.session import opening
 from runtime.signals import (
     CancelledSignal,
@@ -101,6 +101,7 @@ log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
 RACES = 8
 """How often a way in looks again after losing a race, before it gives up."""
+NEW_ID = "a new Run needs a new id"
 
 
 class Engine(Stepping):
@@ -244,6 +245,8 @@ class Engine(Stepping):
                     return frontier
                 records = await self._retrying(lambda: self.store.read(thread))
                 return end_of_run(thread, records, run_id, frontier.run_id)  # as it ended
+            if run_id_used(frontier, run_id):  # asked with another input or agent
+                raise InvalidTransition(f"run {run_id} already ran on thread {thread}; {NEW_ID}")
             if frontier.run_state is not None and not frontier.ended:
                 raise InvalidTransition(
                     f"thread {thread} already has an active run {frontier.run_id}"
@@ -268,7 +271,7 @@ class Engine(Stepping):
                     continue
                 if isinstance(exc, DuplicateOperation):  # an earlier Run here had this id
                     raise InvalidTransition(
-                        f"run {run_id} already ran on thread {thread}; a new Run needs a new id"
+                        f"run {run_id} already ran on thread {thread}; {NEW_ID}"
                     ) from None
                 raise
             return await self._drive(ctx)

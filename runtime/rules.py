@@ -305,6 +305,20 @@ def ran_before(frontier: Frontier, message_id: str) -> bool:
     return any(isinstance(m, UserMessage) and m.id == message_id for m in frontier.messages)
 
 
+def run_id_used(frontier: Frontier, run_id: str) -> bool:
+    """Whether a Run of the thread was started under ``run_id``, whatever it was asked
+    with: by its input message's id, as the engine (``RUN:input``) and the cluster
+    (``RUN:input|placement|agent``) name it. The history keeps that message when a
+    prune drops the Run's receipts, which alone made the store refuse the id again."""
+    own = f"{run_id}:input"
+    for m in frontier.messages:
+        if isinstance(m, UserMessage) and (
+            m.id == own or (m.id.startswith(own + "|") and m.id.rsplit("|", 2)[0] == own)
+        ):
+            return True
+    return False
+
+
 def check_repeated_start(
     frontier: Frontier, message_id: str, text: str, run_id: str | None = None
 ) -> None:

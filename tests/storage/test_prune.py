@@ -225,6 +225,12 @@ async def test_a_start_retried_after_its_run_was_pruned_does_not_run_it_again(
     assert await store.prune(T, second.version) == second.version
     with pytest.raises(RunSuperseded, match="run-y"):
         await runner.start("first", thread_id=T, run_id="run-x")
+    # the id asked by another agent (a cluster's input message names it), once its
+    # receipts are gone: refused — it started a second Run under the id, whose repeat
+    # then answered with that Run
+    asked = "run-x:input|hosted|pkg.mod:other"
+    with pytest.raises(InvalidTransition, match="run-x already ran"):
+        await runner.engine().start(T, "first", run_id=RunId("run-x"), message_id=asked)
     with pytest.raises(InvalidTransition, match="another input"):
         await runner.start("not the first", thread_id=T, run_id="run-x")
     assert (await store.load(T)).version == second.version  # nothing was written
