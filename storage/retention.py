@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 from runtime.errors import InvalidTransition, StoreError
+from runtime.history import copy_under_way
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import message_text
 from runtime.lifecycle import EndedState
@@ -89,6 +90,10 @@ async def prune_thread(
     if through < 1:
         raise InvalidTransition(f"thread {thread}: cannot prune through seq {through}")
     for _ in range(ATTEMPTS):
+        # a copy being written (an import or fork run again completes it from where it
+        # stopped, knowing nothing of a prune): the records it wrote stay until it is whole
+        if (copying := copy_under_way(await store.load_head(thread))) is not None:
+            raise InvalidTransition(copying)
         records = await vouched_records(store, thread)
         if not records:
             frontier = await store.load(thread)  # pruned through its head, or empty

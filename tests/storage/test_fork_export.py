@@ -284,6 +284,23 @@ async def test_no_run_starts_or_resumes_on_a_copy_half_written(store: Any) -> No
     assert (await runner.start("after", thread_id=copy)).run_state is not None
 
 
+async def test_a_copy_half_written_is_not_pruned_until_it_is_whole(store: Any) -> None:
+    """A prune cut the records of an import killed half way (its first Run had ended):
+    running the import again then found the thread taken ("thread_exists"), and no Run
+    could start there ("being written"): stuck for good. The prune refuses it until the
+    import, run again, has written it whole."""
+    _, end_of_one = await two_runs(store)
+    lines = list(await export(store, T))
+    copy = ThreadId("copy-2")
+    with pytest.raises(StoreUnavailable):
+        await import_thread(CutOff(store, end_of_one + 1), lines, copy)
+    with pytest.raises(InvalidTransition, match="being written by ratchet-import"):
+        await store.prune(copy, end_of_one)
+    done = await import_thread(store, lines, copy)
+    assert done.version == 8 and await audit(store, copy) == []
+    assert await store.prune(copy, end_of_one) == end_of_one  # whole: prunable as any
+
+
 async def test_forks_racing_to_one_thread_leave_one_fork(store: Any) -> None:
     _, end_of_one = await two_runs(store)
     same = await asyncio.gather(fork(store, T, end_of_one, F), fork(store, T, end_of_one, F))
