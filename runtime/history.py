@@ -412,12 +412,15 @@ async def _written(
     frontier = await store.load(thread)
     if frontier.version == 0 and frontier.epoch == 0:
         return 0, 0
-    if frontier.owner == owner and 0 < frontier.version <= len(planned):
-        held = [r.commit.payload_hash for r in await store.read(thread)]
-        n = len(held)
-        if held == [c.payload_hash for c in planned[:n]] and frontier.epoch in _epochs_at(
-            planned, n
-        ):
+    n = frontier.version
+    if frontier.owner == owner and 0 < n <= len(planned):
+        kept = await store.read(thread)  # all n records, or those after a prune's anchor
+        whole = not kept or kept[0].seq == 1
+        same = frontier.head == planned[n - 1].payload_hash and all(
+            r.commit.payload_hash == planned[r.seq - 1].payload_hash for r in kept
+        )
+        # pruned since: only a copy written whole (a prune refuses one under way)
+        if same and (whole or n == len(planned)) and frontier.epoch in _epochs_at(planned, n):
             return n, frontier.epoch
     raise refuse(
         0,

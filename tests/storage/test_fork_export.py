@@ -299,6 +299,9 @@ async def test_a_copy_half_written_is_not_pruned_until_it_is_whole(store: Any) -
     done = await import_thread(store, lines, copy)
     assert done.version == 8 and await audit(store, copy) == []
     assert await store.prune(copy, end_of_one) == end_of_one  # whole: prunable as any
+    assert await import_thread(store, lines, copy) == await store.load(copy)  # a repeat
+    assert await store.prune(copy, 8) == 8 - end_of_one  # through its head
+    assert await import_thread(store, lines, copy) == await store.load(copy)
 
 
 async def test_forks_racing_to_one_thread_leave_one_fork(store: Any) -> None:
