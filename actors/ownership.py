@@ -11,8 +11,10 @@ running again.
 **Dead letters.** Each such status commit counts (``Frontier.failed_recoveries``,
 reset by any progress). The ``DEAD_LETTER_AFTER``-th loss in a row ends the Run
 ``failed(recovery)`` with the last reason instead (``ratchet runs --failed``): a Run
-that kills its host every time, or that no host can rebuild, stops being retried. Not
-while a child it waits on runs on (``children_run_on``): it is marked lost again.
+that kills its host every time, or that no host can rebuild, stops being retried. A
+loss while the Run only waits on children that run on (``children_run_on``) is marked
+``LOST_WAITING`` and not counted: its host's deaths are not its doing, and a dead
+letter would cancel the children and drop the answers they are about to give.
 A failed recovery counts too, whether it failed in the host (``again``) or took its
 host down with it before the Run was running again: the Run is then still marked
 lost, by an owner that is gone, and whoever finds it so marks it again.
@@ -36,6 +38,7 @@ from runtime.lifecycle import Failed, RunningState
 from runtime.limits import printable
 from runtime.ports import CommitStore, RunSummary
 from runtime.publish import Publisher
+from runtime.rules import LOST_WAITING
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.ownership")
@@ -90,12 +93,12 @@ async def mark_lost(
         if frontier.status.state != "running" and not again:
             return None  # marked already; whoever marked it recovers it
         try:
-            due = frontier.failed_recoveries + 1 >= dead_letter_after
-            if due and not await children_run_on(store, frontier):
+            waiting = await children_run_on(store, frontier)
+            if not waiting and frontier.failed_recoveries + 1 >= dead_letter_after:
                 engine = control_engine(store, owner=owner, publisher=publisher, children=children)
                 await _dead_letter(engine, frontier, state, reason, dead_letter_after)
                 return "dead_lettered"
-            commit = _lost(frontier, state, owner, reason)
+            commit = _lost(frontier, state, owner, LOST_WAITING if waiting else reason)
             await store.append(commit, frontier.version, frontier.epoch, claim=owner)
             return "lost"
         except (Fenced, VersionConflict, RunEnded) as exc:  # it moved: decide again from there
@@ -106,10 +109,8 @@ async def mark_lost(
 
 async def children_run_on(store: CommitStore, frontier: Frontier) -> bool:
     """Whether a child of one of the Run's executing delegations is still running or
-    awaiting. A parent that waits on it runs none of its own code (a recovered one only
-    rejoins it), so the deaths of its host are not its doing, and a dead letter would
-    cancel children that run on: it waits until they end (a child that does not verify
-    is taken for ended)."""
+    awaiting: then the Run only waits on it (a recovered one only rejoins it) and runs
+    none of its own code (a child that does not verify is taken for ended)."""
     batch = frontier.batch
     if batch is None:
         return False

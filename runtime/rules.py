@@ -34,6 +34,12 @@ from runtime.limits import STORED_DEPTH
 from runtime.messages import AssistantMessage, UserMessage
 from runtime.state import apply_commands
 
+LOST_WAITING = "execution_lost_waiting"
+"""The status reason of a Run whose host was lost while the Run only waited on children
+that run on (``actors.ownership``): the loss is on record, but it does not count toward
+the Run's dead letter (``Frontier.failed_recoveries``): its host's deaths were not its
+doing, and its children's answers are on their way."""
+
 TraceCheck = Callable[[Frontier, ThreadCommit], None]
 TRACE_CHECKS: list[TraceCheck] = []
 """Called by ``admit`` with (frontier, commit) for every commit a store admits (the
@@ -241,7 +247,11 @@ def _fold(frontier: Frontier, commit: ThreadCommit) -> Frontier:
     inferences = sum(isinstance(m, AssistantMessage) for m in messages)
     if commit.label != "status":
         failed_recoveries = 0  # progress, or a new Run
-    elif commit.status is not None and commit.status.state == "failed":
+    elif (
+        commit.status is not None
+        and commit.status.state == "failed"
+        and commit.status.reason != LOST_WAITING
+    ):
         failed_recoveries = frontier.failed_recoveries + 1
     else:
         failed_recoveries = frontier.failed_recoveries

@@ -637,11 +637,13 @@ async def test_a_parent_recovered_again_and_again_rejoins_its_children_without_s
 
 
 async def test_a_parent_is_not_dead_lettered_while_a_child_it_waits_on_runs_on(monkeypatch):
-    """A parent's host dying three times in a row while the parent only waits on its
-    children (its recoveries rejoin them, committing nothing: no progress) is marked
-    lost, not dead-lettered: that would cancel children that run on. Once they end, the
-    next loss is the dead letter the count asked for."""
+    """A parent's host dying again and again while the parent only waits on its
+    children (its recoveries rejoin them, committing nothing: no progress) is recorded
+    (``LOST_WAITING``), not counted toward its dead letter: that cancelled children that
+    run on, or, counted and applied the moment they ended, dropped their answers. Once
+    they end, losses count again."""
     from actors.ownership import mark_lost  # imports ray, starts nothing
+    from runtime.rules import LOST_WAITING
 
     monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
     store = MemoryCommitStore()
@@ -657,11 +659,17 @@ async def test_a_parent_is_not_dead_lettered_while_a_child_it_waits_on_runs_on(m
 
     await until(children_waiting, what="both children in their tool")
     owner = (await store.load(ThreadId("p"))).owner
-    for n in range(4):  # past the dead letter's three
-        marked = await mark_lost(store, ThreadId("p"), f"host-{n}", lost_owner=owner, again=n > 0)
-        assert marked == "lost", n
+
+    async def lose(n: int) -> str | None:
+        nonlocal owner
+        marked = await mark_lost(store, ThreadId("p"), f"host-{n}", lost_owner=owner, again=True)
         owner = f"host-{n}"
-    assert (await store.load(ThreadId("p"))).failed_recoveries == 4
+        return marked
+
+    for n in range(4):  # past the dead letter's three
+        assert await lose(n) == "lost", n
+    p = await store.load(ThreadId("p"))
+    assert (p.failed_recoveries, p.status.reason) == (0, LOST_WAITING)
     agents.BLOCK.set()  # the children end (their parent's drive, fenced, hears nothing)
 
     async def children_ended() -> bool:
@@ -670,8 +678,7 @@ async def test_a_parent_is_not_dead_lettered_while_a_child_it_waits_on_runs_on(m
         return all([(await store.load(ThreadId(t))).ended for t in kids])
 
     await until(children_ended, what="both children ended")
-    marked = await mark_lost(store, ThreadId("p"), "host-9", lost_owner=owner, again=True)
-    assert marked == "dead_lettered"
+    assert [await lose(n) for n in range(4, 7)] == ["lost", "lost", "dead_lettered"]
     ended = (await store.load(ThreadId("p"))).run_state
     assert isinstance(ended, EndedState) and ended.cause.kind == "failed"
     assert ended.cause.failure == "recovery"
