@@ -103,6 +103,9 @@ HEADLESS = select(_t.thread_id).where(
     _t.thread_id.in_(bindparam("ids", expanding=True)), ~HEAD_KEPT
 )
 """Which of the thread rows ``ids`` have lost their head record (``HEAD_KEPT``)."""
+LOGGED = select(_c.thread_id).where(_c.thread_id.in_(bindparam("ids", expanding=True))).distinct()
+"""Which of the threads ``ids`` have records: for a thread whose row had to be made,
+records no frontier vouches for (its row deleted by hand, say)."""
 UPDATE_UNCHANGED = _Many(
     threads.update().where(
         _t.thread_id == bindparam("b_thread"),

@@ -44,6 +44,7 @@ from storage.sql_statements import (
     INSERT_PRUNED,
     INSERT_THREADS,
     LATEST_SEQ,
+    LOGGED,
     MOVE_ANCHOR,
     PG_LOCK,
     PG_LOCK_TIMEOUT,
@@ -124,7 +125,8 @@ class Group:
     ) -> None:
         self.rows = rows
         self.headless = headless
-        """Threads whose row's head record is gone (``HEADLESS``): no append goes past it."""
+        """Threads whose row's head record is gone (``HEADLESS``), or whose row was made
+        over records already stored (``LOGGED``): no append goes past them."""
         self.known = known
         self.cache = cache
         self.frontiers: dict[str, Frontier] = frontiers or {}
@@ -155,6 +157,8 @@ class Group:
         thread, operation = commit.thread_id, commit.operation_id
         if thread in self.headless:
             version = self.rows[thread].version
+            if not version:
+                raise CorruptRecord(thread, 1, "the log has records no frontier vouches for")
             raise CorruptRecord(thread, version, "the record at the frontier's head is gone")
         known = self.known.get((thread, operation))
         outcome = admit(
@@ -372,6 +376,8 @@ def group_txn(conn: Connection, group: Sequence[Request], cache: FrontierCache) 
     rows, known, created = lock(conn, {r.thread for r in group}, pairs, cache)
     appended = sorted({thread for thread, _ in pairs if thread in rows})
     headless = set(conn.execute(HEADLESS, {"ids": appended}).scalars()) if appended else set()
+    if created:  # a row made here over records already stored: none of them vouched for
+        headless |= set(conn.execute(LOGGED, {"ids": created}).scalars())
     pure = Group(rows, known, cache, headless=headless)
     outcomes = [pure.admit(request) for request in group]
     if pure.new_commits:
