@@ -16,9 +16,11 @@ from typing import Any
 from ray.exceptions import RayActorError, RayError
 
 from actors.wire import SystemSpec, host_index, unwrap
-from runtime.delegation import CHILD_OUTCOME, ChildOutcome, ChildRequest
+from runtime.delegation import CHILD_OUTCOME, ChildOutcome, ChildRequest, outcome_of
+from runtime.errors import RatchetError
 from runtime.ids import RunId, ThreadId
-from runtime.ports import Lost
+from runtime.lifecycle import EndedState
+from runtime.ports import CommitStore, Lost
 
 log = logging.getLogger("ratchet.children")
 HOST_BACK_S = 60.0
@@ -28,8 +30,10 @@ BACK_POLL_S = (0.05, 1.0)
 
 
 class RayChildRunner:
-    def __init__(self, spec: SystemSpec) -> None:
+    def __init__(self, spec: SystemSpec, store: CommitStore | None = None) -> None:
         self.spec = spec
+        self.store = store
+        """The parent's host's store: a child that has ended answers from it."""
         self._hosts: dict[int, Any] = {}
 
     def host_for(self, thread: str) -> Any:
@@ -46,6 +50,9 @@ class RayChildRunner:
         host joins or recovers. Ray refuses a call to a restarting actor at once, so an
         attempt given up at the first refusal was spent while the host restarted, and
         one death spent every attempt of the parent's call."""
+        ended = await self._ended(request)
+        if ended is not None:
+            return ended
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HOST_BACK_S
         pause, longest = BACK_POLL_S
@@ -66,6 +73,21 @@ class RayChildRunner:
                 self._hosts.clear()
                 return Lost(message=f"host of child {request.child_thread} lost: {exc}")
             return CHILD_OUTCOME.validate_python(raw)
+
+    async def _ended(self, request: ChildRequest) -> ChildOutcome | None:
+        """The outcome of a child whose Run has ended, read from the store (verified);
+        None: ask its host. A parent recovered under all-host kills asked the child's
+        restarting host for an answer the store held, for seconds each time, and was
+        killed again before it could take it."""
+        if self.store is None:
+            return None
+        try:
+            head = await self.store.load_head(request.child_thread)
+            if head.run_id != request.child_run or not isinstance(head.run_state, EndedState):
+                return None
+            return outcome_of(await self.store.load(request.child_thread))
+        except RatchetError:  # an outage, records that do not verify: the host's to say
+            return None
 
     async def cancel(self, child_thread: ThreadId, child_run: RunId | None = None) -> None:
         try:

@@ -109,12 +109,16 @@ async def mark_lost(
 
 async def children_run_on(store: CommitStore, frontier: Frontier) -> bool:
     """Whether a child of one of the Run's executing delegations is still running or
-    awaiting: then the Run only waits on it (a recovered one only rejoins it) and runs
-    none of its own code (a child that does not verify is taken for ended)."""
+    awaiting, or ended after the Run (running) was last taken back: then the Run only
+    waits on it, or has not yet had the chance to take its answer (a recovered Run only
+    rejoins its children), and runs none of its own code. A Run marked lost and not taken
+    back since (its recovery failing) gets no such grace. A child that does not verify
+    is taken for ended long ago."""
     batch = frontier.batch
     if batch is None:
         return False
     children = frontier.state.get("run", {}).get(CHILDREN_KEY, {})
+    running = frontier.status.state == "running"  # taken back (or never lost) since then
     for call in batch.calls:
         thread = children.get(call.call_id) if isinstance(children, dict) else None
         if call.phase.kind != "executing" or not isinstance(thread, str):
@@ -125,6 +129,8 @@ async def children_run_on(store: CommitStore, frontier: Frontier) -> bool:
             continue
         if child.run_state is not None and not child.ended:
             return True
+        if running and child.ended and child.status.since > frontier.status.since:
+            return True  # it ended after the Run was taken back: no chance to take it yet
     return False
 
 

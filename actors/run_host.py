@@ -98,7 +98,7 @@ class RunHost(ControlHosting, ChildHosting):
         self.owner = owner_id(host_id)
         self.store = await open_system_store(spec, who=f"RunHost {host_id}")
         self.waves = WaveDispatcher(ExecutorPools(spec))
-        self.children = RayChildRunner(spec)
+        self.children = RayChildRunner(spec, self.store)
         bus = live_bus(spec)
         self.publisher = Publisher(bus) if bus is not None else None
         self.drives = Drives(

@@ -641,8 +641,11 @@ async def test_a_parent_is_not_dead_lettered_while_a_child_it_waits_on_runs_on(m
     children (its recoveries rejoin them, committing nothing: no progress) is recorded
     (``LOST_WAITING``), not counted toward its dead letter: that cancelled children that
     run on, or, counted and applied the moment they ended, dropped their answers. Once
-    they end, losses count again."""
-    from actors.ownership import mark_lost  # imports ray, starts nothing
+    they have ended, losses count again (a Run taken back after they ended, and lost
+    before it could take their answers, is not counted: ``children_run_on``)."""
+    from actors.ownership import children_run_on, mark_lost  # imports ray, starts nothing
+    from runtime.base import evolve
+    from runtime.lifecycle import ThreadStatus
     from runtime.rules import LOST_WAITING
 
     monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
@@ -678,6 +681,18 @@ async def test_a_parent_is_not_dead_lettered_while_a_child_it_waits_on_runs_on(m
         return all([(await store.load(ThreadId(t))).ended for t in kids])
 
     await until(children_ended, what="both children ended")
+    # taken back (running) before they ended, lost before it took their answers: grace
+    p = await store.load(ThreadId("p"))
+    ended_at = max(
+        [(await store.load(ThreadId(t))).status.since for t in p.state["run"]["children"].values()]
+    )
+    taken_back = [ThreadStatus(state="running", since=ended_at + d) for d in (-1, 1)]
+    assert [await children_run_on(store, evolve(p, status=st)) for st in taken_back] == [
+        True,
+        False,
+    ]
+    # marked lost, never taken back since (as a recovery that keeps failing leaves it):
+    # no grace for children that ended meanwhile, the losses count
     assert [await lose(n) for n in range(4, 7)] == ["lost", "lost", "dead_lettered"]
     ended = (await store.load(ThreadId("p"))).run_state
     assert isinstance(ended, EndedState) and ended.cause.kind == "failed"
@@ -685,3 +700,32 @@ async def test_a_parent_is_not_dead_lettered_while_a_child_it_waits_on_runs_on(m
     drive.cancel()
     with contextlib.suppress(BaseException):
         await drive
+
+
+async def test_a_child_that_has_ended_answers_from_the_store_not_its_host() -> None:
+    """A parent recovered under all-host kills asked each ended child's restarting host
+    for an answer the store held (seconds each time, then killed again before it took
+    it): the cluster's child runner reads an ended child's outcome from the store, and
+    asks no host (none runs here: asking one would fail)."""
+    from actors.children import RayChildRunner
+    from actors.wire import SystemSpec
+    from runtime.delegation import ChildRequest
+    from runtime.ports import Finished
+
+    store = MemoryCommitStore()
+    f = await runner(agents.fanout_agent("worker", 1), store).start("go", thread_id="p")
+    thread, run = child_ids(ThreadId("p"), RunId(f.run_id), CallId("d0"))
+    request = ChildRequest(
+        parent_thread=ThreadId("p"),
+        parent_run=RunId(f.run_id),
+        call_id=CallId("d0"),
+        agent=f"{HERE}:worker",
+        input="task 0",
+        child_thread=thread,
+        child_run=run,
+        prompt_path=("fanout", "worker"),
+        lineage=(f"{HERE}:worker",),
+    )
+    spec = SystemSpec(name="no-cluster", store_url="memory://")
+    outcome = await RayChildRunner(spec, store).run(request)
+    assert isinstance(outcome, Finished) and outcome.output.content == "done: task 0"
