@@ -24,6 +24,7 @@ import typer
 from cluster.cli_args import BadInput
 from cluster.cli_view import Terminal, console
 from runtime.errors import CorruptRecord, InvalidTransition, StoreError, StoreUnavailable
+from runtime.history import copy_under_way
 from runtime.ids import ThreadId
 from storage.retention import prune_point, run_logs
 
@@ -133,6 +134,9 @@ async def _prune_thread(
         point = prune_point(run_logs(records), cutoff, keep_last)
         if not point:
             return
+        # what the prune would say: a copy being written is left (``storage.retention``)
+        if dry_run and (copying := copy_under_way(await db.load_head(thread))) is not None:
+            raise InvalidTransition(copying)
         removed = point - (records[0].seq - 1) if dry_run else await db.prune(thread, point)
     except StoreUnavailable:
         raise  # the store, not this thread: the whole command stops (and says so)

@@ -560,3 +560,23 @@ async def test_a_damaged_pruned_history_is_named_and_the_command_goes_on(
         )
     with pytest.raises(CorruptRecord):
         await sql_store.prune(T, ends[1])
+
+
+async def test_the_command_leaves_a_copy_being_written_dry_run_or_not(store: Any, url: str) -> None:
+    """A half-written import: the prune skips it, naming why (and exits 1); the dry run
+    says the same, not that it would prune it."""
+    from runtime.errors import StoreUnavailable
+    from runtime.history import import_thread
+
+    from .test_fork_export import CutOff
+
+    ends = await three_runs(store)
+    copy = ThreadId("copy-half")
+    with pytest.raises(StoreUnavailable):
+        await import_thread(CutOff(store, ends[1] + 1), list(await export(store, T)), copy)
+    for dry in (["--dry-run"], []):
+        args = ["prune", "--ended-before", "2100-01-01", *dry, "--store", url]
+        said = await ratchet(*args)
+        assert said.exit_code == 1, said.output
+        assert "skipped: thread 'copy-half'" in said.output and "being written" in said.output
+    assert (await store.load(copy)).version == ends[1] + 1  # nothing pruned
