@@ -63,6 +63,8 @@ class CallPlan:
     """Arguments the gates validated, for the calls' first invocation."""
     joined: set[CallId] = field(default_factory=set)
     """Ready calls whose attempt goes on (``Reconnect``): not marked executing again."""
+    sealed: list[CallId] = field(default_factory=list)
+    """Executing calls a recovery sealed indeterminate (their tool may have run)."""
 
 
 def plan(
@@ -81,6 +83,7 @@ def plan(
                     IndeterminateEnd(reason=f"delegation {action.call_id}: {action.reason}")
                 )
             out.batch = mark_indeterminate(out.batch, action.call_id, action.reason)
+            out.sealed.append(action.call_id)
         elif isinstance(action, Replay):
             out.ready.append(action.call_id)
         elif isinstance(action, Reconnect):

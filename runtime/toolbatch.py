@@ -69,8 +69,10 @@ async def advance_batch(
     refused = opening.refused if opening is not None else None
     planned = plan(services, ctx.frontier.state, batch, refused)
     batch = planned.batch
-    if opening is None:  # a batch committed before: a recovery may have sealed calls
-        await _after_sealed(services, ctx, batch)
+    if planned.sealed:  # their AfterTool hooks, before anything commits the seal
+        hooks = HookResults()
+        await _after_tool(services, ctx, batch, planned.sealed, hooks, ())
+        ctx.pending.extend(hooks.commands)  # with the next commit
     ready_waves = waves(services.agent, batch, planned.ready)
     if opening is not None:
         # cancelled as the model answered, or stopped by an AfterInference hook
@@ -211,25 +213,6 @@ async def _after_tool(
         raise EndRun(failure_of(failed), batch, kept) from failed
     except CancelledSignal:
         raise EndRun(services.control_cause(ctx), batch, kept) from None
-
-
-async def _after_sealed(services: StepServices, ctx: RunContext, batch: ActiveToolBatch) -> None:
-    """A recovery's gates sealed calls whose tool may have run (``never_replay``, or a
-    tool that dropped its pinned mode: now ``indeterminate``): their AfterTool hooks run
-    before anything commits that seal, as a call that timed out has them; their
-    commands ride with the next commit."""
-    before = ctx.frontier.batch
-    sealed = [
-        c.call_id
-        for c in batch.calls
-        if c.phase.kind == "indeterminate"
-        and before is not None
-        and before.call(c.call_id).phase.kind == "executing"
-    ]
-    if sealed:
-        hooks = HookResults()
-        await _after_tool(services, ctx, batch, sealed, hooks, ())
-        ctx.pending.extend(hooks.commands)
 
 
 async def _dispatch(
