@@ -80,9 +80,11 @@ async def test_a_cluster_is_refused_a_store_another_live_cluster_serves(
             with pytest.raises(SystemInUse) as refused:
                 await Ratchet.connect(store_url=url, sqlite_writer=writer)
             assert refused.value.holder == OTHER
-            await wait_for(  # refused before any other actor started; a store actor killed
-                lambda: asyncio.sleep(0, _actors_of(system) == []), what="no actor left"
-            )
+
+            async def no_actor_left() -> bool:  # none started; a store actor, killed
+                return _actors_of(system) == []
+
+            await wait_for(no_actor_left, what="no actor of the refused system left")
     finally:
         await store.close()
 
