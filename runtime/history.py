@@ -95,7 +95,7 @@ from runtime.history_format import (
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
-from runtime.ports import CommitStore, CommittedRecord, vouched_records
+from runtime.ports import CommitStore, CommittedRecord, vouched_log
 from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, replay, with_claim
 
@@ -216,10 +216,12 @@ async def export(store: CommitStore, thread: ThreadId) -> Iterator[str]:
 async def _whole_log(
     store: CommitStore, thread: ThreadId, error: type[HistoryRefused]
 ) -> list[CommittedRecord]:
-    """The thread's log from its first record, its frontier verified too."""
-    records = await vouched_records(store, thread)
+    """The thread's log from its first record, its frontier verified too; refused while
+    a fork or an import is still writing it (its records are not a thread yet)."""
+    head, records = await vouched_log(store, thread)
+    if (copying := copy_under_way(head)) is not None:
+        raise error("copy_under_way", copying)
     if not records:
-        head = await store.load_head(thread)
         if head.version:  # every record was pruned; the frontier stays
             raise error(
                 "pruned", f"thread {thread!r} keeps no records (pruned through seq {head.version})"

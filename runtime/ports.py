@@ -206,14 +206,16 @@ class Finished(Frozen):
         return cls(output=ToolOutput(content=f"tool output refused: {error}", is_error=True))
 
 
-async def vouched_records(store: CommitStore, thread: ThreadId) -> list[CommittedRecord]:
-    """The thread's records, for a whole-log operation (prune, fork, export, replay).
-    ``read`` verifies only the records' chain; the head is checked first (``load_head``:
-    the frontier's checksum, its owner epoch, the hash of the record at its version),
-    so a thread whose frontier does not verify is CorruptRecord here, never pruned,
-    copied or exported as whole. The log is read once, by ``read``."""
-    await store.load_head(thread)
-    return await store.read(thread)
+async def vouched_log(
+    store: CommitStore, thread: ThreadId
+) -> tuple[Frontier, list[CommittedRecord]]:
+    """The thread's head and records, for a whole-log operation (prune, fork, export,
+    replay). ``read`` verifies only the records' chain; the head is checked first
+    (``load_head``: the frontier's checksum, its owner epoch, the hash of the record at
+    its version), so a thread whose frontier does not verify is CorruptRecord here,
+    never pruned, copied or exported as whole. The log is read once, by ``read``."""
+    head = await store.load_head(thread)
+    return head, await store.read(thread)
 
 
 class Unavailable(Frozen):

@@ -49,7 +49,7 @@ from runtime.lifecycle import EndedState, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 from runtime.models import Model
-from runtime.ports import CommitStore, CommittedRecord, Lease, RunSummary, vouched_records
+from runtime.ports import CommitStore, CommittedRecord, Lease, RunSummary, vouched_log
 from runtime.replay_compare import (
     Divergence,
     DivergenceKind,
@@ -142,8 +142,8 @@ async def _records(source: Source, thread: ThreadId) -> list[CommittedRecord]:
             for i, item in enumerate(items, start=1)
         ]
     else:
-        records = await vouched_records(source, thread)
-        if not records and (await source.load_head(thread)).version:
+        head, records = await vouched_log(source, thread)
+        if not records and head.version:
             raise ReplayInputError(f"thread {thread!r} keeps no records: it was pruned")
     records = [r for r in records if r.commit.thread_id == thread]
     if not records:

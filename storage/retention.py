@@ -32,7 +32,7 @@ from runtime.history import copy_under_way
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import message_text
 from runtime.lifecycle import EndedState
-from runtime.ports import CommitStore, CommittedRecord, vouched_records
+from runtime.ports import CommitStore, CommittedRecord, vouched_log
 
 ATTEMPTS = 5
 """Cuts refused because another prune moved the anchor first, before giving up."""
@@ -92,9 +92,9 @@ async def prune_thread(
     for _ in range(ATTEMPTS):
         # a copy being written (an import or fork run again completes it from where it
         # stopped, knowing nothing of a prune): the records it wrote stay until it is whole
-        if (copying := copy_under_way(await store.load_head(thread))) is not None:
+        head, records = await vouched_log(store, thread)
+        if (copying := copy_under_way(head)) is not None:
             raise InvalidTransition(copying)
-        records = await vouched_records(store, thread)
         if not records:
             frontier = await store.load(thread)  # pruned through its head, or empty
             if through <= frontier.version:

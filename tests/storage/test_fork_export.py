@@ -304,6 +304,25 @@ async def test_a_copy_half_written_is_not_pruned_until_it_is_whole(store: Any) -
     assert await import_thread(store, lines, copy) == await store.load(copy)
 
 
+async def test_a_copy_half_written_is_neither_exported_nor_forked(store: Any) -> None:
+    """An export of an import cut off half way answered its records as a whole thread
+    (exit 0): written back elsewhere, it made a thread that could not be told from the
+    original's first half. Refused, as a pruned thread is, until the copy is whole."""
+    _, end_of_one = await two_runs(store)
+    lines = list(await export(store, T))
+    copy = ThreadId("copy-3")
+    with pytest.raises(StoreUnavailable):
+        await import_thread(CutOff(store, end_of_one), lines, copy)
+    for attempt in (export(store, copy), fork(store, copy, end_of_one, F)):
+        with pytest.raises(HistoryRefused) as refused:
+            await attempt
+        assert refused.value.reason == "copy_under_way"
+        assert f"({end_of_one} of 8 records)" in str(refused.value)
+    assert F not in await store.thread_ids()
+    await import_thread(store, lines, copy)
+    assert len(list(await export(store, copy))) == len(lines)  # whole: exported as any
+
+
 async def test_forks_racing_to_one_thread_leave_one_fork(store: Any) -> None:
     _, end_of_one = await two_runs(store)
     same = await asyncio.gather(fork(store, T, end_of_one, F), fork(store, T, end_of_one, F))
