@@ -20,7 +20,7 @@ from runtime.errors import InvalidTransition, RatchetError
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore
-from runtime.rules import check_repeated_start, ran_before
+from runtime.rules import check_repeated_start, input_message_id, input_meta, ran_before
 
 NAMESPACE = "ratchet"
 Placement = Literal["hosted", "dedicated"]
@@ -117,7 +117,7 @@ class RunMeta:
     placement: Placement = "hosted"
 
     def message_id(self, run_id: str) -> str:
-        return f"{run_id}:input|{self.placement}|{self.agent_ref}"
+        return input_message_id(run_id, self.placement, self.agent_ref)
 
 
 def asked_before(frontier: Frontier, run_id: str, agent_ref: str, text: str) -> bool:
@@ -165,14 +165,9 @@ async def stored_run_meta(store: CommitStore, head: Frontier) -> RunMeta | None:
 
 
 def _meta_of(message: object) -> RunMeta | None:
-    # read from the right: a run id may hold "|" (ids refuse only control characters),
-    # an agent reference cannot (no module or attribute is named so: ``load_agent``)
-    if not isinstance(message, UserMessage):
+    if not isinstance(message, UserMessage) or (meta := input_meta(message.id)) is None:
         return None
-    parts = message.id.rsplit("|", 2)
-    if len(parts) != 3 or not parts[0].endswith(":input"):
-        return None
-    _, placement, ref = parts
+    _, placement, ref = meta
     return RunMeta(agent_ref=ref, placement="dedicated" if placement == "dedicated" else "hosted")
 
 

@@ -83,7 +83,7 @@ from runtime.plugin_env import pin, refusal
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, resume_commit, validate_ticket
-from runtime.rules import check_repeated_start, ran_before, run_id_used
+from runtime.rules import check_repeated_start, input_message_id, ran_before, run_id_used
 from runtime.session import opening
 from runtime.signals import (
     CancelledSignal,
@@ -226,7 +226,7 @@ class Engine(Stepping):
         on exactly as without the hint (nothing was written).
         """
         run_id = run_id or RunId(f"run-{uuid.uuid4().hex}")
-        message_id = message_id or f"{run_id}:input"
+        message_id = message_id or input_message_id(run_id)
         self._check_start(thread, run_id, message_id, text)
         user = UserMessage(id=message_id, text=text)
         link = () if self.parent is None else (self.parent.command(),)

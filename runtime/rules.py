@@ -315,15 +315,38 @@ def ran_before(frontier: Frontier, message_id: str) -> bool:
     return any(isinstance(m, UserMessage) and m.id == message_id for m in frontier.messages)
 
 
+INPUT = ":input"
+"""A Run's input message is named for its Run: ``RUN:input`` (the engine's own), or
+``RUN:input|PLACEMENT|AGENT`` (the cluster's, which rebuilds the Run's agent and
+placement from it in every process: ``actors.wire.RunMeta``)."""
+
+
+def input_message_id(run_id: str, placement: str | None = None, agent: str | None = None) -> str:
+    """The id of ``run_id``'s input message (with the cluster's placement and agent)."""
+    own = run_id + INPUT
+    return own if placement is None or agent is None else f"{own}|{placement}|{agent}"
+
+
+def input_meta(message_id: str) -> tuple[str, str, str] | None:
+    """(``RUN:input``, placement, agent) of a cluster's input message id; None for any
+    other. Read from the right: a run id may hold "|" (ids refuse only control
+    characters), an agent reference cannot (no module or attribute is named so)."""
+    parts = message_id.rsplit("|", 2)
+    if len(parts) != 3 or not parts[0].endswith(INPUT):
+        return None
+    own, placement, agent = parts
+    return own, placement, agent
+
+
 def run_id_used(frontier: Frontier, run_id: str) -> bool:
     """Whether a Run of the thread was started under ``run_id``, whatever it was asked
-    with: by its input message's id, as the engine (``RUN:input``) and the cluster
-    (``RUN:input|placement|agent``) name it. The history keeps that message when a
-    prune drops the Run's receipts, which alone made the store refuse the id again."""
-    own = f"{run_id}:input"
+    with: by its input message's id, in either form (``input_message_id``). The history
+    keeps that message when a prune drops the Run's receipts, which alone made the store
+    refuse the id again."""
+    own = input_message_id(run_id)
     for m in frontier.messages:
         if isinstance(m, UserMessage) and (
-            m.id == own or (m.id.startswith(own + "|") and m.id.rsplit("|", 2)[0] == own)
+            m.id == own or ((meta := input_meta(m.id)) is not None and meta[0] == own)
         ):
             return True
     return False
