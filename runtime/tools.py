@@ -15,6 +15,7 @@ import functools
 import inspect
 import json
 import math
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,10 @@ from runtime.limits import (
 from runtime.state import Command
 
 Concurrency = Literal["parallel", "serial"]
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""The tool names every model provider Ratchet talks to accepts (OpenAI's and
+Anthropic's rule; MCP also allows dots): a tool named otherwise is refused when it is
+made, not by the provider at the Run's first inference."""
 
 
 class UnavailableBeforeDispatch(Exception):
@@ -312,9 +317,10 @@ def tool(
     declared: WaitKind | None = "permission" if needs_permission else wait
 
     def build(f: Callable[..., Any]) -> Tool:
-        _check_seconds(name or f.__name__, "wait_deadline_s", wait_deadline_s)
+        tool_id = f.__name__ if name is None else name
+        _check_seconds(tool_id, "wait_deadline_s", wait_deadline_s)
         built = _build_tool(
-            f, name or f.__name__, tuple(recovery), concurrency, dict(resources or {}), timeout_s
+            f, tool_id, tuple(recovery), concurrency, dict(resources or {}), timeout_s
         )
         return replace(
             built, wait=declared, wait_deadline_s=wait_deadline_s, sees_history=sees_history
@@ -331,6 +337,11 @@ def _build_tool(
     resources: dict[str, float],
     timeout_s: float | None,
 ) -> Tool:
+    if not (isinstance(tool_id, str) and TOOL_NAME.fullmatch(tool_id)):
+        raise ToolDefinitionError(
+            f"tool {tool_id!r:.80}: a tool name must be 1 to 64 letters, digits, '_' or '-' "
+            "(what model providers accept); name it with @tool(name=...)"
+        )
     unknown = [m for m in recovery if m not in RECOVERY_MODES]
     if not recovery or unknown:
         raise ToolDefinitionError(f"tool {tool_id}: unknown or empty recovery modes {unknown}")

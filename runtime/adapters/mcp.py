@@ -52,14 +52,13 @@ from pydantic import RootModel, create_model, model_validator
 from runtime.batch import RECOVERY_MODES, RecoveryMode
 from runtime.errors import ToolDefinitionError
 from runtime.limits import printable
-from runtime.tools import Tool, ToolResult
+from runtime.tools import TOOL_NAME, Tool, ToolResult
 
 if TYPE_CHECKING:
     from mcp.types import Tool as ListedTool
 
 from runtime.adapters.mcp_session import (
     CONTEXT_PARAM,
-    TOOL_NAME,
     McpConnectionLost,
     McpReplyUnreadable,
     McpServer,

@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
@@ -43,8 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ratchet.mcp")
 
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-"""The tool names every model provider Ratchet talks to accepts (MCP also allows dots)."""
 CONTEXT_PARAM = "__ratchet_context__"
 """Where Tool.invoke hands a call its ToolContext (it replaces an argument of that name,
 which no listed schema may declare)."""

@@ -246,10 +246,22 @@ def test_settings_that_cannot_work_are_refused_when_built():
             Agent(name="a", model=model, **bad)  # type: ignore[arg-type]
     for timeout in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ToolDefinitionError, match="timeout_s"):
-            tool(timeout_s=timeout)(lambda: "x")
+            tool(timeout_s=timeout, name="x")(lambda: "x")
         # a wait deadline that can never be met (or never stored) fails at import, not at a resume
         with pytest.raises(ToolDefinitionError, match="wait_deadline_s"):
-            tool(needs_permission=True, wait_deadline_s=timeout)(lambda: "x")
+            tool(needs_permission=True, wait_deadline_s=timeout, name="x")(lambda: "x")
+
+
+@pytest.mark.parametrize(
+    "name", ["", "<lambda>", "files.read", "has space", "x" * 65, "caf\u00e9", "bad\ud800", "a\x00"]
+)
+def test_a_tool_named_as_no_provider_accepts_is_refused_when_built(name: str) -> None:
+    """A name the model's provider refuses (OpenAI's and Anthropic's rule, which MCP
+    tools are held to too) failed each Run at its first inference; one with an unpaired
+    surrogate or a NUL raised UnicodeEncodeError or a bare ValueError from pydantic."""
+    with pytest.raises(ToolDefinitionError, match="a tool name must be 1 to 64"):
+        tool(name=name)(lambda: "x")
+    assert tool(name="x" * 64)(lambda: "x").id == "x" * 64  # the rule's edge is a name
 
 
 class _Flight(BaseModel):
