@@ -24,6 +24,7 @@ from runtime.delegation import CHILDREN_KEY, refusal
 from runtime.errors import InputRefused
 from runtime.execution import check_reaction_text
 from runtime.faults import Unwind
+from runtime.frozen import freeze
 from runtime.hooks import Gate, GateInput, verdict
 from runtime.ids import CallId
 from runtime.lifecycle import IndeterminateEnd
@@ -129,8 +130,11 @@ def _gate(
         why = _delegation_refusal(services, state, out.batch, call_id)
         if why is not None:
             return _fail(out, call_id, why)
+    # read-only: a gate judges the call, and the tool runs with what was committed (a
+    # gate that wrote into the arguments changed what ran, not what the log says ran)
+    arguments: dict[str, Any] = freeze(out.parsed[call_id]) if agent.gates else {}
     for gate in agent.gates:
-        seen = GateInput(out.batch.run_id, call_id, call.tool, out.parsed[call_id], state)
+        seen = GateInput(out.batch.run_id, call_id, call.tool, arguments, state)
         why = _gated(gate, seen)
         if why is not None:
             return _fail(out, call_id, f"blocked: {why}")

@@ -84,6 +84,8 @@ class GateInput:
     call_id: str
     tool: str
     arguments: dict[str, Any]
+    """Read-only (a ``FrozenDict``: writing it raises, and the gate denies): the tool
+    runs with the arguments the log holds."""
     state: StateView
 
 
