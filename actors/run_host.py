@@ -329,7 +329,7 @@ class RunHost(ControlHosting, ChildHosting):
         resumes of one ticket (through this host or any other) exactly one is applied."""
         await self._after_reclaim()
         try:
-            check_command(command, self.spec.limits)
+            command = check_command(command, self.spec.limits)
             frontier = await self._resumable(command)
             drive = self.drives.spawn(
                 _ref_of(frontier),

@@ -228,7 +228,7 @@ class RunHandle:
         that landed (through a host that died before it answered, or another call with
         the same ``request_id``) is this call's success, not a rejection.
         """
-        check_command(command, self.client.spec.limits)  # InputRefused: nothing is sent
+        command = check_command(command, self.client.spec.limits)  # InputRefused: nothing is sent
         if command.request_id is None:
             command = command.model_copy(update={"request_id": uuid.uuid4().hex})
         try:

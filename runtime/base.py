@@ -16,6 +16,16 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class Given(Frozen):
+    """A record user code builds and hands to Ratchet (a hook's or a tool's commands and
+    reactions, a tool's output, a resume): validated again wherever it is taken, as a
+    field or an item. One built with ``model_construct`` (which checks nothing) is
+    refused there as bad input is; taken as it was, a field of the wrong type was
+    committed into a record that never decodes again, its thread unreadable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", revalidate_instances="always")
+
+
 F = TypeVar("F", bound=Frozen)
 
 # ---- records of our own making, built without validating them again --------------------

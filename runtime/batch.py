@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool, ValidationError, model_validator
 
-from runtime.base import Frozen, evolve, trusted
+from runtime.base import Frozen, Given, evolve, trusted
 from runtime.errors import CorruptBatch, InvalidTransition
 from runtime.ids import (
     SCHEMA_VERSION,
@@ -46,7 +46,7 @@ class ToolRecoveryPolicy(Frozen):
     """Executor attempts allowed in total, the first included."""
 
 
-class ToolOutput(Frozen):
+class ToolOutput(Given):
     content: str
     """What the model sees as the tool's result."""
     is_error: StrictBool = False

@@ -328,7 +328,7 @@ class Engine(Stepping):
         in ``recover``: the first try validates against it, and the resume commit is
         compare-and-set on its version, so a thread that moved since is loaded again.
         """
-        check_command(command, self.limits)
+        command = check_command(command, self.limits)
         ctx, run_now = await self._resumed(command, whole_of(loaded, command.thread_id))
         if run_now is None:
             return await self._drive(ctx)

@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from runtime.base import Frozen
+from runtime.base import Frozen, Given
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import PauseReason, PauseTarget, UserInputTarget
 from runtime.limits import DEFAULT_LIMITS, Limits, check_text
@@ -34,14 +34,14 @@ Side = Literal["a", "b"]
 SIDES: tuple[Side, ...] = ("a", "b")
 
 
-class StopRun(Frozen):
+class StopRun(Given):
     """End the loop after the current operation: the Run ends ``stopped(reason)``."""
 
     kind: Literal["stop"] = "stop"
     reason: str = "stopped from inside the run"
 
 
-class StopSession(Frozen):
+class StopSession(Given):
     """End the agent session terminally (the Run ends ``stopped(reason)`` and no side
     takes another turn); in a single-side Run the same as ``StopRun``."""
 
@@ -49,14 +49,14 @@ class StopSession(Frozen):
     reason: str = "session stopped"
 
 
-class ForceTurn(Frozen):
+class ForceTurn(Given):
     """The next turn of a session goes to ``side``, whoever's turn it would be."""
 
     kind: Literal["force_turn"] = "force_turn"
     side: Side
 
 
-class InjectMessage(Frozen):
+class InjectMessage(Given):
     """Add a user message to the persisted history (visible to later tools and hooks at
     once, committed with the next commit, sent with the next inference)."""
 
@@ -64,21 +64,21 @@ class InjectMessage(Frozen):
     text: str
 
 
-class RequestInput(Frozen):
+class RequestInput(Given):
     """At the next Step boundary the Run awaits remote user input."""
 
     kind: Literal["request_input"] = "request_input"
     prompt: str = ""
 
 
-class Pause(Frozen):
+class Pause(Given):
     """At the next Step boundary the Run awaits an explicit unpause."""
 
     kind: Literal["pause"] = "pause"
     reason: PauseReason = "manual"
 
 
-class DenyCall(Frozen):
+class DenyCall(Given):
     """AfterInference only: the call does not run; the model sees ``denied: reason``."""
 
     kind: Literal["deny_call"] = "deny_call"

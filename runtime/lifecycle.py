@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool
 
-from runtime.base import Frozen
+from runtime.base import Frozen, Given
 from runtime.batch import ToolOutput, WaitKind
 from runtime.errors import ResumeRejected
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
@@ -123,37 +123,37 @@ class ResumeTicket(Frozen):
         return self.target.kind
 
 
-class PermissionDecision(Frozen):
+class PermissionDecision(Given):
     kind: Literal["permission"] = "permission"
     approve: StrictBool
     """true or false, nothing that reads as either ("yes", 1): a decision authorises."""
     note: str = ""
 
 
-class ExternalResult(Frozen):
+class ExternalResult(Given):
     kind: Literal["external_result"] = "external_result"
     output: ToolOutput
 
 
-class ScheduledFire(Frozen):
+class ScheduledFire(Given):
     kind: Literal["scheduled_action"] = "scheduled_action"
 
 
-class DelegationOutcome(Frozen):
+class DelegationOutcome(Given):
     kind: Literal["delegation"] = "delegation"
     output: ToolOutput
 
 
-class UserInput(Frozen):
+class UserInput(Given):
     kind: Literal["user_input"] = "user_input"
     text: str
 
 
-class Unpause(Frozen):
+class Unpause(Given):
     kind: Literal["pause"] = "pause"
 
 
-class WaitExpired(Frozen):
+class WaitExpired(Given):
     """Ends a tool call's wait whose deadline (``wait_deadline_s``) has passed: the call
     completes with a model-visible error and the Run goes on. Accepted only after the
     deadline, by the host's clock; on a cluster the Supervisor sends it."""
@@ -173,7 +173,7 @@ ResumePayload = Annotated[
 ]
 
 
-class ResumeCommand(Frozen):
+class ResumeCommand(Given):
     correlation: CorrelationId
     run_id: RunId
     thread_id: ThreadId

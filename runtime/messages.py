@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from runtime.base import Frozen
+from runtime.base import Frozen, Given
 from runtime.ids import CallId
 
 
@@ -44,7 +44,7 @@ class ToolResultMessage(Frozen):
     is_error: bool = False
 
 
-class ContextMessage(Frozen):
+class ContextMessage(Given):
     """Request-only context from a hook: goes into one inference, never committed."""
 
     kind: Literal["context"] = "context"

@@ -9,6 +9,8 @@ lands and the other finds the ticket gone.
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from runtime.batch import (
     ActiveToolBatch,
     Awaiting,
@@ -21,6 +23,7 @@ from runtime.batch import (
 )
 from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
+from runtime.errors import InputRefused
 from runtime.events import Fact
 from runtime.gates import admit_outcome
 from runtime.ids import CallId, CorrelationId
@@ -40,7 +43,7 @@ from runtime.lifecycle import (
     check_payload,
     validate_resume,
 )
-from runtime.limits import Limits, check_id
+from runtime.limits import Limits, check_id, printable
 from runtime.messages import Message, UserMessage
 from runtime.ports import Finished
 from runtime.session import human_answer
@@ -56,9 +59,14 @@ EXPIRED = {
 """The model-visible error of a call whose wait expired (``WaitExpired``), by wait kind."""
 
 
-def check_command(command: ResumeCommand, limits: Limits) -> None:
-    """A ResumeCommand fit to be checked against a ticket: its ids and its payload within
-    the limits (InputRefused otherwise; nothing is read or written)."""
+def check_command(command: ResumeCommand, limits: Limits) -> ResumeCommand:
+    """``command``, validated again (``Given``: one built with ``model_construct``), fit
+    to be checked against a ticket: its ids and its payload within the limits
+    (InputRefused otherwise; nothing is read or written)."""
+    try:
+        command = ResumeCommand.model_validate(command)
+    except ValidationError as exc:
+        raise InputRefused("resume command", "type", printable(str(exc), 500)) from None
     long_ids = Limits(id_chars=4 * limits.id_chars)  # correlations embed operation ids
     check_id("correlation", command.correlation, long_ids)
     check_id("run id", command.run_id, limits)
@@ -68,6 +76,7 @@ def check_command(command: ResumeCommand, limits: Limits) -> None:
     if command.request_id is not None:
         check_id("request id", command.request_id, limits)
     check_payload(command.payload, limits)
+    return command
 
 
 async def await_call(

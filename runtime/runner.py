@@ -116,7 +116,7 @@ class InProcessRunner:
 
     async def resume(self, command: ResumeCommand, faults: FaultPlan = NO_FAULTS) -> Frontier:
         """Resume a Run (or a child Run); a child that ends delivers its outcome upward."""
-        check_command(command, self.limits)  # refused before the store is asked anything
+        command = check_command(command, self.limits)  # refused before the store is asked anything
         link = await self.children.link_of(command.thread_id)
         if link is None:
             return await self.engine(faults).resume(command)

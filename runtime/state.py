@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import JsonValue, model_validator
 
-from runtime.base import Frozen, canonical_json
+from runtime.base import Given, canonical_json
 from runtime.errors import InputRefused, StateConflict
 from runtime.frozen import FrozenDict, freeze
 
@@ -39,7 +39,7 @@ MergePolicy = Literal["disjoint", "commutative", "exclusive"]
 StateView = dict[str, dict[str, Any]]
 
 
-class Command(Frozen):
+class Command(Given):
     key: str
     scope: Scope = "thread"
     merge: MergePolicy = "exclusive"

@@ -614,13 +614,14 @@ async def test_deep_nesting_in_a_resume_payload_is_refused():
     deep: list[Any] = []
     for _ in range(5000):
         deep = [deep]
-    # ToolOutput.content is text: deep JSON can only get in past pydantic's validation
+    # ToolOutput.content is text: deep JSON can only be put there past pydantic's
+    # validation, which the resume does again (``Given``)
     payload = ExternalResult.model_construct(output=ToolOutput.model_construct(content=deep))
     command = answer(before.run_state.ticket, ExternalResult(output=ToolOutput(content="x")))
     hostile = command.model_copy(update={"payload": payload})
-    with pytest.warns(UserWarning), pytest.raises(InputRefused) as refused:
+    with pytest.raises(InputRefused) as refused:
         await run.resume(hostile)
-    assert refused.value.limit == "json_depth" and await at_rest(store, "t") == before
+    assert refused.value.limit == "type" and await at_rest(store, "t") == before
     # as text, deep brackets are only text: within tool_result_bytes they are the answer
     text = "[" * 5000 + "]" * 5000
     done = await run.resume(

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from runtime import (
     Agent,
@@ -407,3 +408,69 @@ async def test_a_call_a_recovery_seals_or_runs_again_has_its_after_tool_hooks(mo
                 "hook",
                 "SystemExit",
             )
+
+
+async def test_records_built_without_validation_are_refused_not_committed(tmp_path) -> None:
+    """A hook's or a tool's command, a reaction, a resume built with ``model_construct``
+    (pydantic checks nothing): taken as they were, a command with an ``op`` of no kind
+    was committed and its thread never decoded again (CorruptRecord at every read); a
+    stop with no reason was dropped, a forced turn to no side ignored, ``approve="yes"``
+    authorised a call. Each is refused as bad input is, and the thread stays readable."""
+    from runtime import PermissionDecision, ResumeCommand, StopRun
+    from runtime.errors import InputRefused
+    from storage.url import open_store
+
+    store = await open_store(f"sqlite:///{tmp_path}/s.db")
+    bogus = Command.model_construct(key="k", op="bogus", value=1)
+    hooked = {
+        "h1": HookOutput(commands=[bogus]),
+        "h2": HookOutput(reactions=[StopRun.model_construct(kind="stop", reason=None)]),
+        "h3": HookOutput(reactions=[StopRun.model_construct(kind="stop", reason=123)]),
+    }
+    for thread, out in hooked.items():
+        hook = Hook(point="StepStart", fn=lambda _, out=out: out)
+        agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]), hooks=[hook])
+        f = await InProcessRunner(agent, store).start("go", thread_id=thread)
+        assert isinstance(f.run_state, EndedState)
+        cause = f.run_state.cause
+        assert isinstance(cause, Failed) and (cause.failure, cause.code) == ("hook", "InputRefused")
+        assert (await store.load(ThreadId(thread))).run_state == f.run_state
+
+    @tool
+    def writes() -> ToolResult:
+        return ToolResult(content="done", commands=[bogus])
+
+    f = await InProcessRunner(
+        Agent(name="a", model=_script_of("writes"), tools=[writes]), store
+    ).start("go", thread_id="t1")
+    [(is_error, content)] = _results(f)
+    assert is_error and "cannot be a result" in content and "op" in content
+    assert (await store.load(ThreadId("t1"))).state["thread"] == {}
+
+    ran: list[str] = []
+
+    @tool(needs_permission=True)
+    def risky() -> str:
+        ran.append("ran")
+        return "ran"
+
+    runner = InProcessRunner(Agent(name="a", model=_script_of("risky"), tools=[risky]), store)
+    ticket = (await runner.start("go", thread_id="t2")).run_state.ticket
+    fields = {
+        "correlation": ticket.correlation,
+        "run_id": ticket.run_id,
+        "thread_id": ticket.thread_id,
+        "payload": PermissionDecision.model_construct(kind="permission", approve="yes", note=""),
+    }
+    with pytest.raises(ValidationError):  # a command made with it is checked as it is made
+        ResumeCommand(**fields)
+    with pytest.raises(InputRefused, match="resume command"):
+        await runner.resume(ResumeCommand.model_construct(**fields))
+    assert ran == [] and (await store.load(ThreadId("t2"))).run_state.ticket == ticket
+    await store.close()
+
+
+def _script_of(tool_id: str) -> ScriptedModel:
+    return ScriptedModel(
+        [ModelResponse(tool_calls=(call(tool_id, "c1"),)), ModelResponse(text="ok")]
+    )
