@@ -171,6 +171,8 @@ async def fork(store: CommitStore, thread: ThreadId, at_seq: int, new_thread: Th
     """Start ``new_thread`` as ``thread``'s log up to commit ``at_seq``, where its Run had
     ended; returns the new thread's frontier. ForkRefused names why it cannot be."""
     check_id("thread id", new_thread)
+    if not isinstance(at_seq, int) or isinstance(at_seq, bool):  # "4", 4.0, True: no seq
+        raise ForkRefused("beyond_head", f"a seq is a whole number, not {at_seq!r:.80}")
     records = await _whole_log(store, thread, ForkRefused)
     if not 1 <= at_seq <= len(records):
         raise ForkRefused(

@@ -111,6 +111,8 @@ def parse_export(lines: Iterable[str | bytes]) -> Exported:
 
 
 def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
+    if not isinstance(raw, str | bytes):  # a caller's iterable of anything
+        raise ImportRefused(line, "malformed", f"a line is text, not {type(raw).__name__}")
     text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
     if len(text) > MAX_LINE_BYTES:
         raise ImportRefused(line, "too_large", f"the line is over {MAX_LINE_BYTES} bytes")

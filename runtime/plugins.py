@@ -99,6 +99,17 @@ class PluginManifest:
     requires: tuple[str, ...] = ()
     bound: CapabilityBound = field(default_factory=CapabilityBound)
 
+    def __post_init__(self) -> None:
+        # a plain string is a sequence too: requires="audit" would require "a", "u", ...
+        if isinstance(self.requires, str | bytes) or not all(
+            isinstance(r, str) for r in self.requires
+        ):
+            raise TypeError(
+                f"plugin {self.id!r:.80}: requires is a sequence of plugin ids, "
+                f"not {self.requires!r:.80}"
+            )
+        object.__setattr__(self, "requires", tuple(self.requires))
+
 
 @dataclass(frozen=True)
 class Contributions:

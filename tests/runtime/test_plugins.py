@@ -127,6 +127,14 @@ def test_each_resolution_rule_refuses_with_a_typed_error_naming_plugin_and_item(
     assert (refused.value.plugin, refused.value.item[: len(named[1])]) == named
 
 
+@pytest.mark.parametrize("requires", ["audit", b"audit", ["audit", 7]])
+def test_a_manifest_requires_a_sequence_of_plugin_ids(requires):
+    """``requires="audit"`` was read as the plugins "a", "u", "d", "i", "t"."""
+    with pytest.raises(TypeError, match="requires is a sequence of plugin ids"):
+        PluginManifest(id="p", requires=requires)
+    assert PluginManifest(id="p", requires=["audit"]).requires == ("audit",)
+
+
 def test_a_bound_limits_what_a_plugin_contributes_and_grants_nothing():
     generous = CapabilityBound(tools=frozenset({"noop", "lookup"}))
     env = resolve([plugin("a", bound=generous, tools=[noop])])

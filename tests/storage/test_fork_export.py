@@ -196,6 +196,11 @@ async def test_a_fork_refuses_what_it_cannot_start_from(store: Any) -> None:
         (ThreadId("nobody"), 1, F, "unknown_thread"),
         (T, 0, F, "beyond_head"),
         (T, 9, F, "beyond_head"),
+        # no seq: "4" and None raised TypeError, True forked at seq 1
+        (T, "4", F, "beyond_head"),  # type: ignore[list-item]
+        (T, 4.0, F, "beyond_head"),  # type: ignore[list-item]
+        (T, None, F, "beyond_head"),  # type: ignore[list-item]
+        (T, True, F, "beyond_head"),
         (T, end_of_one, T, "thread_exists"),
         (T, end_of_one, ThreadId("other"), "thread_exists"),
     ]
@@ -551,6 +556,7 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "lone surrogate": (_set(2, '{"seq":2,"hash":"x","body":"\ud800"}'), 3, "malformed"),
     "escaped lone surrogate": (_set(2, '{"seq":2,"hash":"x","body":"\\ud800"}'), 3, "malformed"),
     "invalid UTF-8": (_set(2, b'{"seq":2,"hash":"x","body":"\xff"}'), 3, "malformed"),
+    "a line that is no text": (_set(2, 7), 3, "malformed"),  # AttributeError, was
     "deep nesting": (_set(2, "[" * 5000 + "]" * 5000), 3, "malformed"),
     "deep body": (_deep_body, 2, "record"),
     "log that does not fold": (_illegal_log, 3, "replay"),
