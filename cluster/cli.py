@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 import typer
 
-from cluster.cli_args import BadInput, awaiting_ticket, payload_from, thread_arg
+from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, thread_arg
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, cursor, run_page, run_query, run_row
 from cluster.cli_view import (
@@ -145,8 +145,8 @@ async def _demo(runs: int, store: str | None, crash: bool) -> None:
 
 @app.command()
 def run(
-    agent: str = typer.Argument(..., help="The agent as MODULE:ATTR"),
-    text: str = typer.Argument(..., help="The user's input"),
+    agent: str = typer.Argument(..., help="The agent as MODULE:ATTR", callback=text_arg),
+    text: str = typer.Argument(..., help="The user's input", callback=text_arg),
     thread: str | None = typer.Option(
         None, "--thread", help="Thread id (default: a new one)", callback=thread_arg
     ),
@@ -191,7 +191,10 @@ def runs(
         None, "--status", help="idle, running or failed: the thread's run status"
     ),
     agent: str | None = typer.Option(
-        None, "--agent", help="Only Runs started with this agent reference (MODULE:ATTR)"
+        None,
+        "--agent",
+        help="Only Runs started with this agent reference (MODULE:ATTR)",
+        callback=text_arg,
     ),
     failed: bool = typer.Option(
         False, "--failed", help="Only Runs that ended failed (dead letters among them)"
@@ -313,10 +316,17 @@ def resume(
     thread: str = typer.Argument(..., callback=thread_arg, help="The thread whose Run awaits"),
     approve: bool = typer.Option(False, "--approve", help="Grant the permission it waits for"),
     deny: bool = typer.Option(False, "--deny", help="Refuse it (the model sees 'blocked')"),
-    note: str = typer.Option("", "--note", help="A note with --approve or --deny"),
-    text: str | None = typer.Option(None, "--input", help="Text for a Run awaiting user input"),
+    note: str = typer.Option(
+        "", "--note", help="A note with --approve or --deny", callback=text_arg
+    ),
+    text: str | None = typer.Option(
+        None, "--input", help="Text for a Run awaiting user input", callback=text_arg
+    ),
     result: str | None = typer.Option(
-        None, "--result", help="JSON output of a client-executed tool (a string stays as is)"
+        None,
+        "--result",
+        help="JSON output of a client-executed tool (a string stays as is)",
+        callback=text_arg,
     ),
     is_error: bool = typer.Option(False, "--error", help="With --result: the tool failed"),
     fire: bool = typer.Option(False, "--fire", help="Fire the scheduled action it waits for"),
@@ -384,7 +394,9 @@ def cancel(
 @app.command()
 def stop(
     thread: str = typer.Argument(..., callback=thread_arg),
-    reason: str = typer.Option(..., "--reason", help="Recorded as stopped(reason)"),
+    reason: str = typer.Option(
+        ..., "--reason", help="Recorded as stopped(reason)", callback=text_arg
+    ),
     store: str | None = StoreOption,
     address: str | None = AddressOption,
     redis: str | None = RedisOption,

@@ -24,7 +24,7 @@ from runtime.lifecycle import (
     UserInput,
     WaitExpired,
 )
-from runtime.limits import check_id
+from runtime.limits import check_id, utf8_problem
 
 
 class BadInput(Exception):
@@ -77,6 +77,17 @@ def thread_arg(value: str | None) -> str | None:
         return check_id("thread id", value)
     except InputRefused as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def text_arg(value: str | None, param: typer.CallbackParam) -> str | None:
+    """Text given on the command line, checked before anything is opened: bytes that are
+    not UTF-8 (decoded by Python with surrogates) can be neither sent nor stored, and Ray
+    fails to start a driver whose command line holds them (which read as "cannot
+    connect")."""
+    problem = None if value is None else utf8_problem(value)
+    if problem is not None:
+        raise typer.BadParameter(str(InputRefused(param.name or "text", "utf8", problem)))
+    return value
 
 
 def awaiting_ticket(frontier: Frontier) -> ResumeTicket:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import typer
 
-from cluster.cli_args import BadInput, thread_arg
+from cluster.cli_args import BadInput, text_arg, thread_arg
 from cluster.cli_json import emit
 from cluster.cli_view import console
 from runtime.agent import load_agent
@@ -39,7 +39,11 @@ def register(app: typer.Typer) -> None:
 def replay_command(
     thread: str = typer.Argument(..., callback=thread_arg, help="The recorded thread"),
     agent: str = typer.Option(
-        ..., "--agent", metavar="MODULE:ATTR", help="The agent's current code, by reference"
+        ...,
+        "--agent",
+        metavar="MODULE:ATTR",
+        help="The agent's current code, by reference",
+        callback=text_arg,
     ),
     store: str | None = typer.Option(None, "--store", help=_STORE_HELP),
     export: str | None = typer.Option(

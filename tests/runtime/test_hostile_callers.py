@@ -121,6 +121,30 @@ def test_the_command_line_refuses_a_thread_id_that_is_not_text(tmp_path):
     assert not (tmp_path / "s.db").exists()  # nothing was opened
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["run", "m:agent", NOT_TEXT], "text"),
+        (["run", NOT_TEXT, "go"], "agent"),
+        (["stop", "t", "--reason", NOT_TEXT], "reason"),
+        (["resume", "t", "--deny", "--note", NOT_TEXT], "note"),
+        (["resume", "t", "--input", NOT_TEXT], "text"),
+        (["resume", "t", "--result", NOT_TEXT], "result"),
+        (["runs", "--agent", NOT_TEXT], "agent"),
+    ],
+)
+def test_the_command_line_refuses_text_that_is_not_utf8_before_connecting(args, named, tmp_path):
+    """Bytes that are not UTF-8 in a reason, a note, an input: Ray could not start the
+    driver whose command line held them, and the command said "cannot connect to auto"
+    (exit 1), pointing at the cluster, not at the argument."""
+    reads = args[0] == "runs"  # the store's listing; the others go to the cluster
+    where = ["--store", f"sqlite:///{tmp_path}/s.db"] if reads else ["--address", "127.0.0.1:9"]
+    result = CliRunner().invoke(app, [*args, *where])
+    assert result.exit_code == 2, result.output
+    assert f"{named} refused (utf8)" in result.output and "connect" not in result.output
+    assert not (tmp_path / "s.db").exists()  # nothing was opened
+
+
 @pytest.mark.parametrize("payload", ["[" * 100_000, "9" * 5000])
 def test_a_resume_result_that_is_not_json_is_one_clear_error(payload, tmp_path):
     args = ["resume", "t", "--result", payload, "--store", f"sqlite:///{tmp_path}/s.db"]
