@@ -171,13 +171,33 @@ def _disjoint(current: Any, group: list[Command], name: str) -> Any:
     return freeze({**(current or {}), **fields})
 
 
+_BIG_BITS = 14_000
+"""Below this many bits an integer has fewer than 4,300 decimal digits (Python's
+``int_max_str_digits``, which the stores' JSON readers share)."""
+
+
+def _sum(total: int, name: str) -> int:
+    """``total``, if it can be written and read back as JSON: each added value is held to
+    that (``check_json_value``), but two of 4,300 digits add up to 4,301, which a store
+    wrote and then could never read (the thread unreadable)."""
+    if total.bit_length() < _BIG_BITS:
+        return total
+    try:
+        str(total)
+    except ValueError:
+        raise StateConflict(
+            f"commutative state key {name}: the sum has more digits than JSON may hold"
+        ) from None
+    return total
+
+
 def _accumulate(current: Any, delta: Any, name: str) -> Any:
     """``current`` (stored, possibly absent) combined with ``delta``: commutative and
     associative, so the order of a commit's commands cannot change the result."""
     if current is None:
         current = [] if isinstance(delta, list) else {} if isinstance(delta, dict) else 0
     if isinstance(delta, int) and isinstance(current, int) and not isinstance(current, bool):
-        return current + delta
+        return _sum(current + delta, name)
     if isinstance(delta, list) and isinstance(current, list):
         members = {canonical_json(v): v for v in (*current, *delta)}
         return [members[k] for k in sorted(members)]

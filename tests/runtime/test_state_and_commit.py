@@ -117,6 +117,36 @@ def test_commutative_results_do_not_depend_on_the_order_of_commands(values, rng)
     assert apply_commands(empty_state(), shuffled) == first
 
 
+async def test_a_commutative_sum_no_store_could_read_back_is_a_conflict(tmp_path):
+    """Each value of 4,300 digits is storable (``check_json_value``); their sum of 4,301
+    was folded and written into a SQL store's frontier, which no read could decode
+    again: the thread unreadable after a Run that ended ``natural``."""
+    from runtime import Agent, Hook, HookOutput, InProcessRunner, ModelResponse, ScriptedModel
+    from runtime.lifecycle import Failed
+    from storage.url import open_store
+
+    big = 9 * 10**4299
+    counter = {"n": Command(key="n", merge="commutative", value=big)}
+    with pytest.raises(StateConflict, match="more digits than JSON may hold"):
+        apply_commands(empty_state(), [counter["n"]] * 2)
+    within = apply_commands(
+        empty_state(), [counter["n"], Command(key="n", merge="commutative", value=-big)]
+    )
+    assert within["thread"]["n"] == 0
+    nested = Command(key="o", merge="commutative", value={"hits": big})
+    with pytest.raises(StateConflict, match=r"thread:o\.hits"):
+        apply_commands(apply_commands(empty_state(), [nested]), [nested])  # across commits
+
+    store = await open_store(f"sqlite:///{tmp_path}/s.db")
+    hook = Hook("StepStart", lambda _: HookOutput(commands=[counter["n"]] * 2))
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="x")]), hooks=[hook])
+    f = await InProcessRunner(agent, store).start("go", thread_id="t")
+    assert isinstance(f.run_state, EndedState) and isinstance(f.run_state.cause, Failed)
+    assert f.run_state.cause.code == "StateConflict"
+    assert (await store.load(ThreadId("t"))).run_state == f.run_state  # still readable
+    await store.close()
+
+
 def test_mixed_policies_on_one_key_conflict():
     with pytest.raises(StateConflict, match="mixed policies"):
         apply_commands(
