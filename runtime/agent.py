@@ -10,13 +10,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pydantic import ValidationError
+
 from runtime.batch import ToolRecoveryPolicy
 from runtime.delegation import DelegationLimits
 from runtime.errors import AgentImportError, ToolDefinitionError
 from runtime.execution import ExecutionState, Side
 from runtime.hooks import Gate, Hook, RunEndGuard
 from runtime.ids import RunId, ThreadId
-from runtime.limits import raised
+from runtime.limits import printable, raised
 from runtime.messages import Message
 from runtime.models import Model
 from runtime.plugins import DuplicateId, Plugin, PluginRefused, ResolvedExecutionEnv, resolve
@@ -55,6 +57,12 @@ class SessionSide:
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.agent, self.handler, self.human)) != 1:
             raise ValueError("a session side is backed by exactly one of agent, handler, human")
+        for part, kind in (("agent", Agent), ("human", str)):
+            value = getattr(self, part)
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"a session side's {part} is a {kind.__name__}, not {value!r:.80}")
+        if self.handler is not None and not callable(self.handler):
+            raise TypeError(f"a session side's handler is a function, not {self.handler!r:.80}")
         if self.agent is not None and self.agent.plugins:
             raise ValueError(
                 "a session side's agent may not have plugins (they are pinned per Run, by "
@@ -166,6 +174,7 @@ class Agent:
                 raise TypeError(f"{name} must be a {kind.__name__} or None, not {value!r:.80}")
         if not isinstance(self.delegation, DelegationLimits):
             raise TypeError(f"delegation must be a DelegationLimits, not {self.delegation!r:.80}")
+        self._check_parts()
         self._resolve_plugins()
         ids = [t.id for t in self.tools]
         if len(set(ids)) != len(ids):
@@ -180,6 +189,41 @@ class Agent:
                     f"agent {self.name}: the sides have different tools {t.id!r}"
                 )
         object.__setattr__(self, "deployed_tools", tuple(deployed.values()))
+
+    def _check_parts(self) -> None:
+        """What the Run would meet only later, refused now: a part of the wrong kind
+        ended Runs ``failed(internal)`` (a bug of Ratchet's, it said) at their first use,
+        and a recovery policy built with ``model_construct`` was pinned into the batch
+        as it was, and committed into a record no read decodes."""
+        if not isinstance(self.name, str) or not isinstance(self.system, str):
+            raise TypeError(f"an agent's name and system prompt are text: {self.name!r:.80}")
+        for t in self.tools:
+            if not isinstance(t, Tool):
+                raise ToolDefinitionError(
+                    f"agent {self.name}: a tool is made with @tool, not {t!r:.80}"
+                )
+        for hook in self.hooks:
+            if not isinstance(hook, Hook):
+                raise TypeError(f"agent {self.name}: a hook is a Hook, not {hook!r:.80}")
+        for fn in (*self.gates, *self.run_end_guards):
+            if not callable(fn):
+                raise TypeError(f"agent {self.name}: gates and guards are functions: {fn!r:.80}")
+        if not isinstance(self.policies, Mapping):
+            raise ToolDefinitionError(
+                f"agent {self.name}: policies map tool ids to ToolRecoveryPolicy, "
+                f"not {self.policies!r:.80}"
+            )
+        policies = {}
+        for tool_id, policy in self.policies.items():
+            try:  # validated again, from its fields: one built with model_construct too
+                fields = dict(policy) if isinstance(policy, ToolRecoveryPolicy) else policy
+                policies[tool_id] = ToolRecoveryPolicy.model_validate(fields)
+            except ValidationError as exc:
+                raise ToolDefinitionError(
+                    f"agent {self.name}: the policy for {tool_id!r:.80} is no "
+                    f"ToolRecoveryPolicy: {printable(str(exc), 500)}"
+                ) from None
+        object.__setattr__(self, "policies", policies)
 
     def _resolve_plugins(self) -> None:
         env, refused = None, None

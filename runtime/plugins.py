@@ -100,6 +100,13 @@ class PluginManifest:
     bound: CapabilityBound = field(default_factory=CapabilityBound)
 
     def __post_init__(self) -> None:
+        # pinned in each Run's state as text: an id of 5 was written, and the thread's
+        # own export and fork then refused the state Ratchet itself had written
+        if not (isinstance(self.id, str) and self.id and isinstance(self.version, str)):
+            raise TypeError(
+                f"a plugin's id (non-empty) and version are text, not {self.id!r:.80} "
+                f"and {self.version!r:.80}"
+            )
         # a plain string is a sequence too: requires="audit" would require "a", "u", ...
         if isinstance(self.requires, str | bytes) or not all(
             isinstance(r, str) for r in self.requires

@@ -14,7 +14,6 @@ import contextvars
 import functools
 import inspect
 import json
-import math
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -314,6 +313,10 @@ def tool(
     """
     if needs_permission and wait not in (None, "permission"):
         raise ToolDefinitionError("needs_permission=True conflicts with another wait kind")
+    if wait not in (None, *get_args(WaitKind)):
+        raise ToolDefinitionError(
+            f"wait is one of {', '.join(get_args(WaitKind))} or None, not {wait!r:.80}"
+        )
     declared: WaitKind | None = "permission" if needs_permission else wait
 
     def build(f: Callable[..., Any]) -> Tool:
@@ -365,18 +368,23 @@ def _build_tool(
     )
 
 
+MAX_SECONDS = 10**9
+"""About 31 years: a longer bound is no bound (give None), and one of 1e308 seconds
+overflowed when a call's deadline was made of it."""
+
+
 def _check_seconds(tool_id: str, option: str, value: float | None) -> None:
     """Refused when the tool is built, not when a call first meets it: NaN never
     compares, infinity cannot be stored as a deadline (None is "no bound"), and zero or
     less has passed before anything could run."""
     if value is not None and not (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
+        isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_SECONDS
     ):
+        bits = value.bit_length() if isinstance(value, int) else 0  # repr() may refuse it
+        shown = f"an integer of {bits} bits" if bits > 64 else f"{value!r:.80}"
         raise ToolDefinitionError(
-            f"tool {tool_id}: {option} must be a positive finite number or None, not {value!r}"
+            f"tool {tool_id}: {option} must be a positive number of seconds up to "
+            f"{MAX_SECONDS} or None, not {shown}"
         )
 
 

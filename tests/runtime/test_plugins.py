@@ -135,6 +135,14 @@ def test_a_manifest_requires_a_sequence_of_plugin_ids(requires):
     assert PluginManifest(id="p", requires=["audit"]).requires == ("audit",)
 
 
+@pytest.mark.parametrize("fields", [{"id": 5}, {"id": None}, {"id": ""}, {"id": "p", "version": 5}])
+def test_a_manifest_s_id_and_version_are_text(fields):
+    """Pinned in each Run's state: an id of 5 was written there, and the thread's own
+    export, import and fork then refused it as state Ratchet never writes."""
+    with pytest.raises(TypeError, match=r"id \(non-empty\) and version are text"):
+        PluginManifest(**fields)
+
+
 def test_a_bound_limits_what_a_plugin_contributes_and_grants_nothing():
     generous = CapabilityBound(tools=frozenset({"noop", "lookup"}))
     env = resolve([plugin("a", bound=generous, tools=[noop])])

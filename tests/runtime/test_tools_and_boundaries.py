@@ -252,6 +252,45 @@ def test_settings_that_cannot_work_are_refused_when_built():
             tool(needs_permission=True, wait_deadline_s=timeout, name="x")(lambda: "x")
 
 
+def test_an_agent_s_parts_of_the_wrong_kind_are_refused_when_it_is_made():
+    """Each was accepted and ended every Run ``failed(internal)`` at its first use (a bug
+    of Ratchet's, it said); a recovery policy built with ``model_construct`` was pinned
+    into the batch as it was, and committed into a record no read decodes."""
+    from runtime import Agent, ModelResponse, ScriptedModel, ToolDefinitionError
+    from runtime.agent import SessionSide
+    from runtime.batch import ToolRecoveryPolicy
+
+    def agent(**parts):
+        return Agent(name="a", model=ScriptedModel([ModelResponse(text="x")]), **parts)
+
+    construct = ToolRecoveryPolicy.model_construct
+    for parts, error in [
+        ({"hooks": [lambda h: None]}, TypeError),
+        ({"tools": ["weigh"]}, ToolDefinitionError),
+        ({"gates": ["no"]}, TypeError),
+        ({"policies": None}, ToolDefinitionError),
+        ({"policies": {"weigh": "replay_safe"}}, ToolDefinitionError),
+        ({"policies": {"weigh": construct(mode="bogus", max_attempts=3)}}, ToolDefinitionError),
+        (
+            {"policies": {"weigh": construct(mode="never_replay", max_attempts=0)}},
+            ToolDefinitionError,
+        ),
+    ]:
+        with pytest.raises(error):
+            agent(**parts)
+    kept = agent(policies={"weigh": {"mode": "replay_safe"}}).policies["weigh"]
+    assert kept == ToolRecoveryPolicy(mode="replay_safe")
+    for side in ({"human": 5}, {"handler": "no"}, {"agent": "a:b"}):
+        with pytest.raises(TypeError, match="a session side's"):
+            SessionSide(**side)
+    with pytest.raises(ToolDefinitionError, match="wait is one of"):
+        tool(wait="bogus")(lambda: "x")
+    for seconds in (1e308, 10**5000, 10**9 + 1):  # overflowed making a deadline, or repr()
+        with pytest.raises(ToolDefinitionError, match="up to 1000000000"):
+            tool(timeout_s=seconds, name="x")(lambda: "x")
+    assert tool(timeout_s=10**9, name="x")(lambda: "x").timeout_s == 10**9
+
+
 @pytest.mark.parametrize(
     "name", ["", "<lambda>", "files.read", "has space", "x" * 65, "caf\u00e9", "bad\ud800", "a\x00"]
 )
