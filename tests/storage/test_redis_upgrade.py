@@ -196,10 +196,25 @@ async def test_two_upgraders_at_once_write_each_thread_once(redis_old: str) -> N
 
 
 KILLED = 300
-"""Threads of the store whose upgrader is killed: enough that it dies well before its end."""
-UPGRADER = """
-import asyncio, sys
+"""Threads of the store whose upgrader is killed."""
+STOPS_AFTER = 5
+UPGRADER = f"""
+import asyncio, os, signal, sys
+import storage.redis_upgrade as upgrading
 from storage.redis_store import RedisCommitStore
+
+# the upgrader stops itself a few threads in, to be killed there: a kill timed from
+# outside came after the last thread once (the machine busy, the test's poll late)
+done, upgrade_thread = [], upgrading.upgrade_thread
+
+async def upgrade_one(*args):
+    outcome = await upgrade_thread(*args)
+    done.append(outcome)
+    if len(done) == {STOPS_AFTER}:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return outcome
+
+upgrading.upgrade_thread = upgrade_one
 
 async def main() -> None:
     await (await RedisCommitStore.connect(sys.argv[1])).close()
@@ -226,6 +241,10 @@ async def _upgraded(client: Any, prefix: str, olds: list[Old]) -> int:
         return sum(await pipe.execute())
 
 
+async def _upgraded_as_many(client: Any, prefix: str, olds: list[Old], n: int) -> bool:
+    return await _upgraded(client, prefix, olds) >= n
+
+
 async def test_an_upgrader_killed_half_way_is_taken_over(
     redis_old: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -243,10 +262,9 @@ async def test_an_upgrader_killed_half_way_is_taken_over(
     )
     try:
         await until(
-            lambda: _upgraded(client, prefix, olds),
+            lambda: _upgraded_as_many(client, prefix, olds, STOPS_AFTER),
             30.0,
-            what="a thread upgraded",
-            interval_s=0.002,
+            what=f"{STOPS_AFTER} threads upgraded (and the upgrader stopped)",
         )
         upgrader.send_signal(signal.SIGKILL)
     finally:
@@ -254,7 +272,7 @@ async def test_an_upgrader_killed_half_way_is_taken_over(
             upgrader.kill()
         assert await upgrader.wait() == -signal.SIGKILL
     by_the_dead = await _upgraded(client, prefix, olds)
-    assert 0 < by_the_dead < len(olds)
+    assert by_the_dead == STOPS_AFTER < len(olds)
     assert await client.get(f"{prefix}:schema") is None
     assert await client.pttl(f"{prefix}:upgrading") > 0  # its lock, held by no one alive
     store = await asyncio.wait_for(RedisCommitStore.connect(redis_old), LEASE_MS / 1000 + 20)
