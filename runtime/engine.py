@@ -225,7 +225,9 @@ class Engine(Stepping):
         that has a record, and the start then reads and verifies the thread and goes
         on exactly as without the hint (nothing was written).
         """
-        run_id = run_id or RunId(f"run-{uuid.uuid4().hex}")
+        run_id = RunId(f"run-{uuid.uuid4().hex}") if run_id is None else run_id
+        if not isinstance(new_thread, bool):  # a hint: "yes" would be taken as one
+            raise TypeError(f"new_thread is True or False, not {new_thread!r:.80}")
         message_id = message_id or input_message_id(run_id)
         self._check_start(thread, run_id, message_id, text)
         user = UserMessage(id=message_id, text=text)

@@ -220,6 +220,7 @@ async def _whole_log(
 ) -> list[CommittedRecord]:
     """The thread's log from its first record, its frontier verified too; refused while
     a fork or an import is still writing it (its records are not a thread yet)."""
+    check_id("thread id", thread)
     head, records = await vouched_log(store, thread)
     if (copying := copy_under_way(head)) is not None:
         raise error("copy_under_way", copying)

@@ -91,6 +91,15 @@ class CapabilityBound:
     actions: frozenset[str] = frozenset()
     run_end_guards: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("tools", "hook_points", "state_keys", "actions"):
+            value = getattr(self, name)
+            # one string is a collection too: tools="reporting_admin" let a tool named
+            # "reporting" in (a substring), where a bound must only ever hold back
+            if isinstance(value, str | bytes) or not all(isinstance(v, str) for v in value):
+                raise TypeError(f"a bound's {name} is a set of names, not {value!r:.80}")
+            object.__setattr__(self, name, frozenset(value))
+
 
 @dataclass(frozen=True)
 class PluginManifest:

@@ -323,7 +323,7 @@ placement from it in every process: ``actors.wire.RunMeta``)."""
 
 def input_message_id(run_id: str, placement: str | None = None, agent: str | None = None) -> str:
     """The id of ``run_id``'s input message (with the cluster's placement and agent)."""
-    own = run_id + INPUT
+    own = f"{run_id}{INPUT}"  # a run id of the wrong type is refused by its check, later
     return own if placement is None or agent is None else f"{own}|{placement}|{agent}"
 
 

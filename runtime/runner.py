@@ -31,7 +31,7 @@ from runtime.errors import (
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import ResumeCommand, RunningState
-from runtime.limits import DEFAULT_LIMITS, Limits
+from runtime.limits import DEFAULT_LIMITS, Limits, check_id
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command
@@ -92,9 +92,10 @@ class InProcessRunner:
     ) -> Frontier:
         """``new_thread``: ``thread_id`` was made for this Run, as it is when none is
         given (``Engine.start``)."""
-        thread = ThreadId(thread_id or f"thread-{uuid.uuid4().hex}")
-        rid = RunId(run_id) if run_id else None
-        new = new_thread or thread_id is None
+        # an id given empty is refused (``check_id``), not taken for "make me one"
+        thread = ThreadId(f"thread-{uuid.uuid4().hex}" if thread_id is None else thread_id)
+        rid = None if run_id is None else RunId(run_id)
+        new = True if thread_id is None else new_thread
         return await self.engine(faults).start(thread, text, run_id=rid, new_thread=new)
 
     async def recover(self, thread_id: str, faults: FaultPlan = NO_FAULTS) -> Frontier:
@@ -102,7 +103,7 @@ class InProcessRunner:
         agent (its parent link says which); a parent awaiting a lone child that has ended
         meanwhile (cancelled or stopped at rest, say) is handed that child's outcome, as a
         cluster's Supervisor would hand it."""
-        thread = ThreadId(thread_id)
+        thread = ThreadId(check_id("thread id", thread_id, self.limits))
         link = await self.children.link_of(thread)
         engine = self.engine(faults) if link is None else self.children.engine(link, faults)
         done = await engine.recover(thread)

@@ -27,10 +27,10 @@ _SECRET_WORDS = ("password", "passwd", "secret", "token", "key")
 class UnsupportedStoreUrl(ValueError):
     """A store URL whose scheme no backend serves."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, why: str | None = None) -> None:
+        schemes = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
         super().__init__(
-            f"unsupported store URL {redact(url)!r}; supported schemes: "
-            + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
+            f"unsupported store URL {redact(url)!r}; {why or f'supported schemes: {schemes}'}"
         )
 
 
@@ -82,9 +82,16 @@ def default_store_url() -> str:
 
 async def open_store(url: str, **opts: Any) -> CommitStore:
     """Connect the CommitStore the URL names; backends are imported only when chosen."""
+    if not isinstance(url, str):
+        raise UnsupportedStoreUrl(repr(url), f"a store URL is text, not {type(url).__name__}")
     scheme = scheme_of(url)
     if "://" not in url or scheme not in SUPPORTED_SCHEMES:
         raise UnsupportedStoreUrl(url)
+    timeout = opts.get("timeout_s")
+    if timeout is not None and not (
+        isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout < 1e6
+    ):  # 0 gave up on every statement at once, and a start retried for a minute
+        raise ValueError(f"timeout_s is a positive number of seconds, not {timeout!r:.80}")
     if scheme == "memory":
         from storage.memory import MemoryCommitStore
 
@@ -94,9 +101,14 @@ async def open_store(url: str, **opts: Any) -> CommitStore:
 
         return NoopCommitStore(**opts)
     if scheme in ("sqlite", "postgresql", "postgres"):
+        from sqlalchemy.exc import ArgumentError
+
         from storage.sql import SqlCommitStore
 
-        return await SqlCommitStore.connect(url, **opts)
+        try:
+            return await SqlCommitStore.connect(url, **opts)
+        except ArgumentError as exc:  # SQLAlchemy cannot read the URL ("sqlite://host/x")
+            raise UnsupportedStoreUrl(url, str(exc)) from None
     from storage.redis_store import RedisCommitStore
 
     store: CommitStore = await RedisCommitStore.connect(url, **opts)

@@ -325,3 +325,55 @@ async def test_a_thread_holding_reserved_state_of_another_shape_is_a_problem_row
     assert "usage (run): state key run:usage is not as Ratchet writes it" in shown.output
     as_json = await cli("show", "evil", "--json")
     assert json.loads(as_json.stdout.splitlines()[0])["children"]["c1"] == "evil"
+
+
+async def test_ids_and_options_of_the_wrong_type_are_refused_with_nothing_written(tmp_path):
+    """What a caller can pass wrong, each refused by name before the store is asked:
+    a run id of 7 and ``new_thread="yes"`` raised TypeError from deep inside, an empty
+    thread id started a Run on a new thread (an empty run id, under a new id), a thread
+    of None was a pydantic ValidationError of Frontier."""
+    from runtime.history import export, fork
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(Agent(name="a", model=ScriptedModel([ModelResponse(text="x")])), store)
+    for kwargs in (
+        {"run_id": 7},
+        {"thread_id": ""},
+        {"run_id": ""},
+        {"thread_id": None, "run_id": 7},
+    ):
+        with pytest.raises(InputRefused):
+            await runner.start("go", **kwargs)
+    with pytest.raises(TypeError, match="new_thread is True or False"):
+        await runner.start("go", thread_id="t", new_thread="yes")  # type: ignore[arg-type]
+    for attempt in (runner.recover(None), fork(store, None, 1, "f"), export(store, None)):  # type: ignore[arg-type]
+        with pytest.raises(InputRefused, match="thread id"):
+            await attempt
+    assert await store.thread_ids() == []
+
+
+async def test_a_store_url_or_option_no_store_can_use_is_refused_typed(tmp_path):
+    """``open_store(None)`` raised AttributeError, a SQLite URL with a host SQLAlchemy's
+    ArgumentError (driver errors never leave storage/), and ``timeout_s=0`` made every
+    statement give up at once, each start retrying for a minute."""
+    from storage.url import UnsupportedStoreUrl, open_store
+
+    with pytest.raises(UnsupportedStoreUrl, match="a store URL is text"):
+        await open_store(None)  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedStoreUrl, match="Invalid SQLite URL"):
+        await open_store(f"sqlite://host{tmp_path}/s.db")
+    for seconds in (0, -1, "x", float("nan"), True):
+        with pytest.raises(ValueError, match="timeout_s is a positive number"):
+            await open_store(f"sqlite:///{tmp_path}/s.db", timeout_s=seconds)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_capability_bound_holds_names_not_one_string():
+    """``tools="reporting_admin"`` was matched as a substring: a tool named "reporting"
+    got through a bound that must only ever hold back."""
+    from runtime.plugins import CapabilityBound
+
+    for value in ("reporting_admin", b"x", [1]):
+        with pytest.raises(TypeError, match="a bound's tools is a set of names"):
+            CapabilityBound(tools=value)  # type: ignore[arg-type]
+    assert CapabilityBound(tools=["a"]).tools == frozenset({"a"})
