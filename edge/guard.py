@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import hmac
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -203,12 +204,17 @@ def _query_problem(query: bytes) -> tuple[str, str] | None:
     return None
 
 
+_HOST = re.compile(r"(?:\[([0-9A-Fa-f:.]*)\]|([^:\[\]]*))(?::[0-9]{1,5})?")
+"""A whole ``Host`` header: a bracketed IPv6 address or a name without a colon, then at
+most a port."""
+
+
 def _hostname(host: bytes) -> str:
-    """The name in a ``Host`` header, without its port (``[::1]:8000`` → ``::1``)."""
-    text = host.decode("latin-1")
-    if text.startswith("["):
-        return text[1 : text.find("]")] if "]" in text else ""
-    return text.rpartition(":")[0] if ":" in text else text
+    """The name in a ``Host`` header, without its port (``[::1]:8000`` → ``::1``); ""
+    unless the whole header is a name and at most a port: taking what came before its
+    last colon read ``localhost:1@evil.example`` as ``localhost``."""
+    matched = _HOST.fullmatch(host.decode("latin-1"))
+    return "" if matched is None else matched[1] or matched[2] or ""
 
 
 def _dropped(receive: Receive) -> Receive:

@@ -326,7 +326,16 @@ def test_a_server_with_no_token_answers_no_other_page_and_no_other_name(service)
     for origin in ("http://evil.example", "http://localhost:1", "null"):
         sent = httpx2.post(f"{open_url}/threads/{thread}/cancel", headers={"Origin": origin})
         assert "another origin" in problem(sent, 403, "NotLocal")["detail"]
-    for host in ("evil.example", f"attacker.test:{port}", "127.0.0.1.nip.io"):
+    # the whole header is a name and at most a port: what came before a colon was taken
+    # for the name ("localhost:1@evil.example" was "localhost")
+    for host in (
+        "evil.example",
+        f"attacker.test:{port}",
+        "127.0.0.1.nip.io",
+        "localhost:evil.example",
+        f"localhost:{port}@evil.example",
+        "[::1]evil.example",
+    ):
         sent = httpx2.get(f"{open_url}/runs", headers={"Host": host})
         assert "loopback name" in problem(sent, 403, "NotLocal")["detail"]
     for own in (open_url, f"http://localhost:{port}"):
