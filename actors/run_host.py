@@ -86,6 +86,9 @@ from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.run_host")
 FINISHING_S = 5.0
+RETIRE_AGAIN_S = 5.0
+"""How long a dedicated host at rest waits for the Supervisor to end it before it asks
+again (the Supervisor answers False while a recovery of its Run is on its way)."""
 """How long a start waits for this host's drive of the thread's previous Run to wind up."""
 
 
@@ -112,6 +115,8 @@ class RunHost(ControlHosting, ChildHosting):
             self._retire_if_idle,
         )
         self.recovered = 0
+        self._retire_asked: float | None = None
+        """When this dedicated host last asked to be ended (None: never)."""
         self.admission = Admission()
         self.reconciler = Reconciler(
             host_id,
@@ -424,9 +429,12 @@ class RunHost(ControlHosting, ChildHosting):
 
     def _retire_if_idle(self) -> None:
         """A dedicated host with nothing left to drive ends; also one started only to
-        cancel or stop its Run at rest."""
+        cancel or stop its Run at rest. It asks until the Supervisor ends it: an ask
+        lost with a Supervisor that died left the host running for good (the heartbeat
+        asks again, ``RETIRE_AGAIN_S`` apart, while it is idle)."""
         busy = len(self.drives) or self.drives.replacing or self.drives.ending
         if self.kind == "dedicated" and not busy:
+            self._retire_asked = time.monotonic()
             task = asyncio.create_task(self._retire())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -435,7 +443,8 @@ class RunHost(ControlHosting, ChildHosting):
         """A dedicated host lives for its one Run."""
         with contextlib.suppress(Exception):
             supervisor = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
-            await supervisor.retire.remote(self.host_id)
+            if await supervisor.retire.remote(self.host_id):
+                self._retire_asked = None  # ended: this process is on its way out
 
     # ---- liveness and reconciliation -----------------------------------------------------
 
@@ -449,6 +458,9 @@ class RunHost(ControlHosting, ChildHosting):
             except Exception as exc:  # no supervisor (yet): hosts still work without one
                 log.debug("heartbeat failed: %s", exc)
                 supervisor = None
+            asked = self._retire_asked
+            if asked is not None and time.monotonic() - asked > RETIRE_AGAIN_S:
+                self._retire_if_idle()  # not ended yet: the answer (or the asking) was lost
             await asyncio.sleep(self.spec.heartbeat_s)
 
     async def _first_reconcile(self) -> None:

@@ -62,7 +62,7 @@ def _dedicated_host(store: MemoryCommitStore, thread: str) -> RunHost:
     host.spec, host.host_id, host.kind = spec, spec.dedicated_name(thread), "dedicated"
     host.owner, host.store = owner_id(host.host_id), store
     host.publisher = host.children = None
-    host.admission, host._background = Admission(), set()
+    host.admission, host._background, host._retire_asked = Admission(), set(), None
     host.drives = Drives(spec, store, host.owner, None, None, None, None, host._retire_if_idle)  # type: ignore[arg-type]
     host.reconciler = Reconciler(host.host_id, host.owner, store, host.drives, host._recover)
     reconciled = asyncio.get_running_loop().create_future()
@@ -109,6 +109,51 @@ async def test_a_host_that_stays_idle_keeps_no_retire_task_per_notice(monkeypatc
     for _ in range(200):
         host._retire_if_idle()
     await until(lambda: not host._background, 5, what="every retire task forgotten")
+
+
+class _Dying:
+    """A Supervisor's ``retire`` that fails as a call to one that died does, ``dies``
+    times, then ends the host (True); ``heartbeat`` answers."""
+
+    def __init__(self, dies: int) -> None:
+        self.dies, self.asked = dies, 0
+        self.heartbeat = _Call(None)
+
+    @property
+    def retire(self) -> Any:
+        outer = self
+
+        class Remote:
+            def remote(self, *args: Any) -> Any:
+                outer.asked += 1
+
+                async def answered() -> bool:
+                    if outer.asked <= outer.dies:
+                        raise RuntimeError("the actor died unexpectedly before finishing")
+                    return True
+
+                return answered()
+
+        return Remote()
+
+
+async def test_a_dedicated_host_asks_to_retire_again_when_the_ask_was_lost(monkeypatch):
+    """The host asked once, when its Run came to rest: a Supervisor killed around then
+    lost the ask (the error was swallowed), and the host lived on idle for good (a
+    helper found 29 such hosts 25 minutes on). Its heartbeat asks again until it is
+    ended."""
+    supervisor = _Dying(dies=2)
+    monkeypatch.setattr(actors.run_host.ray, "get_actor", lambda *a, **k: supervisor)
+    monkeypatch.setattr(actors.run_host, "RETIRE_AGAIN_S", 0.05)
+    host = _dedicated_host(MemoryCommitStore(), "t-lost")
+    host.spec = SystemSpec(name="life", store_url="memory://", heartbeat_s=0.01)
+    host._retire_if_idle()  # its Run came to rest
+    beating = asyncio.create_task(host._heartbeat())
+    try:
+        await until(lambda: supervisor.asked >= 3, 10, what="the host asking until ended")
+    finally:
+        beating.cancel()
+    assert supervisor.asked == 3  # answered True the third time: asked no more after
 
 
 @pytest.mark.parametrize("seen", ["dead", "lost"])
