@@ -27,7 +27,7 @@ from runtime.integrity import (
 from runtime.ports import CommittedRecord, Lease, RunSummary
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.leases import LeaseTable
-from storage.retention import Cut, prune_thread
+from storage.retention import Cut, prune_thread, stray_history
 from storage.summary import summaries_of
 
 
@@ -155,6 +155,8 @@ class MemoryCommitStore:
             n = cut.removed
             if len(t.log) < n or t.log[n - 1].payload_hash != cut.hash:
                 return False  # changed since the read: read (and verify) again
+            if len(t.history) != cut.history:
+                raise CorruptRecord(cut.thread, cut.after, stray_history(len(t.history), cut))
             del t.log[:n]
             for operation in cut.operations:
                 t.receipts.pop(operation, None)

@@ -92,9 +92,10 @@ return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
 
 # KEYS: meta log sums ops history
 # ARGV: the anchor as read, the seq to prune through, the stored hash there, the pruned
-# history's digest as read and after, the number M of messages removed, then those M
-# messages and the operation ids of the records removed. 'moved': the anchor, digest or
-# record is not as read.
+# history's digest as read and after, the number M of messages removed, the messages the
+# pruned history holds as read, then those M messages and the operation ids of the
+# records removed. 'moved': the anchor, digest or record is not as read; 'stray N': the
+# anchor is as read and the history holds N messages, not as many (added by hand).
 PRUNE_LUA = """#!lua
 local meta, log, sums, ops, history = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local want = {'hash', 'list', 'list', 'hash', 'list'}
@@ -111,12 +112,14 @@ if pruned ~= after or (f[3] or '') ~= ARGV[4] or through > version
    or redis.call('LINDEX', sums, n - 1) ~= ARGV[3] then
   return 'moved'
 end
+local held = redis.call('LLEN', history)
+if held ~= tonumber(ARGV[7]) then return 'stray ' .. held end
 redis.call('LTRIM', log, n, -1)
 redis.call('LTRIM', sums, n, -1)
-for i = 7, 6 + m, 1000 do
-  redis.call('RPUSH', history, unpack(ARGV, i, math.min(i + 999, 6 + m)))
+for i = 8, 7 + m, 1000 do
+  redis.call('RPUSH', history, unpack(ARGV, i, math.min(i + 999, 7 + m)))
 end
-for i = 7 + m, #ARGV, 1000 do
+for i = 8 + m, #ARGV, 1000 do
   redis.call('HDEL', ops, unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
 redis.call('HSET', meta, 'pruned', ARGV[2], 'pruned_hash', ARGV[3], 'pruned_digest', ARGV[5])

@@ -125,7 +125,7 @@ from storage.redis_rows import (
 )
 from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, LEASE_LUA, PRUNE_LUA, UNLEASE_LUA
 from storage.redis_upgrade import upgrade_layout
-from storage.retention import Cut, prune_thread
+from storage.retention import Cut, prune_thread, stray_history
 from storage.summary import RUN_STATES, RunStateKind, summarize
 from storage.url import redact
 
@@ -374,12 +374,15 @@ class RedisCommitStore:
         before = "" if stored is None else str(stored)
         after = history_digest(before, cut.messages)
         args: list[str | int] = [cut.after, cut.through, cut.hash, before, after]
-        args += [len(cut.messages), *cut.messages, *cut.operations]
+        args += [len(cut.messages), cut.history, *cut.messages, *cut.operations]
         reply = await self._prune_script(keys=keys, args=args)
         if reply.startswith("corrupt"):
             raise CorruptRecord(
                 cut.thread, cut.through, f"{reply.partition(' ')[2]} is of the wrong type"
             )
+        if reply.startswith("stray"):
+            held = int(reply.partition(" ")[2])
+            raise CorruptRecord(cut.thread, cut.after, stray_history(held, cut))
         return bool(reply == "ok")
 
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Lease:

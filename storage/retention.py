@@ -32,7 +32,7 @@ from runtime.history import copy_under_way
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import message_text
 from runtime.lifecycle import EndedState
-from runtime.ports import CommitStore, CommittedRecord, vouched_log
+from runtime.ports import CommitStore, CommittedRecord
 
 ATTEMPTS = 5
 """Cuts refused because another prune moved the anchor first, before giving up."""
@@ -53,13 +53,19 @@ class Cut(NamedTuple):
     messages: tuple[str, ...] = ()
     """The texts of the messages of the records removed, in order (``message_text``):
     they join the thread's pruned history."""
+    history: int = 0
+    """The messages of the pruned history as read (those the anchor's digest covers):
+    a thread that holds another number (an entry added by hand, one never pruned
+    included) is CorruptRecord, not pruned into a history no load could verify."""
 
     @property
     def removed(self) -> int:
         return self.through - self.after
 
 
-def plan_cut(thread: ThreadId, records: Sequence[CommittedRecord], through: int) -> Cut | None:
+def plan_cut(
+    thread: ThreadId, records: Sequence[CommittedRecord], through: int, history: int = 0
+) -> Cut | None:
     """The cut that prunes through ``through``, from the thread's verified log as read;
     None when nothing up to it is left to remove. InvalidTransition if ``through`` is
     not the seq of an ``ended`` commit among the records kept."""
@@ -76,7 +82,7 @@ def plan_cut(thread: ThreadId, records: Sequence[CommittedRecord], through: int)
         )
     ops = tuple(r.commit.operation_id for r in kept)
     texts = tuple(message_text(m) for r in kept for m in r.commit.messages)
-    return Cut(thread, anchor, through, end.commit.payload_hash, ops, texts)
+    return Cut(thread, anchor, through, end.commit.payload_hash, ops, texts, history)
 
 
 async def prune_thread(
@@ -92,14 +98,18 @@ async def prune_thread(
     for _ in range(ATTEMPTS):
         # a copy being written (an import or fork run again completes it from where it
         # stopped, knowing nothing of a prune): the records it wrote stay until it is whole
-        head, records = await vouched_log(store, thread)
-        if (copying := copy_under_way(head)) is not None:
+        # the whole thread verified, its pruned history too (``vouched_log`` checks the
+        # head and the records only): a history damaged by hand was pruned further
+        frontier = await store.load(thread)
+        if (copying := copy_under_way(frontier)) is not None:
             raise InvalidTransition(copying)
-        if not records:
-            frontier = await store.load(thread)  # pruned through its head, or empty
-            if through <= frontier.version:
-                return 0
-        planned = plan_cut(thread, records, through)
+        records = await store.read(thread)
+        if not records and through <= frontier.version:
+            return 0  # pruned through its head, or empty
+        # the messages the pruned history holds: all the frontier's but those of the
+        # records kept up to it (records appended since the load are not its)
+        kept = sum(len(r.commit.messages) for r in records if r.seq <= frontier.version)
+        planned = plan_cut(thread, records, through, frontier.message_count - kept)
         if planned is None:
             return 0
         if await cut(planned):
@@ -108,6 +118,11 @@ async def prune_thread(
     # next rows cannot be numbered); a load verifies the history and names that
     await store.load(thread)
     raise StoreError(f"thread {thread}: other prunes kept moving its anchor")
+
+
+def stray_history(held: int, cut: Cut) -> str:
+    """Why a thread's pruned history is not what its anchor vouches for (``Cut.history``)."""
+    return f"the pruned history holds {held} messages; its anchor vouches for {cut.history}"
 
 
 # ---- choosing what to prune --------------------------------------------------------------

@@ -156,6 +156,8 @@ def _read_under(
     anchored = head.pruned_through is None or type(head.pruned_through) is int
     if type(head.version) is not int or not anchored:  # SQLite's columns take any type
         raise CorruptRecord(thread, 0, "the thread row holds a value of the wrong type")
+    if head.pruned_through is not None and not 1 <= head.pruned_through <= head.version:
+        raise CorruptRecord(thread, 0, f"the thread's anchor {head.pruned_through} is no seq")
     anchor = None
     if head.pruned_through is not None:
         anchor = (int(head.pruned_through), str(head.pruned_hash))

@@ -28,7 +28,7 @@ from runtime.integrity import (
 from runtime.ports import host_of
 from runtime.rules import admit, check_claim, receipt_of, with_claim
 from storage.frontiers import FrontierCache
-from storage.retention import Cut
+from storage.retention import Cut, stray_history
 from storage.schema import ROW_COLUMNS, commits
 from storage.sql_errors import translate
 from storage.sql_reads import DbRow
@@ -468,8 +468,10 @@ def prune_txn(conn: Connection, cut: Cut) -> bool:
             if anchor is None or (anchor.pruned_through or 0) != cut.after:
                 raise _Moved
             before = anchor.pruned_digest or ""
+            start = conn.execute(PRUNED_COUNT, {"thread": cut.thread}).scalar() or 0
+            if start != cut.history:  # the anchor is as read: these rows were added by hand
+                raise CorruptRecord(cut.thread, cut.after, stray_history(start, cut))
             if cut.messages:
-                start = conn.execute(PRUNED_COUNT, {"thread": cut.thread}).scalar() or 0
                 texts = enumerate(cut.messages, start)
                 rows = [{"thread_id": cut.thread, "idx": i, "body": t} for i, t in texts]
                 conn.execute(INSERT_PRUNED, rows)

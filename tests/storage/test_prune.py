@@ -562,6 +562,86 @@ async def test_a_damaged_pruned_history_is_named_and_the_command_goes_on(
         await sql_store.prune(T, ends[1])
 
 
+async def _add_to_pruned_history(store: Any, thread: ThreadId, text: str) -> None:
+    """A message put into the thread's pruned history by hand, as each backend keeps it."""
+    from sqlalchemy import text as sql
+
+    from storage.memory import MemoryCommitStore
+    from storage.schema import pruned_messages
+
+    if isinstance(store, MemoryCommitStore):
+        store._threads[thread].history.append(text)
+    elif hasattr(store, "engine"):
+        async with store.engine.begin() as conn:
+            count = f"SELECT count(*) FROM {pruned_messages.name} WHERE thread_id = :t"
+            idx = (await conn.execute(sql(count), {"t": thread})).scalar()
+            insert = (
+                f"INSERT INTO {pruned_messages.name} (thread_id, idx, body) VALUES (:t, :i, :b)"
+            )
+            await conn.execute(sql(insert), {"t": thread, "i": idx, "b": text})
+    else:
+        await store.client.rpush(store._key(thread, "history"), text)
+
+
+@pytest.mark.parametrize("pruned_first", [False, True], ids=["never-pruned", "pruned"])
+async def test_a_pruned_history_added_to_by_hand_is_not_pruned_into(
+    store: Any, pruned_first: bool
+) -> None:
+    """An entry put into a thread's pruned history by hand: a thread never pruned
+    verified (no history is read), and its first prune numbered its messages after the
+    stranger, so no load verified it again (an awaiting Run could never be resumed), and
+    a pruned one the same way. Now CorruptRecord, with nothing removed."""
+    ends = await three_runs(store)
+    if pruned_first:
+        await store.prune(T, ends[0])
+    await _add_to_pruned_history(store, T, '{"kind":"user","id":"x","text":"planted"}')
+    before = await store.read(T)
+    with pytest.raises(CorruptRecord, match="pruned history"):
+        await store.prune(T, ends[1])
+    assert await store.read(T) == before  # nothing removed
+    # the stranger lies past what the anchor vouches for: loads do not read it
+    assert (await store.load(T)).version == ends[2]
+
+
+async def test_a_thread_whose_pruned_history_does_not_verify_is_not_pruned(store: Any) -> None:
+    """A message of the pruned history edited by hand: every load said CorruptRecord,
+    yet ``ratchet prune`` pruned the thread on (it verified the head and the records
+    only), and said nothing."""
+    from sqlalchemy import text as sql
+
+    from storage.memory import MemoryCommitStore
+    from storage.schema import pruned_messages
+
+    ends = await three_runs(store)
+    await store.prune(T, ends[0])
+    edited = '{"kind":"user","id":"x","text":"edited"}'
+    if isinstance(store, MemoryCommitStore):
+        store._threads[T].history[0] = edited
+    elif hasattr(store, "engine"):
+        async with store.engine.begin() as conn:
+            change = f"UPDATE {pruned_messages.name} SET body = :b WHERE thread_id = :t AND idx = 0"
+            await conn.execute(sql(change), {"t": T, "b": edited})
+    else:
+        await store.client.lset(store._key(T, "history"), 0, edited)
+    before = await store.read(T)
+    with pytest.raises(CorruptRecord, match="pruned history"):
+        await store.prune(T, ends[1])
+    assert await store.read(T) == before
+
+
+async def test_an_anchor_that_is_no_seq_fails_closed(sql_store: Any) -> None:
+    """``pruned_through`` set below 1 by hand: loads, exports and starts went ahead, and
+    a prune said "other prunes kept moving its anchor" (Redis refused it already)."""
+    ends = await three_runs(sql_store)
+    async with sql_store.engine.begin() as conn:
+        await conn.execute(
+            update(threads).where(threads.c.thread_id == T).values(pruned_through=-1)
+        )
+    for attempt in (sql_store.load(T), sql_store.read(T), sql_store.prune(T, ends[0])):
+        with pytest.raises(CorruptRecord, match="anchor -1 is no seq"):
+            await attempt
+
+
 async def test_the_command_leaves_a_copy_being_written_dry_run_or_not(store: Any, url: str) -> None:
     """A half-written import: the prune skips it, naming why (and exits 1); the dry run
     says the same, not that it would prune it."""
