@@ -86,10 +86,10 @@ from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.run_host")
 FINISHING_S = 5.0
+"""How long a start waits for this host's drive of the thread's previous Run to wind up."""
 RETIRE_AGAIN_S = 5.0
 """How long a dedicated host at rest waits for the Supervisor to end it before it asks
 again (the Supervisor answers False while a recovery of its Run is on its way)."""
-"""How long a start waits for this host's drive of the thread's previous Run to wind up."""
 
 
 class RunHost(ControlHosting, ChildHosting):
