@@ -24,9 +24,8 @@ import typer
 from cluster.cli_args import BadInput
 from cluster.cli_view import Terminal, console
 from runtime.errors import CorruptRecord, InvalidTransition, StoreError, StoreUnavailable
-from runtime.history import copy_under_way
 from runtime.ids import ThreadId
-from storage.retention import prune_point, run_logs
+from storage.retention import prune_point, read_for_prune, run_logs
 
 DEFAULT_BATCH = 100
 """Threads a round: each is read whole and pruned in a transaction of its own."""
@@ -134,9 +133,8 @@ async def _prune_thread(
         point = prune_point(run_logs(records), cutoff, keep_last)
         if not point:
             return
-        # what the prune would say: a copy being written is left (``storage.retention``)
-        if dry_run and (copying := copy_under_way(await db.load_head(thread))) is not None:
-            raise InvalidTransition(copying)
+        if dry_run:  # what the prune would refuse before it cut (``storage.retention``)
+            await read_for_prune(db, thread)
         removed = point - (records[0].seq - 1) if dry_run else await db.prune(thread, point)
     except StoreUnavailable:
         raise  # the store, not this thread: the whole command stops (and says so)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
+from runtime.commit import Frontier
 from runtime.errors import InvalidTransition, StoreError
 from runtime.history import copy_under_way
 from runtime.ids import RunId, ThreadId
@@ -96,20 +97,10 @@ async def prune_thread(
     if through < 1:
         raise InvalidTransition(f"thread {thread}: cannot prune through seq {through}")
     for _ in range(ATTEMPTS):
-        # a copy being written (an import or fork run again completes it from where it
-        # stopped, knowing nothing of a prune): the records it wrote stay until it is whole
-        # the whole thread verified, its pruned history too (``vouched_log`` checks the
-        # head and the records only): a history damaged by hand was pruned further
-        frontier = await store.load(thread)
-        if (copying := copy_under_way(frontier)) is not None:
-            raise InvalidTransition(copying)
-        records = await store.read(thread)
+        frontier, records, history = await read_for_prune(store, thread)
         if not records and through <= frontier.version:
             return 0  # pruned through its head, or empty
-        # the messages the pruned history holds: all the frontier's but those of the
-        # records kept up to it (records appended since the load are not its)
-        kept = sum(len(r.commit.messages) for r in records if r.seq <= frontier.version)
-        planned = plan_cut(thread, records, through, frontier.message_count - kept)
+        planned = plan_cut(thread, records, through, history)
         if planned is None:
             return 0
         if await cut(planned):
@@ -118,6 +109,24 @@ async def prune_thread(
     # next rows cannot be numbered); a load verifies the history and names that
     await store.load(thread)
     raise StoreError(f"thread {thread}: other prunes kept moving its anchor")
+
+
+async def read_for_prune(
+    store: CommitStore, thread: ThreadId
+) -> tuple[Frontier, list[CommittedRecord], int]:
+    """What a prune reads, and refuses before it cuts (``ratchet prune --dry-run`` too):
+    the whole thread verified, its pruned history with it (``vouched_log`` checks the
+    head and the records only: a history damaged by hand was pruned further), and not a
+    copy being written (an import or fork run again completes it from where it stopped,
+    knowing nothing of a prune: InvalidTransition). Returns the frontier, the records
+    kept and the messages the pruned history holds: all the frontier's but those of the
+    records kept up to it (records appended since the load are not its)."""
+    frontier = await store.load(thread)
+    if (copying := copy_under_way(frontier)) is not None:
+        raise InvalidTransition(copying)
+    records = await store.read(thread)
+    kept = sum(len(r.commit.messages) for r in records if r.seq <= frontier.version)
+    return frontier, records, frontier.message_count - kept
 
 
 def stray_history(held: int, cut: Cut) -> str:

@@ -469,7 +469,13 @@ def prune_txn(conn: Connection, cut: Cut) -> bool:
                 raise _Moved
             before = anchor.pruned_digest or ""
             start = conn.execute(PRUNED_COUNT, {"thread": cut.thread}).scalar() or 0
-            if start != cut.history:  # the anchor is as read: these rows were added by hand
+            if start != cut.history:
+                # rows a prune committed since the anchor was read came with its anchor
+                # (each statement reads what is committed by then: PostgreSQL); an
+                # anchor still as read means these rows were put there by hand
+                now = conn.execute(ANCHOR, {"thread": cut.thread}).first()
+                if now is None or (now.pruned_through or 0) != cut.after:
+                    raise _Moved
                 raise CorruptRecord(cut.thread, cut.after, stray_history(start, cut))
             if cut.messages:
                 texts = enumerate(cut.messages, start)

@@ -603,26 +603,31 @@ async def test_a_pruned_history_added_to_by_hand_is_not_pruned_into(
     assert (await store.load(T)).version == ends[2]
 
 
-async def test_a_thread_whose_pruned_history_does_not_verify_is_not_pruned(store: Any) -> None:
-    """A message of the pruned history edited by hand: every load said CorruptRecord,
-    yet ``ratchet prune`` pruned the thread on (it verified the head and the records
-    only), and said nothing."""
+async def _edit_pruned_history(store: Any, thread: ThreadId) -> None:
+    """The first message of the thread's pruned history edited by hand."""
     from sqlalchemy import text as sql
 
     from storage.memory import MemoryCommitStore
     from storage.schema import pruned_messages
 
-    ends = await three_runs(store)
-    await store.prune(T, ends[0])
     edited = '{"kind":"user","id":"x","text":"edited"}'
     if isinstance(store, MemoryCommitStore):
-        store._threads[T].history[0] = edited
+        store._threads[thread].history[0] = edited
     elif hasattr(store, "engine"):
         async with store.engine.begin() as conn:
             change = f"UPDATE {pruned_messages.name} SET body = :b WHERE thread_id = :t AND idx = 0"
-            await conn.execute(sql(change), {"t": T, "b": edited})
+            await conn.execute(sql(change), {"t": thread, "b": edited})
     else:
-        await store.client.lset(store._key(T, "history"), 0, edited)
+        await store.client.lset(store._key(thread, "history"), 0, edited)
+
+
+async def test_a_thread_whose_pruned_history_does_not_verify_is_not_pruned(store: Any) -> None:
+    """A message of the pruned history edited by hand: every load said CorruptRecord,
+    yet ``ratchet prune`` pruned the thread on (it verified the head and the records
+    only), and said nothing."""
+    ends = await three_runs(store)
+    await store.prune(T, ends[0])
+    await _edit_pruned_history(store, T)
     before = await store.read(T)
     with pytest.raises(CorruptRecord, match="pruned history"):
         await store.prune(T, ends[1])
@@ -640,6 +645,17 @@ async def test_an_anchor_that_is_no_seq_fails_closed(sql_store: Any) -> None:
     for attempt in (sql_store.load(T), sql_store.read(T), sql_store.prune(T, ends[0])):
         with pytest.raises(CorruptRecord, match="anchor -1 is no seq"):
             await attempt
+
+
+async def test_the_dry_run_names_a_thread_the_prune_would_refuse(store: Any, url: str) -> None:
+    """The dry run reads as the prune does (``read_for_prune``): a thread whose pruned
+    history does not verify was counted as one it would prune."""
+    ends = await three_runs(store)
+    await store.prune(T, ends[0])
+    await _edit_pruned_history(store, T)
+    said = await ratchet("prune", "--ended-before", "2100-01-01", "--dry-run", "--store", url)
+    assert said.exit_code == 1, said.output
+    assert f"skipped: thread {T!r}" in said.output and "pruned history" in said.output
 
 
 async def test_the_command_leaves_a_copy_being_written_dry_run_or_not(store: Any, url: str) -> None:
