@@ -441,7 +441,7 @@ class RunHost(ControlHosting, ChildHosting):
 
     async def _retire(self) -> None:
         """A dedicated host lives for its one Run."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # no Supervisor, or it died: the heartbeat asks again
             supervisor = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
             if await supervisor.retire.remote(self.host_id):
                 self._retire_asked = None  # ended: this process is on its way out

@@ -93,12 +93,18 @@ class CapabilityBound:
 
     def __post_init__(self) -> None:
         for name in ("tools", "hook_points", "state_keys", "actions"):
-            value = getattr(self, name)
-            # one string is a collection too: tools="reporting_admin" let a tool named
-            # "reporting" in (a substring), where a bound must only ever hold back
-            if isinstance(value, str | bytes) or not all(isinstance(v, str) for v in value):
-                raise TypeError(f"a bound's {name} is a set of names, not {value!r:.80}")
-            object.__setattr__(self, name, frozenset(value))
+            # tools="reporting_admin" let a tool named "reporting" in (a substring),
+            # where a bound must only ever hold back
+            value = frozenset(_names(getattr(self, name), f"a bound's {name} is a set of names"))
+            object.__setattr__(self, name, value)
+
+
+def _names(value: Any, what: str) -> tuple[str, ...]:
+    """``value``'s names; TypeError (``what``) if it is no collection of text: one string
+    is a collection too, of its letters."""
+    if isinstance(value, str | bytes) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{what}, not {value!r:.80}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -116,15 +122,9 @@ class PluginManifest:
                 f"a plugin's id (non-empty) and version are text, not {self.id!r:.80} "
                 f"and {self.version!r:.80}"
             )
-        # a plain string is a sequence too: requires="audit" would require "a", "u", ...
-        if isinstance(self.requires, str | bytes) or not all(
-            isinstance(r, str) for r in self.requires
-        ):
-            raise TypeError(
-                f"plugin {self.id!r:.80}: requires is a sequence of plugin ids, "
-                f"not {self.requires!r:.80}"
-            )
-        object.__setattr__(self, "requires", tuple(self.requires))
+        # requires="audit" would require "a", "u", ...
+        what = f"plugin {self.id!r:.80}: requires is a sequence of plugin ids"
+        object.__setattr__(self, "requires", _names(self.requires, what))
 
 
 @dataclass(frozen=True)

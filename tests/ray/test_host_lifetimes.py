@@ -112,29 +112,23 @@ async def test_a_host_that_stays_idle_keeps_no_retire_task_per_notice(monkeypatc
 
 
 class _Dying:
-    """A Supervisor's ``retire`` that fails as a call to one that died does, ``dies``
+    """A Supervisor whose ``retire`` fails as a call to one that died does, ``dies``
     times, then ends the host (True); ``heartbeat`` answers."""
 
     def __init__(self, dies: int) -> None:
         self.dies, self.asked = dies, 0
-        self.heartbeat = _Call(None)
+        self.heartbeat, self.retire = _Call(None), self
 
-    @property
-    def retire(self) -> Any:
-        outer = self
+    def remote(self, *args: Any) -> Any:  # ``retire.remote``
+        self.asked += 1
+        died = self.asked <= self.dies
 
-        class Remote:
-            def remote(self, *args: Any) -> Any:
-                outer.asked += 1
+        async def answered() -> bool:
+            if died:
+                raise RuntimeError("the actor died unexpectedly before finishing")
+            return True
 
-                async def answered() -> bool:
-                    if outer.asked <= outer.dies:
-                        raise RuntimeError("the actor died unexpectedly before finishing")
-                    return True
-
-                return answered()
-
-        return Remote()
+        return answered()
 
 
 async def test_a_dedicated_host_asks_to_retire_again_when_the_ask_was_lost(monkeypatch):
