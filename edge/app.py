@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from cluster.client import Ratchet
 from cluster.config import ClusterUnavailable
 from edge import routes, streams
-from edge.guard import BodyTooLarge, Guard
+from edge.guard import BodyTooLarge, Guard, NoSniff
 from edge.options import ServeOptions
 from edge.paths import ThreadPaths
 from edge.problems import (
@@ -67,9 +67,16 @@ def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] 
     starts (otherwise any agent the server can import)."""
     options = options.checked()
     # no /docs or /redoc: their page loads its script from a CDN and asks for the schema
-    # without a token; /openapi.json serves the schema (to any OpenAPI viewer)
+    # without a token; /openapi.json serves the schema (to any OpenAPI viewer). No
+    # redirect of a path with a slash too many: it named the request's own Host header
+    # as where to go, and a path a route does not take is a 404 like any other.
     app = FastAPI(
-        title=TITLE, description=DESCRIPTION, version=_version(), docs_url=None, redoc_url=None
+        title=TITLE,
+        description=DESCRIPTION,
+        version=_version(),
+        docs_url=None,
+        redoc_url=None,
+        redirect_slashes=False,
     )
     app.state.ratchet = client
     app.state.agents = frozenset(agents)
@@ -93,6 +100,7 @@ def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] 
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Accept"],
         )
+    app.add_middleware(NoSniff)
     _document(app, secured=bool(tokens))
     return app
 

@@ -151,6 +151,32 @@ class Guard:
         return capped
 
 
+class NoSniff:
+    """Every response is served as the type it names (JSON, problem JSON, an event
+    stream), never sniffed into another: a browser that took a problem echoing a bad id
+    for HTML would run what the id held. Outermost, so the guard's own refusals and a
+    refused CORS preflight carry it too."""
+
+    HEADER = (b"x-content-type-options", b"nosniff")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if all(name.lower() != self.HEADER[0] for name, _ in headers):
+                    message = {**message, "headers": [*headers, self.HEADER]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 class BodyNotUtf8(HTTPException):
     """A body that is not UTF-8, as the framework's own parse failure is answered (a 400
     whose cause is a UnicodeDecodeError: ``edge.problems`` makes it 422, ``utf8``)."""

@@ -145,7 +145,19 @@ def frame_json(frame: Frame) -> str:
     """The frame without its empty members (a snapshot has no offset, no event); what is
     inside is left whole, so its status object is the one ``GET /threads/{thread}`` has."""
     members = {k: v for k, v in frame.model_dump(mode="json").items() if v is not None}
-    return json.dumps(members, ensure_ascii=False, separators=(",", ":"))
+    return line_safe(json.dumps(members, ensure_ascii=False, separators=(",", ":")))
+
+
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
+def line_safe(text: str) -> str:
+    """JSON text with the characters some readers take for line breaks (U+0085, U+2028,
+    U+2029: Python's ``str.splitlines``, older JavaScript) escaped. SSE itself breaks
+    lines only at CR and LF, but a client that split an event's data at these would
+    cut it in two. In JSON they can stand only inside a string, where the escape reads
+    back as the same character."""
+    return text.translate(_LINE_BREAKS)
 
 
 async def _agui_events(thread: str, frames: AsyncIterator[Frame]) -> AsyncIterator[bytes]:
@@ -156,7 +168,7 @@ async def _agui_events(thread: str, frames: AsyncIterator[Frame]) -> AsyncIterat
             async for frame in frames:
                 state, events = transcode(state, frame)
                 for i, event in enumerate(events):
-                    chunk = encoder.encode(event)
+                    chunk = line_safe(encoder.encode(event))
                     if frame.offset is not None and i == len(events) - 1:
                         chunk = f"id: {frame.offset}\n{chunk}"  # reconnect after this fact
                     yield chunk.encode()

@@ -81,6 +81,7 @@ def start(http: httpx2.Client, agent: str = PERMISSION) -> dict[str, Any]:
 def problem(response: httpx2.Response, status: int, kind: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/problem+json"
+    assert response.headers["x-content-type-options"] == "nosniff"
     body = response.json()
     assert body["status"] == status and body["kind"] == kind
     assert body["type"] == f"urn:ratchet:problem:{kind}"
@@ -411,6 +412,38 @@ def test_a_thread_id_holding_a_slash_is_one_path_segment(http):
     assert http.get(f"/threads/{stem}").json()["run_id"] != "run-slashed"
     not_utf8 = http.post("/threads/%FF/runs", json={"agent": PERMISSION, "input": "x"})
     assert problem(not_utf8, 422, "InputRefused")["limit"] == "utf8"
+
+
+def test_every_response_is_served_as_its_type_and_no_path_redirects(http):
+    """Nothing a browser may sniff into another type; a path with a slash too many is a
+    404, never a redirect built from the request's ``Host``."""
+    responses = [http.get("/runs"), http.get("/openapi.json"), http.get("/no-such-path")]
+    with http.stream("GET", f"/threads/{start(http)['thread_id']}/stream") as streamed:
+        responses.append(streamed)
+    for response in responses:
+        assert response.headers["x-content-type-options"] == "nosniff", response.url
+    evil = {"Host": "evil.example"}
+    for path in ("/runs/", "/openapi.json/"):
+        slashed = http.get(path, headers=evil)
+        assert "location" not in slashed.headers
+        problem(slashed, 404, "NotFound")
+
+
+@pytest.mark.parametrize("path", ["stream", "agui"])
+def test_streamed_text_holds_no_character_a_reader_may_take_for_a_line_break(http, path):
+    """SSE breaks lines at CR and LF only, but Python's ``splitlines`` (and older
+    JavaScript) also at U+0085, U+2028 and U+2029: the stream sends them escaped, and
+    the event's JSON reads back as the same text."""
+    text = "one\u2028two\u2029three\x85four"
+    body = {"agent": PERMISSION, "input": text}
+    thread = new_thread()
+    assert http.post(f"/threads/{thread}/runs", params={"wait": 30}, json=body).is_success
+    query = {"until_rest": "true"}
+    with http.stream("GET", f"/threads/{thread}/{path}", params=query) as response:
+        raw = response.read().decode()
+    assert not {"\x85", "\u2028", "\u2029"} & set(raw)
+    events = [line.removeprefix("data: ") for line in raw.splitlines() if line.startswith("data:")]
+    assert any(text in json.dumps(json.loads(data), ensure_ascii=False) for data in events)
 
 
 def test_an_unpaired_surrogate_is_input_refused_utf8_in_every_field(http):
