@@ -33,6 +33,12 @@ function setText(node, text) {
   if (node.textContent !== value) node.textContent = value;
 }
 
+/** The problem in its box (its kind, then what it says), or the box hidden for none. */
+function showProblem(box, error) {
+  box.hidden = !error;
+  setText(box, error ? (error.kind ? error.kind + ": " : "") + error.message : "");
+}
+
 function iso(sinceUs) {
   return sinceUs ? new Date(sinceUs / 1000).toISOString().replace(/\.\d+Z$/, "Z") : "";
 }
@@ -155,6 +161,8 @@ function runsView() {
   const rows = new Map(); // thread id -> {tr, version, detail}
   let running = false;
 
+  const showError = (error) => showProblem($("#runs-error"), error);
+
   async function details(wanted) {
     const queue = [...wanted];
     const worker = async () => {
@@ -190,6 +198,7 @@ function runsView() {
     const page = await apiJson("/runs?" + params);
     signedIn();
     view.hidden = false;
+    showError(null);
     const changed = [];
     for (const run of page.runs) {
       let row = rows.get(run.thread_id);
@@ -239,6 +248,9 @@ function runsView() {
             await tick();
           } catch (error) {
             if (error instanceof Unauthorized) return;
+            // the token was taken (or no answer came): say why there is no list
+            view.hidden = false;
+            showError(error);
           }
         }
         await delay(RUNS_POLL_MS);
@@ -444,11 +456,7 @@ function threadView(thread) {
     return el("div", {}, output, actions(el("label", {}, isError, " the tool failed"), button("Send result", "answer", send)));
   }
 
-  function showError(error) {
-    const box = $("#error");
-    box.hidden = !error;
-    setText(box, error ? (error.kind ? error.kind + ": " : "") + error.message : "");
-  }
+  const showError = (error) => showProblem($("#error"), error);
 
   // -- actions (through the service's routes; the stream shows what they committed)
 

@@ -252,6 +252,18 @@ def test_an_address_that_is_no_percent_encoding_names_no_thread(console):
     assert not console.css("#controls").is_displayed()
 
 
+def test_the_list_says_why_it_has_no_runs_to_show(console):
+    """A list the service refuses (a state filter no Run has) was a blank page."""
+    console.open("/?state=bogus")
+    error = console.css("#runs-error")
+    console.until(lambda: error.is_displayed(), "the list's error")
+    assert error.text.startswith("ValidationError: "), error.text
+    assert console.css("#runs-view").is_displayed()
+    console.open("/")
+    console.until(lambda: console.css("#runs-view").is_displayed(), "the list of Runs")
+    assert not console.css("#runs-error").is_displayed()
+
+
 def test_html_is_shown_as_text_and_stop_ends_the_run(console):
     payload = (
         '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
