@@ -56,6 +56,8 @@ class InProcessRunner:
         agent_ref: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
+        _check_type("agent", agent, Agent)
+        _check_type("limits", limits, Limits)
         tracing_env.configure_from_env()  # OTEL_* asks for spans: the SDK's provider, once
         self.agent = agent
         self.store = store
@@ -70,6 +72,7 @@ class InProcessRunner:
         self.lineage = (agent_ref or agent.name,)
 
     def engine(self, faults: FaultPlan = NO_FAULTS) -> Engine:
+        _check_type("faults", faults, FaultPlan)
         return Engine(
             self.agent,
             self.store,
@@ -218,3 +221,10 @@ class InProcessChildren:
     async def delivery(self, child: Frontier, link: ParentLink) -> ResumeCommand | None:
         """The resume that hands an ended child's outcome to a parent awaiting it."""
         return delivery(child, await self.store.load(link.thread), self.limits)
+
+
+def _check_type(name: str, value: object, kind: type) -> None:
+    """A parameter of the wrong type is a ``TypeError`` naming it, not an
+    ``AttributeError`` from deep inside the first Run."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")

@@ -350,6 +350,17 @@ async def test_ids_and_options_of_the_wrong_type_are_refused_with_nothing_writte
         with pytest.raises(InputRefused, match="thread id"):
             await attempt
     assert await store.thread_ids() == []
+    agent = runner.agent
+    for wrong, kwargs in (("limits", {"limits": None}), ("agent", {})):
+        with pytest.raises(TypeError, match=f"{wrong} must be a"):
+            InProcessRunner(None if wrong == "agent" else agent, store, **kwargs)  # type: ignore[arg-type]
+    for run in (
+        runner.start("go", faults=None),  # type: ignore[arg-type]
+        runner.recover("t", faults={}),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match="faults must be a FaultPlan, not"):
+            await run
+    assert await store.thread_ids() == []
 
 
 async def test_a_store_url_or_option_no_store_can_use_is_refused_typed(tmp_path):
