@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
+from runtime.adapters.event_bound import MAX_EVENT_BYTES, event_bound_hook
 from runtime.adapters.names import wire_name
 from runtime.adapters.usage import Reported, Usage, log, model_name
 from runtime.errors import ModelRefused, ModelUnavailable
@@ -90,6 +91,7 @@ class AnthropicModel:
         client: AsyncAnthropic | None = None,
         max_tokens: int = 1024,
         timeout_s: float = 60,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         import anthropic
         import httpx2
@@ -99,8 +101,13 @@ class AnthropicModel:
         self._owns_client = client is None
         if client is None:
             # credentials and ANTHROPIC_BASE_URL from the environment are the SDK's to find
+            hooks = {"response": [event_bound_hook(max_event_bytes)]}
             client = anthropic.AsyncAnthropic(
-                api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0
+                api_key=api_key,
+                base_url=base_url,
+                timeout=timeout_s,
+                max_retries=0,
+                http_client=anthropic.DefaultAsyncHttpxClient(event_hooks=hooks),
             )
         else:  # the engine retries; two layers of retries would multiply the waits
             client = client.with_options(max_retries=0)

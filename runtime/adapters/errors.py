@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from runtime.adapters.event_bound import EventTooLarge
 from runtime.errors import ModelError, ModelRateLimited, ModelRefused, ModelUnavailable
 from runtime.limits import too_many_digits
 from runtime.models import ModelDelta, ModelResponse
@@ -190,6 +191,10 @@ async def folded(
 def translate(exc: BaseException, sdk: SdkErrors, *, streaming: bool) -> ModelError | None:
     """The ModelError for an exception an SDK call raised, or None if it is none of the
     SDK's (the caller lets it propagate). ``streaming``: the response had begun."""
+    # raised as the body is read, and wrapped by one SDK as a connection error
+    too_large = exc if isinstance(exc, EventTooLarge) else exc.__cause__
+    if isinstance(too_large, EventTooLarge):
+        return ModelUnavailable("malformed_stream", _message(sdk, None, str(too_large)))
     if isinstance(exc, sdk.status):
         return _from_status(exc, sdk)
     if isinstance(exc, (sdk.timeout, sdk.transport_timeout)):

@@ -30,7 +30,9 @@ their first fragment, so their live deltas and a stream checkpoint keep them apa
 
 Retries are Ratchet's (``Agent.inference_attempts``, rate-limit backoff), so the SDK's
 are off. ``timeout_s`` bounds connecting and every wait for the next chunk, not the
-whole stream. Usage: ``runtime.adapters.usage``, returned on the response.
+whole stream; ``max_event_bytes`` one server-sent event as it arrives
+(``runtime.adapters.event_bound``; on the client the adapter makes, not one passed
+in). Usage: ``runtime.adapters.usage``, returned on the response.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from runtime.adapters.errors import SdkErrors, folded
+from runtime.adapters.event_bound import MAX_EVENT_BYTES, event_bound_hook
 from runtime.adapters.names import wire_id, wire_name
 from runtime.adapters.usage import Reported, Usage, log, model_name
 from runtime.errors import ModelRefused, ModelUnavailable
@@ -92,6 +95,7 @@ class OpenAICompatible:
         max_tokens: int | None = None,
         temperature: float | None = None,
         extra_body: dict[str, Any] | None = None,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         import httpx2
         import openai
@@ -102,7 +106,7 @@ class OpenAICompatible:
         self.extra_body = dict(extra_body) if extra_body else None
         self._owns_client = client is None
         if client is None:
-            client = _client(openai, base_url, api_key, timeout_s)
+            client = _client(openai, base_url, api_key, timeout_s, max_event_bytes)
         else:  # the engine retries; two layers of retries would multiply the waits
             client = client.with_options(max_retries=0)
         self._client = client
@@ -148,15 +152,22 @@ class OpenAICompatible:
         )
 
 
-def _client(sdk: Any, base_url: str | None, api_key: str | None, timeout_s: float) -> AsyncOpenAI:
+def _client(
+    sdk: Any, base_url: str | None, api_key: str | None, timeout_s: float, max_event_bytes: int
+) -> AsyncOpenAI:
     base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
     api_key = api_key or os.environ.get("OPENAI_API_KEY") or None
     if api_key is None and base_url is not None:
         api_key = PLACEHOLDER_KEY
     if api_key is None:
         raise ValueError("OpenAICompatible needs api_key=, OPENAI_API_KEY, or a base_url")
+    hooks = {"response": [event_bound_hook(max_event_bytes)]}
     client: AsyncOpenAI = sdk.AsyncOpenAI(
-        api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0
+        api_key=api_key,
+        base_url=base_url,
+        timeout=timeout_s,
+        max_retries=0,
+        http_client=sdk.DefaultAsyncHttpxClient(event_hooks=hooks),
     )
     return client
 

@@ -53,6 +53,8 @@ class Sse:
     gap_s: float = 0.0
     """A pause between frames, as a model that generates slowly has."""
     keepalive: bytes = b": keepalive\n\n"
+    gzip: bool = False
+    """The body sent gzip-compressed (``Content-Encoding: gzip``)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class FakeProvider:
 
     async def _stream(self, request: web.Request, reply: Sse) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if reply.gzip:
+            response.enable_compression(web.ContentCoding.gzip)
         await response.prepare(request)
         for i, frame in enumerate(reply.frames):
             if i and reply.gap_s:

@@ -190,6 +190,57 @@ async def test_a_stream_held_open_by_keepalives_fails_its_attempt_past_the_deadl
         assert "inference_timeout_s" in cause.message
 
 
+def _model(provider_kind: str, url: str, **options: object):
+    if provider_kind == "openai":
+        return OpenAICompatible("gpt-test", base_url=f"{url}/v1", api_key=API_KEY, **options)
+    return AnthropicModel("claude-test", base_url=url, api_key=API_KEY, **options)
+
+
+def _opening(provider_kind: str) -> list[bytes]:
+    return [message_start()] if provider_kind == "anthropic" else []
+
+
+@pytest.mark.parametrize("provider_kind", ["openai", "anthropic"])
+async def test_an_event_that_never_ends_fails_its_attempt_at_its_bound(
+    provider, closing, provider_kind
+):
+    """The SDKs hold an event's bytes until its blank line: a ``data:`` line that never
+    ended grew the process by about 80 MB a second until ``inference_timeout_s`` (600 s
+    by default). The body is counted as it is read, inflated (a compressed event of 2
+    MiB is 2 KiB on the wire)."""
+    endless = Sse([*_opening(provider_kind), b'data: {"x": "'], ending="keepalive",
+                  keepalive=b"x" * 65536)  # fmt: skip
+    inflated = b'data: {"x": "' + b"x" * (2 << 20) + b'"}\n\n'
+    compressed = Sse([*_opening(provider_kind), inflated], gzip=True)
+    provider.reply(endless, compressed)
+    for _ in range(2):
+        model = closing(_model(provider_kind, provider.url, max_event_bytes=1 << 20))
+        agent = Agent(name="a", model=model, inference_attempts=1, inference_timeout_s=60)
+        f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
+        cause = f.run_state.cause
+        assert (cause.kind, cause.failure, cause.code) == (
+            "failed",
+            "inference",
+            "malformed_stream",
+        )
+        assert f"{provider_kind}: a server-sent event over 1048576 bytes" == cause.message
+
+
+@pytest.mark.parametrize("provider_kind", ["openai", "anthropic"])
+async def test_the_bound_is_on_each_event_not_on_the_stream(provider, closing, provider_kind):
+    comments = [b": " + b"x" * 60_000 + b"\r\n\r\n"] * 40  # 2.4 MB in all, CRLF ends
+    if provider_kind == "openai":
+        answer_frames = openai_text("It is ", "5.").frames
+    else:
+        answer_frames = anthropic_stream(text_block(0, "It is ", "5.")).frames
+    provider.reply(Sse([*comments, *answer_frames]))
+    model = closing(_model(provider_kind, provider.url, max_event_bytes=64_000))
+    agent = Agent(name="a", model=model, inference_attempts=1)
+    f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
+    assert f.run_state.cause.kind == "natural", f.run_state
+    assert f.messages[-1].text == "It is 5."
+
+
 @pytest.mark.parametrize("provider_kind", ["openai", "anthropic"])
 async def test_a_character_cut_between_two_chunks_is_one_character_in_the_answer(
     provider, closing, provider_kind

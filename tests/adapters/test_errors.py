@@ -101,3 +101,20 @@ def test_error_fields_reads_both_providers_bodies():
     assert error_fields(openai_body) == {"message": "m", "type": "t", "code": "c"}
     assert error_fields(anthropic_body) == {"message": "m", "type": "overloaded_error"}
     assert error_fields("plain text") == {} and error_fields(None) == {}
+
+
+def test_an_event_s_bytes_are_counted_across_chunks_from_its_blank_line():
+    """An event ends at an empty line, LF, CR or CRLF, also one cut between two chunks;
+    only the bytes since the last end count."""
+    from runtime.adapters.event_bound import EventTooLarge, _EventBytes
+
+    for ending in (b"\n\n", b"\r\r", b"\r\n\r\n"):
+        for cut in range(len(ending) + 1):
+            events = _EventBytes(10)
+            events.feed(b"data: 12" + ending[:cut])
+            events.feed(ending[cut:] + b"data: 12")  # 8 bytes of the next event
+            assert events.since == 8, (ending, cut)
+    events = _EventBytes(10)
+    events.feed(b"data: 1234")
+    with pytest.raises(EventTooLarge, match="a server-sent event over 10 bytes"):
+        events.feed(b"\n5")  # one line end: the same event, 12 bytes
