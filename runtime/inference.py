@@ -220,6 +220,7 @@ class Inference:
         thread = ctx.frontier.thread_id
         streamed, most = 0, self.limits.response_bytes
         reasoned, most_reasoning = 0, self.limits.reasoning_bytes
+        calls: set[str | None] = set()  # the calls streamed so far, by id
         async for item in items:
             if isinstance(item, ModelResponse):
                 response = item
@@ -246,6 +247,14 @@ class Inference:
                 raise InputRefused(
                     "model reasoning", "reasoning_bytes", f"over {most_reasoning} characters"
                 )
+            if isinstance(item, ModelDelta) and item.type == "tool_call_delta":
+                calls.add(item.call_id)  # refused as they stream, not once thousands came
+                if len(calls) > self.limits.tool_calls:
+                    raise InputRefused(
+                        "model output",
+                        "tool_calls",
+                        f"over {self.limits.tool_calls} calls streamed",
+                    )
             if checkpointing:
                 partial.add(item)
                 # a checkpoint only of an inference whose input is committed: a recovery

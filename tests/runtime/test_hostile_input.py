@@ -374,6 +374,14 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
             lambda a: itertools.repeat(ModelDelta(type="reasoning_delta", text="hmm " * 250)),
             ("failed", "inference", "reasoning_bytes"),
         ),
+        # calls past the limit are refused as they stream, not once the last one came
+        (
+            lambda a: (
+                ModelDelta(type="tool_call_delta", text="{}", call_id=f"c{i}", tool="echo")
+                for i in itertools.count()
+            ),
+            ("failed", "inference", "tool_calls"),
+        ),
     ],
     ids=[
         "2MB-answer",
@@ -385,6 +393,7 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
         "endless-pings",
         "long-reasoning",
         "endless-reasoning",
+        "endless-calls",
     ],
 )
 async def test_model_failures_end_the_run_failed_inference(first, want):
