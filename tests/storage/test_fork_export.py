@@ -398,6 +398,22 @@ async def test_an_imported_thread_mid_run_is_resumed_where_it_waits(store: Any) 
     assert (await store.load(T)).run_state == waiting.run_state  # the source still waits
 
 
+async def test_an_imported_thread_left_running_is_recovered_in_process(store: Any) -> None:
+    """What the README tells a cluster's user to do with one: no host owns it."""
+    from runtime import Crash, FaultPlan
+
+    with pytest.raises(Crash):
+        crash = FaultPlan(crash_at=("during:tools", 1))
+        await InProcessRunner(history_agent(), store).start("one", thread_id=T, faults=crash)
+    fixture = MemoryCommitStore()
+    copy = await import_thread(fixture, list(await export(store, T)), ThreadId("replica"))
+    assert isinstance(copy.run_state, RunningState)
+    assert copy.owner is not None and copy.owner.startswith("ratchet-import#")
+    done = await InProcessRunner(history_agent(), fixture).recover("replica")
+    assert isinstance(done.run_state, EndedState) and done.run_state.cause.kind == "natural"
+    assert texts(done)[-1] == "answered one"
+
+
 # ---- import refuses bad input, naming the line -----------------------------------------------
 
 Edit = Callable[[list[Any]], list[Any]]
