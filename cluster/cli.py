@@ -452,13 +452,14 @@ async def _watch(
         parse_offset(after)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
+    bus = redis_url_from(redis)  # a URL that cannot be read is refused before the store opens
     db = await _open(store)
     try:
         try:
             check_cursor(after, (await _frontier(thread, store, db)).version)
         except ValueError as exc:  # past the thread's last commit: another thread's cursor
             raise BadInput(str(exc)) from None
-        frames = follow_thread(db, ThreadId(thread), after, redis_url=redis_url_from(redis))
+        frames = follow_thread(db, ThreadId(thread), after, redis_url=bus)
         async with contextlib.aclosing(frames):
             if as_json:  # each frame as the stream serves it, and nothing else
                 async for frame in frames:

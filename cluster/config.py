@@ -59,7 +59,14 @@ def store_url_from(store_url: str | None) -> str:
 
 
 def redis_url_from(redis_url: str | None) -> str | None:
-    return redis_url or os.environ.get("RATCHET_REDIS_URL") or None
+    """The live bus's URL, if any; one redis-py cannot read is refused here, before any
+    actor is given it (``UnsupportedStoreUrl``)."""
+    url = redis_url or os.environ.get("RATCHET_REDIS_URL") or None
+    if url is not None:
+        from storage.redis_client import open_client
+
+        open_client(url, what="Redis bus")  # made and dropped, never connected
+    return url
 
 
 def system_name(store_url: str) -> str:

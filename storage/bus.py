@@ -184,7 +184,7 @@ class RedisStreamBus:
         """``options`` as the constructor's."""
         # The socket timeout must outlast a blocking read, or every quiet BLOCK would
         # surface as StoreUnavailable.
-        client = open_client(url, socket_timeout=max(5.0, block_ms / 1000 + 2.0))
+        client = open_client(url, socket_timeout=max(5.0, block_ms / 1000 + 2.0), what="Redis bus")
         return cls(client, where=redact(url), block_ms=block_ms, **options)
 
     def key(self, thread: str) -> str:

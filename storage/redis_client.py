@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from runtime.errors import CorruptRecord, InputRefused, StoreError, StoreUnavailable
-from storage.url import redact
+from storage.url import UnsupportedStoreUrl, redact
 
 _REFUSED: tuple[type[BaseException], ...] = (
     rex.AuthenticationError,
@@ -69,7 +69,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def open_client(
-    url: str, *, socket_timeout: float = 5.0, connect_timeout: float = 2.0
+    url: str, *, socket_timeout: float = 5.0, connect_timeout: float = 2.0, what: str = "store"
 ) -> aioredis.Redis:
     """A pooled client that fails fast: the caller's own backoff decides when to retry.
 
@@ -80,8 +80,8 @@ def open_client(
     connection that died with a restarted server is found out as it is taken from the
     pool (redis-py checks that it is not closed) and opened again.
     """
-    with translated(redact(url)):
-        return aioredis.Redis.from_url(
+    with translated(redact(url)), _readable(url, what):
+        client = aioredis.Redis.from_url(
             url,
             decode_responses=True,
             # bytes that are not UTF-8 (written by hand) decode to lone surrogates, which
@@ -93,3 +93,17 @@ def open_client(
             socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), 0),
         )
+        # options only a connection reads (``ssl_cert_reqs`` on ``redis://``) are read now,
+        # not at the first command: a connection made, never opened
+        client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+        return client
+
+
+@contextmanager
+def _readable(url: str, what: str) -> Iterator[None]:
+    """A URL redis-py cannot read (its scheme, ``[::1``, a port or an option of the wrong
+    value) is ``UnsupportedStoreUrl``, in one line, never the driver's traceback."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise UnsupportedStoreUrl(url, f"{type(exc).__name__}: {exc}", what) from None

@@ -25,12 +25,13 @@ _SECRET_WORDS = ("password", "passwd", "secret", "token", "key")
 
 
 class UnsupportedStoreUrl(ValueError):
-    """A store URL whose scheme no backend serves."""
+    """A store URL no backend serves or its reader cannot read (also the Redis bus's
+    URL: ``what``)."""
 
-    def __init__(self, url: str, why: str | None = None) -> None:
+    def __init__(self, url: str, why: str | None = None, what: str = "store") -> None:
         schemes = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
         super().__init__(
-            f"unsupported store URL {redact(url)!r}; {why or f'supported schemes: {schemes}'}"
+            f"unsupported {what} URL {redact(url)!r}; {why or f'supported schemes: {schemes}'}"
         )
 
 
@@ -100,6 +101,10 @@ async def open_store(url: str, **opts: Any) -> CommitStore:
         from storage.noop import NoopCommitStore
 
         return NoopCommitStore(**opts)
+    # a URL its reader cannot read ("sqlite://host/x": SQLAlchemy's ArgumentError; a port
+    # "abc", an option of the wrong value: ValueError) is this URL's fault: said in one
+    # line, never a driver's traceback (Redis URLs: ``open_client``). Failures to reach
+    # a server that is named right are StoreErrors, raised as they are.
     if scheme in ("sqlite", "postgresql", "postgres"):
         from sqlalchemy.exc import ArgumentError
 
@@ -107,9 +112,13 @@ async def open_store(url: str, **opts: Any) -> CommitStore:
 
         try:
             return await SqlCommitStore.connect(url, **opts)
-        except ArgumentError as exc:  # SQLAlchemy cannot read the URL ("sqlite://host/x")
-            raise UnsupportedStoreUrl(url, str(exc)) from None
+        except (ArgumentError, ValueError) as exc:
+            raise UnsupportedStoreUrl(url, _said(exc)) from None
     from storage.redis_store import RedisCommitStore
 
-    store: CommitStore = await RedisCommitStore.connect(url, **opts)
+    store: CommitStore = await RedisCommitStore.connect(url, **opts)  # open_client checks
     return store
+
+
+def _said(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"

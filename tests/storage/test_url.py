@@ -87,3 +87,42 @@ def test_postgres_key_joins_can_be_left_to_the_server():
     _, ours = sqlalchemy_url("postgresql://u@127.0.0.1/db?key_joins=maybe")
     with pytest.raises(ValueError, match="key_joins"):
         pg_connect_args(ours)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("sqlite://", "a SQLite store needs a file path"),
+        ("sqlite:///", "a SQLite store needs a file path"),
+        ("sqlite:///{tmp}/s.db?synchronous=bogus", "synchronous"),
+        ("postgresql://postgres@127.0.0.1/hzx?pool_size=0", "pool_size"),
+        ("postgresql://postgres@127.0.0.1/hzx?key_joins=maybe", "key_joins"),
+        ("postgresql://postgres:sekrit@127.0.0.1:abc/x", "invalid literal for int()"),
+        ("redis://[::1", "Invalid IPv6 URL"),
+        ("redis://127.0.0.1:1/13?socket_timeout=abc", "socket_timeout"),
+        ("redis://127.0.0.1:1/13?ssl_cert_reqs=bogus", "ssl_cert_reqs"),
+    ],
+)
+async def test_a_url_its_reader_cannot_read_is_unsupported_in_one_line(
+    tmp_path: Path, url: str, says: str
+) -> None:
+    """Each was a ValueError or TypeError from the driver (a traceback from every
+    command) where the scheme was right and the rest could not be read."""
+    with pytest.raises(UnsupportedStoreUrl, match="unsupported store URL") as refused:
+        await open_store(url.format(tmp=tmp_path))
+    assert says in str(refused.value) and "sekrit" not in str(refused.value)
+    assert not any(tmp_path.iterdir())  # noqa: ASYNC240  (a listing of an empty folder)
+
+
+def test_a_bus_url_that_cannot_be_read_is_refused_before_anything_uses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cluster.config import redis_url_from
+
+    for url in ("bogus://x", "redis://[::1", "redis://h/0?ssl_cert_reqs=bogus"):
+        with pytest.raises(UnsupportedStoreUrl, match="unsupported Redis bus URL"):
+            redis_url_from(url)
+        monkeypatch.setenv("RATCHET_REDIS_URL", url)
+        with pytest.raises(UnsupportedStoreUrl, match="unsupported Redis bus URL"):
+            redis_url_from(None)
+    assert redis_url_from("redis://127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
