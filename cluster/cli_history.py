@@ -13,10 +13,12 @@ imported first. A refusal is one line on stderr and exit code 1, as for every co
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
+import stat
 import sys
-import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,6 +27,7 @@ import typer
 from cluster.cli_args import BadInput, thread_arg
 from cluster.cli_view import console, print_rest
 from runtime.history import export, fork, import_thread
+from runtime.history_format import MAX_LINE_BYTES
 from runtime.ids import ThreadId
 
 _STORE_HELP = "Store URL (default: RATCHET_STORE_URL or ./ratchet-data)"
@@ -91,22 +94,52 @@ async def _export(thread: str, out: Path | None, store: str | None) -> None:
     if out is None:
         _write_lines(lines, _stdout())
         return
-    # a file named FILE is whole: written under a name of its own (created exclusively,
-    # so two exports to one FILE never write into each other, nor through a planted
-    # link), then renamed
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+        _write_file(lines, out)
     except OSError as exc:
         raise BadInput(f"cannot write {out}: {exc}") from None
+
+
+def _write_file(lines: Iterable[str], out: Path) -> None:
+    """FILE whole: written under a name of its own beside it (created exclusively, so two
+    exports to one FILE never write into each other, nor through a planted link), then
+    renamed over it, keeping its mode. Through a link, the file it names is replaced
+    and the link stays. A device or a pipe (``/dev/stdout``, ``/dev/null``) is written
+    as a shell's ``>`` writes it: renaming over one replaced it with a file."""
     try:
+        info: os.stat_result | None = os.stat(out)  # through links
+    except FileNotFoundError:
+        info = None
+    if info is not None and stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "it is a directory")
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        with open(out, "wb") as sink:
+            _write_lines(lines, sink)
+        return
+    target = Path(os.path.realpath(out)) if out.is_symlink() else out
+    fd, name = _partial(target)
+    try:
+        if info is not None:
+            os.fchmod(fd, stat.S_IMODE(info.st_mode))
         with os.fdopen(fd, "wb") as sink:
             _write_lines(lines, sink)
-        os.replace(name, out)
-    except OSError as exc:
-        raise BadInput(f"cannot write {out}: {exc}") from None
+        os.replace(name, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
+
+
+def _partial(target: Path) -> tuple[int, str]:
+    """A new file beside ``target``, made with the mode a new file gets here (0666 less
+    the umask; ``mkstemp`` makes 0600)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        name = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.partial")
+        try:
+            return os.open(name, flags, 0o666), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free name for the partial file", str(target))
 
 
 def _write_lines(lines: Iterable[str], sink: BinaryIO) -> None:
@@ -143,14 +176,14 @@ def import_command(
 
 
 async def _import(file: str, as_thread: str | None, store: str | None) -> None:
-    lines = _read_lines(file)  # unreadable input fails before the store is opened
-    db = await _opened(store, existing=False)  # a fixture into a new store, say
-    try:
-        frontier = await import_thread(
-            db, lines, None if as_thread is None else ThreadId(as_thread)
-        )
-    finally:
-        await db.close()
+    with _opened_input(file) as source:  # unreadable input fails before the store opens
+        db = await _opened(store, existing=False)  # a fixture into a new store, say
+        try:
+            frontier = await import_thread(
+                db, _lines(source, file), None if as_thread is None else ThreadId(as_thread)
+            )
+        finally:
+            await db.close()
     thread = frontier.thread_id
     console.print(
         f"imported thread {thread} ({frontier.version} commits) from {file}",
@@ -160,12 +193,28 @@ async def _import(file: str, as_thread: str | None, store: str | None) -> None:
     print_rest(thread, frontier, prefix="  ")
 
 
-def _read_lines(file: str) -> list[bytes]:
+@contextlib.contextmanager
+def _opened_input(file: str) -> Iterator[BinaryIO]:
+    if file == "-":
+        yield sys.stdin.buffer
+        return
     try:
-        data = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
+        source = open(file, "rb")  # noqa: SIM115  (closed below, after the import)
     except OSError as exc:
         raise BadInput(f"cannot read {file}: {exc}") from None
-    return data.splitlines()
+    with source:
+        yield source
+
+
+def _lines(source: BinaryIO, file: str) -> Iterator[bytes]:
+    """The input a line at a time, each read no further than a line may be long: the
+    import refuses a line as soon as it breaks a rule, before the rest is read (all of
+    it was read first: ``/dev/zero`` filled the memory, a stream of garbage never ended)."""
+    try:
+        while line := source.readline(MAX_LINE_BYTES + 3):
+            yield line
+    except OSError as exc:
+        raise BadInput(f"cannot read {file}: {exc}") from None
 
 
 async def _opened(store: str | None, *, existing: bool = True) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -679,6 +680,75 @@ async def test_the_commands_fork_export_and_import(tmp_path: Path) -> None:
         assert ThreadId("broken") not in await store.thread_ids()
     finally:
         await store.close()
+
+
+async def test_export_out_replaces_only_a_file_and_keeps_its_mode_and_links(
+    tmp_path: Path,
+) -> None:
+    """Renaming over FILE replaced a pipe or a device (``--out /dev/null``) with a file
+    of mode 0600, and a link with the file: they are written as a shell's ``>`` writes
+    them, a link's file is replaced under it, a file keeps its mode."""
+    import stat
+    import subprocess
+
+    url = f"sqlite:///{tmp_path}/cli.db"
+    store = await SqlCommitStore.connect(url)
+    try:
+        await two_runs(store)
+        lines = list(await export(store, T))
+    finally:
+        await store.close()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = await asyncio.create_subprocess_exec("cat", str(fifo), stdout=subprocess.PIPE)
+    try:
+        piped = await ratchet("export", T, "--out", str(fifo), "--store", url)
+        assert piped.exit_code == 0, piped.output
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+        read, _ = await asyncio.wait_for(reader.communicate(), 30)
+        assert read.decode().splitlines() == lines
+    finally:
+        if reader.returncode is None:
+            reader.kill()
+            await reader.wait()
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("old\n")
+    kept.chmod(0o644)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(kept)
+    assert (await ratchet("export", T, "--out", str(link), "--store", url)).exit_code == 0
+    assert link.is_symlink() and kept.read_text().splitlines() == lines
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o644
+    new = tmp_path / "new.jsonl"
+    assert (await ratchet("export", T, "--out", str(new), "--store", url)).exit_code == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
+    assert [n for n in await asyncio.to_thread(os.listdir, tmp_path) if "partial" in n] == []
+    folder = await ratchet("export", T, "--out", str(tmp_path), "--store", url)
+    assert folder.exit_code == 1 and "it is a directory" in folder.stderr
+
+
+async def test_import_reads_no_further_than_the_first_line_it_refuses(tmp_path: Path) -> None:
+    """All of the input was read before its first line was looked at: ``/dev/zero``
+    filled the memory, and a stream that never ends was never refused. Here 64 MiB of
+    NUL bytes come through a pipe: the import stops reading past the first 16 MiB,
+    and the writer is left with the rest (SIGPIPE, where it wrote all before)."""
+    from runtime.history_format import MAX_LINE_BYTES
+
+    url = f"sqlite:///{tmp_path}/cli.db"
+    fifo = tmp_path / "zeros"
+    os.mkfifo(fifo)
+    size = 4 * MAX_LINE_BYTES
+    writer = await asyncio.create_subprocess_exec("sh", "-c", f"head -c {size} /dev/zero > {fifo}")
+    try:
+        refused = await ratchet("import", str(fifo), "--store", url)
+        assert refused.exit_code == 1 and "line 1: too_large" in refused.stderr
+        assert await asyncio.wait_for(writer.wait(), 30) != 0  # it could not write it all
+    finally:
+        if writer.returncode is None:
+            writer.kill()
+            await writer.wait()
 
 
 async def test_an_export_of_a_thread_at_its_commit_limit_is_not_too_large(
