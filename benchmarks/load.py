@@ -42,13 +42,18 @@ from typing import Any
 import ray
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from benchmarks.same_dispatch import run_same_dispatch
-from benchmarks.stores import store_answers
+from benchmarks.stores import STORE_NAMES, store_answers
 from benchmarks.trials import combine
 from benchmarks.w1 import Config, run_baseline, run_store_limit, run_w1
+from cluster.config import ClusterUnavailable
+from runtime.errors import RatchetError
+from storage.url import SUPPORTED_SCHEMES as SCHEMES
+from storage.url import UnsupportedStoreUrl, scheme_of
 
 BASELINES = ("plain", "same-dispatch", "both", "none")
 SAME_DISPATCH = "same-dispatch"
@@ -218,26 +223,45 @@ def _ratios(result: dict[str, Any], arm: str) -> None:
     result[f"cpu_ratio_to_{arm}"] = round(theirs / ours, 3) if ours else None
 
 
+def finite(value: float) -> float:
+    """A number option that is a number: NaN passes every range check."""
+    if value != value:
+        raise typer.BadParameter("not a number")
+    return value
+
+
 def bench_command(
-    runs: int = typer.Option(200, "--runs", help="R: Runs in total"),
-    concurrency: int = typer.Option(50, "--concurrency", help="C: Runs at most at once"),
-    steps: int = typer.Option(5, "--steps", help="S: model Steps per Run"),
-    tools: int = typer.Option(2, "--tools", help="K: tool calls per Step (Steps 1..S-1)"),
-    model_latency_ms: float = typer.Option(0.0, "--model-latency-ms"),
-    tool_latency_ms: float = typer.Option(0.0, "--tool-latency-ms"),
+    runs: int = typer.Option(200, "--runs", min=1, max=10**7, help="R: Runs in total"),
+    concurrency: int = typer.Option(
+        50, "--concurrency", min=1, max=10**5, help="C: Runs at most at once"
+    ),
+    steps: int = typer.Option(5, "--steps", min=1, max=1000, help="S: model Steps per Run"),
+    tools: int = typer.Option(
+        2, "--tools", min=0, max=64, help="K: tool calls per Step (Steps 1..S-1)"
+    ),
+    model_latency_ms: float = typer.Option(
+        0.0, "--model-latency-ms", min=0, max=3_600_000, callback=finite
+    ),
+    tool_latency_ms: float = typer.Option(
+        0.0, "--tool-latency-ms", min=0, max=3_600_000, callback=finite
+    ),
     store: str = typer.Option(
         "sqlite",
         "--store",
         help="sqlite | postgres | redis | memory (a fresh store, removed after) or a store URL",
     ),
     placement: str = typer.Option("hosted", "--placement", help="hosted | dedicated"),
-    hosts: int = typer.Option(2, "--hosts", help="RunHosts in the hosted pool"),
-    executors: int = typer.Option(2, "--executors", help="ToolExecutors in the pool"),
+    hosts: int = typer.Option(2, "--hosts", min=1, max=256, help="RunHosts in the hosted pool"),
+    executors: int = typer.Option(
+        2, "--executors", min=1, max=256, help="ToolExecutors in the pool"
+    ),
     sqlite_writer: str = typer.Option(
         "direct", "--sqlite-writer", help="direct (each host writes) | actor (one store actor)"
     ),
     chaos: bool = typer.Option(False, "--chaos", help="kill a RunHost or ToolExecutor often"),
-    chaos_interval_s: float = typer.Option(2.0, "--chaos-interval-s"),
+    chaos_interval_s: float = typer.Option(
+        2.0, "--chaos-interval-s", min=0.01, max=3600, callback=finite
+    ),
     baseline: str | None = typer.Option(
         None,
         "--baseline",
@@ -277,6 +301,10 @@ def bench_command(
         raise typer.BadParameter("--sqlite-writer must be direct or actor")
     if scenario not in ("w1", "store"):
         raise typer.BadParameter("--scenario must be w1 or store")
+    if store not in STORE_NAMES and ("://" not in store or scheme_of(store) not in SCHEMES):
+        raise typer.BadParameter(
+            f"--store is one of {', '.join(STORE_NAMES)} or a store URL, not {store!r:.80}"
+        )
     if trials > 1 and scenario != "w1":
         raise typer.BadParameter("--trials repeats W1 measurements: not with --scenario store")
     baseline = _baseline_arms(baseline, no_baseline, chaos, placement)
@@ -292,6 +320,9 @@ def bench_command(
     ours = not ray.is_initialized()
     try:
         result = asyncio.run(bench(cfg, scenario, plot_file, console))
+    except (RatchetError, UnsupportedStoreUrl, ClusterUnavailable) as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
     finally:
         if ours and ray.is_initialized():
             ray.shutdown()  # before printing: nothing of Ray's may print after the JSON line

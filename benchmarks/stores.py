@@ -23,6 +23,10 @@ class PreparedStore:
     cleanup: Callable[[], Awaitable[None]]
 
 
+STORE_NAMES = ("sqlite", "postgres", "postgresql", "redis", "memory")
+"""The stores ``prepare_store`` makes fresh; anything else is a store URL."""
+
+
 async def prepare_store(spec: str, tmp: Path) -> PreparedStore:
     """``sqlite``/``postgres``/``redis``/``memory`` make a fresh store (dropped after);
     a full URL is used as given."""

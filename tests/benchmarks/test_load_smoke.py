@@ -78,6 +78,31 @@ def test_trials_are_refused_where_they_mean_nothing() -> None:
     assert "--trials repeats W1 measurements" in outcome.output
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--runs", "0"],
+        ["--runs", "99999999999999999999"],  # hung building its Runs
+        ["--concurrency", "0"],  # hung: no Run could start
+        ["--concurrency", "-5"],
+        ["--steps", "0"],
+        ["--tools", "-1"],
+        ["--hosts", "0"],  # ZeroDivisionError once Ray was up
+        ["--executors", "0"],
+        ["--model-latency-ms", "nan"],
+        ["--tool-latency-ms", "inf"],
+        ["--chaos-interval-s", "0"],
+        ["--store", "bogus"],
+        ["--store", ""],
+    ],
+)
+def test_options_out_of_range_are_usage_errors_before_ray_starts(args: list[str]) -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    outcome = CliRunner().invoke(app, args)
+    assert outcome.exit_code == 2, outcome.output  # a usage error: nothing was started
+
+
 @pytest.mark.timeout(240)
 def test_a_sweep_point_is_the_median_of_its_trials(tmp_path: Path) -> None:
     cfg = Config(runs=2, concurrency=1, steps=1, tools=1, trials=3)
