@@ -97,14 +97,18 @@ def cutoff_of(text: str) -> int:
     return int(moment.timestamp() * 1_000_000)
 
 
+MAX_BATCH = 10_000
+"""Threads a round at most: a page of thread ids is held in memory."""
+
+
 async def _prune(
     ended_before: str, keep_last: int, batch: int, dry_run: bool, store: str | None
 ) -> None:
     cutoff = cutoff_of(ended_before)
     if keep_last < 0:
         raise BadInput(f"--keep-last must be 0 or more, not {keep_last}")
-    if batch < 1:
-        raise BadInput(f"--batch must be 1 or more, not {batch}")
+    if not 1 <= batch <= MAX_BATCH:  # a page no store can ask for failed in the store
+        raise BadInput(f"--batch must be 1 to {MAX_BATCH}, not {batch}")
     from cluster.cli import _open
 
     db = await _open(store)

@@ -481,7 +481,9 @@ async def test_a_thread_whose_frontier_does_not_verify_is_not_pruned_copied_or_e
     [
         (["--ended-before", "yesterday"], "--ended-before must be a date"),
         (["--ended-before", "2025-01-01", "--keep-last", "-1"], "--keep-last must be 0 or more"),
-        (["--ended-before", "2025-01-01", "--batch", "0"], "--batch must be 1 or more"),
+        (["--ended-before", "2025-01-01", "--batch", "0"], "--batch must be 1 to 10000"),
+        # a page no store can ask for was the store's OverflowError, the store opened
+        (["--ended-before", "2025-01-01", "--batch", "9" * 20], "--batch must be 1 to 10000"),
     ],
 )
 async def test_bad_input_is_one_line(tmp_path: Any, args: list[str], words: str) -> None:
