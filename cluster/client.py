@@ -82,12 +82,13 @@ class Ratchet:
         **spec_options: Any,
     ) -> Ratchet:
         """Join (or start) Ray, then start the system's actors if they are not running."""
+        bus = redis_url_from(redis_url)  # a URL that cannot be read: refused before Ray starts
         connect_ray(address, num_cpus=num_cpus, quiet=quiet)
         url = store_url_from(store_url)
         spec = SystemSpec(
             name=spec_options.pop("name", None) or system_name(url),
             store_url=url,
-            redis_url=redis_url_from(redis_url),
+            redis_url=bus,
             hosts=hosts,
             executors=executors,
             **spec_options,
