@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import sys
 from collections.abc import Awaitable, Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
@@ -63,16 +64,26 @@ def configure_from_env() -> None:
     except ImportError:
         log.warning("tracing asked for, but opentelemetry-sdk is not installed: no spans")
         return
+    except Exception as exc:  # the SDK reads OTEL_SPAN_*_LIMIT as it is imported
+        log.warning("tracing not configured from the environment: %s", exc)
+        return
     if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return
+    try:
+        file = _file_processor(path) if path else None
+    except Exception as exc:
+        log.warning("no spans written to %s=%r: %s", TRACE_FILE_ENV, path, exc)
+        if not (names or endpoint):
+            return
+        file = None
     try:
         _initialize_components(
             trace_exporter_names=[] if names or not endpoint else ["otlp"],
             resource_attributes=_resource(env),
         )
         provider: Any = trace.get_tracer_provider()  # the SDK's, just set
-        if path:
-            provider.add_span_processor(_file_processor(path))
+        if file is not None:
+            provider.add_span_processor(file)
     except Exception as exc:  # a missing exporter package, a bad value: no spans, said once
         log.warning("tracing not configured from the environment: %s", exc)
         return
@@ -89,6 +100,11 @@ def _file_processor(path: str) -> Any:
     processes may share the file: each line is appended whole, flushed at once)."""
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 
+    # a regular file only: each span is written as it ends, on the loop that ended it,
+    # and a pipe nobody reads blocked the process at its open, one that fills at a write
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError("not a regular file")
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open for the process's life)
     exporter = ConsoleSpanExporter(out=out, formatter=lambda s: s.to_json(indent=None) + "\n")
     return SimpleSpanProcessor(exporter)
@@ -102,9 +118,10 @@ def carrier() -> dict[str, str] | None:
     none: what a caller sends with a start or a resume."""
     if "opentelemetry.context" not in sys.modules:
         return None
-    from opentelemetry import propagate, trace
+    from opentelemetry import trace
 
-    if not trace.get_current_span().get_span_context().is_valid:
+    propagate = tracing.propagator()
+    if propagate is None or not trace.get_current_span().get_span_context().is_valid:
         return None
     headers: dict[str, str] = {}
     propagate.inject(headers)
@@ -114,10 +131,11 @@ def carrier() -> dict[str, str] | None:
 @contextlib.contextmanager
 def continued(headers: Mapping[str, str] | None) -> Iterator[None]:
     """Inside, the context ``headers`` carry (W3C ``traceparent``) is the current one."""
-    if not headers or "traceparent" not in headers:
+    propagate = tracing.propagator() if headers and "traceparent" in headers else None
+    if headers is None or propagate is None:
         yield
         return
-    from opentelemetry import context, propagate
+    from opentelemetry import context
 
     token = context.attach(propagate.extract(headers))
     try:

@@ -365,19 +365,45 @@ def lookup(customer: str) -> str:
 model = ScriptedModel([ModelResponse(tool_calls=(call("lookup", "c1", customer="ada"),)),
                        ModelResponse(text="Done.")])
 runner = InProcessRunner(Agent(name="env", model=model, tools=[lookup]), MemoryCommitStore())
-asyncio.run(runner.start("go"))
+print("OUTCOME", asyncio.run(runner.start("go")).run_state.cause.kind)
 """
 
 
-def run_script(tmp_path: Path, **env: str) -> tuple[str, list[dict]]:
-    path = tmp_path / "spans.jsonl"
+def run_script(tmp_path: Path, path: Path | None = None, **env: str) -> tuple[str, list[dict]]:
+    path = path or tmp_path / "spans.jsonl"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     clean.update(env, RATCHET_TRACE_FILE=str(path), PYTHONPATH=ROOT)
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=clean, capture_output=True, text=True, check=True
+        [sys.executable, "-c", SCRIPT],
+        env=clean,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
-    lines = path.read_text().splitlines() if path.exists() else []
+    lines = path.read_text().splitlines() if path.is_file() else []
     return out.stdout, [json.loads(line) for line in lines]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"OTEL_PROPAGATORS": "b3"},  # not installed: its import failed every tool call
+        {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "-1"},  # raised as the SDK was imported
+    ],
+)
+def test_a_tracing_setting_that_cannot_be_used_costs_spans_never_the_run(tmp_path, env):
+    stdout, _ = run_script(tmp_path, **env)
+    assert "OUTCOME natural" in stdout
+
+
+def test_a_trace_file_that_is_no_regular_file_is_refused_not_waited_on(tmp_path):
+    """A pipe nobody reads blocked the process at its open (every RunHost on Ray); one
+    whose reader stopped, at a span's write, on the loop that drives the Runs."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    stdout, _ = run_script(tmp_path, fifo)
+    assert "OUTCOME natural" in stdout
 
 
 def test_the_otel_environment_configures_the_sdk(tmp_path):
@@ -394,6 +420,39 @@ def test_the_otel_environment_configures_the_sdk(tmp_path):
 def test_otel_sdk_disabled_turns_tracing_off(tmp_path):
     stdout, spans = run_script(tmp_path, OTEL_TRACES_EXPORTER="console", OTEL_SDK_DISABLED="true")
     assert spans == [] and "ratchet" not in stdout
+
+
+@pytest.mark.parametrize("when", ["start", "end"])
+@pytest.mark.parametrize(
+    "name", ["ratchet.run", "ratchet.step", "chat", "execute_tool", "ratchet.commit"]
+)
+async def test_a_span_processor_that_raises_costs_spans_never_the_run(when, name):
+    """The SDK lets what an application's span processor raises through to whoever
+    starts or ends the span: a Run failed, or stayed running with no end committed, or
+    a bare RuntimeError reached the caller."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class Raising(SpanProcessor):
+        def on_start(self, span, parent_context=None):  # type: ignore[no-untyped-def]
+            if when == "start" and span.name.startswith(name):
+                raise RuntimeError("on_start")
+
+        def on_end(self, span):  # type: ignore[no-untyped-def]
+            if when == "end" and span.name.startswith(name):
+                raise RuntimeError("on_end")
+
+    traced = Traced()
+    traced.provider.add_span_processor(Raising())
+    tracing.enable(traced.provider)
+    try:
+        store = MemoryCommitStore()
+        frontier = await InProcessRunner(billing(), store).start("go", thread_id="t1")
+    finally:
+        tracing.disable()
+    assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
+    assert [r.commit.label for r in await store.read("t1")][-1] == "ended"
+    if name not in ("ratchet.run", "ratchet.commit"):  # the other spans are made
+        assert "ratchet.commit ended" in {s.name for s in finished(traced)}
 
 
 async def test_a_commit_span_says_how_many_commits_shared_its_transaction(provider, tmp_path):
