@@ -236,10 +236,22 @@ class Ratchet:
         keeps it."""
         return RunHandle(self, ThreadId(thread_id), RunId(run_id) if run_id else None, "hosted")
 
+    def _still_up(self) -> None:
+        """A dedicated host is made on demand, by name: one made after another process
+        shut the system down (a client connected before) had no Supervisor to end it,
+        and stayed, with the executors it started, for good."""
+        try:
+            ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
+        except ValueError:
+            raise ClusterUnavailable(
+                f"system {self.spec.name} was shut down (it has no Supervisor): connect again"
+            ) from None
+
     def host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any:
         """The host a Run of ``thread`` goes to: its dedicated host, pool host ``host``,
         or the pool host the thread hashes to."""
         if placement == "dedicated":
+            self._still_up()
             return dedicated_host(self.spec, thread)
         index = host if host is not None else host_index(thread, self.spec.hosts)
         return self.hosts[index]

@@ -179,3 +179,23 @@ async def test_a_lease_that_does_not_read_is_not_held_an_outage_changes_nothing(
     with pytest.raises(StoreLost):  # the Supervisor's tick reports it (store_lost)
         await lost.serves()
     assert lost.held is False
+
+
+async def test_a_client_of_a_system_shut_down_starts_no_dedicated_host(tmp_path: Path) -> None:
+    """A dedicated host is made on demand: one a client connected before made after
+    another process shut the system down had no Supervisor to end it, and stayed, with
+    the executors it started, for good."""
+    from cluster.config import ClusterUnavailable
+
+    url = store_url_from(f"sqlite:///{tmp_path}/down.db")
+    stale = await Ratchet.connect(store_url=url)
+    try:
+        other = await Ratchet.connect(store_url=url)  # another process's client, same system
+        await other.shutdown()
+        with pytest.raises(ClusterUnavailable, match="was shut down"):
+            await stale.start("tests.ray.agents:quick_agent", "hi", thread_id="t-down",
+                              placement="dedicated")  # fmt: skip
+        with pytest.raises(ValueError):
+            ray.get_actor(stale.spec.dedicated_name("t-down"), namespace=NAMESPACE)
+    finally:
+        await stale.close()
