@@ -57,7 +57,8 @@ class Limits:
     """A model's reasoning streamed in one attempt (shown live, never committed: not part
     of ``response_bytes``); a stream past it fails its attempt."""
     tool_calls: int = 64
-    """Tool calls in one model response."""
+    """Tool calls in one model response; a stream fails its attempt at the first fragment
+    of one call more."""
     tool_arguments_bytes: int = 32 * KIB
     """One tool call's raw JSON arguments."""
     tool_result_bytes: int = 32 * KIB
