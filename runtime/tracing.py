@@ -119,7 +119,7 @@ def sdk_disabled() -> bool:
 def _started(tracer: Tracer, name: str, **options: Any) -> Span:
     try:
         return tracer.start_span(name, **options)
-    except Exception as exc:
+    except Exception as exc:  # a span processor's on_start: the span is lost, not the Run
         _broken(exc)
         from opentelemetry.trace import INVALID_SPAN
 
@@ -129,7 +129,7 @@ def _started(tracer: Tracer, name: str, **options: Any) -> Span:
 def _end(span: Span) -> None:
     try:
         span.end()
-    except Exception as exc:
+    except Exception as exc:  # a span processor's on_end: the span is lost, not the Run
         _broken(exc)
 
 
@@ -159,7 +159,7 @@ def propagator() -> Any:
     if _switch.propagate is None:
         try:
             from opentelemetry import propagate
-        except Exception as exc:
+        except Exception as exc:  # it reads OTEL_PROPAGATORS as it is imported: carry none
             log.warning("no trace context carried between processes: %s", exc)
             _switch.propagate = False
         else:

@@ -71,7 +71,7 @@ def configure_from_env() -> None:
         return
     try:
         file = _file_processor(path) if path else None
-    except Exception as exc:
+    except Exception as exc:  # a path that is no file to append to: no file spans, said once
         log.warning("no spans written to %s=%r: %s", TRACE_FILE_ENV, path, exc)
         if not (names or endpoint):
             return

@@ -113,12 +113,8 @@ async def open_store(url: str, **opts: Any) -> CommitStore:
         try:
             return await SqlCommitStore.connect(url, **opts)
         except (ArgumentError, ValueError) as exc:
-            raise UnsupportedStoreUrl(url, _said(exc)) from None
+            raise UnsupportedStoreUrl(url, f"{type(exc).__name__}: {exc}") from None
     from storage.redis_store import RedisCommitStore
 
     store: CommitStore = await RedisCommitStore.connect(url, **opts)  # open_client checks
     return store
-
-
-def _said(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
