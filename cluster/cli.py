@@ -71,7 +71,7 @@ from runtime.lifecycle import (
     validate_resume,
 )
 from runtime.stream import check_cursor, parse_offset
-from storage.url import UnsupportedStoreUrl, open_store, redact, scheme_of, sqlite_path
+from storage.url import UnsupportedStoreUrl, open_store, redact
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Ratchet: durable agent Runs on Ray."
@@ -489,16 +489,12 @@ async def _frontier(thread: str, store: str | None, db: Any = None) -> Frontier:
 
 
 async def _open(store: str | None, *, existing: bool = True) -> Any:
-    """The store the command reads; ``existing``: a SQLite file must be there already (a
+    """The store the command reads; ``existing``: the store must be there already (a
     command that only reads, or writes into a thread, never makes a store at a mistyped
-    path, its directories included)."""
+    path or URL: no SQLite file or its directories, no schema in a database)."""
     url = store_url_from(store)
-    if existing and scheme_of(url) == "sqlite":
-        path = sqlite_path(url)
-        if path is not None and not await asyncio.to_thread(os.path.exists, path):
-            raise ClusterUnavailable(f"no store at {path}: the file does not exist")
     try:
-        return await open_store(url)
+        return await open_store(url, create=not existing)
     except RatchetError:
         raise
     except OSError as exc:

@@ -66,7 +66,7 @@ from sqlalchemy import (
 from runtime.errors import CorruptRecord
 from runtime.integrity import frontier_checksum, history_digest, message_text
 from runtime.ports import host_of
-from storage.errors import StoreTooNew
+from storage.errors import NoStore, StoreTooNew
 from storage.frontiers import decode_frontier
 
 metadata = MetaData()
@@ -297,12 +297,16 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 _PG_MIGRATION_LOCK = 0x52415443  # "RATC": any constant shared by every Ratchet migrator
 
 
-def migrate(conn: Connection) -> int:
+def migrate(conn: Connection, where: str = "", create: bool = True) -> int:
     """Apply pending migrations in one transaction; returns the schema version.
 
     A store whose schema is newer than this code is refused (``StoreTooNew``), and
-    nothing is written: by the rules of an older schema this code would corrupt it."""
+    nothing is written: by the rules of an older schema this code would corrupt it.
+    ``create`` False: a database with no schema at all is ``NoStore`` and stays as it
+    was (a reader mistyping a URL must not leave tables in whatever database it named)."""
     with conn.begin():
+        if not create and not inspect(conn).has_table(schema_version.name):
+            raise NoStore(where)
         if conn.dialect.name == "postgresql":
             conn.execute(text(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})"))
         schema_version.create(conn, checkfirst=True)

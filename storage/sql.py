@@ -218,11 +218,13 @@ class SqlCommitStore:
         payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
         group_commit: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        create: bool = True,
     ) -> SqlCommitStore:
-        """Open the database, create or migrate the schema, start the group writers."""
+        """Open the database, create or migrate the schema, start the group writers;
+        ``create`` False: a database with no schema is ``NoStore``, left untouched."""
         store = cls(url, Database.open(url, timeout_s), payload_limit, group_commit, timeout_s)
         try:
-            version = await store._write(migrate)
+            version = await store._write(migrate, store.where, create)
         except StoreError:
             await store.db.close()
             raise

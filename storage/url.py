@@ -13,6 +13,7 @@ Every log line and error message that names a store uses ``redact(url)``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit
@@ -81,8 +82,12 @@ def default_store_url() -> str:
     return os.environ.get("RATCHET_STORE_URL") or DEFAULT_STORE_URL
 
 
-async def open_store(url: str, **opts: Any) -> CommitStore:
-    """Connect the CommitStore the URL names; backends are imported only when chosen."""
+async def open_store(url: str, *, create: bool = True, **opts: Any) -> CommitStore:
+    """Connect the CommitStore the URL names; backends are imported only when chosen.
+
+    ``create`` False (a reader's): a SQL database holding no Ratchet schema is
+    ``NoStore`` and nothing is made in it. A Redis store writes only its layout and
+    instance keys when it connects, and an in-memory one is always new."""
     if not isinstance(url, str):
         raise UnsupportedStoreUrl(repr(url), f"a store URL is text, not {type(url).__name__}")
     scheme = scheme_of(url)
@@ -110,11 +115,31 @@ async def open_store(url: str, **opts: Any) -> CommitStore:
 
         from storage.sql import SqlCommitStore
 
+        if not create and scheme == "sqlite":
+            await _sqlite_is_there(url)
         try:
-            return await SqlCommitStore.connect(url, **opts)
+            return await SqlCommitStore.connect(url, create=create, **opts)
         except (ArgumentError, ValueError) as exc:
             raise UnsupportedStoreUrl(url, f"{type(exc).__name__}: {exc}") from None
     from storage.redis_store import RedisCommitStore
 
     store: CommitStore = await RedisCommitStore.connect(url, **opts)  # open_client checks
     return store
+
+
+async def _sqlite_is_there(url: str) -> None:
+    """NoStore unless the file holds something: as it opens, SQLite makes a missing file
+    (not its folders), and its WAL setting writes a header into an empty one."""
+    from storage.errors import NoStore
+
+    path = sqlite_path(url)
+    if path is None:  # malformed: connecting says what is wrong with it
+        return
+    try:
+        size = (await asyncio.to_thread(os.stat, path)).st_size
+    except FileNotFoundError:
+        raise NoStore(redact(url), "the file does not exist") from None
+    except OSError:  # unreadable, a folder on the way that is a file: connecting says so
+        return
+    if size == 0:
+        raise NoStore(redact(url), "the file is empty")

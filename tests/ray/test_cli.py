@@ -75,8 +75,22 @@ def test_a_command_on_a_sqlite_store_that_is_not_there_makes_none(tmp_path, comm
     missing = tmp_path / "typo" / "nothing.db"
     done = _ratchet(*command, "--store", f"sqlite:///{missing}")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert f"no store at {missing}" in done.stderr and "Traceback" not in done.stderr
+    assert f"no store at sqlite:///{missing}: the file does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
     assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("command", [("runs",), ("show", "t"), ("verify", "--all")])
+def test_a_command_that_only_reads_writes_no_schema_into_an_empty_store(tmp_path, command):
+    """An empty SQLite file (``touch``, or one a failed start left) is no store: a reader
+    says so and leaves it empty. It got the six tables."""
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    done = _ratchet(*command, "--store", f"sqlite:///{empty}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"no store at sqlite:///{empty}: the file is empty" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert empty.stat().st_size == 0
 
 
 def test_a_command_on_the_default_store_that_is_not_there_makes_no_folder(tmp_path):

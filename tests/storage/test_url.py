@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
+import asyncpg
 import pytest
 
+from storage.errors import NoStore
 from storage.memory import MemoryCommitStore
 from storage.sql import SqlCommitStore
 from storage.url import (
@@ -57,6 +60,40 @@ async def test_open_store_redis(redis_url: str) -> None:
         assert type(store).__name__ == "RedisCommitStore"
     finally:
         await store.close()
+
+
+async def _tables(url: str) -> set[str]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+    finally:
+        await conn.close()
+    return {row["tablename"] for row in rows}
+
+
+async def test_a_reader_makes_no_store_where_there_is_none(tmp_path: Path, postgres_url: str):
+    """``create=False`` (what the CLI's reading commands open with): an empty database
+    is ``NoStore`` and stays empty. It was given a schema: ``ratchet runs --store
+    postgresql://`` made six tables in libpq's default database."""
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    name = f"ratchet_nostore_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(postgres_url)
+    await admin.execute(f"CREATE DATABASE {name}")
+    database = postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        for url, why in ((f"sqlite:///{empty}", "the file is empty"), (database, "no Ratchet")):
+            with pytest.raises(NoStore, match=f"no store at {url}: .*{why}"):
+                await open_store(url, create=False)
+        with pytest.raises(NoStore, match="the file does not exist"):
+            await open_store(f"sqlite:///{tmp_path}/none.db", create=False)
+        assert empty.stat().st_size == 0 and await _tables(database) == set()
+        await (await open_store(database)).close()  # a writer makes it; then readers open it
+        await (await open_store(database, create=False)).close()
+        assert "ratchet_threads" in await _tables(database)
+    finally:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await admin.close()
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
