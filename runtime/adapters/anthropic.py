@@ -28,7 +28,8 @@ that ends before ``message_stop`` was cut (ModelUnavailable); an ``error`` event
 classified by its type (``overloaded_error`` → ModelRateLimited, ...). Event types this
 adapter does not know (``ping``, future ones) are skipped, as the API reference asks.
 
-Nothing the model did not finish saying is taken: a message event after
+Nothing the model did not finish saying is taken: a message event before
+``message_start`` (even a bare ``message_stop``: no answer at all) or after
 ``message_stop`` (a second message, a call sent after the end) is ``malformed_stream``;
 so is a ``tool_use`` block that never got its ``content_block_stop``, unless the stop
 reason says the answer was cut (``max_tokens``, ``model_context_window_exceeded``):
@@ -270,6 +271,11 @@ class MessagesFold:
     def _add(self, event: RawMessageStreamEvent) -> list[ModelDelta]:
         if self.stopped and event.type in MESSAGE_EVENTS:
             message = f"anthropic: {event.type} after message_stop"
+            raise ModelUnavailable("malformed_stream", message)
+        if not self.started and event.type in MESSAGE_EVENTS - {"message_start"}:
+            # a message is its message_start's (model, input usage): one without it,
+            # even a bare message_stop, is not an empty answer
+            message = f"anthropic: {event.type} before message_start"
             raise ModelUnavailable("malformed_stream", message)
         if event.type == "message_start":
             if self.started:

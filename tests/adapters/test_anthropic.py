@@ -412,6 +412,22 @@ STREAM_FAILURES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "frames",
+    [
+        pytest.param([*text_block(0, "Hel"), *message_end()], id="blocks"),
+        pytest.param(message_end(), id="only-the-end"),
+        pytest.param([event("message_stop", {"type": "message_stop"})], id="a-bare-stop"),
+    ],
+)
+async def test_a_message_without_its_start_is_malformed(provider, make, frames):
+    """Such a stream, even a bare ``message_stop``, was taken for an (empty) answer."""
+    provider.reply(Sse([PING, *frames]))
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "malformed_stream" and "before message_start" in str(caught.value)
+
+
 @pytest.mark.parametrize(("reply", "code"), STREAM_FAILURES)
 async def test_a_broken_stream_is_transient(provider, make, reply, code):
     provider.reply(reply)
