@@ -36,21 +36,19 @@ Thread and run ids are never cut, in any terminal width, so each pastes as print
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import typer
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, thread_arg
+from cluster.cli_base import as_command, errors, frontier_of, open_db
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, cursor, run_page, run_query, run_row
 from cluster.cli_view import (
-    Terminal,
     WatchView,
     console,
     escape,
@@ -59,10 +57,9 @@ from cluster.cli_view import (
     print_thread,
     run_tree,
 )
-from cluster.config import ClusterUnavailable, redis_url_from, store_url_from
+from cluster.config import redis_url_from, store_url_from
 from cluster.report import analyse
 from runtime.agent import load_agent
-from runtime.commit import Frontier
 from runtime.errors import RatchetError
 from runtime.ids import ThreadId
 from runtime.integrity import audit_thread
@@ -71,12 +68,11 @@ from runtime.lifecycle import (
     validate_resume,
 )
 from runtime.stream import check_cursor, parse_offset
-from storage.url import UnsupportedStoreUrl, open_store, redact
+from storage.url import redact
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Ratchet: durable agent Runs on Ray."
 )
-errors = Terminal(stderr=True)
 
 StoreOption = typer.Option(
     None, "--store", help="Store URL (default: RATCHET_STORE_URL or ./ratchet-data)"
@@ -90,38 +86,6 @@ RedisOption = typer.Option(
 JsonOption = typer.Option(False, "--json", help="One JSON object per line, for scripts")
 
 
-def _cli(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
-    """Run an async command; expected failures become one line and exit code 1."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> None:
-        try:
-            asyncio.run(fn(*args, **kwargs))
-        except (
-            RatchetError,
-            ClusterUnavailable,
-            UnsupportedStoreUrl,
-            TimeoutError,
-            BadInput,
-        ) as exc:
-            errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            raise typer.Exit(130) from None
-        except BrokenPipeError:  # the reader left (``| head``): nothing more to say
-            _quiet_stdout()
-            raise typer.Exit(141) from None
-
-    return wrapper
-
-
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-
-
 @app.command()
 def demo(
     runs: int = typer.Option(24, "--runs", "-n", min=1, max=2000, help="Concurrent Runs"),
@@ -129,7 +93,7 @@ def demo(
     crash: bool = typer.Option(True, "--crash/--no-crash", help="Crash one host midway"),
 ) -> None:
     """Launch concurrent Runs of a scripted agent on local Ray; crash a host; summarise."""
-    _cli(_demo)(runs, store, crash)
+    as_command(_demo)(runs, store, crash)
 
 
 async def _demo(runs: int, store: str | None, crash: bool) -> None:
@@ -159,7 +123,7 @@ def run(
     if placement not in ("hosted", "dedicated"):
         errors.print("[red]error:[/red] --placement must be hosted or dedicated")
         raise typer.Exit(2)
-    _cli(_run)(agent, text, thread, placement, store, address, redis)
+    as_command(_run)(agent, text, thread, placement, store, address, redis)
 
 
 async def _run(
@@ -207,12 +171,12 @@ def runs(
     store: str | None = StoreOption,
 ) -> None:
     """List every thread's latest Run, in thread-id order, a page at a time."""
-    _cli(_runs)((state, status, agent, failed, limit, after), as_json, store)
+    as_command(_runs)((state, status, agent, failed, limit, after), as_json, store)
 
 
 async def _runs(flags: tuple[Any, ...], as_json: bool, store: str | None) -> None:
     query = run_query(*flags)  # bad input fails before the store is opened
-    db = await _open(store)
+    db = await open_db(store)
     try:
         rows, last = await run_page(db, query)
     finally:
@@ -233,11 +197,11 @@ def show(
     store: str | None = StoreOption,
 ) -> None:
     """Show a thread: transcript, tool-batch phases per commit, and run status."""
-    _cli(_show)(thread, store, as_json)
+    as_command(_show)(thread, store, as_json)
 
 
 async def _show(thread: str, store: str | None, as_json: bool = False) -> None:
-    db = await _open(store)
+    db = await open_db(store)
     frontier = await db.load(ThreadId(thread))
     records = await db.read(ThreadId(thread))
     tree = await run_tree(db, frontier)
@@ -267,13 +231,13 @@ def verify(
     """Audit stored threads: each record against its hash, the hash chain, seq continuity,
     the frontier against its checksum and against a replay of its log. Exits 1 naming
     each bad thread and seq."""
-    _cli(_verify)(thread, every, store)
+    as_command(_verify)(thread, every, store)
 
 
 async def _verify(thread: str | None, every: bool, store: str | None) -> None:
     if (thread is None) == (not every):
         raise BadInput("give a THREAD or --all (not both)")
-    db = await _open(store)
+    db = await open_db(store)
     problems = []
     audited = pruned = 0
     try:
@@ -338,7 +302,7 @@ def resume(
     redis: str | None = RedisOption,
 ) -> None:
     """Answer the ticket of THREAD's awaiting Run with exactly one payload flag."""
-    _cli(_resume)(
+    as_command(_resume)(
         thread,
         (approve, deny, note, text, result, is_error, fire, unpause, expire),
         wait,
@@ -359,7 +323,7 @@ async def _resume(
     from cluster.client import Ratchet, command_for
 
     payload = payload_from(flags)
-    frontier = await _frontier(thread, store)
+    frontier = await frontier_of(thread, store)
     ticket = awaiting_ticket(frontier)
     command = command_for(ticket, payload)
     # a wrong flag fails here, before any cluster; the deadline, and what follows it on a
@@ -388,7 +352,7 @@ def cancel(
     redis: str | None = RedisOption,
 ) -> None:
     """Cancel THREAD's Run: a live one at its next check, an awaiting one at once."""
-    _cli(_control)(thread, None, store, address, redis)
+    as_command(_control)(thread, None, store, address, redis)
 
 
 @app.command()
@@ -405,7 +369,7 @@ def stop(
     if not reason.strip():
         errors.print("[red]error:[/red] --reason must not be empty", highlight=False)
         raise typer.Exit(1)
-    _cli(_control)(thread, reason, store, address, redis)
+    as_command(_control)(thread, reason, store, address, redis)
 
 
 async def _control(
@@ -413,7 +377,7 @@ async def _control(
 ) -> None:
     from cluster.client import Ratchet
 
-    frontier = await _frontier(thread, store)
+    frontier = await frontier_of(thread, store)
     if isinstance(frontier.run_state, EndedState):
         print_rest(thread, frontier, prefix="nothing to do: ")
         return
@@ -440,7 +404,7 @@ def watch(
     redis: str | None = RedisOption,
 ) -> None:
     """Follow THREAD live: status frames, facts and streamed text, until the Run rests."""
-    _cli(_watch)(thread, after, store, redis, as_json)
+    as_command(_watch)(thread, after, store, redis, as_json)
 
 
 async def _watch(
@@ -453,10 +417,10 @@ async def _watch(
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     bus = redis_url_from(redis)  # a URL that cannot be read is refused before the store opens
-    db = await _open(store)
+    db = await open_db(store)
     try:
         try:
-            check_cursor(after, (await _frontier(thread, store, db)).version)
+            check_cursor(after, (await frontier_of(thread, store, db)).version)
         except ValueError as exc:  # past the thread's last commit: another thread's cursor
             raise BadInput(str(exc)) from None
         frames = follow_thread(db, ThreadId(thread), after, redis_url=bus)
@@ -472,33 +436,6 @@ async def _watch(
         print_rest(thread, await db.load(ThreadId(thread)), prefix="at rest: ")
     finally:
         await db.close()
-
-
-async def _frontier(thread: str, store: str | None, db: Any = None) -> Frontier:
-    """The thread's frontier; an unknown thread is one clear error."""
-    own = db is None
-    db = db if db is not None else await _open(store)
-    try:
-        frontier: Frontier = await db.load(ThreadId(thread))
-    finally:
-        if own:
-            await db.close()
-    if frontier.version == 0:
-        raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
-    return frontier
-
-
-async def _open(store: str | None, *, existing: bool = True) -> Any:
-    """The store the command reads; ``existing``: the store must be there already (a
-    command that only reads, or writes into a thread, never makes a store at a mistyped
-    path or URL: no SQLite file or its directories, no schema in a database)."""
-    url = store_url_from(store)
-    try:
-        return await open_store(url, create=not existing)
-    except RatchetError:
-        raise
-    except OSError as exc:
-        raise ClusterUnavailable(f"cannot open store {redact(url)}: {exc}") from exc
 
 
 def _register_bench() -> None:

@@ -5,9 +5,8 @@
     ratchet export THREAD [--out FILE]      the thread as JSON lines (stdout by default)
     ratchet import FILE [--as THREAD]       write an export as a new thread (FILE - : stdin)
 
-``register(app)`` adds them to a Typer app. ``cluster.cli`` is imported only when a
-command runs (for its ``_cli`` wrapper and store opening), so either module may be
-imported first. A refusal is one line on stderr and exit code 1, as for every command.
+``register(app)`` adds them to a Typer app. A refusal is one line on stderr and exit
+code 1, as for every command.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Any, BinaryIO
 import typer
 
 from cluster.cli_args import BadInput, thread_arg
+from cluster.cli_base import as_command, open_db
 from cluster.cli_view import console, print_rest
 from runtime.history import export, fork, import_thread
 from runtime.history_format import MAX_LINE_BYTES
@@ -53,9 +53,7 @@ def fork_command(
     """Start thread NEW as THREAD's history up to commit SEQ, where its Run had ended.
 
     THREAD is not changed. A commit where a Run was running or awaiting is refused."""
-    from cluster.cli import _cli
-
-    _cli(_fork)(thread, at, to, store)
+    as_command(_fork)(thread, at, to, store)
 
 
 async def _fork(thread: str, at: int, to: str, store: str | None) -> None:
@@ -80,9 +78,7 @@ def export_command(
     store: str | None = typer.Option(None, "--store", help=_STORE_HELP),
 ) -> None:
     """Write THREAD as JSON lines: a header, then each committed record as stored."""
-    from cluster.cli import _cli
-
-    _cli(_export)(thread, None if out is None else Path(out), store)
+    as_command(_export)(thread, None if out is None else Path(out), store)
 
 
 async def _export(thread: str, out: Path | None, store: str | None) -> None:
@@ -170,9 +166,7 @@ def import_command(
     """Write an exported thread (FILE) into the store as a new thread.
 
     Every line is checked first: nothing is written unless all of it holds."""
-    from cluster.cli import _cli
-
-    _cli(_import)(file, as_thread, store)
+    as_command(_import)(file, as_thread, store)
 
 
 async def _import(file: str, as_thread: str | None, store: str | None) -> None:
@@ -218,6 +212,4 @@ def _lines(source: BinaryIO, file: str) -> Iterator[bytes]:
 
 
 async def _opened(store: str | None, *, existing: bool = True) -> Any:
-    from cluster.cli import _open
-
-    return await _open(store, existing=existing)
+    return await open_db(store, existing=existing)

@@ -22,14 +22,14 @@ from typing import Any
 import typer
 
 from cluster.cli_args import BadInput
-from cluster.cli_view import Terminal, console
+from cluster.cli_base import as_command, errors, open_db
+from cluster.cli_view import console
 from runtime.errors import CorruptRecord, InvalidTransition, StoreError, StoreUnavailable
 from runtime.ids import ThreadId
 from storage.retention import prune_point, read_for_prune, run_logs
 
 DEFAULT_BATCH = 100
 """Threads a round: each is read whole and pruned in a transaction of its own."""
-errors = Terminal(stderr=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -52,9 +52,7 @@ def prune(
 ) -> None:
     """Remove the commit logs of ended Runs; their threads' frontiers (messages, state,
     status) stay readable, and what is kept still verifies."""
-    from cluster.cli import _cli  # cluster.cli registers this command: import it late
-
-    _cli(_prune)(ended_before, keep_last, batch, dry_run, store)
+    as_command(_prune)(ended_before, keep_last, batch, dry_run, store)
 
 
 @dataclass
@@ -109,9 +107,7 @@ async def _prune(
         raise BadInput(f"--keep-last must be 0 or more, not {keep_last}")
     if not 1 <= batch <= MAX_BATCH:  # a page no store can ask for failed in the store
         raise BadInput(f"--batch must be 1 to {MAX_BATCH}, not {batch}")
-    from cluster.cli import _open
-
-    db = await _open(store)
+    db = await open_db(store)
     tally = Tally()
     try:
         after = ""

@@ -9,9 +9,7 @@ runs), and compares each commit the code makes with the recorded one. Exit code 
 thread replays cleanly; 1: the first divergence, as one line on stderr (bad input is
 one line too). ``--json`` prints the report (``ReplayReport``) as one JSON object.
 
-``register(app)`` adds the command to a Typer app. ``cluster.cli`` is imported only when
-the command runs (its ``_cli`` wrapper and store opening), so either module may be
-imported first.
+``register(app)`` adds the command to a Typer app.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from pathlib import Path
 import typer
 
 from cluster.cli_args import BadInput, text_arg, thread_arg
+from cluster.cli_base import as_command, errors, open_db
 from cluster.cli_json import emit
 from cluster.cli_view import console
 from runtime.agent import load_agent
@@ -55,23 +54,19 @@ def replay_command(
 
     Exit 0 if every commit the code makes agrees with the recording; 1 with the first
     divergence (seq, what, expected, got) on stderr."""
-    from cluster.cli import _cli
-
-    _cli(_replay)(thread, agent, store, export, as_json)
+    as_command(_replay)(thread, agent, store, export, as_json)
 
 
 async def _replay(
     thread: str, ref: str, store: str | None, export: str | None, as_json: bool
 ) -> None:
-    from cluster.cli import _open, errors
-
     if os.getcwd() not in sys.path:  # like python -m: the user's modules are importable
         sys.path.insert(0, os.getcwd())
     agent = load_agent(ref)  # a bad reference fails before the store is opened
     if export is not None:
         report = await replay(_exported(export), thread, agent, lineage=(ref,))
     else:
-        db = await _open(store)
+        db = await open_db(store)
         try:
             report = await replay(db, thread, agent, lineage=(ref,))
         finally:

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from cluster.cli_base import as_command
 from edge.options import TOKENS_ENV, ServeOptions, ServeRefused, tokens_from
 
 
@@ -67,8 +68,6 @@ def serve(
     server runs with --no-auth on a loopback address. The OpenAPI schema is at
     /openapi.json.
     """
-    from cluster.cli import _cli
-
     options = ServeOptions(
         host=host,
         port=port,
@@ -78,7 +77,7 @@ def serve(
     )
     connect = {"address": address, "store": store, "redis": redis}
     agents = tuple(agent or ()) if not any_agent else None
-    _cli(_serve)(options, connect, agents, (hosts, executors), log_level)
+    as_command(_serve)(options, connect, agents, (hosts, executors), log_level)
 
 
 async def _serve(

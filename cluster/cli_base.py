@@ -1,0 +1,87 @@
+"""What every ``ratchet`` command shares: its async wrapper (an expected failure is one
+line on stderr and exit code 1), the stderr console, and opening the store it reads.
+
+The command modules (``cluster.cli`` and the ``cli_*`` modules it registers, and
+``edge.cli``) import these from here, not from each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import typer
+
+from cluster.cli_args import BadInput
+from cluster.cli_view import Terminal, escape
+from cluster.config import ClusterUnavailable, store_url_from
+from runtime.commit import Frontier
+from runtime.errors import RatchetError
+from runtime.ids import ThreadId
+from storage.url import UnsupportedStoreUrl, open_store, redact
+
+errors = Terminal(stderr=True)
+
+
+def as_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
+    """Run an async command; expected failures become one line and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            asyncio.run(fn(*args, **kwargs))
+        except (
+            RatchetError,
+            ClusterUnavailable,
+            UnsupportedStoreUrl,
+            TimeoutError,
+            BadInput,
+        ) as exc:
+            errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        except BrokenPipeError:  # the reader left (``| head``): nothing more to say
+            quiet_stdout()
+            raise typer.Exit(141) from None
+
+    return wrapper
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+async def frontier_of(thread: str, store: str | None, db: Any = None) -> Frontier:
+    """The thread's frontier; an unknown thread is one clear error."""
+    own = db is None
+    db = db if db is not None else await open_db(store)
+    try:
+        frontier: Frontier = await db.load(ThreadId(thread))
+    finally:
+        if own:
+            await db.close()
+    if frontier.version == 0:
+        raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
+    return frontier
+
+
+async def open_db(store: str | None, *, existing: bool = True) -> Any:
+    """The store the command reads; ``existing``: the store must be there already (a
+    command that only reads, or writes into a thread, never makes a store at a mistyped
+    path or URL: no SQLite file or its directories, no schema in a database)."""
+    url = store_url_from(store)
+    try:
+        return await open_store(url, create=not existing)
+    except RatchetError:
+        raise
+    except OSError as exc:
+        raise ClusterUnavailable(f"cannot open store {redact(url)}: {exc}") from exc
