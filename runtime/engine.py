@@ -249,12 +249,12 @@ class Engine(Stepping):
                 return end_of_run(thread, records, run_id, frontier.run_id)  # as it ended
             if run_id_used(frontier, run_id):  # asked with another input or agent
                 raise InvalidTransition(f"run {run_id} already ran on thread {thread}; {NEW_ID}")
+            if (copying := copy_under_way(frontier)) is not None:
+                raise InvalidTransition(copying)
             if frontier.run_state is not None and not frontier.ended:
                 raise InvalidTransition(
                     f"thread {thread} already has an active run {frontier.run_id}"
                 )
-            if (copying := copy_under_way(frontier)) is not None:
-                raise InvalidTransition(copying)
             ctx = self._context(frontier)
             try:
                 await self._commit(
@@ -299,6 +299,8 @@ class Engine(Stepping):
         frontier = whole_of(loaded, thread) or await self._verified(thread)
         if not isinstance(frontier.run_state, RunningState):
             return frontier
+        if (copying := copy_under_way(frontier)) is not None:
+            raise InvalidTransition(copying)  # the source's Run, half copied: not driven
         claimed = await self._claimed(thread, frontier.epoch)
         added: tuple[Message, ...] = ()
         if claimed.version > frontier.version:  # its owner went on meanwhile: verify that too

@@ -95,7 +95,7 @@ from runtime.history_format import (
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
-from runtime.ports import CommitStore, CommittedRecord, vouched_log
+from runtime.ports import CommitStore, CommittedRecord, RunSummary, vouched_log
 from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, replay, with_claim
 
@@ -116,9 +116,13 @@ COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
 been larger than the default: derived child ids grow with each level)."""
 
 
+FORK_HOST = "ratchet-fork"
+"""The host part (``runtime.ports.host_of``) of every fork writer's owner name."""
+
+
 def fork_owner(thread: ThreadId, at_seq: int) -> str:
     """The owner that writes the fork of ``thread`` at ``at_seq``."""
-    return f"ratchet-fork#{thread}@{at_seq}"
+    return f"{FORK_HOST}#{thread}@{at_seq}"
 
 
 def import_owner(head: str, records: int) -> str:
@@ -140,11 +144,13 @@ def end_of_run(
     return replay(thread, [r.commit for r in records[: ends[-1] + 1]])
 
 
-def copy_under_way(frontier: Frontier) -> str | None:
-    """Why no Run may start or resume on ``frontier``'s thread yet: a fork or an import is
-    writing it (its owner's name ends in how many records it writes), and one of its
-    Runs at rest in the middle of the copy is no thread to take over: the copy's next
-    record would be refused, and the thread left holding part of it."""
+def copy_under_way(frontier: Frontier | RunSummary) -> str | None:
+    """Why no Run may start, resume or be recovered on ``frontier``'s thread yet: a fork
+    or an import is writing it (its owner's name ends in how many records it writes).
+    One of its Runs at rest in the middle of the copy is no thread to take over: the
+    copy's next record would be refused, and the thread left holding part of it. A Run
+    it copied half way is the source's: driven on, it would run the source's tool calls
+    again, under their operation ids. Ending it (cancel, stop) abandons the copy."""
     owner = frontier.owner or ""
     if not owner.startswith(("ratchet-fork#", "ratchet-import#")):
         return None
@@ -157,6 +163,21 @@ def copy_under_way(frontier: Frontier) -> str | None:
         f"thread {frontier.thread_id} is being written by {owner.partition('#')[0]} "
         f"({frontier.version} of {count} records): run it again to complete it"
     )
+
+
+async def forks_under_way(store: CommitStore, source: ThreadId) -> list[str]:
+    """Why ``source`` must keep its records: the forks of it cut short in the middle of a
+    Run (run again, one reads them; pruned, they are gone, and the copy can never be
+    completed). The owner index of running threads finds them (``host_of`` the fork
+    writer's owner: ``ratchet-fork``), on every backend without reading other threads;
+    a copy cut between Runs, or where a Run awaited, is not found (its Run is at rest)."""
+    mine = f"{FORK_HOST}#{source}@"
+    listed = await store.list_runs("running", host=FORK_HOST)
+    return [
+        f"{why} (a fork of {source})"
+        for row in listed
+        if (row.owner or "").startswith(mine) and (why := copy_under_way(row)) is not None
+    ]
 
 
 Refuse = Callable[[int, str, str], HistoryRefused]

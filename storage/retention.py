@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from runtime.commit import Frontier
 from runtime.errors import InvalidTransition, StoreError
-from runtime.history import copy_under_way
+from runtime.history import copy_under_way, forks_under_way
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import message_text
 from runtime.lifecycle import EndedState
@@ -118,12 +118,15 @@ async def read_for_prune(
     the whole thread verified, its pruned history with it (``vouched_log`` checks the
     head and the records only: a history damaged by hand was pruned further), and not a
     copy being written (an import or fork run again completes it from where it stopped,
-    knowing nothing of a prune: InvalidTransition). Returns the frontier, the records
+    knowing nothing of a prune: InvalidTransition), nor the source of a fork not whole yet
+    (run again, it reads the source: InvalidTransition). Returns the frontier, the records
     kept and the messages the pruned history holds: all the frontier's but those of the
     records kept up to it (records appended since the load are not its)."""
     frontier = await store.load(thread)
     if (copying := copy_under_way(frontier)) is not None:
         raise InvalidTransition(copying)
+    if forks := await forks_under_way(store, thread):
+        raise InvalidTransition(f"thread {thread} is not pruned while it is copied: {forks[0]}")
     records = await store.read(thread)
     kept = sum(len(r.commit.messages) for r in records if r.seq <= frontier.version)
     return frontier, records, frontier.message_count - kept

@@ -310,6 +310,34 @@ async def test_a_copy_half_written_is_not_pruned_until_it_is_whole(store: Any) -
     assert await import_thread(store, lines, copy) == await store.load(copy)
 
 
+async def test_a_run_half_copied_is_not_driven_and_its_source_keeps_its_records(
+    store: Any,
+) -> None:
+    """A fork cut off in the middle of a Run: ``recover`` drove the source's Run on in the
+    copy, its tool calls again under the source's operation ids, and the fork could never
+    be completed; and a prune of the source left it unable to complete too. Both are
+    refused until the fork, run again, is whole; ending the copy's Run abandons it."""
+    runner, end_of_one = await two_runs(store)
+    with pytest.raises(StoreUnavailable):
+        await fork(CutOff(store, end_of_one + 2), T, 8, F)
+    half = await store.load(F)
+    assert isinstance(half.run_state, RunningState) and half.version == end_of_one + 2
+    with pytest.raises(InvalidTransition, match="being written by ratchet-fork"):
+        await runner.recover(F)
+    with pytest.raises(InvalidTransition, match="not pruned while it is copied.*a fork of"):
+        await store.prune(T, end_of_one)
+    assert (await store.load(F)).version == half.version and len(await store.read(T)) == 8
+    done = await fork(store, T, 8, F)  # run again: completed, from the source kept whole
+    assert done.version == 8 and await audit(store, F) == []
+    assert await store.prune(T, end_of_one) == end_of_one  # no fork under way: prunable
+    abandoned = ThreadId("abandoned")
+    with pytest.raises(StoreUnavailable):
+        await fork(CutOff(store, 2), F, 8, abandoned)
+    ended = await runner.engine().terminate(abandoned, Cancelled())
+    assert isinstance(ended.run_state, EndedState) and await audit(store, abandoned) == []
+    assert await store.prune(F, end_of_one) == end_of_one  # its one fork was abandoned
+
+
 async def test_a_copy_half_written_is_neither_exported_nor_forked(store: Any) -> None:
     """An export of an import cut off half way answered its records as a whole thread
     (exit 0): written back elsewhere, it made a thread that could not be told from the
