@@ -28,7 +28,7 @@ thread as pruned through the anchor's seq, which is no problem.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from pydantic import TypeAdapter, ValidationError
@@ -269,11 +269,46 @@ async def audit_thread(store: CommitStore, thread: ThreadId) -> Audit:
     # indexes and receipts) says whether they still say what the verified thread does:
     # one changed by hand would hide a Run from the sweeps that recover it (asked of a
     # thread whose log verified: a forged log is the cause of what they then disagree on)
+    held_history = getattr(store, "held_history", None)
+    if not found and held_history is not None:
+        detail = await _stray_history(store, held_history, thread, frontier, records)
+        found = [] if detail is None else [Problem(thread, pruned, detail)]
     index_problem = getattr(store, "index_problem", None)
     detail = await index_problem(thread) if not found and index_problem is not None else None
     if detail is not None:
         found = [Problem(thread, frontier.version, detail)]
     return Audit(found, pruned)
+
+
+def history_mismatch(held: int, vouched: int) -> str:
+    """Why a thread's pruned history is not what its anchor vouches for."""
+    return f"the pruned history holds {held} messages; its anchor vouches for {vouched}"
+
+
+async def _stray_history(
+    store: CommitStore,
+    held_history: Callable[[ThreadId], Awaitable[int]],
+    thread: ThreadId,
+    frontier: Frontier,
+    records: Sequence[CommittedRecord],
+) -> str | None:
+    """A pruned history holding more (or fewer) messages than the head vouches for: rows
+    put there by hand, on a thread never pruned too. A load reads only the vouched ones,
+    but the next prune would number its messages after them (``CorruptRecord`` there).
+    Counted, then the log read again: a prune since moves its anchor with its rows, and
+    leaves this audit nothing to judge."""
+    kept = sum(len(r.commit.messages) for r in records if r.seq <= frontier.version)
+    vouched = frontier.message_count - kept
+    try:
+        held = await held_history(thread)
+        if held == vouched:
+            return None
+        again = await store.read(thread)
+    except StoreError as exc:
+        return f"unreadable pruned history: {exc}"
+    if (again[0].seq if again else None) != (records[0].seq if records else None):
+        return None  # pruned meanwhile
+    return history_mismatch(held, vouched)
 
 
 def _compare(thread: str, frontier: Frontier, records: Sequence[CommittedRecord]) -> list[Problem]:

@@ -104,6 +104,11 @@ class MemoryCommitStore:
         pruned = None if t.anchor is None else PrunedHistory(t.history, t.digest)
         return whole_frontier(thread, head, records, pruned)
 
+    async def held_history(self, thread: ThreadId) -> int:
+        """The messages the thread's pruned history holds (``runtime.integrity.audit``)."""
+        t = self._threads.get(thread)
+        return 0 if t is None else len(t.history)
+
     async def load_head(self, thread: ThreadId) -> Frontier:
         """The frontier without its messages (``message_count`` of them)."""
         t = self._threads.get(thread)  # a look-up creates nothing

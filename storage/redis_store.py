@@ -342,6 +342,11 @@ class RedisCommitStore:
         """What is wrong with the thread's index entries and receipts (``redis_audit``)."""
         return await index_problem(self, thread)
 
+    async def held_history(self, thread: ThreadId) -> int:
+        """The messages the thread's pruned history holds (``runtime.integrity.audit``)."""
+        with translated(self.where):
+            return int(await self.client.llen(self._key(thread, "history")))
+
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         """Threads by their keys, any of them (a SCAN: for audits, not for hot paths): a
         log whose meta was deleted is listed too, so that an audit finds it; and so is a

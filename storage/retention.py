@@ -31,7 +31,7 @@ from runtime.commit import Frontier
 from runtime.errors import InvalidTransition, StoreError
 from runtime.history import copy_under_way, forks_under_way
 from runtime.ids import RunId, ThreadId
-from runtime.integrity import message_text
+from runtime.integrity import history_mismatch, message_text
 from runtime.lifecycle import EndedState
 from runtime.ports import CommitStore, CommittedRecord
 
@@ -134,7 +134,7 @@ async def read_for_prune(
 
 def stray_history(held: int, cut: Cut) -> str:
     """Why a thread's pruned history is not what its anchor vouches for (``Cut.history``)."""
-    return f"the pruned history holds {held} messages; its anchor vouches for {cut.history}"
+    return history_mismatch(held, cut.history)
 
 
 # ---- choosing what to prune --------------------------------------------------------------

@@ -111,6 +111,7 @@ from storage.sql_engine import DEFAULT_TIMEOUT_S, Database
 from storage.sql_errors import lock_timed_out, translate
 from storage.sql_lease import drop_body, hold_body
 from storage.sql_reads import (
+    held_history_body,
     index_problem_body,
     list_body,
     listed_runs,
@@ -277,6 +278,10 @@ class SqlCommitStore:
     async def index_problem(self, thread: ThreadId) -> str | None:
         """What is wrong with the thread's run index entry (``runtime.integrity.audit``)."""
         return await self._read(index_problem_body, thread, self._frontiers)
+
+    async def held_history(self, thread: ThreadId) -> int:
+        """The messages the thread's pruned history holds (``runtime.integrity.audit``)."""
+        return await self._read(held_history_body, thread)
 
     async def thread_ids(self, after: str = "", limit: int = 1000) -> list[ThreadId]:
         return await self._read(thread_ids_body, after, limit)

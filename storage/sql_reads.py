@@ -33,6 +33,7 @@ from storage.sql_statements import (
     LIST_HOST_STATE,
     LIST_STATE,
     LOAD,
+    PRUNED_COUNT,
     PRUNED_TEXTS,
     READ,
     THREAD_IDS,
@@ -208,6 +209,11 @@ def listed_runs(
     """The Runs of the listed rows, each checked against its frontier (a row that does
     not verify is left out: ``storage.summary.kept``)."""
     return kept((functools.partial(summary_of, r, cache) for r in rows), state, host)  # type: ignore[arg-type]
+
+
+def held_history_body(conn: Connection, thread: ThreadId) -> int:
+    """How many messages the thread's pruned history holds, as stored (an audit's)."""
+    return int(conn.execute(PRUNED_COUNT, {"thread": thread}).scalar() or 0)
 
 
 def index_problem_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> str | None:

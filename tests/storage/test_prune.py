@@ -603,6 +603,11 @@ async def test_a_pruned_history_added_to_by_hand_is_not_pruned_into(
     assert await store.read(T) == before  # nothing removed
     # the stranger lies past what the anchor vouches for: loads do not read it
     assert (await store.load(T)).version == ends[2]
+    # an audit names it (``ratchet verify`` passed the thread the prune refused)
+    [problem] = await audit(store, T)
+    assert "the pruned history holds" in problem.detail and problem.seq == (
+        ends[0] if pruned_first else 0
+    )
 
 
 async def _edit_pruned_history(store: Any, thread: ThreadId) -> None:
