@@ -40,7 +40,15 @@ from cluster.config import (
     system_name,
 )
 from cluster.handle import RunHandle, command_for
-from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, polled, rests
+from cluster.waiting import (
+    HOST_ANSWER_S,
+    end_of,
+    moved_on,
+    notice_or_rest,
+    on_a_live_host,
+    polled,
+    rests,
+)
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
@@ -221,7 +229,7 @@ class Ratchet:
 
         # the host may die before it answers (or be restarting): start is idempotent
         try:
-            answer = await on_a_live_host(start_run)
+            answer = await on_a_live_host(start_run, answer_s=None if wait else HOST_ANSWER_S)
         except ClusterUnavailable as exc:  # it may have landed: the ids find it again
             raise ClusterUnavailable(
                 f"{exc}; run {run!r} on thread {thread!r} may have started: ask again with "

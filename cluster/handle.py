@@ -21,6 +21,7 @@ from actors.wire import NAMESPACE, Placement, SystemSpec, host_index, run_meta, 
 from cluster.config import ClusterUnavailable
 from cluster.stream import follow_thread
 from cluster.waiting import (
+    HOST_ANSWER_S,
     POLL_FIRST_S,
     POLL_MAX_S,
     end_of,
@@ -207,7 +208,7 @@ class RunHandle:
             call = getattr(host, method).remote(self.thread_id, *args, run=run)
             return unwrap(await call)
 
-        result: str = await on_a_live_host(end_run)
+        result: str = await on_a_live_host(end_run, answer_s=HOST_ANSWER_S)
         if result == "not_running" and calls > 1:
             frontier = await self.frontier()
             state, mine = frontier.run_state, run in (None, frontier.run_id)

@@ -27,6 +27,10 @@ T = TypeVar("T")
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
 HOST_CHECK_S = 5.0
+HOST_ANSWER_S = 300.0
+"""How long a start, cancel or stop that waits for no Run may go unanswered by a host
+(``on_a_live_host``): past the Supervisor's restart of a hung host and a store's
+outage, which its host waits out for a minute before it answers."""
 """While a host's notice is awaited, how often the store is asked whether the Run rests."""
 
 
@@ -80,16 +84,30 @@ async def end_of(
     return end_of_run(thread, await patiently(lambda: store.read(thread)), run_id, current)
 
 
-async def on_a_live_host(call: Callable[[], Awaitable[T]], give_up_s: float = 60.0) -> T:
+async def on_a_live_host(
+    call: Callable[[], Awaitable[T]], give_up_s: float = 60.0, answer_s: float | None = None
+) -> T:
     """Call a host again while it is dead or restarting (the calls given are idempotent),
     for up to ``give_up_s`` from the first failure: a call that lasts (a start that waits
-    for its Run to rest) has not used up the time its host has to come back."""
+    for its Run to rest) has not used up the time its host has to come back.
+
+    ``answer_s``: how long one call may go unanswered (a call that does not wait for a
+    Run). Ray takes a stopped host for a live one, and only the Supervisor kills it;
+    with the Supervisor stopped too, the call was waited on for good."""
     loop = asyncio.get_running_loop()
     deadline: float | None = None
     delay = POLL_FIRST_S
     while True:
+        bound = asyncio.timeout(answer_s)
         try:
-            return await call()
+            async with bound:
+                return await call()
+        except TimeoutError as exc:
+            if not bound.expired():
+                raise  # the host's own error, not this wait's
+            raise ClusterUnavailable(
+                f"no RunHost answered within {answer_s:g}s (hung, and not restarted)"
+            ) from exc
         except RayActorError as exc:
             if deadline is None:
                 deadline = loop.time() + give_up_s

@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from cluster.client import Ratchet, RunHandle, command_for
+from cluster.config import ClusterUnavailable
 from cluster.report import EXECUTION_LOST, analyse
 from cluster.stream import StreamText
 from runtime.batch import ToolOutput
@@ -539,6 +540,23 @@ async def test_redis_stream_across_a_host_crash_keeps_facts_and_text_whole(make_
     lost_at = next(f.offset for f in frames if f.status and f.status.state == "failed")
     again = [f async for f in handle.stream(after=lost_at)]
     assert fact_keys(again) == [k for k in committed if k[:2] > parse_offset(lost_at)]
+
+
+async def test_a_host_that_never_answers_is_given_up_on():
+    """A stopped host with the Supervisor stopped too: nothing kills the host, and a
+    start, cancel or stop waited on it for good. Now ClusterUnavailable past ``answer_s``;
+    a TimeoutError of the call's own is not taken for it."""
+    from cluster.waiting import on_a_live_host
+
+    never = asyncio.Event()
+    with pytest.raises(ClusterUnavailable, match=r"no RunHost answered within 0\.1s"):
+        await on_a_live_host(never.wait, answer_s=0.1)
+
+    async def own_timeout() -> None:
+        raise TimeoutError("the host's")
+
+    with pytest.raises(TimeoutError, match="the host's"):
+        await on_a_live_host(own_timeout, answer_s=10)
 
 
 async def test_a_host_lost_late_in_a_lasting_call_still_gets_its_time_to_come_back():
