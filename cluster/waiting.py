@@ -27,11 +27,11 @@ T = TypeVar("T")
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
 HOST_CHECK_S = 5.0
+"""While a host's notice is awaited, how often the store is asked whether the Run rests."""
 HOST_ANSWER_S = 300.0
 """How long a start, cancel or stop that waits for no Run may go unanswered by a host
 (``on_a_live_host``): past the Supervisor's restart of a hung host and a store's
 outage, which its host waits out for a minute before it answers."""
-"""While a host's notice is awaited, how often the store is asked whether the Run rests."""
 
 
 async def polled(check: Callable[[], Awaitable[T | None]]) -> T:

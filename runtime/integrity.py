@@ -265,14 +265,14 @@ async def audit_thread(store: CommitStore, thread: ThreadId) -> Audit:
     found = _compare(thread, frontier, records) if pruned == 0 else []
     if pruned:
         found = _compare_suffix(thread, frontier, records)
+    held_history = getattr(store, "held_history", None)  # every backend of ours has it
+    if not found and held_history is not None:
+        detail = await _stray_history(store, held_history, thread, frontier, records)
+        found = [] if detail is None else [Problem(thread, pruned, detail)]
     # a store with indexes beside the log (the SQL run index; Redis's run and owner
     # indexes and receipts) says whether they still say what the verified thread does:
     # one changed by hand would hide a Run from the sweeps that recover it (asked of a
     # thread whose log verified: a forged log is the cause of what they then disagree on)
-    held_history = getattr(store, "held_history", None)
-    if not found and held_history is not None:
-        detail = await _stray_history(store, held_history, thread, frontier, records)
-        found = [] if detail is None else [Problem(thread, pruned, detail)]
     index_problem = getattr(store, "index_problem", None)
     detail = await index_problem(thread) if not found and index_problem is not None else None
     if detail is not None:
