@@ -324,7 +324,7 @@ async def test_a_run_half_copied_is_not_driven_and_its_source_keeps_its_records(
     assert isinstance(half.run_state, RunningState) and half.version == end_of_one + 2
     with pytest.raises(InvalidTransition, match="being written by ratchet-fork"):
         await runner.recover(F)
-    with pytest.raises(InvalidTransition, match="not pruned while it is copied.*a fork of"):
+    with pytest.raises(InvalidTransition, match=r"not pruned while it is copied.*a fork of"):
         await store.prune(T, end_of_one)
     assert (await store.load(F)).version == half.version and len(await store.read(T)) == 8
     done = await fork(store, T, 8, F)  # run again: completed, from the source kept whole
