@@ -122,6 +122,7 @@ from storage.sql_reads import (
 )
 from storage.sql_statements import PG_PLANNED, pg_plan_refused
 from storage.sql_txn import (
+    Abandoned,
     AppendRequest,
     ClaimRequest,
     Outcome,
@@ -408,7 +409,7 @@ class SqlCommitStore:
                 outcomes, body_plan = None, plan
             if outcomes is None:
                 outcomes = await self._write(
-                    transact, requests, self.where, self._frontiers, body_plan
+                    transact, requests, self.where, self._frontiers, body_plan, _waited(group)
                 )
             if plan is not None and plan.held:
                 self.planned += 1
@@ -417,6 +418,11 @@ class SqlCommitStore:
             for item in group:
                 _resolve(item, StoreUnavailable(f"store {self.where} closed"))
             raise
+        except Abandoned:
+            # rolled back: those still waiting go again, alone (it is rare: a timeout)
+            if rest := [item for item in group if not item.future.done()]:
+                await self._commit_group(rest)
+            return
         except StoreError as error:
             if len(group) > 1 and not isinstance(error, StoreUnavailable):
                 # refused by the database for a reason of its own (a trigger, a check):
@@ -518,6 +524,12 @@ def _own_copy(error: StoreError) -> StoreError:
     copy = type(error)(str(error))
     copy.__cause__ = error.__cause__
     return copy
+
+
+def _waited(group: list[_Queued[Any]]) -> Callable[[], bool]:
+    """Whether every caller of the group still waits (asked on the writer's thread just
+    before the commit: a future's ``done`` is one attribute read)."""
+    return lambda: not any(item.future.done() for item in group)
 
 
 def _resolve(item: _Queued[Any], outcome: Outcome) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,13 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from runtime.commit import Frontier, Receipt, ThreadCommit
-from runtime.errors import CorruptRecord, RatchetError, StoreError, VersionConflict
+from runtime.errors import (
+    CorruptRecord,
+    RatchetError,
+    StoreError,
+    StoreUnavailable,
+    VersionConflict,
+)
 from runtime.ids import OperationId, ThreadId
 from runtime.integrity import (
     history_digest,
@@ -243,6 +249,25 @@ class Stale(Exception):
     """A planned group met a row that changed since the plan read it."""
 
 
+class Abandoned(StoreUnavailable):
+    """A caller of the group gave up before its transaction committed: rolled back.
+
+    The transaction may wait long past its callers' deadline (SQLite's busy wait on a
+    lock another process holds, 30 s; a PostgreSQL row lock): committed then, a commit
+    its caller had been told was not made (``StoreUnavailable``) landed anyway, and
+    a Run whose caller had given up was left running with nothing to drive it. The
+    writer commits the group again without the requests given up on."""
+
+
+Wanted = Callable[[], bool]
+"""Whether every caller of a group still waits for it (asked just before it commits)."""
+
+
+def _still(wanted: Wanted | None) -> None:
+    if wanted is not None and not wanted():
+        raise Abandoned("a caller gave up before its group committed")
+
+
 def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
     """Admit the group against cached frontiers; None where only the database can tell
     (a request refused: a retried append's receipt, a fenced writer, …)."""
@@ -265,7 +290,7 @@ def plan_group(group: Sequence[Request], cache: FrontierCache) -> Plan | None:
     return Plan(outcomes, fresh, updates, pure.new_commits, admitted)
 
 
-def planned_txn(conn: Connection, plan: Plan) -> list[Outcome]:
+def planned_txn(conn: Connection, plan: Plan, wanted: Wanted | None = None) -> list[Outcome]:
     """Write a planned group in one transaction; Stale (rolled back) if any row moved.
 
     A row that exists where the plan expected none, or a commit already stored, is the
@@ -279,6 +304,7 @@ def planned_txn(conn: Connection, plan: Plan) -> list[Outcome]:
             raise Stale
         if plan.new_commits:
             INSERT_COMMITS(conn, plan.new_commits)
+        _still(wanted)
     plan.held = True
     return plan.outcomes
 
@@ -308,27 +334,33 @@ def transact(
     where: str,
     cache: FrontierCache,
     plan: Plan | None = None,
+    wanted: Wanted | None = None,
 ) -> list[Outcome]:
     """One transaction for the whole group; on a database refusal, one SAVEPOINT each.
 
     With a ``plan`` (SQLite) its transaction is tried first, and this one only if it
     fails. On PostgreSQL a row lock held past ``LOCK_TIMEOUT_S`` fails the transaction
-    (``_bounded_lock_waits``).
+    (``_bounded_lock_waits``). ``wanted`` is asked just before each commit: Abandoned
+    (rolled back) if a caller gave up meanwhile.
     """
     if plan is not None:
         try:
-            return planned_txn(conn, plan)
+            return planned_txn(conn, plan, wanted)
         except (Stale, IntegrityError):
             pass
     try:
         with conn.begin():
             _bounded_lock_waits(conn)
-            return group_txn(conn, group, cache)
+            outcomes = group_txn(conn, group, cache)
+            _still(wanted)
+            return outcomes
     except IntegrityError:
         # The database refused a write the pure rules admitted: find the culprit.
         with conn.begin():
             _bounded_lock_waits(conn)
-            return [_isolated(conn, request, where, cache) for request in group]
+            outcomes = [_isolated(conn, request, where, cache) for request in group]
+            _still(wanted)
+            return outcomes
 
 
 def _bounded_lock_waits(conn: Connection) -> None:

@@ -323,3 +323,63 @@ async def _retrying(call: Callable[[], Awaitable[Any]], timeout_s: float = 60.0)
             if loop.time() > deadline:
                 raise
             await asyncio.sleep(0.1)  # a retry's backoff, as the engine's
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_a_commit_its_caller_gave_up_on_never_lands_later(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Another client holds the database (SQLite: an exclusive transaction; PostgreSQL:
+    the thread's row) past the caller's deadline, which hears StoreUnavailable. Let go,
+    the transaction that had waited for it committed anyway, seconds later: a resume its
+    caller was told had failed landed, and left its Run running with nothing to drive
+    it. Now it is rolled back (Abandoned), and what comes after lands as usual."""
+    thread, other_thread = ThreadId("gave-up"), ThreadId("after")
+    if backend == "sqlite":
+        path = tmp_path / "abandoned" / "ratchet.db"
+        store: SqlCommitStore = await make_store(backend, f"sqlite:///{path}")
+    else:
+        store = await make_store(backend, str(request.getfixturevalue("pg_conformance_url")))
+    try:
+        await store.append(activation(thread, "r"), 0, 0)
+        before = await head(store, thread)
+        store._frontiers = FrontierCache()  # PostgreSQL: rows read first, in a transaction
+        store.timeout_s = DEADLINE_S
+        async with _holding(backend, store, thread):
+            with pytest.raises(StoreUnavailable):
+                await store.append(step(thread, "r", 1, prev=before), 1, 0)
+        store.timeout_s = 30.0  # the writer may still be waiting out its lock wait
+        assert (await store.append(activation(other_thread, "r"), 0, 0)).seq == 1
+        # another commit in its place: had the one given up on landed, this one would be
+        # refused (same operation, another payload); it queues behind it for the row
+        assert (await store.append(step(thread, "r", 1, "again", prev=before), 1, 0)).seq == 2
+        [_, second] = await store.read(thread)
+        assert second.commit.messages[0].text == "again"
+    finally:
+        await store.close()
+
+
+@contextlib.asynccontextmanager
+async def _holding(backend: str, store: SqlCommitStore, thread: ThreadId) -> AsyncIterator[None]:
+    """Another client holds what the thread's next append needs, while the block runs."""
+    if backend == "sqlite":
+        import sqlite3
+
+        holder = sqlite3.connect(str(store.db.engine.url.database), isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            yield
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        return
+    url = store.db.engine.url.render_as_string(hide_password=False)
+    other = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        async with other.transaction():
+            await other.execute(
+                "SELECT 1 FROM ratchet_threads WHERE thread_id = $1 FOR UPDATE", thread
+            )
+            yield
+    finally:
+        await other.close()
