@@ -171,12 +171,12 @@ async def forks_under_way(store: CommitStore, source: ThreadId) -> list[str]:
     completed). The owner index of running threads finds them (``host_of`` the fork
     writer's owner: ``ratchet-fork``), on every backend without reading other threads;
     a copy cut between Runs, or where a Run awaited, is not found (its Run is at rest)."""
-    mine = f"{FORK_HOST}#{source}@"
+    mine = f"{FORK_HOST}#{source}"  # the owner less its "@seq" (an id may hold an "@")
     listed = await store.list_runs("running", host=FORK_HOST)
     return [
         f"{why} (a fork of {source})"
         for row in listed
-        if (row.owner or "").startswith(mine) and (why := copy_under_way(row)) is not None
+        if (row.owner or "").rpartition("@")[0] == mine and (why := copy_under_way(row)) is not None
     ]
 
 
