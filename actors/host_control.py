@@ -104,14 +104,16 @@ class ControlHosting:
             if drive is not None and run is not None and drive.run_id not in (None, run):
                 drive = None  # it drives a later Run of the thread, not the one named
             if drive is not None and drive.engine.listening:  # no await since the check
+                # told just so by a call before this one: that call ends the Run, not this
+                first = not _told(drive.engine, cause)
                 signal(drive.engine)
                 self.drives.ending[thread] += 1  # not driven again by the reconciler meanwhile
                 task = asyncio.create_task(self._see_it_ended(thread, run, cause, drive))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
                 if await self._drove_to(thread, drive, run, cause):
-                    return ended
-                return await self._fenced_out(thread, run, cause, ended, drive)
+                    return ended if first else "not_running"
+                return await self._fenced_out(thread, run, cause, ended if first else "", drive)
             # no drive, or one that came to rest meanwhile (it would not hear a signal)
             return ended if await self._end_stored(thread, run, cause) else "not_running"
         except Exception as exc:  # the caller gets it as its own type (RemoteError)
@@ -141,14 +143,16 @@ class ControlHosting:
         store now, its claim fencing that drive, so that the answer (``ended``) is durable,
         not a promise held in this host's memory. "not_running" if the Run came to rest
         otherwise meanwhile (a stop that raced this cancel ended it: this call ended
-        nothing). "signalled" for a drive that has claimed nothing (the thread's Run is
-        not yet its own), or with the store out (waited for ``SIGNAL_WAIT_S`` at most)."""
+        nothing), or as asked when ``ended`` is "" (a call before this one told the drive
+        just so: that one ends it). "signalled" for a drive that has claimed nothing (the
+        thread's Run is not yet its own), or with the store out (waited for
+        ``SIGNAL_WAIT_S`` at most)."""
         if drive.epoch is None:
             return "signalled"
         run = run or drive.run_id
         try:
             async with asyncio.timeout(SIGNAL_WAIT_S):  # the store out: never a caller held
-                if await self._end_stored(thread, run, cause):
+                if ended and await self._end_stored(thread, run, cause):
                     return ended
         except Exception as exc:  # its end may have landed (the drive slow to stop): see
             log.info("ending %s from the store after its drive was told: %s", thread, exc)
@@ -158,7 +162,8 @@ class ControlHosting:
         except Exception:  # the promise stands: _see_it_ended keeps it
             return "signalled"
         if _ended_with(frontier, run, drive, cause):
-            return ended  # by this call (its drive slow to stop), or by its drive just now
+            # by this call (its drive slow to stop), or by its drive just now
+            return ended or "not_running"
         if frontier.run_id != run or not isinstance(
             frontier.run_state, RunningState | AwaitingState
         ):
@@ -235,6 +240,13 @@ class ControlHosting:
         log.info("the drive of %s here is stale: stopping it", thread)
         await self.drives.stop(thread, drive, idle=False)
         return await self.drives.claimed(thread)  # one a request spawned meanwhile answers
+
+
+def _told(engine: Engine, cause: EndCause) -> bool:
+    """Whether the engine was told already to end its Run with ``cause``: cancelled, or
+    stopped for the same reason (a stop for another reason changes how it ends)."""
+    wanted = cause.reason if isinstance(cause, Stopped) else None
+    return engine.cancel_event.is_set() and engine.stop_reason == wanted
 
 
 def _ended_with(frontier: Frontier, run: RunId | None, drive: Drive, cause: EndCause) -> bool:

@@ -590,6 +590,32 @@ async def test_a_cancel_and_a_stop_racing_end_the_run_once_and_the_loser_ended_n
     assert sorted(answers) == sorted([kind, "not_running"]), (answers, kind)
 
 
+@pytest.mark.parametrize("twice", ["cancel", "stop"])
+async def test_two_calls_asking_the_same_end_at_once_end_the_run_once(twice: str):
+    """Two cancels (or two stops for one reason) told to the Run's drive at once: both
+    answered "cancelled", where one ended it and the other ended nothing."""
+    RACED.append(asyncio.Event())
+    store = MemoryCommitStore()
+    host = _host(store, store)
+    host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
+        HELD, holding, LocalToolRunner(HELD.tools), owner=OWNER
+    )
+    thread = ThreadId(f"ctl-twice-{twice}")
+
+    def ask() -> Any:
+        return host.cancel_run(thread) if twice == "cancel" else host.stop_run(thread, "budget")
+
+    try:
+        assert await host.start_run("ref", thread, RunId("r-twice"), "go") is True
+        await _in_its_tool(store, thread)
+        answers = await asyncio.gather(ask(), ask())
+    finally:
+        RACED[-1].set()
+    kind = (await store.load(thread)).run_state.cause.kind
+    assert kind == ("cancelled" if twice == "cancel" else "stopped")
+    assert sorted(answers) == sorted([kind, "not_running"]), answers
+
+
 async def test_a_signalled_cancel_outlives_a_store_outage_past_the_backoff():
     """The cancelled drive's end meets an outage longer than its backoff (the drive stops,
     paused): the reconciler does not drive the Run again meanwhile, and once the store is
