@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StrictBool
+from pydantic import Field, StrictBool, ValidationError
 
 from runtime.base import Frozen, Given
 from runtime.batch import ToolOutput, WaitKind
-from runtime.errors import ResumeRejected
+from runtime.errors import InputRefused, ResumeRejected
 from runtime.ids import CallId, CorrelationId, RunId, ThreadId
-from runtime.limits import Limits, check_json_value, check_text
+from runtime.limits import Limits, check_json_value, check_text, printable
 
 # ---- end causes -----------------------------------------------------------------------
 
@@ -278,15 +278,20 @@ class ThreadStatus(Frozen):
 
 
 def answer(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:
-    """The ResumeCommand that answers ``ticket`` with ``payload`` (its ids copied over)."""
+    """The ResumeCommand that answers ``ticket`` with ``payload`` (its ids copied over).
+    A payload that is not one (built with ``model_construct``, a field of the wrong type)
+    is ``InputRefused`` ("type"), as it is in a command (``resume.check_command``)."""
     target = ticket.target
-    return ResumeCommand(
-        correlation=ticket.correlation,
-        run_id=ticket.run_id,
-        thread_id=ticket.thread_id,
-        payload=payload,
-        call_id=target.call_id if isinstance(target, ToolWaitTarget) else None,
-    )
+    try:
+        return ResumeCommand(
+            correlation=ticket.correlation,
+            run_id=ticket.run_id,
+            thread_id=ticket.thread_id,
+            payload=payload,
+            call_id=target.call_id if isinstance(target, ToolWaitTarget) else None,
+        )
+    except ValidationError as exc:
+        raise InputRefused("resume payload", "type", printable(str(exc), 500)) from None
 
 
 def check_payload(payload: ResumePayload, limits: Limits) -> None:

@@ -388,3 +388,39 @@ def test_a_capability_bound_holds_names_not_one_string():
         with pytest.raises(TypeError, match="a bound's tools is a set of names"):
             CapabilityBound(tools=value)  # type: ignore[arg-type]
     assert CapabilityBound(tools=["a"]).tools == frozenset({"a"})
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param("external_result", id="content-123"),
+        pytest.param("is_error", id="is-error-yes"),
+        pytest.param("permission", id="approve-yes"),
+    ],
+)
+def test_an_answer_built_with_model_construct_is_refused_as_bad_input(payload):
+    """``handle.respond`` with such a payload raised pydantic's ValidationError (no
+    RatchetError); a command carrying it was InputRefused already."""
+    from runtime.batch import ToolOutput
+    from runtime.lifecycle import (
+        ExternalResult,
+        PermissionDecision,
+        ResumeTicket,
+        ToolWaitTarget,
+        answer,
+    )
+
+    built = {
+        "external_result": lambda: ExternalResult.model_construct(
+            output=ToolOutput.model_construct(content=123)
+        ),
+        "is_error": lambda: ExternalResult.model_construct(
+            output=ToolOutput.model_construct(content="x", is_error="yes")
+        ),
+        "permission": lambda: PermissionDecision.model_construct(approve="yes"),
+    }[payload]()
+    target = ToolWaitTarget(wait="external_result", call_id="c1", tool="t", arguments="{}")
+    ticket = ResumeTicket(correlation="c", run_id="r", thread_id="t", target=target)
+    with pytest.raises(InputRefused) as refused:
+        answer(ticket, built)
+    assert refused.value.limit == "type"
