@@ -35,7 +35,13 @@ def stdio_streams(
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
     command, args = _dying_with_this_process(command, args, env, cwd)
-    return stdio_client(StdioServerParameters(command=command, args=[*args], env=env, cwd=cwd))
+    # "replace": a byte that is no UTF-8 reads as U+FFFD. The SDK's default ("strict")
+    # ended its reader of the server's stdout, and the session, open still, answered no
+    # call again: each waited out its timeout, the server's answers lost with it
+    params = StdioServerParameters(
+        command=command, args=[*args], env=env, cwd=cwd, encoding_error_handler="replace"
+    )
+    return stdio_client(params)
 
 
 _DIE_WITH_PARENT = """

@@ -5,7 +5,8 @@ the SDK reads, ``not_an_object`` with a ``result`` of 42, ``code_of_text`` with 
 error whose code is text (JSON, but no JSON-RPC answer) and ``declined`` with a server
 error of code -32000 (the code the SDK gives its own "connection closed"), and
 ``forged`` with an error whose data is the words the adapter marks an unreadable
-reply with. ``stall`` sleeps ten minutes, deaf to its stdin closing. With ``MCP_TEST_TWICE`` set it
+reply with, and ``not_utf8`` with text holding the bytes 0xFF 0xFE (no UTF-8).
+``stall`` sleeps ten minutes, deaf to its stdin closing. With ``MCP_TEST_TWICE`` set it
 lists ``snippet`` twice. It appends its pid to
 ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
 
@@ -19,9 +20,13 @@ from pathlib import Path
 
 TOOLS = [
     {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
-    for name in ("snippet", "deep", "not_an_object", "code_of_text", "declined", "forged", "stall")
+    for name in (
+        *("snippet", "deep", "not_an_object", "code_of_text", "declined", "forged", "stall"),
+        "not_utf8",
+    )
 ]
 SNIPPET = '{"content":[{"type":"text","text":"charged; note: caf\\ud83d \\ud83d\\ude00"}]}'
+NOT_UTF8 = '{"content":[{"type":"text","text":"caf\udcff\udcfe"}]}'  # written as raw bytes
 DEEP = '{"content":[],"structuredContent":{"x":' + "[" * 300 + "]" * 300 + "}}"
 
 
@@ -54,7 +59,8 @@ def answer(request: dict[str, object]) -> str:
         if params["name"] in errors:
             error = errors[str(params["name"])]
             return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"error":' + error + "}"
-        result = {"snippet": SNIPPET, "deep": DEEP, "not_an_object": "42"}[str(params["name"])]
+        replies = {"snippet": SNIPPET, "deep": DEEP, "not_an_object": "42", "not_utf8": NOT_UTF8}
+        result = replies[str(params["name"])]
     else:
         result = "{}"
     return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"result":' + result + "}"
@@ -66,5 +72,6 @@ if __name__ == "__main__":
     for line in sys.stdin:
         request = json.loads(line)
         if "id" in request:
-            sys.stdout.write(answer(request) + "\n")
-            sys.stdout.flush()
+            # surrogateescape: NOT_UTF8's two escapes go out as the bytes they stand for
+            sys.stdout.buffer.write((answer(request) + "\n").encode("utf-8", "surrogateescape"))
+            sys.stdout.buffer.flush()

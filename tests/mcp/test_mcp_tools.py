@@ -256,6 +256,23 @@ async def test_a_reply_the_sdk_cannot_parse_is_read_again_not_waited_out(records
     assert isinstance(deep, Lost) and "reply could not be read" in deep.message, deep
 
 
+async def test_a_reply_that_is_not_utf8_costs_neither_its_session_nor_the_calls_on_it(records):
+    """Bytes that are no UTF-8 in a reply ended the SDK's reader of the server's stdout
+    (it decoded strictly): the session stayed open with nothing reading it, so every
+    call on it waited out its timeout and was lost, the server's answers with them. The
+    bytes are read as U+FFFD, as an unpaired surrogate escape is."""
+    env = {"MCP_TEST_DIR": str(records)}
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
+    try:
+        timeouts = {"not_utf8": 20.0, "snippet": 20.0}
+        runner = LocalToolRunner(mcp_tools(server, timeouts=timeouts))
+        odd, after = await runner.run([invocation("not_utf8", "c1"), invocation("snippet", "c2")])
+    finally:
+        await server.aclose()
+    assert isinstance(odd, Finished) and odd.output.content == "caf\ufffd\ufffd", odd
+    assert isinstance(after, Finished), after
+
+
 @pytest.mark.parametrize("tool", ["not_an_object", "code_of_text"])
 async def test_a_reply_that_is_no_json_rpc_answer_is_lost_at_once(records, tool):
     """JSON, but none of JSON-RPC's messages (a ``result`` of 42, an error code of text):
