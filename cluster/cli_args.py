@@ -57,8 +57,8 @@ def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
     if text is not None:
         return UserInput(text=text)
     if result is not None:
-        try:
-            value = json.loads(result)
+        try:  # JSON as the HTTP service reads it: no NaN or Infinity, no key twice
+            value = json.loads(result, parse_constant=_no_constant, object_pairs_hook=_once)
         except (ValueError, RecursionError) as exc:  # bad JSON, too deep, a huge integer
             raise BadInput(f"--result must be JSON: {exc!s:.200}") from None
         content = value if isinstance(value, str) else json.dumps(value)
@@ -66,6 +66,17 @@ def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
     if expire:
         return WaitExpired()
     return ScheduledFire() if fire else Unpause()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("an object holds a key twice")
+    return value
 
 
 def thread_arg(value: str | None) -> str | None:

@@ -145,8 +145,12 @@ def test_the_command_line_refuses_text_that_is_not_utf8_before_connecting(args, 
     assert not (tmp_path / "s.db").exists()  # nothing was opened
 
 
-@pytest.mark.parametrize("payload", ["[" * 100_000, "9" * 5000])
+@pytest.mark.parametrize(
+    "payload", ["[" * 100_000, "9" * 5000, "NaN", "[Infinity]", '{"a": 1, "a": 2}']
+)
 def test_a_resume_result_that_is_not_json_is_one_clear_error(payload, tmp_path):
+    """NaN, Infinity and a key twice too, as the HTTP service refuses them: they were
+    taken (NaN stored as the result "NaN", the last "a" kept)."""
     args = ["resume", "t", "--result", payload, "--store", f"sqlite:///{tmp_path}/s.db"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1
