@@ -25,9 +25,12 @@ same id, as AG-UI resumes an interrupted run.
     run_failed fact         RUN_ERROR (failed, indeterminate)
 
 A stream joined mid-run (a reconnect after an offset) opens the Run's AG-UI run at
-its first event. Ids are made from what the facts carry, so a reconnected stream names
-things as the first one did: a tool call is ``{run}:{call_id}`` (a model that repeats
-a call id in a later Step of the same Run reuses it). Not transcoded: reasoning and
+its first event; a reconnect knows which run was open at its cursor (``rejoined``, from
+the stored facts up to it), so a status fact next opens it too, and every fact after
+the cursor that one unbroken stream sends, it sends, with its id. Ids are made from what
+the facts carry, so a reconnected stream names things as the first one did: a tool
+call is ``{run}:{call_id}`` (a model that repeats a call id in a later Step of the same
+Run reuses it). Not transcoded: reasoning and
 tool-call argument deltas (the committed tool_call fact carries the arguments whole).
 A retried inference's partial text stays in the message its attempt opened (AG-UI has
 no way to withdraw text); the retry streams into a new message.
@@ -91,12 +94,30 @@ class AguiState:
     lapses: int = 0
     """Times the run stopped running (an execution lost, a wait): a recovered execution
     streams the same step and attempt numbers anew, under message ids of its own."""
+    joining: str | None = None
+    """A reconnect's: the run open at its cursor (``rejoined``), opened again at the first
+    frame after it — a status fact's included, which outside a run is not sent."""
+
+
+def rejoined(thread_id: str, before: Iterable[Frame]) -> AguiState:
+    """The state a reconnect starts from: ``before`` (the stored frames up to its cursor)
+    transcoded and their events dropped (the client has them). The run open at the
+    cursor is to be opened again (a new connection starts its runs anew) at the next
+    frame: a status fact there was dropped, its id never sent, while no fact of another
+    kind had opened the run."""
+    state = AguiState(thread_id)
+    for frame in before:
+        state, _ = transcode(state, frame)
+    return replace(state, joining=state.run, run=None, text=None)
 
 
 def transcode(state: AguiState, frame: Frame) -> tuple[AguiState, Events]:
     """The AG-UI events of one Ratchet frame, and the state after it."""
     if frame.type == "thread_status":
         state = replace(state, status=frame.status)
+        fact = frame.event
+        if state.run is None and isinstance(fact, Fact) and fact.run_id == state.joining:
+            return _joined(state, fact.run_id)  # RUN_STARTED and this status's snapshot
         events: Events = (_snapshot(state),) if state.run is not None else ()
         if state.text is not None and (frame.status is None or frame.status.state != "running"):
             # the execution streaming it stopped: its text ends here, unfinished, and never
@@ -192,7 +213,7 @@ def _fact(state: AguiState, fact: Fact, offset: str) -> tuple[AguiState, Events]
     if fact.type in ("awaiting", "run_finished", "run_failed"):
         state, ended = _end_text(state)
         rest = _rest(state, fact)
-        return replace(state, run=None, parent=None), opened + ended + (rest,)
+        return replace(state, run=None, parent=None, joining=None), opened + ended + (rest,)
     return state, opened
 
 
@@ -200,7 +221,7 @@ def _opened(state: AguiState, run: str) -> tuple[AguiState, Events]:
     started = RunStartedEvent(
         thread_id=state.thread_id, run_id=run, protocol_version=PROTOCOL_VERSION
     )
-    state = replace(state, run=run, parent=None)
+    state = replace(state, run=run, parent=None, joining=None)
     return state, (started, _snapshot(state)) if state.status is not None else (started,)
 
 

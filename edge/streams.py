@@ -33,12 +33,15 @@ from ag_ui.encoder import EventEncoder
 from fastapi import APIRouter, Header, Query
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from edge.agui import AguiState, transcode
+from edge.agui import AguiState, rejoined, transcode
 from edge.problems import HttpProblem, problem_body, problems, status_of
 from edge.routes import Client, Thread, known
 from edge.strict_json import StrictJsonRoute
 from runtime.errors import RatchetError
-from runtime.stream import Frame, check_cursor, parse_offset
+from runtime.ids import ThreadId
+from runtime.patience import patiently
+from runtime.rules import stamp_facts
+from runtime.stream import STORE_PATIENCE_S, Frame, check_cursor, from_fact, parse_offset
 
 log = logging.getLogger("ratchet.edge")
 router = APIRouter(route_class=StrictJsonRoute)
@@ -79,9 +82,10 @@ async def stream(
     last_event_id: LastEventId = None,
     accept: Annotated[str | None, Header()] = None,  # bounded by the server's header limit
 ) -> EventSourceResponse:
-    frames = await _frames(client, thread, last_event_id or after, until_rest)
+    cursor = last_event_id or after
+    frames = await _frames(client, thread, cursor, until_rest)
     if accept is not None and AGUI_MEDIA_TYPE in accept:
-        return _sse(_agui_events(thread, frames))
+        return _sse(_agui_events(await _agui_state(client, thread, cursor), frames))
     return _sse(_ratchet_events(frames))
 
 
@@ -98,8 +102,9 @@ async def agui_stream(
     until_rest: UntilRest = False,
     last_event_id: LastEventId = None,
 ) -> EventSourceResponse:
-    frames = await _frames(client, thread, last_event_id or after, until_rest)
-    return _sse(_agui_events(thread, frames))
+    cursor = last_event_id or after
+    frames = await _frames(client, thread, cursor, until_rest)
+    return _sse(_agui_events(await _agui_state(client, thread, cursor), frames))
 
 
 def _sse(events: AsyncIterator[Any]) -> EventSourceResponse:
@@ -160,9 +165,19 @@ def line_safe(text: str) -> str:
     return text.translate(_LINE_BREAKS)
 
 
-async def _agui_events(thread: str, frames: AsyncIterator[Frame]) -> AsyncIterator[bytes]:
+async def _agui_state(client: Any, thread: str, cursor: str | None) -> AguiState:
+    """Where an AG-UI stream starts: for a reconnect, the state at its cursor, from the
+    thread's stored facts up to it (``agui.rejoined``; the log kept is read once)."""
+    if cursor is None:
+        return AguiState(thread_id=thread)
+    upto = parse_offset(cursor)
+    records = await patiently(lambda: client.store.read(ThreadId(thread)), STORE_PATIENCE_S)
+    facts = (f for r in records for f in stamp_facts(r.commit, r.seq))
+    return rejoined(thread, (from_fact(f) for f in facts if (f.seq, f.index) <= upto))
+
+
+async def _agui_events(state: AguiState, frames: AsyncIterator[Frame]) -> AsyncIterator[bytes]:
     encoder = EventEncoder()
-    state = AguiState(thread_id=thread)
     async with _closing(frames):
         try:
             async for frame in frames:

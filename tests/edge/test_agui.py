@@ -17,7 +17,7 @@ from runtime.lifecycle import (
     ThreadStatus,
     ToolWaitTarget,
 )
-from runtime.stream import Frame, from_fact
+from runtime.stream import Frame, from_fact, parse_offset
 
 EVENTS = TypeAdapter(Event)
 RUN = "run-1"
@@ -198,7 +198,9 @@ async def test_a_stream_that_fails_after_it_started_ends_with_the_problem() -> N
     assert (problem["status"], problem["kind"]) == (503, "StoreUnavailable")
     assert "did not answer" in problem["detail"]
 
-    chunks = [chunk.decode() async for chunk in _agui_events("t1", failing())]
+    from edge.agui import AguiState
+
+    chunks = [chunk.decode() async for chunk in _agui_events(AguiState("t1"), failing())]
     last = EVENTS.validate_json(chunks[-1].removeprefix("data: ").strip())
     assert last.type == EventType.CUSTOM and last.name == STREAM_ERROR
     assert last.value["kind"] == "StoreUnavailable"
@@ -229,3 +231,35 @@ def test_a_lost_executions_text_ends_and_a_recovered_ones_is_a_message_of_its_ow
     ]  # fmt: skip
     assert texts[0].message_id != texts[3].message_id
     assert texts[4].delta == "The answer is 42."
+
+
+def _ids_sent(state: Any, frames: list[Frame]) -> list[str]:
+    """The ``id:`` lines a stream sends for ``frames`` from ``state`` (one per frame that
+    has events and an offset, on its last event), with each event validated."""
+    from edge.agui import transcode
+
+    sent = []
+    for frame in frames:
+        state, events = transcode(state, frame)
+        round_trip(list(events))
+        if events and frame.offset is not None:
+            sent.append(frame.offset)
+    return sent
+
+
+def test_a_reconnect_sends_every_fact_after_its_cursor_that_one_stream_sends():
+    """Reconnected after a cursor inside a run, a status fact that came next was never
+    sent (no run was open yet on the new connection): its snapshot and its id were lost,
+    while the stream that never reconnected sent them."""
+    from edge.agui import AguiState, rejoined
+
+    whole = _ids_sent(AguiState("t1"), A_RUN)
+    facts = [f for f in A_RUN if f.offset is not None]
+    for cursor in facts:
+        at = parse_offset(cursor.offset)
+        later = [f for f in facts if parse_offset(f.offset) > at]
+        state = rejoined("t1", A_RUN[: A_RUN.index(cursor) + 1])
+        first = Frame(type="thread_status", status=ThreadStatus(state="running", since=9))
+        again = _ids_sent(state, [first, *later])
+        expected = [o for o in whole if parse_offset(o) > parse_offset(cursor.offset)]
+        assert again == expected, (cursor.offset, again, expected)
