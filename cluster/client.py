@@ -30,6 +30,7 @@ from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
 from actors.supervisor import supervisor
 from actors.system_lease import claim_system, release_system
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, unwrap
+from cluster import waiting
 from cluster.config import (
     ClusterUnavailable,
     connect_ray,
@@ -40,15 +41,7 @@ from cluster.config import (
     system_name,
 )
 from cluster.handle import RunHandle, command_for
-from cluster.waiting import (
-    HOST_ANSWER_S,
-    end_of,
-    moved_on,
-    notice_or_rest,
-    on_a_live_host,
-    polled,
-    rests,
-)
+from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, polled, rests
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
@@ -229,7 +222,8 @@ class Ratchet:
 
         # the host may die before it answers (or be restarting): start is idempotent
         try:
-            answer = await on_a_live_host(start_run, answer_s=None if wait else HOST_ANSWER_S)
+            bound = None if wait else waiting.HOST_ANSWER_S  # a start that waits: its Run's time
+            answer = await on_a_live_host(start_run, answer_s=bound)
         except ClusterUnavailable as exc:  # it may have landed: the ids find it again
             raise ClusterUnavailable(
                 f"{exc}; run {run!r} on thread {thread!r} may have started: ask again with "
