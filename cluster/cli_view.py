@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,12 +45,19 @@ class Terminal(Console):
     its emoji codes are off: ``:smile:`` in a stored id or answer prints as written."""
 
     def __init__(self, **options: Any) -> None:
+        columns = os.environ.get("COLUMNS", "").strip()
+        if columns.isascii() and columns.isdigit() and int(columns) == 0:
+            # Rich takes COLUMNS=0 for a width of 0 and prints nothing at all, errors
+            # included: such a width is no width, so the usual one is used
+            options.setdefault("width", DEFAULT_WIDTH)
         super().__init__(**{"emoji": False, **options})
 
     def render_str(self, text: str, **options: Any) -> Text:
         return super().render_str(visible(text), **options)
 
 
+DEFAULT_WIDTH = 80
+"""The width of a terminal that says its width is 0."""
 console = Terminal()
 
 RESUME_FLAGS = {

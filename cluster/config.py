@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from actors.wire import NAMESPACE, stable_hash
-from storage.url import default_store_url, redact, scheme_of
+from storage.url import UnsupportedStoreUrl, default_store_url, redact, scheme_of
 
 LOCAL_SYSTEM_CONFIG = {
     "timeout_ms_task_wait_for_death_info": 100,
@@ -55,7 +55,11 @@ def store_url_from(store_url: str | None) -> str:
     head, sep, path = url.partition(":///")
     if not sep or path.startswith("/") or path in ("", ":memory:"):
         return url
-    return f"{head}:///{Path(path).resolve()}"
+    try:
+        resolved = Path(path).resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop on the way (RuntimeError)
+        raise UnsupportedStoreUrl(url, f"its path cannot be resolved: {exc}") from None
+    return f"{head}:///{resolved}"
 
 
 def redis_url_from(redis_url: str | None) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cluster.client import Ratchet, RunHandle
+from cluster.config import ClusterUnavailable
 from cluster.demo_agent import NEVER_REPLAY_TOOLS, EffectLedger
 from cluster.report import EXECUTION_LOST, RunReport, analyse
 
@@ -46,7 +48,10 @@ async def run_demo(
 ) -> DemoResult:
     ledger_path = os.path.join(os.getcwd(), "ratchet-data", "demo-effects.db")
     os.environ.setdefault("RATCHET_LEDGER", ledger_path)  # before Ray starts its workers
-    ledger = EffectLedger(os.environ["RATCHET_LEDGER"])
+    try:
+        ledger = EffectLedger(os.environ["RATCHET_LEDGER"])
+    except (OSError, sqlite3.Error) as exc:  # ./ratchet-data a file, say
+        raise ClusterUnavailable(f"cannot open the demo's ledger: {exc}") from None
     began = time.monotonic()
     with console.status("starting local Ray, the store actor and 2 RunHosts…"):
         client = await Ratchet.connect(store_url=store_url, quiet=True, hosts=2, executors=2)
@@ -57,6 +62,9 @@ async def run_demo(
     starting = asyncio.gather(
         *(_start(client, stamp, i, CRASH_POINT if i == crash_index else None) for i in range(runs))
     )
+    # interrupted (Ctrl-C, SIGTERM) before the starts were awaited: their error is this
+    # one's, not asyncio's "exception was never retrieved" with its tracebacks
+    starting.add_done_callback(lambda done: done.cancelled() or done.exception())
     threads = {f"demo-{stamp}-{i:02d}" for i in range(runs)}
     await _follow(client, threads, console, crash_index >= 0)
     handles = await starting

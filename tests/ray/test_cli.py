@@ -93,6 +93,41 @@ def test_a_command_that_only_reads_writes_no_schema_into_an_empty_store(tmp_path
     assert empty.stat().st_size == 0
 
 
+def _one_line(done: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and expected in lines[0], done.stderr
+
+
+@pytest.mark.parametrize(
+    "command", [("runs",), ("show", "t"), ("demo",), ("run", "cluster.demo_agent:agent", "x")]
+)
+def test_a_store_path_in_a_symlink_loop_is_one_line(tmp_path, command):
+    """``ratchet-data -> ratchet-data``: every command ended in a traceback of pathlib's
+    RuntimeError (a loop), 125 lines and more."""
+    (tmp_path / "ratchet-data").symlink_to("ratchet-data")
+    env = {k: v for k, v in os.environ.items() if k != "RATCHET_STORE_URL"}
+    done = _ratchet(*command, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
+    _one_line(done, "its path cannot be resolved")
+
+
+def test_the_demo_with_its_folder_a_file_is_one_line(tmp_path):
+    """``./ratchet-data`` a regular file: the other commands said so in one line, the demo
+    in a traceback of its ledger's FileExistsError."""
+    (tmp_path / "ratchet-data").write_text("not a folder")
+    env = {k: v for k, v in os.environ.items() if k not in ("RATCHET_STORE_URL", "RATCHET_LEDGER")}
+    done = _ratchet("demo", cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
+    _one_line(done, "cannot open the demo's ledger")
+    assert (tmp_path / "ratchet-data").read_text() == "not a folder"
+
+
+def test_a_terminal_of_width_zero_still_shows_what_went_wrong(tmp_path):
+    """``COLUMNS=0``: Rich printed at a width of 0, nothing at all, errors included."""
+    store = f"sqlite:///{tmp_path}/none.db"
+    done = _ratchet("runs", "--store", store, env={**os.environ, "COLUMNS": "0"})
+    _one_line(done, "no store at")
+
+
 def test_a_command_on_the_default_store_that_is_not_there_makes_no_folder(tmp_path):
     """The default store is a relative path (``ratchet-data/ratchet.db``): making it
     absolute made its folder, so ``ratchet runs`` in an empty directory left one."""
