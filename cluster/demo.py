@@ -116,7 +116,7 @@ async def _note(client: Ratchet, crashing: bool) -> str:
     for host in client.hosts:
         try:
             info = await asyncio.wait_for(host.info.remote(), 0.2)
-        except Exception:
+        except Exception:  # a progress note only: a host that does not answer counts as down
             down += 1
             continue
         recovered += info["recovered"]

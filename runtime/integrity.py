@@ -371,7 +371,7 @@ def _failing_seq(thread: str, records: Sequence[CommittedRecord]) -> int:
     for record in records:
         try:
             frontier = advance(frontier, record.commit)
-        except Exception:
+        except Exception:  # only which record: the caller reports the refusal itself
             return record.seq
     return records[-1].seq
 
