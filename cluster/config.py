@@ -21,6 +21,7 @@ from storage.url import UnsupportedStoreUrl, default_store_url, redact, scheme_o
 
 LOCAL_SYSTEM_CONFIG = {
     "timeout_ms_task_wait_for_death_info": 100,
+    "kill_worker_timeout_milliseconds": 1000,
     "preload_python_modules": ["actors.preload"],
 }
 """Ray settings for a local instance this process starts.
@@ -31,6 +32,12 @@ the GCS to say why: every client retrying a start on a killed host, and every ho
 asking a killed executor, waited a second more, though Ray had the actor restarted
 in well under half that. The error is a RayActorError either way, only possibly less
 precise.
+
+``kill_worker_timeout_milliseconds``: how long a raylet waits for a worker it was told
+to kill to exit before it sends SIGKILL (default 5000 ms). A hung RunHost or
+ToolExecutor (a stopped process, a blocked event loop) never exits by itself, so the
+Supervisor's kill of one took five seconds more to free its Runs' restart; nothing of
+Ratchet's relies on a worker's graceful exit (every transition is committed first).
 
 ``preload_python_modules``: every worker imports what Ratchet's actors need before
 it takes work (``actors.preload``), so a warm spare (``actors.spare``) is imported as

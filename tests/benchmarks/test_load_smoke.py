@@ -108,11 +108,10 @@ def test_a_sweep_point_is_the_median_of_its_trials(tmp_path: Path) -> None:
     cfg = Config(runs=2, concurrency=1, steps=1, tools=1, trials=3)
     console = Console(file=io.StringIO())
     with Progress(console=console) as progress:
-        points = asyncio.run(run_sweep(cfg, ["sqlite"], (1, 2), console, progress))
+        # one level of C keeps it short: the trials of one point are what it is about
+        points = asyncio.run(run_sweep(cfg, ["sqlite"], (1,), console, progress))
 
-    assert [(p["store"], p["concurrency"]) for p in points] == [
-        ("baseline", 1), ("sqlite", 1), ("baseline", 2), ("sqlite", 2),
-    ]  # fmt: skip
+    assert [(p["store"], p["concurrency"]) for p in points] == [("baseline", 1), ("sqlite", 1)]
     for point in points:
         assert point["ok"] is True, point
         rates = [t["runs_per_s"] for t in point["per_trial"]]
