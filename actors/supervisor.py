@@ -167,8 +167,13 @@ class Supervisor(HungHosts):
             "quarantined": sorted(self.quarantined),
             "taking": len(self._taking),
             "serves": self.lease.held,
+            "lease_checks": self.lease.checks,
             "store_lost": self.store_lost,
         }
+
+    async def give_up_lease(self) -> None:
+        """Renew the system's lease no more (``actors.system_lease.LeaseKeeper.give_up``)."""
+        await self.lease.give_up()
 
     # ---- the watch ---------------------------------------------------------------
 

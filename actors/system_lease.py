@@ -114,7 +114,12 @@ class LeaseKeeper:
         self.system = system
         self.held = True
         """As last renewed (``Ratchet.connect`` took it before the Supervisor started)."""
+        self.given_up = False
+        """Given up by its cluster (``give_up``): never taken again by this keeper."""
+        self.checks = 0
+        """Renewals due, given up or not (the report's: a test sees one came and went)."""
         self._renewed = -RENEW_S
+        self._one_at_a_time = asyncio.Lock()
 
     async def renew(self, now: float) -> None:
         if now - self._renewed >= RENEW_S:
@@ -124,7 +129,22 @@ class LeaseKeeper:
         """Renew it now: whether this cluster holds it (as last known, if the store did
         not answer). Asked before each take-over too: one learnt only at the next renewal
         would let a cluster that just lost the lease take a Run up to ``RENEW_S`` late."""
-        self._renewed = time.monotonic() if now is None else now  # a failure too
+        async with self._one_at_a_time:
+            self.checks += 1
+            self._renewed = time.monotonic() if now is None else now  # a failure too
+            if self.given_up:
+                return False
+            return await self._held_now()
+
+    async def give_up(self) -> None:
+        """Renew it no more: the cluster is dropping it (``Ratchet.close``/``shutdown``).
+        A renewal on its way lands first, so none takes the dropped lease again (a
+        renewal takes a free lease) and makes the next cluster wait ``LEASE_TTL_S``."""
+        async with self._one_at_a_time:
+            self.given_up = True
+            self.held = False
+
+    async def _held_now(self) -> bool:
         try:
             held = await hold_system(self.store, self.system)
         except StoreUnavailable as exc:  # out for now: as it was, till the store answers

@@ -19,11 +19,12 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import ray
+from ray.exceptions import RayActorError
 
 from actors.run_host import dedicated_host, hosted_host
 from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
@@ -57,6 +58,8 @@ T = TypeVar("T")
 WAIT_COUNT_S = 1.0
 """The end of a ``wait_all`` deadline kept for counting the Runs still running (a tenth
 of it if that is less): the count must not take the waiter past its deadline."""
+GIVE_UP_S = 5.0
+"""How long a close or shutdown waits for the Supervisor to stop renewing the lease."""
 
 
 class Ratchet:
@@ -320,7 +323,7 @@ class Ratchet:
         it: ``ratchet run``, ``serve``) gives up the system's lease too, so that the next
         cluster on the store need not wait it out (``actors.system_lease``)."""
         if owns_ray():
-            await release_system(self.store, self.spec.name)
+            await self._give_up_lease()
         await self.store.close()
 
     async def shutdown(self) -> None:
@@ -334,16 +337,28 @@ class Ratchet:
         ]
         # the lease given up once no actor is left to renew it, and before the store actor
         # (if the store is behind one) goes: it is given up through it
-        _kill([name for name in named if name != store])
-        await release_system(self.store, self.spec.name)
+        await self._give_up_lease(kill=[name for name in named if name != store])
         _kill([name for name in named if name == store])
         await self.store.close()
+
+    async def _give_up_lease(self, kill: Sequence[str] = ()) -> None:
+        """Drop the system's lease once the Supervisor renews it no more. Dropped while it
+        still did, its next renewal took the free lease again, and the next cluster on the
+        store waited ``LEASE_TTL_S`` for a lease nobody held. A Supervisor that does not
+        answer in time (hung, gone) is not waited for: the drop is best effort anyway."""
+        # none, dead, hung, or of an older Ratchet without the method
+        with contextlib.suppress(ValueError, RayActorError, TimeoutError, AttributeError):
+            handle = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
+            async with asyncio.timeout(GIVE_UP_S):
+                await handle.give_up_lease.remote()
+        _kill(kill)
+        await release_system(self.store, self.spec.name)
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)
 
 
-def _kill(names: list[str]) -> None:
+def _kill(names: Iterable[str]) -> None:
     for name in names:
         with contextlib.suppress(ValueError):  # gone already
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

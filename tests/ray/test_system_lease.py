@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -199,3 +200,72 @@ async def test_a_client_of_a_system_shut_down_starts_no_dedicated_host(tmp_path:
             ray.get_actor(stale.spec.dedicated_name("t-down"), namespace=NAMESPACE)
     finally:
         await stale.close()
+
+
+async def test_a_lease_given_up_is_not_taken_again_by_the_next_renewal(tmp_path: Path) -> None:
+    """``close()`` in a process that started its Ray gives the lease up while the
+    system's actors live on until the process ends. The Supervisor's next renewal took
+    the free lease again, and the next cluster on the store waited ``LEASE_TTL_S`` for a
+    lease held by nobody alive."""
+    url = store_url_from(f"sqlite:///{tmp_path}/closed.db")
+    system = system_name(url)
+    client = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+    store = await open_store(url)
+    supervisor = ray.get_actor(client.spec.supervisor_name, namespace=NAMESPACE)
+    try:
+        run = await client.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
+        assert isinstance(run.run_state, EndedState)
+        checked = (await supervisor.report.remote())["lease_checks"]
+        await client.close()  # this test session started its Ray: the lease is given up
+
+        async def renewal_came_due() -> bool:
+            return bool((await supervisor.report.remote())["lease_checks"] > checked)
+
+        await wait_for(renewal_came_due, timeout_s=30, what="a renewal of the lease")
+        assert (await supervisor.report.remote())["serves"] is False
+        lease = await store.hold_lease(lease_name(system), OTHER, 2.0)
+        assert lease.holder == OTHER  # free: another cluster takes it at once
+        await store.drop_lease(lease_name(system), OTHER)
+    finally:
+        _kill_all(system)
+        await store.close()
+
+
+def _kill_all(system: str) -> None:
+    for name in _actors_of(system):
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+
+
+class _SlowLease:
+    """A store whose lease holds wait for ``go``: a renewal on its way."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.holds = 0
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Any:
+        self.holds += 1
+        await self.go.wait()
+        return type("Lease", (), {"holder": holder, "expires_in_s": ttl_s})()
+
+
+async def test_giving_the_lease_up_waits_for_a_renewal_on_its_way() -> None:
+    """A renewal sent before the give-up lands before it returns (else it could take the
+    lease again after the client dropped it), and none is sent after."""
+    from actors.system_lease import LeaseKeeper
+
+    store = _SlowLease()
+    keeper = LeaseKeeper(store, "s")  # type: ignore[arg-type]
+    renewal = asyncio.create_task(keeper.serves())
+    await wait_for(lambda: _true(store.holds == 1), what="the renewal to be sent")
+    giving_up = asyncio.create_task(keeper.give_up())
+    await asyncio.sleep(0)  # let it run up to the renewal it must wait for
+    assert not giving_up.done()
+    store.go.set()
+    assert await renewal is True and (await giving_up) is None
+    assert await keeper.serves() is False and store.holds == 1 and keeper.held is False
+
+
+async def _true(value: bool) -> bool:
+    return value
