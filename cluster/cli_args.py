@@ -25,6 +25,7 @@ from runtime.lifecycle import (
     WaitExpired,
 )
 from runtime.limits import check_id, utf8_problem
+from runtime.strict_json import unique_pairs
 
 
 class BadInput(Exception):
@@ -58,7 +59,7 @@ def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
         return UserInput(text=text)
     if result is not None:
         try:  # JSON as the HTTP service reads it: no NaN or Infinity, no key twice
-            value = json.loads(result, parse_constant=_no_constant, object_pairs_hook=_once)
+            value = json.loads(result, parse_constant=_no_constant, object_pairs_hook=unique_pairs)
         except (ValueError, RecursionError) as exc:  # bad JSON, too deep, a huge integer
             raise BadInput(f"--result must be JSON: {exc!s:.200}") from None
         content = value if isinstance(value, str) else json.dumps(value)
@@ -70,13 +71,6 @@ def payload_from(flags: tuple[Any, ...]) -> ResumePayload:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    value = dict(pairs)
-    if len(value) != len(pairs):
-        raise ValueError("an object holds a key twice")
-    return value
 
 
 def thread_arg(value: str | None) -> str | None:

@@ -1,9 +1,8 @@
 """Request bodies whose JSON objects repeat a key are refused.
 
-Python's parser (and pydantic's) keeps a repeated key's last value, other parsers its
-first: ``{"approve": false, "approve": true}`` would read as a denial to a proxy or an
-audit log in front of the service and as an approval here. Such a body is 422
-``InputRefused`` (``duplicate_key``) instead of meaning two things.
+Such a body (``runtime.strict_json``) is 422 ``InputRefused`` (``duplicate_key``):
+FastAPI answers a parse failure that is not a JSONDecodeError with a bare 400 caused
+by it, and ``edge.problems`` names the rule.
 """
 
 from __future__ import annotations
@@ -17,25 +16,9 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from runtime.strict_json import DuplicateKey, unique_pairs
 
-class DuplicateKey(ValueError):
-    """An object of the body repeats ``key``. FastAPI answers a parse failure that is not
-    a JSONDecodeError with a bare 400 caused by it; ``edge.problems`` names the rule."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(f"the key {key!r:.80} appears twice in one object")
-        self.key = key
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:  # the first repeated, to name it
-            if key in seen:
-                raise DuplicateKey(key)
-            seen.add(key)
-    return obj
+__all__ = ["DuplicateKey", "StrictJsonRoute"]
 
 
 class _StrictJsonRequest(Request):
@@ -43,7 +26,7 @@ class _StrictJsonRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             with _no_collections():
-                self._json = json.loads(body, object_pairs_hook=_unique)
+                self._json = json.loads(body, object_pairs_hook=unique_pairs)
         return self._json
 
 

@@ -19,6 +19,7 @@ from runtime.ids import ThreadId
 from runtime.integrity import body_hash
 from runtime.limits import DEFAULT_LIMITS, check_id
 from runtime.ports import CommittedRecord
+from runtime.strict_json import DuplicateKey, refuse_duplicate_keys
 
 
 class HistoryRefused(RatchetError):
@@ -120,6 +121,7 @@ def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
         value = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise ImportRefused(line, "malformed", f"not JSON: {exc}") from None
+    _unique_keys(text, line, "malformed", "")
     if not isinstance(value, dict):
         raise ImportRefused(line, "malformed", "not a JSON object")
     return value
@@ -173,6 +175,7 @@ def _record(
         orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ImportRefused(line, "record", f"record {seq}: its body is no JSON: {exc}") from None
+    _unique_keys(body, line, "record", f"record {seq}: its body: ")
     try:
         commit = decode_commit(body, thread, seq)
     except CorruptRecord as exc:
@@ -184,6 +187,17 @@ def _record(
     if commit.schema_version >= 2 and commit.prev != prev:
         raise ImportRefused(line, "chain", f"record {seq} does not name its predecessor's hash")
     return commit, stored
+
+
+def _unique_keys(text: str | bytes, line: int, kind: str, what: str) -> None:
+    """No encoder writes a key twice; a reader keeps one of the two, and which one
+    depends on the reader (``runtime.strict_json``)."""
+    try:
+        refuse_duplicate_keys(text)
+    except DuplicateKey as exc:
+        raise ImportRefused(line, kind, f"{what}{exc}") from None
+    except RecursionError:  # orjson reads 1,024 levels, Python's parser fewer
+        raise ImportRefused(line, kind, f"{what}nested too deep") from None
 
 
 def _is_int(value: object) -> bool:

@@ -571,6 +571,17 @@ def _non_finite(token: str) -> Edit:
     return edit
 
 
+def _twice_in_body(lines: list[Any]) -> list[Any]:
+    """A Run's end whose command names its value twice, hash and head recomputed: a
+    reader keeps one of the two, and which one depends on the reader."""
+    ended = _ended_with(Command(key="x", value=7.5))
+    body = _body(ended, 2)
+    assert body.count('"value":7.5') == 1
+    body = body.replace('"value":7.5', '"value":7.5,"value":8.5')
+    digest = hashlib.sha256(body.encode()).hexdigest()
+    return _header(head=digest)([*ended[:2], _line(2, body, digest)])
+
+
 def _reserved(key: str, value: Any, scope: Any = "run") -> Edit:
     """A Run's end setting a key only Ratchet writes to what it never writes there: such
     a thread, imported, made ``ratchet runs`` fail for every thread (``runtime.reserved``)."""
@@ -603,6 +614,13 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "invalid UTF-8": (_set(2, b'{"seq":2,"hash":"x","body":"\xff"}'), 3, "malformed"),
     "a line that is no text": (_set(2, 7), 3, "malformed"),  # AttributeError, was
     "deep nesting": (_set(2, "[" * 5000 + "]" * 5000), 3, "malformed"),
+    "nesting orjson reads and Python's parser does not": (
+        _set(2, "[" * 1000 + "]" * 1000),
+        3,
+        "malformed",
+    ),
+    "a key twice on a line": (lambda ls: _set(2, ls[2][:-1] + ',"seq":2}')(ls), 3, "malformed"),
+    "a key twice in a body": (_twice_in_body, 3, "record"),
     "deep body": (_deep_body, 2, "record"),
     "log that does not fold": (_illegal_log, 3, "replay"),
     "a commit after its Run's end": (_after_its_end, 3, "replay"),
