@@ -102,6 +102,11 @@ T = TypeVar("T")
 RACES = 8
 """How often a way in looks again after losing a race, before it gives up."""
 NEW_ID = "a new Run needs a new id"
+_WHILE_ACTIVE = {
+    "running": "wait for it to end (a Run whose host died is recovered), or cancel it",
+    "awaiting": "resume it (its ticket says with what), or cancel it",
+}
+"""What a start refused for the Run its thread holds can do instead."""
 
 
 class Engine(Stepping):
@@ -253,7 +258,8 @@ class Engine(Stepping):
                 raise InvalidTransition(copying)
             if frontier.run_state is not None and not frontier.ended:
                 raise InvalidTransition(
-                    f"thread {thread} already has an active run {frontier.run_id}"
+                    f"thread {thread} already has an active run {frontier.run_id} "
+                    f"({frontier.run_state.kind}): {_WHILE_ACTIVE[frontier.run_state.kind]}"
                 )
             ctx = self._context(frontier)
             try:
