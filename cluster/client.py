@@ -221,7 +221,11 @@ class Ratchet:
             answer = target.start_run.remote(
                 *args, fault, wait=wait, trace=trace, new_thread=new_thread
             )
-            return unwrap(await answer)
+            try:
+                return unwrap(await answer)
+            except RayActorError:  # restarting, or gone for good with its system
+                self._still_up()
+                raise
 
         # the host may die before it answers (or be restarting): start is idempotent
         try:
@@ -244,7 +248,8 @@ class Ratchet:
     def _still_up(self) -> None:
         """A dedicated host is made on demand, by name: one made after another process
         shut the system down (a client connected before) had no Supervisor to end it,
-        and stayed, with the executors it started, for good."""
+        and stayed, with the executors it started, for good. A pool host of a system shut
+        down is dead for good: a start asked it again for a minute before it gave up."""
         try:
             ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
         except ValueError:

@@ -182,7 +182,7 @@ async def test_a_lease_that_does_not_read_is_not_held_an_outage_changes_nothing(
     assert lost.held is False
 
 
-async def test_a_client_of_a_system_shut_down_starts_no_dedicated_host(tmp_path: Path) -> None:
+async def test_a_client_of_a_system_shut_down_starts_nothing(tmp_path: Path) -> None:
     """A dedicated host is made on demand: one a client connected before made after
     another process shut the system down had no Supervisor to end it, and stayed, with
     the executors it started, for good."""
@@ -198,6 +198,10 @@ async def test_a_client_of_a_system_shut_down_starts_no_dedicated_host(tmp_path:
                               placement="dedicated")  # fmt: skip
         with pytest.raises(ValueError):
             ray.get_actor(stale.spec.dedicated_name("t-down"), namespace=NAMESPACE)
+        # a pool host of a system shut down is dead for good: said at once, not after
+        # a minute of asking it again
+        with pytest.raises(ClusterUnavailable, match="was shut down"):
+            await stale.start("tests.ray.agents:quick_agent", "hi", thread_id="t-pool")
     finally:
         await stale.close()
 
