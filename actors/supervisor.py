@@ -175,6 +175,10 @@ class Supervisor(HungHosts):
         """Renew the system's lease no more (``actors.system_lease.LeaseKeeper.give_up``)."""
         await self.lease.give_up()
 
+    async def keep_lease(self) -> None:
+        """Renew it again: a client claimed it anew (``LeaseKeeper.keep``)."""
+        await self.lease.keep()
+
     # ---- the watch ---------------------------------------------------------------
 
     async def _watch(self) -> None:

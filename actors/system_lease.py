@@ -115,7 +115,8 @@ class LeaseKeeper:
         self.held = True
         """As last renewed (``Ratchet.connect`` took it before the Supervisor started)."""
         self.given_up = False
-        """Given up by its cluster (``give_up``): never taken again by this keeper."""
+        """Given up by its cluster (``give_up``): not taken again until it is claimed anew
+        (``keep``)."""
         self.checks = 0
         """Renewals due, given up or not (the report's: a test sees one came and went)."""
         self._renewed = -RENEW_S
@@ -143,6 +144,13 @@ class LeaseKeeper:
         async with self._one_at_a_time:
             self.given_up = True
             self.held = False
+
+    async def keep(self) -> None:
+        """Renew it again: a client of this cluster claimed it anew (``Ratchet.connect``
+        after a ``close`` in the same process); renewed at the next tick."""
+        async with self._one_at_a_time:
+            if self.given_up:
+                self.given_up, self._renewed = False, -RENEW_S
 
     async def _held_now(self) -> bool:
         try:

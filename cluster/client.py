@@ -105,7 +105,9 @@ class Ratchet:
             if isinstance(exc, SystemInUse) and spec.funnels_writes:
                 _kill([spec.store_name])  # it would hold the store open here, for nobody
             raise
-        supervisor(spec)
+        # one that lives on from a client this process closed renews the lease no more
+        # (``close``): told to again, not waited for (a new one renews it anyway)
+        supervisor(spec).keep_lease.remote()
         pool = [hosted_host(spec, i) for i in range(spec.hosts)]
         return cls(spec, store, pool)
 

@@ -230,6 +230,15 @@ async def test_a_lease_given_up_is_not_taken_again_by_the_next_renewal(tmp_path:
         lease = await store.hold_lease(lease_name(system), OTHER, 2.0)
         assert lease.holder == OTHER  # free: another cluster takes it at once
         await store.drop_lease(lease_name(system), OTHER)
+
+        # connected again in this process, with the Supervisor of before: it renews the
+        # lease again (it stayed given up, ran out, and nothing refused a second cluster)
+        again = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+        checked = (await supervisor.report.remote())["lease_checks"]
+        await wait_for(renewal_came_due, timeout_s=30, what="a renewal of the lease")
+        assert (await supervisor.report.remote())["serves"] is True
+        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == cluster_token()
+        await again.close()
     finally:
         _kill_all(system)
         await store.close()
