@@ -141,11 +141,13 @@ async def _run(
         sys.path.insert(0, os.getcwd())
     load_agent(agent)  # a bad import path fails before any cluster is started
     client = await Ratchet.connect(address, store, redis, quiet=True)
-    handle = await client.start(agent, text, thread_id=thread, placement=placement)
-    console.print(f"run {handle.run_id} on thread {handle.thread_id}", markup=False)
-    await handle.result()
-    await _show(handle.thread_id, store)
-    await client.close()
+    try:  # a start refused (bad input, say) gives the lease up too: the next run waits not
+        handle = await client.start(agent, text, thread_id=thread, placement=placement)
+        console.print(f"run {handle.run_id} on thread {handle.thread_id}", markup=False)
+        await handle.result()
+        await _show(handle.thread_id, store)
+    finally:
+        await client.close()
 
 
 @app.command()

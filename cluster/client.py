@@ -71,6 +71,7 @@ class Ratchet:
         self.hosts = hosts
         self._agents: set[str] = set()
         """Agent references that resolved here once (``_start`` checks each once)."""
+        self._closed = False
 
     @classmethod
     async def connect(
@@ -328,27 +329,35 @@ class Ratchet:
     async def close(self) -> None:
         """Close the client's store. A process that started its own Ray (which ends with
         it: ``ratchet run``, ``serve``) gives up the system's lease too, so that the next
-        cluster on the store need not wait it out (``actors.system_lease``)."""
+        cluster on the store need not wait it out (``actors.system_lease``). Closing
+        again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if owns_ray():
             await self._give_up_lease()
         await self.store.close()
 
     async def shutdown(self) -> None:
         """Stop every actor of this system (the store's data stays), and give up its lease
-        (another cluster may serve the store at once)."""
+        (another cluster may serve the store at once; after ``close`` the store is closed,
+        and a lease ``close`` did not give up runs out by itself)."""
         prefix, store = f"{self.spec.name}:", self.spec.store_name
         named = [
             entry["name"]
             for entry in ray.util.list_named_actors(all_namespaces=True)
             if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix)
         ]
-        # the lease given up once no actor is left to renew it, and before the store actor
-        # (if the store is behind one) goes: it is given up through it
-        await self._give_up_lease(kill=[name for name in named if name != store])
+        # the lease given up once the Supervisor renews it no more, and before the store
+        # actor (if the store is behind one) goes: it is given up through it
+        closed, self._closed = self._closed, True
+        others = [name for name in named if name != store]
+        await self._give_up_lease(kill=others, release=not closed)
         _kill([name for name in named if name == store])
-        await self.store.close()
+        if not closed:
+            await self.store.close()
 
-    async def _give_up_lease(self, kill: Sequence[str] = ()) -> None:
+    async def _give_up_lease(self, kill: Sequence[str] = (), release: bool = True) -> None:
         """Drop the system's lease once the Supervisor renews it no more. Dropped while it
         still did, its next renewal took the free lease again, and the next cluster on the
         store waited ``LEASE_TTL_S`` for a lease nobody held. A Supervisor that does not
@@ -359,7 +368,8 @@ class Ratchet:
             async with asyncio.timeout(GIVE_UP_S):
                 await handle.give_up_lease.remote()
         _kill(kill)
-        await release_system(self.store, self.spec.name)
+        if release:
+            await release_system(self.store, self.spec.name)
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)

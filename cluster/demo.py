@@ -55,6 +55,15 @@ async def run_demo(
     began = time.monotonic()
     with console.status("starting local Ray, the store actor and 2 RunHosts…"):
         client = await Ratchet.connect(store_url=store_url, quiet=True, hosts=2, executors=2)
+    try:  # ended early (an error, Ctrl-C): the lease is given up all the same
+        return await _demo(client, ledger, runs, console, crash, began)
+    finally:
+        await client.close()
+
+
+async def _demo(
+    client: Ratchet, ledger: EffectLedger, runs: int, console: Console, crash: bool, began: float
+) -> DemoResult:
     if crash:
         console.print("[dim]Ray will report the crashed RunHost worker below: that is the crash.")
     stamp = uuid.uuid4().hex[:6]
@@ -73,7 +82,6 @@ async def run_demo(
     duplicates = [
         op for op in ledger.duplicates(NEVER_REPLAY_TOOLS) if op.rsplit(":", 2)[0] + ":" in ours
     ]
-    await client.close()
     return DemoResult(reports, duplicates, time.monotonic() - began)
 
 

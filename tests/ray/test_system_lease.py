@@ -206,7 +206,9 @@ async def test_a_client_of_a_system_shut_down_starts_nothing(tmp_path: Path) -> 
         await stale.close()
 
 
-async def test_a_lease_given_up_is_not_taken_again_by_the_next_renewal(tmp_path: Path) -> None:
+async def test_a_lease_given_up_is_not_taken_again_by_the_next_renewal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """``close()`` in a process that started its Ray gives the lease up while the
     system's actors live on until the process ends. The Supervisor's next renewal took
     the free lease again, and the next cluster on the store waited ``LEASE_TTL_S`` for a
@@ -221,6 +223,8 @@ async def test_a_lease_given_up_is_not_taken_again_by_the_next_renewal(tmp_path:
         assert isinstance(run.run_state, EndedState)
         checked = (await supervisor.report.remote())["lease_checks"]
         await client.close()  # this test session started its Ray: the lease is given up
+        await client.close()  # again: nothing (it released the lease on a closed store)
+        assert "could not release" not in caplog.text
 
         async def renewal_came_due() -> bool:
             return bool((await supervisor.report.remote())["lease_checks"] > checked)
@@ -282,3 +286,32 @@ async def test_giving_the_lease_up_waits_for_a_renewal_on_its_way() -> None:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_a_ratchet_run_refused_after_it_connected_gives_the_lease_up(tmp_path: Path) -> None:
+    """An input over its limit is refused by the start, after the connect took the lease:
+    ``ratchet run`` left it held, and the next command on the store waited it out."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+    from runtime.limits import DEFAULT_LIMITS
+
+    url = store_url_from(f"sqlite:///{tmp_path}/refused.db")
+    system = system_name(url)
+    text = "x" * (DEFAULT_LIMITS.input_bytes + 1)
+    try:
+        done = CliRunner().invoke(
+            app, ["run", "tests.ray.agents:quick_agent", text, "--store", url]
+        )
+        assert done.exit_code == 1 and "input_bytes" in done.output, done.output
+
+        async def lease_holder() -> str:
+            store = await open_store(url)
+            try:
+                return (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder
+            finally:
+                await store.close()
+
+        assert asyncio.run(lease_holder()) == OTHER  # free: the next cluster waits not
+    finally:
+        _kill_all(system)
