@@ -12,8 +12,8 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, BinaryIO
 
 import typer
 
@@ -22,6 +22,7 @@ from cluster.cli_view import Terminal, escape
 from cluster.config import ClusterUnavailable, store_url_from
 from runtime.commit import Frontier
 from runtime.errors import RatchetError
+from runtime.history_format import MAX_LINE_BYTES
 from runtime.ids import ThreadId
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
@@ -72,6 +73,17 @@ async def frontier_of(thread: str, store: str | None, db: Any = None) -> Frontie
     if frontier.version == 0:
         raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
     return frontier
+
+
+def lines_of(source: BinaryIO, name: str) -> Iterator[bytes]:
+    """An export a line at a time, each read no further than a line may be long: a line
+    that breaks a rule is refused before the rest is read (all of it was read first:
+    ``/dev/zero`` filled the memory, a stream of garbage never ended)."""
+    try:
+        while line := source.readline(MAX_LINE_BYTES + 3):
+            yield line
+    except OSError as exc:
+        raise BadInput(f"cannot read {name}: {exc}") from None
 
 
 async def open_db(store: str | None, *, existing: bool = True) -> Any:

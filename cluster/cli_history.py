@@ -24,10 +24,9 @@ from typing import Any, BinaryIO
 import typer
 
 from cluster.cli_args import BadInput, thread_arg
-from cluster.cli_base import as_command, open_db
+from cluster.cli_base import as_command, lines_of, open_db
 from cluster.cli_view import console, print_rest
-from runtime.history import export, fork, import_thread
-from runtime.history_format import MAX_LINE_BYTES
+from runtime.history import export, fork, plan_import, write_import
 from runtime.ids import ThreadId
 
 _STORE_HELP = "Store URL (default: RATCHET_STORE_URL or ./ratchet-data)"
@@ -88,7 +87,11 @@ async def _export(thread: str, out: Path | None, store: str | None) -> None:
     finally:
         await db.close()
     if out is None:
-        _write_lines(lines, _stdout())
+        try:
+            _write_lines(lines, _stdout())
+        except OSError as exc:  # a full disk, a closed pipe
+            _drop_stdout()
+            raise BadInput(f"cannot write stdout: {exc}") from None
         return
     try:
         _write_file(lines, out)
@@ -145,11 +148,22 @@ def _write_lines(lines: Iterable[str], sink: BinaryIO) -> None:
 
 
 def _stdout() -> BinaryIO:
+    if sys.stdout is None:  # closed (>&-)
+        raise BadInput("stdout is closed: give --out FILE")
     sys.stdout.flush()
     buffer: BinaryIO | None = getattr(sys.stdout, "buffer", None)
     if buffer is None:
         raise BadInput("stdout takes no bytes here: give --out FILE")
     return buffer
+
+
+def _drop_stdout() -> None:
+    """What the failed write left buffered goes nowhere: flushed again at exit, it
+    failed again, in a second message of Python's own (its documented way, for a
+    broken pipe)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def import_command(
@@ -170,14 +184,14 @@ def import_command(
 
 
 async def _import(file: str, as_thread: str | None, store: str | None) -> None:
-    with _opened_input(file) as source:  # unreadable input fails before the store opens
-        db = await _opened(store, existing=False)  # a fixture into a new store, say
-        try:
-            frontier = await import_thread(
-                db, _lines(source, file), None if as_thread is None else ThreadId(as_thread)
-            )
-        finally:
-            await db.close()
+    with _opened_input(file) as source:  # input refused before the store is opened (made)
+        target = None if as_thread is None else ThreadId(as_thread)
+        plan = plan_import(lines_of(source, file), target)
+    db = await _opened(store, existing=False)  # a fixture into a new store, say
+    try:
+        frontier = await write_import(db, plan)
+    finally:
+        await db.close()
     thread = frontier.thread_id
     console.print(
         f"imported thread {thread} ({frontier.version} commits) from {file}",
@@ -190,7 +204,10 @@ async def _import(file: str, as_thread: str | None, store: str | None) -> None:
 @contextlib.contextmanager
 def _opened_input(file: str) -> Iterator[BinaryIO]:
     if file == "-":
-        yield sys.stdin.buffer
+        stdin: BinaryIO | None = getattr(sys.stdin, "buffer", None)  # None: closed (<&-)
+        if stdin is None:
+            raise BadInput("cannot read -: stdin is closed")
+        yield stdin
         return
     try:
         source = open(file, "rb")  # noqa: SIM115  (closed below, after the import)
@@ -198,17 +215,6 @@ def _opened_input(file: str) -> Iterator[BinaryIO]:
         raise BadInput(f"cannot read {file}: {exc}") from None
     with source:
         yield source
-
-
-def _lines(source: BinaryIO, file: str) -> Iterator[bytes]:
-    """The input a line at a time, each read no further than a line may be long: the
-    import refuses a line as soon as it breaks a rule, before the rest is read (all of
-    it was read first: ``/dev/zero`` filled the memory, a stream of garbage never ended)."""
-    try:
-        while line := source.readline(MAX_LINE_BYTES + 3):
-            yield line
-    except OSError as exc:
-        raise BadInput(f"cannot read {file}: {exc}") from None
 
 
 async def _opened(store: str | None, *, existing: bool = True) -> Any:

@@ -21,7 +21,7 @@ from pathlib import Path
 import typer
 
 from cluster.cli_args import BadInput, text_arg, thread_arg
-from cluster.cli_base import as_command, errors, open_db
+from cluster.cli_base import as_command, errors, lines_of, open_db
 from cluster.cli_json import emit
 from cluster.cli_view import console
 from runtime.agent import load_agent
@@ -81,8 +81,8 @@ def _exported(file: str) -> Source:
     from runtime.history_format import parse_export
 
     try:
-        with Path(file).open("rb") as lines:
-            return list(parse_export(lines).records)
+        with Path(file).open("rb") as source:  # a line at a time, each bounded
+            return list(parse_export(lines_of(source, file)).records)
     except OSError as exc:
         raise BadInput(f"cannot read {file}: {exc}") from None
 

@@ -67,6 +67,7 @@ keys (``runtime.reserved``) — and refuses naming the line (1 is the header).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from runtime.base import evolve
 from runtime.commit import (
@@ -261,20 +262,41 @@ async def import_thread(
 ) -> Frontier:
     """Write the exported thread ``lines`` as ``thread`` (default: the exported id);
     returns its frontier. ImportRefused names the first line that does not hold."""
+    return await write_import(store, plan_import(lines, thread))
+
+
+@dataclass(frozen=True)
+class PlannedImport:
+    """An export read and checked as far as no store is needed: its commits re-made for
+    the target thread (``plan_import``), to write with ``write_import``."""
+
+    thread: ThreadId
+    owner: str
+    commits: list[ThreadCommit]
+
+
+def plan_import(lines: Iterable[str | bytes], thread: ThreadId | None = None) -> PlannedImport:
+    """Every line read and checked, before any store is opened (``ratchet import`` into
+    a store not made yet makes none for an input it refuses)."""
     exported = parse_export(lines)
     target = exported.thread_id if thread is None else ThreadId(check_id("thread id", thread))
-
-    def refuse(seq: int, reason: str, detail: str) -> HistoryRefused:
-        if not seq:
-            return ImportRefused(None, reason, detail)
-        return ImportRefused(seq + 1, reason, f"record {seq}: {detail}")
-
     commits = [r.commit for r in exported.records]
     owner = import_owner(commits[-1].payload_hash, len(commits))
-    planned = remade(commits, target, owner, refuse)
-    _folded(planned, target, owner, refuse)
-    _check_sizes(store, planned, refuse)
-    return await _write(store, target, planned, owner, refuse)
+    planned = remade(commits, target, owner, _import_refused)
+    _folded(planned, target, owner, _import_refused)
+    return PlannedImport(target, owner, planned)
+
+
+async def write_import(store: CommitStore, plan: PlannedImport) -> Frontier:
+    """``plan`` written into ``store``, held to the store's own limits first."""
+    _check_sizes(store, plan.commits, _import_refused)
+    return await _write(store, plan.thread, plan.commits, plan.owner, _import_refused)
+
+
+def _import_refused(seq: int, reason: str, detail: str) -> HistoryRefused:
+    if not seq:
+        return ImportRefused(None, reason, detail)
+    return ImportRefused(seq + 1, reason, f"record {seq}: {detail}")
 
 
 # ---- the one write path -------------------------------------------------------------------

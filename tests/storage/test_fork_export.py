@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -795,6 +797,78 @@ async def test_import_reads_no_further_than_the_first_line_it_refuses(tmp_path: 
         if writer.returncode is None:
             writer.kill()
             await writer.wait()
+
+
+async def test_replay_of_an_export_reads_no_further_than_its_first_line_refused(
+    tmp_path: Path,
+) -> None:
+    """``ratchet replay --export`` read a line with no bound: ``/dev/zero`` filled the
+    memory (as import did before it read a line at a time)."""
+    from cluster.cli import app
+
+    fifo = tmp_path / "zeros"
+    os.mkfifo(fifo)
+    writer = await asyncio.create_subprocess_exec(
+        "sh", "-c", f"head -c {1 << 26} /dev/zero > {fifo}"
+    )
+    try:
+        args = ["replay", T, "--agent", "cluster.demo_agent:agent", "--export", str(fifo)]
+        refused = await asyncio.to_thread(CliRunner().invoke, app, args)
+        assert refused.exit_code == 1 and "line 1: too_large" in refused.stderr, refused.output
+        assert await asyncio.wait_for(writer.wait(), 30) != 0  # it could not write it all
+    finally:
+        if writer.returncode is None:
+            writer.kill()
+            await writer.wait()
+
+
+async def test_an_import_refused_makes_no_store(tmp_path: Path) -> None:
+    """The store was opened, so made (a new SQLite file, a schema in an empty database),
+    before the first line was read: a refused import left a store where none was."""
+    source = tmp_path / "garbage.jsonl"
+    source.write_text("garbage\n")
+    url = f"sqlite:///{tmp_path}/typo.db"
+    refused = await ratchet("import", str(source), "--store", url)
+    assert refused.exit_code == 1 and "line 1: malformed" in refused.stderr
+    assert not (tmp_path / "typo.db").exists()
+
+
+def _cli(*args: str, closing: int | None = None, stdout: Any = subprocess.PIPE) -> Any:
+    """``ratchet ARGS`` in a process of its own, file descriptor ``closing`` closed."""
+    command = [sys.executable, "-m", "cluster.cli", *args]
+    opened = None if closing is None else (lambda: os.close(closing))
+    return subprocess.run(
+        command, preexec_fn=opened, stdout=stdout, stderr=subprocess.PIPE, timeout=120,
+        text=True, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["stdin closed", "stdout closed", "stdout full"])
+def test_a_closed_or_full_stream_is_one_line(tmp_path: Path, how: str) -> None:
+    """``import -`` with stdin closed, ``export`` to a closed stdout or ``/dev/full``: a
+    traceback of AttributeError or OSError, where ``--out /dev/full`` said one line."""
+    url = f"sqlite:///{tmp_path}/cli.db"
+
+    async def record() -> None:
+        store = await SqlCommitStore.connect(url)
+        try:
+            await two_runs(store)
+        finally:
+            await store.close()
+
+    asyncio.run(record())
+    if how == "stdin closed":
+        done = _cli("import", "-", "--as", "copy", "--store", url, closing=0)
+        expected = "cannot read -: stdin is closed"
+    elif how == "stdout closed":
+        done = _cli("export", T, "--store", url, closing=1, stdout=None)
+        expected = "stdout is closed"
+    else:
+        with open("/dev/full", "wb") as full:
+            done = _cli("export", T, "--store", url, stdout=full)
+        expected = "cannot write stdout: [Errno 28]"
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1 and len(lines) == 1 and expected in lines[0], done.stderr
 
 
 async def test_an_export_of_a_thread_at_its_commit_limit_is_not_too_large(
