@@ -107,8 +107,10 @@ class Ratchet:
                 _kill([spec.store_name])  # it would hold the store open here, for nobody
             raise
         # one that lives on from a client this process closed renews the lease no more
-        # (``close``): told to again, not waited for (a new one renews it anyway)
-        supervisor(spec).keep_lease.remote()
+        # (``close``): told to again, not waited for (a new one renews it anyway); one of
+        # an older Ratchet has no such method, and never stopped renewing
+        with contextlib.suppress(AttributeError):
+            supervisor(spec).keep_lease.remote()
         pool = [hosted_host(spec, i) for i in range(spec.hosts)]
         return cls(spec, store, pool)
 
