@@ -177,7 +177,7 @@ class Supervisor(HungHosts):
 
     async def keep_lease(self) -> None:
         """Renew it again: a client claimed it anew (``LeaseKeeper.keep``)."""
-        await self.lease.keep()
+        self.lease.keep()
 
     # ---- the watch ---------------------------------------------------------------
 

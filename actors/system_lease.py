@@ -135,22 +135,27 @@ class LeaseKeeper:
             self._renewed = time.monotonic() if now is None else now  # a failure too
             if self.given_up:
                 return False
-            return await self._held_now()
+            held = await self._held_now()
+            if held and self.given_up:  # given up while this renewal was on its way
+                await release_system(self.store, self.system)
+                self.held = held = False
+            return held
 
     async def give_up(self) -> None:
         """Renew it no more: the cluster is dropping it (``Ratchet.close``/``shutdown``).
-        A renewal on its way lands first, so none takes the dropped lease again (a
-        renewal takes a free lease) and makes the next cluster wait ``LEASE_TTL_S``."""
+        Set at once; then a renewal on its way is waited for (as long as the caller
+        waits), and one that lands after the cluster dropped the lease drops what it took:
+        a renewal takes a free lease, and the next cluster would wait ``LEASE_TTL_S``."""
+        self.given_up, self.held = True, False
         async with self._one_at_a_time:
-            self.given_up = True
-            self.held = False
+            pass
 
-    async def keep(self) -> None:
+    def keep(self) -> None:
         """Renew it again: a client of this cluster claimed it anew (``Ratchet.connect``
-        after a ``close`` in the same process); renewed at the next tick."""
-        async with self._one_at_a_time:
-            if self.given_up:
-                self.given_up, self._renewed = False, -RENEW_S
+        after a ``close`` in the same process); renewed at the next tick. Set at once, as
+        ``give_up`` is: of the two, the one asked last holds."""
+        if self.given_up:
+            self.given_up, self._renewed = False, -RENEW_S
 
     async def _held_now(self) -> bool:
         try:
@@ -164,7 +169,7 @@ class LeaseKeeper:
         except RatchetError as exc:  # a lease that does not read (edited by hand): not ours
             log.error("the lease of system %s does not read: %s", self.system, exc)
             held = False
-        if held != self.held:
+        if held != self.held and not self.given_up:  # a give-up is the cluster's own
             if held:
                 log.warning("this cluster holds the lease of system %s again", self.system)
             else:

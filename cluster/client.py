@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
@@ -27,13 +28,19 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.run_host import dedicated_host, hosted_host
-from actors.store_actor import RemoteCommitStore, open_system_store, store_actor
+from actors.store_actor import (
+    RemoteCommitStore,
+    open_local_store,
+    open_system_store,
+    store_actor,
+)
 from actors.supervisor import supervisor
 from actors.system_lease import claim_system, release_system
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, unwrap
 from cluster import waiting
 from cluster.config import (
     ClusterUnavailable,
+    SystemShutDown,
     connect_ray,
     owns_ray,
     redact,
@@ -60,6 +67,9 @@ WAIT_COUNT_S = 1.0
 of it if that is less): the count must not take the waiter past its deadline."""
 GIVE_UP_S = 5.0
 """How long a close or shutdown waits for the Supervisor to stop renewing the lease."""
+_OPEN: Counter[str] = Counter()
+"""System name → clients of it open (or connecting) in this process: a process that
+started its Ray gives the lease up when its last one closes, not its first."""
 
 
 class Ratchet:
@@ -98,10 +108,16 @@ class Ratchet:
             executors=executors,
             **spec_options,
         )
-        store = await _open_store(spec)
+        _OPEN[spec.name] += 1  # counted from here: a close meanwhile gives nothing up
+        try:
+            store = await _open_store(spec)
+        except BaseException:
+            _OPEN[spec.name] -= 1
+            raise
         try:  # before any actor starts: another live cluster on this store is refused
             await claim_system(store, spec.name)
         except BaseException as exc:  # refused or cancelled: the store opened here is closed
+            _OPEN[spec.name] -= 1
             await store.close()
             if isinstance(exc, SystemInUse) and spec.funnels_writes:
                 _kill([spec.store_name])  # it would hold the store open here, for nobody
@@ -109,9 +125,14 @@ class Ratchet:
         # one that lives on from a client this process closed renews the lease no more
         # (``close``): told to again, not waited for (a new one renews it anyway); one of
         # an older Ratchet has no such method, and never stopped renewing
-        with contextlib.suppress(AttributeError):
-            supervisor(spec).keep_lease.remote()
-        pool = [hosted_host(spec, i) for i in range(spec.hosts)]
+        try:
+            with contextlib.suppress(AttributeError):
+                supervisor(spec).keep_lease.remote()
+            pool = [hosted_host(spec, i) for i in range(spec.hosts)]
+        except BaseException:
+            _OPEN[spec.name] -= 1
+            await store.close()
+            raise
         return cls(spec, store, pool)
 
     # ---- starting and addressing Runs ---------------------------------------------------
@@ -229,13 +250,15 @@ class Ratchet:
             try:
                 return unwrap(await answer)
             except RayActorError:  # restarting, or gone for good with its system
-                self._still_up()
+                await asyncio.to_thread(self._still_up)  # a GCS call: not on this loop
                 raise
 
         # the host may die before it answers (or be restarting): start is idempotent
         try:
             bound = None if wait else waiting.HOST_ANSWER_S  # a start that waits: its Run's time
             answer = await on_a_live_host(start_run, answer_s=bound)
+        except SystemShutDown:  # nothing was started, nor will be: connect again
+            raise
         except ClusterUnavailable as exc:  # it may have landed: the ids find it again
             raise ClusterUnavailable(
                 f"{exc}; run {run!r} on thread {thread!r} may have started: ask again with "
@@ -258,7 +281,7 @@ class Ratchet:
         try:
             ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
         except ValueError:
-            raise ClusterUnavailable(
+            raise SystemShutDown(
                 f"system {self.spec.name} was shut down (it has no Supervisor): connect again"
             ) from None
 
@@ -330,20 +353,29 @@ class Ratchet:
 
     async def close(self) -> None:
         """Close the client's store. A process that started its own Ray (which ends with
-        it: ``ratchet run``, ``serve``) gives up the system's lease too, so that the next
-        cluster on the store need not wait it out (``actors.system_lease``). Closing
-        again does nothing."""
+        it: ``ratchet run``, ``serve``) gives up the system's lease too when this is its
+        last client of the system open, so that the next cluster on the store need not
+        wait it out (``actors.system_lease``). Closing again does nothing."""
         if self._closed:
             return
         self._closed = True
-        if owns_ray():
-            await self._give_up_lease()
-        await self.store.close()
+        try:
+            if self._last_closed() and owns_ray():
+                await self._give_up_lease(self.store)
+        finally:
+            await self.store.close()
+
+    def _last_closed(self) -> bool:
+        _OPEN[self.spec.name] -= 1
+        if _OPEN[self.spec.name] > 0:
+            return False
+        del _OPEN[self.spec.name]
+        return True
 
     async def shutdown(self) -> None:
         """Stop every actor of this system (the store's data stays), and give up its lease
-        (another cluster may serve the store at once; after ``close`` the store is closed,
-        and a lease ``close`` did not give up runs out by itself)."""
+        (another cluster may serve the store at once; after ``close``, through the store
+        opened again for it)."""
         prefix, store = f"{self.spec.name}:", self.spec.store_name
         named = [
             entry["name"]
@@ -353,13 +385,22 @@ class Ratchet:
         # the lease given up once the Supervisor renews it no more, and before the store
         # actor (if the store is behind one) goes: it is given up through it
         closed, self._closed = self._closed, True
-        others = [name for name in named if name != store]
-        await self._give_up_lease(kill=others, release=not closed)
-        _kill([name for name in named if name == store])
         if not closed:
-            await self.store.close()
+            self._last_closed()
+        others = [name for name in named if name != store]
+        try:
+            db = self.store if not closed else await open_local_store(self.spec.store_url)
+        except StoreError as exc:  # closed before, and the store is out: it runs out
+            log.warning("could not open the store to give up the lease: %s", exc)
+            _kill(others)
+        else:
+            try:
+                await self._give_up_lease(db, kill=others)
+            finally:
+                await db.close()
+        _kill([name for name in named if name == store])
 
-    async def _give_up_lease(self, kill: Sequence[str] = (), release: bool = True) -> None:
+    async def _give_up_lease(self, db: CommitStore, kill: Sequence[str] = ()) -> None:
         """Drop the system's lease once the Supervisor renews it no more. Dropped while it
         still did, its next renewal took the free lease again, and the next cluster on the
         store waited ``LEASE_TTL_S`` for a lease nobody held. A Supervisor that does not
@@ -370,8 +411,7 @@ class Ratchet:
             async with asyncio.timeout(GIVE_UP_S):
                 await handle.give_up_lease.remote()
         _kill(kill)
-        if release:
-            await release_system(self.store, self.spec.name)
+        await release_system(db, self.spec.name)
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)

@@ -51,6 +51,11 @@ class ClusterUnavailable(RuntimeError):
     """Ray could not be started or reached."""
 
 
+class SystemShutDown(ClusterUnavailable):
+    """The system was shut down (``Ratchet.shutdown``, by this client or another): none of
+    its actors answers again; a client connected anew starts them again."""
+
+
 def store_url_from(store_url: str | None) -> str:
     """The store URL to use, with a relative SQLite path made absolute: every Ray worker
     must open the same file, whatever its working directory. Its folder is made by what
@@ -127,6 +132,7 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
 __all__ = [
     "LOCAL_SYSTEM_CONFIG",
     "ClusterUnavailable",
+    "SystemShutDown",
     "connect_ray",
     "redact",
     "redis_url_from",

@@ -200,8 +200,9 @@ async def test_a_client_of_a_system_shut_down_starts_nothing(tmp_path: Path) -> 
             ray.get_actor(stale.spec.dedicated_name("t-down"), namespace=NAMESPACE)
         # a pool host of a system shut down is dead for good: said at once, not after
         # a minute of asking it again
-        with pytest.raises(ClusterUnavailable, match="was shut down"):
+        with pytest.raises(ClusterUnavailable, match="was shut down") as refused:
             await stale.start("tests.ray.agents:quick_agent", "hi", thread_id="t-pool")
+        assert "may have started" not in str(refused.value)  # nothing was, nor will be
     finally:
         await stale.close()
 
@@ -221,10 +222,10 @@ async def test_a_lease_given_up_is_not_taken_again_by_the_next_renewal(
     try:
         run = await client.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
         assert isinstance(run.run_state, EndedState)
-        checked = (await supervisor.report.remote())["lease_checks"]
         await client.close()  # this test session started its Ray: the lease is given up
         await client.close()  # again: nothing (it released the lease on a closed store)
         assert "could not release" not in caplog.text
+        checked = (await supervisor.report.remote())["lease_checks"]  # the next comes after
 
         async def renewal_came_due() -> bool:
             return bool((await supervisor.report.remote())["lease_checks"] > checked)
@@ -260,16 +261,21 @@ class _SlowLease:
     def __init__(self) -> None:
         self.go = asyncio.Event()
         self.holds = 0
+        self.drops = 0
 
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Any:
         self.holds += 1
         await self.go.wait()
         return type("Lease", (), {"holder": holder, "expires_in_s": ttl_s})()
 
+    async def drop_lease(self, name: str, holder: str) -> None:
+        self.drops += 1
 
-async def test_giving_the_lease_up_waits_for_a_renewal_on_its_way() -> None:
-    """A renewal sent before the give-up lands before it returns (else it could take the
-    lease again after the client dropped it), and none is sent after."""
+
+async def test_a_renewal_that_lands_after_the_give_up_drops_what_it_took() -> None:
+    """A renewal sent before the give-up, landing after it (a slow store: the client
+    dropped the lease meanwhile), took the free lease again: it now drops it, the
+    give-up waits for it, and no renewal is sent after."""
     from actors.system_lease import LeaseKeeper
 
     store = _SlowLease()
@@ -278,9 +284,10 @@ async def test_giving_the_lease_up_waits_for_a_renewal_on_its_way() -> None:
     await wait_for(lambda: _true(store.holds == 1), what="the renewal to be sent")
     giving_up = asyncio.create_task(keeper.give_up())
     await asyncio.sleep(0)  # let it run up to the renewal it must wait for
-    assert not giving_up.done()
+    assert not giving_up.done() and keeper.held is False
     store.go.set()
-    assert await renewal is True and (await giving_up) is None
+    assert await renewal is False and (await giving_up) is None
+    assert store.drops == 1  # what the late renewal took
     assert await keeper.serves() is False and store.holds == 1 and keeper.held is False
 
 
@@ -315,3 +322,63 @@ def test_a_ratchet_run_refused_after_it_connected_gives_the_lease_up(tmp_path: P
         assert asyncio.run(lease_holder()) == OTHER  # free: the next cluster waits not
     finally:
         _kill_all(system)
+
+
+async def test_only_the_last_client_of_a_process_to_close_gives_the_lease_up(
+    tmp_path: Path,
+) -> None:
+    """Two clients of one system in a process that started its Ray: the first ``close``
+    gave the lease up for the whole system, and the Supervisor took over nothing more
+    while the other client still started Runs."""
+    url = store_url_from(f"sqlite:///{tmp_path}/two.db")
+    system = system_name(url)
+    first = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+    second = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+    store = await open_store(url)
+    supervisor = ray.get_actor(first.spec.supervisor_name, namespace=NAMESPACE)
+    try:
+        await supervisor.report.remote()  # after the second connect's word to keep it
+        await first.close()
+        checked = (await supervisor.report.remote())["lease_checks"]
+
+        async def renewal_came_due() -> bool:
+            return bool((await supervisor.report.remote())["lease_checks"] > checked)
+
+        await wait_for(renewal_came_due, timeout_s=30, what="a renewal of the lease")
+        assert (await supervisor.report.remote())["serves"] is True
+        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == cluster_token()
+        run = await second.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
+        assert isinstance(run.run_state, EndedState)
+        await second.close()  # the last: given up
+        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == OTHER
+    finally:
+        _kill_all(system)
+        await store.close()
+
+
+async def test_a_shutdown_after_a_close_still_gives_the_lease_up(tmp_path: Path) -> None:
+    """Its store closed, ``shutdown`` left the lease held for ``LEASE_TTL_S``: it now
+    gives it up through the store opened again."""
+    url = store_url_from(f"sqlite:///{tmp_path}/late.db")
+    system = system_name(url)
+    client = await Ratchet.connect(store_url=url)
+    other = await Ratchet.connect(store_url=url)  # so the close gives nothing up
+    store = await open_store(url)
+    try:
+        await client.close()
+        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == cluster_token()
+        await client.shutdown()
+        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == OTHER
+        assert _actors_of(system) == [] or await _gone(system)
+    finally:
+        await other.close()
+        _kill_all(system)
+        await store.close()
+
+
+async def _gone(system: str) -> bool:
+    async def none_left() -> bool:
+        return _actors_of(system) == []
+
+    await wait_for(none_left, what="the system's actors to be gone")
+    return True
