@@ -45,7 +45,7 @@ from typing import Any, Literal
 import typer
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, thread_arg
-from cluster.cli_base import as_command, errors, frontier_of, open_db
+from cluster.cli_base import as_command, errors, frontier_of, open_db, uncancelled
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, cursor, run_page, run_query, run_row
 from cluster.cli_view import (
@@ -147,7 +147,7 @@ async def _run(
         await handle.result()
         await _show(handle.thread_id, store)
     finally:
-        await client.close()
+        await uncancelled(client.close())  # a second Ctrl-C does not cut the close short
 
 
 @app.command()

@@ -12,8 +12,8 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, BinaryIO
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, BinaryIO, TypeVar
 
 import typer
 
@@ -27,6 +27,7 @@ from runtime.ids import ThreadId
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
 errors = Terminal(stderr=True)
+T = TypeVar("T")
 
 
 def as_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
@@ -52,6 +53,28 @@ def as_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Non
             raise typer.Exit(141) from None
 
     return wrapper
+
+
+async def uncancelled(closing: Awaitable[T]) -> T:
+    """``closing`` run to its end though the task awaiting it is cancelled meanwhile; the
+    cancellation is raised after. ``ratchet serve`` stopped with Ctrl-C: uvicorn shuts
+    down, then raises the SIGINT again, and asyncio's handler cancelled the client's
+    close at its first await, so the lease was not given up and the next cluster on the
+    store waited it out. (A close is bounded: ``cluster.client.GIVE_UP_S`` and the
+    store's deadlines.)"""
+    task = asyncio.ensure_future(closing)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # it was cancelled itself, not the task awaiting it
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 def quiet_stdout() -> None:

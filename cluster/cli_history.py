@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import typer
 
 from cluster.cli_args import BadInput, thread_arg
-from cluster.cli_base import as_command, lines_of, open_db
+from cluster.cli_base import as_command, lines_of, open_db, quiet_stdout
 from cluster.cli_view import console, print_rest
 from runtime.history import export, fork, plan_import, write_import
 from runtime.ids import ThreadId
@@ -89,8 +89,10 @@ async def _export(thread: str, out: Path | None, store: str | None) -> None:
     if out is None:
         try:
             _write_lines(lines, _stdout())
-        except OSError as exc:  # a full disk, a closed pipe
-            _drop_stdout()
+        except BrokenPipeError:  # the reader left (``| head``): as_command says nothing
+            raise
+        except OSError as exc:  # a full disk, say
+            quiet_stdout()  # what the write left buffered fails no second time at exit
             raise BadInput(f"cannot write stdout: {exc}") from None
         return
     try:
@@ -155,15 +157,6 @@ def _stdout() -> BinaryIO:
     if buffer is None:
         raise BadInput("stdout takes no bytes here: give --out FILE")
     return buffer
-
-
-def _drop_stdout() -> None:
-    """What the failed write left buffered goes nowhere: flushed again at exit, it
-    failed again, in a second message of Python's own (its documented way, for a
-    broken pipe)."""
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
 
 
 def import_command(

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cluster.cli_base import uncancelled
 from cluster.client import Ratchet, RunHandle
 from cluster.config import ClusterUnavailable
 from cluster.demo_agent import NEVER_REPLAY_TOOLS, EffectLedger
@@ -58,7 +59,7 @@ async def run_demo(
     try:  # ended early (an error, Ctrl-C): the lease is given up all the same
         return await _demo(client, ledger, runs, console, crash, began)
     finally:
-        await client.close()
+        await uncancelled(client.close())
 
 
 async def _demo(

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from cluster.cli_base import as_command
+from cluster.cli_base import as_command, uncancelled
 from edge.options import TOKENS_ENV, ServeOptions, ServeRefused, tokens_from
 
 
@@ -130,7 +130,7 @@ async def _serve(
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level)
         await uvicorn.Server(config).serve()
     finally:
-        await client.close()
+        await uncancelled(client.close())  # the SIGINT uvicorn raises again lands here
 
 
 __all__ = ["serve"]

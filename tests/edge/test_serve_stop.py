@@ -1,0 +1,104 @@
+"""``ratchet serve`` stopped with Ctrl-C gives the system's lease up, as it does on SIGTERM.
+
+uvicorn catches the SIGINT, shuts down, then raises it again once ``serve()`` returned;
+asyncio's own handler then cancelled the client's close at its first await, so the
+lease stayed held and the next cluster on the store waited it out (up to 15 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cluster.cli_base import uncancelled
+from tests.support.waiting import until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_a_close_runs_to_its_end_though_its_task_is_cancelled() -> None:
+    go, ended = asyncio.Event(), []
+
+    async def close() -> str:
+        await go.wait()
+        ended.append(True)
+        return "closed"
+
+    task = asyncio.create_task(uncancelled(close()))
+    await asyncio.sleep(0)
+    task.cancel()  # the Ctrl-C uvicorn raises again
+    await asyncio.sleep(0)
+    task.cancel()  # and a second one
+    await asyncio.sleep(0)
+    assert not task.done()
+    go.set()
+    with pytest.raises(asyncio.CancelledError):  # said once the close ended
+        await task
+    assert ended == [True]
+
+
+async def test_a_close_that_fails_raises_its_error() -> None:
+    async def close() -> None:
+        raise OSError("the store went away")
+
+    with pytest.raises(OSError, match="went away"):
+        await uncancelled(close())
+    assert await uncancelled(asyncio.sleep(0, result=7)) == 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _leases(db: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(db) as conn:
+        return list(conn.execute("SELECT name, holder FROM ratchet_leases"))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_serve_stopped_with_ctrl_c_gives_the_lease_up(tmp_path: Path) -> None:
+    db, port = tmp_path / "served.db", _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RATCHET_STORE_URL")}
+    # a background process started by a shell ignores SIGINT: Python's own handler put
+    # back, as a terminal's Ctrl-C finds it
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from cluster.cli import app; app()"
+    )
+    args = ["serve", "--store", f"sqlite:///{db}", "--port", str(port), "--no-auth"]
+    server = subprocess.Popen(
+        [sys.executable, "-c", code, *args, "--agent", "cluster.demo_agent:agent"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+
+        def answering() -> bool:
+            assert server.poll() is None, server.communicate()[0][-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json", timeout=2):
+                    return True
+            except OSError:  # refused, not yet listening
+                return False
+
+        asyncio.run(until(answering, 90, what="ratchet serve to answer", interval_s=0.2))
+        assert [holder for _, holder in _leases(db)] != []  # held while it serves
+        server.send_signal(signal.SIGINT)
+        output, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 130, output[-3000:]
+    assert _leases(db) == [], output[-3000:]  # given up: the next cluster waits not
