@@ -937,3 +937,27 @@ async def test_a_copy_keeps_where_each_way_in_began_and_replays_cleanly(store: A
         report = await replay_check(store, thread, history_agent())
         assert report.clean, report.line()
     assert history(copy) == history(ended) == history(forked)
+
+
+def test_an_export_whose_reader_left_ends_quietly(tmp_path: Path) -> None:
+    """``ratchet export T | head``: the reader leaving is no error to print (141, as for
+    every command), where a full disk is one."""
+    url = f"sqlite:///{tmp_path}/cli.db"
+
+    async def record() -> None:
+        store = await SqlCommitStore.connect(url)
+        try:
+            await two_runs(store)
+        finally:
+            await store.close()
+
+    asyncio.run(record())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "export", T, "--store", url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before it writes: it imports the CLI first
+    assert proc.wait(timeout=60) == 141
+    assert proc.stderr.read() == b""
+    proc.stderr.close()
