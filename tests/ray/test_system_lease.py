@@ -207,42 +207,52 @@ async def test_a_client_of_a_system_shut_down_starts_nothing(tmp_path: Path) -> 
         await stale.close()
 
 
-async def test_a_lease_given_up_is_not_taken_again_by_the_next_renewal(
+async def test_the_last_close_in_a_process_gives_the_lease_up_and_no_renewal_takes_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``close()`` in a process that started its Ray gives the lease up while the
-    system's actors live on until the process ends. The Supervisor's next renewal took
-    the free lease again, and the next cluster on the store waited ``LEASE_TTL_S`` for a
-    lease held by nobody alive."""
+    """In a process that started its Ray (this test session), ``close()`` gives the lease
+    up while the system's actors live on until the process ends. The Supervisor's next
+    renewal took the free lease again, and the next cluster on the store waited
+    ``LEASE_TTL_S`` for a lease held by nobody alive. And the first of two clients to
+    close gave it up for the whole system: the Supervisor took over nothing more while
+    the other still started Runs."""
     url = store_url_from(f"sqlite:///{tmp_path}/closed.db")
     system = system_name(url)
-    client = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+    first = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+    second = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
     store = await open_store(url)
-    supervisor = ray.get_actor(client.spec.supervisor_name, namespace=NAMESPACE)
-    try:
-        run = await client.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
-        assert isinstance(run.run_state, EndedState)
-        await client.close()  # this test session started its Ray: the lease is given up
-        await client.close()  # again: nothing (it released the lease on a closed store)
-        assert "could not release" not in caplog.text
-        checked = (await supervisor.report.remote())["lease_checks"]  # the next comes after
+    supervisor = ray.get_actor(first.spec.supervisor_name, namespace=NAMESPACE)
 
-        async def renewal_came_due() -> bool:
+    async def after_a_renewal() -> dict[str, Any]:
+        checked = (await supervisor.report.remote())["lease_checks"]
+
+        async def came_due() -> bool:
             return bool((await supervisor.report.remote())["lease_checks"] > checked)
 
-        await wait_for(renewal_came_due, timeout_s=30, what="a renewal of the lease")
-        assert (await supervisor.report.remote())["serves"] is False
-        lease = await store.hold_lease(lease_name(system), OTHER, 2.0)
-        assert lease.holder == OTHER  # free: another cluster takes it at once
+        await wait_for(came_due, timeout_s=30, what="a renewal of the lease")
+        return dict(await supervisor.report.remote())
+
+    async def holder() -> str:
+        return (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder
+
+    try:
+        await supervisor.report.remote()  # after the second connect's word to keep it
+        await first.close()  # not the last: nothing given up
+        assert (await after_a_renewal())["serves"] is True and await holder() == cluster_token()
+        run = await second.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
+        assert isinstance(run.run_state, EndedState)
+
+        await second.close()  # the last: given up
+        await second.close()  # again: nothing (it released the lease on a closed store)
+        assert "could not release" not in caplog.text
+        assert (await after_a_renewal())["serves"] is False
+        assert await holder() == OTHER  # free: another cluster takes it at once
         await store.drop_lease(lease_name(system), OTHER)
 
         # connected again in this process, with the Supervisor of before: it renews the
         # lease again (it stayed given up, ran out, and nothing refused a second cluster)
         again = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
-        checked = (await supervisor.report.remote())["lease_checks"]
-        await wait_for(renewal_came_due, timeout_s=30, what="a renewal of the lease")
-        assert (await supervisor.report.remote())["serves"] is True
-        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == cluster_token()
+        assert (await after_a_renewal())["serves"] is True and await holder() == cluster_token()
         await again.close()
     finally:
         _kill_all(system)
@@ -322,38 +332,6 @@ def test_a_ratchet_run_refused_after_it_connected_gives_the_lease_up(tmp_path: P
         assert asyncio.run(lease_holder()) == OTHER  # free: the next cluster waits not
     finally:
         _kill_all(system)
-
-
-async def test_only_the_last_client_of_a_process_to_close_gives_the_lease_up(
-    tmp_path: Path,
-) -> None:
-    """Two clients of one system in a process that started its Ray: the first ``close``
-    gave the lease up for the whole system, and the Supervisor took over nothing more
-    while the other client still started Runs."""
-    url = store_url_from(f"sqlite:///{tmp_path}/two.db")
-    system = system_name(url)
-    first = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
-    second = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
-    store = await open_store(url)
-    supervisor = ray.get_actor(first.spec.supervisor_name, namespace=NAMESPACE)
-    try:
-        await supervisor.report.remote()  # after the second connect's word to keep it
-        await first.close()
-        checked = (await supervisor.report.remote())["lease_checks"]
-
-        async def renewal_came_due() -> bool:
-            return bool((await supervisor.report.remote())["lease_checks"] > checked)
-
-        await wait_for(renewal_came_due, timeout_s=30, what="a renewal of the lease")
-        assert (await supervisor.report.remote())["serves"] is True
-        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == cluster_token()
-        run = await second.run("tests.ray.agents:quick_agent", "hi", timeout_s=60)
-        assert isinstance(run.run_state, EndedState)
-        await second.close()  # the last: given up
-        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == OTHER
-    finally:
-        _kill_all(system)
-        await store.close()
 
 
 async def test_a_shutdown_after_a_close_still_gives_the_lease_up(tmp_path: Path) -> None:
