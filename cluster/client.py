@@ -361,7 +361,7 @@ class Ratchet:
         self._closed = True
         try:
             if self._last_closed() and owns_ray():
-                await self._give_up_lease(self.store)
+                await self._give_up_lease(self.store, closing=True)
         finally:
             await self.store.close()
 
@@ -400,16 +400,25 @@ class Ratchet:
                 await db.close()
         _kill([name for name in named if name == store])
 
-    async def _give_up_lease(self, db: CommitStore, kill: Sequence[str] = ()) -> None:
+    async def _give_up_lease(
+        self, db: CommitStore, kill: Sequence[str] = (), *, closing: bool = False
+    ) -> None:
         """Drop the system's lease once the Supervisor renews it no more. Dropped while it
         still did, its next renewal took the free lease again, and the next cluster on the
         store waited ``LEASE_TTL_S`` for a lease nobody held. A Supervisor that does not
         answer in time (hung, gone) is not waited for: the drop is best effort anyway."""
+        handle = None
         # none, dead, hung, or of an older Ratchet without the method
         with contextlib.suppress(ValueError, RayActorError, TimeoutError, AttributeError):
             handle = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
             async with asyncio.timeout(GIVE_UP_S):
                 await handle.give_up_lease.remote()
+        if closing and _OPEN[self.spec.name] > 0 and handle is not None:
+            # a client of this process connected meanwhile (its claim renewed the lease,
+            # its word to keep it may have come first): the lease stays, renewed
+            with contextlib.suppress(AttributeError):
+                handle.keep_lease.remote()
+            return
         _kill(kill)
         await release_system(db, self.spec.name)
 
