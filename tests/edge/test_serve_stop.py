@@ -26,21 +26,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_a_close_runs_to_its_end_though_its_task_is_cancelled() -> None:
-    go, ended = asyncio.Event(), []
+    started, go, ended = asyncio.Event(), asyncio.Event(), []
 
     async def close() -> str:
+        started.set()
         await go.wait()
         ended.append(True)
         return "closed"
 
     task = asyncio.create_task(uncancelled(close()))
-    await asyncio.sleep(0)
+    await started.wait()
     task.cancel()  # the Ctrl-C uvicorn raises again
-    await asyncio.sleep(0)
     task.cancel()  # and a second one
-    await asyncio.sleep(0)
-    assert not task.done()
-    go.set()
+    go.set()  # the cancellation reaches the task first: a plain await ended the close there
     with pytest.raises(asyncio.CancelledError):  # said once the close ended
         await task
     assert ended == [True]
@@ -50,9 +48,12 @@ async def test_a_close_that_fails_raises_its_error() -> None:
     async def close() -> None:
         raise OSError("the store went away")
 
+    async def seven() -> int:
+        return 7
+
     with pytest.raises(OSError, match="went away"):
         await uncancelled(close())
-    assert await uncancelled(asyncio.sleep(0, result=7)) == 7
+    assert await uncancelled(seven()) == 7
 
 
 def _free_port() -> int:

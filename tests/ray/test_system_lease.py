@@ -293,8 +293,8 @@ async def test_a_renewal_that_lands_after_the_give_up_drops_what_it_took() -> No
     renewal = asyncio.create_task(keeper.serves())
     await wait_for(lambda: _true(store.holds == 1), what="the renewal to be sent")
     giving_up = asyncio.create_task(keeper.give_up())
-    await asyncio.sleep(0)  # let it run up to the renewal it must wait for
-    assert not giving_up.done() and keeper.held is False
+    await wait_for(lambda: _true(keeper.given_up), what="the give-up to be told")
+    assert not giving_up.done() and keeper.held is False  # it waits for the renewal
     store.go.set()
     assert await renewal is False and (await giving_up) is None
     assert store.drops == 1  # what the late renewal took

@@ -833,6 +833,22 @@ async def test_an_import_refused_makes_no_store(tmp_path: Path) -> None:
     assert not (tmp_path / "typo.db").exists()
 
 
+def _recorded_sqlite(tmp_path: Path) -> str:
+    """A SQLite store holding the two-Run thread ``T``, for a command in a process of its
+    own; its URL."""
+    url = f"sqlite:///{tmp_path}/cli.db"
+
+    async def record() -> None:
+        store = await SqlCommitStore.connect(url)
+        try:
+            await two_runs(store)
+        finally:
+            await store.close()
+
+    asyncio.run(record())
+    return url
+
+
 def _cli(*args: str, closing: int | None = None, stdout: Any = subprocess.PIPE) -> Any:
     """``ratchet ARGS`` in a process of its own, file descriptor ``closing`` closed."""
     command = [sys.executable, "-m", "cluster.cli", *args]
@@ -847,16 +863,7 @@ def _cli(*args: str, closing: int | None = None, stdout: Any = subprocess.PIPE) 
 def test_a_closed_or_full_stream_is_one_line(tmp_path: Path, how: str) -> None:
     """``import -`` with stdin closed, ``export`` to a closed stdout or ``/dev/full``: a
     traceback of AttributeError or OSError, where ``--out /dev/full`` said one line."""
-    url = f"sqlite:///{tmp_path}/cli.db"
-
-    async def record() -> None:
-        store = await SqlCommitStore.connect(url)
-        try:
-            await two_runs(store)
-        finally:
-            await store.close()
-
-    asyncio.run(record())
+    url = _recorded_sqlite(tmp_path)
     if how == "stdin closed":
         done = _cli("import", "-", "--as", "copy", "--store", url, closing=0)
         expected = "cannot read -: stdin is closed"
@@ -942,16 +949,7 @@ async def test_a_copy_keeps_where_each_way_in_began_and_replays_cleanly(store: A
 def test_an_export_whose_reader_left_ends_quietly(tmp_path: Path) -> None:
     """``ratchet export T | head``: the reader leaving is no error to print (141, as for
     every command), where a full disk is one."""
-    url = f"sqlite:///{tmp_path}/cli.db"
-
-    async def record() -> None:
-        store = await SqlCommitStore.connect(url)
-        try:
-            await two_runs(store)
-        finally:
-            await store.close()
-
-    asyncio.run(record())
+    url = _recorded_sqlite(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "export", T, "--store", url],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
