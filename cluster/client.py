@@ -36,7 +36,7 @@ from actors.store_actor import (
 )
 from actors.supervisor import supervisor
 from actors.system_lease import claim_system, release_system
-from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, host_index, unwrap
+from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, asked_before, host_index, unwrap
 from cluster import waiting
 from cluster.config import (
     ClusterUnavailable,
@@ -193,7 +193,11 @@ class Ratchet:
 
             async def this_run_rests() -> Frontier | None:
                 frontier = await patiently(pending.frontier)
-                return frontier if rests(frontier, pending.run_id) else None
+                if not rests(frontier, pending.run_id):
+                    return None
+                # a Run under this id that another caller started with another input or
+                # agent is not this start's: its host's refusal is waited for
+                return frontier if asked_before(frontier, run, agent_ref, input) else None
 
             # a host that hangs mid-drive never answers: the store may hold the Run
             # ended, re-placed and finished by another host

@@ -49,14 +49,15 @@ async def run_demo(
 ) -> DemoResult:
     ledger_path = os.path.join(os.getcwd(), "ratchet-data", "demo-effects.db")
     os.environ.setdefault("RATCHET_LEDGER", ledger_path)  # before Ray starts its workers
-    try:
-        ledger = EffectLedger(os.environ["RATCHET_LEDGER"])
-    except (OSError, sqlite3.Error) as exc:  # ./ratchet-data a file, say
-        raise ClusterUnavailable(f"cannot open the demo's ledger: {exc}") from None
     began = time.monotonic()
     with console.status("starting local Ray, the store actor and 2 RunHosts…"):
         client = await Ratchet.connect(store_url=store_url, quiet=True, hosts=2, executors=2)
     try:  # ended early (an error, Ctrl-C): the lease is given up all the same
+        # made once the store answered: a bad --store leaves no ledger file behind
+        try:
+            ledger = EffectLedger(os.environ["RATCHET_LEDGER"])
+        except (OSError, sqlite3.Error) as exc:  # ./ratchet-data a file, say
+            raise ClusterUnavailable(f"cannot open the demo's ledger: {exc}") from None
         return await _demo(client, ledger, runs, console, crash, began)
     finally:
         await uncancelled(client.close())

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 from runtime import tracing
 from runtime.agent import Agent
@@ -47,7 +47,7 @@ from runtime.messages import (
     UserMessage,
 )
 from runtime.models import InferenceRequest, ModelDelta, ModelResponse, Refusing
-from runtime.signals import CancelledSignal, EndRun, PauseRun, cancelling
+from runtime.signals import CANCEL_GRACE_S, CancelledSignal, EndRun, PauseRun, cancelling
 from runtime.timeutil import now_us
 from runtime.usage import admitted_usage, usage_commands
 
@@ -177,10 +177,8 @@ class Inference:
         nothing against the budget) and a day (a hint of 1e308 s is no time to resume at)."""
         hint = limited.retry_after_s
         backoff = min(2.0 ** min(attempt - 1, 6), 60.0)
-        if hint is None or not math.isfinite(hint) or hint < 0:
-            wait = backoff
-        else:
-            wait = min(max(hint, backoff / 4), MAX_RETRY_AFTER_S)
+        # a hint that is no number of seconds ("5", NaN, -1) is as none
+        wait = min(max(hint, backoff / 4), MAX_RETRY_AFTER_S) if _seconds(hint) else backoff
         log.info("run %s rate limited (%s): waiting %.1fs", ctx.run_id, limited.code, wait)
         if self.rate_limit_waited + wait > self.agent.rate_limit_wait_s:
             resume_at = now_us() + int(wait * 1_000_000)
@@ -189,24 +187,34 @@ class Inference:
         await self.guard(asyncio.sleep(wait))  # a cancel ends the wait
 
     async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
-        """One attempt, within ``Agent.inference_timeout_s`` in all."""
+        """One attempt, within ``Agent.inference_timeout_s`` in all, its stream's close
+        included. It runs in the Run's own task (a task of its own would cost the Step
+        loop turns, and a fast model's commit its share of the results' group); a model
+        that holds on to the deadline's cancellation (catches it, then waits on, or hangs
+        closing its connection) is cancelled again every ``CANCEL_GRACE_S``. One that
+        swallows every cancellation holds its Run, as a model that blocks the event loop
+        holds every Run of the process."""
         limit = self.agent.inference_timeout_s
         items = self.agent.model.stream(request)
         deadline = asyncio.timeout(limit)
+        nudges = _Nudges(limit)
         try:
-            async with deadline:
-                return await self._streamed(ctx, request, items)
-        except TimeoutError:
-            if not deadline.expired():
-                raise  # the model's own, as any other error of the model
+            try:
+                async with deadline:
+                    return await self._streamed(ctx, request, items)
+            finally:  # an attempt given up closes its stream (and the provider's connection)
+                close = getattr(items, "aclose", None)
+                if close is not None:
+                    with contextlib.suppress(Exception):
+                        await close()
+        except (TimeoutError, asyncio.CancelledError):
+            if not nudges.ours(deadline):
+                raise  # the model's own TimeoutError, or a real cancellation
             raise ModelUnavailable(
                 "timeout", f"the inference took over {limit:g}s (inference_timeout_s)"
             ) from None
-        finally:  # an attempt given up closes its stream (and the provider's connection)
-            close = getattr(items, "aclose", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    await close()
+        finally:
+            nudges.stop()
 
     async def _streamed(
         self, ctx: RunContext, request: InferenceRequest, items: AsyncIterator[Any]
@@ -229,6 +237,11 @@ class Inference:
                 checkpointing = False
                 await self._spend(thread)
                 continue
+            if not isinstance(item, ModelDelta):  # said now, not "ended without a response"
+                raise TypeError(
+                    f"the model stream yielded a {type(item).__name__:.80}, "
+                    "not a ModelDelta or a ModelResponse"
+                )
             # a stream longer than a response may be fails its attempt now, not once it
             # ends: each delta costs every follower of the thread (a character is a byte
             # at least, so the count of characters is a bound); every item counts one at
@@ -279,6 +292,46 @@ class Inference:
         return response
 
 
+class _Nudges:
+    """The cancellations an inference attempt is sent past its deadline and a grace, one
+    every ``CANCEL_GRACE_S`` until it ends: its task is the Run's, so an attempt that
+    kept the deadline's to itself would hold the Run's Step for as long as it liked.
+    Each is taken back once the attempt ends (``stop``), so that the task's count of
+    cancellations asked is its callers' alone."""
+
+    __slots__ = ("_before", "_task", "_timer", "sent")
+
+    def __init__(self, limit_s: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "the engine runs inside a task"
+        self._task, self.sent, self._before = task, 0, task.cancelling()
+        loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_later(
+            limit_s + CANCEL_GRACE_S, self._nudge
+        )
+
+    def _nudge(self) -> None:
+        self.sent += 1
+        self._task.cancel()
+        self._timer = asyncio.get_running_loop().call_later(CANCEL_GRACE_S, self._nudge)
+
+    def ours(self, deadline: asyncio.Timeout) -> bool:
+        """Whether the attempt ended on its deadline: past it, with every cancellation the
+        task was asked for one of the deadline's or ours."""
+        if not deadline.expired():
+            return False
+        self.stop()
+        return self._task.cancelling() == self._before
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for _ in range(self.sent):  # a nudge lands at the attempt's next wait, so in it
+            self._task.uncancel()
+        self.sent = 0
+
+
 _MESSAGE_TYPES = frozenset({UserMessage, AssistantMessage, ToolResultMessage, ContextMessage})
 
 
@@ -305,10 +358,22 @@ def _request(
     return InferenceRequest(messages=history, **parts)
 
 
+def _seconds(hint: object) -> TypeGuard[float]:
+    if isinstance(hint, bool) or not isinstance(hint, int | float):
+        return False
+    return math.isfinite(hint) and hint >= 0
+
+
 def _failed(error: BaseException) -> Failed:
     """The end of a Run whose inference failed: the provider's code where it gave one."""
     if isinstance(error, ModelError):
-        code = error.code
+        # a model's own error class may say 400 where a text is meant: its code is still
+        # its code (anything else that is no text names the error's class)
+        given: object = error.code
+        if isinstance(given, int) and not isinstance(given, bool):
+            code = str(given)
+        else:
+            code = given if isinstance(given, str) else type(error).__name__
     else:
         code = error.limit if isinstance(error, InputRefused) else type(error).__name__
     return Failed(failure="inference", code=printable(code, 80), message=said(error))

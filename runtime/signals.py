@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from runtime.batch import ActiveToolBatch
 from runtime.lifecycle import EndCause, PauseTarget
@@ -47,6 +47,28 @@ class PauseRun(Exception):
     def __init__(self, target: PauseTarget) -> None:
         super().__init__(target.reason)
         self.target = target
+
+
+CANCEL_GRACE_S = 1.0
+"""How long work past its deadline (a tool call's ``timeout_s``, an inference attempt's
+``inference_timeout_s``) has to take its cancellation before it is left behind (a
+cooperative one unwinds, and its cleanup runs, before its Run goes on)."""
+
+
+async def let_go(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and give it ``CANCEL_GRACE_S`` to end. One that holds on to its
+    cancellation (swallows it, or hangs in its cleanup) is left behind: whatever it ends
+    with is dropped, and the Run goes on without it."""
+    task.cancel()
+    try:
+        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    finally:  # this wait cancelled too: the task is left behind all the same
+        task.add_done_callback(_forget)
+
+
+def _forget(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def cancelling() -> bool:

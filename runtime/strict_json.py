@@ -5,7 +5,8 @@ parsers its first: ``{"approve": false, "approve": true}`` reads as a denial to 
 or an audit log and as an approval here, and an export line read one way by an audit
 tool and another by ``ratchet import`` is two histories. Such input is refused instead
 of meaning two things: by the HTTP service (``edge.strict_json``), ``ratchet resume
---result`` (``cluster.cli_args``) and ``ratchet import`` (``runtime.history_format``).
+--result`` (``cluster.cli_args``), ``ratchet import`` (``runtime.history_format``) and a
+model's tool-call arguments (``runtime.tools.Tool.parse``: a model-visible error).
 """
 
 from __future__ import annotations

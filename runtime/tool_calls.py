@@ -18,7 +18,7 @@ from runtime.batch import ToolOutput
 from runtime.execution import AbortSignal, ToolExecution, ToolRequest
 from runtime.limits import printable, raised, said
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
-from runtime.signals import cancelling
+from runtime.signals import cancelling, let_go
 from runtime.tools import (
     CallStart,
     OutcomeUnknown,
@@ -105,11 +105,6 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
         return _failed(f"tool {t.id} returned what cannot be a result: {raised(exc)}", ())
 
 
-CANCEL_GRACE_S = 1.0
-"""How long a call past its deadline has to take its cancellation before it is left
-behind (a cooperative one unwinds, and its cleanup runs, before its Run goes on)."""
-
-
 class _DeadlinePassed(Exception):
     """The call's own deadline (``timeout_s``) passed: not a TimeoutError the tool raised."""
 
@@ -129,11 +124,8 @@ async def _within(work: Awaitable[Any], limit_s: float) -> Any:
         task.cancel()  # the wave is being cancelled: so is the call
         raise
     if not task.done():
-        task.cancel()  # a call that takes its cancellation ends within a moment
-        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-        if not task.done():
-            task.add_done_callback(_forget)
-        elif not task.cancelled():
+        await let_go(task)  # a call that takes its cancellation ends within a moment
+        if task.done() and not task.cancelled():
             unsent = task.exception()  # retrieved: what it ends with past its deadline
             if isinstance(unsent, UnavailableBeforeDispatch):
                 raise unsent  # it says it had sent nothing yet: unavailable, not lost
@@ -156,12 +148,6 @@ def cancelled_at_deadline() -> bool:
     ``UnavailableBeforeDispatch`` if it had sent nothing yet (it is then tried again,
     not lost). Anywhere else a CancelledError must go on unwinding."""
     return _BOUNDED.get()
-
-
-def _forget(task: asyncio.Future[Any]) -> None:
-    """A call left behind past its deadline: whatever it ends with is dropped."""
-    if not task.cancelled():
-        task.exception()
 
 
 class LocalToolRunner:

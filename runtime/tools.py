@@ -37,6 +37,7 @@ from runtime.limits import (
     printable,
 )
 from runtime.state import Command
+from runtime.strict_json import DuplicateKey, unique_pairs
 
 Concurrency = Literal["parallel", "serial"]
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -134,9 +135,14 @@ class Tool:
                 f"arguments nest {depth} deep; the limit json_depth is {limits.json_depth}"
             )
         try:
-            raw = json.loads(arguments or "{}")
+            # a key twice means two things to two parsers: the tool would run with the
+            # last value while the committed text (that hooks, tickets and audits read)
+            # holds both
+            raw = json.loads(arguments or "{}", object_pairs_hook=unique_pairs)
         except json.JSONDecodeError as exc:
             raise ValueError(f"arguments are not valid JSON: {exc.msg}") from exc
+        except DuplicateKey as exc:
+            raise ValueError(f"arguments are not valid: {exc}") from None
         except RecursionError:  # json_depth counts what json nests; belt and braces
             raise ValueError("arguments nest too deeply to parse") from None
         if not isinstance(raw, dict):
@@ -318,6 +324,11 @@ def tool(
             f"wait is one of {', '.join(get_args(WaitKind))} or None, not {wait!r:.80}"
         )
     declared: WaitKind | None = "permission" if needs_permission else wait
+    if wait_deadline_s is not None and declared is None:
+        # a deadline on a wait that never happens would be silently ignored
+        raise ToolDefinitionError(
+            "wait_deadline_s bounds a wait: give the tool one (wait=... or needs_permission=True)"
+        )
 
     def build(f: Callable[..., Any]) -> Tool:
         tool_id = f.__name__ if name is None else name

@@ -242,7 +242,8 @@ class _Call:
     raw_id: str = ""
     """The id the model gave the call."""
     id: str = ""
-    """The id it goes by: ``raw_id``, or ``raw_id#2``... when an earlier call has that."""
+    """The id it goes by: ``raw_id``, or ``raw_id#2``... when an earlier call has that
+    (``call_<index>`` when the model gave none)."""
     name: str = ""
     arguments: list[str] = field(default_factory=list)
 
@@ -305,17 +306,19 @@ class ChatFold:
                     "malformed_stream",
                     f"openai: call {fragment.id!r} at the index of {call.raw_id!r}",
                 )
+            taken = {other.id for other in self.calls.values() if other is not call}
             if fragment.id and not call.raw_id:
-                taken = {other.id for other in self.calls.values() if other is not call}
                 call.raw_id, call.id = fragment.id, distinct_id(fragment.id, taken)
+            elif not call.id:
+                # a gateway that sends no id gets one by index, so the deltas still group;
+                # distinct from every other call's, a real "call_1" included
+                call.id = distinct_id(f"call_{index}", taken)
             function = fragment.function
             call.name = call.name or (function.name if function and function.name else "")
             arguments = (function.arguments if function else None) or ""
             call.arguments.append(arguments)
-            # a gateway that sends no id gets one by index, so the deltas still group
-            call_id = call.id or f"call_{index}"
             out.append(
-                ModelDelta(type="tool_call_delta", call_id=call_id, tool=call.name, text=arguments)
+                ModelDelta(type="tool_call_delta", call_id=call.id, tool=call.name, text=arguments)
             )
         return out
 
@@ -365,12 +368,12 @@ class ChatFold:
             )
         uses = tuple(
             ToolUse(
-                call_id=CallId(call.id or f"call_{index}"),
+                call_id=CallId(call.id),
                 tool=call.name,
                 # no argument text at all means no arguments: the tool gets {}
                 arguments=joined(call.arguments) or "{}",
             )
-            for index, call in sorted(self.calls.items())
+            for _, call in sorted(self.calls.items())
         )
         return ModelResponse(text=joined(self.text), tool_calls=uses, usage=self.usage)
 

@@ -621,6 +621,29 @@ async def test_two_calls_with_one_id_stay_two_calls_from_their_first_fragment(pr
     ]
 
 
+async def test_a_call_sent_without_an_id_takes_none_another_call_has(provider, make):
+    """A call with no id went by ``call_<index>``, which another call's own id could
+    be: their deltas merged, and a checkpoint cut there was recovered as one call (the
+    later name on both argument texts), which the model never made."""
+    nameless = {"index": 1, "type": "function", "function": {"name": "mul", "arguments": ""}}
+    provider.reply(
+        openai_stream(
+            openai_call_start(0, "call_1", "add"),
+            openai_call_args(0, '{"a": 1, "b": 2}'),
+            openai_chunk({"tool_calls": [nameless]}),
+            openai_call_args(1, '{"a": 3, "b": 4}'),
+            finish_reason="tool_calls",
+        )
+    )
+    deltas, response = await collect(make(), request())
+    ids = [d.call_id for d in deltas if d.type == "tool_call_delta"]
+    assert ids == ["call_1", "call_1", "call_1#2", "call_1#2"]
+    assert [(c.call_id, c.tool) for c in response.tool_calls] == [
+        ("call_1", "add"),
+        ("call_1#2", "mul"),
+    ]
+
+
 async def test_calls_cut_at_the_length_limit_are_refused_not_run(provider, make):
     """A call cut by max_tokens reads whole when it streamed no arguments (``{}``) or was
     cut just after a closing brace: it ran, with arguments the model never finished. The

@@ -323,11 +323,12 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
             raise Boom("model failed")
 
     frontier = asyncio.run(drive(FuzzModel(first), bus=EmbeddedBus() if bus else None))
-    # without a listener nothing but the response is looked at; with one, every delta is
-    streamed = not bus or all(isinstance(i, ModelDelta | ModelResponse) for i in items)
+    # an item that is neither a delta nor a response is named, listener or not (without
+    # one it was passed over, and the attempt said it ended without a response)
+    streamed = all(isinstance(i, ModelDelta | ModelResponse) for i in items)
     responses = [i for i in items if isinstance(i, ModelResponse)]
     if not streamed:
-        assert cause(frontier) == ("failed", "inference", "AttributeError")
+        assert cause(frontier) == ("failed", "inference", "TypeError")
     elif raises:
         assert cause(frontier) == ("failed", "inference", "Boom")
     elif not responses:
@@ -428,10 +429,12 @@ def args_of(size: int) -> str:
         ('{"x": "\\ud800"}', "echo", "utf8"),
         ('{"x": NaN}', "echo", "NaN"),
         ('{"x": 1e400}', "echo", "NaN"),
+        # a key twice: the tool ran with the last value, the committed text held both
+        ('{"x": "a", "x": "b"}', "echo", "appears twice"),
     ],
     ids=["5000-deep-array", "3000-deep-object", "over-the-limit", "surrogate", "not-json",
          "not-object", "surrogate-tool", "control-char-tool", "escaped-surrogate", "nan",
-         "overflowing-float"],
+         "overflowing-float", "repeated-key"],
 )  # fmt: skip
 async def test_bad_arguments_are_a_model_visible_error_naming_the_limit(arguments, name, limit):
     frontier = await drive(one_call(arguments, name))

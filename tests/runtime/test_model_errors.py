@@ -4,7 +4,11 @@ and past it pauses the Run until the time the provider named."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
+
+import pytest
 
 from runtime import (
     Agent,
@@ -140,3 +144,79 @@ async def test_an_absurd_retry_after_pauses_the_run_for_a_day_at_most():
         target = f.run_state.ticket.target
         assert (target.kind, target.reason) == ("pause", "rate_limit"), hint
         assert before < target.resume_at_us <= now_us() + 86_400 * 1_000_000, hint
+
+
+async def test_a_hint_that_is_no_number_of_seconds_is_ignored_as_a_missing_one():
+    """``retry_after_s="5"`` raised TypeError in the handler: the Run ended
+    failed(internal) at once instead of backing off."""
+    model = AlwaysLimited("5")  # type: ignore[arg-type]
+    _, f = await run(model, rate_limit_wait_s=1.5)
+    target = f.run_state.ticket.target
+    assert (target.kind, target.reason) == ("pause", "rate_limit")
+    assert model.requests == 2  # 1 s of back-off as without a hint; the next is past the budget
+
+
+async def test_a_model_error_whose_code_is_a_number_keeps_it():
+    """``ModelRefused(400, ...)``: printing the code raised AttributeError, and the Run
+    ended failed(internal) instead of failed(inference)."""
+    for error, code in (
+        (ModelRefused(400, "bad request"), "400"),  # type: ignore[arg-type]
+        (ModelUnavailable(None, "gone"), "ModelUnavailable"),  # type: ignore[arg-type]
+    ):
+        _, f = await run(FailingModel([error] * 3, say("never")))
+        assert failure(f)[:2] == ("inference", code)
+
+
+class HoldsOnToItsCancellation:
+    """A first attempt that keeps the deadline's cancellation to itself and waits on
+    (``where="stream"``), or hangs in its cleanup as its stream is closed
+    (``where="close"``); ``stop`` ends what is left of it with the test."""
+
+    def __init__(self, where: str) -> None:
+        self.where, self.requests, self.stop = where, 0, asyncio.Event()
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        self.requests += 1
+        if request.attempt > 1:
+            yield ModelResponse(text="second attempt")
+            return
+        try:
+            yield ModelDelta(text="thinking")
+            with contextlib.suppress(asyncio.CancelledError):  # the deadline's, kept
+                await self.stop.wait()
+            if self.where == "stream":
+                await self.stop.wait()  # and on it waits
+        finally:
+            if self.where == "close":
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.stop.wait()
+                await self.stop.wait()
+
+
+@pytest.mark.parametrize("where", ["stream", "close"])
+async def test_a_model_that_keeps_its_cancellation_is_cancelled_again(where: str) -> None:
+    """inference_timeout_s bounds the whole attempt, its close included: the attempt was
+    cancelled once, and a model that kept that to itself held the Run's Step as long as
+    it liked."""
+    model = HoldsOnToItsCancellation(where)
+    try:
+        _, f = await asyncio.wait_for(run(model, inference_timeout_s=0.2), 30)
+    finally:
+        model.stop.set()
+    assert f.run_state.cause.kind == "natural" and f.messages[-1].text == "second attempt"
+    assert model.requests == 2
+    assert asyncio.current_task().cancelling() == 0  # every cancellation taken back
+
+
+async def test_a_stream_item_that_is_no_delta_is_named_in_the_failure():
+    """A dict in the stream was passed over, and the attempt said the stream "ended
+    without a complete response" instead."""
+
+    class Odd:
+        async def stream(self, request: InferenceRequest) -> AsyncIterator[object]:
+            yield {"text": "hi"}
+            yield ModelResponse(text="hi")
+
+    _, f = await run(Odd(), inference_attempts=1)
+    assert failure(f)[:2] == ("inference", "TypeError")
+    assert "yielded a dict, not a ModelDelta" in failure(f)[2]

@@ -250,6 +250,12 @@ def test_settings_that_cannot_work_are_refused_when_built():
         # a wait deadline that can never be met (or never stored) fails at import, not at a resume
         with pytest.raises(ToolDefinitionError, match="wait_deadline_s"):
             tool(needs_permission=True, wait_deadline_s=timeout, name="x")(lambda: "x")
+    # a deadline on a tool that never waits would be ignored without a word
+    with pytest.raises(ToolDefinitionError, match="bounds a wait"):
+        tool(wait_deadline_s=5, name="x")(lambda: "x")
+    assert (
+        tool(wait="external_result", wait_deadline_s=5, name="x")(lambda: "x").wait_deadline_s == 5
+    )
 
 
 def test_an_agent_s_parts_of_the_wrong_kind_are_refused_when_it_is_made():

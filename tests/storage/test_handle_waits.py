@@ -118,3 +118,58 @@ async def test_wait_all_raises_at_its_deadline_with_what_the_store_told_by_then(
     with pytest.raises(TimeoutError, match=told):
         await asyncio.wait_for(client.wait_all([handle], timeout_s=0.5), 30)
     assert loop.time() - began < 1.0  # the deadline, and a moment
+
+
+class _CountedLoads:
+    """The store, counting its loads (each a check of the Run at rest)."""
+
+    def __init__(self, inner: MemoryCommitStore) -> None:
+        self.inner, self.loads = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def load(self, thread: Any) -> Any:
+        self.loads += 1
+        return await self.inner.load(thread)
+
+
+@pytest.mark.parametrize("same_input", [True, False], ids=["its-own", "another-callers"])
+async def test_run_takes_a_stored_run_at_rest_for_its_answer_only_if_it_asked_it(
+    monkeypatch: pytest.MonkeyPatch, same_input: bool
+) -> None:
+    """``run`` stops waiting for a slow host once the store holds the Run at rest: it took
+    a Run another caller started under the same ids with another input for its own, and
+    dropped its host's refusal."""
+    from actors.wire import RunMeta
+    from runtime.errors import InvalidTransition
+    from tests.support.waiting import until
+
+    monkeypatch.setattr("cluster.waiting.HOST_CHECK_S", 0.05)
+    memory = MemoryCommitStore()
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="done")]))
+    ref = "tests.storage.test_handle_waits:agent"
+    message = RunMeta(agent_ref=ref).message_id("r1")  # as a host starts it
+    engine = InProcessRunner(agent, memory, agent_ref=ref).engine()
+    await engine.start(ThreadId("th"), "A", run_id=RunId("r1"), message_id=message)
+    store = _CountedLoads(memory)
+    client = Ratchet(SystemSpec(name="t", store_url="memory://", hosts=1), store, [_DoneHost()])  # type: ignore[arg-type]
+    refused = asyncio.Event()
+
+    async def slow_host(*args: Any, **kwargs: Any) -> Any:  # a host busy before it answers
+        await refused.wait()
+        raise InvalidTransition("run r1 exists with another input or agent (test)")
+
+    monkeypatch.setattr(client, "_start", slow_host)
+    asked = client.run(ref, "A" if same_input else "B", thread_id="th", run_id="r1")
+    if same_input:  # the Run it asked, at rest: no need to wait for the host
+        frontier = await asyncio.wait_for(asked, 30)
+        assert frontier.run_id == "r1" and frontier.messages[-1].text == "done"
+        return
+    running = asyncio.ensure_future(asked)
+    # the store checked again and again: the Run there is not this start's
+    await until(lambda: store.loads >= 5, 30, what="five checks of the store")
+    assert not running.done()
+    refused.set()
+    with pytest.raises(InvalidTransition, match="another input"):
+        await asyncio.wait_for(running, 30)
