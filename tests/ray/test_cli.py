@@ -111,12 +111,21 @@ def test_a_store_path_in_a_symlink_loop_is_one_line(tmp_path, command):
 
 def test_the_demo_with_its_folder_a_file_is_one_line(tmp_path):
     """``./ratchet-data`` a regular file: the other commands said so in one line, the demo
-    in a traceback of its ledger's FileExistsError."""
+    in a traceback of its ledger's FileExistsError (now its store, there too, says it)."""
     (tmp_path / "ratchet-data").write_text("not a folder")
     env = {k: v for k, v in os.environ.items() if k not in ("RATCHET_STORE_URL", "RATCHET_LEDGER")}
     done = _ratchet("demo", cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
-    _one_line(done, "cannot open the demo's ledger")
+    _one_line(done, "cannot open store")
     assert (tmp_path / "ratchet-data").read_text() == "not a folder"
+
+
+def test_a_demo_refused_its_store_leaves_no_ledger_behind(tmp_path):
+    """The demo made ``./ratchet-data/demo-effects.db`` before it asked the store."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RATCHET_STORE_URL", "RATCHET_LEDGER")}
+    refused = "postgresql://postgres@127.0.0.1:1/none"  # nothing listens on port 1
+    done = _ratchet("demo", "--store", refused, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
+    _one_line(done, "unavailable")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_terminal_of_width_zero_still_shows_what_went_wrong(tmp_path):
