@@ -171,9 +171,24 @@ class Supervisor(HungHosts):
             "store_lost": self.store_lost,
         }
 
-    async def give_up_lease(self) -> None:
-        """Renew the system's lease no more (``actors.system_lease.LeaseKeeper.give_up``)."""
+    async def give_up_lease(self, when_idle: bool = False) -> bool:
+        """Renew the system's lease no more (``actors.system_lease.LeaseKeeper.give_up``);
+        whether it was given up. ``when_idle`` (a client's close: the process that started
+        this Ray may live on, a notebook's, and the system's actors with it): only if no
+        host of the system drives a Run or holds one running in the store, and no
+        take-over is under way; else another cluster could take the store and recover
+        Runs driven here."""
+        if when_idle and not await self._all_idle():
+            return False
         await self.lease.give_up()
+        return True
+
+    async def _all_idle(self) -> bool:
+        if self._taking or any(self._recovering.values()):
+            return False
+        hosts = {*self.kinds, *(self.spec.host_name(i) for i in range(self.spec.hosts))}
+        idle = await asyncio.gather(*(self._idle(host) for host in hosts))
+        return all(idle) and not self._taking
 
     async def keep_lease(self) -> None:
         """Renew it again: a client claimed it anew (``LeaseKeeper.keep``)."""

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
@@ -352,14 +352,24 @@ class Ratchet:
         raise TimeoutError(f"{len(wanted) - len(done)} of {len(wanted)} runs still running")
 
     async def supervisor_report(self) -> dict[str, Any]:
-        result: dict[str, Any] = await supervisor(self.spec).report.remote()
+        """The Supervisor's report. Asked of the running one: starting one here would
+        bring a system that was shut down back, lease and take-overs included."""
+        try:
+            handle = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
+        except ValueError:
+            raise SystemShutDown(
+                f"system {self.spec.name} has no Supervisor: it was shut down"
+            ) from None
+        result: dict[str, Any] = await handle.report.remote()
         return result
 
     async def close(self) -> None:
         """Close the client's store. A process that started its own Ray (which ends with
         it: ``ratchet run``, ``serve``) gives up the system's lease too when this is its
-        last client of the system open, so that the next cluster on the store need not
-        wait it out (``actors.system_lease``). Closing again does nothing."""
+        last client of the system open and no host of the system drives a Run, so that
+        the next cluster on the store need not wait it out (``actors.system_lease``);
+        with Runs driven (a notebook that lives on, with its Ray) it is kept. Closing
+        again does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -380,51 +390,73 @@ class Ratchet:
         """Stop every actor of this system (the store's data stays), and give up its lease
         (another cluster may serve the store at once; after ``close``, through the store
         opened again for it)."""
-        prefix, store = f"{self.spec.name}:", self.spec.store_name
-        named = [
-            entry["name"]
-            for entry in ray.util.list_named_actors(all_namespaces=True)
-            if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix)
-        ]
         # the lease given up once the Supervisor renews it no more, and before the store
         # actor (if the store is behind one) goes: it is given up through it
         closed, self._closed = self._closed, True
         if not closed:
             self._last_closed()
-        others = [name for name in named if name != store]
         try:
             db = self.store if not closed else await open_local_store(self.spec.store_url)
         except StoreError as exc:  # closed before, and the store is out: it runs out
             log.warning("could not open the store to give up the lease: %s", exc)
-            _kill(others)
+            self._kill_all(but_store=True)
         else:
             try:
-                await self._give_up_lease(db, kill=others)
+                await self._give_up_lease(db, kill=True)
             finally:
                 await db.close()
-        _kill([name for name in named if name == store])
+        self._kill_all(but_store=False)
+
+    def _kill_all(self, *, but_store: bool) -> None:
+        """Kill the system's actors: the Supervisor first, which makes hosts, then every
+        other one listed after it went (a host made meanwhile, a dedicated one started by
+        another client, is killed too)."""
+        _kill([self.spec.supervisor_name])
+        prefix, store = f"{self.spec.name}:", self.spec.store_name
+        for _ in range(2):  # once more for an actor made as the first pass ran
+            _kill(
+                entry["name"]
+                for entry in ray.util.list_named_actors(all_namespaces=True)
+                if entry["namespace"] == NAMESPACE
+                and entry["name"].startswith(prefix)
+                and not (but_store and entry["name"] == store)
+            )
 
     async def _give_up_lease(
-        self, db: CommitStore, kill: Sequence[str] = (), *, closing: bool = False
+        self, db: CommitStore, *, kill: bool = False, closing: bool = False
     ) -> None:
         """Drop the system's lease once the Supervisor renews it no more. Dropped while it
         still did, its next renewal took the free lease again, and the next cluster on the
         store waited ``LEASE_TTL_S`` for a lease nobody held. A Supervisor that does not
-        answer in time (hung, gone) is not waited for: the drop is best effort anyway."""
-        handle = None
+        answer in time (hung, gone) is not waited for: the drop is best effort anyway.
+        ``closing``: only if the Supervisor finds the system idle (``close``). ``kill``:
+        the system's actors but the store's go first (``shutdown``)."""
+        handle, given = None, not closing
         # none, dead, hung, or of an older Ratchet without the method
         with contextlib.suppress(ValueError, RayActorError, TimeoutError, AttributeError):
             handle = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
             async with asyncio.timeout(GIVE_UP_S):
-                await handle.give_up_lease.remote()
+                given = bool(await handle.give_up_lease.remote(when_idle=closing))
+        if closing and not given:
+            return  # Runs driven here (or no word): the lease stays, renewed
         if closing and _OPEN[self.spec.name] > 0 and handle is not None:
             # a client of this process connected meanwhile (its claim renewed the lease,
             # its word to keep it may have come first): the lease stays, renewed
             with contextlib.suppress(AttributeError):
                 handle.keep_lease.remote()
             return
-        _kill(kill)
-        await release_system(db, self.spec.name)
+        if kill:
+            self._kill_all(but_store=True)
+        try:  # bounded as the rest of a close: a hung store must not hold the process
+            async with asyncio.timeout(GIVE_UP_S):
+                await release_system(db, self.spec.name)
+        except TimeoutError:
+            log.warning(
+                "the store did not answer the release of system %s's lease within %g s: it "
+                "runs out by itself",
+                self.spec.name,
+                GIVE_UP_S,
+            )
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)

@@ -11,6 +11,11 @@ import time
 
 from runtime.ports import Lease
 
+MAX_LEASE_AHEAD_S = 600.0
+"""No holder sets a lease to run out further ahead than this (the system lease lasts
+15 s): an expiry beyond it was edited by hand (a year 3000, NaN, text on SQLite) or
+written before the clock stepped back, and it is no lease (taken as an expired one)."""
+
 
 class LeaseTable:
     """name → (holder, expiry on this process's monotonic clock)."""
@@ -21,7 +26,11 @@ class LeaseTable:
     def hold(self, name: str, holder: str, ttl_s: float) -> Lease:
         now = time.monotonic()
         current = self._held.get(name)
-        if current is None or current[0] == holder or current[1] <= now:
+        if (
+            current is None
+            or current[0] == holder
+            or not now < current[1] <= now + MAX_LEASE_AHEAD_S
+        ):
             current = self._held[name] = (holder, now + ttl_s)
         return Lease(current[0], current[1] - now)
 

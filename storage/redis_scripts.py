@@ -126,17 +126,19 @@ redis.call('HSET', meta, 'pruned', ARGV[2], 'pruned_hash', ARGV[3], 'pruned_dige
 return 'ok'
 """
 
-# KEYS: lease instance. ARGV: holder, ttl in ms, the instance token ('' checks nothing).
-# The store's lease (``CommitStore.hold_lease``), timed by the server's clock: taken if
-# free, the holder's own, or without a TTL (set by hand); else left, and its holder and
+# KEYS: lease instance. ARGV: holder, ttl in ms, the instance token ('' checks nothing),
+# the longest TTL in ms any holder sets. The store's lease (``CommitStore.hold_lease``),
+# timed by the server's clock: taken if free, the holder's own, without a TTL or with
+# one longer than any holder sets (set by hand); else left, and its holder and
 # milliseconds left answered.
 LEASE_LUA = """#!lua
 if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[3] then return 'lost' end
 local t = redis.call('TYPE', KEYS[1])['ok']
 if t ~= 'none' and t ~= 'string' then return 'corrupt' end
 local held = redis.call('GET', KEYS[1])
-if held and held ~= ARGV[1] and redis.call('PTTL', KEYS[1]) >= 0 then
-  return {held, redis.call('PTTL', KEYS[1])}
+local left = redis.call('PTTL', KEYS[1])
+if held and held ~= ARGV[1] and left >= 0 and left <= tonumber(ARGV[4]) then
+  return {held, left}
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {ARGV[1], tonumber(ARGV[2])}

@@ -111,6 +111,7 @@ from runtime.integrity import (
 )
 from runtime.ports import CommittedRecord, Lease, RunSummary, host_of
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
+from storage.leases import MAX_LEASE_AHEAD_S
 from storage.redis_audit import index_problem
 from storage.redis_client import open_client, translated
 from storage.redis_instance import check_instance, instance_key, instance_of
@@ -395,7 +396,8 @@ class RedisCommitStore:
         ttl_ms = str(max(1, math.ceil(ttl_s * 1000)))
         with translated(self.where):
             reply = await self._lease_script(
-                keys=[key, self._instance], args=[holder, ttl_ms, self.instance or ""]
+                keys=[key, self._instance],
+                args=[holder, ttl_ms, self.instance or "", str(int(MAX_LEASE_AHEAD_S * 1000))],
             )
         if reply == "lost":
             check_instance(None, self.instance, self.where)

@@ -2,7 +2,8 @@
 processes holding and testing a lease may sit on machines whose clocks disagree.
 
 A hold is one transaction: insert the lease if there is none, take it over where it is
-the holder's own or has expired, then read who holds it. On PostgreSQL the update
+the holder's own, has expired or runs out further ahead than any holder sets, then
+read who holds it. On PostgreSQL the update
 re-checks its condition on the row a concurrent taker just wrote (so of two takers of
 an expired lease one holds it); SQLite runs one writer at a time.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from sqlalchemy import Connection, text
 
 from runtime.ports import Lease
+from storage.leases import MAX_LEASE_AHEAD_S
 
 _NOW = {
     "postgresql": text("SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"),
@@ -23,7 +25,7 @@ _INSERT = text(
 )
 _TAKE = text(
     "UPDATE ratchet_leases SET holder = :holder, expires_at = :until "
-    "WHERE name = :name AND (holder = :holder OR expires_at <= :now)"
+    "WHERE name = :name AND (holder = :holder OR expires_at <= :now OR expires_at > :far)"
 )
 _HELD = text("SELECT holder, expires_at FROM ratchet_leases WHERE name = :name")
 _DROP = text("DELETE FROM ratchet_leases WHERE name = :name AND holder = :holder")
@@ -32,7 +34,10 @@ _DROP = text("DELETE FROM ratchet_leases WHERE name = :name AND holder = :holder
 def hold_body(conn: Connection, name: str, holder: str, ttl_s: float) -> Lease:
     with conn.begin():
         now = float(conn.execute(_NOW[conn.dialect.name]).scalar_one())
-        values = {"name": name, "holder": holder, "until": now + ttl_s, "now": now}
+        # an expiry further ahead than any holder sets (NaN, infinity and text on SQLite
+        # sort above every number) is no lease: it would be waited on for ever
+        far = now + MAX_LEASE_AHEAD_S
+        values = {"name": name, "holder": holder, "until": now + ttl_s, "now": now, "far": far}
         conn.execute(_INSERT, values)
         conn.execute(_TAKE, values)
         held, until = conn.execute(_HELD, values).one()

@@ -259,6 +259,56 @@ async def test_the_last_close_in_a_process_gives_the_lease_up_and_no_renewal_tak
         await store.close()
 
 
+async def test_a_last_close_while_a_host_drives_a_run_keeps_the_lease(tmp_path: Path) -> None:
+    """A process that started its Ray and lives on after its last close (a notebook)
+    keeps its hosts, and they drive on: the close gave the lease up all the same, and a
+    cluster started next took the store and recovered the Runs driven here."""
+    url = store_url_from(f"sqlite:///{tmp_path}/driven.db")
+    system = system_name(url)
+    client = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+    store = await open_store(url)
+    supervisor = ray.get_actor(client.spec.supervisor_name, namespace=NAMESPACE)
+    hosts = [ray.get_actor(client.spec.host_name(i), namespace=NAMESPACE) for i in range(2)]
+    try:
+        await client.start("tests.ray.agents:long_napping_agent", "nap", thread_id="t-driven")
+
+        async def driven() -> bool:
+            return any([await host.driving.remote() for host in hosts])
+
+        await wait_for(driven, timeout_s=30, what="the Run driven")
+        await client.close()  # the last in this process, which started its Ray
+        checked = (await supervisor.report.remote())["lease_checks"]
+
+        async def renewed() -> bool:
+            return bool((await supervisor.report.remote())["lease_checks"] > checked)
+
+        await wait_for(renewed, timeout_s=30, what="a renewal of the lease")
+        assert (await supervisor.report.remote())["serves"] is True
+        lease = await store.hold_lease(lease_name(system), OTHER, 2.0)
+        assert lease.holder == cluster_token()  # held still: no other cluster takes it
+    finally:
+        _kill_all(system)
+        await store.close()
+
+
+async def test_a_report_asked_of_a_system_shut_down_starts_no_supervisor(tmp_path: Path) -> None:
+    """It started a Supervisor again, which took the lease and the system's Runs back."""
+    from cluster.config import SystemShutDown
+
+    url = store_url_from(f"sqlite:///{tmp_path}/reported.db")
+    stale = await Ratchet.connect(store_url=url)
+    try:
+        other = await Ratchet.connect(store_url=url)
+        await other.shutdown()
+        with pytest.raises(SystemShutDown, match="shut down"):
+            await stale.supervisor_report()
+        with pytest.raises(ValueError):
+            ray.get_actor(stale.spec.supervisor_name, namespace=NAMESPACE)
+    finally:
+        await stale.close()
+        _kill_all(system_name(url))
+
+
 def _kill_all(system: str) -> None:
     for name in _actors_of(system):
         with contextlib.suppress(ValueError):

@@ -85,3 +85,41 @@ async def _another(backend: str, url: str) -> Any:
     if backend == "redis":
         return await RedisCommitStore.connect(url)
     return await SqlCommitStore.connect(url)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres", "redis"])
+async def test_a_lease_set_by_hand_to_run_out_far_ahead_is_no_lease(
+    store: Any, backend: str
+) -> None:
+    """A year 3000, NaN, infinity or text (SQLite): no holder sets it, so it is taken as
+    an expired lease. It was waited on for ever, every claim refused with SystemInUse
+    naming a holder that never renewed; text on SQLite failed every hold with a
+    ValueError."""
+    from sqlalchemy import text
+
+    far = ["1e11", "'NaN'", "'Infinity'"] if backend == "postgres" else ["1e11", "'garbage'"]
+    if backend == "redis":
+        far = ["year 3000"]
+    for expiry in far:
+        assert (await store.hold_lease("system-a", "cluster-gone", 30.0)).holder == "cluster-gone"
+        if backend == "redis":
+            key = f"{store.prefix}:lease:system-a"
+            await store.client.set(key, "cluster-gone", ex=10**9)  # some thirty years
+        else:
+            async with store.engine.begin() as conn:
+                await conn.execute(
+                    text(f"UPDATE ratchet_leases SET expires_at = {expiry} WHERE name = 'system-a'")
+                )
+        lease = await store.hold_lease("system-a", "cluster-1", 30.0)
+        assert (lease.holder, round(lease.expires_in_s)) == ("cluster-1", 30), expiry
+        await store.drop_lease("system-a", "cluster-1")
+
+
+async def test_a_lease_held_longer_than_any_holder_sets_is_no_lease_in_memory() -> None:
+    from storage.leases import MAX_LEASE_AHEAD_S, LeaseTable
+
+    table = LeaseTable()
+    table.hold("a", "cluster-gone", MAX_LEASE_AHEAD_S * 2)
+    assert table.hold("a", "cluster-1", 30.0).holder == "cluster-1"
+    table.hold("b", "cluster-alive", MAX_LEASE_AHEAD_S)
+    assert table.hold("b", "cluster-1", 30.0).holder == "cluster-alive"
