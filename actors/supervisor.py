@@ -110,6 +110,8 @@ class Supervisor(HungHosts):
         self.orphans = Orphans(self.store, self._end_orphan)
         self.alarms = Alarms()
         self.lease = LeaseKeeper(self.store, spec.name)
+        self._kept = 0
+        """Words to keep the lease so far: a give-up that began before the last one is moot."""
         self.store_lost = False
         """Whether the store answered StoreLost (its contents gone: ``report`` says so)."""
         self._silent: dict[str, float] = {}
@@ -178,7 +180,10 @@ class Supervisor(HungHosts):
         host of the system drives a Run or holds one running in the store, and no
         take-over is under way; else another cluster could take the store and recover
         Runs driven here."""
+        kept = self._kept
         if when_idle and not await self._all_idle():
+            return False
+        if self._kept != kept:  # a client connected meanwhile: its word to keep it stands
             return False
         await self.lease.give_up()
         return True
@@ -187,11 +192,15 @@ class Supervisor(HungHosts):
         if self._taking or any(self._recovering.values()):
             return False
         hosts = {*self.kinds, *(self.spec.host_name(i) for i in range(self.spec.hosts))}
-        idle = await asyncio.gather(*(self._idle(host) for host in hosts))
+        try:
+            idle = await asyncio.gather(*(self._idle(host) for host in hosts))
+        except Exception:  # the store did not answer a listing: not idle, as far as we know
+            return False
         return all(idle) and not self._taking
 
     async def keep_lease(self) -> None:
         """Renew it again: a client claimed it anew (``LeaseKeeper.keep``)."""
+        self._kept += 1
         self.lease.keep()
 
     # ---- the watch ---------------------------------------------------------------

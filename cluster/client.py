@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 from actors.run_host import dedicated_host, hosted_host
 from actors.store_actor import (
@@ -432,11 +432,13 @@ class Ratchet:
         ``closing``: only if the Supervisor finds the system idle (``close``). ``kill``:
         the system's actors but the store's go first (``shutdown``)."""
         handle, given = None, not closing
-        # none, dead, hung, or of an older Ratchet without the method
-        with contextlib.suppress(ValueError, RayActorError, TimeoutError, AttributeError):
+        # none, dead, hung, failing (RayError), or of an older Ratchet without the method
+        # or its argument (AttributeError, TypeError)
+        with contextlib.suppress(ValueError, RayError, TimeoutError, AttributeError, TypeError):
             handle = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
             async with asyncio.timeout(GIVE_UP_S):
-                given = bool(await handle.give_up_lease.remote(when_idle=closing))
+                asked = handle.give_up_lease.remote(when_idle=True) if closing else None
+                given = bool(await (asked or handle.give_up_lease.remote()))
         if closing and not given:
             return  # Runs driven here (or no word): the lease stays, renewed
         if closing and _OPEN[self.spec.name] > 0 and handle is not None:

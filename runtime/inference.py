@@ -4,7 +4,6 @@ and what of the model's output may be committed (``admit_response``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -187,13 +186,13 @@ class Inference:
         await self.guard(asyncio.sleep(wait))  # a cancel ends the wait
 
     async def _stream(self, ctx: RunContext, request: InferenceRequest) -> ModelResponse:
-        """One attempt, within ``Agent.inference_timeout_s`` in all, its stream's close
-        included. It runs in the Run's own task (a task of its own would cost the Step
-        loop turns, and a fast model's commit its share of the results' group); a model
-        that holds on to the deadline's cancellation (catches it, then waits on, or hangs
-        closing its connection) is cancelled again every ``CANCEL_GRACE_S``. One that
-        swallows every cancellation holds its Run, as a model that blocks the event loop
-        holds every Run of the process."""
+        """One attempt, within ``Agent.inference_timeout_s``; a close of its stream that
+        hangs is cut ``CANCEL_GRACE_S`` past that. It runs in the Run's own task (a task
+        of its own would cost the Step loop turns, and a fast model's commit its share
+        of the results' group); a model that holds on to the deadline's cancellation
+        (catches it, then waits on, or hangs closing its connection) is cancelled again
+        every ``CANCEL_GRACE_S``. One that swallows every cancellation holds its Run, as
+        a model that blocks the event loop holds every Run of the process."""
         limit = self.agent.inference_timeout_s
         items = self.agent.model.stream(request)
         deadline = asyncio.timeout(limit)
@@ -203,10 +202,7 @@ class Inference:
                 async with deadline:
                     return await self._streamed(ctx, request, items)
             finally:  # an attempt given up closes its stream (and the provider's connection)
-                close = getattr(items, "aclose", None)
-                if close is not None:
-                    with contextlib.suppress(Exception):
-                        await close()
+                await _closed(items, nudges)
         except (TimeoutError, asyncio.CancelledError):
             if not nudges.ours(deadline):
                 raise  # the model's own TimeoutError, or a real cancellation
@@ -292,6 +288,22 @@ class Inference:
         return response
 
 
+async def _closed(items: AsyncIterator[Any], nudges: _Nudges) -> None:
+    """Close an attempt's stream. A close that hangs is cut by the nudges (past the
+    deadline); that cut is no outcome of the attempt, whose own (its answer, the model's
+    error, its deadline) stands."""
+    close = getattr(items, "aclose", None)
+    if close is None:
+        return
+    try:
+        await close()
+    except asyncio.CancelledError:
+        if not nudges.only_ours():
+            raise  # the Run's task is being cancelled: it goes on unwinding
+    except Exception:  # a stream that fails to close has still ended
+        pass
+
+
 class _Nudges:
     """The cancellations an inference attempt is sent past its deadline and a grace, one
     every ``CANCEL_GRACE_S`` until it ends: its task is the Run's, so an attempt that
@@ -314,6 +326,11 @@ class _Nudges:
         self.sent += 1
         self._task.cancel()
         self._timer = asyncio.get_running_loop().call_later(CANCEL_GRACE_S, self._nudge)
+
+    def only_ours(self) -> bool:
+        """Whether every cancellation the task was asked for since the attempt began is
+        one of ours (a nudge)."""
+        return self.sent > 0 and self._task.cancelling() == self._before + self.sent
 
     def ours(self, deadline: asyncio.Timeout) -> bool:
         """Whether the attempt ended on its deadline: past it, with every cancellation the

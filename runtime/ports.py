@@ -113,7 +113,9 @@ class CommitStore(Protocol):
         """Hold the lease ``name`` for ``ttl_s`` from now, by the store's clock, if it is
         free, expired or ``holder``'s already (then renewed); else leave it as it is.
         Answers who holds it now, and for how much longer. One atomic step: of callers
-        racing for a free lease, one holds it."""
+        racing for a free lease, one holds it. A lease that runs out further ahead than
+        ``storage.leases.MAX_LEASE_AHEAD_S`` (600 s) was set by hand (or before the
+        clock stepped back) and is taken as an expired one: hold none longer."""
 
     async def drop_lease(self, name: str, holder: str) -> None:
         """Give the lease ``name`` up, if ``holder`` holds it."""

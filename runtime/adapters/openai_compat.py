@@ -306,13 +306,12 @@ class ChatFold:
                     "malformed_stream",
                     f"openai: call {fragment.id!r} at the index of {call.raw_id!r}",
                 )
-            taken = {other.id for other in self.calls.values() if other is not call}
             if fragment.id and not call.raw_id:
-                call.raw_id, call.id = fragment.id, distinct_id(fragment.id, taken)
+                call.raw_id, call.id = fragment.id, distinct_id(fragment.id, self._taken(call))
             elif not call.id:
                 # a gateway that sends no id gets one by index, so the deltas still group;
                 # distinct from every other call's, a real "call_1" included
-                call.id = distinct_id(f"call_{index}", taken)
+                call.id = distinct_id(f"call_{index}", self._taken(call))
             function = fragment.function
             call.name = call.name or (function.name if function and function.name else "")
             arguments = (function.arguments if function else None) or ""
@@ -321,6 +320,10 @@ class ChatFold:
                 ModelDelta(type="tool_call_delta", call_id=call.id, tool=call.name, text=arguments)
             )
         return out
+
+    def _taken(self, call: _Call) -> set[str]:
+        """The ids of the answer's other calls (asked once per call, not per fragment)."""
+        return {other.id for other in self.calls.values() if other is not call}
 
     def _index_of(self, fragment: Any) -> int:
         """The call a fragment belongs to: its ``index``, as the documented shape numbers

@@ -200,12 +200,73 @@ async def test_a_model_that_keeps_its_cancellation_is_cancelled_again(where: str
     it liked."""
     model = HoldsOnToItsCancellation(where)
     try:
-        _, f = await asyncio.wait_for(run(model, inference_timeout_s=0.2), 30)
+        async with asyncio.timeout(30):  # in this task, whose count of cancels is read below
+            _, f = await run(model, inference_timeout_s=0.2)
     finally:
         model.stop.set()
     assert f.run_state.cause.kind == "natural" and f.messages[-1].text == "second attempt"
     assert model.requests == 2
-    assert asyncio.current_task().cancelling() == 0  # every cancellation taken back
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # every cancellation taken back
+
+
+class _HangsClosing:
+    """A stream (not a generator) whose ``aclose`` keeps the first cancellation to itself
+    and waits on; it first yields ``first`` (or raises it)."""
+
+    def __init__(self, first: object, stop: asyncio.Event) -> None:
+        self.first, self.stop, self.closes = first, stop, 0
+
+    def __aiter__(self) -> _HangsClosing:
+        return self
+
+    async def __anext__(self) -> object:
+        if isinstance(self.first, BaseException):
+            raise self.first
+        if self.first is None:
+            raise StopAsyncIteration
+        item, self.first = self.first, None
+        return item
+
+    async def aclose(self) -> None:
+        self.closes += 1
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.stop.wait()
+        await self.stop.wait()
+
+
+class HangsClosing:
+    def __init__(self, first: object) -> None:
+        self.first, self.stop, self.streams = first, asyncio.Event(), []
+
+    def stream(self, request: InferenceRequest) -> _HangsClosing:
+        first = self.first if request.attempt == 1 else ModelResponse(text="second attempt")
+        self.streams.append(_HangsClosing(first, self.stop))
+        return self.streams[-1]
+
+
+@pytest.mark.parametrize(
+    ("first", "ends"),
+    [
+        (ModelResponse(text="answered"), ("natural", "answered")),
+        # the close cut past the deadline: the refusal stands, not asked again
+        (ModelRefused("context_length", "too long"), ("failed", "context_length")),
+    ],
+    ids=["answer", "refusal"],
+)
+async def test_a_close_that_hangs_is_cut_and_the_attempt_s_outcome_stands(first, ends) -> None:
+    model = HangsClosing(first)
+    try:
+        async with asyncio.timeout(30):
+            _, f = await run(model, inference_timeout_s=0.2)
+    finally:
+        model.stop.set()
+    cause = f.run_state.cause
+    said = f.messages[-1].text if cause.kind == "natural" else cause.code
+    assert (cause.kind, said) == ends
+    assert len(model.streams) == 1 and model.streams[0].closes == 1
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
 
 
 async def test_a_stream_item_that_is_no_delta_is_named_in_the_failure():
