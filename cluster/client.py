@@ -437,8 +437,9 @@ class Ratchet:
         with contextlib.suppress(ValueError, RayError, TimeoutError, AttributeError, TypeError):
             handle = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
             async with asyncio.timeout(GIVE_UP_S):
-                asked = handle.give_up_lease.remote(when_idle=True) if closing else None
-                given = bool(await (asked or handle.give_up_lease.remote()))
+                asking: Any = handle.give_up_lease  # an older one takes no argument
+                asked: Any = asking.remote(when_idle=True) if closing else asking.remote()
+                given = bool(await asked)
         if closing and not given:
             return  # Runs driven here (or no word): the lease stays, renewed
         if closing and _OPEN[self.spec.name] > 0 and handle is not None:
