@@ -47,6 +47,7 @@ from actors.deliveries import AWAITING_DELEGATION, redeliver
 from actors.drives import counts_against_run
 from actors.host_control import acting_for
 from actors.hung_hosts import HungHosts, exists
+from actors.idle_hosts import PING_TIMEOUT_S, IdleHosts
 from actors.orphans import Orphans
 from actors.ownership import EXECUTION_LOST, mark_lost
 from actors.reconcile import RECOVERY_RETRY_S
@@ -73,14 +74,13 @@ from runtime.publish import Publisher
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.supervisor")
-PING_TIMEOUT_S = 2.0
 TAKE_OVERS = 8
 """Take-overs under way at once (each one is a few store calls and one host call)."""
 EVENTS_KEPT = 1000
 """The latest lost and restarted hosts ``report`` shows (its counts have them all)."""
 
 
-class Supervisor(HungHosts):
+class Supervisor(HungHosts, IdleHosts):
     # Ray awaits an async actor's __init__ in the actor's own event loop
     async def __init__(self, spec: SystemSpec) -> None:  # type: ignore[misc]
         replace_spare_if_restarted(spec.warm_spares)
@@ -111,7 +111,6 @@ class Supervisor(HungHosts):
         self.alarms = Alarms()
         self.lease = LeaseKeeper(self.store, spec.name)
         self._kept = 0
-        """Words to keep the lease so far: a give-up that began before the last one is moot."""
         self.store_lost = False
         """Whether the store answered StoreLost (its contents gone: ``report`` says so)."""
         self._silent: dict[str, float] = {}
@@ -123,42 +122,6 @@ class Supervisor(HungHosts):
         self.leases[host_id] = time.monotonic() + self.spec.lease_ttl_s
         self.kinds[host_id] = kind
         self._silent.pop(host_id, None)
-
-    async def retire(self, host_id: str) -> bool:
-        """A dedicated host whose Run is over: forget its lease and end the process, if it
-        is idle still (nothing driven there, no running Run of its own in the store, no
-        recovery of ours on its way to it). False if not: it asks again once idle."""
-        if not await self._idle(host_id) or self._recovering[host_id]:
-            return False
-        try:  # the host agrees to go, and from then on starts no drive (actors.retiring)
-            handle = ray.get_actor(host_id, namespace=NAMESPACE)
-            agreed: bool = await asyncio.wait_for(handle.retire_now.remote(), PING_TIMEOUT_S)
-        except ValueError:  # gone already
-            agreed = True
-        except Exception:  # slow to answer, or restarting: it asks again once idle
-            return False
-        if not agreed or self._recovering[host_id]:  # checked after the last await
-            return False  # a recovery of ours waits at its door: it opens again
-        self._forget(host_id)
-        with contextlib.suppress(ValueError):  # gone already
-            ray.kill(handle, no_restart=True)
-        return True
-
-    def _forget(self, host_id: str) -> None:
-        """A host this Supervisor ends for good: no lease, and nothing to restart."""
-        self.leases.pop(host_id, None)
-        self.kinds.pop(host_id, None)
-        self._silent.pop(host_id, None)
-
-    async def _idle(self, host_id: str) -> bool:
-        try:
-            handle = ray.get_actor(host_id, namespace=NAMESPACE)
-            driving: bool = await asyncio.wait_for(handle.driving.remote(), PING_TIMEOUT_S)
-        except ValueError:  # gone already: nothing to end
-            return True
-        except Exception:  # slow to answer, or restarting: not idle, as far as we know
-            return False
-        return not driving and not await self.store.list_runs("running", host=host_id)
 
     async def report(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -172,36 +135,6 @@ class Supervisor(HungHosts):
             "lease_checks": self.lease.checks,
             "store_lost": self.store_lost,
         }
-
-    async def give_up_lease(self, when_idle: bool = False) -> bool:
-        """Renew the system's lease no more (``actors.system_lease.LeaseKeeper.give_up``);
-        whether it was given up. ``when_idle`` (a client's close: the process that started
-        this Ray may live on, a notebook's, and the system's actors with it): only if no
-        host of the system drives a Run or holds one running in the store, and no
-        take-over is under way; else another cluster could take the store and recover
-        Runs driven here."""
-        kept = self._kept
-        if when_idle and not await self._all_idle():
-            return False
-        if self._kept != kept:  # a client connected meanwhile: its word to keep it stands
-            return False
-        await self.lease.give_up()
-        return True
-
-    async def _all_idle(self) -> bool:
-        if self._taking or any(self._recovering.values()):
-            return False
-        hosts = {*self.kinds, *(self.spec.host_name(i) for i in range(self.spec.hosts))}
-        try:
-            idle = await asyncio.gather(*(self._idle(host) for host in hosts))
-        except Exception:  # the store did not answer a listing: not idle, as far as we know
-            return False
-        return all(idle) and not self._taking
-
-    async def keep_lease(self) -> None:
-        """Renew it again: a client claimed it anew (``LeaseKeeper.keep``)."""
-        self._kept += 1
-        self.lease.keep()
 
     # ---- the watch ---------------------------------------------------------------
 
