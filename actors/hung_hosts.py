@@ -21,25 +21,18 @@ from typing import Any
 
 import ray
 
-from actors.wire import NAMESPACE, SystemSpec
+from actors.host_book import HostBook
+from actors.wire import NAMESPACE
 from runtime.errors import StoreUnavailable
-from runtime.ports import CommitStore
 from runtime.timeutil import now_us
 
 log = logging.getLogger("ratchet.supervisor")
 
 
-class HungHosts:
-    spec: SystemSpec
-    store: CommitStore
+class HungHosts(HostBook):
     owner: str
-    leases: dict[str, float]
-    kinds: dict[str, str]
     counts: Counter[str]
     events: deque[dict[str, Any]]
-    _silent: dict[str, float]
-    """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
-
     _alive: Callable[[str, float], Awaitable[bool]]  # the Supervisor's: a lease, or an answer
 
     def _expect_pool(self, now: float) -> None:

@@ -16,21 +16,16 @@ from collections import Counter
 
 import ray
 
+from actors.host_book import HostBook
 from actors.system_lease import LeaseKeeper
-from actors.wire import NAMESPACE, SystemSpec
+from actors.wire import NAMESPACE
 from runtime.ids import ThreadId
-from runtime.ports import CommitStore
 
 PING_TIMEOUT_S = 2.0
 
 
-class IdleHosts:
-    spec: SystemSpec
-    store: CommitStore
+class IdleHosts(HostBook):
     lease: LeaseKeeper
-    leases: dict[str, float]
-    kinds: dict[str, str]
-    _silent: dict[str, float]
     _recovering: Counter[str]
     _taking: set[ThreadId]
     _kept: int
