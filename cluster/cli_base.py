@@ -60,7 +60,7 @@ async def uncancelled(closing: Awaitable[T]) -> T:
     cancellation is raised after. ``ratchet serve`` stopped with Ctrl-C: uvicorn shuts
     down, then raises the SIGINT again, and asyncio's handler cancelled the client's
     close at its first await, so the lease was not given up and the next cluster on the
-    store waited it out. (A close is bounded: ``cluster.client.GIVE_UP_S`` and the
+    store waited it out. (A close is bounded: ``cluster.letting_go.GIVE_UP_S`` and the
     store's deadlines.)"""
     task = asyncio.ensure_future(closing)
     cancelled = False

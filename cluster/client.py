@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayActorError
 
 from actors.run_host import dedicated_host, hosted_host
 from actors.store_actor import (
@@ -35,7 +35,7 @@ from actors.store_actor import (
     store_actor,
 )
 from actors.supervisor import supervisor
-from actors.system_lease import claim_system, release_system
+from actors.system_lease import claim_system
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, asked_before, host_index, unwrap
 from cluster import waiting
 from cluster.config import (
@@ -49,6 +49,7 @@ from cluster.config import (
     system_name,
 )
 from cluster.handle import RunHandle, command_for
+from cluster.letting_go import give_up_lease, kill_named, kill_system
 from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, polled, rests
 from runtime import tracing_env
 from runtime.agent import load_agent
@@ -65,8 +66,6 @@ T = TypeVar("T")
 WAIT_COUNT_S = 1.0
 """The end of a ``wait_all`` deadline kept for counting the Runs still running (a tenth
 of it if that is less): the count must not take the waiter past its deadline."""
-GIVE_UP_S = 5.0
-"""How long a close or shutdown waits for the Supervisor to stop renewing the lease."""
 _OPEN: Counter[str] = Counter()
 """System name → clients of it open (or connecting) in this process: a process that
 started its Ray gives the lease up when its last one closes, not its first."""
@@ -120,7 +119,7 @@ class Ratchet:
             _OPEN[spec.name] -= 1
             await store.close()
             if isinstance(exc, SystemInUse) and spec.funnels_writes:
-                _kill([spec.store_name])  # it would hold the store open here, for nobody
+                kill_named([spec.store_name])  # it would hold the store open here, for nobody
             raise
         # one that lives on from a client this process closed renews the lease no more
         # (``close``): told to again, not waited for (a new one renews it anyway); one of
@@ -375,7 +374,7 @@ class Ratchet:
         self._closed = True
         try:
             if self._last_closed() and owns_ray():
-                await self._give_up_lease(self.store, closing=True)
+                await give_up_lease(self.spec, self.store, closing=True, reopened=self._reopened)
         finally:
             await self.store.close()
 
@@ -399,76 +398,20 @@ class Ratchet:
             db = self.store if not closed else await open_local_store(self.spec.store_url)
         except StoreError as exc:  # closed before, and the store is out: it runs out
             log.warning("could not open the store to give up the lease: %s", exc)
-            self._kill_all(but_store=True)
+            kill_system(self.spec, but_store=True)
         else:
             try:
-                await self._give_up_lease(db, kill=True)
+                await give_up_lease(self.spec, db, kill=True)
             finally:
                 await db.close()
-        self._kill_all(but_store=False)
+        kill_system(self.spec, but_store=False)
 
-    def _kill_all(self, *, but_store: bool) -> None:
-        """Kill the system's actors: the Supervisor first, which makes hosts, then every
-        other one listed after it went (a host made meanwhile, a dedicated one started by
-        another client, is killed too)."""
-        _kill([self.spec.supervisor_name])
-        prefix, store = f"{self.spec.name}:", self.spec.store_name
-        for _ in range(2):  # once more for an actor made as the first pass ran
-            _kill(
-                entry["name"]
-                for entry in ray.util.list_named_actors(all_namespaces=True)
-                if entry["namespace"] == NAMESPACE
-                and entry["name"].startswith(prefix)
-                and not (but_store and entry["name"] == store)
-            )
-
-    async def _give_up_lease(
-        self, db: CommitStore, *, kill: bool = False, closing: bool = False
-    ) -> None:
-        """Drop the system's lease once the Supervisor renews it no more. Dropped while it
-        still did, its next renewal took the free lease again, and the next cluster on the
-        store waited ``LEASE_TTL_S`` for a lease nobody held. A Supervisor that does not
-        answer in time (hung, gone) is not waited for: the drop is best effort anyway.
-        ``closing``: only if the Supervisor finds the system idle (``close``). ``kill``:
-        the system's actors but the store's go first (``shutdown``)."""
-        handle, given = None, not closing
-        # none, dead, hung, failing (RayError), or of an older Ratchet without the method
-        # or its argument (AttributeError, TypeError)
-        with contextlib.suppress(ValueError, RayError, TimeoutError, AttributeError, TypeError):
-            handle = ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
-            async with asyncio.timeout(GIVE_UP_S):
-                asking: Any = handle.give_up_lease  # an older one takes no argument
-                asked: Any = asking.remote(when_idle=True) if closing else asking.remote()
-                given = bool(await asked)
-        if closing and not given:
-            return  # Runs driven here (or no word): the lease stays, renewed
-        if closing and _OPEN[self.spec.name] > 0 and handle is not None:
-            # a client of this process connected meanwhile (its claim renewed the lease,
-            # its word to keep it may have come first): the lease stays, renewed
-            with contextlib.suppress(AttributeError):
-                handle.keep_lease.remote()
-            return
-        if kill:
-            self._kill_all(but_store=True)
-        try:  # bounded as the rest of a close: a hung store must not hold the process
-            async with asyncio.timeout(GIVE_UP_S):
-                await release_system(db, self.spec.name)
-        except TimeoutError:
-            log.warning(
-                "the store did not answer the release of system %s's lease within %g s: it "
-                "runs out by itself",
-                self.spec.name,
-                GIVE_UP_S,
-            )
+    def _reopened(self) -> bool:
+        """A client of this system connected in this process since the close began."""
+        return _OPEN[self.spec.name] > 0
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)
-
-
-def _kill(names: Iterable[str]) -> None:
-    for name in names:
-        with contextlib.suppress(ValueError):  # gone already
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
 
 
 async def _rested(store: CommitStore, wanted: dict[ThreadId, RunId | None]) -> list[RunSummary]:
