@@ -129,8 +129,7 @@ class Ratchet:
                 supervisor(spec).keep_lease.remote()
             pool = [hosted_host(spec, i) for i in range(spec.hosts)]
         except BaseException:
-            _OPEN[spec.name] -= 1
-            await store.close()
+            await _connect_failed(spec, store)
             raise
         return cls(spec, store, pool)
 
@@ -412,6 +411,20 @@ class Ratchet:
 
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)
+
+
+async def _connect_failed(spec: SystemSpec, store: CommitStore) -> None:
+    """A connect that failed after its claim (its word to keep the lease sent): as the
+    last client of the system in a process that started its Ray, it gives the lease up
+    as a close would. Else the Supervisor renewed it, with no client open, for as long
+    as the process lived."""
+    _OPEN[spec.name] -= 1
+    try:
+        if _OPEN[spec.name] <= 0 and owns_ray():
+            del _OPEN[spec.name]
+            await give_up_lease(spec, store, closing=True, reopened=lambda: _OPEN[spec.name] > 0)
+    finally:
+        await store.close()
 
 
 async def _rested(store: CommitStore, wanted: dict[ThreadId, RunId | None]) -> list[RunSummary]:

@@ -291,6 +291,38 @@ async def test_a_last_close_while_a_host_drives_a_run_keeps_the_lease(tmp_path: 
         await store.close()
 
 
+async def test_a_connect_that_fails_after_its_claim_gives_the_lease_up_as_a_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its word to keep the lease set the Supervisor renewing again, and with no client
+    open nothing gave it up: it was renewed for as long as the process lived."""
+    url = store_url_from(f"sqlite:///{tmp_path}/failed.db")
+    system = system_name(url)
+    first = await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+    store = await open_store(url)
+    supervisor = ray.get_actor(first.spec.supervisor_name, namespace=NAMESPACE)
+    try:
+        await first.close()  # the last, idle: given up
+
+        def no_host(spec: Any, index: int) -> Any:
+            raise RuntimeError("no host (test)")
+
+        monkeypatch.setattr("cluster.client.hosted_host", no_host)
+        with pytest.raises(RuntimeError, match="no host"):
+            await Ratchet.connect(store_url=url, heartbeat_s=0.05)
+        checked = (await supervisor.report.remote())["lease_checks"]
+
+        async def renewed() -> bool:
+            return bool((await supervisor.report.remote())["lease_checks"] > checked)
+
+        await wait_for(renewed, timeout_s=30, what="a tick of the lease")
+        assert (await supervisor.report.remote())["serves"] is False
+        assert (await store.hold_lease(lease_name(system), OTHER, 2.0)).holder == OTHER
+    finally:
+        _kill_all(system)
+        await store.close()
+
+
 async def test_a_report_asked_of_a_system_shut_down_starts_no_supervisor(tmp_path: Path) -> None:
     """It started a Supervisor again, which took the lease and the system's Runs back."""
     from cluster.config import SystemShutDown
