@@ -8,7 +8,7 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from pydantic import ValidationError
 
@@ -102,7 +102,7 @@ def _counts(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _seconds(value: object) -> bool:
+def is_seconds(value: object) -> TypeGuard[float]:
     """A finite, non-negative number of seconds."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         return False
@@ -166,7 +166,7 @@ class Agent:
             )
         for name in ("inference_timeout_s", "rate_limit_wait_s"):
             value = getattr(self, name)
-            if not _seconds(value) or (name == "inference_timeout_s" and value == 0):
+            if not is_seconds(value) or (name == "inference_timeout_s" and value == 0):
                 raise ValueError(f"{name} must be a finite number of seconds, not {value!r}")
         for name, kind in (("budget", Budget), ("session", Session)):
             value = getattr(self, name)

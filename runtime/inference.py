@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, TypeVar
 
 from runtime import tracing
-from runtime.agent import Agent
+from runtime.agent import Agent, is_seconds
 from runtime.base import evolve, trusted
 from runtime.checkpoint import PartialOutput, SafeCheckpoints, plan_from_checkpoint
 from runtime.context import RunContext, has_landed
@@ -177,7 +176,7 @@ class Inference:
         hint = limited.retry_after_s
         backoff = min(2.0 ** min(attempt - 1, 6), 60.0)
         # a hint that is no number of seconds ("5", NaN, -1) is as none
-        wait = min(max(hint, backoff / 4), MAX_RETRY_AFTER_S) if _seconds(hint) else backoff
+        wait = min(max(hint, backoff / 4), MAX_RETRY_AFTER_S) if is_seconds(hint) else backoff
         log.info("run %s rate limited (%s): waiting %.1fs", ctx.run_id, limited.code, wait)
         if self.rate_limit_waited + wait > self.agent.rate_limit_wait_s:
             resume_at = now_us() + int(wait * 1_000_000)
@@ -373,12 +372,6 @@ def _request(
     if all(type(m) in _MESSAGE_TYPES for m in history):
         return trusted(InferenceRequest, messages=history, **parts)
     return InferenceRequest(messages=history, **parts)
-
-
-def _seconds(hint: object) -> TypeGuard[float]:
-    if isinstance(hint, bool) or not isinstance(hint, int | float):
-        return False
-    return math.isfinite(hint) and hint >= 0
 
 
 def _failed(error: BaseException) -> Failed:

@@ -21,15 +21,17 @@ from tests.storage.builders import activation
 
 
 class _Blips:
-    """The store, whose next ``blips`` loads fail StoreUnavailable."""
+    """The store, whose next ``blips`` loads fail StoreUnavailable; ``loads`` counts them
+    all (each a check of the Run at rest)."""
 
     def __init__(self, inner: MemoryCommitStore, blips: int) -> None:
-        self.inner, self.blips = inner, blips
+        self.inner, self.blips, self.loads = inner, blips, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def load(self, thread: Any) -> Any:
+        self.loads += 1
         if self.blips:
             self.blips -= 1
             raise StoreUnavailable("a blip (test)")
@@ -120,20 +122,6 @@ async def test_wait_all_raises_at_its_deadline_with_what_the_store_told_by_then(
     assert loop.time() - began < 1.0  # the deadline, and a moment
 
 
-class _CountedLoads:
-    """The store, counting its loads (each a check of the Run at rest)."""
-
-    def __init__(self, inner: MemoryCommitStore) -> None:
-        self.inner, self.loads = inner, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def load(self, thread: Any) -> Any:
-        self.loads += 1
-        return await self.inner.load(thread)
-
-
 @pytest.mark.parametrize("same_input", [True, False], ids=["its-own", "another-callers"])
 async def test_run_takes_a_stored_run_at_rest_for_its_answer_only_if_it_asked_it(
     monkeypatch: pytest.MonkeyPatch, same_input: bool
@@ -152,7 +140,7 @@ async def test_run_takes_a_stored_run_at_rest_for_its_answer_only_if_it_asked_it
     message = RunMeta(agent_ref=ref).message_id("r1")  # as a host starts it
     engine = InProcessRunner(agent, memory, agent_ref=ref).engine()
     await engine.start(ThreadId("th"), "A", run_id=RunId("r1"), message_id=message)
-    store = _CountedLoads(memory)
+    store = _Blips(memory, 0)  # no blip: its loads counted
     client = Ratchet(SystemSpec(name="t", store_url="memory://", hosts=1), store, [_DoneHost()])  # type: ignore[arg-type]
     refused = asyncio.Event()
 
