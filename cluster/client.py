@@ -111,12 +111,12 @@ class Ratchet:
         try:
             store = await _open_store(spec)
         except BaseException:
-            _OPEN[spec.name] -= 1
+            _uncount(spec.name)
             raise
         try:  # before any actor starts: another live cluster on this store is refused
             await claim_system(store, spec.name)
         except BaseException as exc:  # refused or cancelled: the store opened here is closed
-            _OPEN[spec.name] -= 1
+            _uncount(spec.name)
             await store.close()
             if isinstance(exc, SystemInUse) and spec.funnels_writes:
                 kill_named([spec.store_name])  # it would hold the store open here, for nobody
@@ -372,17 +372,9 @@ class Ratchet:
             return
         self._closed = True
         try:
-            if self._last_closed() and owns_ray():
-                await give_up_lease(self.spec, self.store, closing=True, reopened=self._reopened)
+            await _give_up_if_last(self.spec, self.store)
         finally:
             await self.store.close()
-
-    def _last_closed(self) -> bool:
-        _OPEN[self.spec.name] -= 1
-        if _OPEN[self.spec.name] > 0:
-            return False
-        del _OPEN[self.spec.name]
-        return True
 
     async def shutdown(self) -> None:
         """Stop every actor of this system (the store's data stays), and give up its lease
@@ -392,7 +384,7 @@ class Ratchet:
         # actor (if the store is behind one) goes: it is given up through it
         closed, self._closed = self._closed, True
         if not closed:
-            self._last_closed()
+            _uncount(self.spec.name)
         try:
             db = self.store if not closed else await open_local_store(self.spec.store_url)
         except StoreError as exc:  # closed before, and the store is out: it runs out
@@ -405,10 +397,6 @@ class Ratchet:
                 await db.close()
         kill_system(self.spec, but_store=False)
 
-    def _reopened(self) -> bool:
-        """A client of this system connected in this process since the close began."""
-        return _OPEN[self.spec.name] > 0
-
     def with_spec(self, **changes: Any) -> SystemSpec:
         return replace(self.spec, **changes)
 
@@ -418,13 +406,27 @@ async def _connect_failed(spec: SystemSpec, store: CommitStore) -> None:
     last client of the system in a process that started its Ray, it gives the lease up
     as a close would. Else the Supervisor renewed it, with no client open, for as long
     as the process lived."""
-    _OPEN[spec.name] -= 1
     try:
-        if _OPEN[spec.name] <= 0 and owns_ray():
-            del _OPEN[spec.name]
-            await give_up_lease(spec, store, closing=True, reopened=lambda: _OPEN[spec.name] > 0)
+        await _give_up_if_last(spec, store)
     finally:
         await store.close()
+
+
+async def _give_up_if_last(spec: SystemSpec, store: CommitStore) -> None:
+    """One client of the system fewer in this process; the last in a process that started
+    its Ray (which ends with it) gives the lease up, if the system is idle and no client
+    of it connected here meanwhile."""
+    if _uncount(spec.name) and owns_ray():
+        await give_up_lease(spec, store, closing=True, reopened=lambda: _OPEN[spec.name] > 0)
+
+
+def _uncount(system: str) -> bool:
+    """One client of ``system`` fewer open in this process: whether it was the last."""
+    _OPEN[system] -= 1
+    if _OPEN[system] > 0:
+        return False
+    del _OPEN[system]
+    return True
 
 
 async def _rested(store: CommitStore, wanted: dict[ThreadId, RunId | None]) -> list[RunSummary]:
