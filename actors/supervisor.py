@@ -37,6 +37,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -117,6 +118,7 @@ class Supervisor(HungHosts, IdleHosts):
         """Hosts lost by their lease, not dead → when: one silent a lease longer is hung."""
         self._started = self._last_sweep = time.monotonic()
         self._task = asyncio.create_task(self._watch())
+        self._renewing = asyncio.create_task(self._keep_lease())
 
     async def heartbeat(self, host_id: str, kind: str) -> None:
         self.leases[host_id] = time.monotonic() + self.spec.lease_ttl_s
@@ -139,20 +141,28 @@ class Supervisor(HungHosts, IdleHosts):
     # ---- the watch ---------------------------------------------------------------
 
     async def _watch(self) -> None:
+        await self._every_heartbeat(self._tick, "supervisor tick failed")
+
+    async def _keep_lease(self) -> None:
+        """The system's lease, renewed in a task of its own: a tick that waits on slow
+        work (a sweep over many Runs, hosts that do not answer) must not let it lapse."""
+        renew = lambda: self.lease.renew(time.monotonic())  # noqa: E731
+        await self._every_heartbeat(renew, "renewing the system's lease failed")
+
+    async def _every_heartbeat(self, work: Callable[[], Awaitable[None]], failed: str) -> None:
         while True:
             try:
-                await self._tick()
+                await work()
             except StoreLost as exc:  # for good: said once, and in the report
                 if not self.store_lost:
                     log.error("the store is lost; nothing is taken over: %s", exc)
                 self.store_lost = True
-            except Exception:  # the next tick tries again; Runs stay as committed
-                log.exception("supervisor tick failed")
+            except Exception:  # the next round tries again; Runs stay as committed
+                log.exception(failed)
             await asyncio.sleep(self.spec.heartbeat_s)
 
     async def _tick(self) -> None:
         now = time.monotonic()
-        await self.lease.renew(now)
         self._expect_pool(now)
         expired = [h for h, t in self.leases.items() if t <= now]
         # a host whose heartbeat is late but which answers is slow, not lost (a loaded

@@ -8,6 +8,7 @@ loopback address is refused at once, before Ray or the web framework load.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -128,7 +129,14 @@ async def _serve(
         app = create_app(client, options, agents=agents or ())
         freeze_startup_heap()  # Ray's client, FastAPI, the agents: out of every collection
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level)
-        await uvicorn.Server(config).serve()
+        try:
+            await uvicorn.Server(config).serve()
+        except SystemExit as exc:
+            # uvicorn shuts down on SIGTERM, then raises it again, and Ray's driver handler
+            # makes it SystemExit(15): a stop asked for (a service manager's), so the
+            # client closes and the command exits 0, not 15
+            if exc.code != signal.SIGTERM:
+                raise
     finally:
         await uncancelled(client.close())  # the SIGINT uvicorn raises again lands here
 

@@ -447,3 +447,48 @@ async def _gone(system: str) -> bool:
 
     await wait_for(none_left, what="the system's actors to be gone")
     return True
+
+
+class _CountedLease:
+    """A store whose lease is always this cluster's: counts the renewals."""
+
+    def __init__(self) -> None:
+        self.holds = 0
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Any:
+        self.holds += 1
+        return type("Lease", (), {"holder": holder, "expires_in_s": ttl_s})()
+
+
+async def test_a_tick_held_up_by_slow_work_does_not_let_the_lease_lapse(monkeypatch) -> None:
+    """The lease was renewed by the Supervisor's tick, which waits for its sweep and for
+    hosts that do not answer: a tick longer than ``LEASE_TTL_S`` (a listing of many Runs
+    on a slow store) let another cluster take the system while this one still served it.
+    Here the tick never ends, and the lease is renewed all the same."""
+    import actors.system_lease as system_lease
+    from actors.supervisor import Supervisor
+    from actors.system_lease import LeaseKeeper
+
+    monkeypatch.setattr(system_lease, "RENEW_S", 0.05)
+    store = _CountedLease()
+    bare = object.__new__(Supervisor)  # the watch only: no actor, no hosts
+    bare.spec = type("Spec", (), {"heartbeat_s": 0.01})()  # type: ignore[assignment]
+    bare.lease = LeaseKeeper(store, "s")  # type: ignore[arg-type]
+    bare.store_lost = False
+    ticking = asyncio.Event()
+
+    async def stuck_tick() -> None:
+        ticking.set()
+        await asyncio.Event().wait()  # a sweep that does not end
+
+    bare._tick = stuck_tick  # type: ignore[method-assign]
+    watch = asyncio.create_task(bare._watch())
+    renewing = asyncio.create_task(bare._keep_lease())
+    try:
+        await wait_for(lambda: _true(ticking.is_set()), what="the tick to start")
+        await wait_for(lambda: _true(store.holds >= 3), what="renewals while the tick hangs")
+        assert bare.lease.held
+    finally:
+        for task in (watch, renewing):
+            task.cancel()
+        await asyncio.gather(watch, renewing, return_exceptions=True)
