@@ -42,7 +42,7 @@ from runtime.lifecycle import (
     ThreadStatus,
     UserInputTarget,
 )
-from runtime.limits import Limits, history_size
+from runtime.limits import Limits, history_size, state_size
 from runtime.messages import Message
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
@@ -267,6 +267,17 @@ class Committing:
             )
         return added
 
+    def _within_state(self, before: Frontier, after: Frontier) -> None:
+        """HistoryLimitReached if the commit takes the thread's state past ``state_bytes``,
+        or further past it (a limit lowered since: a commit that shrinks it lands)."""
+        limit, size = self.limits.state_bytes, state_size(after.state)
+        if size > limit and size > state_size(before.state):
+            raise HistoryLimitReached(
+                f"the state of thread {after.thread_id}",
+                "state_bytes",
+                f"it would hold {size} bytes; the limit is {limit}",
+            )
+
     async def _commit(
         self,
         ctx: RunContext,
@@ -309,6 +320,8 @@ class Committing:
         )
         base = with_claim(f, self.owner) if claim else f
         new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)
+        if label != "ended" and new_frontier.state is not base.state:
+            self._within_state(base, new_frontier)
         owner = self.owner if claim else None
         self.faults.hit(f"before:{label}")
         append = functools.partial(self.store.append, commit, f.version, ctx.epoch, claim=owner)

@@ -104,9 +104,9 @@ class CommitRefused(InputRefused):
 
 
 class HistoryLimitReached(InputRefused):
-    """A commit would take the thread past ``history_bytes`` or ``history_commits``
-    (``runtime.limits``): a start is refused with nothing written, a Run that reaches
-    it ends ``failed(history_limit, <limit>)`` — never retried."""
+    """A commit would take the thread past ``history_bytes``, ``history_commits`` or
+    ``state_bytes`` (``runtime.limits``): a start is refused with nothing written, a Run
+    that reaches it ends ``failed(history_limit, <limit>)`` — never retried."""
 
 
 class ModelError(RatchetError):

@@ -266,5 +266,7 @@ def admit_outcome(
 
 
 def _handed(command: Command) -> int:
-    """The bytes a state command adds to a commit (its key and its value as JSON)."""
-    return len(command.key) + len(canonical_json(command.value))
+    """The bytes a state command adds to a commit (its key and its value as JSON), as
+    stored: UTF-8, not characters (an emoji is four bytes, one character)."""
+    value = canonical_json(command.value)
+    return stored_size(command.key) + (len(value) if value.isascii() else len(value.encode()))

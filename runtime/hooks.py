@@ -210,7 +210,11 @@ async def run_hooks(
 def _merge_check(state: StateView, before: Sequence[Command], commands: list[Command]) -> None:
     """StateConflict if ``commands`` cannot merge with those their commit already holds;
     nothing if those clash among themselves (a wave's tools writing one exclusive key):
-    that is not the hook's doing, and the commit itself says so."""
+    that is not the hook's doing, and the commit itself says so. Only the keys the hook
+    writes are merged: a large commutative key it does not touch would be merged again
+    for every hook call of a Step."""
+    touched = {(c.scope, c.key) for c in commands}
+    before = [c for c in before if (c.scope, c.key) in touched]
     try:
         apply_commands(state, before)
     except StateConflict:

@@ -70,6 +70,12 @@ class Limits:
     """A ResumeCommand's payload, encoded as JSON."""
     state_value_bytes: int = 32 * KIB
     """One state command's value, encoded as JSON."""
+    state_bytes: int = 1 * MIB
+    """A thread's state, both scopes, encoded as JSON (``state_size``): commutative keys
+    grow with every Step that adds to them, and every commit carries the whole state in
+    the thread's frontier. A commit that would take it past this, or further past it,
+    ends the Run ``failed(history_limit, state_bytes)`` (a commit that shrinks it
+    lands)."""
     json_depth: int = 64
     """Nesting of any JSON: tool arguments, state values, resume payloads (at most
     ``MAX_JSON_DEPTH``: the stores' records must decode again)."""
@@ -398,6 +404,14 @@ def history_size(messages: Sequence[Any]) -> int:
         for use in getattr(m, "tool_calls", ()):
             size += stored_size(use.arguments)
     return size
+
+
+def state_size(state: Any) -> int:
+    """What ``state_bytes`` bounds: the state as JSON, in UTF-8 bytes."""
+    try:
+        return len(orjson.dumps(state))
+    except TypeError:  # an integer past 64 bits, which orjson does not write
+        return len(canonical_json(state).encode("utf-8", "surrogatepass"))
 
 
 def history_headroom(messages: Sequence[Any], commits: int, limits: Limits) -> dict[str, int]:

@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import Agent, InProcessRunner, Limits, ModelResponse, ScriptedModel, call, tool
+from runtime import (
+    Agent,
+    Command,
+    InProcessRunner,
+    Limits,
+    ModelResponse,
+    ScriptedModel,
+    call,
+    tool,
+)
 from runtime.errors import HistoryLimitReached
-from runtime.limits import history_headroom, history_size
+from runtime.limits import history_headroom, history_size, state_size
+from runtime.tools import ToolResult
 from storage.memory import MemoryCommitStore
 
 
@@ -63,3 +73,53 @@ async def test_headroom_says_how_close_a_thread_is():
     room = history_headroom(f.messages, f.version, Limits())
     assert room["commits"] == f.version and room["commits_limit"] == 50_000
     assert room["bytes"] == history_size(f.messages) > 4000
+
+
+@tool
+def remember(note: str) -> ToolResult:
+    """Adds its note to a commutative list: the thread's state grows every Step."""
+    return ToolResult("noted", commands=[Command(key="notes", merge="commutative", value=[note])])
+
+
+@tool
+def forget() -> ToolResult:
+    return ToolResult("forgot", commands=[Command(key="notes", op="remove")])
+
+
+def noting(steps: int, tool_name: str = "remember", size: int = 4000) -> Agent:
+    args = {"note": "n" * size} if tool_name == "remember" else {}
+    script = [
+        ModelResponse(tool_calls=(call(tool_name, f"c{i}", **{**args, **_nth(args, i)}),))
+        for i in range(steps)
+    ]
+    return Agent(name="noting", model=ScriptedModel([*script, ModelResponse(text="done")]),
+                 tools=[remember, forget], max_steps=steps + 1)  # fmt: skip
+
+
+def _nth(args: dict[str, str], i: int) -> dict[str, str]:
+    return {"note": f"{i}:{args['note']}"} if args else {}
+
+
+async def test_a_state_grown_past_its_limit_ends_the_run_failed_naming_it():
+    """A commutative list grew with every Step, without bound: every commit carries the
+    whole state in the frontier, and re-encoded it (megabytes per commit, then past what
+    a backend holds in one value)."""
+    store = MemoryCommitStore()
+    runner = InProcessRunner(noting(12), store, limits=Limits(state_bytes=20_000))
+    f = await runner.start("go", thread_id="t")
+    cause = f.run_state.cause
+    assert (cause.failure, cause.code) == ("history_limit", "state_bytes")
+    assert "the limit is 20000" in cause.message
+    assert 16_000 < state_size(f.state) <= 20_000  # four notes landed, the fifth did not
+    assert len(f.state["thread"]["notes"]) == 4
+
+
+async def test_a_commit_that_shrinks_a_state_past_a_lowered_limit_lands():
+    store = MemoryCommitStore()
+    await InProcessRunner(noting(3), store).start("go", thread_id="t")
+    lowered = Limits(state_bytes=2_000)
+    f = await InProcessRunner(noting(1, "forget"), store, limits=lowered).start(
+        "again", thread_id="t"
+    )
+    assert f.run_state.cause.kind == "natural"
+    assert "notes" not in f.state["thread"] and state_size(f.state) < 2_000

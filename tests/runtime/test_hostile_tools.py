@@ -316,6 +316,20 @@ async def test_what_one_call_hands_its_run_is_bounded_in_all():
     assert result.is_error and "batch_result_bytes" in result.content
 
 
+async def test_what_one_call_hands_its_run_is_counted_in_bytes_not_characters():
+    """Eleven values of 8,190 emoji each: 32 KiB apiece as stored (within
+    ``state_value_bytes``), 360 KB in all, but counted as 8,193 characters each they
+    passed ``batch_result_bytes`` (96 KiB) at four times its size."""
+
+    @tool
+    def hands() -> ToolResult:
+        values = [Command(key=f"k{i}", value="\U0001f600" * 8190) for i in range(11)]
+        return ToolResult(content="done", commands=values)
+
+    result = await _one_call(hands)
+    assert result.is_error and "batch_result_bytes" in result.content
+
+
 async def test_a_state_value_json_cannot_write_is_refused_not_a_failed_run():
     @tool
     def hands() -> ToolResult:
