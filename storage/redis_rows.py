@@ -3,6 +3,8 @@ summaries, a frontier head, the log as verified records."""
 
 from __future__ import annotations
 
+import re
+
 from pydantic import ValidationError
 
 from runtime.base import evolve
@@ -19,6 +21,7 @@ from runtime.integrity import (
     check_head,
     verified_records,
 )
+from runtime.limits import printable
 from runtime.ports import CommittedRecord, RunSummary
 
 META = [
@@ -126,11 +129,22 @@ def read_rows(
     return verified_records(thread, rows, after_seq, stored, anchor=anchor)
 
 
+WHOLE = re.compile(r"0|[1-9][0-9]{0,15}")
+"""A counter as the scripts write it (``tostring``): ASCII digits, no sign, no padding."""
+EXACT_BELOW = 2**53
+"""The scripts count in Lua's doubles: from here on, ``epoch + 1`` is written rounded
+(``1.2345678901235e+14``) and compared inexactly."""
+
+
 def number_of(thread: str, name: str, text: str | None) -> int:
-    try:
-        return int(text or 0)
-    except ValueError as exc:
-        raise CorruptRecord(thread, 0, f"stored {name} {text!r} is not a number") from exc
+    """A counter of the thread's meta as the scripts read it, or CorruptRecord: Python's
+    ``int`` takes what Lua's ``tonumber`` does not (other scripts' digits, ``0_1``), and
+    a counter past ``EXACT_BELOW`` the scripts cannot add to exactly."""
+    if text is None:
+        return 0
+    if WHOLE.fullmatch(text) is None or int(text) >= EXACT_BELOW:
+        raise CorruptRecord(thread, 0, f"stored {name} {printable(text, 40)!r} is not a count")
+    return int(text)
 
 
 def decode_receipt(thread: str, text: str) -> Receipt:

@@ -3,6 +3,10 @@ step of a thread (an append, a claim, a prune), run with EVALSHA."""
 
 from __future__ import annotations
 
+_WHOLE = "local function whole(n) return n and n >= 0 and n < 9007199254740992 and n % 1 == 0 end"
+"""A counter the script can add 1 to exactly (Lua counts in doubles): Python reads the
+same ones (``storage.redis_rows.number_of``); another is a corrupt meta."""
+
 # The shebang opts into Redis 7 script flags: without allow-oom the server refuses the
 # whole script up front when out of memory, instead of failing between two writes.
 # KEYS: meta log sums ops runs:running runs:awaiting runs:ended owner:OLD owner:NEW
@@ -18,7 +22,8 @@ for i = 1, 9 do
 end
 local f = redis.call('HMGET', meta, 'epoch', 'version', 'pruned')
 local epoch, version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[3] or '0')
-if not epoch or not version or not pruned then return 'corrupt ' .. meta end
+%(whole)s
+if not (whole(epoch) and whole(version) and whole(pruned)) then return 'corrupt ' .. meta end
 local kept = version - pruned
 if redis.call('HEXISTS', ops, ARGV[4]) == 1 or epoch ~= tonumber(ARGV[2])
    or version ~= tonumber(ARGV[1]) then
@@ -39,7 +44,7 @@ redis.call('HSET', KEYS[4 + tonumber(ARGV[13])], ARGV[12], ARGV[15])
 redis.call('HDEL', KEYS[8], ARGV[12])
 if ARGV[13] == '1' then redis.call('HSET', KEYS[9], ARGV[12], '1') end
 return 'ok'
-"""
+""".replace("%(whole)s", _WHOLE)
 
 # KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW instance
 # ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded, the
@@ -60,7 +65,8 @@ end
 local f = redis.call('HMGET', meta, 'epoch', 'version', 'frontier', 'checksum', 'head',
                      'pruned', 'pruned_hash')
 local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
-if not epoch or not version then return {'corrupt', meta} end
+%(whole)s
+if not (whole(epoch) and whole(version)) then return {'corrupt', meta} end
 if epoch ~= tonumber(ARGV[1]) then return {'fenced', tostring(epoch)} end
 local state, entry = 0, nil
 for i = 3, 5 do
@@ -88,7 +94,7 @@ if version == tonumber(ARGV[5]) then return {'ok'} end
 return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
         redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false,
         f[6] or '0', f[7] or false}
-"""
+""".replace("%(whole)s", _WHOLE)
 
 # KEYS: meta log sums ops history
 # ARGV: the anchor as read, the seq to prune through, the stored hash there, the pruned

@@ -144,3 +144,31 @@ async def test_a_head_record_deleted_under_a_running_run_stops_its_next_append(
     assert stored == [(kept,)]  # nothing written past the gap
     with pytest.raises(CorruptRecord):
         await sql_store.load(ThreadId("t-gap"))
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("epoch", "123456789012345678"),  # past 2**53: Lua wrote epoch + 1 rounded
+        ("epoch", "0_1"),  # Python's int() took it, Lua's tonumber did not
+        ("version", "\u0665"),  # an Arabic-Indic five, the same
+        ("epoch", "1e3"),  # Lua's tonumber took it, Python's int() did not
+        ("epoch", "-1"),
+    ],
+)
+async def test_redis_counters_edited_by_hand_are_corrupt_to_reads_and_scripts_alike(
+    store: Any, field: str, value: str
+) -> None:
+    """A meta counter Python and the Lua scripts read differently: reads and ``ratchet
+    verify`` called the thread clean while every append failed, or a claim answered an
+    epoch the script had stored rounded (``1.2345678901235e+17``), the thread unreadable
+    from then on. Now neither side takes it."""
+    victim = await make_victim(store, T)
+    meta = f"{store.prefix}:thread:{T}:meta"
+    await store.client.hset(meta, field, value)
+    with pytest.raises(CorruptRecord):
+        await store.load(T)
+    with pytest.raises(CorruptRecord):
+        await store.claim(T, "someone", victim.frontier.epoch)
+    assert await store.client.hget(meta, field) == value  # the scripts wrote nothing
