@@ -302,29 +302,26 @@ async def _one_call(tool_fn: object) -> object:
     return result
 
 
-async def test_what_one_call_hands_its_run_is_bounded_in_all():
-    """Each state command and injected message within its own limit, but forty of them:
-    refused (a model-visible error naming batch_result_bytes), not a commit past the
-    store's payload limit that lost the call's result with the Run (failed store)."""
-
+@pytest.mark.parametrize(
+    ("count", "value"),
+    [
+        # each state command within its own limit, but forty of them: refused (a
+        # model-visible error), not a commit past the store's payload limit that lost the
+        # call's result with the Run (failed store)
+        (40, "x" * 30_000),
+        # eleven values of 8,190 emoji: 32 KiB apiece as stored, 360 KB in all; counted
+        # as 8,193 characters each, they passed at four times the limit
+        (11, "\U0001f600" * 8190),
+    ],
+)
+async def test_what_one_call_hands_its_run_is_bounded_in_all_in_bytes(
+    count: int, value: str
+) -> None:
     @tool
     def hands() -> ToolResult:
-        values = [Command(key=f"k{i}", value="x" * 30_000) for i in range(40)]
-        return ToolResult(content="done", commands=values)
-
-    result = await _one_call(hands)
-    assert result.is_error and "batch_result_bytes" in result.content
-
-
-async def test_what_one_call_hands_its_run_is_counted_in_bytes_not_characters():
-    """Eleven values of 8,190 emoji each: 32 KiB apiece as stored (within
-    ``state_value_bytes``), 360 KB in all, but counted as 8,193 characters each they
-    passed ``batch_result_bytes`` (96 KiB) at four times its size."""
-
-    @tool
-    def hands() -> ToolResult:
-        values = [Command(key=f"k{i}", value="\U0001f600" * 8190) for i in range(11)]
-        return ToolResult(content="done", commands=values)
+        return ToolResult(
+            content="done", commands=[Command(key=f"k{i}", value=value) for i in range(count)]
+        )
 
     result = await _one_call(hands)
     assert result.is_error and "batch_result_bytes" in result.content
