@@ -35,6 +35,7 @@ from runtime.errors import (
     CorruptRecord,
     DuplicateOperation,
     Fenced,
+    HistoryLimitReached,
     InputRefused,
     InvalidTransition,
     PayloadTooLarge,
@@ -48,7 +49,7 @@ from runtime.errors import (
     SystemInUse,
     VersionConflict,
 )
-from runtime.limits import too_many_digits
+from runtime.limits import printable, too_many_digits
 
 log = logging.getLogger("ratchet.edge")
 PROBLEM_JSON = "application/problem+json"
@@ -102,6 +103,8 @@ class HttpProblem(Exception):
 
 
 def status_of(exc: Exception) -> int:
+    if isinstance(exc, HistoryLimitReached):  # the thread's, not the request's size
+        return 409
     if isinstance(exc, InputRefused):
         # a size over its limit is "too large"; bad text, depth or type is unprocessable
         return 413 if exc.limit.endswith("_bytes") else 422
@@ -170,7 +173,8 @@ def http_problem(request: Request, exc: Exception) -> JSONResponse:
 
 def validation_problem(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = [_plain(e) for e in exc.errors()]
+    every = exc.errors()
+    errors = [_plain(e) for e in every[:ERRORS_SHOWN]]
     for error in errors:  # pydantic's checks of a text's length or pattern meet it first
         if error.get("type") == "string_unicode":
             where = ".".join(str(p) for p in error.get("loc", ()))
@@ -179,14 +183,24 @@ def validation_problem(request: Request, exc: Exception) -> JSONResponse:
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()))
     detail = f"{where}: {first.get('msg', 'invalid')}" if first else "invalid request"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    more = f" (and {len(every) - 1} more)" if len(every) > 1 else ""
     return problem_response(422, "ValidationError", detail + more, request.url.path, errors=errors)
+
+
+ERRORS_SHOWN = 20
+"""pydantic's errors a 422 lists (its detail counts them all): a body of 45,000 unknown
+keys made a 4 MB answer of one error each."""
+_SHOWN_CHARS = 200
 
 
 def _plain(error: Any) -> dict[str, Any]:
     """pydantic's error without the input it refused (it may be huge, or a secret) and
-    without its context objects (not JSON)."""
-    return {k: error[k] for k in ("type", "loc", "msg") if k in error}
+    without its context objects (not JSON); its message and the keys of its location
+    cut short, since both can hold the input (a union's tag, an unknown key)."""
+    loc = [p[:_SHOWN_CHARS] if isinstance(p, str) else p for p in error.get("loc", ())]
+    plain = {"type": error.get("type"), "loc": loc, "msg": str(error.get("msg", ""))}
+    plain["msg"] = printable(plain["msg"], _SHOWN_CHARS)
+    return {k: v for k, v in plain.items() if k in error}
 
 
 def starlette_problem(request: Request, exc: Exception) -> JSONResponse:
@@ -229,7 +243,13 @@ def internal_problem(request: Request, exc: Exception) -> JSONResponse:
         return ratchet_problem(request, exc)
     log.error("unexpected error on %s", request.url.path, exc_info=exc)
     return problem_response(
-        500, "InternalError", "an internal error; the server's log has it", request.url.path
+        500,
+        "InternalError",
+        "an internal error; the server's log has it",
+        request.url.path,
+        # answered outside the app's middleware (Starlette's ServerErrorMiddleware), so
+        # without what NoSniff adds to every other response
+        headers={"X-Content-Type-Options": "nosniff"},
     )
 
 
