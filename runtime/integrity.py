@@ -181,6 +181,9 @@ def whole_frontier(
     then those of ``records``, the verified log kept up to the head (from the anchor
     read with ``pruned``); CorruptRecord unless they add up to ``head.message_count`` and
     the pruned texts match their digest."""
+    at_head = [r for r in records if r.seq == head.version]
+    if at_head:
+        _agrees(thread, head, at_head[0].commit)
     kept = [m for r in records if r.seq <= head.version for m in r.commit.messages]
     before = head.message_count - len(kept)
     if before < 0 or (before and pruned is None):
@@ -194,6 +197,19 @@ def whole_frontier(
     if len(texts) < before or history_digest("", texts) != (pruned.digest or ""):
         raise CorruptRecord(thread, head.version, "the pruned history does not match its digest")
     return with_history(head, (*(_message(thread, head.version, t) for t in texts), *kept))
+
+
+def _agrees(thread: str, head: Frontier, last: ThreadCommit) -> None:
+    """The head against its last record, as folding that record made it: a frontier
+    edited with its checksum made again (a Run ended in the log, running in the head) was
+    driven on, and its next commits hid the edit from every later check."""
+    if (
+        head.run_id != last.run_id
+        or head.run_state != last.disposition
+        or head.next_ordinal != last.ordinal + 1
+    ):
+        wrong = "the stored frontier does not match its last record (its Run, state or ordinal)"
+        raise CorruptRecord(thread, head.version, wrong)
 
 
 def _message(thread: str, version: int, text: str) -> Message:

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from cluster.cli import app
 from runtime.commit import ThreadCommit
+from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import frontier_checksum
 from storage.schema import commits
@@ -158,6 +159,27 @@ async def test_a_frontier_that_is_not_the_fold_of_its_log(
     assert victim.ran == []
 
 
+@pytest.mark.parametrize("edit", ["running", "ordinal"])
+async def test_a_frontier_that_is_not_its_last_records_fold_is_not_served(
+    store: Any, backend: str, edit: str
+) -> None:
+    """A Run awaiting in the log made running in the frontier (its checksum made again):
+    a recovery drove it on, and the commits it appended hid the edit from ``verify``."""
+    victim = await make_victim(store)
+    tamper = tamper_for(store, backend)
+
+    def forge(data: dict[str, Any]) -> None:
+        if edit == "running":
+            data["run_state"] = {"kind": "running", "run_id": data["run_id"]}
+        else:
+            data["next_ordinal"] += 7
+
+    await _rewrite_frontier(tamper, forge)
+    with pytest.raises(CorruptRecord, match="does not match its last record"):
+        await store.load(T)
+    assert victim.ran == []
+
+
 async def test_a_log_that_does_not_replay_names_the_record_the_fold_refuses(
     store: Any, backend: str, backend_url: str
 ) -> None:
@@ -175,8 +197,8 @@ async def test_a_log_that_does_not_replay_names_the_record_the_fold_refuses(
             await conn.execute(update(commits).where(row).values(operation_id=forged.operation_id))
     await tamper.set_meta(head=forged.payload_hash)
 
-    def new_head(frontier: dict[str, Any]) -> None:
-        frontier["head"] = forged.payload_hash
+    def new_head(frontier: dict[str, Any]) -> None:  # as folding the forged record makes it
+        frontier["head"], frontier["next_ordinal"] = forged.payload_hash, 10
 
     await _rewrite_frontier(tamper, new_head)
     assert len(await store.read(T)) == 5
