@@ -242,6 +242,7 @@ async def _verify(thread: str | None, every: bool, store: str | None) -> None:
     db = await open_db(store)
     problems = []
     audited = pruned = 0
+    stopped: RatchetError | None = None
     try:
         async for name in _threads(db, thread):
             audited += 1
@@ -252,10 +253,15 @@ async def _verify(thread: str | None, every: bool, store: str | None) -> None:
                 if thread is not None:
                     line = f"{name}: pruned through seq {found.pruned_through}"
                     console.print(line, markup=False)
+    except RatchetError as exc:  # the store out, a listing that cannot go on: what was
+        stopped = exc  # found so far is still said, and the audit is not passed
     finally:
         await db.close()
     for problem in problems:
         errors.print(f"[red]corrupt:[/red] {escape(str(problem))}", highlight=False, soft_wrap=True)
+    if stopped is not None:
+        errors.print(f"verify stopped after {audited} threads: {stopped}", markup=False)
+        raise typer.Exit(1)
     bad = len({p.thread for p in problems})
     note = f" ({pruned} pruned: checked from their anchor)" if pruned else ""
     console.print(f"{audited} threads audited, {bad} with problems{note}", highlight=False)

@@ -63,13 +63,19 @@ FRONTIER_SCHEMA: Literal[3] = 3
 ``message_count`` says how many there are); 2 held the whole history, and still reads."""
 
 
+Count = Annotated[int, Field(ge=0, lt=2**63)]
+"""A count or position the stores keep in a BIGINT column: one past it, edited into a
+record or a frontier with its hash made again, read fine and then failed every write as
+the database's overflow, a store error retried at every sweep, never a corrupt thread."""
+
+
 class ThreadCommit(Frozen):
     """One atomic transition of a thread: lands whole or leaves nothing."""
 
     schema_version: Literal[1, 2, 3] = COMMIT_SCHEMA
     thread_id: ThreadId
     run_id: RunId
-    ordinal: int = Field(ge=0)
+    ordinal: Count
     """Position of this commit among its Run's commits; with the run it forms the op id."""
     label: CommitLabel
     """Which commit point wrote this (checked on replay, never trusted blindly)."""
@@ -86,7 +92,7 @@ class ThreadCommit(Frozen):
     prev: str = ""
     """Hash of the thread's previous commit ("" for its first): the hash chain. Schema 1
     records, written before the chain, have none (and are not checked against it)."""
-    epoch: int = 0
+    epoch: Count = 0
     """The owner epoch of its writer (after the commit's own claim, if it carries one).
     Part of the hash, so two owners never write the same bytes: a fenced writer whose
     commit equals its successor's is refused, not taken for a harmless retry."""
@@ -291,8 +297,8 @@ class Frontier(Frozen):
 
     schema_version: Literal[1, 2, 3] = FRONTIER_SCHEMA
     thread_id: ThreadId
-    version: int = 0
-    epoch: int = 0
+    version: Count = 0
+    epoch: Count = 0
     owner: str | None = None
     run_id: RunId | None = None
     run_state: RunDisposition | None = None
@@ -304,16 +310,16 @@ class Frontier(Frozen):
     messages: tuple[Message, ...] = ()
     """The thread's messages, every Run's, in order; empty in a head (see above), and
     never stored from schema 3 on."""
-    message_count: int = 0
+    message_count: Count = 0
     """How many messages the thread holds (its history's length, stored in the head)."""
-    run_start: int = 0
+    run_start: Count = 0
     """Index in ``messages`` where the current Run's messages begin."""
-    steps: int = 0
+    steps: Count = 0
     """Inferences committed by the current Run."""
-    next_ordinal: int = 0
+    next_ordinal: Count = 0
     head: str = ""
     """Hash of the latest commit ("" before the first): the head of the hash chain."""
-    failed_recoveries: int = 0
+    failed_recoveries: Count = 0
     """Executions of the current Run lost or failed to recover in a row: status commits
     that settled it ``failed`` with no progress between them (``actors.ownership``
     ends the Run ``failed(recovery)`` when this reaches its limit)."""

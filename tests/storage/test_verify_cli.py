@@ -26,7 +26,7 @@ from runtime.commit import ThreadCommit
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
 from runtime.integrity import frontier_checksum
-from storage.schema import commits
+from storage.schema import commits, threads
 from tests.storage.test_integrity import (
     CASE_IDS,
     CASES,
@@ -159,23 +159,28 @@ async def test_a_frontier_that_is_not_the_fold_of_its_log(
     assert victim.ran == []
 
 
-@pytest.mark.parametrize("edit", ["running", "ordinal"])
+@pytest.mark.parametrize("edit", ["running", "ordinal", "epoch"])
 async def test_a_frontier_that_is_not_its_last_records_fold_is_not_served(
     store: Any, backend: str, edit: str
 ) -> None:
     """A Run awaiting in the log made running in the frontier (its checksum made again):
-    a recovery drove it on, and the commits it appended hid the edit from ``verify``."""
+    a recovery drove it on, and the commits it appended hid the edit from ``verify``. An
+    epoch past a BIGINT read fine, then failed every claim as the database's overflow (a
+    store error, retried at every sweep), not as a corrupt thread."""
     victim = await make_victim(store)
     tamper = tamper_for(store, backend)
 
     def forge(data: dict[str, Any]) -> None:
         if edit == "running":
             data["run_state"] = {"kind": "running", "run_id": data["run_id"]}
-        else:
+        elif edit == "ordinal":
             data["next_ordinal"] += 7
+        else:
+            data["epoch"] = 10**30
 
     await _rewrite_frontier(tamper, forge)
-    with pytest.raises(CorruptRecord, match="does not match its last record"):
+    wrong = "less than 9223372036854775808" if edit == "epoch" else "does not match its last"
+    with pytest.raises(CorruptRecord, match=wrong):
         await store.load(T)
     assert victim.ran == []
 
@@ -220,6 +225,31 @@ async def test_an_operation_id_column_that_is_not_the_bodys(
     result = await ratchet("verify", T, "--store", backend_url)
     assert result.exit_code == 1, result.output
     assert f"thread '{T}' seq 4:" in result.stderr
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+async def test_a_listing_that_cannot_go_on_still_says_what_was_found(
+    store: Any, backend_url: str
+) -> None:
+    """A thread row whose id SQLite holds as a BLOB ends the listing of threads (its id
+    cannot be the next page's cursor): ``verify --all`` ended in that error and printed
+    none of the problems it had found."""
+    await make_victim(store)
+    other = ThreadId("other")
+    await make_victim(store, other)
+    async with store.engine.begin() as conn:
+        row = (commits.c.thread_id == T) & (commits.c.seq == 4)
+        await conn.execute(update(commits).where(row).values(operation_id="someone-else:0"))
+        await conn.execute(
+            update(threads).where(threads.c.thread_id == other).values(thread_id=b"\xff\x00")
+        )
+    result = await ratchet("verify", "--all", "--store", backend_url)
+    assert result.exit_code == 1, result.output
+    found = problem_lines(result)
+    assert any(line.startswith(f"corrupt: thread '{T}' seq 4:") for line in found), found
+    assert len(found) == 3  # 'other' lost its row; the BLOB row has no records
+    assert "verify stopped after 3 threads" in result.stderr
+    assert "verify stopped after" in result.stderr
 
 
 # ---- arguments and stores -----------------------------------------------------------------
