@@ -43,12 +43,21 @@ async def give_up_lease(
     handle, given = None, not closing
     # none, dead, hung, failing (RayError), or of an older Ratchet without the method
     # or its argument (AttributeError, TypeError)
-    with contextlib.suppress(ValueError, RayError, TimeoutError, AttributeError, TypeError):
+    try:
         handle = ray.get_actor(spec.supervisor_name, namespace=NAMESPACE)
         async with asyncio.timeout(GIVE_UP_S):
             asking: Any = handle.give_up_lease  # an older one takes no argument
             asked: Any = asking.remote(when_idle=True) if closing else asking.remote()
             given = bool(await asked)
+    except (ValueError, RayError, TimeoutError, AttributeError, TypeError) as exc:
+        if closing:
+            log.warning(
+                "the Supervisor of system %s gave no word within %g s on whether the system "
+                "is idle (%s): its lease is kept, and runs out once this Ray ends",
+                spec.name,
+                GIVE_UP_S,
+                type(exc).__name__,
+            )
     if closing and not given:
         return  # Runs driven here (or no word): the lease stays, renewed
     if closing and reopened() and handle is not None:

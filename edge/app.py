@@ -80,6 +80,7 @@ def create_app(client: Ratchet, options: ServeOptions, *, agents: Iterable[str] 
     )
     app.state.ratchet = client
     app.state.agents = frozenset(agents)
+    app.state.streams = streams.OpenStreams(options.max_streams)
     _handle_problems(app)
     app.include_router(routes.router)
     app.include_router(streams.router)

@@ -59,6 +59,9 @@ def serve(
         help="Let callers start any agent the server can import (loading a reference runs "
         "its module's code: only for trusted callers)",
     ),
+    max_streams: int = typer.Option(
+        256, "--max-streams", min=1, help="Streams open at once; one more is 503 TooManyStreams"
+    ),
     hosts: int = typer.Option(2, "--hosts", min=1, help="RunHost actors of the system"),
     executors: int = typer.Option(2, "--executors", min=1, help="ToolExecutor actors"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level"),
@@ -75,6 +78,7 @@ def serve(
         tokens=tokens_from(token or ()),
         no_auth=no_auth,
         cors_origins=tuple(cors_origin or ()),
+        max_streams=max_streams,
     )
     connect = {"address": address, "store": store, "redis": redis}
     agents = tuple(agent or ()) if not any_agent else None

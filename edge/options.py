@@ -34,15 +34,22 @@ class ServeOptions:
     cors_origins: tuple[str, ...] = ()
     """Origins allowed by CORS; none: no CORS headers at all (browsers on other origins
     are refused by their own same-origin rule)."""
+    max_streams: int = 256
+    """Streams (SSE, AG-UI) open at once; one more is 503 ``TooManyStreams``: each holds
+    a socket to its caller and one to the live bus, and a caller with a token could
+    otherwise open them until the server runs out of file descriptors."""
 
     def __repr__(self) -> str:
         return (
             f"ServeOptions(host={self.host!r}, port={self.port}, tokens=<{len(self.tokens)}>, "
-            f"no_auth={self.no_auth}, cors_origins={self.cors_origins!r})"
+            f"no_auth={self.no_auth}, cors_origins={self.cors_origins!r}, "
+            f"max_streams={self.max_streams})"
         )
 
     def checked(self) -> ServeOptions:
         """These options if they keep the auth rule; ServeRefused saying why otherwise."""
+        if self.max_streams < 1:
+            raise ServeRefused(f"--max-streams is at least 1, not {self.max_streams}")
         if self.no_auth:
             if self.tokens:
                 raise ServeRefused("--no-auth goes with no token (tokens were given)")

@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from ag_ui.core import CustomEvent
 from ag_ui.encoder import EventEncoder
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from edge.agui import AguiState, rejoined, transcode
@@ -70,11 +70,12 @@ LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)
 
 @router.get(
     "/threads/{thread}/stream",
-    responses={**SSE_RESPONSE, **problems(404, 422)},
+    responses={**SSE_RESPONSE, **problems(404, 422, 503)},
     response_class=EventSourceResponse,
     summary="The thread's stream (SSE): status snapshot, facts, live deltas",
 )
 async def stream(
+    request: Request,
     client: Client,
     thread: Thread,
     after: After = None,
@@ -83,7 +84,7 @@ async def stream(
     accept: Annotated[str | None, Header()] = None,  # bounded by the server's header limit
 ) -> EventSourceResponse:
     cursor = last_event_id or after
-    frames = await _frames(client, thread, cursor, until_rest)
+    frames = await _frames(request, client, thread, cursor, until_rest)
     if accept is not None and AGUI_MEDIA_TYPE in accept:
         return _sse(_agui_events(await _agui_state(client, thread, cursor), frames))
     return _sse(_ratchet_events(frames))
@@ -91,11 +92,12 @@ async def stream(
 
 @router.get(
     "/threads/{thread}/agui",
-    responses={**SSE_RESPONSE, **problems(404, 422)},
+    responses={**SSE_RESPONSE, **problems(404, 422, 503)},
     response_class=EventSourceResponse,
     summary="The thread's stream as AG-UI events (SSE)",
 )
 async def agui_stream(
+    request: Request,
     client: Client,
     thread: Thread,
     after: After = None,
@@ -103,7 +105,7 @@ async def agui_stream(
     last_event_id: LastEventId = None,
 ) -> EventSourceResponse:
     cursor = last_event_id or after
-    frames = await _frames(client, thread, cursor, until_rest)
+    frames = await _frames(request, client, thread, cursor, until_rest)
     return _sse(_agui_events(await _agui_state(client, thread, cursor), frames))
 
 
@@ -111,21 +113,48 @@ def _sse(events: AsyncIterator[Any]) -> EventSourceResponse:
     return EventSourceResponse(events, ping=PING_S, send_timeout=SEND_TIMEOUT_S)
 
 
+class OpenStreams:
+    """The streams a server has open, up to ``ServeOptions.max_streams``."""
+
+    def __init__(self, most: int) -> None:
+        self.most, self.open = most, 0
+
+    def check(self) -> None:
+        """503 TooManyStreams if the server has as many open as it takes."""
+        if self.open >= self.most:
+            detail = f"this server has {self.open} streams open, as many as it takes"
+            raise HttpProblem(503, "TooManyStreams", detail)
+
+    async def counted(self, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        """``frames``, counted open while they are read: from the response's first read
+        to its end (a response never read holds no count that could leak)."""
+        self.open += 1
+        try:
+            async with _closing(frames):
+                async for frame in frames:
+                    yield frame
+        finally:
+            self.open -= 1
+
+
 async def _frames(
-    client: Client, thread: Thread, after: str | None, until_rest: bool
+    request: Request, client: Client, thread: Thread, after: str | None, until_rest: bool
 ) -> AsyncIterator[Frame]:
     """The thread's frames after the cursor; checked before the response starts, so a
-    bad cursor or an unknown thread is a problem, not a stream that breaks off."""
+    bad cursor, an unknown thread or a server with too many streams open is a problem,
+    not a stream that breaks off."""
     try:
         parse_offset(after)
     except ValueError as exc:
         raise HttpProblem(422, "ValidationError", str(exc)) from None
+    slots: OpenStreams = request.app.state.streams
+    slots.check()
     frontier = await known(client, thread)
     try:
         check_cursor(after, frontier.version)
     except ValueError as exc:
         raise HttpProblem(422, "ValidationError", str(exc)) from None
-    return client.handle(thread).stream(after, until_rest=until_rest)
+    return slots.counted(client.handle(thread).stream(after, until_rest=until_rest))
 
 
 async def _ratchet_events(frames: AsyncIterator[Frame]) -> AsyncIterator[ServerSentEvent]:

@@ -20,7 +20,7 @@ from edge.app import max_body_bytes
 from edge.options import ServeOptions
 from runtime.limits import DEFAULT_LIMITS
 from tests.ray.conftest import ray_session  # noqa: F401  (the session's Ray)
-from tests.support.servers import free_port
+from tests.support.servers import free_port, wait_until
 
 from .server import ServerThread
 
@@ -38,18 +38,27 @@ class Service:
     url: str
     open_url: str
     """A server with --no-auth on loopback, without CORS, that starts QUICK only."""
+    capped_url: str
+    """A server with --no-auth on loopback that takes one stream at a time."""
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     store_url = f"sqlite:///{tmp_path_factory.mktemp('edge')}/store.db"
-    port, open_port = free_port(), free_port()
+    port, open_port, capped_port = free_port(), free_port(), free_port()
     secured = ServeOptions(tokens=(TOKEN, OTHER), cors_origins=(ORIGIN,))
+    capped = ServeOptions(no_auth=True, max_streams=1)
     servers = ServerThread(
-        store_url, [(port, secured, ()), (open_port, ServeOptions(no_auth=True), (QUICK,))]
+        store_url,
+        [
+            (port, secured, ()),
+            (open_port, ServeOptions(no_auth=True), (QUICK,)),
+            (capped_port, capped, (QUICK,)),
+        ],
     )
     servers.start()
-    yield Service(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{open_port}")
+    urls = (f"http://127.0.0.1:{p}" for p in (port, open_port, capped_port))
+    yield Service(*urls)
     servers.stop()
     asyncio.run(_shutdown(store_url))
 
@@ -219,6 +228,26 @@ def test_a_resume_asked_again_never_answers_the_run_s_next_ticket(http):
     again = http.post(f"/threads/{thread}/resume", json=mine)
     assert again.status_code == 200, again.text
     assert again.json()["run_state"]["ticket"] == second  # still waiting for its answer
+
+
+def test_a_server_keeps_as_many_streams_open_as_it_takes(service, http):
+    """Each stream holds a socket to its caller and one to the live bus: a caller with a
+    token could open them until the server ran out of file descriptors."""
+    thread = start(http)["thread_id"]  # awaiting: its stream stays open
+    path = f"/threads/{thread}/stream"
+    with httpx2.Client(base_url=service.capped_url, timeout=60) as capped:
+        with capped.stream("GET", path) as first:
+            assert first.status_code == 200
+            events = iter(httpx2.EventSource(first))  # kept: dropped, it closes the stream
+            assert next(events).event == "thread_status"
+            refused = capped.get(path, params={"until_rest": "true"})
+            problem(refused, 503, "TooManyStreams")
+            assert refused.headers["retry-after"] == "1"
+
+        def taken_again() -> bool:  # once the server has seen the first one go
+            return capped.get(path, params={"until_rest": "true"}).status_code == 200
+
+        wait_until(taken_again, "the closed stream's place to be free again")
 
 
 def test_the_stream_reconnects_with_last_event_id_exactly_once(http):
