@@ -19,8 +19,8 @@ from typing import Any
 from runtime.agent import Agent
 from runtime.base import canonical_json
 from runtime.batch import ActiveToolBatch, Completed, ToolOutput, complete, mark_indeterminate
-from runtime.context import StepServices
-from runtime.delegation import CHILDREN_KEY, refusal
+from runtime.context import RunContext, StepServices
+from runtime.delegation import CHILDREN_KEY, child_ids, refusal
 from runtime.errors import InputRefused
 from runtime.execution import check_reaction_text
 from runtime.faults import Unwind
@@ -168,6 +168,22 @@ def delegates(agent: Agent, batch: ActiveToolBatch, call_id: CallId) -> bool:
         return False
     tool = agent.tool(batch.call(call_id).tool)
     return tool is not None and tool.delegates
+
+
+def relationships(
+    services: StepServices, ctx: RunContext, batch: ActiveToolBatch, wave: Sequence[CallId]
+) -> tuple[Command, ...]:
+    """The delegation relationship of each call of ``wave`` that starts a child: committed
+    with the call's executing, before the child starts (a recovery finds its child by it,
+    and a child's end is handed over only to the call it names)."""
+    started = {
+        c: child_ids(ctx.frontier.thread_id, ctx.run_id, c, services.limits.id_chars)[0]
+        for c in wave
+        if delegates(services.agent, batch, c)
+    }
+    if not started:
+        return ()
+    return (Command(key=CHILDREN_KEY, scope="run", merge="disjoint", value=dict(started)),)
 
 
 def _delegation_refusal(

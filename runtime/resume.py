@@ -25,7 +25,7 @@ from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
 from runtime.errors import InputRefused
 from runtime.events import Fact
-from runtime.gates import admit_outcome
+from runtime.gates import admit_outcome, relationships
 from runtime.ids import CallId, CorrelationId
 from runtime.injection import take_injected
 from runtime.lifecycle import (
@@ -152,6 +152,8 @@ async def resume_commit(
         else:  # approved permission or a scheduled action fires: run the call now
             batch = mark_executing(batch, call_id)
             run_now = call_id
+            # a call that delegates: its child's relationship lands with its executing
+            commands = relationships(services, ctx, batch, [call_id])
     await services.commit(
         ctx,
         "resume",

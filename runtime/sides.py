@@ -50,7 +50,10 @@ class Sides(Hooking):
             agent = side_agent(self.root, side) or self.root  # a handler or human: no model
             inference = Inference(agent, *self._inference_parts)
             inference.use_checkpoint = self.inference.use_checkpoint
-            self._sides[side] = (agent, inference, (self.root.session.b.name,))
+            # side b is as deep in a delegation as side a: its path keeps a's ancestry
+            # (a child's side b started at depth 1, and could delegate without end)
+            ancestry = self._sides["a"][2][:-1]
+            self._sides[side] = (agent, inference, (*ancestry, self.root.session.b.name))
         self.agent, self.inference, self.prompt_path = self._sides[side]
         ctx.execution.prompt_path = self.prompt_path
         return side

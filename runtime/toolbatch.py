@@ -25,11 +25,11 @@ from runtime.batch import (
     mark_indeterminate,
 )
 from runtime.context import RunContext, StepServices
-from runtime.delegation import CHILDREN_KEY, ChildRequest, ChildWaiting, child_ids
+from runtime.delegation import ChildRequest, ChildWaiting, child_ids
 from runtime.errors import StateConflict
 from runtime.execution import ExecutionSnapshot, InjectMessage, ToolRequest, snapshot
 from runtime.failures import failure_of
-from runtime.gates import admit_outcome, delegates, plan, waves
+from runtime.gates import admit_outcome, delegates, plan, relationships, waves
 from runtime.hooks import HookFailed, HookResults
 from runtime.ids import CallId
 from runtime.injection import inject_commands, live_history
@@ -110,7 +110,7 @@ async def _commit_opening(
         ctx.running(),
         messages=opening.messages,
         batch=batch,
-        commands=(*opening.commands, *_relationships(services, ctx, batch, wave)),
+        commands=(*opening.commands, *relationships(services, ctx, batch, wave)),
     )
     return batch
 
@@ -150,7 +150,7 @@ async def run_wave(
                 "executing",
                 ctx.running(),
                 batch=batch,
-                commands=(*commands, *_relationships(services, ctx, batch, marking)),
+                commands=(*commands, *relationships(services, ctx, batch, marking)),
             )
             commands.clear()
         marked, joined = False, frozenset()  # a call retried after a loss: a new attempt
@@ -158,14 +158,18 @@ async def run_wave(
         with tracing.tool_calls(batch, wave) as spans:  # a no-op while tracing is off
             work = _dispatch(services, ctx, batch, wave, parsed, spans)
             outcomes = await services.guard(work)
-            _refuse_parallel_waits(wave, outcomes)
+            waits = _parallel_waits(wave, outcomes)
             retry: list[CallId] = []
             undispatched = set()
             for call_id, outcome in zip(wave, outcomes, strict=True):
+                if waits and isinstance(outcome, ChildWaiting):
+                    continue  # left executing: the end seals it unknown
                 batch = _record(
                     services, ctx, batch, call_id, outcome, retry, undispatched, commands
                 )
             spans.done(batch, outcomes)
+            if waits:  # the calls that finished beside them are kept in the end
+                raise EndRun(IndeterminateEnd(reason=waits), batch, commands)
             _no_child_given_up(services, batch, wave, commands)
         wave = retry
     if batch.awaiting_call() is not None:
@@ -266,25 +270,13 @@ def _child_request(
     )
 
 
-def _relationships(
-    services: StepServices, ctx: RunContext, batch: ActiveToolBatch, wave: Sequence[CallId]
-) -> tuple[Command, ...]:
-    started = {
-        c: child_ids(ctx.frontier.thread_id, ctx.run_id, c, services.limits.id_chars)[0]
-        for c in wave
-        if delegates(services.agent, batch, c)
-    }
-    if not started:
-        return ()
-    return (Command(key=CHILDREN_KEY, scope="run", merge="disjoint", value=dict(started)),)
-
-
-def _refuse_parallel_waits(wave: list[CallId], outcomes: Sequence[object]) -> None:
-    """One ticket cannot hold several correlations: a child that needs a human while
-    siblings run in parallel ends the parent indeterminate."""
+def _parallel_waits(wave: list[CallId], outcomes: Sequence[object]) -> str | None:
+    """Why the parent must end indeterminate, or None: one ticket cannot hold several
+    correlations, so a child that needs a human while siblings ran in parallel ends it."""
     children = sum(isinstance(o, ChildWaiting) for o in outcomes)
     if children and len(wave) > 1:
-        raise EndRun(IndeterminateEnd(reason="a child running in parallel needs a human"))
+        return "a child running in parallel needs a human"
+    return None
 
 
 def _record(

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 from runtime import Agent, ModelResponse, ScriptedModel, call, tool
+from runtime.agent import Session, SessionSide
 from runtime.delegation import DelegationLimits, delegate_tool
 from runtime.hooks import Hook
 from runtime.messages import ToolUse, UserMessage
@@ -222,3 +223,72 @@ def nested_needy() -> Agent:
         arguments=json.dumps({"agent": f"{HERE}:middle", "input": "y"}),
     )
     return Agent(name="nested", model=_then_results(use), tools=[delegate_tool()])
+
+
+def _delegate(agent: str, input: str) -> str:
+    """Hand a task to another agent, once a human approved it."""
+    raise RuntimeError("delegation calls are run by the engine, never directly")
+
+
+asked_first = Agent(
+    name="asked_first",
+    model=ScriptedModel(
+        [
+            ModelResponse(
+                tool_calls=(call("delegate", "d1", agent=f"{HERE}:needy_worker", input="x"),)
+            ),
+            lambda r: ModelResponse(text=json.dumps(_results(r))),
+        ]
+    ),
+    tools=[
+        tool(
+            _delegate, name="delegate", recovery=("durable_request",), needs_permission=True
+        ).with_delegation()
+    ],
+    delegation=DelegationLimits(),
+)
+"""Delegates once a human approved the call: its child starts from the resume."""
+
+
+mixed = Agent(
+    name="mixed",
+    model=ScriptedModel(
+        [
+            ModelResponse(
+                tool_calls=(
+                    call("delegate", "d0", agent=f"{HERE}:worker", input="quick"),
+                    call("delegate", "d1", agent=f"{HERE}:needy_worker", input="publish"),
+                )
+            ),
+            lambda r: ModelResponse(text=json.dumps(_results(r))),
+        ]
+    ),
+    tools=[delegate_tool()],
+    delegation=DelegationLimits(),
+)
+"""Two children in one wave: one answers, one needs a human."""
+
+
+def _critic_step(request) -> ModelResponse:
+    if request.messages[-1].kind == "tool_result":
+        return ModelResponse(text="critic done")
+    return ModelResponse(tool_calls=(call("delegate", "d", agent=f"{HERE}:debate", input="again"),))
+
+
+debate = Agent(
+    name="debate",
+    model=ScriptedModel([ModelResponse(text="a speaks")] * 8),
+    session=Session(
+        b=SessionSide(
+            agent=Agent(
+                name="critic",
+                model=ScriptedModel([_critic_step] * 8),
+                tools=[delegate_tool()],
+                delegation=DelegationLimits(max_depth=3, allow_cycles=True),
+            )
+        ),
+        max_session_turns=2,
+    ),
+    delegation=DelegationLimits(max_depth=3, allow_cycles=True),
+)
+"""A session whose side b delegates to the session again: the depth limit ends it."""

@@ -115,6 +115,16 @@ async def test_limits_refuse_starts_as_model_visible_errors(limits, n, refused):
     assert len(await children_of(store, f)) == n - len(refused)
 
 
+async def test_a_session_s_side_b_is_held_to_the_depth_limit():
+    """Side b's prompt path dropped its ancestry: every child's side b delegated from
+    depth 1, and a session delegating to itself nested children without end."""
+    store = MemoryCommitStore()
+    f = await asyncio.wait_for(runner(agents.debate, store).start("go", thread_id="s"), 60)
+    assert isinstance(f.run_state, EndedState)
+    deepest = max(s.thread_id.count("/") for s in await store.list_runs())
+    assert deepest <= 3
+
+
 async def test_cycles_are_refused_unless_allowed():
     f = await runner(agents.self_delegating()).start("go", thread_id="p")
     assert "cycle" in json.loads(f.messages[-1].text)[0]
@@ -273,6 +283,17 @@ async def test_a_parallel_child_that_needs_a_human_ends_the_parent_indeterminate
     assert all(k.run_state.cause.kind == "cancelled" for k in await children_of(store, f))
 
 
+async def test_a_parallel_child_that_needs_a_human_keeps_its_siblings_answers():
+    """The sibling that answered was sealed "outcome unknown" in the end, its answer (and
+    any state it handed) dropped, though it was known."""
+    store = MemoryCommitStore()
+    f = await runner(agents.mixed, store).start("go", thread_id="p")
+    assert f.run_state.cause.kind == "indeterminate"
+    results = {m.call_id: m.content for m in f.messages if m.kind == "tool_result"}
+    assert results["d0"] == "done: quick"
+    assert "unknown" in results["d1"]
+
+
 async def test_a_lone_child_surfaces_its_wait_and_its_outcome_resumes_the_parent():
     store = MemoryCommitStore()
     r = runner(agents.fanout_agent("needy_worker", 1), store)
@@ -281,6 +302,23 @@ async def test_a_lone_child_surfaces_its_wait_and_its_outcome_resumes_the_parent
     assert f.run_state.ticket.target.wait == "delegation"
     (kid,) = await children_of(store, f)
     assert isinstance(kid.run_state, AwaitingState)
+    await r.resume(command_for(kid, PermissionDecision(approve=True)))
+    parent = await store.load("p")
+    assert parent.run_state.cause.kind == "natural"
+    assert json.loads(parent.messages[-1].text) == ["needy done"]
+
+
+async def test_a_delegation_approved_first_records_its_child_before_starting_it():
+    """The child of a call that waited for permission started from the resume, whose
+    commit did not record it: the child's end was never handed over, and its parent
+    waited for ever (recovered, again)."""
+    store = MemoryCommitStore()
+    r = runner(agents.asked_first, store)
+    f = await r.start("go", thread_id="p")
+    assert f.run_state.ticket.target.wait == "permission"
+    f = await r.resume(command_for(f, PermissionDecision(approve=True)))
+    assert f.run_state.ticket.target.wait == "delegation"
+    (kid,) = await children_of(store, f)
     await r.resume(command_for(kid, PermissionDecision(approve=True)))
     parent = await store.load("p")
     assert parent.run_state.cause.kind == "natural"
