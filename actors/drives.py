@@ -367,7 +367,7 @@ store is out (a flapping server, a partition: tried again later), its records do
 verify (quarantined, not ended)."""
 
 
-def counts_against_run(error: Exception) -> bool:
+def counts_against_run(error: BaseException) -> bool:
     """Whether a recovery that failed with ``error`` counts towards its Run's dead letter
     (the one rule for a host's own recoveries, its reconciler and the Supervisor)."""
     return not isinstance(error, NOT_THE_RUNS)

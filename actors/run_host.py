@@ -73,6 +73,7 @@ from runtime.errors import (
     RatchetError,
     ResumeRejected,
 )
+from runtime.faults import Unwind
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -305,7 +306,9 @@ class RunHost(ControlHosting, ChildHosting):
         if task.cancelled() or drive.engine.committed.is_set():
             return
         error = task.exception()
-        if error is None or not isinstance(error, Exception) or not counts_against_run(error):
+        # an Unwind too: on a host only the code it runs can raise one in a recovery (a
+        # hook's or a model's ``Crash``), which would fail the same way at every pass
+        if not isinstance(error, Exception | Unwind) or not counts_against_run(error):
             return
         log.warning("recovering %s failed before its first commit: %r", thread, error)
         lost_owner = self.owner if drive.epoch is not None else owner  # its claim landed?

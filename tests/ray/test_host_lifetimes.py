@@ -29,6 +29,7 @@ from runtime import (
     call,
     tool,
 )
+from runtime.ids import ThreadId
 from runtime.lifecycle import answer
 from storage.memory import MemoryCommitStore
 from tests.support.waiting import until
@@ -178,6 +179,7 @@ async def test_a_supervisor_forgets_dedicated_hosts_ray_reports_gone(monkeypatch
     s = object.__new__(Supervisor)
     await Supervisor.__init__(s, spec)  # as Ray would, in this process
     s._task.cancel()  # its watch's ticks are this test's own
+    s._renewing.cancel()
     monkeypatch.setattr(SUPERVISOR.ray, "get_actor", gone)
     monkeypatch.setattr(actors.hung_hosts.ray, "get_actor", gone)
     for n in range(50):
@@ -192,3 +194,33 @@ async def test_a_supervisor_forgets_dedicated_hosts_ray_reports_gone(monkeypatch
 
     await until(all_forgotten, 10, what="every gone host forgotten", interval_s=0.02)
     assert s.counts["hosts_lost"] == 50 and len(s.events) == 10
+
+
+async def test_a_recovery_ended_by_its_own_code_s_unwind_counts_against_the_run(monkeypatch):
+    """A hook or model raising ``Crash`` (public, for tests that simulate a death in one
+    process) ended each recovery of its Run on a host without counting it: the next pass
+    recovered it again, failing the same way, for ever, and its dead letter never came."""
+    from types import SimpleNamespace
+
+    from runtime.faults import Crash
+
+    counted: list[str] = []
+
+    async def mark_lost(*args: Any, reason: str, **kwargs: Any) -> None:
+        counted.append(reason)
+
+    async def hostile() -> None:
+        raise Crash("a hook's")
+
+    monkeypatch.setattr(actors.run_host, "mark_lost", mark_lost)
+    host = object.__new__(RunHost)  # the ending only: no actor, no store
+    host.owner, host.store, host.publisher, host.children = "host-a:1", None, None, None
+    host.drives, host._background = {}, set()
+    task = asyncio.ensure_future(hostile())
+    await asyncio.wait({task})
+    drive = SimpleNamespace(
+        task=task, engine=SimpleNamespace(committed=asyncio.Event()), epoch=None
+    )
+    host._recovery_ended(ThreadId("t"), drive, "host-b:1")  # type: ignore[arg-type]
+    await asyncio.gather(*host._background)
+    assert counted == ["recovery_failed:Crash"]
