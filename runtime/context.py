@@ -180,6 +180,10 @@ class StepServices(Protocol):
     async def guard(self, work: Awaitable[T]) -> T:
         """``work``, unless the cancellation signal fires first (CancelledSignal)."""
 
+    async def guard_apart(self, work: Awaitable[T]) -> T:
+        """``guard`` for user code that may hold on to its cancellation: in a task of its
+        own, left behind if it does not take the signal's cancellation in time."""
+
     def control_cause(self, ctx: RunContext) -> EndCause:
         """How the Run ends now that it was cancelled or stopped."""
 

@@ -16,7 +16,7 @@ from runtime.injection import inject_commands, live_history
 from runtime.lifecycle import Cancelled, EndCause, Stopped
 from runtime.messages import Message
 from runtime.session import closing, counted, stage_forced
-from runtime.signals import CancelSignal, guarded
+from runtime.signals import CancelSignal, guarded, guarded_apart
 
 T = TypeVar("T")
 
@@ -32,6 +32,10 @@ class Hooking(Committing):
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the cancellation signal fires first (CancelledSignal)."""
         return await guarded(self.cancel_event, work)
+
+    async def guard_apart(self, work: Awaitable[T]) -> T:
+        """``guard`` for user code that may hold on to its cancellation (``guarded_apart``)."""
+        return await guarded_apart(self.cancel_event, work)
 
     def control_cause(self, ctx: RunContext) -> EndCause:
         """How a Run stopped or cancelled (from outside, by a hook or by a tool) ends."""
@@ -91,7 +95,7 @@ class Hooking(Committing):
         )
         try:
             # a hook that hangs must not hold a Run that is cancelled or stopped
-            await self.guard(
+            await self.guard_apart(
                 run_hooks(self.agent.hooks, hook_input, into, self.limits, ctx.pending)
             )
         finally:  # what the hooks injected is staged with their commands

@@ -200,7 +200,7 @@ async def handler_turn(
     try:
         out = spec.handler(seen)
         if inspect.isawaitable(out):
-            out = await services.guard(out)
+            out = await services.guard_apart(out)
         if out is not None:
             check_text("a handler's turn", out, services.limits.input_bytes, "input_bytes")
     except CancelledSignal:

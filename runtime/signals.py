@@ -110,36 +110,77 @@ async def guarded(signal: CancelSignal, work: Awaitable[T]) -> T:
     CancelledSignal here. The cancellation is requested from a callback of the loop,
     never while the task runs, so it always lands on a wait of the work (or on nothing,
     if the work finished first: then its result stands, as when a task wins the race).
-    A cancellation of the task from elsewhere stays a CancelledError.
+    A cancellation of the task from elsewhere stays a CancelledError. Work that swallows
+    its cancellation is cancelled again every ``CANCEL_GRACE_S`` until it ends: a hook or
+    a session's handler holding on to it held its Run past a cancel or a stop.
     """
     task = asyncio.current_task()
     assert task is not None, "the engine runs inside a task"
-    loop = asyncio.get_running_loop()
-    pending: asyncio.Handle | None = None
-    fired = False
-
-    def interrupt() -> None:
-        nonlocal fired
-        fired = True
-        task.cancel()
-
-    def wake() -> None:
-        nonlocal pending
-        if pending is None:
-            pending = loop.call_soon(interrupt)
-
-    signal.watch(wake)
+    interrupts = _Interrupts(task)
+    signal.watch(interrupts.wake)
     try:
         result = await work
     except BaseException:
-        if fired and task.uncancel() == 0:
+        if interrupts.sent and interrupts.take_back() == 0:
             raise CancelledSignal from None  # the unwound work's error is moot
         raise
     finally:
-        signal.unwatch(wake)
-        if pending is not None and not fired:
-            pending.cancel()
-    if fired:  # the work swallowed the cancellation: the signal still came first
-        task.uncancel()
+        signal.unwatch(interrupts.wake)
+        interrupts.stop()
+    if interrupts.sent:  # the work swallowed the cancellation: the signal still came first
+        interrupts.take_back()
         raise CancelledSignal
     return result
+
+
+class _Interrupts:
+    """The signal's cancellations of a guarded task: the first once it fires (from a
+    callback of the loop), then one every ``CANCEL_GRACE_S`` until the work ends. An
+    object, not closures: a closure that schedules itself again refers to itself, a
+    cycle per guarded call that only the cycle collector frees."""
+
+    __slots__ = ("_again", "_loop", "_pending", "_task", "sent")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task, self._loop = task, asyncio.get_running_loop()
+        self._pending: asyncio.Handle | None = None
+        self._again: asyncio.TimerHandle | None = None
+        self.sent = 0
+
+    def wake(self) -> None:
+        if self._pending is None:
+            self._pending = self._loop.call_soon(self._interrupt)
+
+    def _interrupt(self) -> None:
+        self.sent += 1
+        self._task.cancel()
+        self._again = self._loop.call_later(CANCEL_GRACE_S, self._interrupt)
+
+    def stop(self) -> None:
+        if self._again is not None:
+            self._again.cancel()
+        if self._pending is not None and not self.sent:
+            self._pending.cancel()
+        self._again = self._pending = None
+
+    def take_back(self) -> int:
+        """Take back the cancellations sent; how many the task has left (asked of it
+        from elsewhere)."""
+        left = self._task.cancelling()
+        for _ in range(self.sent):
+            left = self._task.uncancel()
+        return left
+
+
+async def guarded_apart(signal: CancelSignal, work: Awaitable[T]) -> T:
+    """``guarded`` for user code that may hold on to its cancellation for good (a hook, a
+    session's handler): the work runs in a task of its own, which the signal cancels and
+    leaves behind if it has not ended ``CANCEL_GRACE_S`` later (``let_go``). The Run's own
+    task is never held: a task per call, where ``guarded`` makes none."""
+    apart = asyncio.ensure_future(work)
+    try:
+        await guarded(signal, asyncio.wait({apart}))  # a wait its cancel does not pass on
+    except BaseException:
+        await let_go(apart)
+        raise
+    return apart.result()

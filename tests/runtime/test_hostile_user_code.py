@@ -260,22 +260,32 @@ async def test_tools_whose_commands_clash_end_the_run_with_their_results_kept(
     assert "holder" not in done.state["thread"]
 
 
+@pytest.mark.parametrize("stubborn", [False, True], ids=["hangs", "swallows_cancels"])
 @pytest.mark.parametrize("point", ["BeforeInference", "AfterTool"])
-async def test_a_hook_that_hangs_does_not_hold_a_stopped_run(point: str) -> None:
+async def test_a_hook_that_hangs_does_not_hold_a_stopped_run(point: str, stubborn: bool) -> None:
     """A hook that never returns: a stop ends the Run all the same, and at AfterTool
-    the end keeps what the wave's tools did and wrote."""
-    entered = asyncio.Event()
+    the end keeps what the wave's tools did and wrote. One that swallows every
+    cancellation it is sent held the Run's task for good: it is left behind."""
+    entered, released = asyncio.Event(), asyncio.Event()
 
     async def hang(_: Any) -> None:
         entered.set()
-        await asyncio.Event().wait()
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if not stubborn or released.is_set():
+                    raise
 
     store = MemoryCommitStore()
     engine = InProcessRunner(_debit_then([Hook(point=point, fn=hang)]), store).engine()
     run = asyncio.ensure_future(engine.start(ThreadId("t"), "go", new_thread=True))
     await asyncio.wait_for(entered.wait(), 10)
     engine.stop("operator stop")
-    done = await asyncio.wait_for(run, 10)
+    try:
+        done = await asyncio.wait_for(run, 10)
+    finally:
+        released.set()  # the hook left behind takes the loop's last cancellation
     assert isinstance(done.run_state, EndedState), done.run_state
     assert done.run_state.cause == Stopped(reason="operator stop")
     if point == "AfterTool":

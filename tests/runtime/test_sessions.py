@@ -27,6 +27,8 @@ from runtime import (
     tool,
 )
 from runtime.agent import HandlerInput, Session, SessionSide
+from runtime.ids import ThreadId
+from runtime.lifecycle import Stopped
 from runtime.replay_check import replay
 from runtime.session import SESSION_KEY
 from storage.memory import MemoryCommitStore
@@ -182,6 +184,32 @@ async def test_a_handler_that_raises_fails_the_run_as_a_hook_does():
 
     f = await start(with_handler(handler=broken))
     assert f.run_state.cause.failure == "hook" and "handler bug" in f.run_state.cause.message
+
+
+async def test_a_handler_that_swallows_its_cancellations_does_not_hold_a_stopped_run():
+    """The handler runs in the Run's task: one that caught every cancellation it was
+    sent held its Run past a stop for good. It is left behind now."""
+    entered, released = asyncio.Event(), asyncio.Event()
+
+    async def stubborn(seen: HandlerInput) -> str:
+        entered.set()
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if released.is_set():
+                    raise
+
+    store = MemoryCommitStore()
+    engine = InProcessRunner(with_handler(handler=stubborn), store).engine()
+    run = asyncio.ensure_future(engine.start(ThreadId("t"), "go", new_thread=True))
+    await asyncio.wait_for(entered.wait(), 10)
+    engine.stop("operator stop")
+    try:
+        done = await asyncio.wait_for(run, 10)
+    finally:
+        released.set()  # the handler left behind takes the loop's last cancellation
+    assert done.run_state.cause == Stopped(reason="operator stop")
 
 
 async def test_a_human_side_settles_the_run_idle_awaiting_human_then_resumes():
