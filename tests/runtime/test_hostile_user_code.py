@@ -35,6 +35,7 @@ from runtime.models import ModelDelta
 from runtime.state import Command
 from runtime.tools import ToolResult
 from storage.memory import MemoryCommitStore
+from tests.support.stubborn import hanging
 
 
 class Mine(BaseException):
@@ -267,15 +268,7 @@ async def test_a_hook_that_hangs_does_not_hold_a_stopped_run(point: str, stubbor
     the end keeps what the wave's tools did and wrote. One that swallows every
     cancellation it is sent held the Run's task for good: it is left behind."""
     entered, released = asyncio.Event(), asyncio.Event()
-
-    async def hang(_: Any) -> None:
-        entered.set()
-        while True:
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                if not stubborn or released.is_set():
-                    raise
+    hang = hanging(entered, released, swallows=stubborn)
 
     store = MemoryCommitStore()
     engine = InProcessRunner(_debit_then([Hook(point=point, fn=hang)]), store).engine()

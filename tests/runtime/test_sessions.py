@@ -32,6 +32,7 @@ from runtime.lifecycle import Stopped
 from runtime.replay_check import replay
 from runtime.session import SESSION_KEY
 from storage.memory import MemoryCommitStore
+from tests.support.stubborn import hanging
 
 SEEN: dict[str, list] = {}
 
@@ -190,16 +191,7 @@ async def test_a_handler_that_swallows_its_cancellations_does_not_hold_a_stopped
     """The handler runs in the Run's task: one that caught every cancellation it was
     sent held its Run past a stop for good. It is left behind now."""
     entered, released = asyncio.Event(), asyncio.Event()
-
-    async def stubborn(seen: HandlerInput) -> str:
-        entered.set()
-        while True:
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                if released.is_set():
-                    raise
-
+    stubborn = hanging(entered, released)
     store = MemoryCommitStore()
     engine = InProcessRunner(with_handler(handler=stubborn), store).engine()
     run = asyncio.ensure_future(engine.start(ThreadId("t"), "go", new_thread=True))

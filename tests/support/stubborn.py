@@ -1,0 +1,27 @@
+"""User code that hangs, and user code that also swallows every cancellation it is sent
+(a hook, a session's handler): what the engine must not be held by."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+def hanging(
+    entered: asyncio.Event, released: asyncio.Event, *, swallows: bool = True
+) -> Callable[[Any], Awaitable[str]]:
+    """An async callable that sets ``entered`` and waits for ever; with ``swallows`` it
+    catches each cancellation and waits again, until ``released`` is set (a test sets it
+    at its end, so that the event loop's last cancellation ends it)."""
+
+    async def hang(_: Any) -> str:
+        entered.set()
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if not swallows or released.is_set():
+                    raise
+
+    return hang
