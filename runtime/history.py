@@ -169,11 +169,12 @@ def copy_under_way(frontier: Frontier | RunSummary) -> str | None:
 async def forks_under_way(store: CommitStore, source: ThreadId) -> list[str]:
     """Why ``source`` must keep its records: the forks of it cut short in the middle of a
     Run (run again, one reads them; pruned, they are gone, and the copy can never be
-    completed). The owner index of running threads finds them (``host_of`` the fork
-    writer's owner: ``ratchet-fork``), on every backend without reading other threads;
-    a copy cut between Runs, or where a Run awaited, is not found (its Run is at rest)."""
+    completed). The owner index finds them (``host_of`` the fork writer's owner:
+    ``ratchet-fork``), on every backend without reading other threads, whatever the
+    state of the Run copied last: a copy cut between Runs, or where a Run awaited, must
+    be completed from the source's records too."""
     mine = f"{FORK_HOST}#{source}"  # the owner less its "@seq" (an id may hold an "@")
-    listed = await store.list_runs("running", host=FORK_HOST)
+    listed = await store.list_runs(None, host=FORK_HOST)
     return [
         f"{why} (a fork of {source})"
         for row in listed

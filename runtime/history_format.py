@@ -17,7 +17,7 @@ from runtime.commit import DEFAULT_PAYLOAD_LIMIT, ThreadCommit, decode_commit
 from runtime.errors import CorruptRecord, InputRefused, RatchetError
 from runtime.ids import ThreadId
 from runtime.integrity import body_hash
-from runtime.limits import DEFAULT_LIMITS, check_id
+from runtime.limits import DEFAULT_LIMITS, check_id, printable
 from runtime.ports import CommittedRecord
 from runtime.strict_json import DuplicateKey, refuse_duplicate_keys
 
@@ -135,13 +135,14 @@ def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
         raise ImportRefused(1, "format", f"not a Ratchet thread export ({EXPORT_FORMAT!r})")
     extra = sorted(value.keys() - _HEADER_FIELDS)
     if extra:
-        raise ImportRefused(1, "malformed", f"the header holds fields no export writes: {extra}")
+        fields = printable(repr(extra), 200)
+        raise ImportRefused(1, "malformed", f"the header holds fields no export writes: {fields}")
     version = value.get("version")
     if not _is_int(version) or version != EXPORT_VERSION:  # true and 1.0 are == 1
         raise ImportRefused(
             1,
             "version",
-            f"format version {value.get('version')!r}; this Ratchet reads {EXPORT_VERSION}",
+            f"format version {printable(repr(version), 80)}; this Ratchet reads {EXPORT_VERSION}",
         )
     thread, count, head = value.get("thread_id"), value.get("records"), value.get("head")
     try:

@@ -164,6 +164,14 @@ def check_size(commit: ThreadCommit, limit: int) -> None:
         raise unstorable_text(commit, exc) from None
     if size > limit:
         raise PayloadTooLarge(size, limit)
+    keys = len(commit.thread_id.encode()) + len(commit.operation_id.encode())
+    if keys > KEY_BYTES:
+        raise CommitRefused(
+            f"commit {commit.operation_id[:80]}",
+            "id_chars",
+            f"its thread and operation ids take {keys} bytes together; a store's index "
+            f"takes {KEY_BYTES}",
+        )
     free_form = [c.value for c in commit.commands] + [f.data for f in commit.events]
     if _deeper_than(free_form, STORED_DEPTH - _RECORD_DEPTH):
         raise CommitRefused(
@@ -172,6 +180,12 @@ def check_size(commit: ThreadCommit, limit: int) -> None:
             f"the record nests deeper than {STORED_DEPTH} levels: it would not decode again",
         )
 
+
+KEY_BYTES = 2560
+"""A record's thread id and operation id together, in UTF-8: PostgreSQL's unique index on
+the two refuses an entry past about 2,700 bytes, after the records before it were
+written (a copied run id may be 1,024 characters: ``runtime.history.COPIED_IDS``). Ids
+within the default ``id_chars`` take at most about 2,070."""
 
 _RECORD_DEPTH = 8
 """How deep a commit's own structure holds its free-form values (commands[i].value and

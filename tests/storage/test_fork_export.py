@@ -53,6 +53,7 @@ from runtime.rules import replay
 from runtime.state import Command
 from storage.memory import MemoryCommitStore
 from storage.sql import SqlCommitStore
+from tests.storage.test_prune import run_on
 
 T = ThreadId("history")
 F = ThreadId("history-fork")
@@ -340,6 +341,22 @@ async def test_a_run_half_copied_is_not_driven_and_its_source_keeps_its_records(
     assert await store.prune(F, end_of_one) == end_of_one  # its one fork was abandoned
 
 
+async def test_a_fork_cut_between_runs_keeps_its_source_from_a_prune(store: Any) -> None:
+    """Only a fork cut in the middle of a Run held its source's prune back: one cut
+    between two Runs let the prune through, and could then never be completed (its
+    records were gone), the new thread's id refused for good."""
+    _, end_of_one = await two_runs(store)
+    head = (await store.load(T)).version
+    with pytest.raises(StoreUnavailable):
+        await fork(CutOff(store, end_of_one), T, head, F)  # the first Run copied whole
+    assert isinstance((await store.load(F)).run_state, EndedState)
+    with pytest.raises(InvalidTransition, match=r"not pruned while it is copied.*a fork of"):
+        await store.prune(T, end_of_one)
+    done = await fork(store, T, head, F)
+    assert done.version == head and await audit(store, F) == []
+    assert await store.prune(T, end_of_one) == end_of_one
+
+
 async def test_a_copy_half_written_is_neither_exported_nor_forked(store: Any) -> None:
     """An export of an import cut off half way answered its records as a whole thread
     (exit 0): written back elsewhere, it made a thread that could not be told from the
@@ -411,6 +428,27 @@ async def test_export_then_import_round_trips(store: Any) -> None:
     assert same.thread_id == T and history(same) == history(original)
     driven = await InProcessRunner(history_agent(), fixture).start("three", thread_id=T)
     assert texts(driven)[-2:] == ["looking", "answered three"]
+
+
+async def test_an_import_whose_ids_no_index_takes_is_refused_before_a_write(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copied run id may be 1,024 characters: 4 KB of 4-byte characters, which
+    PostgreSQL's index on (thread, operation id) refused at that Run's first record,
+    after the records before it were written (a copy half written for good)."""
+    import runtime.rules
+
+    source = MemoryCommitStore()
+    wide = "".join(chr(0x20000 + i) for i in range(1000))  # 4 bytes each in UTF-8
+    monkeypatch.setattr(runtime.rules, "KEY_BYTES", 10**6)  # written where it was allowed
+    await run_on(source, T, "short-run")
+    await run_on(source, T, wide)
+    lines = list(await export(source, T))
+    monkeypatch.undo()
+    with pytest.raises(ImportRefused) as refused:
+        await import_thread(store, lines, ThreadId("wide-copy"))
+    assert refused.value.reason == "id_chars" and refused.value.line == 5  # record 4
+    assert (await store.load_head(ThreadId("wide-copy"))).version == 0  # nothing written
 
 
 async def test_an_imported_thread_mid_run_is_resumed_where_it_waits(store: Any) -> None:
@@ -603,6 +641,8 @@ BAD_INPUT: dict[str, tuple[Edit, int, str]] = {
     "format version 2": (_header(version=2), 1, "version"),
     "format version true": (_header(version=True), 1, "version"),  # == 1 in Python
     "format version 1.0": (_header(version=1.0), 1, "version"),
+    "a megabyte format version": (_header(version="v" * 1_000_000), 1, "version"),
+    "a megabyte extra field": (_header(**{"x" * 1_000_000: 1}), 1, "malformed"),
     "header without count": (_header(records=None), 1, "header"),
     "header with an extra field": (_header(surprise={"x": 1}), 1, "malformed"),
     "a float past JSON's": (_non_finite("1e400"), 3, "record"),
@@ -661,6 +701,7 @@ async def test_import_refuses_bad_input_naming_the_line(recorded: list[str], cas
         await import_thread(target, edit(list(recorded)))
     assert (refused.value.line, refused.value.reason) == (line, reason), str(refused.value)
     assert str(refused.value).startswith(f"line {line}: {reason}: ")
+    assert len(str(refused.value)) < 1000  # the input is not echoed back whole
     assert await target.thread_ids() == []
 
 
