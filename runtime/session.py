@@ -203,8 +203,10 @@ async def handler_turn(
             out = await services.guard_apart(out)
         if out is not None:
             check_text("a handler's turn", out, services.limits.input_bytes, "input_bytes")
-    except CancelledSignal:
-        raise
+    except CancelledSignal as exc:
+        if services.ending:  # the Run's cancel or stop, through the guard
+            raise
+        raise HookFailed(as_hook, "StepStart", exc) from exc  # the handler's own
     except asyncio.CancelledError as exc:
         if cancelling():
             raise  # the Run's task is being cancelled: it goes on unwinding

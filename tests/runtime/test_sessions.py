@@ -187,6 +187,18 @@ async def test_a_handler_that_raises_fails_the_run_as_a_hook_does():
     assert f.run_state.cause.failure == "hook" and "handler bug" in f.run_state.cause.message
 
 
+async def test_a_handler_raising_the_engine_s_cancel_signal_fails_as_a_hook_does():
+    """A handler that raised ``CancelledSignal`` itself ended its Run ``cancelled``, as if
+    the Run had been cancelled."""
+    from runtime.signals import CancelledSignal
+
+    def impostor(seen):
+        raise CancelledSignal
+
+    f = await start(with_handler(handler=impostor))
+    assert f.run_state.cause.failure == "hook"
+
+
 async def test_a_handler_that_swallows_its_cancellations_does_not_hold_a_stopped_run():
     """The handler runs in the Run's task: one that caught every cancellation it was
     sent held its Run past a stop for good. It is left behind now."""
