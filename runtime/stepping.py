@@ -103,7 +103,10 @@ class Stepping(Sides):
                 if root.session is not None:  # the answer ends this side's turn
                     await self._hand_over(ctx, side, messages, prior, (*hooks.commands, *usage))
                     return
-            cause = MaxSteps() if response.tool_calls else guarded_end(root, ctx, messages)
+            if ctx.execution.stopped:  # a hook stopped it after its last answer
+                cause = self.control_cause(ctx)
+            else:
+                cause = MaxSteps() if response.tool_calls else guarded_end(root, ctx, messages)
             commands = (*hooks.commands, *usage)
             await self.end(ctx, cause, messages=messages, batch=prior, commands=commands)
             return

@@ -477,3 +477,19 @@ def _script_of(tool_id: str) -> ScriptedModel:
     return ScriptedModel(
         [ModelResponse(tool_calls=(call(tool_id, "c1"),)), ModelResponse(text="ok")]
     )
+
+
+@pytest.mark.parametrize("point", ["AfterInference", "StepEnd"])
+async def test_a_hook_that_stops_the_run_after_its_last_answer_is_heard(point: str) -> None:
+    """A stop from a hook on the last Step (a text answer, no tools) was dropped: the
+    Run ended natural, as if nothing had looked at the answer."""
+    from runtime import StopRun
+
+    def flag(_: Any) -> HookOutput:
+        return HookOutput(reactions=[StopRun(reason="flagged")])
+
+    model = ScriptedModel([ModelResponse(text="an answer the hook flags")])
+    agent = Agent(name="a", model=model, hooks=[Hook(point=point, fn=flag)])
+    done = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert done.run_state.cause == Stopped(reason="flagged")
+    assert done.messages[-1].text == "an answer the hook flags"  # the answer is kept
