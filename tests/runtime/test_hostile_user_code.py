@@ -35,7 +35,7 @@ from runtime.models import ModelDelta
 from runtime.state import Command
 from runtime.tools import ToolResult
 from storage.memory import MemoryCommitStore
-from tests.support.stubborn import hanging
+from tests.support.stubborn import hanging, stopped_once_entered
 
 
 class Mine(BaseException):
@@ -269,16 +269,8 @@ async def test_a_hook_that_hangs_does_not_hold_a_stopped_run(point: str, stubbor
     cancellation it is sent held the Run's task for good: it is left behind."""
     entered, released = asyncio.Event(), asyncio.Event()
     hang = hanging(entered, released, swallows=stubborn)
-
-    store = MemoryCommitStore()
-    engine = InProcessRunner(_debit_then([Hook(point=point, fn=hang)]), store).engine()
-    run = asyncio.ensure_future(engine.start(ThreadId("t"), "go", new_thread=True))
-    await asyncio.wait_for(entered.wait(), 10)
-    engine.stop("operator stop")
-    try:
-        done = await asyncio.wait_for(run, 10)
-    finally:
-        released.set()  # the hook left behind takes the loop's last cancellation
+    runner = InProcessRunner(_debit_then([Hook(point=point, fn=hang)]), MemoryCommitStore())
+    done = await stopped_once_entered(runner, entered, released)
     assert isinstance(done.run_state, EndedState), done.run_state
     assert done.run_state.cause == Stopped(reason="operator stop")
     if point == "AfterTool":

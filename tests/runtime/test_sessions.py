@@ -27,12 +27,11 @@ from runtime import (
     tool,
 )
 from runtime.agent import HandlerInput, Session, SessionSide
-from runtime.ids import ThreadId
 from runtime.lifecycle import Stopped
 from runtime.replay_check import replay
 from runtime.session import SESSION_KEY
 from storage.memory import MemoryCommitStore
-from tests.support.stubborn import hanging
+from tests.support.stubborn import hanging, stopped_once_entered
 
 SEEN: dict[str, list] = {}
 
@@ -203,16 +202,8 @@ async def test_a_handler_that_swallows_its_cancellations_does_not_hold_a_stopped
     """The handler runs in the Run's task: one that caught every cancellation it was
     sent held its Run past a stop for good. It is left behind now."""
     entered, released = asyncio.Event(), asyncio.Event()
-    stubborn = hanging(entered, released)
-    store = MemoryCommitStore()
-    engine = InProcessRunner(with_handler(handler=stubborn), store).engine()
-    run = asyncio.ensure_future(engine.start(ThreadId("t"), "go", new_thread=True))
-    await asyncio.wait_for(entered.wait(), 10)
-    engine.stop("operator stop")
-    try:
-        done = await asyncio.wait_for(run, 10)
-    finally:
-        released.set()  # the handler left behind takes the loop's last cancellation
+    runner = InProcessRunner(with_handler(handler=hanging(entered, released)), MemoryCommitStore())
+    done = await stopped_once_entered(runner, entered, released)
     assert done.run_state.cause == Stopped(reason="operator stop")
 
 

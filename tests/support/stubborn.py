@@ -7,6 +7,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from runtime.commit import Frontier
+from runtime.ids import ThreadId
+from runtime.runner import InProcessRunner
+
 
 def hanging(
     entered: asyncio.Event, released: asyncio.Event, *, swallows: bool = True
@@ -25,3 +29,18 @@ def hanging(
                     raise
 
     return hang
+
+
+async def stopped_once_entered(
+    runner: InProcessRunner, entered: asyncio.Event, released: asyncio.Event
+) -> Frontier:
+    """Start a Run on a new thread ``t``, stop it once the hanging code is ``entered``;
+    the Run as it ended. ``released`` is set at the end, whatever happened."""
+    engine = runner.engine()
+    run = asyncio.ensure_future(engine.start(ThreadId("t"), "go", new_thread=True))
+    await asyncio.wait_for(entered.wait(), 10)
+    engine.stop("operator stop")
+    try:
+        return await asyncio.wait_for(run, 10)
+    finally:
+        released.set()  # the code left behind takes the loop's last cancellation
