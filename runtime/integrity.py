@@ -181,9 +181,9 @@ def whole_frontier(
     then those of ``records``, the verified log kept up to the head (from the anchor
     read with ``pruned``); CorruptRecord unless they add up to ``head.message_count`` and
     the pruned texts match their digest."""
-    at_head = [r for r in records if r.seq == head.version]
-    if at_head:
-        _agrees(thread, head, at_head[0].commit)
+    at_head = next((r for r in reversed(records) if r.seq == head.version), None)
+    if at_head is not None:
+        _agrees(thread, head, at_head.commit)
     kept = [m for r in records if r.seq <= head.version for m in r.commit.messages]
     before = head.message_count - len(kept)
     if before < 0 or (before and pruned is None):
