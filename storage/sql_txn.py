@@ -431,6 +431,10 @@ def lock(
 
     Returns the rows, the receipts already stored under the ``pairs``, and the threads
     whose rows had to be created (their rows go again if nothing is written to them).
+    A row found missing that another transaction made meanwhile (on PostgreSQL: its
+    first commit landed between this lock and this insert) is no row of this one's: its
+    records are vouched for by it, and the requests on it meet a version they were not
+    admitted at (a typed loss, not a corrupt thread).
     """
     wanted = sorted(ids)
     rows, known = _lock_existing(conn, wanted, pairs)
@@ -443,7 +447,8 @@ def lock(
         more_rows, more_known = _lock_existing(conn, missing, pairs)
         rows.update(more_rows)
         known.update(more_known)
-    return rows, known, missing
+    made = [t for t in missing if t in rows and rows[t].version == 0]
+    return rows, known, made
 
 
 def _lock_existing(conn: Connection, ids: list[str], pairs: Pairs) -> Locked:
