@@ -21,40 +21,50 @@ MAX_EVENT_BYTES = 8 * 1024 * 1024
 ``response_bytes`` and ``reasoning_bytes`` of characters (1.2 M) sent in one event, each
 escaped as six bytes (``\\uXXXX``), is 7 MB."""
 
-_ENDS = (b"\r\n\r\n", b"\n\n", b"\r\r", b"\n\r")
-"""An event ends at an empty line: two line ends in a row (LF, CR or CRLF). ``\\n\\r``
-also starts ``\\n\\r\\n``; taken for an end where it is not one, it only lets more in."""
+_ENDS = (b"\r\r", b"\n\n", b"\r\n\r\n")
+"""The ends of an event as both SDKs' decoders find them (``_aiter_chunks``): the bytes
+held so far end with two line ends in a row. Any other end (``\n\r`` is one to the
+standard) is none to them: they go on holding the bytes, so the count goes on too."""
+
+MAX_EVENT_LINES = 256
+"""Lines in one event. The decoders join an event's lines one at a time (``data +=
+line``: a copy of all before it per line), so an event of many short lines costs time
+quadratic in its size under the byte bound (8 MiB of four-byte lines held the event
+loop for minutes). A provider's event has a few lines (``event:``, ``data:``). An error
+body's lines are not counted: it is read whole (a proxy's HTML page), never decoded."""
 
 
 class EventTooLarge(Exception):
     """One server-sent event (or a body with no blank line) passed its bound."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"a server-sent event over {limit} bytes")
+    def __init__(self, limit: int, unit: str = "bytes") -> None:
+        super().__init__(f"a server-sent event over {limit} {unit}")
         self.limit = limit
 
 
 class _EventBytes:
-    """Counts the bytes since the last event's end, across the chunks of a body."""
+    """Counts the bytes and lines of the event under way as the SDKs' decoders hold
+    them, across the chunks of a body: line by line, as they split each chunk."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int, lines: int | None = MAX_EVENT_LINES) -> None:
+        self.limit, self.max_lines = limit, lines
         self.since = 0
-        self.last = b""
+        self.lines = 0
+        self.tail = b""
 
     def feed(self, chunk: bytes) -> None:
-        # the last bytes before it too, so an end cut between two chunks is found whole;
-        # an end wholly among them was counted with their chunk
-        window = self.last + chunk
-        after = len(self.last)
-        for pattern in _ENDS:
-            at = window.rfind(pattern)
-            if at >= 0:
-                after = max(after, at + len(pattern))
-        self.since = len(window) - after if after > len(self.last) else self.since + len(chunk)
-        self.last = window[-3:]
-        if self.since > self.limit:
-            raise EventTooLarge(self.limit)
+        for line in chunk.splitlines(keepends=True):
+            self.tail = (self.tail + line)[-4:]
+            if self.tail.endswith(_ENDS):  # the decoder hands the event on and starts over
+                self.since = self.lines = 0
+                self.tail = b""
+                continue
+            self.since += len(line.rstrip(b"\r\n"))  # its text: an end cut short is no text
+            self.lines += 1
+            if self.since > self.limit:
+                raise EventTooLarge(self.limit)
+            if self.max_lines is not None and self.lines > self.max_lines:
+                raise EventTooLarge(self.max_lines, "lines")
 
 
 def event_bound_hook(limit: int) -> Callable[[Any], Coroutine[Any, Any, None]]:
@@ -68,7 +78,8 @@ def event_bound_hook(limit: int) -> Callable[[Any], Coroutine[Any, Any, None]]:
         read = response.aiter_bytes
 
         async def bounded(chunk_size: int | None = None) -> AsyncIterator[bytes]:
-            events = _EventBytes(limit)
+            decoded = response.status_code < 400  # as events, whatever its content type says
+            events = _EventBytes(limit, MAX_EVENT_LINES if decoded else None)
             async for chunk in read(chunk_size):
                 events.feed(chunk)
                 yield chunk
@@ -78,4 +89,4 @@ def event_bound_hook(limit: int) -> Callable[[Any], Coroutine[Any, Any, None]]:
     return bound
 
 
-__all__ = ["MAX_EVENT_BYTES", "EventTooLarge", "event_bound_hook"]
+__all__ = ["MAX_EVENT_BYTES", "MAX_EVENT_LINES", "EventTooLarge", "event_bound_hook"]

@@ -227,6 +227,32 @@ async def test_an_event_that_never_ends_fails_its_attempt_at_its_bound(
 
 
 @pytest.mark.parametrize("provider_kind", ["openai", "anthropic"])
+async def test_an_event_the_sdk_holds_is_bounded_as_the_sdk_splits_it(
+    provider, closing, provider_kind
+):
+    """The decoders end an event at LF LF, CR CR or CRLF CRLF only: comment lines
+    joined by LF CR were taken for events of their own while the SDK held them all (64
+    MiB so sent held a Run's host for minutes). And an event of many short lines costs
+    the decoder a copy of the event per line: its lines are bounded too."""
+    lf_cr = [b": " + b"x" * 60_000 + b"\n\r"] * 40  # 2.4 MB, one event to the SDK
+    short = [b": c\n" * 1_000]  # 4 KB: under the byte bound, 1,000 lines
+    provider.reply(Sse([*_opening(provider_kind), *lf_cr]), Sse([*_opening(provider_kind), *short]))
+    messages = [
+        f"{provider_kind}: a server-sent event over {n}" for n in ("1048576 bytes", "256 lines")
+    ]
+    for message in messages:
+        model = closing(_model(provider_kind, provider.url, max_event_bytes=1 << 20))
+        agent = Agent(name="a", model=model, inference_attempts=1, inference_timeout_s=60)
+        f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
+        cause = f.run_state.cause
+        assert (cause.failure, cause.code, cause.message) == (
+            "inference",
+            "malformed_stream",
+            message,
+        )
+
+
+@pytest.mark.parametrize("provider_kind", ["openai", "anthropic"])
 async def test_the_bound_is_on_each_event_not_on_the_stream(provider, closing, provider_kind):
     comments = [b": " + b"x" * 60_000 + b"\r\n\r\n"] * 40  # 2.4 MB in all, CRLF ends
     if provider_kind == "openai":
