@@ -398,7 +398,10 @@ class MessagesFold:
 
 
 def _json(value: object) -> str:
-    return json.dumps(value) if value else ""
+    """A block's starting input as argument text: none for the ``{}`` a streamed call
+    starts with (its arguments follow as deltas); anything else as it is, so that a
+    falsy non-object (``[]``, ``0``, ``""``) is refused as arguments, not run as ``{}``."""
+    return "" if value is None or value == {} else json.dumps(value)
 
 
 USAGE_FIELDS = (

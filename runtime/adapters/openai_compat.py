@@ -26,7 +26,10 @@ index order. A stream that ends without a ``finish_reason`` was cut (ModelUnavai
 A ``length`` finish with tool calls may have cut the last call short (the format marks
 no call's end): asking again cannot help, so it is ``ModelRefused("max_tokens")`` and no
 call of it runs. Two calls with one id get distinct ids (``call_1``, ``call_1#2``) from
-their first fragment, so their live deltas and a stream checkpoint keep them apart.
+their first fragment, so their live deltas and a stream checkpoint keep them apart; a
+call whose id comes only on a later fragment keeps the one it got by index
+(``call_<index>``) throughout. A chunk of more than ``MAX_CHUNK_FRAGMENTS`` call
+fragments is ``malformed_stream``.
 
 Retries are Ratchet's (``Agent.inference_attempts``, rate-limit backoff), so the SDK's
 are off. ``timeout_s`` bounds connecting and every wait for the next chunk, not the
@@ -37,11 +40,12 @@ in). Usage: ``runtime.adapters.usage``, returned on the response.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
+
+import orjson
 
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.event_bound import MAX_EVENT_BYTES, event_bound_hook
@@ -212,9 +216,9 @@ def _wire_arguments(arguments: str) -> str:
     when it is a JSON object, else ``{}``. The history keeps what the model sent (its
     call failed, and the model was told why), but a server that parses them again (vLLM
     does) would refuse every later request of the thread over a call cut short."""
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
+    try:  # strict JSON: Python's json takes NaN, Infinity and lone surrogates
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
         return "{}"
     return arguments if isinstance(value, dict) else "{}"
 
@@ -235,6 +239,11 @@ def chat_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]
 
 
 # ---- the stream -----------------------------------------------------------------------
+
+MAX_CHUNK_FRAGMENTS = 1024
+"""Tool call fragments in one chunk: a chunk is folded whole before ``tool_calls`` and
+``response_bytes`` are asked about its deltas, and one 8 MiB event holds half a million
+(a provider sends one per chunk, or a few calls whole)."""
 
 
 @dataclass
@@ -258,6 +267,8 @@ class ChatFold:
     reported: Reported = field(default_factory=Reported)
     cached: Reported = field(default_factory=Reported)
     model: str = ""
+    ids: set[str] = field(default_factory=set, repr=False)
+    """Every call's id so far (``distinct_id`` asks for them once per call)."""
 
     def add(self, chunk: ChatCompletionChunk) -> list[ModelDelta]:
         try:
@@ -298,7 +309,14 @@ class ChatFold:
             if text:
                 self.text.append(text)
                 out.append(ModelDelta(text=text))
-        for fragment in delta.tool_calls or ():
+        fragments = delta.tool_calls or ()
+        if len(fragments) > MAX_CHUNK_FRAGMENTS:  # folded whole before any limit is asked
+            raise ModelUnavailable(
+                "malformed_stream",
+                f"openai: a chunk of {len(fragments)} tool call fragments "
+                f"(at most {MAX_CHUNK_FRAGMENTS})",
+            )
+        for fragment in fragments:
             index = self._index_of(fragment)
             call = self.calls.setdefault(index, _Call())
             if fragment.id and call.raw_id and fragment.id != call.raw_id:  # two at one index
@@ -307,11 +325,12 @@ class ChatFold:
                     f"openai: call {fragment.id!r} at the index of {call.raw_id!r}",
                 )
             if fragment.id and not call.raw_id:
-                call.raw_id, call.id = fragment.id, distinct_id(fragment.id, self._taken(call))
-            elif not call.id:
+                call.raw_id = fragment.id  # a late one: the call keeps the id it goes by
+            if not call.id:
                 # a gateway that sends no id gets one by index, so the deltas still group;
                 # distinct from every other call's, a real "call_1" included
-                call.id = distinct_id(f"call_{index}", self._taken(call))
+                call.id = distinct_id(call.raw_id or f"call_{index}", self.ids)
+                self.ids.add(call.id)
             function = fragment.function
             call.name = call.name or (function.name if function and function.name else "")
             arguments = (function.arguments if function else None) or ""
@@ -320,10 +339,6 @@ class ChatFold:
                 ModelDelta(type="tool_call_delta", call_id=call.id, tool=call.name, text=arguments)
             )
         return out
-
-    def _taken(self, call: _Call) -> set[str]:
-        """The ids of the answer's other calls (asked once per call, not per fragment)."""
-        return {other.id for other in self.calls.values() if other is not call}
 
     def _index_of(self, fragment: Any) -> int:
         """The call a fragment belongs to: its ``index``, as the documented shape numbers

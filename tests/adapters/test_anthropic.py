@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import anthropic
@@ -200,6 +201,19 @@ async def test_text_and_tool_use_stream_as_deltas_then_one_response(provider, ma
     ]
     assert response.text == "Let me add."
     assert response.tool_calls == (use("toolu_1", '{"a": 1, "b": 2}'), use("toolu_2", "{}"))
+
+
+@pytest.mark.parametrize("start", [[], "", 0, False, [1]])
+async def test_a_tool_use_starting_with_an_input_that_is_no_object_keeps_it(provider, make, start):
+    """A falsy one (``[]``, ``0``, ``""``) was taken for no input: the call ran with
+    ``{}``, where ``[1]`` was refused as arguments that are no JSON object."""
+    block = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": start}
+    opened = {"type": "content_block_start", "index": 0, "content_block": block}
+    stopped = {"type": "content_block_stop", "index": 0}
+    frames = [event("content_block_start", opened), event("content_block_stop", stopped)]
+    provider.reply(anthropic_stream(frames, stop_reason="tool_use"))
+    _, response = await collect(make(), request())
+    assert response.tool_calls == (use("toolu_1", json.dumps(start)),)
 
 
 async def test_the_halves_of_a_character_cut_between_fragments_join(provider, make):

@@ -644,6 +644,59 @@ async def test_a_call_sent_without_an_id_takes_none_another_call_has(provider, m
     ]
 
 
+async def test_a_call_whose_id_comes_late_keeps_the_id_it_got_by_index(provider, make):
+    """Its first fragment had no id (``call_0``), a later one had ``x``: the deltas
+    named two calls, so a stream checkpoint cut there was recovered as two complete
+    calls the model never made, while the answer had one."""
+    late = {"index": 0, "id": "x", "function": {"arguments": '"b": 2}'}}
+    provider.reply(
+        openai_stream(
+            openai_chunk({"tool_calls": [{"index": 0, "type": "function",
+                          "function": {"name": "add", "arguments": '{"a": 1, '}}]}),
+            openai_chunk({"tool_calls": [late]}),
+            finish_reason="tool_calls",
+        )
+    )  # fmt: skip
+    deltas, response = await collect(make(), request())
+    assert {d.call_id for d in deltas if d.type == "tool_call_delta"} == {"call_0"}
+    assert [(c.call_id, c.arguments) for c in response.tool_calls] == [
+        ("call_0", '{"a": 1, "b": 2}')
+    ]
+
+
+async def test_a_chunk_of_too_many_call_fragments_is_malformed_before_it_is_folded(provider, make):
+    """One event can hold half a million fragments, each a new call: folding them took
+    time quadratic in their number (hours for 8 MiB), all before a limit was asked."""
+    from runtime.adapters.openai_compat import MAX_CHUNK_FRAGMENTS
+
+    many = [{"index": i} for i in range(MAX_CHUNK_FRAGMENTS + 1)]
+    provider.reply(openai_stream(openai_chunk({"tool_calls": many}), finish_reason="tool_calls"))
+    with pytest.raises(ModelUnavailable) as caught:
+        await collect(make(), request())
+    assert caught.value.code == "malformed_stream" and "1025 tool call fragments" in str(
+        caught.value
+    )
+
+
+@pytest.mark.parametrize("arguments", ['{"a": NaN}', '{"a": -Infinity}', '{"a": "\\ud800"}'])
+async def test_past_arguments_that_are_not_strict_json_go_back_as_an_empty_object(
+    provider, make, arguments
+):
+    """Python's json reads them; a server that parses the history strictly would refuse
+    every later request of the thread over one failed call."""
+    provider.reply(openai_text("ok"))
+    history = (
+        UserMessage(id="u1", text="add"),
+        AssistantMessage(
+            tool_calls=(ToolUse(call_id=CallId("c1"), tool="add", arguments=arguments),)
+        ),
+        ToolResultMessage(call_id=CallId("c1"), tool="add", content="bad", is_error=True),
+    )
+    await collect(make(), request(*history))
+    (call,) = provider.received[0].body["messages"][1]["tool_calls"]
+    assert call["function"]["arguments"] == "{}"
+
+
 async def test_calls_cut_at_the_length_limit_are_refused_not_run(provider, make):
     """A call cut by max_tokens reads whole when it streamed no arguments (``{}``) or was
     cut just after a closing brace: it ran, with arguments the model never finished. The
