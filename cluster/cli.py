@@ -67,6 +67,8 @@ from runtime.lifecycle import (
     EndedState,
     validate_resume,
 )
+from runtime.limits import DEFAULT_LIMITS, check_text
+from runtime.resume import check_command
 from runtime.stream import check_cursor, parse_offset
 from storage.url import redact
 
@@ -140,6 +142,9 @@ async def _run(
     if os.getcwd() not in sys.path:  # like python -m: the user's modules are importable
         sys.path.insert(0, os.getcwd())
     load_agent(agent)  # a bad import path fails before any cluster is started
+    # and text no store takes (the client checks it again, by the system's limits: the
+    # defaults, as the command line starts the system; the ids' callbacks checked them)
+    check_text("input", text, DEFAULT_LIMITS.input_bytes, "input_bytes")
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:  # a start refused (bad input, say) gives the lease up too: the next run waits not
         handle = await client.start(agent, text, thread_id=thread, placement=placement)
@@ -337,6 +342,7 @@ async def _resume(
     # a wrong flag fails here, before any cluster; the deadline, and what follows it on a
     # ticket that has one, are the host's to judge by its clock (``validate_resume``)
     validate_resume(ticket, command, None)
+    check_command(command, DEFAULT_LIMITS)  # a payload no store takes: before any cluster
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:
         handle = client.handle(thread)

@@ -295,7 +295,12 @@ def answer(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:
 
 
 def check_payload(payload: ResumePayload, limits: Limits) -> None:
-    """A resume payload within the limits (InputRefused otherwise)."""
+    """A resume payload within the limits (InputRefused otherwise). A ``user_input``
+    is its text, held to ``input_bytes`` as a Run's input is (``resume_payload_bytes``,
+    below it by default, refused the text the limits document)."""
+    if isinstance(payload, UserInput):
+        check_text("user input", payload.text, limits.input_bytes, "input_bytes")
+        return
     check_json_value(
         "resume payload",
         payload.model_dump(mode="python"),
@@ -303,8 +308,6 @@ def check_payload(payload: ResumePayload, limits: Limits) -> None:
         "resume_payload_bytes",
         limits,
     )
-    if isinstance(payload, UserInput):
-        check_text("user input", payload.text, limits.input_bytes, "input_bytes")
-    elif isinstance(payload, ExternalResult | DelegationOutcome):
+    if isinstance(payload, ExternalResult | DelegationOutcome):
         content = payload.output.content
         check_text("tool result", content, limits.tool_result_bytes, "tool_result_bytes")

@@ -67,7 +67,8 @@ class Limits:
     """The results of one Step's tool calls together, with the state commands and
     messages they hand their Run; a call's outcome beyond it is an error."""
     resume_payload_bytes: int = 64 * KIB
-    """A ResumeCommand's payload, encoded as JSON."""
+    """A ResumeCommand's payload, encoded as JSON (but a ``user_input``: its text is held
+    to ``input_bytes``)."""
     state_value_bytes: int = 32 * KIB
     """One state command's value, encoded as JSON."""
     state_bytes: int = 1 * MIB

@@ -11,11 +11,20 @@ from typer.testing import CliRunner
 from cluster.cli import app
 from cluster.handle import RunHandle
 from cluster.stream import StreamText
-from runtime import Agent, InProcessRunner, InputRefused, ModelResponse, ScriptedModel
+from runtime import (
+    Agent,
+    InProcessRunner,
+    InputRefused,
+    ModelResponse,
+    ScriptedModel,
+    call,
+    tool,
+)
 from runtime.agent import load_agent
 from runtime.errors import AgentImportError
 from runtime.stream import parse_offset
 from storage.memory import MemoryCommitStore
+from storage.url import open_store
 from tests.support.waiting import until
 
 NOT_TEXT = "half a pair: \udcff"
@@ -143,6 +152,34 @@ def test_the_command_line_refuses_text_that_is_not_utf8_before_connecting(args, 
     assert result.exit_code == 2, result.output
     assert f"{named} refused (utf8)" in result.output and "connect" not in result.output
     assert not (tmp_path / "s.db").exists()  # nothing was opened
+
+
+@tool(wait="external_result")
+def remote(q: str) -> str:
+    return "never run here"
+
+
+async def test_input_no_store_takes_is_refused_before_a_cluster_is_reached(tmp_path):
+    """Text over ``input_bytes`` as stored (each quote escaped: 140 KB), a JSON-escaped
+    lone surrogate in a result: checked only by the client once connected, so the
+    command first started (or, here, failed to reach) a cluster over input it refuses."""
+    import asyncio
+
+    store = f"sqlite:///{tmp_path}/s.db"
+    model = ScriptedModel([ModelResponse(tool_calls=(call("remote", "c1", q="x"),))])
+    waiting = InProcessRunner(Agent(name="a", model=model, tools=[remote]), await open_store(store))
+    await waiting.start("go", thread_id="t")
+    await waiting.store.close()
+    nowhere = ["--address", "127.0.0.1:9"]
+    w1 = "benchmarks.w1_agent:w1_s1_k0_m0_t0"
+    cases = [
+        (["run", w1, '"' * 70_000, *nowhere], "input refused (input_bytes)"),
+        (["resume", "t", "--result", '"\\ud800"', "--store", store, *nowhere], "(utf8)"),
+    ]
+    for args, says in cases:
+        result = await asyncio.to_thread(CliRunner().invoke, app, args)
+        assert result.exit_code == 1, result.output
+        assert says in result.output and "reach" not in result.output, result.output
 
 
 @pytest.mark.parametrize(

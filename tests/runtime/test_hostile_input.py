@@ -579,7 +579,10 @@ def refused_at_the_edge(command: ResumeCommand, limits: Limits) -> bool:
     return (
         any(bad(i, n, is_id=True) for i, n in ids)
         or any(bad(t, n) for t, n in texts)
-        or stored_size(canonical_json(payload)) > limits.resume_payload_bytes
+        or (  # a user input is its text (input_bytes), as a Run's input is
+            payload.get("kind") != "user_input"
+            and stored_size(canonical_json(payload)) > limits.resume_payload_bytes
+        )
     )
 
 

@@ -197,3 +197,24 @@ async def test_user_input_ticket_accepts_text():
         validate_resume(
             ticket, ok.model_copy(update={"payload": PermissionDecision(approve=True)}), now_us=0
         )
+
+
+def test_a_user_input_is_held_to_input_bytes_as_a_run_s_input_is():
+    """The limits say ``input_bytes`` (128 KiB) bounds a user_input resume's text; the
+    whole payload's bound (``resume_payload_bytes``, 64 KiB) refused it first."""
+    from runtime.errors import InputRefused
+    from runtime.limits import DEFAULT_LIMITS, KIB
+    from runtime.resume import check_command
+
+    def asking(text: str) -> ResumeCommand:
+        return ResumeCommand(
+            correlation=CorrelationId("u"),
+            run_id=RunId("r"),
+            thread_id=ThreadId("t"),
+            payload=UserInput(text=text),
+        )
+
+    check_command(asking("x" * 100 * KIB), DEFAULT_LIMITS)
+    with pytest.raises(InputRefused) as refused:
+        check_command(asking("x" * 129 * KIB), DEFAULT_LIMITS)
+    assert refused.value.limit == "input_bytes"
