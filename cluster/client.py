@@ -272,8 +272,10 @@ class Ratchet:
         """A handle on the Run ``run_id`` of a thread, or (None) on whichever Run the
         thread holds when the handle is used. Cancel, stop and waits through a handle
         with a run id act on that Run only: a thread that moved on to a later Run
-        keeps it."""
-        return RunHandle(self, ThreadId(thread_id), RunId(run_id) if run_id else None, "hosted")
+        keeps it. Ids no store takes are InputRefused here, as a start's are."""
+        thread = check_id("thread id", thread_id, self.spec.limits)
+        run = None if run_id is None else check_id("run id", run_id, self.spec.limits)
+        return RunHandle(self, ThreadId(thread), None if run is None else RunId(run), "hosted")
 
     def _still_up(self) -> None:
         """A dedicated host is made on demand, by name: one made after another process

@@ -33,7 +33,7 @@ from cluster.waiting import (
 )
 from runtime import tracing_env
 from runtime.commit import Frontier
-from runtime.errors import ResumeRejected, StoreUnavailable
+from runtime.errors import InvalidTransition, ResumeRejected, StoreUnavailable
 from runtime.events import Fact
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
@@ -53,7 +53,7 @@ from runtime.patience import patiently
 from runtime.ports import CommitStore
 from runtime.resume import check_command
 from runtime.rules import stamp_facts
-from runtime.stream import Frame
+from runtime.stream import Frame, parse_offset
 
 RESUME_GIVE_UP_S = 60.0
 """How long a resume whose hosts die or restart is asked again, from the first failure
@@ -117,6 +117,8 @@ class RunHandle:
         """The Run's frontier if the store holds it at rest (a Run the thread moved on
         from: as its end left it), else None."""
         frontier = await patiently(self.frontier)  # an outage is not an answer
+        if frontier.version == 0:  # no Run to wait for: a mistyped id waited for ever
+            raise InvalidTransition(f"thread {self.thread_id!r} has no commits: no Run to wait for")
         if rests(frontier, self.run_id):
             return frontier
         if self.run_id is not None and moved_on(frontier.run_id, self.run_id):
@@ -145,7 +147,12 @@ class RunHandle:
         return (await self.frontier()).status
 
     async def events(self, after_seq: int = 0) -> list[Fact]:
-        """Committed facts after ``after_seq``, in commit order (a resumable cursor)."""
+        """Committed facts after ``after_seq``, in commit order (a resumable cursor).
+        A cursor that is no seq (not a whole number from 0 below 2**63) is ValueError."""
+        if type(after_seq) is not int or not 0 <= after_seq < 2**63:
+            raise ValueError(
+                f"after_seq must be a whole number of 0 or more, not {after_seq!r:.60}"
+            )
         records = await self.client.store.read(self.thread_id, after_seq)
         return [fact for r in records for fact in stamp_facts(r.commit, r.seq)]
 
@@ -161,15 +168,26 @@ class RunHandle:
         (from the store), then live deltas and facts (Redis bus when the system has
         one, else the store is polled), with a status frame on every change. Ends when
         the Run is at rest (awaiting or ended) unless ``until_rest`` is False. Reconnect
-        with the ``offset`` of the last frame seen: no fact is lost or repeated.
+        with the ``offset`` of the last frame seen: no fact is lost or repeated. A
+        malformed cursor is ValueError, a thread with no commits InvalidTransition
+        (there is nothing to follow: it waited for ever), both at the first frame.
         """
-        return follow_thread(
+        return self._stream(after, until_rest)
+
+    async def _stream(self, after: str | None, until_rest: bool) -> AsyncIterator[Frame]:
+        parse_offset(after)  # before the store is asked
+        if (await self.frontier()).version == 0:
+            raise InvalidTransition(f"thread {self.thread_id!r} has no commits: nothing to follow")
+        frames = follow_thread(
             self.client.store,
             self.thread_id,
             after,
             redis_url=self.client.spec.redis_url,
             until_rest=until_rest,
         )
+        async with contextlib.aclosing(frames):
+            async for frame in frames:
+                yield frame
 
     async def cancel(self) -> str:
         """Cancel the Run wherever it is (a Run at rest is ended here and now).

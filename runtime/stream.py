@@ -62,6 +62,8 @@ def parse_offset(offset: str | None) -> tuple[int, int]:
     """``"seq:index"`` → (seq, index); None → before everything. Bad input raises ValueError."""
     if offset is None:
         return (0, -1)
+    if not isinstance(offset, str):
+        raise ValueError(f"stream offset {offset!r:.60} must be text like 'SEQ:INDEX'")
     seq, sep, index = offset.partition(":")
     if not sep or not _digits(seq) or not _digits(index):
         raise ValueError(f"stream offset {offset!r} must look like 'SEQ:INDEX'")

@@ -161,3 +161,35 @@ async def test_run_takes_a_stored_run_at_rest_for_its_answer_only_if_it_asked_it
     refused.set()
     with pytest.raises(InvalidTransition, match="another input"):
         await asyncio.wait_for(running, 30)
+
+
+async def test_a_handle_refuses_what_names_no_run_or_cursor_at_once() -> None:
+    """A mistyped thread id waited for ever (``result`` has no deadline by default, and
+    the stream followed a thread no Run will ever write); a cursor of the wrong type was
+    reported as store corruption or a TypeError from the store."""
+    from runtime.errors import InvalidTransition
+
+    store = MemoryCommitStore()
+    await _ended(store)
+    nowhere = RunHandle(_Client(store), ThreadId("no-such-thread"), None, "hosted")
+    with pytest.raises(InvalidTransition, match="has no commits"):
+        await asyncio.wait_for(nowhere.settled(host_done=True), 10)
+    with pytest.raises(InvalidTransition, match="has no commits"):
+        await asyncio.wait_for(anext(nowhere.stream()), 10)
+    handle = RunHandle(_Client(store), ThreadId("th"), RunId("r1"), "hosted")
+    for cursor in (1.5, "x", None, 2**70, -1, True):
+        with pytest.raises(ValueError, match="after_seq"):
+            await handle.events(cursor)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="SEQ:INDEX"):
+        await anext(handle.stream(5))  # type: ignore[arg-type]
+    assert (await handle.events(0))[0].type == "run_started"
+
+
+def test_a_handle_on_ids_no_store_takes_is_refused_as_a_start_is() -> None:
+    from runtime.errors import InputRefused
+
+    client: Any = _Client(MemoryCommitStore())
+    for thread, run in (("half \ud800", None), ("x" * 300, None), ("t", ""), ("t", "\x00")):
+        with pytest.raises(InputRefused):
+            Ratchet.handle(client, thread, run)
+    assert Ratchet.handle(client, "t", "r1").run_id == "r1"
