@@ -94,7 +94,7 @@ from runtime.history_format import (
     parse_export,
 )
 from runtime.ids import ThreadId
-from runtime.lifecycle import AwaitingState, RunDisposition, RunningState
+from runtime.lifecycle import AwaitingState, EndedState, RunDisposition, RunningState
 from runtime.limits import DEFAULT_LIMITS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord, RunSummary, vouched_log
 from runtime.reserved import reserved_problem
@@ -213,20 +213,24 @@ async def fork(store: CommitStore, thread: ThreadId, at_seq: int, new_thread: Th
 
 
 def _check_at_rest(at: Frontier, thread: ThreadId, seq: int) -> None:
-    where = f"thread {thread!r} at seq {seq}: run {at.run_id}"
+    unrested = _unrested(at)
+    if unrested is not None:
+        reason, what = unrested
+        raise ForkRefused(reason, f"thread {thread!r} at seq {seq}: {what}; fork where a Run ended")
+
+
+def _unrested(at: Frontier) -> tuple[str, str] | None:
+    """Why a copy of the thread at ``at`` would go on with calls its source may make
+    too, under the same operation ids (its Run is not over): (reason, what), or None."""
+    where = f"run {at.run_id}"
     if at.batch is not None:
-        raise ForkRefused(
-            "batch_open",
-            f"{where} has its tool batch {at.batch.batch_id} open; fork where a Run ended",
-        )
+        return "batch_open", f"{where} has its tool batch {at.batch.batch_id} open"
     state = at.run_state
     if isinstance(state, AwaitingState):
-        raise ForkRefused(
-            "run_awaiting",
-            f"{where} awaits {state.ticket.payload_kind}; fork where a Run ended",
-        )
+        return "run_awaiting", f"{where} awaits {state.ticket.payload_kind}"
     if isinstance(state, RunningState):
-        raise ForkRefused("run_running", f"{where} is running; fork where a Run ended")
+        return "run_running", f"{where} is running"
+    return None
 
 
 # ---- export and import --------------------------------------------------------------------
@@ -274,6 +278,10 @@ class PlannedImport:
     thread: ThreadId
     owner: str
     commits: list[ThreadCommit]
+    source: ThreadId
+    """The exported thread's id."""
+    unrested: tuple[str, str] | None
+    """Why its last Run is not over (``_unrested``), or None."""
 
 
 def plan_import(lines: Iterable[str | bytes], thread: ThreadId | None = None) -> PlannedImport:
@@ -284,13 +292,29 @@ def plan_import(lines: Iterable[str | bytes], thread: ThreadId | None = None) ->
     commits = [r.commit for r in exported.records]
     owner = import_owner(commits[-1].payload_hash, len(commits))
     planned = remade(commits, target, owner, _import_refused)
-    _folded(planned, target, owner, _import_refused)
-    return PlannedImport(target, owner, planned)
+    at = _folded(planned, target, owner, _import_refused)
+    return PlannedImport(target, owner, planned, exported.thread_id, _unrested(at))
 
 
 async def write_import(store: CommitStore, plan: PlannedImport) -> Frontier:
-    """``plan`` written into ``store``, held to the store's own limits first."""
+    """``plan`` written into ``store``, held to the store's own limits first. A thread
+    whose Run is not over is refused beside its source while the source's Run is not
+    over either (as a fork of it is): the copy and its source would each go on with that
+    Run's calls, under the same operation ids (an approval given to both ran a tool
+    twice as one operation)."""
     _check_sizes(store, plan.commits, _import_refused)
+    if plan.unrested is not None and plan.thread != plan.source:
+        source = await store.load_head(plan.source)
+        if source.run_id == plan.commits[-1].run_id and not isinstance(
+            source.run_state, EndedState
+        ):
+            reason, what = plan.unrested
+            raise ImportRefused(
+                None,
+                reason,
+                f"{what}, as it does in its source thread {plan.source!r} in this store; "
+                "import it once that Run has ended there (or into another store)",
+            )
     return await _write(store, plan.thread, plan.commits, plan.owner, _import_refused)
 
 

@@ -467,6 +467,26 @@ async def test_an_imported_thread_mid_run_is_resumed_where_it_waits(store: Any) 
     assert (await store.load(T)).run_state == waiting.run_state  # the source still waits
 
 
+async def test_a_run_not_over_is_not_imported_beside_its_source_while_it_goes_on_there(
+    store: Any,
+) -> None:
+    """A copy beside its source, both awaiting the same Run's approval under the same
+    operation ids: approved on both, the tool ran twice as one operation. Once the
+    source's Run has ended, the copy is the only one to go on with it."""
+    runner = InProcessRunner(history_agent(), store)
+    waiting = await runner.start("delete SAFE", thread_id=T)
+    lines = list(await export(store, T))
+    with pytest.raises(ImportRefused) as refused:
+        await import_thread(store, lines, ThreadId("copy"))
+    assert refused.value.reason == "batch_open" and refused.value.line is None  # its ask
+    assert (await store.load_head(ThreadId("copy"))).version == 0  # nothing written
+    denied = PermissionDecision(approve=False)
+    assert isinstance(waiting.run_state, AwaitingState)
+    await runner.resume(answer(waiting.run_state.ticket, denied))  # the source's Run goes on
+    copy = await import_thread(store, lines, ThreadId("copy"))
+    assert isinstance(copy.run_state, AwaitingState)
+
+
 async def test_an_imported_thread_left_running_is_recovered_in_process(store: Any) -> None:
     """What the README tells a cluster's user to do with one: no host owns it."""
     from runtime import Crash, FaultPlan
