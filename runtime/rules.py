@@ -220,7 +220,11 @@ def advance(frontier: Frontier, commit: ThreadCommit) -> Frontier:
     global _last_fold
     last = _last_fold
     if last is not None and last[1] is commit and _same(last[0], frontier):
-        return last[2]
+        before, _, folded = last
+        if len(before.messages) == len(frontier.messages):
+            return folded
+        if not frontier.messages:  # a store's head after the engine's whole frontier
+            return evolve(folded, messages=(), schema_version=frontier.schema_version)
     result = _fold(frontier, commit)
     _last_fold = (frontier, commit, result)
     return result
@@ -228,7 +232,8 @@ def advance(frontier: Frontier, commit: ThreadCommit) -> Frontier:
 
 def _same(a: Frontier, b: Frontier) -> bool:
     """One frontier, though perhaps two objects: a thread's version and head determine
-    its log (the hash chain), the fold of which is all of it but ownership."""
+    its log (the hash chain), the fold of which is all of it but ownership and which of
+    its messages the frontier holds (a store's head keeps none: ``advance``)."""
     return a is b or (
         a.version == b.version
         and a.head == b.head

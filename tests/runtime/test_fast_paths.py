@@ -342,6 +342,23 @@ def test_the_remembered_fold_is_the_fold():
     assert advance(again, history[1]) == first == _fold(frontier, history[1])
 
 
+def test_the_remembered_fold_of_a_head_only_frontier_is_not_the_whole_one_s():
+    """A store folds onto the head it keeps (no messages), the engine onto the whole
+    frontier: one identity to the chain, two frontiers. The engine given the head's
+    fold went on without the thread's history."""
+    from runtime.commit import head_only
+
+    history = commits()[:3]
+    whole = replay(T, history[:2])
+    head = head_only(whole)
+    assert whole.messages and not head.messages
+    kept = advance(head, history[2])  # the store's fold first
+    assert advance(whole, history[2]) == _fold(whole, history[2]) != kept
+    # the engine's first, then the store's: a head stays a head (its cache held whole
+    # histories), at the cost of no second fold
+    assert advance(head, history[2]) == _fold(head, history[2]) == kept
+
+
 # ---- the cancellation race ------------------------------------------------------------
 
 
