@@ -33,7 +33,9 @@ call is ``{run}:{call_id}`` (a model that repeats a call id in a later Step of t
 Run reuses it). Not transcoded: reasoning and
 tool-call argument deltas (the committed tool_call fact carries the arguments whole).
 A retried inference's partial text stays in the message its attempt opened (AG-UI has
-no way to withdraw text); the retry streams into a new message.
+no way to withdraw text); the retry streams into a new message. A delta of a Step whose
+answer is committed is dropped (the live bus is read from where it stood before the
+store was, so late deltas come after the fact that sent the text whole).
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ class AguiState:
     joining: str | None = None
     """A reconnect's: the run open at its cursor (``rejoined``), opened again at the first
     frame after it — a status fact's included, which outside a run is not sent."""
+    answered: tuple[str, int] | None = None
+    """A run and how many of its Steps' answers are committed (its assistant_message
+    facts so far): a Step numbered below it streams nothing more. The live bus is read
+    from where it stood before the store was, so a Step's last deltas can come after
+    the fact that committed it, and opened a second message of text the first already
+    held (or, forged on the bus, of text no store holds)."""
 
 
 def rejoined(thread_id: str, before: Iterable[Frame]) -> AguiState:
@@ -154,6 +162,9 @@ def _delta(state: AguiState, delta: Delta) -> tuple[AguiState, Events]:
         # A delta that outran its run's first fact is the committed message's text, sent
         # whole with it (``_assistant``).
         return state, ()
+    answered = state.answered
+    if answered is not None and answered[0] == delta.run_id and delta.step < answered[1]:
+        return state, ()  # its Step is committed: the fact sent the text whole
     text = state.text
     same_step = text is not None and (text.run_id, text.step) == (delta.run_id, delta.step)
     if same_step and text is not None and delta.attempt < text.attempt:
@@ -194,7 +205,7 @@ def _fact(state: AguiState, fact: Fact, offset: str) -> tuple[AguiState, Events]
     run = fact.run_id
     if fact.type == "run_started":
         state, ended = _end_text(state)
-        state, events = _opened(state, run)
+        state, events = _opened(replace(state, answered=(run, 0)), run)
         user = _whole_text(f"{run}:input", str(data.get("input", "")), "user")
         return state, ended + events + user
     state, opened = _joined(state, run)
@@ -204,6 +215,8 @@ def _fact(state: AguiState, fact: Fact, offset: str) -> tuple[AguiState, Events]
         text = _whole_text(f"{data.get('correlation')}:input", str(data.get("text", "")), "user")
         return state, opened + text
     if fact.type == "assistant_message":
+        before = state.answered[1] if state.answered and state.answered[0] == run else 0
+        state = replace(state, answered=(run, before + 1))
         state, events = _assistant(state, str(data.get("text", "")), f"{run}:{offset}")
         return state, opened + events
     if fact.type == "tool_call":

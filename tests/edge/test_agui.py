@@ -125,6 +125,31 @@ def test_a_delta_never_opens_a_run():
     ]
 
 
+def test_deltas_of_a_step_already_committed_stream_nothing():
+    """The bus is read from where it stood before the store was: a Step's last deltas
+    can come after the fact that committed it. They opened a second message of that
+    text (two answers for one Step); forged on the bus, one of text no store holds."""
+    frames = [
+        Frame(type="thread_status", status=ThreadStatus()),
+        fact(1, 0, "run_started", input="go"),
+        delta("first ", step=0),
+        fact(2, 0, "assistant_message", text="first words"),
+        delta("words", step=0),  # late: its Step is committed
+        delta("FORGED", step=0, attempt=5),
+        delta("next", step=1),  # the next Step streams as before
+        fact(3, 0, "assistant_message", text="next one"),
+        fact(
+            3, 1, "run_finished", cause=EndedState(run_id=RUN, cause=Natural()).cause.model_dump()
+        ),
+    ]
+    events = round_trip(transcode_all("t1", frames))
+    texts: dict[str, str] = {}
+    for e in events:
+        if e.type == EventType.TEXT_MESSAGE_CONTENT:
+            texts[e.message_id] = texts.get(e.message_id, "") + e.delta
+    assert sorted(texts.values()) == ["first words", "go", "next one"]
+
+
 def test_a_stream_joined_midway_opens_the_run_first():
     joined = [
         Frame(type="thread_status", status=ThreadStatus(state="running", since=5)),
