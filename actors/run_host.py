@@ -112,7 +112,7 @@ class RunHost(ControlHosting, ChildHosting):
             self.waves,
             self.children,
             self.publisher,
-            checkpoint_store(spec),
+            checkpoint_store(spec, self.store),
             self._retire_if_idle,
         )
         self.recovered = 0

@@ -241,10 +241,12 @@ def live_bus(spec: SystemSpec) -> LiveBus | None:
     return RedisStreamBus.connect(spec.redis_url)
 
 
-def checkpoint_store(spec: SystemSpec) -> StreamCheckpointStore | None:
-    """Stream checkpoints live in Redis when it is configured (best effort either way)."""
+def checkpoint_store(spec: SystemSpec, store: CommitStore) -> StreamCheckpointStore | None:
+    """Stream checkpoints live in Redis when it is configured (best effort either way),
+    sealed under the key ``store`` holds for the system (``storage.checkpoint_key``)."""
     if not spec.redis_url:
         return None
+    from storage.checkpoint_key import CheckpointKey
     from storage.redis_checkpoints import RedisCheckpointStore
 
-    return RedisCheckpointStore.connect(spec.redis_url)
+    return RedisCheckpointStore.connect(spec.redis_url, key=CheckpointKey(store, spec.name))

@@ -168,16 +168,14 @@ class RunHandle:
         (from the store), then live deltas and facts (Redis bus when the system has
         one, else the store is polled), with a status frame on every change. Ends when
         the Run is at rest (awaiting or ended) unless ``until_rest`` is False. Reconnect
-        with the ``offset`` of the last frame seen: no fact is lost or repeated. A
-        malformed cursor is ValueError, a thread with no commits InvalidTransition
-        (there is nothing to follow: it waited for ever), both at the first frame.
+        with the ``offset`` of the last frame seen: no fact is lost or repeated. A thread
+        with no commits yet is followed from its first (start following, then start the
+        Run). A malformed cursor is ValueError, at the first frame.
         """
         return self._stream(after, until_rest)
 
     async def _stream(self, after: str | None, until_rest: bool) -> AsyncIterator[Frame]:
         parse_offset(after)  # before the store is asked
-        if (await self.frontier()).version == 0:
-            raise InvalidTransition(f"thread {self.thread_id!r} has no commits: nothing to follow")
         frames = follow_thread(
             self.client.store,
             self.thread_id,

@@ -5,14 +5,20 @@ server down, a record that no longer decodes — is logged and swallowed: ``get`
 then answers None and the Run simply infers again. Nothing is ever raised into a Run.
 
 A checkpoint is not committed, yet what it holds is acted on (its complete tool calls
-are run without asking the model again), so it is stored *sealed*: the SHA-256 of the
-thread id and the body, then the body (``seal``). One that does not match (edited by
-hand, copied from another thread, or written by an earlier layout) is ignored.
+are run without asking the model again), so it is stored *sealed*: an HMAC-SHA-256 of
+the thread id and the body, then the body (``seal``). One that does not match (edited
+by hand, copied from another thread, or written by an earlier layout) is ignored. Where
+checkpoints live beside the commit store (SQL, memory) the key is empty: the seal
+catches edits, and whoever can write there can write commits too. In Redis, which a
+system may share with clients that may not write its commits, the key is one the
+commit store holds (``CheckpointKey``): a checkpoint forged there, its seal recomputed
+without the key, is not acted on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -115,21 +121,24 @@ def _delete_body(conn: Connection, thread: ThreadId) -> None:
         conn.execute(_DELETE, {"thread": thread})
 
 
-def _digest(thread: str, body: str) -> str:
+def _digest(thread: str, body: str, key: bytes) -> str:
     text = f"{thread}\n{body}".encode("utf-8", "surrogatepass")
-    return hashlib.sha256(text).hexdigest()
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
-def seal(thread: str, checkpoint: StreamCheckpoint) -> str:
-    """The stored text of a checkpoint: its digest, a newline, its JSON."""
+def seal(thread: str, checkpoint: StreamCheckpoint, key: bytes = b"") -> str:
+    """The stored text of a checkpoint: its seal under ``key``, a newline, its JSON."""
     body = checkpoint.model_dump_json()
-    return f"{_digest(thread, body)}\n{body}"
+    return f"{_digest(thread, body, key)}\n{body}"
 
 
-def unseal(thread: str, text: str) -> StreamCheckpoint | None:
-    """The checkpoint ``seal`` stored for ``thread``, or None (logged) if it is not one."""
+def unseal(thread: str, text: str, key: bytes = b"") -> StreamCheckpoint | None:
+    """The checkpoint ``seal`` stored for ``thread`` under ``key``, or None (logged) if it
+    is not one."""
     digest, _, body = text.partition("\n")
-    if digest != _digest(thread, body):
+    if not hmac.compare_digest(
+        digest.encode("utf-8", "surrogatepass"), _digest(thread, body, key).encode()
+    ):
         _warn("check", thread, ValueError("its digest does not match: not acted on"))
         return None
     try:

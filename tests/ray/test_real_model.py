@@ -12,6 +12,7 @@ import signal
 
 import pytest
 
+from storage.checkpoint_key import CheckpointKey
 from storage.redis_checkpoints import RedisCheckpointStore
 from tests.adapters.fake_provider import (
     FakeProvider,
@@ -76,7 +77,8 @@ async def test_a_host_killed_mid_stream_recovers_the_step_from_its_checkpoint(
     monkeypatch.setenv(PROVIDER_ENV, provider.url)  # the client builds the agent to check it
     env = {"runtime_env": {"env_vars": {PROVIDER_ENV: provider.url}}}
     client = await make_system(redis_url=redis_url, host_options=(env, env))
-    checkpoints = RedisCheckpointStore.connect(redis_url)
+    key = CheckpointKey(client.store, client.spec.name)  # the system's, as its hosts read it
+    checkpoints = RedisCheckpointStore.connect(redis_url, key=key)
     try:
         handle = await client.start(f"{AGENTS}:{agent}", "what is it?", host=0)
 

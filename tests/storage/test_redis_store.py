@@ -314,6 +314,59 @@ async def test_checkpoints_round_trip(redis_url: str) -> None:
     await checkpoints.close()
 
 
+async def test_a_checkpoint_forged_in_redis_without_the_commit_store_s_key_is_not_acted_on(
+    redis_url: str,
+) -> None:
+    """Redis may be shared with clients that read the live bus and may not write the
+    system's commits: one wrote a checkpoint holding a call the model never made, its
+    digest recomputed, and a recovery ran the call as the model's. The seal is keyed by
+    the commit store; every host of the system reads the same key there."""
+    import hashlib
+    import hmac
+    import json
+
+    from storage.checkpoint_key import CheckpointKey
+    from storage.memory import MemoryCommitStore
+
+    prefix = f"ckpt-key-{uuid.uuid4().hex[:8]}"
+    commits = MemoryCommitStore()  # the system's commit store, which Redis clients cannot read
+    url = db_url(redis_url, TEST_DB)
+    host_a = RedisCheckpointStore.connect(url, prefix=prefix, key=CheckpointKey(commits, "sys"))
+    host_b = RedisCheckpointStore.connect(url, prefix=prefix, key=CheckpointKey(commits, "sys"))
+    thread = ThreadId("t")
+    point = StreamCheckpoint(run_id=RunId("r"), step=2, text="partial", tool_calls=({"a": 1},))
+    await host_a.put(thread, point)
+    assert await host_b.get(thread) == point  # recovered on another host of the system
+    stored = await host_a.client.get(f"{prefix}:checkpoint:t")
+    body = json.loads(stored.split("\n", 1)[1])
+    body["tool_calls"] = [{"id": "x", "name": "transfer", "arguments": '{"to": "mallory"}'}]
+    forged_body = json.dumps(body)
+    message = f"t\n{forged_body}".encode()
+    for digest in (  # what a forger can compute: a digest, an HMAC under no key or a guess
+        hashlib.sha256(message).hexdigest(),
+        hmac.new(b"", message, hashlib.sha256).hexdigest(),
+        hmac.new(b"sys", message, hashlib.sha256).hexdigest(),
+    ):
+        await host_a.client.set(f"{prefix}:checkpoint:t", f"{digest}\n{forged_body}")
+        assert await host_b.get(thread) is None
+    other = RedisCheckpointStore.connect(
+        url, prefix=prefix, key=CheckpointKey(MemoryCommitStore(), "sys")
+    )
+    await host_a.put(thread, point)
+    assert await other.get(thread) is None  # another commit store's system: another key
+    await host_a.delete(thread)
+
+    class Out:  # a commit store that cannot be asked: no key, no checkpoint either way
+        async def hold_lease(self, *args: object) -> None:
+            raise StoreUnavailable("out (test)")
+
+    keyless = RedisCheckpointStore.connect(url, prefix=prefix, key=CheckpointKey(Out(), "sys"))  # type: ignore[arg-type]
+    await keyless.put(thread, point)
+    assert await host_a.get(thread) is None and await keyless.get(thread) is None
+    for checkpoints in (host_a, host_b, other, keyless):
+        await checkpoints.close()
+
+
 async def test_checkpoint_failures_are_logged_never_raised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
