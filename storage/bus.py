@@ -246,9 +246,20 @@ def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
     return [(str(entry_id), fields) for entries in streams for entry_id, fields in entries]
 
 
+MAX_ENTRY_CHARS = 1 << 20
+"""The largest entry a follower takes: a delta is a chunk of a stream (a Step's answer is
+at most ``Limits.response_bytes``), a fact a note that the store has news. A larger one
+was written by hand (anyone who can write to Redis can): skipped, never sent on whole
+to every follower of the thread."""
+
+
 def _decode(key: str, entry_id: str, fields: dict[str, str]) -> Fact | Delta | None:
+    text = fields.get("e", "")
+    if len(text) > MAX_ENTRY_CHARS:
+        log.warning("skipping bus entry %s of %s: %d characters", entry_id, key, len(text))
+        return None
     try:
-        return _EVENTS.validate_json(fields.get("e", ""))
+        return _EVENTS.validate_json(text)
     except ValidationError as exc:
         log.warning("skipping unreadable bus entry %s of %s: %s", entry_id, key, exc)
         return None

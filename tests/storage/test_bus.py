@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -254,3 +255,26 @@ async def test_an_event_no_json_holds_is_left_out_alone_not_its_batch(make_bus: 
     await bus.publish(thread, [half, fact])
     got = [g.event for g in await reader]
     assert got[-1] == fact and got in ([half, fact], [fact])  # the embedded bus keeps both
+
+
+async def test_an_entry_written_by_hand_past_the_bound_is_skipped(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who can write to Redis can add a 20 MB "delta": every follower of the
+    thread was sent it whole, as one frame."""
+    from storage.bus import MAX_ENTRY_CHARS
+
+    prefix = f"bus-test-{uuid.uuid4().hex[:8]}"
+    bus = RedisStreamBus.connect(db_url(redis_url, TEST_DB), prefix=prefix, block_ms=200)
+    stream = bus.subscribe(ThreadId("t"), "0-0")
+    huge = Delta(
+        type="text_delta", run_id=RunId("r"), step=0, attempt=1, text="x" * MAX_ENTRY_CHARS
+    )
+    await bus.client.xadd(bus.key("t"), {"e": huge.model_dump_json()})
+    (after,) = events(1, start=1)
+    await bus.publish(ThreadId("t"), [after])
+    with caplog.at_level(logging.WARNING, logger="ratchet.storage.bus"):
+        assert [e.event for e in await take(stream, 1)] == [after]
+    assert "skipping bus entry" in caplog.text
+    await bus.client.delete(bus.key("t"))
+    await bus.close()
