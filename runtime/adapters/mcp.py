@@ -57,6 +57,7 @@ from runtime.tools import TOOL_NAME, Tool, ToolResult
 if TYPE_CHECKING:
     from mcp.types import Tool as ListedTool
 
+from runtime.adapters.mcp_schema import schema_validator
 from runtime.adapters.mcp_session import (
     CONTEXT_PARAM,
     McpConnectionLost,
@@ -197,16 +198,17 @@ def _error_path(error: Any) -> str:
 def _args_model(name: str, schema: dict[str, Any]) -> type[_SchemaArguments]:
     # jsonschema comes with the mcp SDK (which checks results against outputSchema)
     from jsonschema import SchemaError
-    from jsonschema.validators import validator_for
-    from referencing import Registry
 
     if schema.get("type") != "object":
         raise ToolDefinitionError(f"MCP tool {name}: its inputSchema is not of type object")
-    kind = validator_for(schema)
     try:
-        kind.check_schema(schema)
+        validator = schema_validator(schema)
     except SchemaError as exc:
         raise ToolDefinitionError(f"MCP tool {name}: invalid inputSchema: {exc.message}") from exc
+    except RecursionError:
+        raise ToolDefinitionError(
+            f"MCP tool {name}: its inputSchema nests too deep to be checked"
+        ) from None
     properties = schema.get("properties", {})
     if not isinstance(properties, dict):  # what a schema of another draft may allow
         raise ToolDefinitionError(
@@ -215,6 +217,5 @@ def _args_model(name: str, schema: dict[str, Any]) -> type[_SchemaArguments]:
     if CONTEXT_PARAM in properties:
         raise ToolDefinitionError(f"MCP tool {name}: an argument is named {CONTEXT_PARAM}")
     model = create_model(f"{name}_args", __base__=_SchemaArguments)
-    # an empty registry: a $ref resolves inside the schema, never over the network
-    model.validator = kind(schema, registry=Registry())
+    model.validator = validator
     return model

@@ -21,7 +21,10 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
+from pydantic import ValidationError
+
 from runtime.adapters.mcp_reply import reread, unreadable
+from runtime.adapters.mcp_schema import session_class
 from runtime.adapters.mcp_transport import (
     FORGOTTEN,
     http_streams,
@@ -198,6 +201,12 @@ class McpServer:
                 raise McpConnectionLost(why) from exc
             why = f"the session to MCP server {self.label} had ended before the call was sent"
             raise McpUnavailable(why) from exc
+        except ValidationError as exc:  # a reply of the wrong shape (a content block of a
+            # type the SDK does not know, "isError": null): it was sent, and may have run
+            if key not in link.sent:
+                raise McpUnavailable(f"the call to {self.label} could not be sent: {exc}") from exc
+            why = f"MCP server {self.label} answered with a result of the wrong shape"
+            raise McpReplyUnreadable(printable(f"{why}: {exc}")) from exc
         finally:
             link.sent.discard(key)
             link.request_ids.pop(key, None)
@@ -257,8 +266,6 @@ class McpServer:
         """Start the transport and a session on ``stack``, initialized; a link's session
         is also listed, or the SDK would list it after a call, to check the result
         against the tool's outputSchema."""
-        from mcp import ClientSession
-
         noting = FORGOTTEN.set(link.forgotten if link is not None else None)
         try:
             read, write = await stack.enter_async_context(self._connect())
@@ -267,7 +274,7 @@ class McpServer:
         read = _WatchedRead(read, link.end if link is not None else _unwatched)
         if link is not None:
             write = _NotingWrite(write, link)
-        session = await stack.enter_async_context(ClientSession(read, write))
+        session = await stack.enter_async_context(session_class()(read, write))
         await self._within(session.initialize())
         if link is not None:
             await self._listing(session)

@@ -288,6 +288,58 @@ async def test_a_reply_that_is_no_json_rpc_answer_is_lost_at_once(records, tool)
     assert isinstance(outcome, Lost) and "reply could not be read" in outcome.message, outcome
 
 
+async def test_a_reply_of_a_shape_the_sdk_refuses_is_lost_not_an_error_result(records):
+    """A content block of a type MCP has not (``"isError": null``, ``"content": null``):
+    the SDK refuses the result by its shape, and the call was committed as finished with
+    an error result, which under never_replay tells the model it failed, when the server
+    may well have run it."""
+    env = {"MCP_TEST_DIR": str(records)}
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
+    try:
+        runner = LocalToolRunner(mcp_tools(server))
+        (outcome,) = await asyncio.wait_for(
+            runner.run([invocation("wrong_shape", "c1")]), DEADLINE_S
+        )
+    finally:
+        await server.aclose()
+    assert isinstance(outcome, Lost) and "the wrong shape" in outcome.message, outcome
+
+
+async def test_a_server_s_patterns_never_run_on_the_host_s_loop(records):
+    """``^(a+)+$`` against forty a's and a "!" backtracks for hours: the SDK checked each
+    result against the outputSchema's pattern on the event loop, past the call's own
+    deadline, and so did the arguments' check against the inputSchema's. The server's
+    expressions are the server's to run; every other keyword is checked."""
+    from runtime.adapters.mcp import _args_model
+
+    env = {"MCP_TEST_DIR": str(records)}
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
+    try:
+        runner = LocalToolRunner(mcp_tools(server))
+        (outcome,) = await asyncio.wait_for(
+            runner.run([invocation("backtracks", "c1")]), DEADLINE_S
+        )
+    finally:
+        await server.aclose()
+    assert isinstance(outcome, Finished) and not outcome.output.is_error, outcome
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}}
+    schema["patternProperties"] = {"^(a+)+$": {"type": "integer"}}
+    args = _args_model("t", schema)
+    args.model_validate({"s": "a" * 40 + "!", "a" * 40 + "!": 1})
+    with pytest.raises(ValueError, match="is not of type 'string'"):
+        args.model_validate({"s": 5})
+
+
+def test_an_input_schema_nested_past_python_s_limit_is_a_definition_error():
+    from runtime.adapters.mcp import _args_model
+
+    deep: dict = {"type": "string"}
+    for _ in range(400):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ToolDefinitionError, match="nests too deep"):
+        _args_model("t", {"type": "object", "properties": {"x": deep}})
+
+
 async def test_a_server_error_with_the_sdk_s_closing_code_is_the_server_s_answer(records):
     """JSON-RPC leaves -32000..-32099 to servers, and the SDK uses -32000 for its own
     "connection closed": a live server's "card declined" of that code was taken for a
