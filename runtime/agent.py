@@ -22,7 +22,7 @@ from runtime.limits import printable, raised
 from runtime.messages import Message
 from runtime.models import Model
 from runtime.plugins import DuplicateId, Plugin, PluginRefused, ResolvedExecutionEnv, resolve
-from runtime.tools import Tool
+from runtime.tools import Tool, check_seconds
 from runtime.usage import Budget
 
 
@@ -106,7 +106,10 @@ def is_seconds(value: object) -> TypeGuard[float]:
     """A finite, non-negative number of seconds."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         return False
-    return math.isfinite(value) and value >= 0
+    try:
+        return math.isfinite(value) and value >= 0
+    except OverflowError:  # an int no float holds (10**400): not a number of seconds
+        return False
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,9 @@ class Agent:
                 raise ToolDefinitionError(
                     f"agent {self.name}: a tool is made with @tool, not {t!r:.80}"
                 )
+            # as @tool checked them: a tool changed since (dataclasses.replace) is not
+            for option in ("wait_deadline_s", "timeout_s"):
+                check_seconds(t.id, option, getattr(t, option))
         for hook in self.hooks:
             if not isinstance(hook, Hook):
                 raise TypeError(f"agent {self.name}: a hook is a Hook, not {hook!r:.80}")

@@ -332,7 +332,7 @@ def tool(
 
     def build(f: Callable[..., Any]) -> Tool:
         tool_id = f.__name__ if name is None else name
-        _check_seconds(tool_id, "wait_deadline_s", wait_deadline_s)
+        check_seconds(tool_id, "wait_deadline_s", wait_deadline_s)
         built = _build_tool(
             f, tool_id, tuple(recovery), concurrency, dict(resources or {}), timeout_s
         )
@@ -361,7 +361,7 @@ def _build_tool(
         raise ToolDefinitionError(f"tool {tool_id}: unknown or empty recovery modes {unknown}")
     if concurrency not in ("parallel", "serial"):
         raise ToolDefinitionError(f"tool {tool_id}: concurrency must be parallel or serial")
-    _check_seconds(tool_id, "timeout_s", timeout_s)
+    check_seconds(tool_id, "timeout_s", timeout_s)
     fields, context_param = _signature_fields(fn, tool_id)
     # no NaN or infinity: no JSON holds one (a "nan" text would pass a float parameter)
     config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -384,7 +384,7 @@ MAX_SECONDS = 10**9
 overflowed when a call's deadline was made of it."""
 
 
-def _check_seconds(tool_id: str, option: str, value: float | None) -> None:
+def check_seconds(tool_id: str, option: str, value: float | None) -> None:
     """Refused when the tool is built, not when a call first meets it: NaN never
     compares, infinity cannot be stored as a deadline (None is "no bound"), and zero or
     less has passed before anything could run."""

@@ -312,7 +312,7 @@ def retry_after_seconds(headers: Mapping[str, Any], now: datetime) -> float | No
         return max(seconds, 0.0)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):  # a year past 2**31 ...
         return None
     if when.tzinfo is None:  # RFC 9110 dates are GMT
         when = when.replace(tzinfo=UTC)

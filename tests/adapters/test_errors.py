@@ -82,6 +82,8 @@ def test_a_rate_limit_crosses_process_boundaries_with_its_hint():
         ({"retry-after": "inf"}, None),
         ({"retry-after": " 12 "}, 12.0),
         ({"retry-after": "9" * 400}, None),
+        ({"retry-after": "Mon, 01 Jan 2147483648 00:00:00 GMT"}, None),  # OverflowError
+        ({"retry-after": "Mon, 99999999999 Jan 2000 00:00:00 GMT"}, None),
         ({}, None),
     ],
 )

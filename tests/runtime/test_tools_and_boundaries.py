@@ -295,6 +295,20 @@ def test_an_agent_s_parts_of_the_wrong_kind_are_refused_when_it_is_made():
         with pytest.raises(ToolDefinitionError, match="up to 1000000000"):
             tool(timeout_s=seconds, name="x")(lambda: "x")
     assert tool(timeout_s=10**9, name="x")(lambda: "x").timeout_s == 10**9
+    import dataclasses
+
+    waits = tool(wait="external_result", wait_deadline_s=5, name="w")(lambda: "x")
+    for option, seconds in [  # changed after @tool checked them: the Run failed(internal)
+        ("wait_deadline_s", float("inf")),
+        ("wait_deadline_s", float("nan")),
+        ("wait_deadline_s", -5.0),
+        ("timeout_s", 10**30),
+    ]:
+        with pytest.raises(ToolDefinitionError, match=option):
+            agent(tools=[dataclasses.replace(waits, **{option: seconds})])
+    for name, seconds in (("rate_limit_wait_s", 10**400), ("inference_timeout_s", 10**400)):
+        with pytest.raises(ValueError, match=name):  # was an OverflowError
+            agent(**{name: seconds})
 
 
 @pytest.mark.parametrize(
