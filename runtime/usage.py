@@ -38,8 +38,8 @@ MAX_TOKENS = 2**40
 class Budget(Frozen):
     """Bounds on one Run's model use; costs are per million tokens, in any currency."""
 
-    max_tokens: int | None = Field(default=None, ge=0)
-    """Input plus output tokens."""
+    max_tokens: int | None = Field(default=None, ge=0, strict=True)
+    """Input plus output tokens (a whole number: ``True`` is not 1 token)."""
     max_cost: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     input_cost: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     output_cost: float = Field(default=0.0, ge=0, allow_inf_nan=False)

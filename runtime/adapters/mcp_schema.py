@@ -12,6 +12,7 @@ other keyword is checked as before. ``jsonschema`` comes with the ``mcp`` SDK.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ def schema_validator(schema: dict[str, Any]) -> Any:
     return lenient(schema, registry=Registry())
 
 
+@functools.cache
 def session_class() -> type[ClientSession]:
     """The SDK's ClientSession, checking results against each tool's outputSchema with
     ``schema_validator``. (The SDK builds its validator in ``_output_schema_validator``,

@@ -91,7 +91,8 @@ def test_a_budget_that_cannot_be_is_refused_when_made():
     import pytest
     from pydantic import ValidationError
 
-    for bad in ({"max_tokens": -1}, {"max_cost": float("nan")}, {"input_cost": -0.5}):
+    bads = ({"max_tokens": -1}, {"max_tokens": True}, {"max_tokens": "5"}, {"max_tokens": 2.0})
+    for bad in (*bads, {"max_cost": float("nan")}, {"input_cost": -0.5}):
         with pytest.raises(ValidationError):
             Budget(**bad)
 
