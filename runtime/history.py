@@ -82,6 +82,7 @@ from runtime.errors import (
     InputRefused,
     PayloadTooLarge,
     RatchetError,
+    RunEnded,
     RunSuperseded,
     VersionConflict,
 )
@@ -454,7 +455,8 @@ async def _write(
                     epoch = (await store.claim(thread, owner, supersedes=epoch)).epoch
                 await store.append(commit, version, epoch)
             version, epoch = version + 1, commit.epoch
-        except (VersionConflict, Fenced):
+        except (VersionConflict, Fenced, RunEnded):  # RunEnded: another run of this
+            # copy wrote the same end first (PostgreSQL's lock saw it before its receipt)
             ahead = await _written(store, thread, planned, owner, refuse)
             if ahead <= (version, epoch):  # refused what it says it lacks: not ours
                 raise

@@ -61,8 +61,10 @@ was folded from.
 **Dialects.** The bodies (``storage.sql_txn``) are written once against a sync
 Connection and run by ``sql_engine.Database``: on PostgreSQL in SQLAlchemy's
 greenlet over asyncpg (planned groups go around it), one group in flight per
-process (``Database.concurrency``; the groups of several processes lock rows in
-thread-id order, so they cannot deadlock); on SQLite on a dedicated writer
+process (``Database.concurrency``; the groups of several processes lock the rows
+there are in thread-id order, but make the missing ones after, so two groups making the
+same new threads can deadlock: PostgreSQL rolls one back, which is tried once more at
+once); on SQLite on a dedicated writer
 thread — the single-writer funnel DESIGN §5 asks for, serialised across processes
 by a file lock — and reads on a dedicated reader thread, which in WAL mode never
 waits for the writer.
@@ -108,7 +110,7 @@ from storage.frontiers import FrontierCache
 from storage.retention import Cut, prune_thread
 from storage.schema import migrate
 from storage.sql_engine import DEFAULT_TIMEOUT_S, Database
-from storage.sql_errors import lock_timed_out, translate
+from storage.sql_errors import deadlocked, lock_timed_out, translate
 from storage.sql_lease import drop_body, hold_body
 from storage.sql_reads import (
     held_history_body,
@@ -398,7 +400,7 @@ class SqlCommitStore:
         finally:
             self._progress = asyncio.get_running_loop().time()
 
-    async def _commit_taken(self, group: list[_Queued[Any]]) -> None:
+    async def _commit_taken(self, group: list[_Queued[Any]], again: bool = False) -> None:
         began = time.perf_counter()
         requests = [item.request for item in group]
         plan = self._plan(requests)
@@ -431,9 +433,17 @@ class SqlCommitStore:
                 for item in group:
                     await self._commit_group([item])
                 return
+            if deadlocked(error.__cause__) and not again:
+                # PostgreSQL rolled this group back to let another go on (two groups
+                # locking the same new threads): nothing was written; once more, at once
+                await self._commit_taken(group, again=True)
+                return
             log.warning("a group of %d requests failed: %s", len(group), error)
             outcomes = [_own_copy(error) for _ in group]
-            if isinstance(error, StoreUnavailable) and not lock_timed_out(error.__cause__):
+            cause = error.__cause__
+            if isinstance(error, StoreUnavailable) and not (
+                lock_timed_out(cause) or deadlocked(cause)
+            ):
                 self._fail_queued(error)
         appends = sum(isinstance(r, AppendRequest) for r in requests)
         if appends:

@@ -36,6 +36,7 @@ from runtime.errors import DuplicateOperation, StoreError, StoreUnavailable, Ver
 # (admin shutdown, cannot connect now), 40 transaction rollback (deadlock, serialization),
 # 55P03 lock not available (a row another client holds past our lock_timeout).
 _LOCK_TIMEOUT = "55P03"
+_DEADLOCK = "40P01"
 _TRANSIENT_SQLSTATE = ("08", "53", "57", "40", _LOCK_TIMEOUT)
 _TRANSIENT_WORDS = (
     "database is locked",
@@ -85,10 +86,20 @@ def translate(
 def lock_timed_out(exc: BaseException | None) -> bool:
     """Whether ``exc`` (a driver's, wrapped or not) is a lock wait that ran past its
     ``lock_timeout``: a row held by another client, not an outage of the server."""
+    return _in_state(exc, _LOCK_TIMEOUT)
+
+
+def deadlocked(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is PostgreSQL breaking a deadlock (40P01): this transaction was
+    rolled back so that another could go on; nothing of it was written."""
+    return _in_state(exc, _DEADLOCK)
+
+
+def _in_state(exc: BaseException | None, sqlstate: str) -> bool:
     if isinstance(exc, DBAPIError):
-        return _sqlstate(exc) == _LOCK_TIMEOUT
+        return _sqlstate(exc) == sqlstate
     state = getattr(exc, "sqlstate", None)
-    return exc is not None and _from_asyncpg(exc) and state == _LOCK_TIMEOUT
+    return exc is not None and _from_asyncpg(exc) and state == sqlstate
 
 
 def _refused(exc: BaseException) -> bool:

@@ -427,7 +427,8 @@ def group_txn(conn: Connection, group: Sequence[Request], cache: FrontierCache) 
 def lock(
     conn: Connection, ids: Iterable[str], pairs: Pairs, cache: FrontierCache
 ) -> tuple[dict[str, DbRow], Known, list[str]]:
-    """Lock the thread rows in id order (no deadlock between groups), creating new ones.
+    """Lock the thread rows in id order, creating new ones (after: a deadlock between
+    two groups making the same threads is possible, and tried again by the store).
 
     Returns the rows, the receipts already stored under the ``pairs``, and the threads
     whose rows had to be created (their rows go again if nothing is written to them).

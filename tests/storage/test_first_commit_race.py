@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from runtime.errors import CorruptRecord, Fenced, VersionConflict
+from runtime.errors import CorruptRecord, Fenced, StoreUnavailable, VersionConflict
 from runtime.ids import ThreadId
 from storage.sql import SqlCommitStore
 from tests.storage.builders import activation
@@ -83,3 +83,34 @@ async def test_the_loser_of_a_first_commit_race_is_refused_not_told_corrupt(
         assert (head.run_id, head.version) == ("runA", 1)  # A's commit, whole and vouched
     finally:
         await b.close()
+
+
+async def test_a_group_postgresql_rolls_back_to_break_a_deadlock_is_written_again(
+    pg_conformance_url: str,
+) -> None:
+    """Two groups making the same new threads can deadlock (the rows there are are
+    locked in id order, the missing ones made after): PostgreSQL rolls one back, which
+    heard StoreUnavailable — a fork or an import, which does not retry, failed over it
+    — and failed every request queued behind it as if the server were out."""
+    import asyncpg
+
+    store = await SqlCommitStore.connect(pg_conformance_url)
+    tries = []
+    write_planned = store._write_planned
+
+    async def deadlocking_once(plan: Any) -> Any:
+        tries.append(plan)
+        if len(tries) == 1:
+            cause = asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+            raise StoreUnavailable(f"store unavailable: {cause}") from cause
+        return await write_planned(plan)
+
+    store._write_planned = deadlocking_once  # type: ignore[method-assign]
+    try:
+        thread = ThreadId(f"dl-{uuid.uuid4().hex[:8]}")
+        receipt = await store.append(
+            activation(thread, "r", epoch=1, claim="A#1"), 0, 0, claim="A#1"
+        )
+        assert receipt.seq == 1 and len(tries) == 2
+    finally:
+        await store.close()

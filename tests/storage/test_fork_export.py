@@ -35,7 +35,7 @@ from runtime import (
     tool,
 )
 from runtime.commit import Frontier, ThreadCommit, assemble_commit
-from runtime.errors import InputRefused, InvalidTransition, StoreUnavailable
+from runtime.errors import InputRefused, InvalidTransition, RunEnded, StoreUnavailable
 from runtime.history import (
     ForkRefused,
     HistoryRefused,
@@ -253,6 +253,37 @@ class CutOff:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
+
+
+class RacedToTheEnd:
+    """The real store, where another run of the same copy writes the last record first
+    and this one hears RunEnded (PostgreSQL's row lock saw the other's end before its
+    receipt lookup saw the record)."""
+
+    def __init__(self, store: Any, last: int) -> None:
+        self.store, self.last = store, last
+
+    async def append(self, commit: Any, expected: int, *args: Any, **kwargs: Any) -> Any:
+        receipt = await self.store.append(commit, expected, *args, **kwargs)
+        if expected + 1 == self.last:
+            raise RunEnded(commit.thread_id, commit.run_id)
+        return receipt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+async def test_two_runs_of_one_copy_racing_to_its_end_both_complete(store: Any) -> None:
+    """Of two processes running the same fork or import at once on PostgreSQL, the one
+    that lost the race to the end record failed with RunEnded instead of finding the
+    copy whole."""
+    _, end_of_one = await two_runs(store)
+    forked = await fork(RacedToTheEnd(store, end_of_one), T, end_of_one, F)
+    assert forked.version == end_of_one and await audit(store, F) == []
+    lines = list(await export(store, T))
+    copy = ThreadId("copy")
+    imported = await import_thread(RacedToTheEnd(store, len(lines) - 1), lines, copy)
+    assert imported.version == len(lines) - 1 and await audit(store, copy) == []
 
 
 async def test_an_interrupted_fork_is_completed_by_running_it_again(store: Any) -> None:
