@@ -4,6 +4,7 @@ fake provider: a tool call Step, then an answer Step, ending ``natural``."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -200,6 +201,14 @@ def _opening(provider_kind: str) -> list[bytes]:
     return [message_start()] if provider_kind == "anthropic" else []
 
 
+async def _one_attempt_ends(closing, provider_kind: str, url: str) -> Any:
+    """How a Run of one inference attempt, its events bounded at 1 MiB, ends."""
+    model = closing(_model(provider_kind, url, max_event_bytes=1 << 20))
+    agent = Agent(name="a", model=model, inference_attempts=1, inference_timeout_s=60)
+    f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
+    return f.run_state.cause
+
+
 @pytest.mark.parametrize("provider_kind", ["openai", "anthropic"])
 async def test_an_event_that_never_ends_fails_its_attempt_at_its_bound(
     provider, closing, provider_kind
@@ -214,10 +223,7 @@ async def test_an_event_that_never_ends_fails_its_attempt_at_its_bound(
     compressed = Sse([*_opening(provider_kind), inflated], gzip=True)
     provider.reply(endless, compressed)
     for _ in range(2):
-        model = closing(_model(provider_kind, provider.url, max_event_bytes=1 << 20))
-        agent = Agent(name="a", model=model, inference_attempts=1, inference_timeout_s=60)
-        f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
-        cause = f.run_state.cause
+        cause = await _one_attempt_ends(closing, provider_kind, provider.url)
         assert (cause.kind, cause.failure, cause.code) == (
             "failed",
             "inference",
@@ -241,10 +247,7 @@ async def test_an_event_the_sdk_holds_is_bounded_as_the_sdk_splits_it(
         f"{provider_kind}: a server-sent event over {n}" for n in ("1048576 bytes", "256 lines")
     ]
     for message in messages:
-        model = closing(_model(provider_kind, provider.url, max_event_bytes=1 << 20))
-        agent = Agent(name="a", model=model, inference_attempts=1, inference_timeout_s=60)
-        f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
-        cause = f.run_state.cause
+        cause = await _one_attempt_ends(closing, provider_kind, provider.url)
         assert (cause.failure, cause.code, cause.message) == (
             "inference",
             "malformed_stream",

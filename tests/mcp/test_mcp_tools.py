@@ -288,20 +288,23 @@ async def test_a_reply_that_is_no_json_rpc_answer_is_lost_at_once(records, tool)
     assert isinstance(outcome, Lost) and "reply could not be read" in outcome.message, outcome
 
 
+async def _raw_call(records, tool):
+    """The outcome of one call of ``tool`` on the hand-written server (``raw_server``)."""
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env={"MCP_TEST_DIR": str(records)})
+    try:
+        runner = LocalToolRunner(mcp_tools(server))
+        (outcome,) = await asyncio.wait_for(runner.run([invocation(tool, "c1")]), DEADLINE_S)
+    finally:
+        await server.aclose()
+    return outcome
+
+
 async def test_a_reply_of_a_shape_the_sdk_refuses_is_lost_not_an_error_result(records):
     """A content block of a type MCP has not (``"isError": null``, ``"content": null``):
     the SDK refuses the result by its shape, and the call was committed as finished with
     an error result, which under never_replay tells the model it failed, when the server
     may well have run it."""
-    env = {"MCP_TEST_DIR": str(records)}
-    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
-    try:
-        runner = LocalToolRunner(mcp_tools(server))
-        (outcome,) = await asyncio.wait_for(
-            runner.run([invocation("wrong_shape", "c1")]), DEADLINE_S
-        )
-    finally:
-        await server.aclose()
+    outcome = await _raw_call(records, "wrong_shape")
     assert isinstance(outcome, Lost) and "the wrong shape" in outcome.message, outcome
 
 
@@ -312,15 +315,7 @@ async def test_a_server_s_patterns_never_run_on_the_host_s_loop(records):
     expressions are the server's to run; every other keyword is checked."""
     from runtime.adapters.mcp import _args_model
 
-    env = {"MCP_TEST_DIR": str(records)}
-    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
-    try:
-        runner = LocalToolRunner(mcp_tools(server))
-        (outcome,) = await asyncio.wait_for(
-            runner.run([invocation("backtracks", "c1")]), DEADLINE_S
-        )
-    finally:
-        await server.aclose()
+    outcome = await _raw_call(records, "backtracks")
     assert isinstance(outcome, Finished) and not outcome.output.is_error, outcome
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}}
     schema["patternProperties"] = {"^(a+)+$": {"type": "integer"}}
