@@ -19,7 +19,8 @@ How each failure ends::
     listing (mcp_tools), when the agent is built
     └── ToolDefinitionError   the server cannot be listed; a name no model provider
                               accepts; an override or include naming no listed tool;
-                              an inputSchema that is no JSON Schema
+                              an inputSchema that is no JSON Schema; a description
+                              and inputSchema past MAX_DEFINITION_BYTES (256 KiB)
     a call
     ├── ValueError (parse)    the arguments break the inputSchema: the model sees why,
     │                         and the server is never asked
@@ -42,6 +43,7 @@ The SDK is imported when a server is listed or called, never with this module.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +77,10 @@ DEFAULT_CALL_TIMEOUT_S = 300.0
 request only with its answer: a reply that even Python's json cannot read (nested deeper
 than it recurses) is logged and dropped (``mcp_reply``), and the call would wait for ever."""
 
+MAX_DEFINITION_BYTES = 256 * 1024
+"""The most a listed tool's description and inputSchema may take (as JSON): each goes
+to the model with every inference of every Run that has the tool, and its schema is
+checked against each call."""
 
 # ---- tools --------------------------------------------------------------------------------
 
@@ -153,6 +159,12 @@ def _tool(
             "digits, '_' or '-' (what model providers accept); leave it out with include="
         )
     schema = dict(listed.input_schema)
+    size = len(json.dumps([listed.description, schema]))  # before the schema is checked
+    if size > MAX_DEFINITION_BYTES:
+        raise ToolDefinitionError(
+            f"MCP tool {name} of {server.label}: its description and inputSchema take {size} "
+            f"bytes, past {MAX_DEFINITION_BYTES}; leave it out with include="
+        )
 
     async def call_tool(**arguments: Any) -> ToolResult:
         ctx = arguments.pop(CONTEXT_PARAM)

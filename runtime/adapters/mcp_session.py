@@ -281,20 +281,25 @@ class McpServer:
         return session
 
     async def _listing(self, session: ClientSession) -> list[ListedTool]:
+        """Every page of tools/list, within one ``open_timeout_s`` (not one per page: a
+        server handing out pages slowly held its opening a hundred times as long)."""
         from mcp.types import PaginatedRequestParams
 
-        page = await self._within(session.list_tools())
-        tools, seen = list(page.tools), set[str]()
-        while page.next_cursor:
-            if page.next_cursor in seen or len(seen) + 1 >= MAX_LIST_PAGES:
-                raise ValueError(
-                    f"tools/list handed out cursors past {MAX_LIST_PAGES} pages, or one twice"
-                )
-            seen.add(page.next_cursor)
-            cursor = PaginatedRequestParams(cursor=page.next_cursor)
-            page = await self._within(session.list_tools(params=cursor))
-            tools.extend(page.tools)
-        return tools
+        async def pages() -> list[ListedTool]:
+            page = await session.list_tools()
+            tools, seen = list(page.tools), set[str]()
+            while page.next_cursor:
+                if page.next_cursor in seen or len(seen) + 1 >= MAX_LIST_PAGES:
+                    raise ValueError(
+                        f"tools/list handed out cursors past {MAX_LIST_PAGES} pages, or one twice"
+                    )
+                seen.add(page.next_cursor)
+                cursor = PaginatedRequestParams(cursor=page.next_cursor)
+                page = await session.list_tools(params=cursor)
+                tools.extend(page.tools)
+            return tools
+
+        return await self._within(pages())
 
     async def _within(self, work: Coroutine[Any, Any, _T]) -> _T:
         try:

@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -29,10 +29,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("ratchet.mcp")
 
 
-def stdio_streams(
+@asynccontextmanager
+async def stdio_streams(
     command: str, args: tuple[str, ...], env: dict[str, str] | None, cwd: str | None
-) -> AbstractAsyncContextManager[Any]:
+) -> AsyncIterator[Any]:
     from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    from runtime.adapters.mcp_lines import BOUNDED, bound_stdio_servers
 
     command, args = _dying_with_this_process(command, args, env, cwd)
     # "replace": a byte that is no UTF-8 reads as U+FFFD. The SDK's default ("strict")
@@ -41,7 +44,14 @@ def stdio_streams(
     params = StdioServerParameters(
         command=command, args=[*args], env=env, cwd=cwd, encoding_error_handler="replace"
     )
-    return stdio_client(params)
+    bound_stdio_servers()
+    async with contextlib.AsyncExitStack() as stack:
+        spawning = BOUNDED.set(True)
+        try:
+            streams = await stack.enter_async_context(stdio_client(params))
+        finally:
+            BOUNDED.reset(spawning)
+        yield streams
 
 
 _DIE_WITH_PARENT = """

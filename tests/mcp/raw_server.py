@@ -8,7 +8,8 @@ error of code -32000 (the code the SDK gives its own "connection closed"), and
 reply with, and ``not_utf8`` with text holding the bytes 0xFF 0xFE (no UTF-8).
 ``wrong_shape`` answers with a content block of a type MCP does not have, and
 ``backtracks`` with structured content its outputSchema's pattern takes exponential time
-on. ``stall`` sleeps ten minutes, deaf to its stdin closing. With ``MCP_TEST_TWICE`` set it
+on. ``huge`` answers with a line of more than 16 MiB (``mcp_lines.MAX_LINE_BYTES``).
+``stall`` sleeps ten minutes, deaf to its stdin closing. With ``MCP_TEST_TWICE`` set it
 lists ``snippet`` twice. It appends its pid to
 ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
 
@@ -24,7 +25,7 @@ TOOLS = [
     {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
     for name in (
         *("snippet", "deep", "not_an_object", "code_of_text", "declined", "forged", "stall"),
-        *("not_utf8", "wrong_shape", "backtracks"),
+        *("not_utf8", "wrong_shape", "huge", "backtracks"),
     )
 ]
 TOOLS[-1]["outputSchema"] = {  # a pattern that backtracks for ever on "aaa…a!"
@@ -35,6 +36,7 @@ WRONG_SHAPE = '{"content":[{"type":"video","url":"x"}]}'
 BACKTRACKS = '{"content":[],"structuredContent":{"s":"' + "a" * 40 + '!"}}'
 SNIPPET = '{"content":[{"type":"text","text":"charged; note: caf\\ud83d \\ud83d\\ude00"}]}'
 NOT_UTF8 = '{"content":[{"type":"text","text":"caf\udcff\udcfe"}]}'  # written as raw bytes
+HUGE = '{"content":[{"type":"text","text":"' + "x" * 16 * 2**20 + '"}]}'
 DEEP = '{"content":[],"structuredContent":{"x":' + "[" * 300 + "]" * 300 + "}}"
 
 
@@ -68,7 +70,7 @@ def answer(request: dict[str, object]) -> str:
             error = errors[str(params["name"])]
             return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"error":' + error + "}"
         replies = {"snippet": SNIPPET, "deep": DEEP, "not_an_object": "42", "not_utf8": NOT_UTF8}
-        replies |= {"wrong_shape": WRONG_SHAPE, "backtracks": BACKTRACKS}
+        replies |= {"wrong_shape": WRONG_SHAPE, "backtracks": BACKTRACKS, "huge": HUGE}
         result = replies[str(params["name"])]
     else:
         result = "{}"

@@ -481,6 +481,27 @@ async def test_a_listing_that_hands_out_cursors_without_end_is_cut() -> None:
         assert session.pages == (2 if same else MAX_LIST_PAGES)
 
 
+async def test_a_listing_s_pages_share_one_timeout() -> None:
+    """Each page of tools/list had ``open_timeout_s`` of its own: a server answering
+    every page just in time held its opening up to a hundred times as long. (The
+    session is the SDK's interface alone, its pages slow as a server's would be.)"""
+    from mcp.types import ListToolsResult
+
+    class Slow:
+        pages = 0
+
+        async def list_tools(self, params: object = None) -> ListToolsResult:
+            self.pages += 1
+            await asyncio.sleep(0.3)  # the server's pace, well inside a page's timeout
+            return ListToolsResult(tools=[], nextCursor=f"page-{self.pages}")
+
+    server = McpServer.stdio(sys.executable, ["-c", "pass"], open_timeout_s=1.0)
+    session = Slow()
+    with pytest.raises(TimeoutError, match=r"within 1\.0s"):
+        await server._listing(session)  # type: ignore[arg-type]
+    assert session.pages < 10
+
+
 @pytest.mark.parametrize("properties", [5, None, True, "abc"])
 def test_an_input_schema_whose_properties_are_not_an_object_is_refused_typed(properties):
     """A server's schema of the wrong shape is ToolDefinitionError naming the tool when the
@@ -489,6 +510,23 @@ def test_an_input_schema_whose_properties_are_not_an_object_is_refused_typed(pro
 
     with pytest.raises(ToolDefinitionError, match="MCP tool t"):
         _args_model("t", {"type": "object", "properties": properties})
+
+
+def test_a_tool_whose_definition_is_too_large_is_refused_unless_left_out():
+    """A listed tool's description and inputSchema go to the model with every inference:
+    one past ``MAX_DEFINITION_BYTES`` is refused by name when the agent is built (and
+    ``include=`` leaves it out), not sent along with every Step of every Run."""
+    from mcp.types import Tool as Listed
+
+    from runtime.adapters.mcp import MAX_DEFINITION_BYTES, _tool
+
+    server = McpServer.stdio(sys.executable, ["-c", "pass"])
+    schema = {"type": "object", "properties": {}}
+    big = Listed(name="big", description="x" * MAX_DEFINITION_BYTES, inputSchema=schema)
+    with pytest.raises(ToolDefinitionError, match=r"MCP tool big .*past 262144"):
+        _tool(server, big, ("never_replay",), None)
+    fits = Listed(name="fits", description="x" * (MAX_DEFINITION_BYTES - 100), inputSchema=schema)
+    assert _tool(server, fits, ("never_replay",), None).id == "fits"
 
 
 async def test_a_call_whose_deadline_comes_while_its_session_opens_is_unavailable(server, records):

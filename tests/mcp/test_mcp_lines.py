@@ -1,0 +1,70 @@
+"""A stdio server's stdout read a line at a time, bounded (``runtime.adapters.mcp_lines``)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import anyio
+import pytest
+from anyio.abc import ByteReceiveStream
+
+from runtime.adapters.mcp import McpServer, mcp_tools
+from runtime.adapters.mcp_lines import MAX_LINE_BYTES, BoundedStdout
+from runtime.ports import Finished, Lost
+from runtime.tool_calls import LocalToolRunner
+from tests.mcp.conftest import DEADLINE_S, started_pids
+from tests.mcp.test_mcp_tools import RAW_SERVER, invocation
+
+
+class _Chunks(ByteReceiveStream):
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        if not self.chunks:
+            raise anyio.EndOfStream
+        return self.chunks.pop(0)
+
+    async def aclose(self) -> None:
+        self.chunks.clear()
+
+
+async def _read(chunks: list[bytes], max_line: int) -> list[bytes]:
+    """What a BoundedStdout over ``chunks`` hands on, up to its end."""
+    stream = BoundedStdout(_Chunks(chunks), max_line)
+    out = []
+    with pytest.raises(anyio.EndOfStream):
+        while True:
+            out.append(await stream.receive())
+    return out
+
+
+async def test_whole_lines_only_are_handed_on():
+    out = await _read([b'{"a"', b":1}\n{", b'"b":2}\n{"c":3}\n', b"{", b"}"], max_line=8)
+    assert out == [b'{"a":1}\n', b'{"b":2}\n{"c":3}\n', b"{}"]
+
+
+async def test_a_line_past_the_bound_ends_the_stream_and_one_at_it_is_read():
+    assert await _read([b"x" * 4, b"x" * 4, b"\n"], max_line=8) == [b"x" * 8 + b"\n"]
+    assert await _read([b"ok\n", b"x" * 4, b"x" * 4, b"x\n", b"more\n"], max_line=8) == [b"ok\n"]
+    # begun in the chunk that ends a short line
+    assert await _read([b"ok\nxxxx", b"xxxxx\n", b"more\n"], max_line=8) == [b"ok\n"]
+
+
+async def test_a_line_past_the_bound_ends_the_session_and_loses_its_call(records):
+    """The SDK's reader joined each chunk to the line so far: a 100 MB reply held the
+    host's event loop 84 s, and nothing bounded it. A line past ``MAX_LINE_BYTES`` ends
+    the session: its call is Lost (the server may have run it), and the next call opens
+    a fresh server and is answered."""
+    assert MAX_LINE_BYTES <= 16 * 2**20  # raw_server's "huge" writes more than that
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env={"MCP_TEST_DIR": str(records)})
+    try:
+        runner = LocalToolRunner(mcp_tools(server))
+        (lost,) = await asyncio.wait_for(runner.run([invocation("huge", "c1")]), DEADLINE_S)
+        (after,) = await asyncio.wait_for(runner.run([invocation("snippet", "c2")]), DEADLINE_S)
+    finally:
+        await server.aclose()
+    assert isinstance(lost, Lost), lost
+    assert isinstance(after, Finished) and not after.output.is_error, after
+    assert len(started_pids(records)) == 3  # the listing's, the ended session's, the fresh one
