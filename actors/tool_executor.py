@@ -28,7 +28,7 @@ from runtime.batch import ToolOutput
 from runtime.errors import AgentImportError
 from runtime.limits import printable
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
-from runtime.tool_calls import invoke_safely
+from runtime.tool_calls import invoke_safely, run_calls
 
 DEFAULT_POOL = "default"
 
@@ -94,7 +94,7 @@ class ToolExecutor:
             except AgentImportError as exc:
                 message = f"executor cannot load agent: {exc}"
                 return [Unavailable(message=message) for _ in invocations]
-        return list(await asyncio.gather(*(self._one(agent, inv) for inv in invocations)))
+        return await run_calls([self._one(agent, inv) for inv in invocations])
 
     async def _load(self, ref: str) -> Agent:
         """Import the agent off this loop, once for all the waves that ask meanwhile."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any
 
 from runtime.batch import ToolOutput
@@ -157,17 +157,33 @@ class LocalToolRunner:
         self.tools = {t.id: t for t in tools}
 
     async def run(self, invocations: Sequence[ToolInvocation]) -> list[ToolOutcome]:
-        # A task per call, as gather would make (they run concurrently, each in its own
-        # context), awaited in order without gather's bookkeeping, which costs more than
-        # the tasks; if this is cancelled, so are they, as with a cancelled gather.
-        loop = asyncio.get_running_loop()
-        tasks = [
-            loop.create_task(within(i.trace_context, invoke_safely(self.tools[i.tool], i)))
-            for i in invocations
-        ]
-        try:
-            return [await task for task in tasks]
-        except BaseException:  # cancelled (or a bug of ours): no call outlives its wave
-            for task in tasks:
-                task.cancel()
-            raise
+        return await run_calls(
+            [within(i.trace_context, invoke_safely(self.tools[i.tool], i)) for i in invocations]
+        )
+
+
+async def run_calls(calls: Sequence[Coroutine[Any, Any, ToolOutcome]]) -> list[ToolOutcome]:
+    """A wave's calls, each in a task of its own (concurrently, each in its own context),
+    their outcomes in order: awaited one by one without gather's bookkeeping, which costs
+    more than the tasks. If this is cancelled, so are they, as with a cancelled gather.
+
+    A call's task cancelled while this one is not is the tool's own doing
+    (``asyncio.current_task().cancel()``): its error, as any the tool raises. Passed on,
+    it failed the Run (or, on an executor, lost every call of the wave, finished ones
+    included: a replay_safe one ran twice)."""
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(call) for call in calls]
+    outcomes: list[ToolOutcome] = []
+    try:
+        for task in tasks:
+            try:
+                outcomes.append(await task)
+            except asyncio.CancelledError:
+                if cancelling():
+                    raise
+                outcomes.append(_failed("the tool cancelled its own task (CancelledError)", ()))
+    except BaseException:  # cancelled (or a bug of ours): no call outlives its wave
+        for task in tasks:
+            task.cancel()
+        raise
+    return outcomes

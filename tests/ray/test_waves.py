@@ -153,6 +153,19 @@ async def test_a_wave_that_fails_around_its_tools_loses_only_itself(monkeypatch)
     assert isinstance(fine, Finished) and fine.output.content == "t1"
 
 
+async def test_a_tool_that_cancels_its_own_task_fails_alone():
+    """A tool calling ``asyncio.current_task().cancel()`` cancelled the wave's gather: the
+    whole wave went unanswered, its finished calls lost with it (a replay_safe one ran
+    again). It is that call's error (no Ray: the method, in this process)."""
+    from actors.tool_executor import ToolExecutor
+
+    executor = ToolExecutor(warm_spares=False)
+    wave = [*_wave("cancels_itself", 0), *_wave("echo_wave", 1, text="kept")]
+    rogue, kept = await executor.run(AGENT, wave)
+    assert isinstance(rogue, Finished) and "cancelled its own task" in rogue.output.content
+    assert isinstance(kept, Finished) and kept.output.content == "kept"
+
+
 async def test_a_streamed_call_forgets_its_waves_once_answered():
     """An executor keeps a wave by id only while it runs (so its host can cancel it): a
     streamed call that kept every answered wave grew the executor by one task, outcomes

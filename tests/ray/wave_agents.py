@@ -29,6 +29,13 @@ async def linger(seconds: float, marker: str) -> str:
     return "lingered"
 
 
+@tool
+async def cancels_itself() -> str:
+    asyncio.current_task().cancel()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    return "never"
+
+
 def _mark(path: str) -> None:
     Path(path).touch()
 
@@ -43,7 +50,7 @@ def freeze(seconds: float) -> str:
 agent = Agent(
     name="waves",
     model=ScriptedModel((ModelResponse(text="unused"),)),
-    tools=(echo_wave, linger, freeze),
+    tools=(echo_wave, linger, freeze, cancels_itself),
 )
 
 

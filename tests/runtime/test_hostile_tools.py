@@ -5,6 +5,7 @@ lost them all)."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import pytest
@@ -69,6 +70,13 @@ async def unprintable() -> str:
 
 
 @tool
+async def cancels_itself() -> str:
+    asyncio.current_task().cancel()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    return "never"
+
+
+@tool
 async def fine() -> str:
     return "fine"
 
@@ -80,6 +88,7 @@ TOOLS = [
     generator_exit,
     custom_base,
     unprintable,
+    cancels_itself,
     fine,
 ]
 HOSTILE = [
@@ -89,6 +98,7 @@ HOSTILE = [
     ("generator_exit", "GeneratorExit"),
     ("custom_base", "Custom"),
     ("unprintable", "cannot be printed"),
+    ("cancels_itself", "cancelled its own task"),  # failed the whole Run, its results lost
 ]
 
 
