@@ -78,6 +78,10 @@ def plan(
     agent = services.agent
     out = CallPlan(batch)
     for action in plan_calls(batch, lambda tool, mode: _supports(agent, tool, mode)):
+        if isinstance(action, (Replay, Reconnect)):
+            why = _reparsed(services, out, action.call_id)
+            if why is not None:
+                action = MarkIndeterminate(call_id=action.call_id, reason=why)
         if isinstance(action, MarkIndeterminate):
             if delegates(agent, out.batch, action.call_id):
                 raise EndRun(
@@ -100,6 +104,20 @@ def plan(
             elif verdict == "wait" and out.waiter is None:
                 out.waiter = action.call_id  # one wait at a time; later ones stay requested
     return out
+
+
+def _reparsed(services: StepServices, out: CallPlan, call_id: CallId) -> str | None:
+    """Parse a recovered executing call's arguments again for the tool as deployed now
+    (kept for its next invocation); why not, if it no longer takes them (its signature
+    changed since): the call is sealed unknown, not the Run failed ``internal``."""
+    call = out.batch.call(call_id)
+    tool = services.agent.tool(call.tool)
+    assert tool is not None  # plan_calls sealed a call whose tool is gone
+    try:
+        out.parsed[call_id] = tool.parse(call.arguments, services.limits)
+    except ValueError as exc:
+        return printable(f"the tool as deployed no longer takes the call's arguments: {exc}")
+    return None
 
 
 def _supports(agent: Agent, tool_id: str, mode: str) -> bool:

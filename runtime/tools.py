@@ -35,6 +35,7 @@ from runtime.limits import (
     check_json_value,
     json_depth,
     printable,
+    raised,
 )
 from runtime.state import Command
 from runtime.strict_json import DuplicateKey, unique_pairs
@@ -162,6 +163,9 @@ class Tool:
                 f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
             )
             raise ValueError(printable(f"invalid arguments for {self.id}: {problems}")) from exc
+        except BaseException as exc:  # a validator of the tool's own that raised KeyError,
+            # SystemExit...: the model's arguments, refused; not a failed Run
+            raise ValueError(printable(f"invalid arguments for {self.id}: {raised(exc)}")) from None
         # a typed parameter travels as the model sent it, to be validated once into its
         # type where the tool runs (``_typed``): its dump is not always what validates back
         # to it (a model with aliases, a validator that is not idempotent)
@@ -215,18 +219,18 @@ class Tool:
         is cancelled cannot be interrupted: its thread runs it to its end, and what it
         returns is dropped. ``start`` notes whether the call began (a synchronous one
         may wait for a thread, and one given up before that never runs)."""
-        kwargs = self._typed(arguments)
-        if self.context_param is not None:
-            kwargs[self.context_param] = ctx
         on_loop: bool | None = self.__dict__.get("_on_loop")  # asked for every call
         if on_loop is None:
             on_loop = inspect.iscoroutinefunction(self.fn)
             object.__setattr__(self, "_on_loop", on_loop)
         # SystemExit and KeyboardInterrupt are turned into an ordinary error here, in the
         # call's own frame: asyncio re-raises them out of the event loop, which would stop
-        # every Run of the process, not fail this call
+        # every Run of the process, not fail this call (a parameter's validator included)
         start = start or CallStart()
         try:
+            kwargs = self._typed(arguments)
+            if self.context_param is not None:
+                kwargs[self.context_param] = ctx
             if on_loop:
                 start.begin()
                 return await self.fn(**kwargs)
@@ -362,6 +366,9 @@ def _build_tool(
     if concurrency not in ("parallel", "serial"):
         raise ToolDefinitionError(f"tool {tool_id}: concurrency must be parallel or serial")
     check_seconds(tool_id, "timeout_s", timeout_s)
+    if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        # its call returns a generator, the body never run: taken for its result text
+        raise ToolDefinitionError(f"tool {tool_id}: a generator function cannot be a tool")
     fields, context_param = _signature_fields(fn, tool_id)
     # no NaN or infinity: no JSON holds one (a "nan" text would pass a float parameter)
     config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -409,6 +416,8 @@ def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, A
     for param in inspect.signature(fn).parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ToolDefinitionError(f"tool {tool_id}: *args and **kwargs are not supported")
+        if param.kind is param.POSITIONAL_ONLY:  # arguments are passed by name
+            raise ToolDefinitionError(f"tool {tool_id}: positional-only {param.name} (before /)")
         hint = hints.get(param.name, Any)
         if hint is ToolContext or ToolContext in get_args(hint):
             context_param = param.name

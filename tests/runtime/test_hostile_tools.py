@@ -23,6 +23,7 @@ from runtime import (
     call,
     tool,
 )
+from runtime.messages import ToolResultMessage
 from runtime.ports import Finished
 from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
@@ -344,3 +345,31 @@ async def test_a_state_value_json_cannot_write_is_refused_not_a_failed_run():
 
     result = await _one_call(hands)
     assert result.is_error and "cannot be written as JSON" in result.content
+
+
+async def test_a_recovered_call_its_tool_no_longer_takes_is_sealed_not_a_failed_run():
+    """A replay_safe call was executing when its host died; the tool deployed since takes
+    a new required parameter. Its arguments no longer parse: the call is sealed unknown
+    (it may have run) and the Run goes on, where the parse error failed it ``internal``."""
+
+    @tool(name="fetch", recovery=("replay_safe",))
+    def fetch_v1(url: str) -> str:
+        return "v1"
+
+    @tool(name="fetch", recovery=("replay_safe",))
+    def fetch_v2(url: str, region: str) -> str:
+        return "v2"
+
+    store = MemoryCommitStore()
+    first = ScriptedModel([ModelResponse(tool_calls=(call("fetch", "c1", url="x"),))])
+    before = InProcessRunner(Agent(name="a", model=first, tools=[fetch_v1]), store)
+    with pytest.raises(Crash):
+        await before.start("go", thread_id="t", faults=FaultPlan(crash_at=("before:results", 1)))
+    answer = ScriptedModel([ModelResponse(text="step 0 was answered"), ModelResponse(text="done")])
+    done = await InProcessRunner(Agent(name="a", model=answer, tools=[fetch_v2]), store).recover(
+        "t"
+    )
+    assert done.run_state.cause.kind == "natural", done.run_state
+    (result,) = [m for m in done.messages if isinstance(m, ToolResultMessage)]
+    assert result.is_error and "no longer takes the call's arguments" in result.content
+    assert "region" in result.content

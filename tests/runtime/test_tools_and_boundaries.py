@@ -9,6 +9,7 @@ import enum
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,31 @@ def test_a_tool_named_as_no_provider_accepts_is_refused_when_built(name: str) ->
     assert tool(name="x" * 64)(lambda: "x").id == "x" * 64  # the rule's edge is a name
 
 
+def _positional(x: int, /) -> str:
+    return "x"
+
+
+async def _agen() -> AsyncIterator[str]:
+    yield "x"
+
+
+def _gen() -> Iterator[str]:
+    yield "x"
+
+
+@pytest.mark.parametrize(
+    ("fn", "said"),
+    [(_positional, "positional-only x"), (_agen, "generator"), (_gen, "generator")],
+    ids=["positional-only", "async generator", "generator"],
+)
+def test_a_function_that_cannot_run_as_a_tool_is_refused_when_built(fn, said) -> None:
+    """A positional-only parameter failed every call (arguments go by name); a generator
+    function's call returns a generator, the body never run, and its text was committed
+    as the tool's successful result."""
+    with pytest.raises(ToolDefinitionError, match=said):
+        tool(fn)
+
+
 class _Flight(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel)
     departure_airport: str
@@ -371,3 +397,74 @@ async def test_a_typed_argument_is_validated_once_as_the_model_sent_it():
     flown, greeted = await LocalToolRunner([fly, greet]).run([flights, greeting])
     assert isinstance(flown, Finished) and flown.output.content == "SFO x2"
     assert isinstance(greeted, Finished) and greeted.output.content == "ann!"
+
+
+class _Careless(BaseModel):
+    x: dict[str, object]
+
+    @field_validator("x")
+    @classmethod
+    def keyed(cls, value: dict[str, object]) -> object:
+        return value["k"]  # a KeyError on input without "k", as a careless validator does
+
+
+_validations: list[int] = []
+
+
+class _Once(BaseModel):
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def once(cls, value: int) -> int:
+        _validations.append(value)
+        if len(_validations) > 1:  # where the tool runs (``Tool._typed``), not at the gate
+            raise SystemExit(2)
+        return value
+
+
+@tool
+def careless(p: _Careless) -> str:
+    return "ok"
+
+
+@tool(timeout_s=5)
+def once(p: _Once) -> str:
+    return "ok"
+
+
+async def test_a_parameter_validator_that_raises_anything_refuses_the_model_s_arguments():
+    """pydantic passes on what a validator raises unless it is a ValueError: a KeyError
+    out of the model's arguments failed the Run ``internal``, no result committed. It is
+    the model's error to see; and one raised where the tool runs (SystemExit, under a
+    timeout: asyncio re-raises it out of the loop) is the call's error."""
+    from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel, call
+    from runtime.ids import CallId, OperationId, RunId, ThreadId
+    from runtime.messages import ToolResultMessage
+    from runtime.ports import Finished, ToolInvocation
+    from runtime.tool_calls import LocalToolRunner
+    from storage.memory import MemoryCommitStore
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("careless", "c1", p={"x": {}}),)), ModelResponse(text="ok")]
+    )
+    runner = InProcessRunner(Agent(name="a", model=model, tools=[careless]), MemoryCommitStore())
+    done = await runner.start("go", thread_id="t")
+    assert done.run_state.cause.kind == "natural", done.run_state
+    (result,) = [m for m in done.messages if isinstance(m, ToolResultMessage)]
+    assert result.is_error and "KeyError" in result.content
+
+    _validations.clear()
+    arguments = once.parse(json.dumps({"p": {"n": 1}}))
+    inv = ToolInvocation(
+        tool="once",
+        arguments=arguments,
+        call_id=CallId("c1"),
+        operation_id=OperationId("op"),
+        attempt=1,
+        run_id=RunId("r"),
+        thread_id=ThreadId("t"),
+    )
+    (outcome,) = await LocalToolRunner([once]).run([inv])
+    assert isinstance(outcome, Finished) and outcome.output.is_error
+    assert "SystemExit" in outcome.output.content
