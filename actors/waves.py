@@ -41,7 +41,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from actors.tool_executor import ExecutorPools, pool_key
 from runtime.agent import Agent
-from runtime.ports import Lost, ToolInvocation, ToolOutcome
+from runtime.ports import Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.tools import Tool
 
 log = logging.getLogger("ratchet.waves")
@@ -65,6 +65,8 @@ class _Wave:
     done: asyncio.Future[list[ToolOutcome]]
     executor: Any = None
     """The executor the wave went to (None while it waits to be sent)."""
+    sent: bool = False
+    """Whether the wave was handed to Ray: until then nothing of it can have run."""
 
     def settle(self, outcomes: list[ToolOutcome]) -> None:
         if not self.done.done():  # a wave given up on is already settled
@@ -121,7 +123,11 @@ class WaveDispatcher:
             deadline = _deadline(invocations, self.grace_s)
             return await asyncio.wait_for(asyncio.shield(wave.done), deadline)
         except TimeoutError:
-            wave.lose("executor did not answer before the call's timeout")
+            if wave.sent:
+                wave.lose("executor did not answer before the call's timeout")
+            else:  # still waiting for its executor to come back: nothing ran, tried again
+                why = "the call's timeout passed before its executor came back"
+                wave.settle([Unavailable(message=why)] * len(wave.invocations))
             self._cancel(wave)
             return wave.done.result()
         except asyncio.CancelledError:  # the Run was cancelled: stop the tools where they run
@@ -158,6 +164,8 @@ class WaveDispatcher:
             if not waves:
                 return
         open_waves = {w.id: w for w in waves}
+        for wave in waves:
+            wave.sent = True
         try:
             if len(waves) == 1:  # a lone wave: a plain call, cheaper than a stream
                 (wave,) = waves

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any
 
@@ -26,6 +25,8 @@ from runtime.tools import (
     ToolContext,
     ToolResult,
     UnavailableBeforeDispatch,
+    Untextable,
+    as_text,
 )
 from runtime.tracing_env import within
 
@@ -44,15 +45,11 @@ def outcome_of(result: Any, requests: Sequence[ToolRequest] = ()) -> Finished:
     """Turn a tool's return value (and what it asked of its Run) into a finished outcome."""
     if isinstance(result, ToolResult):
         return Finished(
-            output=ToolOutput(content=_to_text(result.content), is_error=bool(result.is_error)),
+            output=ToolOutput(content=as_text(result.content), is_error=bool(result.is_error)),
             commands=tuple(result.commands),
             requests=tuple(requests),
         )
-    return Finished(output=ToolOutput(content=_to_text(result)), requests=tuple(requests))
-
-
-def _to_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, default=str)
+    return Finished(output=ToolOutput(content=as_text(result)), requests=tuple(requests))
 
 
 async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
@@ -84,14 +81,18 @@ async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
                 message=f"tool {t.id} got no tool thread within {timeout}s (all are busy)"
             )
         abort.set()  # a tool still running (in its thread, or ignoring its cancellation)
+        start.given_up()
         return Lost(message=f"tool {t.id} timed out after {timeout}s")
     except UnavailableBeforeDispatch as exc:
         return Unavailable(message=said(exc) or "unavailable before dispatch")
     except OutcomeUnknown as exc:
         return Lost(message=printable(f"tool {t.id}: {said(exc)}") or f"tool {t.id}: lost")
+    except Untextable as exc:
+        return _failed(f"tool {t.id} returned what cannot be a result: {exc}", ())
     except asyncio.CancelledError as exc:
         abort.set()
         if cancelling():
+            start.given_up()  # a synchronous call's thread runs on
             raise  # the wave is being cancelled: it goes on unwinding
         return _failed(raised(exc), requests)
     except BaseException as exc:  # the tool's failure is the model's to see, never a crash

@@ -26,7 +26,7 @@ from runtime.batch import (
 )
 from runtime.context import RunContext, StepServices
 from runtime.delegation import ChildRequest, ChildWaiting, child_ids
-from runtime.errors import StateConflict
+from runtime.errors import HistoryLimitReached, StateConflict
 from runtime.execution import ExecutionSnapshot, InjectMessage, ToolRequest, snapshot
 from runtime.failures import failure_of
 from runtime.gates import admit_outcome, delegates, plan, relationships, waves
@@ -138,6 +138,7 @@ async def run_wave(
     members = list(wave)
     while wave:
         marking = [] if marked else [c for c in wave if c not in joined]
+        unmarked = batch  # should the commit be refused: no attempt starts in the end
         for call_id in marking:
             batch = mark_executing(batch, call_id, undispatched=call_id in undispatched)
         if marking or commands:
@@ -145,13 +146,17 @@ async def run_wave(
             # so are the commands of calls that finished beside those retried now: the
             # batch committed here holds those calls completed, and a recovery from it
             # would never run them again
-            await services.commit(
-                ctx,
-                "executing",
-                ctx.running(),
-                batch=batch,
-                commands=(*commands, *relationships(services, ctx, batch, marking)),
-            )
+            try:
+                await services.commit(
+                    ctx,
+                    "executing",
+                    ctx.running(),
+                    batch=batch,
+                    commands=(*commands, *relationships(services, ctx, batch, marking)),
+                )
+            except (StateConflict, HistoryLimitReached) as refused:  # the finished calls'
+                # commands clash, or overflow the state: the Run ends with their results
+                raise EndRun(failure_of(refused), unmarked) from refused
             commands.clear()
         marked, joined = False, frozenset()  # a call retried after a loss: a new attempt
         services.faults.hit("during:tools")
@@ -191,8 +196,9 @@ async def run_wave(
             batch=batch,
             commands=(*commands, *hooks.commands),
         )
-    except StateConflict as conflict:  # the tools' own commands clash: refused, unwritten
-        raise EndRun(failure_of(conflict), batch) from conflict  # their results are kept
+    except (StateConflict, HistoryLimitReached) as refused:  # the tools' own commands clash,
+        # or take the state past state_bytes: refused, unwritten; their results are kept
+        raise EndRun(failure_of(refused), batch) from refused
     return batch
 
 

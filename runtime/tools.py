@@ -234,13 +234,37 @@ class Tool:
             if on_loop:
                 start.begin()
                 return await self.fn(**kwargs)
-            call = functools.partial(start.run, contextvars.copy_context().run, self.fn, **kwargs)
-            result = await asyncio.get_running_loop().run_in_executor(_tool_threads(), call)
+            texted = functools.partial(_texted, self.fn)
+            call = functools.partial(start.run, contextvars.copy_context().run, texted, **kwargs)
+            start.pool = _tool_threads()
+            result = await asyncio.get_running_loop().run_in_executor(start.pool, call)
             if inspect.isawaitable(result):
                 result = await result
             return result
         except (SystemExit, KeyboardInterrupt) as exc:
             raise ToolExited(f"the tool raised {type(exc).__name__}") from None
+
+
+def as_text(value: Any) -> str:
+    """A tool's result as the model reads it: text as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+class Untextable(Exception):
+    """What a synchronous tool returned cannot be made text (``_texted``)."""
+
+
+def _texted(fn: Callable[..., Any], /, **kwargs: Any) -> Any:
+    """A synchronous tool's result, made text in its own thread: on the event loop, a
+    large result (or one whose ``__str__`` blocks) stalled every Run of the process,
+    past the call's own ``timeout_s``."""
+    result = fn(**kwargs)
+    try:
+        if isinstance(result, ToolResult):
+            return replace(result, content=as_text(result.content))
+        return result if inspect.isawaitable(result) else as_text(result)
+    except BaseException as exc:  # its __str__ may raise anything, SystemExit included
+        raise Untextable(raised(exc)) from None
 
 
 _JSON_TYPES: frozenset[Any] = frozenset({str, int, float, bool, Any, dict, list, type(None)})
@@ -260,12 +284,24 @@ def _json_native(annotation: Any) -> bool:
 SYNC_TOOL_THREADS = 32
 """Threads per process that run synchronous tools: at most this many at once."""
 _threads: list[ThreadPoolExecutor] = []
+_overdue: dict[ThreadPoolExecutor, int] = {}
+"""Each pool's threads held by calls given up on (past their timeout): they cannot be
+interrupted, and run on until their calls end."""
+_overdue_lock = threading.Lock()
 
 
 def _tool_threads() -> ThreadPoolExecutor:
-    if not _threads:  # made when first needed: most processes run no synchronous tool
+    """The process's tool threads; a fresh pool once every thread of the one in use is
+    held by a call given up on (the old one's threads end with their calls): else every
+    synchronous call of the process was unavailable from then on, while the process
+    answered its pings and was never restarted."""
+    with _overdue_lock:
+        if _threads and _overdue.get(_threads[0], 0) < SYNC_TOOL_THREADS:
+            return _threads[0]
+        if _threads:  # every thread held: its calls' ends still count down its number
+            _threads.pop().shutdown(wait=False)
         _threads.append(ThreadPoolExecutor(SYNC_TOOL_THREADS, thread_name_prefix="ratchet-tool"))
-    return _threads[0]
+        return _threads[0]
 
 
 @overload
@@ -434,7 +470,10 @@ class CallStart:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._state: Literal["started", "abandoned"] | None = None
+        self._state: Literal["started", "abandoned", "ended"] | None = None
+        self._overdue = False
+        self.pool: ThreadPoolExecutor | None = None
+        """The tool threads a synchronous call was handed to."""
 
     def begin(self) -> bool:
         with self._lock:
@@ -449,11 +488,32 @@ class CallStart:
                 self._state = "abandoned"
             return self._state == "abandoned"
 
+    def given_up(self) -> None:
+        """The call's outcome is decided while its thread may still run it: the thread
+        counts as held (``_tool_threads``) until the call ends."""
+        with self._lock:  # held while counted: the call's end cannot count down first
+            if self._state != "started" or self.pool is None:
+                return
+            self._overdue = True
+            with _overdue_lock:
+                _overdue[self.pool] = _overdue.get(self.pool, 0) + 1
+
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn`` in the tool thread, unless the call was given up before it got one."""
         if not self.begin():
             return None  # its caller has its outcome already
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._state, overdue = "ended", self._overdue
+            if overdue and self.pool is not None:
+                with _overdue_lock:
+                    left = _overdue[self.pool] - 1
+                    if left:
+                        _overdue[self.pool] = left
+                    else:
+                        del _overdue[self.pool]
 
 
 class ToolExited(Exception):

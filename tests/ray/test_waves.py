@@ -9,7 +9,7 @@ import pytest
 
 from actors.tool_executor import ExecutorPools
 from actors.waves import WaveDispatcher
-from runtime.ports import Finished, Lost, ToolInvocation
+from runtime.ports import Finished, Lost, ToolInvocation, Unavailable
 
 from .conftest import wait_for
 
@@ -164,6 +164,41 @@ async def test_a_tool_that_cancels_its_own_task_fails_alone():
     rogue, kept = await executor.run(AGENT, wave)
     assert isinstance(rogue, Finished) and "cancelled its own task" in rogue.output.content
     assert isinstance(kept, Finished) and kept.output.content == "kept"
+
+
+async def test_a_wave_whose_timeout_passes_before_it_was_sent_is_unavailable():
+    """A wave for an executor seen dying waits (up to a minute) for it to come back; its
+    calls' timeout passing meanwhile made them Lost, a never_replay one indeterminate,
+    though nothing had left the host. Unavailable: tried again (no Ray: an executor
+    that never comes back, never sent anything)."""
+    from types import SimpleNamespace
+
+    sent: list[str] = []
+
+    class Method:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def remote(self, *args: object) -> asyncio.Future[object]:
+            sent.append(self.name)
+            return asyncio.get_running_loop().create_future()  # never answered
+
+    class Restarting:
+        def __getattr__(self, name: str) -> Method:
+            return Method(name)
+
+    executor = Restarting()
+    pools = SimpleNamespace(spec=SimpleNamespace(lease_ttl_s=60.0), pick=lambda *_, **__: executor)
+    waves = WaveDispatcher(pools, grace_s=0.05)  # type: ignore[arg-type]
+    back = waves._back[executor] = asyncio.ensure_future(asyncio.Event().wait())
+    try:
+        (outcome,) = await waves.run({}, AGENT, _wave("echo_wave", 0, timeout_s=0.05, text="x"))
+    finally:
+        back.cancel()
+        if waves._watch is not None:
+            waves._watch.cancel()
+    assert isinstance(outcome, Unavailable), outcome
+    assert "run_wave" not in sent and "run_waves" not in sent
 
 
 async def test_a_streamed_call_forgets_its_waves_once_answered():

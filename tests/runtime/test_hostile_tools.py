@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import pytest
 
@@ -190,6 +191,43 @@ async def test_a_call_that_never_got_a_tool_thread_is_unavailable_and_never_runs
     assert drained.output.content == "drained" and not ran.is_set()
 
 
+async def test_a_fresh_pool_of_tool_threads_once_every_thread_is_held_past_its_deadline(
+    monkeypatch,
+):
+    """Every tool thread held by a call past its timeout: every later synchronous call
+    of the process was unavailable for good (it waited for a thread and timed out),
+    while the process answered its pings and was never restarted. A fresh pool serves
+    them; the old one's threads end with their calls."""
+    import threading
+
+    from runtime import tools
+    from runtime.ports import Lost
+
+    from .test_sync_tools import DEADLINE_S
+
+    monkeypatch.setattr(tools, "SYNC_TOOL_THREADS", 2)
+    monkeypatch.setattr(tools, "_threads", [])
+    released = threading.Event()
+
+    @tool(timeout_s=0.2)
+    def stuck() -> str:
+        released.wait(DEADLINE_S)
+        return "late"
+
+    @tool(timeout_s=DEADLINE_S / 2)  # the stuck calls hold their threads longer
+    def later() -> str:
+        return "served"
+
+    runner = LocalToolRunner([stuck, later])
+    try:
+        jammed = await runner.run([invocation("stuck", "s1"), invocation("stuck", "s2")])
+        (served,) = await runner.run([invocation("later", "l")])
+    finally:
+        released.set()
+    assert all(isinstance(o, Lost) for o in jammed), jammed
+    assert isinstance(served, Finished) and served.output.content == "served", served
+
+
 # ---- deadlines, and the tool's own errors that look like ours ---------------------------
 
 
@@ -288,6 +326,15 @@ async def test_a_result_whose_text_exits_is_the_tool_s_error():
     async def returns_exiting() -> object:
         return {"value": Exiting()}
 
+    @tool
+    def returns_exiting_in_a_thread() -> object:
+        return ToolResult(content={"value": Exiting()})
+
+    runner = LocalToolRunner([returns_exiting_in_a_thread])
+    (failed,) = await runner.run([invocation("returns_exiting_in_a_thread", "a")])
+    assert isinstance(failed, Finished) and failed.output.is_error
+    assert "cannot be a result" in failed.output.content and "SystemExit" in failed.output.content
+
     runner = LocalToolRunner([returns_exiting, fine])
     failed, neighbour = await runner.run(
         [invocation("returns_exiting", "a"), invocation("fine", "b")]
@@ -373,3 +420,61 @@ async def test_a_recovered_call_its_tool_no_longer_takes_is_sealed_not_a_failed_
     (result,) = [m for m in done.messages if isinstance(m, ToolResultMessage)]
     assert result.is_error and "no longer takes the call's arguments" in result.content
     assert "region" in result.content
+
+
+@pytest.mark.parametrize("retried", [False, True], ids=["alone", "beside a retried call"])
+@pytest.mark.parametrize("refusal", ["state_conflict", "state_bytes"])
+async def test_finished_calls_whose_commands_are_refused_keep_their_results(refusal, retried):
+    """Two calls write the same exclusive key (or, together, more than ``state_bytes``):
+    the commit carrying their commands is refused and the Run ends, with their results,
+    known, committed. Refused at the executing commit of a call retried beside them, or
+    by state_bytes at the results commit, the results were sealed "outcome unknown"."""
+    from runtime.limits import Limits
+
+    tries: list[int] = []
+
+    def writes(text: str, key: str) -> Any:
+        value = 1 if refusal == "state_conflict" else text * 1500
+        return lambda: ToolResult(content=text, commands=[Command(key=key, value=value)])
+
+    key_b = "k" if refusal == "state_conflict" else "kb"
+    a, b = tool(name="a")(writes("A", "k")), tool(name="b")(writes("B", key_b))
+
+    @tool(recovery=("replay_safe",))
+    def flaky() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            raise OutcomeUnknown("lost on the way back")
+        return "ok"
+
+    calls = (call("a", "1"), call("b", "2"), *((call("flaky", "3"),) if retried else ()))
+    model = ScriptedModel([ModelResponse(tool_calls=calls), ModelResponse(text="done")])
+    agent = Agent(name="x", model=model, tools=[a, b, flaky])
+    runner = InProcessRunner(agent, MemoryCommitStore(), limits=Limits(state_bytes=2500))
+    done = await runner.start("go", thread_id="t")
+    assert done.run_state.cause.kind == "failed", done.run_state
+    assert done.run_state.cause.code == refusal
+    results = {m.call_id: m.content for m in done.messages if isinstance(m, ToolResultMessage)}
+    assert (results["1"], results["2"]) == ("A", "B")
+
+
+async def test_a_synchronous_tool_s_result_is_made_text_in_its_thread():
+    """A synchronous tool runs in a tool thread so that it stalls no other call; its
+    result was made text on the event loop, where a large one (or a ``__str__`` that
+    blocks) stalled every Run of the process, past the call's own timeout."""
+    import threading
+
+    made_in: list[threading.Thread] = []
+
+    class Noted:
+        def __str__(self) -> str:
+            made_in.append(threading.current_thread())
+            return "noted"
+
+    @tool(timeout_s=5)
+    def returns_noted() -> object:
+        return {"value": Noted()}
+
+    (outcome,) = await LocalToolRunner([returns_noted]).run([invocation("returns_noted", "a")])
+    assert isinstance(outcome, Finished) and outcome.output.content == '{"value": "noted"}'
+    assert made_in and made_in[0] is not threading.main_thread()
