@@ -27,6 +27,7 @@ from runtime import (
 from runtime.messages import ToolResultMessage
 from runtime.ports import Finished
 from runtime.tool_calls import LocalToolRunner
+from runtime.tools import Tool
 from storage.memory import MemoryCommitStore
 
 from .test_sync_tools import invocation
@@ -117,15 +118,9 @@ async def test_a_hostile_failure_is_its_own_call_s_error(name: str, said: str) -
     assert again.output.content == "fine"
 
 
-async def test_a_finished_call_s_commands_survive_a_crash_while_its_neighbour_is_retried():
-    """A finishes with state commands; B is lost and tried again. The retry's executing
-    commit holds A completed: a crash right after it, and recovery never runs A again,
-    so A's commands must have gone in with that commit."""
+def _lost_once() -> Tool:
+    """A replay_safe tool whose first call is lost on the way back; the next answers."""
     tries: list[int] = []
-
-    @tool
-    def setter() -> ToolResult:
-        return ToolResult(content="set", commands=[Command(key="k", value="from A")])
 
     @tool(recovery=("replay_safe",))
     def flaky() -> str:
@@ -133,6 +128,20 @@ async def test_a_finished_call_s_commands_survive_a_crash_while_its_neighbour_is
         if len(tries) == 1:
             raise OutcomeUnknown("lost on the way back")
         return "ok"
+
+    return flaky
+
+
+async def test_a_finished_call_s_commands_survive_a_crash_while_its_neighbour_is_retried():
+    """A finishes with state commands; B is lost and tried again. The retry's executing
+    commit holds A completed: a crash right after it, and recovery never runs A again,
+    so A's commands must have gone in with that commit."""
+
+    @tool
+    def setter() -> ToolResult:
+        return ToolResult(content="set", commands=[Command(key="k", value="from A")])
+
+    flaky = _lost_once()
 
     model = ScriptedModel(
         [
@@ -431,8 +440,6 @@ async def test_finished_calls_whose_commands_are_refused_keep_their_results(refu
     by state_bytes at the results commit, the results were sealed "outcome unknown"."""
     from runtime.limits import Limits
 
-    tries: list[int] = []
-
     def writes(text: str, key: str) -> Any:
         value = 1 if refusal == "state_conflict" else text * 1500
         return lambda: ToolResult(content=text, commands=[Command(key=key, value=value)])
@@ -440,12 +447,7 @@ async def test_finished_calls_whose_commands_are_refused_keep_their_results(refu
     key_b = "k" if refusal == "state_conflict" else "kb"
     a, b = tool(name="a")(writes("A", "k")), tool(name="b")(writes("B", key_b))
 
-    @tool(recovery=("replay_safe",))
-    def flaky() -> str:
-        tries.append(1)
-        if len(tries) == 1:
-            raise OutcomeUnknown("lost on the way back")
-        return "ok"
+    flaky = _lost_once()
 
     calls = (call("a", "1"), call("b", "2"), *((call("flaky", "3"),) if retried else ()))
     model = ScriptedModel([ModelResponse(tool_calls=calls), ModelResponse(text="done")])
