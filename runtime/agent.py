@@ -6,7 +6,7 @@ import asyncio
 import importlib
 import inspect
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeGuard
 
@@ -200,6 +200,15 @@ class Agent:
         as it was, and committed into a record no read decodes."""
         if not isinstance(self.name, str) or not isinstance(self.system, str):
             raise TypeError(f"an agent's name and system prompt are text: {self.name!r:.80}")
+        if not callable(getattr(self.model, "stream", None)):  # the Model protocol's one method
+            raise TypeError(
+                f"agent {self.name}: a model has a stream(request) method "
+                f"(runtime.models.Model), not {self.model!r:.80}"
+            )
+        for part in ("tools", "hooks", "gates", "run_end_guards"):
+            given = getattr(self, part)
+            if isinstance(given, str | bytes) or not isinstance(given, Iterable):
+                raise TypeError(f"agent {self.name}: {part} is a sequence, not {given!r:.80}")
         for t in self.tools:
             if not isinstance(t, Tool):
                 raise ToolDefinitionError(

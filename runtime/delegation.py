@@ -13,7 +13,9 @@ impossible and re-reading it is harmless.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal, Protocol
 
@@ -48,19 +50,24 @@ NO_ANSWER = "(the child run ended without an answer of its own)"
 """What a parent's call gets from a child that ended naturally having said nothing."""
 
 
+Limit = Annotated[int, Field(strict=True, ge=0)]
+"""A limit given as a plain integer: ``True``, ``"7"`` or -1 are refused, not read as one."""
+
+
 class DelegationLimits(Frozen):
-    max_depth: int = 8
+    max_depth: Annotated[int, Field(strict=True, ge=1)] = 8
     """Longest prompt path (root agent included) a child may have."""
-    max_parallel: int = 8
+    max_parallel: Limit = 8
     """Delegation calls of one batch; later ones are refused."""
-    max_total: int = 64
+    max_total: Limit = 64
     """Children one Run may start in all."""
-    allow_cycles: bool = False
+    allow_cycles: Annotated[bool, Field(strict=True)] = False
     """Whether an agent may (indirectly) delegate to itself."""
     agents: tuple[str, ...] | None = None
     """The agent references (``module:attr``) a model may delegate to. None: those of
-    the delegating agent's own module. The model names the agent, and loading it imports
-    its module and may call a function there: a model must not pick any module at all."""
+    the delegating agent's own module (an Agent there, or a function there annotated to
+    return one). The model names the agent, and loading it imports its module and may
+    call a function there: a model must not pick any module at all."""
 
 
 class ChildRequest(Frozen):
@@ -171,7 +178,26 @@ def may_delegate_to(limits: DelegationLimits, lineage: tuple[str, ...], agent: s
         return agent in limits.agents
     module, sep, attr = agent.partition(":")
     own, own_sep, _ = (lineage[-1] if lineage else "").partition(":")
-    return bool(sep and attr and own_sep and module == own)
+    return bool(sep and attr and own_sep and module == own) and _names_an_agent(module, attr)
+
+
+def _names_an_agent(module_name: str, attr: str) -> bool:
+    """Whether ``attr`` of the (imported) module is an Agent, or a function there that says
+    it returns one: loading the reference calls a function it names, and a model must
+    not have the module's ``main()`` or ``reset()`` called. Looked up, never called."""
+    from runtime.agent import Agent
+
+    module = sys.modules.get(module_name)
+    if module is None:  # not imported in this process: nothing of it is an agent here
+        return False
+    found = inspect.getattr_static(module, attr, None)  # no module __getattr__ runs
+    if isinstance(found, Agent):
+        return True
+    if not (inspect.isfunction(found) and found.__module__ == module_name):
+        return False
+    returns = found.__annotations__.get("return")
+    # "Agent" under ``from __future__ import annotations``, or a dotted name of it
+    return returns is Agent or (isinstance(returns, str) and returns.rsplit(".", 1)[-1] == "Agent")
 
 
 def refusal(

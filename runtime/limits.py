@@ -81,7 +81,8 @@ class Limits:
     """Nesting of any JSON: tool arguments, state values, resume payloads (at most
     ``MAX_JSON_DEPTH``: the stores' records must decode again)."""
     id_chars: int = 256
-    """Thread, run, call, message and correlation ids (characters)."""
+    """Thread, run, call, message and correlation ids (characters; at least 64,
+    ``MIN_ID_CHARS``: the ids Ratchet makes take up to 39)."""
     history_bytes: int = 64 * MIB
     """A thread's message history (its texts, tool arguments and results, as stored):
     a commit past it ends the Run ``failed(history_limit, history_bytes)`` (the end
@@ -96,6 +97,11 @@ class Limits:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"limit {f.name} must be a positive integer, not {value!r}")
+        if self.id_chars < MIN_ID_CHARS:
+            raise ValueError(
+                f"limit id_chars is at least {MIN_ID_CHARS} (the ids Ratchet makes itself take "
+                f"up to 39 characters), not {self.id_chars}"
+            )
         if self.json_depth > MAX_JSON_DEPTH:
             raise ValueError(
                 f"limit json_depth is at most {MAX_JSON_DEPTH} (a record nests a value a few "
@@ -108,10 +114,14 @@ class Limits:
         stores no fact derived from its messages, schema 3), a response twice (its
         message and its calls' arguments in the batch), and room for the records' own
         fields. A store whose payload limit is below this is refused (``Engine``)."""
-        per_call = 1 * KIB  # ids, phases and keys of one call, three times over
+        # phases and keys of one call, and its ids three times over (4 bytes a character)
+        per_call = 1 * KIB + 12 * self.id_chars
         largest = max(self.response_bytes, self.input_bytes)
         return 2 * self.batch_result_bytes + 2 * largest + self.tool_calls * per_call
 
+
+MIN_ID_CHARS = 64
+"""The least ``id_chars`` may be: a thread id the in-process runner makes takes 39."""
 
 DEFAULT_LIMITS = Limits()
 

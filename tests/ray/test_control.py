@@ -88,7 +88,7 @@ async def test_a_run_on_a_long_thread_id_a_system_accepts_is_cancelled_at_rest(m
     past the default limit (their control engine is held to the system's limits)."""
     from runtime.limits import Limits
 
-    client = await make_system(limits=Limits(id_chars=1024))
+    client = await make_system(limits=Limits(id_chars=1024, tool_calls=16))  # room for ids
     handle = await client.start(
         "tests.ray.agents:permission_agent", "clean up", thread_id="t" * 300
     )

@@ -94,15 +94,15 @@ def _results(request) -> list[str]:
     return [m.content for m in request.messages if m.kind == "tool_result"]
 
 
-def fanout():
+def fanout() -> Agent:
     return fanout_agent("worker", 8)
 
 
-def self_delegating():
+def self_delegating() -> Agent:
     return fanout_agent("self_delegating", 1, name="self_delegating")
 
 
-def deep():
+def deep() -> Agent:
     """Delegates to itself with cycles allowed, until the depth limit refuses."""
     return fanout_agent("deep", 1, DelegationLimits(max_depth=3, allow_cycles=True), name="deep")
 
@@ -113,7 +113,7 @@ def _then_results(use: ToolUse) -> ScriptedModel:
     )
 
 
-def deep_long_ids():
+def deep_long_ids() -> Agent:
     """Delegates to itself eight levels deep, each call id as long as OpenAI's: each
     level's ids hold the parent's, so by depth 4 they would pass ``id_chars``."""
     use = call("delegate", "call_" + "x" * 24, agent=f"{HERE}:deep_long_ids", input="deeper")
@@ -130,7 +130,7 @@ def deep_long_ids():
     )
 
 
-def surrogate_input():
+def surrogate_input() -> Agent:
     """Asks a child to start with text no store can hold (a lone surrogate, escaped)."""
     use = ToolUse(
         call_id="d0",
@@ -149,12 +149,12 @@ def surrogate_input():
     )
 
 
-def fanout4():
+def fanout4() -> Agent:
     """Four children per parent (the 100 x 4 scenario)."""
     return fanout_agent("worker", 4, name="fanout4")
 
 
-def lone_needy():
+def lone_needy() -> Agent:
     return fanout_agent("needy_worker", 1, name="lone_needy")
 
 
@@ -164,12 +164,12 @@ patient_worker = Agent(
 )
 
 
-def lone_patient():
+def lone_patient() -> Agent:
     """One child whose inference takes a second: time to kill its host mid-Run."""
     return fanout_agent("patient_worker", 1, name="lone_patient")
 
 
-def fanout_patient():
+def fanout_patient() -> Agent:
     """Eight children whose inference takes a second: overlap shows in the timestamps."""
     return fanout_agent("patient_worker", 8, name="fanout_patient")
 
@@ -292,3 +292,13 @@ debate = Agent(
     delegation=DelegationLimits(max_depth=3, allow_cycles=True),
 )
 """A session whose side b delegates to the session again: the depth limit ends it."""
+
+
+RESET: list[int] = []
+
+
+def reset_everything():
+    """A function of an agents module that is no agent factory (it says not what it
+    returns): a model naming it must not have it called."""
+    RESET.append(1)
+    return worker

@@ -174,6 +174,7 @@ async def test_a_child_input_no_store_can_hold_fails_only_that_call():
         ("tests.ray.agents:long_napping_agent", None),  # another module, not named
         (f"{HERE}:worker", ("tests.ray.agents:long_napping_agent",)),  # not among those named
         ("worker", None),  # not a reference at all
+        (f"{HERE}:reset_everything", None),  # of its module, but no agent factory
     ],
 )
 async def test_a_model_delegates_only_to_agents_its_agent_may_start(target, allowed):
@@ -197,6 +198,7 @@ async def test_a_model_delegates_only_to_agents_its_agent_may_start(target, allo
     (text,) = json.loads(f.messages[-1].text)
     assert text.startswith("delegation refused") and "may delegate to" in text, text
     assert await children_of(store, f) == []
+    assert agents.RESET == []  # looked up, never called
 
 
 async def _cancelled_with_three_children_waiting(store, r):
@@ -767,3 +769,16 @@ async def test_a_child_that_has_ended_answers_from_the_store_not_its_host() -> N
     spec = SystemSpec(name="no-cluster", store_url="memory://")
     outcome = await RayChildRunner(spec, store).run(request)
     assert isinstance(outcome, Finished) and outcome.output.content == "done: task 0"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{"max_parallel": True}, {"max_depth": "7"}, {"max_depth": -1}, {"max_total": -1}],
+    ids=["bool", "text", "negative depth", "negative total"],
+)
+def test_delegation_limits_are_plain_integers(given):
+    """``True`` read as 1 and ``"7"`` as 7 (Limits, Budget and Session refuse both)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        DelegationLimits(**given)

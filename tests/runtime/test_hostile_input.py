@@ -156,7 +156,7 @@ hostile_id = st.one_of(
     st.just(""),
     st.text(st.sampled_from("abc"), min_size=1, max_size=3),
     hostile_text,
-    st.integers(14, 18).map(lambda n: "i" * n),  # around the fuzz limit id_chars=16
+    st.integers(62, 66).map(lambda n: "i" * n),  # around the fuzz limit id_chars=64
 )
 SMALL = Limits(
     model_text_bytes=64,
@@ -164,7 +164,7 @@ SMALL = Limits(
     tool_calls=6,
     tool_arguments_bytes=200,
     json_depth=8,
-    id_chars=16,
+    id_chars=64,
 )
 
 
@@ -522,7 +522,7 @@ async def test_a_renamed_repeat_of_a_longest_call_id_can_still_be_resumed():
 
 # ---- 2. resume commands -----------------------------------------------------------------
 
-RESUME_LIMITS = Limits(tool_result_bytes=64, resume_payload_bytes=160, input_bytes=64, id_chars=16)
+RESUME_LIMITS = Limits(tool_result_bytes=64, resume_payload_bytes=160, input_bytes=64, id_chars=64)
 
 
 async def awaiting_run(store: Any, limits: Limits = RESUME_LIMITS) -> tuple[Any, Frontier]:
@@ -715,3 +715,18 @@ def test_json_depth_of_unterminated_strings_and_the_limits_ceiling() -> None:
     with pytest.raises(ValueError, match="json_depth is at most"):
         Limits(json_depth=MAX_JSON_DEPTH + 1)
     assert Limits(json_depth=MAX_JSON_DEPTH).json_depth == MAX_JSON_DEPTH
+
+
+async def test_id_chars_has_a_floor_and_counts_in_the_largest_commit() -> None:
+    """``id_chars=30`` refused the thread ids the runner makes itself (39 characters) to
+    a caller that gave none; and the largest commit the limits allow left ids out: a
+    Step of calls with 100,000-character ids made a commit of 6 MB, past the bound the
+    store was checked against."""
+    from runtime.limits import MIN_ID_CHARS, Limits
+
+    with pytest.raises(ValueError, match="id_chars is at least 64"):
+        Limits(id_chars=MIN_ID_CHARS - 1)
+    run = runner(one_call("{}", "remote", "c"), MemoryCommitStore(), Limits(id_chars=MIN_ID_CHARS))
+    await run.start("go")  # ids of its own making
+    long_ids = Limits(id_chars=200_000)
+    assert long_ids.commit_bytes() > long_ids.tool_calls * 3 * long_ids.id_chars

@@ -285,6 +285,11 @@ def test_an_agent_s_parts_of_the_wrong_kind_are_refused_when_it_is_made():
     ]:
         with pytest.raises(error):
             agent(**parts)
+    for model in ("gpt-4", None):  # every Run's inference failed AttributeError, twice
+        with pytest.raises(TypeError, match="a model has a stream"):
+            Agent(name="a", model=model)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="hooks is a sequence"):
+        agent(hooks=None)
     kept = agent(policies={"weigh": {"mode": "replay_safe"}}).policies["weigh"]
     assert kept == ToolRecoveryPolicy(mode="replay_safe")
     for side in ({"human": 5}, {"handler": "no"}, {"agent": "a:b"}):

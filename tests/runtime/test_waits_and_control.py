@@ -278,7 +278,8 @@ async def test_a_control_engine_ends_a_run_on_a_thread_id_its_system_accepted():
     def risky(x: int) -> str:
         return "ran"
 
-    store, limits, thread = MemoryCommitStore(), Limits(id_chars=1024), "t" * 300
+    # fewer calls a Step: a commit of 64 calls with such ids would outgrow the store
+    store, limits, thread = MemoryCommitStore(), Limits(id_chars=1024, tool_calls=16), "t" * 300
     runner = InProcessRunner(one_tool_agent(risky), store, limits=limits)
     assert isinstance((await runner.start("go", thread_id=thread)).run_state, AwaitingState)
     ended = await control_engine(store, limits=limits).terminate(thread)
