@@ -18,8 +18,8 @@ from runtime.execution import AbortSignal, ToolExecution, ToolRequest
 from runtime.limits import printable, raised, said
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.signals import cancelling, let_go
+from runtime.tool_threads import CallStart
 from runtime.tools import (
-    CallStart,
     OutcomeUnknown,
     Tool,
     ToolContext,

@@ -15,9 +15,7 @@ import functools
 import inspect
 import json
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, overload
@@ -39,6 +37,7 @@ from runtime.limits import (
 )
 from runtime.state import Command
 from runtime.strict_json import DuplicateKey, unique_pairs
+from runtime.tool_threads import CallStart, tool_threads
 
 Concurrency = Literal["parallel", "serial"]
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -214,7 +213,7 @@ class Tool:
         self, arguments: dict[str, Any], ctx: ToolContext, start: CallStart | None = None
     ) -> Any:
         """Call the tool: a coroutine function on the event loop, any other function in
-        the process's tool threads (``SYNC_TOOL_THREADS``), so a blocking call never
+        the process's tool threads (``tool_threads``), so a blocking call never
         stalls the other calls of this process. A synchronous call that times out or
         is cancelled cannot be interrupted: its thread runs it to its end, and what it
         returns is dropped. ``start`` notes whether the call began (a synchronous one
@@ -236,7 +235,7 @@ class Tool:
                 return await self.fn(**kwargs)
             texted = functools.partial(_texted, self.fn)
             call = functools.partial(start.run, contextvars.copy_context().run, texted, **kwargs)
-            start.pool = _tool_threads()
+            start.pool = tool_threads()
             result = await asyncio.get_running_loop().run_in_executor(start.pool, call)
             if inspect.isawaitable(result):
                 result = await result
@@ -279,29 +278,6 @@ def _json_native(annotation: Any) -> bool:
     if origin in (list, dict, Union, UnionType):
         return all(_json_native(a) for a in get_args(annotation))
     return False
-
-
-SYNC_TOOL_THREADS = 32
-"""Threads per process that run synchronous tools: at most this many at once."""
-_threads: list[ThreadPoolExecutor] = []
-_overdue: dict[ThreadPoolExecutor, int] = {}
-"""Each pool's threads held by calls given up on (past their timeout): they cannot be
-interrupted, and run on until their calls end."""
-_overdue_lock = threading.Lock()
-
-
-def _tool_threads() -> ThreadPoolExecutor:
-    """The process's tool threads; a fresh pool once every thread of the one in use is
-    held by a call given up on (the old one's threads end with their calls): else every
-    synchronous call of the process was unavailable from then on, while the process
-    answered its pings and was never restarted."""
-    with _overdue_lock:
-        if _threads and _overdue.get(_threads[0], 0) < SYNC_TOOL_THREADS:
-            return _threads[0]
-        if _threads:  # every thread held: its calls' ends still count down its number
-            _threads.pop().shutdown(wait=False)
-        _threads.append(ThreadPoolExecutor(SYNC_TOOL_THREADS, thread_name_prefix="ratchet-tool"))
-        return _threads[0]
 
 
 @overload
@@ -461,59 +437,6 @@ def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, A
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (hint, default)
     return fields, context_param
-
-
-class CallStart:
-    """Whether a call began, decided once under a lock: a synchronous call that timed out
-    while it waited for a tool thread (every one held by calls past their own timeout)
-    never ran, and never will: it is unavailable (tried again), not lost."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._state: Literal["started", "abandoned", "ended"] | None = None
-        self._overdue = False
-        self.pool: ThreadPoolExecutor | None = None
-        """The tool threads a synchronous call was handed to."""
-
-    def begin(self) -> bool:
-        with self._lock:
-            if self._state is None:
-                self._state = "started"
-            return self._state == "started"
-
-    def abandon(self) -> bool:
-        """True if the call had not begun: from now on it never does."""
-        with self._lock:
-            if self._state is None:
-                self._state = "abandoned"
-            return self._state == "abandoned"
-
-    def given_up(self) -> None:
-        """The call's outcome is decided while its thread may still run it: the thread
-        counts as held (``_tool_threads``) until the call ends."""
-        with self._lock:  # held while counted: the call's end cannot count down first
-            if self._state != "started" or self.pool is None:
-                return
-            self._overdue = True
-            with _overdue_lock:
-                _overdue[self.pool] = _overdue.get(self.pool, 0) + 1
-
-    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """``fn`` in the tool thread, unless the call was given up before it got one."""
-        if not self.begin():
-            return None  # its caller has its outcome already
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            with self._lock:
-                self._state, overdue = "ended", self._overdue
-            if overdue and self.pool is not None:
-                with _overdue_lock:
-                    left = _overdue[self.pool] - 1
-                    if left:
-                        _overdue[self.pool] = left
-                    else:
-                        del _overdue[self.pool]
 
 
 class ToolExited(Exception):

@@ -168,7 +168,7 @@ async def test_a_call_that_never_got_a_tool_thread_is_unavailable_and_never_runs
     import threading
 
     from runtime.ports import Lost, Unavailable
-    from runtime.tools import SYNC_TOOL_THREADS
+    from runtime.tool_threads import SYNC_TOOL_THREADS
 
     from .test_sync_tools import DEADLINE_S
 
@@ -209,13 +209,13 @@ async def test_a_fresh_pool_of_tool_threads_once_every_thread_is_held_past_its_d
     them; the old one's threads end with their calls."""
     import threading
 
-    from runtime import tools
+    from runtime import tool_threads
     from runtime.ports import Lost
 
     from .test_sync_tools import DEADLINE_S
 
-    monkeypatch.setattr(tools, "SYNC_TOOL_THREADS", 2)
-    monkeypatch.setattr(tools, "_threads", [])
+    monkeypatch.setattr(tool_threads, "SYNC_TOOL_THREADS", 2)
+    monkeypatch.setattr(tool_threads, "_threads", [])
     released = threading.Event()
 
     @tool(timeout_s=0.2)
