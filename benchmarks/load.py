@@ -53,7 +53,7 @@ from benchmarks.w1 import Config, run_baseline, run_store_limit, run_w1
 from cluster.config import ClusterUnavailable
 from runtime.errors import RatchetError
 from storage.url import SUPPORTED_SCHEMES as SCHEMES
-from storage.url import UnsupportedStoreUrl, scheme_of
+from storage.url import UnsupportedStoreUrl, redact, scheme_of
 
 BASELINES = ("plain", "same-dispatch", "both", "none")
 SAME_DISPATCH = "same-dispatch"
@@ -303,7 +303,7 @@ def bench_command(
         raise typer.BadParameter("--scenario must be w1 or store")
     if store not in STORE_NAMES and ("://" not in store or scheme_of(store) not in SCHEMES):
         raise typer.BadParameter(
-            f"--store is one of {', '.join(STORE_NAMES)} or a store URL, not {store!r:.80}"
+            f"--store is one of {', '.join(STORE_NAMES)} or a store URL, not {redact(store)!r:.80}"
         )
     if trials > 1 and scenario != "w1":
         raise typer.BadParameter("--trials repeats W1 measurements: not with --scenario store")
@@ -353,8 +353,8 @@ def _baseline_arms(baseline: str | None, no_baseline: bool, chaos: bool, placeme
 
 def _describe(cfg: Config, scenario: str) -> str:
     if scenario == "store":
-        return f"store limit: {cfg.store}, {cfg.concurrency} writers"
-    what = asdict(cfg)
+        return f"store limit: {redact(cfg.store)}, {cfg.concurrency} writers"
+    what = {**asdict(cfg), "store": redact(cfg.store)}
     return ", ".join(f"{k}={v}" for k, v in what.items() if k not in ("seed", "timeout_s"))
 
 

@@ -56,7 +56,7 @@ from benchmarks.w1_agent import W1, ledger_dir, new_ledger
 from cluster.client import Ratchet
 from cluster.config import LOCAL_SYSTEM_CONFIG
 from runtime.patience import patiently
-from storage.url import open_store
+from storage.url import open_store, redact
 
 REMOVE_AFTER = 1 / 3
 """The share of the timed Runs at rest when ``--remove-node`` removes a worker node."""
@@ -397,7 +397,8 @@ def parse(argv: Sequence[str] | None) -> tuple[NodesConfig, bool]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: 0 when every Run checked out, 1 otherwise."""
     cfg, as_json = parse(argv)
-    print(", ".join(f"{k}={v}" for k, v in asdict(cfg).items()), file=sys.stderr)
+    shown = {**asdict(cfg), "store": redact(cfg.store)}
+    print(", ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stderr)
     result = asyncio.run(run_nodes(cfg))
     if as_json:
         sys.stdout.write(json.dumps(result, default=str) + "\n")

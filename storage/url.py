@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+from collections.abc import Sequence
 from typing import Any
-from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from runtime.ports import CommitStore
 
 SUPPORTED_SCHEMES = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss", "noop")
 DEFAULT_STORE_URL = "sqlite:///ratchet-data/ratchet.db"
-_SECRET_WORDS = ("password", "passwd", "secret", "token", "key")
+_SECRET_WORDS = ("password", "passwd", "pwd", "secret", "token", "key", "apikey")
+"""Query parameters named so, or ending in ``_`` and one of these, are secrets."""
+_SECRET_ENDINGS = ("password", "passwd", "secret", "token", "apikey")
 
 
 class UnsupportedStoreUrl(ValueError):
@@ -31,35 +35,93 @@ class UnsupportedStoreUrl(ValueError):
 
     def __init__(self, url: str, why: str | None = None, what: str = "store") -> None:
         schemes = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
-        super().__init__(
-            f"unsupported {what} URL {redact(url)!r}; {why or f'supported schemes: {schemes}'}"
-        )
+        why = _unquoted_secrets(why, url) if why else f"supported schemes: {schemes}"
+        super().__init__(f"unsupported {what} URL {redact(url)!r}; {why}")
+
+
+def _unquoted_secrets(why: str, url: str) -> str:
+    """A reader's complaint with each quoted piece of the URL's credentials masked: one
+    that mis-splits a password quotes a piece of it (a port ``'w'`` out of ``p@ss:w/rd``)."""
+    _, sep, rest = url.partition("://")
+    credentials = rest.rpartition("@")[0] if sep else url.partition(":")[2]
+    return re.sub(r"'([^']*)'", lambda m: "'***'" if m[1] in credentials else m[0], why)
 
 
 def redact(url: str) -> str:
-    """The URL with its password (and any secret-looking query value) replaced by ***."""
+    """The URL as its driver reads it, its password and every secret-named query value
+    shown as ``***``; everything after the scheme masked if it cannot be read so.
+
+    A SQL URL is read with SQLAlchemy's own parser, which takes an unencoded ``?``, ``#``
+    or ``/`` in a password as part of it (``urlsplit`` cut the password there, and showed
+    the rest as a path or a query); any other with ``urlsplit``, as redis-py reads it."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or not _SCHEME.fullmatch(scheme):
+        return _masked(url)
     try:
-        parts = urlsplit(url)
-        netloc = _redact_netloc(parts)
-    except ValueError:
-        return "<unparseable store url>"
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    if netloc == parts.netloc and not any(_secret(k) for k, _ in pairs):
-        return url  # nothing to hide: keep the URL exactly as written
-    query = urlencode([(k, "***" if _secret(k) else v) for k, v in pairs], safe="/:")
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+        if scheme_of(url) in _SQL_SCHEMES:
+            return _redact_sql(url)
+        return _redact_split(url)
+    except ValueError:  # unreadable: nothing of it is shown
+        return f"{scheme}://***"
 
 
-def _redact_netloc(parts: SplitResult) -> str:
-    if parts.password is None:
-        return parts.netloc
-    user, _, host = parts.netloc.rpartition("@")
-    name = user.partition(":")[0]
-    return f"{name}:***@{host}"
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
+_SQL_SCHEMES = ("sqlite", "postgresql", "postgres")
+
+
+def _masked(url: str) -> str:
+    """A URL with no ``://`` (``postgresql:/u:pw@h/db``): its scheme, if any, and ***."""
+    head, colon, rest = url.partition(":")
+    if not colon and "@" not in url:
+        return url  # one word ("memory"): no password in it
+    return f"{head}:***" if colon and _SCHEME.fullmatch(head) and rest else "***"
+
+
+def _redact_sql(url: str) -> str:
+    from sqlalchemy.engine import make_url  # the parser the SQL drivers are given the URL by
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    if parsed.password is None and not any(_secret(k) for k in parsed.query):
+        return url  # nothing to hide: as written (SQLAlchemy renders ":" in a path as %3A)
+    base = parsed.set(query={}).render_as_string(hide_password=True)
+    pairs = [
+        (key, value)
+        for key, values in parsed.query.items()
+        for value in (values if isinstance(values, tuple) else (values,))
+    ]
+    return base + _query(pairs)
+
+
+def _redact_split(url: str) -> str:
+    parts = urlsplit(url)
+    if "@" in url[len(parts.scheme) + 3 + len(parts.netloc) :]:
+        # an "@" past the host: a password with an unencoded "?", "#" or "/" was cut there
+        raise ValueError("a password split by the URL's reader")
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    pairs = [(k, v) for k, _, v in (p.partition("=") for p in parts.query.split("&") if p)]
+    fragment = f"#{parts.fragment}" if parts.fragment else ""
+    return f"{parts.scheme}://{netloc}{parts.path}{_query(pairs)}{fragment}"
+
+
+def _query(pairs: Sequence[tuple[str, str]]) -> str:
+    """``?k=v&…`` as given, each secret-named parameter's value shown as ***."""
+    shown = [f"{k}={'***' if _secret(unquote_plus(k)) else v}" for k, v in pairs]
+    return "?" + "&".join(shown) if shown else ""
 
 
 def _secret(key: str) -> bool:
-    return any(word in key.lower() for word in _SECRET_WORDS)
+    """Named for a secret as a whole (``password``, ``sslpassword``, ``api_key``), not
+    merely holding such a word (``key_joins``)."""
+    name = key.lower()
+    last = re.split(r"[^a-z0-9]", name)[-1]
+    return last in _SECRET_WORDS or name.endswith(_SECRET_ENDINGS)
 
 
 def scheme_of(url: str) -> str:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import Progress
 from typer.testing import CliRunner
 
-from benchmarks.load import bench_command, plot, run_sweep
+from benchmarks.load import _describe, bench_command, plot, run_sweep
 from benchmarks.w1 import WARMUP_RUNS, Config
 from benchmarks.w1_agent import W1
 
@@ -101,6 +101,16 @@ def test_options_out_of_range_are_usage_errors_before_ray_starts(args: list[str]
     app.command()(bench_command)
     outcome = CliRunner().invoke(app, args)
     assert outcome.exit_code == 2, outcome.output  # a usage error: nothing was started
+
+
+def test_a_store_url_in_a_usage_error_or_the_settings_line_hides_its_password() -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    outcome = CliRunner().invoke(app, ["--store", "mysql://app:hunter2@db/r"])
+    assert outcome.exit_code == 2 and "hunter2" not in outcome.output, outcome.output
+    cfg = Config(store="postgresql://app:hunter2@db/r")
+    for scenario in ("w1", "store"):
+        assert "hunter2" not in _describe(cfg, scenario)
 
 
 @pytest.mark.timeout(240)
