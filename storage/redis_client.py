@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as rex
@@ -81,6 +82,7 @@ def open_client(
     pool (redis-py checks that it is not closed) and opened again.
     """
     with translated(redact(url)), _readable(url, what):
+        _check_db(url)
         client = aioredis.Redis.from_url(
             url,
             decode_responses=True,
@@ -97,6 +99,14 @@ def open_client(
         # not at the first command: a connection made, never opened
         client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
         return client
+
+
+def _check_db(url: str) -> None:
+    """A path is a database number or nothing: redis-py reads ``/13x`` or ``/notanumber``
+    as no number, and would use database 0, another store's, without a word."""
+    path = urlsplit(url).path
+    if path not in ("", "/") and not (path[1:].isdigit() and path[1:].isascii()):
+        raise ValueError("its path is not a database number (redis://host:port/N)")
 
 
 @contextmanager

@@ -201,6 +201,9 @@ def test_postgres_key_joins_can_be_left_to_the_server():
         ("redis://[::1", "Invalid IPv6 URL"),
         ("redis://127.0.0.1:1/13?socket_timeout=abc", "socket_timeout"),
         ("redis://127.0.0.1:1/13?ssl_cert_reqs=bogus", "ssl_cert_reqs"),
+        # redis-py took a path it could not read as no number: database 0, silently
+        ("redis://127.0.0.1:1/13x", "not a database number"),
+        ("redis://127.0.0.1:1/notanumber", "not a database number"),
     ],
 )
 async def test_a_url_its_reader_cannot_read_is_unsupported_in_one_line(
