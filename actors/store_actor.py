@@ -45,6 +45,7 @@ from runtime.context import DEFAULT_RETRY, StoreRetry
 from runtime.errors import CorruptRecord, RatchetError, StoreLost, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.ports import CommitStore, CommittedRecord, Lease, RunSummary
+from storage.url import scheme_of
 
 log = logging.getLogger("ratchet.store_actor")
 
@@ -63,7 +64,7 @@ class StoreActor:
     # Ray awaits an async actor's __init__ in the actor's own event loop
     async def __init__(self, url: str, warm_spares: bool = True) -> None:  # type: ignore[misc]
         self.store = await outlasting_outages(lambda: open_local_store(url), "the store actor")
-        self.lost = url.startswith("memory") and restarted()
+        self.lost = scheme_of(url) == "memory" and restarted()
         """An in-memory store that Ray restarted: its contents are gone (see above)."""
         replace_spare_if_restarted(warm_spares)
         freeze_startup_heap()

@@ -21,6 +21,7 @@ from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore
 from runtime.rules import check_repeated_start, input_message_id, input_meta, ran_before
+from storage.url import scheme_of
 
 NAMESPACE = "ratchet"
 Placement = Literal["hosted", "dedicated"]
@@ -87,9 +88,8 @@ class SystemSpec:
 
         Always for memory (it lives in one process); for SQLite when asked to.
         """
-        if self.store_url.startswith("memory"):
-            return True
-        return self.store_url.startswith("sqlite") and self.sqlite_writer == "actor"
+        scheme = scheme_of(self.store_url)  # MEMORY:// is memory:// too
+        return scheme == "memory" or (scheme == "sqlite" and self.sqlite_writer == "actor")
 
 
 def stable_hash(text: str) -> int:
