@@ -1,6 +1,7 @@
 """Which Ray cluster serves a system: two clusters alive on one store must not both.
 
-A system's name comes from its store's URL (``cluster.config.system_name``), so that a
+A system's name comes from the store its URL names (``cluster.config.system_name``:
+never the credentials or options, ``storage.url.store_identity``), so that a
 cluster started again after the whole cluster was lost takes up the Runs the old one
 left: its hosts bear the old hosts' names and find Runs owned under them, which they
 take as a dead incarnation's (``actors.reconcile``, the Supervisor's take-overs). Two

@@ -17,7 +17,13 @@ from typing import Any
 import ray
 
 from actors.wire import NAMESPACE, stable_hash
-from storage.url import UnsupportedStoreUrl, default_store_url, redact, scheme_of
+from storage.url import (
+    UnsupportedStoreUrl,
+    default_store_url,
+    redact,
+    scheme_of,
+    store_identity,
+)
 
 LOCAL_SYSTEM_CONFIG = {
     "timeout_ms_task_wait_for_death_info": 100,
@@ -86,8 +92,9 @@ def redis_url_from(redis_url: str | None) -> str | None:
 
 
 def system_name(store_url: str) -> str:
-    """One system per store: the actors of two stores on one cluster never mix."""
-    return f"ratchet-{stable_hash(store_url) % 16**8:08x}"
+    """One system per store: the actors of two stores on one cluster never mix, and every
+    spelling of one store's URL (``storage.url.store_identity``) names the same system."""
+    return f"ratchet-{stable_hash(store_identity(store_url)) % 16**8:08x}"
 
 
 def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool = False) -> None:

@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import unquote_plus, urlsplit
+from urllib.parse import parse_qs, unquote_plus, urlsplit
 
 from runtime.ports import CommitStore
 
@@ -127,6 +127,56 @@ def _secret(key: str) -> bool:
 def scheme_of(url: str) -> str:
     """The base scheme, without a driver suffix (``postgresql+asyncpg`` → ``postgresql``)."""
     return url.partition("://")[0].partition("+")[0].lower()
+
+
+def store_identity(url: str) -> str:
+    """The store a URL names, one spelling per store: what a system's name is made from
+    (``cluster.config.system_name``), so that a new password or pool size, ``postgres://``
+    for ``postgresql://`` or ``db`` for ``DB:5432`` still name the system whose Runs the
+    store holds. Credentials and query options are left out; what picks the data is kept:
+
+        postgresql://host:port/database   (default port 5432; no database: libpq's, the
+                                           user's name; no host: ``?host=``, a socket)
+        sqlite:///absolute/path            (symlinks resolved)
+        redis://host:port/db               (rediss:// too; default port 6379, db 0)
+
+    Any other (``memory://``, ``noop://``: one process's store) is itself. A URL its
+    reader cannot read is ``UnsupportedStoreUrl``."""
+    scheme = scheme_of(url)
+    try:
+        if scheme in ("postgresql", "postgres"):
+            return _postgres_identity(url)
+        if scheme == "sqlite":
+            path = sqlite_path(url) or ""
+            return f"sqlite:///{os.path.realpath(path) if path not in ('', ':memory:') else path}"
+        if scheme in ("redis", "rediss"):
+            return _redis_identity(url)
+    except ValueError as exc:
+        raise UnsupportedStoreUrl(url, f"{type(exc).__name__}: {exc}") from None
+    return url
+
+
+def _postgres_identity(url: str) -> str:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    host = (parsed.host or _one(parsed.query.get("host")) or "").lower()
+    database = parsed.database or parsed.username or ""
+    return f"postgresql://{f'[{host}]' if ':' in host else host}:{parsed.port or 5432}/{database}"
+
+
+def _one(value: str | tuple[str, ...] | None) -> str | None:
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _redis_identity(url: str) -> str:
+    parts = urlsplit(url)
+    db = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]  # redis-py's rule
+    return f"redis://{parts.hostname or 'localhost'}:{parts.port or 6379}/{int(db)}"
 
 
 def sqlite_path(url: str) -> str | None:

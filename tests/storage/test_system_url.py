@@ -3,6 +3,8 @@ through the one store actor, and (``system_name``) which system it is."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from actors.wire import SystemSpec
@@ -24,3 +26,68 @@ def test_which_writes_funnel_through_the_store_actor_is_read_from_the_scheme(
 ) -> None:
     spec = SystemSpec(name="s", store_url=url, sqlite_writer=writer)  # type: ignore[arg-type]
     assert spec.funnels_writes is funnels
+
+
+SAME_POSTGRES = [
+    "postgresql://app:old@db/r",
+    "postgresql://app:new@db/r",  # a password rotated
+    "postgres://app:new@db/r",
+    "postgresql+asyncpg://app:new@db/r",
+    "postgresql://app:new@DB:5432/r",  # the default port, the host's case
+    "postgresql://other@db/r?pool_size=20&key_joins=off",  # another role, options
+]
+
+
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        SAME_POSTGRES,
+        [
+            "redis://:old@cache/3",
+            "rediss://user:new@CACHE:6379/3?socket_timeout=9",
+            "redis://cache?db=3",
+        ],
+        ["redis://cache", "redis://cache:6379/", "redis://cache/0"],
+        ["sqlite:////srv/r/ratchet.db", "sqlite:////srv/r/../r/ratchet.db?synchronous=normal"],
+        ["SQLITE:////srv/r/ratchet.db", "sqlite:////srv/r/ratchet.db"],
+    ],
+)
+def test_every_spelling_of_one_stores_url_names_one_system(spellings: list[str]) -> None:
+    """A restarted cluster took up no Run the old one left, and another cluster got past
+    the one-cluster lease, when the URL was spelt otherwise: the name hashed it whole."""
+    from cluster.config import system_name
+
+    assert len({system_name(url) for url in spellings}) == 1, spellings
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        "postgresql://app@db/r2",
+        "postgresql://app@db2/r",
+        "postgresql://app@db:5433/r",
+        "redis://db/3",
+        "sqlite:////srv/r/other.db",
+        "memory://",
+    ],
+)
+def test_another_store_names_another_system(other: str) -> None:
+    from cluster.config import system_name
+
+    assert system_name(other) != system_name(SAME_POSTGRES[0])
+
+
+def test_a_sqlite_store_is_named_by_the_file_it_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cluster.config import store_url_from, system_name
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    spellings = [
+        f"sqlite:///{tmp_path}/data/r.db",
+        f"sqlite:///{tmp_path}/link/r.db",
+        store_url_from("sqlite:///data/r.db"),
+    ]
+    assert len({system_name(url) for url in spellings}) == 1
