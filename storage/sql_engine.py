@@ -60,8 +60,25 @@ def sqlalchemy_url(url: str) -> tuple[URL, dict[str, str]]:
             raise ValueError("a SQLite store needs a file path; use memory:// for one in memory")
         return parsed.set(drivername="sqlite+aiosqlite"), ours
     if scheme in ("postgresql", "postgres"):
-        return parsed.set(drivername="postgresql+asyncpg"), ours
+        return _ssl_mode(parsed).set(drivername="postgresql+asyncpg"), ours
     raise ValueError(f"not a SQL store URL: {redact(url)}")
+
+
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+"""libpq's ``sslmode`` words, which asyncpg's ``ssl`` takes too."""
+
+
+def _ssl_mode(parsed: URL) -> URL:
+    """``?sslmode=`` (libpq's, in every PostgreSQL URL) as asyncpg's ``?ssl=``, either
+    checked here: asyncpg knows no ``sslmode`` (a TypeError at the first connection) and
+    fails an unknown ``ssl`` only as it connects."""
+    given = {str(parsed.query[k]).lower() for k in ("ssl", "sslmode") if k in parsed.query}
+    if not given:
+        return parsed
+    mode = given.pop()
+    if given or mode not in SSL_MODES:
+        raise ValueError(f"ssl/sslmode must be one of {', '.join(SSL_MODES)}, and only one")
+    return parsed.difference_update_query(["sslmode"]).update_query_dict({"ssl": mode})
 
 
 def create_engine(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncEngine:

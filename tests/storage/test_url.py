@@ -189,6 +189,21 @@ def test_postgres_key_joins_can_be_left_to_the_server():
         pg_connect_args(ours)
 
 
+@pytest.mark.parametrize("option", ["sslmode", "ssl"])
+def test_sslmode_is_asyncpgs_ssl(option: str) -> None:
+    """libpq's ``?sslmode=`` failed every connection with a driver TypeError."""
+    from storage.sql_engine import sqlalchemy_url
+
+    url, _ = sqlalchemy_url(f"postgresql://u@127.0.0.1/db?{option}=Verify-Full")
+    assert dict(url.query) == {"ssl": "verify-full"}
+
+
+async def test_a_store_opens_with_sslmode(postgres_url: str) -> None:
+    for mode in ("prefer", "disable"):  # the test server may or may not serve TLS
+        store = await open_store(f"{postgres_url}?sslmode={mode}")
+        await store.close()
+
+
 @pytest.mark.parametrize(
     ("url", "says"),
     [
@@ -197,6 +212,8 @@ def test_postgres_key_joins_can_be_left_to_the_server():
         ("sqlite:///{tmp}/s.db?synchronous=bogus", "synchronous"),
         ("postgresql://postgres@127.0.0.1/hzx?pool_size=0", "pool_size"),
         ("postgresql://postgres@127.0.0.1/hzx?key_joins=maybe", "key_joins"),
+        ("postgresql://postgres@127.0.0.1/hzx?sslmode=bogus", "sslmode"),  # a TypeError
+        ("postgresql://postgres@127.0.0.1/hzx?ssl=require&sslmode=disable", "only one"),
         ("postgresql://postgres:sekrit@127.0.0.1:abc/x", "invalid literal for int()"),
         ("redis://[::1", "Invalid IPv6 URL"),
         ("redis://127.0.0.1:1/13?socket_timeout=abc", "socket_timeout"),
