@@ -113,10 +113,4 @@ async def open_db(store: str | None, *, existing: bool = True) -> Any:
     """The store the command reads; ``existing``: the store must be there already (a
     command that only reads, or writes into a thread, never makes a store at a mistyped
     path or URL: no SQLite file or its directories, no schema in a database)."""
-    url = store_url_from(store)
-    try:
-        return await open_store(url, create=not existing)
-    except RatchetError:
-        raise
-    except OSError as exc:
-        raise ClusterUnavailable(f"cannot open store {redact(url)}: {exc}") from exc
+    return await open_store(store_url_from(store), create=not existing)

@@ -112,8 +112,10 @@ def _check_db(url: str) -> None:
 @contextmanager
 def _readable(url: str, what: str) -> Iterator[None]:
     """A URL redis-py cannot read (its scheme, ``[::1``, a port or an option of the wrong
-    value) is ``UnsupportedStoreUrl``, in one line, never the driver's traceback."""
+    value) is ``UnsupportedStoreUrl``, in one line, never the driver's traceback. Nothing
+    is connected yet: a RedisError here is the URL's too (``rediss://…?ssl_cert_reqs=``
+    of no known value)."""
     try:
         yield
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, rex.RedisError) as exc:
         raise UnsupportedStoreUrl(url, f"{type(exc).__name__}: {exc}", what) from None

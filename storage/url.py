@@ -225,6 +225,7 @@ async def open_store(url: str, *, create: bool = True, **opts: Any) -> CommitSto
     if scheme in ("sqlite", "postgresql", "postgres"):
         from sqlalchemy.exc import ArgumentError
 
+        from runtime.errors import StoreError
         from storage.sql import SqlCommitStore
 
         if not create and scheme == "sqlite":
@@ -233,6 +234,11 @@ async def open_store(url: str, *, create: bool = True, **opts: Any) -> CommitSto
             return await SqlCommitStore.connect(url, create=create, **opts)
         except (ArgumentError, ValueError) as exc:
             raise UnsupportedStoreUrl(url, f"{type(exc).__name__}: {exc}") from None
+        except OSError as exc:  # SQLite's folder or lock file: a file on the way, no right
+            if scheme != "sqlite":  # to make it: this path's fault, not an outage
+                raise
+            why = f"{type(exc).__name__}: {exc}"
+            raise StoreError(f"cannot open store {redact(url)}: {why}") from None
     from storage.redis_store import RedisCommitStore
 
     store: CommitStore = await RedisCommitStore.connect(url, **opts)  # open_client checks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -218,6 +219,7 @@ async def test_a_store_opens_with_sslmode(postgres_url: str) -> None:
         ("redis://[::1", "Invalid IPv6 URL"),
         ("redis://127.0.0.1:1/13?socket_timeout=abc", "socket_timeout"),
         ("redis://127.0.0.1:1/13?ssl_cert_reqs=bogus", "ssl_cert_reqs"),
+        ("rediss://127.0.0.1:1/13?ssl_cert_reqs=bogus", "Certificate Requirements"),
         # redis-py took a path it could not read as no number: database 0, silently
         ("redis://127.0.0.1:1/13x", "not a database number"),
         ("redis://127.0.0.1:1/notanumber", "not a database number"),
@@ -246,3 +248,22 @@ def test_a_bus_url_that_cannot_be_read_is_refused_before_anything_uses_it(
         with pytest.raises(UnsupportedStoreUrl, match="unsupported Redis bus URL"):
             redis_url_from(None)
     assert redis_url_from("redis://127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
+
+
+async def test_a_sqlite_path_that_cannot_be_made_is_a_store_error(tmp_path: Path) -> None:
+    """A file where its folder should be: a FileExistsError left the store (the CLI's
+    readers called it ClusterUnavailable: "Ray could not be started or reached")."""
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+    from runtime.errors import StoreError, StoreUnavailable
+
+    (tmp_path / "afile").write_text("not a folder")
+    url = f"sqlite:///{tmp_path}/afile/r.db"
+    for create in (True, False):
+        with pytest.raises(StoreError, match=r"cannot open store .*FileExistsError") as refused:
+            await open_store(url, create=create)
+        assert not isinstance(refused.value, StoreUnavailable)  # nothing to wait out
+    done = await asyncio.to_thread(CliRunner().invoke, app, ["runs", "--store", url])
+    assert done.exit_code == 1 and "cannot open store" in done.stderr, done.output
+    assert "Traceback" not in done.output and (tmp_path / "afile").is_file()
