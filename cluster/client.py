@@ -60,6 +60,7 @@ from runtime.limits import check_id, check_text
 from runtime.patience import patiently
 from runtime.ports import CommitStore, RunSummary, refused_in
 from storage.summary import summarize
+from storage.url import UnsupportedStoreUrl
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
@@ -96,9 +97,10 @@ class Ratchet:
         **spec_options: Any,
     ) -> Ratchet:
         """Join (or start) Ray, then start the system's actors if they are not running."""
-        bus = redis_url_from(redis_url)  # a URL that cannot be read: refused before Ray starts
-        connect_ray(address, num_cpus=num_cpus, quiet=quiet)
+        # URLs that cannot be read: refused before Ray starts (UnsupportedStoreUrl)
+        bus = redis_url_from(redis_url)
         url = store_url_from(store_url)
+        connect_ray(address, num_cpus=num_cpus, quiet=quiet)
         spec = SystemSpec(
             name=spec_options.pop("name", None) or system_name(url),
             store_url=url,
@@ -465,7 +467,9 @@ def _at_rest(row: RunSummary | None, run: RunId | None) -> bool:
 
 
 async def _open_store(spec: SystemSpec) -> CommitStore:
-    """The client's store; a store that cannot be opened is one clear StoreUnavailable."""
+    """The client's store. A StoreError or UnsupportedStoreUrl is raised as it is (a local
+    path's too: a file where its folder should be); anything else (a store actor that did
+    not start) is one clear StoreUnavailable."""
     try:
         if spec.funnels_writes:
             handle = store_actor(spec, create=True)
@@ -473,7 +477,7 @@ async def _open_store(spec: SystemSpec) -> CommitStore:
             unwrap(await asyncio.wait_for(handle.ping.remote(), 60))  # StoreLost, if so
             return proxy
         return await open_system_store(spec)
-    except StoreError:
+    except (StoreError, UnsupportedStoreUrl):
         raise
     except Exception as exc:  # re-raised typed: a store that cannot be opened is out
         detail = str(getattr(exc, "cause", None) or exc).strip().splitlines()

@@ -19,6 +19,7 @@ import ray
 from actors.wire import NAMESPACE, stable_hash
 from storage.url import (
     UnsupportedStoreUrl,
+    check_store_url,
     default_store_url,
     redact,
     scheme_of,
@@ -66,8 +67,10 @@ def store_url_from(store_url: str | None) -> str:
     """The store URL to use, with a relative SQLite path made absolute: every Ray worker
     must open the same file, whatever its working directory. Its folder is made by what
     writes the store (``storage.sql_sqlite``), not here: a command that only reads makes
-    nothing where no store is."""
+    nothing where no store is. One no backend can read is refused here, before Ray
+    starts (``UnsupportedStoreUrl``, not a StoreUnavailable to retry)."""
     url = store_url or default_store_url()
+    check_store_url(url)
     if scheme_of(url) != "sqlite":
         return url
     head, sep, path = url.partition(":///")

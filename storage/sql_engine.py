@@ -81,6 +81,19 @@ def _ssl_mode(parsed: URL) -> URL:
     return parsed.difference_update_query(["sslmode"]).update_query_dict({"ssl": mode})
 
 
+def check_sql_url(url: str) -> None:
+    """What an engine reads of the URL, read now, before anything connects (ValueError or
+    SQLAlchemy's ArgumentError): its parts, our options and the driver's ``ssl``."""
+    sa_url, ours = sqlalchemy_url(url)
+    if sa_url.get_backend_name() != "sqlite":
+        _pool_size(ours)
+        _key_joins(ours)
+        return
+    if sa_url.host or sa_url.port:  # SQLAlchemy's SQLite dialect refuses it as it connects
+        raise ValueError("a SQLite URL names a file, not a host: sqlite:////absolute/path.db")
+    synchronous_of(ours)
+
+
 def create_engine(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncEngine:
     """The async engine: every statement on PostgreSQL; on SQLite, only for tests and tools.
     ``timeout_s`` bounds each PostgreSQL statement (``pg_connect_args``)."""

@@ -194,17 +194,38 @@ def default_store_url() -> str:
     return os.environ.get("RATCHET_STORE_URL") or DEFAULT_STORE_URL
 
 
+def check_store_url(url: str) -> None:
+    """``UnsupportedStoreUrl`` unless some backend serves the URL and its reader reads it,
+    options included: all that can be known of it without connecting (a client asks
+    before it starts Ray; a store that then cannot be reached is a StoreError)."""
+    if not isinstance(url, str):
+        raise UnsupportedStoreUrl(repr(url), f"a store URL is text, not {type(url).__name__}")
+    scheme = scheme_of(url)
+    if "://" not in url or scheme not in SUPPORTED_SCHEMES:
+        raise UnsupportedStoreUrl(url)
+    if scheme in _SQL_SCHEMES:
+        from sqlalchemy.exc import ArgumentError
+
+        from storage.sql_engine import check_sql_url
+
+        try:
+            check_sql_url(url)
+        except (ArgumentError, ValueError) as exc:
+            raise UnsupportedStoreUrl(url, f"{type(exc).__name__}: {exc}") from None
+    elif scheme in ("redis", "rediss"):
+        from storage.redis_client import open_client
+
+        open_client(url)  # made and dropped, never connected (UnsupportedStoreUrl)
+
+
 async def open_store(url: str, *, create: bool = True, **opts: Any) -> CommitStore:
     """Connect the CommitStore the URL names; backends are imported only when chosen.
 
     ``create`` False (a reader's): a SQL database holding no Ratchet schema is
     ``NoStore`` and nothing is made in it. A Redis store writes only its layout and
     instance keys when it connects, and an in-memory one is always new."""
-    if not isinstance(url, str):
-        raise UnsupportedStoreUrl(repr(url), f"a store URL is text, not {type(url).__name__}")
+    check_store_url(url)
     scheme = scheme_of(url)
-    if "://" not in url or scheme not in SUPPORTED_SCHEMES:
-        raise UnsupportedStoreUrl(url)
     timeout = opts.get("timeout_s")
     if timeout is not None and not (
         isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout < 1e6
@@ -218,10 +239,9 @@ async def open_store(url: str, *, create: bool = True, **opts: Any) -> CommitSto
         from storage.noop import NoopCommitStore
 
         return NoopCommitStore(**opts)
-    # a URL its reader cannot read ("sqlite://host/x": SQLAlchemy's ArgumentError; a port
-    # "abc", an option of the wrong value: ValueError) is this URL's fault: said in one
-    # line, never a driver's traceback (Redis URLs: ``open_client``). Failures to reach
-    # a server that is named right are StoreErrors, raised as they are.
+    # read first (``check_store_url``); an ArgumentError or ValueError the driver finds
+    # only as it connects is the URL's too: said in one line, never a driver's traceback.
+    # Failures to reach a server that is named right are StoreErrors, raised as they are.
     if scheme in ("sqlite", "postgresql", "postgres"):
         from sqlalchemy.exc import ArgumentError
 

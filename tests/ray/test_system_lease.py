@@ -25,7 +25,7 @@ from actors.system_lease import LEASE_TTL_S, cluster_token, lease_name
 from actors.wire import NAMESPACE
 from cluster.client import Ratchet
 from cluster.config import store_url_from, system_name
-from runtime.errors import SystemInUse
+from runtime.errors import StoreError, StoreUnavailable, SystemInUse
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
 from runtime.ports import CommitStore
@@ -88,6 +88,32 @@ async def test_a_cluster_is_refused_a_store_another_live_cluster_serves(
             await wait_for(no_actor_left, what="no actor of the refused system left")
     finally:
         await store.close()
+
+
+async def test_another_spelling_of_the_stores_url_is_refused_too(tmp_path: Path) -> None:
+    """The name hashed the URL as written: ``?synchronous=normal`` or a ``..`` in the path
+    named another system, whose lease another cluster did not hold."""
+    url = store_url_from(f"sqlite:///{tmp_path}/served.db")
+    store = await open_store(url)
+    try:
+        async with another_cluster(store, system_name(url), LEASE_TTL_S):
+            for spelling in (
+                f"{url}?synchronous=normal",
+                f"sqlite:///{tmp_path}/../{tmp_path.name}/served.db",
+            ):
+                with pytest.raises(SystemInUse):
+                    await Ratchet.connect(store_url=spelling)
+    finally:
+        await store.close()
+
+
+async def test_a_store_path_that_cannot_be_made_is_a_store_error(tmp_path: Path) -> None:
+    """A file where the store's folder should be: it was StoreUnavailable, which a caller
+    retries for ever, though nothing will change until someone moves the file."""
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(StoreError, match="FileExistsError") as refused:
+        await Ratchet.connect(store_url=f"sqlite:///{tmp_path}/afile/r.db")
+    assert not isinstance(refused.value, StoreUnavailable)
 
 
 async def test_a_dead_clusters_lease_is_waited_out(tmp_path: Path) -> None:

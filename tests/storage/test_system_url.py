@@ -91,3 +91,33 @@ def test_a_sqlite_store_is_named_by_the_file_it_opens(
         store_url_from("sqlite:///data/r.db"),
     ]
     assert len({system_name(url) for url in spellings}) == 1
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mysql://app:pw@db/r",
+        "postgresql://app:pw@db:abc/r",
+        "postgresql://app@db/r?pool_size=0",
+        "postgresql://app@db/r?sslmode=bogus",
+        "sqlite://host/r.db",
+        "sqlite:///r.db?synchronous=bogus",
+        "redis://cache:6379/13x",
+        "rediss://cache/0?ssl_cert_reqs=bogus",
+    ],
+)
+async def test_a_client_refuses_a_url_it_cannot_read_before_ray_starts(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every bad URL was StoreUnavailable (which callers retry), after Ray had started."""
+    import cluster.client
+    from cluster.client import Ratchet
+    from storage.url import UnsupportedStoreUrl
+
+    def no_ray(*_: object, **__: object) -> None:
+        raise AssertionError("Ray was started for a URL no store can be opened with")
+
+    monkeypatch.setattr(cluster.client, "connect_ray", no_ray)
+    with pytest.raises(UnsupportedStoreUrl) as refused:
+        await Ratchet.connect(store_url=url)
+    assert "pw" not in str(refused.value)
