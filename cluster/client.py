@@ -41,6 +41,7 @@ from cluster import waiting
 from cluster.config import (
     ClusterUnavailable,
     SystemShutDown,
+    check_store_reach,
     connect_ray,
     owns_ray,
     redact,
@@ -101,6 +102,7 @@ class Ratchet:
         bus = redis_url_from(redis_url)
         url = store_url_from(store_url)
         connect_ray(address, num_cpus=num_cpus, quiet=quiet)
+        check_store_reach(url)  # a SQLite file, and a node on another machine
         spec = SystemSpec(
             name=spec_options.pop("name", None) or system_name(url),
             store_url=url,

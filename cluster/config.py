@@ -100,6 +100,30 @@ def system_name(store_url: str) -> str:
     return f"ratchet-{stable_hash(store_identity(store_url)) % 16**8:08x}"
 
 
+def check_store_reach(store_url: str) -> None:
+    """A SQLite store is a file on this machine: refused (``UnsupportedStoreUrl``) on a
+    Ray cluster with a node on another machine (``ray://`` to a remote cluster, a
+    multi-node cluster), where each node's processes would open a file of their own at
+    that path, splitting the system's Runs and leases between them. Asked of the nodes
+    alive now: one that joins later is not seen (README, "The store")."""
+    if scheme_of(store_url) != "sqlite":
+        return
+    listed: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    elsewhere = nodes_elsewhere(listed, ray.util.get_node_ip_address())
+    if elsewhere:
+        raise UnsupportedStoreUrl(
+            store_url,
+            f"a SQLite store is a file on this machine, and this Ray cluster has nodes "
+            f"on {', '.join(elsewhere)}: use a postgresql:// or redis:// store",
+        )
+
+
+def nodes_elsewhere(nodes: list[dict[str, Any]], here: str) -> list[str]:
+    """The addresses of alive nodes (``ray.nodes()``) that are not this machine's."""
+    local = {here, "127.0.0.1", "localhost"}
+    return sorted({n["NodeManagerAddress"] for n in nodes if n.get("Alive")} - local)
+
+
 def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool = False) -> None:
     """Join the cluster at ``address`` (or RAY_ADDRESS), else start a local one."""
     if ray.is_initialized():
@@ -143,6 +167,7 @@ __all__ = [
     "LOCAL_SYSTEM_CONFIG",
     "ClusterUnavailable",
     "SystemShutDown",
+    "check_store_reach",
     "connect_ray",
     "redact",
     "redis_url_from",

@@ -121,3 +121,21 @@ async def test_a_client_refuses_a_url_it_cannot_read_before_ray_starts(
     with pytest.raises(UnsupportedStoreUrl) as refused:
         await Ratchet.connect(store_url=url)
     assert "pw" not in str(refused.value)
+
+
+def test_a_sqlite_store_is_refused_only_with_a_node_on_another_machine() -> None:
+    """Each node would open its own file at the store's path (``check_store_reach``);
+    raylets of one machine (``ray.cluster_utils``, ``--nodes N``) share it."""
+    from cluster.config import nodes_elsewhere
+
+    def node(address: str, alive: bool = True) -> dict[str, object]:
+        return {"NodeManagerAddress": address, "Alive": alive}
+
+    here = "10.0.0.5"
+    assert nodes_elsewhere([node(here), node(here), node("127.0.0.1")], here) == []
+    assert nodes_elsewhere([node(here), node("10.0.0.9", alive=False)], here) == []
+    assert nodes_elsewhere([node(here), node("10.0.0.9"), node("10.0.0.7")], here) == [
+        "10.0.0.7",
+        "10.0.0.9",
+    ]
+    assert nodes_elsewhere([node("10.0.0.9")], here) == ["10.0.0.9"]  # ray:// from afar
