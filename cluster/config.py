@@ -109,7 +109,8 @@ def check_store_reach(store_url: str) -> None:
     if scheme_of(store_url) != "sqlite":
         return
     listed: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-    elsewhere = nodes_elsewhere(listed, ray.util.get_node_ip_address())
+    here: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    elsewhere = nodes_elsewhere(listed, here)
     if elsewhere:
         raise UnsupportedStoreUrl(
             store_url,
