@@ -17,10 +17,13 @@ import asyncio
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote_plus, urlsplit
 
 from runtime.ports import CommitStore
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 SUPPORTED_SCHEMES = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss", "noop")
 DEFAULT_STORE_URL = "sqlite:///ratchet-data/ratchet.db"
@@ -77,14 +80,20 @@ def _masked(url: str) -> str:
     return f"{head}:***" if colon and _SCHEME.fullmatch(head) and rest else "***"
 
 
-def _redact_sql(url: str) -> str:
-    from sqlalchemy.engine import make_url  # the parser the SQL drivers are given the URL by
+def _sql_url(url: str) -> URL:
+    """A SQL URL as its drivers are given it (SQLAlchemy's parser); ValueError if it
+    cannot be read."""
+    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
     try:
-        parsed = make_url(url)
+        return make_url(url)
     except ArgumentError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _redact_sql(url: str) -> str:
+    parsed = _sql_url(url)
     if parsed.password is None and not any(_secret(k) for k in parsed.query):
         return url  # nothing to hide: as written (SQLAlchemy renders ":" in a path as %3A)
     base = parsed.set(query={}).render_as_string(hide_password=True)
@@ -157,13 +166,7 @@ def store_identity(url: str) -> str:
 
 
 def _postgres_identity(url: str) -> str:
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise ValueError(str(exc)) from None
+    parsed = _sql_url(url)
     host = (parsed.host or _one(parsed.query.get("host")) or "").lower()
     database = parsed.database or parsed.username or ""
     return f"postgresql://{f'[{host}]' if ':' in host else host}:{parsed.port or 5432}/{database}"
