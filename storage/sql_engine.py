@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -89,9 +90,11 @@ def check_sql_url(url: str) -> None:
         _pool_size(ours)
         _key_joins(ours)
         return
-    if sa_url.host or sa_url.port:  # SQLAlchemy's SQLite dialect refuses it as it connects
-        raise ValueError("a SQLite URL names a file, not a host: sqlite:////absolute/path.db")
     synchronous_of(ours)
+    sync_url = sa_url.set(drivername="sqlite")  # what the dialect refuses as it connects
+    with warnings.catch_warnings():  # an unknown option: said once, as the engine opens
+        warnings.simplefilter("ignore")
+        sync_url.get_dialect()().create_connect_args(sync_url)  # ("sqlite://host/x.db")
 
 
 def create_engine(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AsyncEngine:
