@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runtime.commit import Frontier
+from runtime.agent import is_seconds
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier
 from runtime.errors import InvalidTransition, RatchetError
-from runtime.limits import DEFAULT_LIMITS, Limits
+from runtime.limits import DEFAULT_LIMITS, Limits, check_room
 from runtime.messages import UserMessage
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore
 from runtime.rules import check_repeated_start, input_message_id, input_meta, ran_before
@@ -65,6 +66,27 @@ class SystemSpec:
     Runs, writers queueing on an inter-process file lock (measured faster: no Ray call
     per commit); ``actor`` — every commit goes through the one store actor."""
 
+    def __post_init__(self) -> None:
+        """Options refused when the system is connected, not met later: ``hosts=0`` was a
+        ZeroDivisionError at the first start, a ``limits`` dict an AttributeError, and
+        limits whose largest commit outgrows the store refused every start in the hosts."""
+        if not (isinstance(self.name, str) and self.name):
+            raise ValueError(f"a system's name is text, not {self.name!r:.80}")
+        for option, least in (("hosts", 1), ("executors", 1), ("host_max_restarts", -1)):
+            value = getattr(self, option)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{option} must be an integer of at least {least}, not {value!r}")
+        for option in ("lease_ttl_s", "heartbeat_s", "reconcile_s", "recover_timeout_s"):
+            value = getattr(self, option)
+            if not is_seconds(value) or value == 0:
+                raise ValueError(f"{option} must be a positive number of seconds, not {value!r}")
+        if not isinstance(self.limits, Limits):
+            raise TypeError(f"limits must be a runtime.limits.Limits, not {self.limits!r:.80}")
+        if self.sqlite_writer not in ("direct", "actor"):
+            raise ValueError(f"sqlite_writer is 'direct' or 'actor', not {self.sqlite_writer!r}")
+        # the system's stores open at the default payload limit: every commit must fit
+        check_room(_DefaultStore, self.limits)
+
     def host_name(self, index: int) -> str:
         return f"{self.name}:host:{index}"
 
@@ -90,6 +112,12 @@ class SystemSpec:
         """
         scheme = scheme_of(self.store_url)  # MEMORY:// is memory:// too
         return scheme == "memory" or (scheme == "sqlite" and self.sqlite_writer == "actor")
+
+
+class _DefaultStore:
+    """What ``check_room`` asks of a store of the system: its payload limit."""
+
+    payload_limit = DEFAULT_PAYLOAD_LIMIT
 
 
 def stable_hash(text: str) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from actors.wire import SystemSpec
+from runtime.limits import Limits
 
 
 @pytest.mark.parametrize(
@@ -139,3 +140,23 @@ def test_a_sqlite_store_is_refused_only_with_a_node_on_another_machine() -> None
         "10.0.0.9",
     ]
     assert nodes_elsewhere([node("10.0.0.9")], here) == ["10.0.0.9"]  # ray:// from afar
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"hosts": 0},  # a ZeroDivisionError at the first start
+        {"executors": -3},
+        {"host_max_restarts": -2},
+        {"reconcile_s": float("nan")},
+        {"lease_ttl_s": -1},
+        {"heartbeat_s": True},
+        {"limits": {"input_bytes": 1}},  # an AttributeError in the hosts
+        {"sqlite_writer": "bogus"},
+        {"limits": Limits(input_bytes=400 * 1024)},  # every start refused in the hosts
+    ],
+    ids=str,
+)
+def test_a_system_s_options_are_checked_when_it_is_made(option):
+    with pytest.raises((ValueError, TypeError)):
+        SystemSpec(name="s", store_url="memory://", **option)
