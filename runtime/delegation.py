@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal, Protocol
@@ -49,6 +50,8 @@ PARENT_KEY = "parent"
 NO_ANSWER = "(the child run ended without an answer of its own)"
 """What a parent's call gets from a child that ended naturally having said nothing."""
 
+
+log = logging.getLogger("ratchet.delegation")
 
 Limit = Annotated[int, Field(strict=True, ge=0)]
 """A limit given as a plain integer: ``True``, ``"7"`` or -1 are refused, not read as one."""
@@ -197,7 +200,15 @@ def _names_an_agent(module_name: str, attr: str) -> bool:
         return False
     returns = found.__annotations__.get("return")
     # "Agent" under ``from __future__ import annotations``, or a dotted name of it
-    return returns is Agent or (isinstance(returns, str) and returns.rsplit(".", 1)[-1] == "Agent")
+    if returns is Agent or (isinstance(returns, str) and returns.rsplit(".", 1)[-1] == "Agent"):
+        return True
+    log.warning(
+        "a model asked to delegate to %s:%s, a function not annotated to return an Agent: "
+        "refused (annotate it -> Agent, or name it in DelegationLimits.agents)",
+        module_name,
+        attr,
+    )
+    return False
 
 
 def refusal(
@@ -218,7 +229,8 @@ def refusal(
     if not may_delegate_to(limits, lineage, agent):
         return (
             f"delegation refused: {agent!r} is not an agent this one may delegate to "
-            "(DelegationLimits.agents)"
+            "(an Agent of its own module, a function there annotated -> Agent, or one "
+            "DelegationLimits.agents names)"
         )
     if agent in lineage and not limits.allow_cycles:
         return f"delegation refused: {agent} is already in the chain {list(lineage)} (cycle)"

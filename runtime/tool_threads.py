@@ -7,10 +7,13 @@ is held, the next call gets a fresh pool (``tool_threads``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
+
+log = logging.getLogger("ratchet.tools")
 
 SYNC_TOOL_THREADS = 32
 """Threads per process that run synchronous tools: at most this many at once."""
@@ -19,17 +22,32 @@ _overdue: dict[ThreadPoolExecutor, int] = {}
 """Each pool's threads held by calls given up on (past their timeout): they cannot be
 interrupted, and run on until their calls end."""
 _overdue_lock = threading.Lock()
+MAX_POOLS = 4
+"""Pools whose threads calls given up on may hold at once (``tool_threads``)."""
+_warned: list[bool] = []
 
 
 def tool_threads() -> ThreadPoolExecutor:
     """The process's tool threads; a fresh pool once every thread of the one in use is
     held by a call given up on (the old one's threads end with their calls): else every
     synchronous call of the process was unavailable from then on, while the process
-    answered its pings and was never restarted."""
+    answered its pings and was never restarted. At most ``MAX_POOLS`` pools hold such
+    threads at once: past that (a tool that hangs for good, called again and again),
+    calls wait for a thread of the one in use, and are unavailable at their timeout."""
     with _overdue_lock:
-        if _threads and _overdue.get(_threads[0], 0) < SYNC_TOOL_THREADS:
-            return _threads[0]
-        if _threads:  # every thread held: its calls' ends still count down its number
+        current = _threads[0] if _threads else None
+        if current is not None and _overdue.get(current, 0) < SYNC_TOOL_THREADS:
+            return current
+        if current is not None and len(_overdue) >= MAX_POOLS:
+            if not _warned:
+                _warned.append(True)
+                log.warning(
+                    "%d pools of tool threads are held by calls past their timeout: "
+                    "synchronous calls now wait for one of them",
+                    MAX_POOLS,
+                )
+            return current
+        if current is not None:  # every thread held: its calls' ends still count it down
             _threads.pop().shutdown(wait=False)
         _threads.append(ThreadPoolExecutor(SYNC_TOOL_THREADS, thread_name_prefix="ratchet-tool"))
         return _threads[0]

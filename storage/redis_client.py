@@ -22,7 +22,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from runtime.errors import CorruptRecord, InputRefused, StoreError, StoreUnavailable
-from storage.url import UnsupportedStoreUrl, redact
+from storage.url import UnsupportedStoreUrl, redact, redis_db_path
 
 _REFUSED: tuple[type[BaseException], ...] = (
     rex.AuthenticationError,
@@ -104,8 +104,8 @@ def open_client(
 def _check_db(url: str) -> None:
     """A path is a database number or nothing: redis-py reads ``/13x`` or ``/notanumber``
     as no number, and would use database 0, another store's, without a word."""
-    path = urlsplit(url).path
-    if path not in ("", "/") and not (path[1:].isdigit() and path[1:].isascii()):
+    db = redis_db_path(urlsplit(url).path)
+    if db and not (db.isdigit() and db.isascii()):
         raise ValueError("its path is not a database number (redis://host:port/N)")
 
 

@@ -73,7 +73,12 @@ def _ssl_mode(parsed: URL) -> URL:
     """``?sslmode=`` (libpq's, in every PostgreSQL URL) as asyncpg's ``?ssl=``, either
     checked here: asyncpg knows no ``sslmode`` (a TypeError at the first connection) and
     fails an unknown ``ssl`` only as it connects."""
-    given = {str(parsed.query[k]).lower() for k in ("ssl", "sslmode") if k in parsed.query}
+    # asyncpg reads "verify_full" as "verify-full" too
+    given = {
+        str(parsed.query[k]).lower().replace("_", "-")
+        for k in ("ssl", "sslmode")
+        if k in parsed.query
+    }
     if not given:
         return parsed
     mode = given.pop()

@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, unquote_plus, urlsplit
+from urllib.parse import parse_qs, unquote, unquote_plus, urlsplit
 
 from runtime.ports import CommitStore
 
@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 
 SUPPORTED_SCHEMES = ("memory", "sqlite", "postgresql", "postgres", "redis", "rediss", "noop")
 DEFAULT_STORE_URL = "sqlite:///ratchet-data/ratchet.db"
-_SECRET_WORDS = ("password", "passwd", "pwd", "secret", "token", "key", "apikey")
-"""Query parameters named so, or ending in ``_`` and one of these, are secrets."""
-_SECRET_ENDINGS = ("password", "passwd", "secret", "token", "apikey")
+_SECRET_WORDS = ("password", "passwd", "pwd", "secret", "token", "credential", "auth")
+"""Query parameters whose names hold one of these (or end in ``key``) are secrets."""
+_NOT_SECRET = frozenset({"key_joins", "sslkey", "sslcert", "sslrootcert", "ssl_keyfile"})
 
 
 class UnsupportedStoreUrl(ValueError):
@@ -38,7 +38,9 @@ class UnsupportedStoreUrl(ValueError):
 
     def __init__(self, url: str, why: str | None = None, what: str = "store") -> None:
         schemes = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
-        why = _unquoted_secrets(why, url) if why else f"supported schemes: {schemes}"
+        # a reader's complaint may quote the URL whole (SQLAlchemy's "Invalid SQLite URL")
+        why = _unquoted_secrets(why.replace(url, redact(url)), url) if why else None
+        why = why or f"supported schemes: {schemes}"
         super().__init__(f"unsupported {what} URL {redact(url)!r}; {why}")
 
 
@@ -94,6 +96,10 @@ def _sql_url(url: str) -> URL:
 
 def _redact_sql(url: str) -> str:
     parsed = _sql_url(url)
+    if url.count("@") > 1 or any(c in (parsed.username or "") for c in "?#=&"):
+        # a password holding an unencoded "@" (SQLAlchemy ends it at the first one, the
+        # rest read as the host), or a query read as the user: nothing of it is shown
+        raise ValueError("credentials its reader splits")
     if parsed.password is None and not any(_secret(k) for k in parsed.query):
         return url  # nothing to hide: as written (SQLAlchemy renders ":" in a path as %3A)
     base = parsed.set(query={}).render_as_string(hide_password=True)
@@ -126,11 +132,13 @@ def _query(pairs: Sequence[tuple[str, str]]) -> str:
 
 
 def _secret(key: str) -> bool:
-    """Named for a secret as a whole (``password``, ``sslpassword``, ``api_key``), not
-    merely holding such a word (``key_joins``)."""
+    """Named for a secret: holding ``password``, ``secret``, ``token`` and the like
+    (``sslpassword``, ``secretkey``), or ending in ``key`` (``api_key``, ``privatekey``);
+    not ``key_joins``, an option of ours, or ``sslkey``, a path to a file."""
     name = key.lower()
-    last = re.split(r"[^a-z0-9]", name)[-1]
-    return last in _SECRET_WORDS or name.endswith(_SECRET_ENDINGS)
+    if name in _NOT_SECRET:
+        return False
+    return any(word in name for word in _SECRET_WORDS) or name.endswith("key")
 
 
 def scheme_of(url: str) -> str:
@@ -166,20 +174,30 @@ def store_identity(url: str) -> str:
 
 
 def _postgres_identity(url: str) -> str:
-    parsed = _sql_url(url)
-    host = (parsed.host or _one(parsed.query.get("host")) or "").lower()
-    database = parsed.database or parsed.username or ""
-    return f"postgresql://{f'[{host}]' if ':' in host else host}:{parsed.port or 5432}/{database}"
+    """Where the driver connects, as SQLAlchemy's asyncpg dialect hands it the URL: its
+    ``?host=``, ``?port=`` and ``?database=`` override the URL's own parts."""
+    from storage.sql_engine import sqlalchemy_url
 
-
-def _one(value: str | tuple[str, ...] | None) -> str | None:
-    return value[0] if isinstance(value, tuple) else value
+    sa_url, _ = sqlalchemy_url(url)
+    _, given = sa_url.get_dialect()().create_connect_args(sa_url)
+    hosts = given.get("host") or ""
+    host = ",".join(hosts) if isinstance(hosts, list | tuple) else str(hosts)
+    ports = given.get("port") or 5432
+    port = ",".join(map(str, ports)) if isinstance(ports, list | tuple) else str(ports)
+    database = given.get("database") or given.get("user") or ""  # asyncpg's default
+    return f"postgresql://{host.lower()}:{port}/{database}"
 
 
 def _redis_identity(url: str) -> str:
     parts = urlsplit(url)
-    db = parse_qs(parts.query).get("db", [parts.path.strip("/") or "0"])[0]  # redis-py's rule
+    db = parse_qs(parts.query).get("db", [redis_db_path(parts.path) or "0"])[0]
     return f"redis://{parts.hostname or 'localhost'}:{parts.port or 6379}/{int(db)}"
+
+
+def redis_db_path(path: str) -> str:
+    """A Redis URL's path as redis-py reads a database number from it: unquoted, every
+    "/" dropped (``/0/`` is 0, ``/%31`` is 1)."""
+    return unquote(path).replace("/", "")
 
 
 def sqlite_path(url: str) -> str | None:

@@ -167,6 +167,7 @@ async def test_a_call_that_never_got_a_tool_thread_is_unavailable_and_never_runs
     never_replay policy would have ended it indeterminate), and it never runs later."""
     import threading
 
+    from runtime import tool_threads
     from runtime.ports import Lost, Unavailable
     from runtime.tool_threads import SYNC_TOOL_THREADS
 
@@ -190,6 +191,7 @@ async def test_a_call_that_never_got_a_tool_thread_is_unavailable_and_never_runs
 
     runner = LocalToolRunner([stuck, victim, sentinel])
     jam = [invocation("stuck", f"s{i}") for i in range(SYNC_TOOL_THREADS)]
+    pool = tool_threads.tool_threads()  # the one the jam and the victim queue in
     try:
         outcomes = await runner.run([*jam, invocation("victim", "v")])
     finally:
@@ -197,6 +199,8 @@ async def test_a_call_that_never_got_a_tool_thread_is_unavailable_and_never_runs
     assert all(isinstance(o, Lost) for o in outcomes[:-1])
     assert isinstance(outcomes[-1], Unavailable), outcomes[-1]
     (drained,) = await runner.run([invocation("sentinel", "z")])  # queued after the victim
+    if pool is not tool_threads.tool_threads():  # the sentinel went to a fresh pool
+        await asyncio.to_thread(pool.shutdown, wait=True)  # the victim's turn came there
     assert drained.output.content == "drained" and not ran.is_set()
 
 
@@ -235,6 +239,36 @@ async def test_a_fresh_pool_of_tool_threads_once_every_thread_is_held_past_its_d
         released.set()
     assert all(isinstance(o, Lost) for o in jammed), jammed
     assert isinstance(served, Finished) and served.output.content == "served", served
+
+
+async def test_pools_of_tool_threads_held_past_their_deadline_are_bounded(monkeypatch):
+    """A tool that hangs for good, called again and again: each pool it fills is replaced,
+    but only ``MAX_POOLS`` at once; past that a call waits, and is unavailable at its
+    timeout, rather than the process growing threads without end."""
+    import threading
+
+    from runtime import tool_threads
+    from runtime.ports import Lost, Unavailable
+
+    from .test_sync_tools import DEADLINE_S
+
+    monkeypatch.setattr(tool_threads, "SYNC_TOOL_THREADS", 1)
+    monkeypatch.setattr(tool_threads, "MAX_POOLS", 2)
+    monkeypatch.setattr(tool_threads, "_threads", [])
+    monkeypatch.setattr(tool_threads, "_overdue", {})
+    released = threading.Event()
+
+    @tool(timeout_s=0.2)
+    def hangs() -> str:
+        released.wait(DEADLINE_S)
+        return "late"
+
+    runner = LocalToolRunner([hangs])
+    try:
+        outcomes = [(await runner.run([invocation("hangs", f"h{i}")]))[0] for i in range(3)]
+    finally:
+        released.set()
+    assert [type(o) for o in outcomes] == [Lost, Lost, Unavailable], outcomes
 
 
 # ---- deadlines, and the tool's own errors that look like ours ---------------------------

@@ -67,6 +67,10 @@ def test_every_spelling_of_one_stores_url_names_one_system(spellings: list[str])
         "postgresql://app@db/r2",
         "postgresql://app@db2/r",
         "postgresql://app@db:5433/r",
+        # the driver takes these options over the URL's parts: another store each
+        "postgresql://app@db/r?port=5433",
+        "postgresql://app@db/r?database=r2",
+        "postgresql://app@db/r?host=db2",
         "redis://db/3",
         "sqlite:////srv/r/other.db",
         "memory://",
@@ -160,3 +164,10 @@ def test_a_sqlite_store_is_refused_only_with_a_node_on_another_machine() -> None
 def test_a_system_s_options_are_checked_when_it_is_made(option):
     with pytest.raises((ValueError, TypeError)):
         SystemSpec(name="s", store_url="memory://", **option)
+
+
+def test_two_servers_on_one_machine_by_socket_are_two_systems() -> None:
+    from cluster.config import system_name
+
+    one = "postgresql://app@/r?host=/var/run/postgresql"
+    assert system_name(one) != system_name(one + "&port=5433")

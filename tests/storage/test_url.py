@@ -31,7 +31,11 @@ def test_redact_hides_passwords_and_secret_query_values() -> None:
 @pytest.mark.parametrize(
     ("url", "shown"),
     [
-        # SQLAlchemy reads a password up to the last "@": urlsplit cut it at ?, # or /
+        # SQLAlchemy reads a password up to the first "@", and past ?, # or /: urlsplit
+        # cut it there. One holding an "@" (the rest read as the host) is masked whole
+        ("postgresql://user:p@ss@host/db", "postgresql://***"),
+        ("postgres://app:hunter2@prod@db.internal/app", "postgres://***"),
+        ("postgresql://h?user=me&password=S3CRET&x=a@b", "postgresql://***"),
         ("postgresql://app:pa?ss@db:5432/r", "postgresql://app:***@db:5432/r"),
         ("postgresql://app:pa#ss@db:5432/r", "postgresql://app:***@db:5432/r"),
         ("postgresql://app:pa/ss@db:5432/r", "postgresql://app:***@db:5432/r"),
@@ -49,6 +53,9 @@ def test_redact_hides_passwords_and_secret_query_values() -> None:
             "postgresql://db/r?key_joins=off&api_key=pass",
             "postgresql://db/r?key_joins=off&api_key=***",
         ),
+        ("postgresql://u@h/db?secretkey=pass", "postgresql://u@h/db?secretkey=***"),
+        ("redis://h/0?privatekey=pass", "redis://h/0?privatekey=***"),
+        ("postgresql://h/db?sslkey=/etc/k.pem", "postgresql://h/db?sslkey=/etc/k.pem"),
         (
             "postgresql://db/r?sslpassword=pass&sslmode=require",
             "postgresql://db/r?sslpassword=***&sslmode=require",
@@ -267,3 +274,23 @@ async def test_a_sqlite_path_that_cannot_be_made_is_a_store_error(tmp_path: Path
     done = await asyncio.to_thread(CliRunner().invoke, app, ["runs", "--store", url])
     assert done.exit_code == 1 and "cannot open store" in done.stderr, done.output
     assert "Traceback" not in done.output and (tmp_path / "afile").is_file()
+
+
+def test_a_reader_s_complaint_quoting_the_url_shows_it_redacted() -> None:
+    """SQLAlchemy's "Invalid SQLite URL: ..." quotes the URL whole, query and all."""
+    from storage.url import UnsupportedStoreUrl, check_store_url
+
+    with pytest.raises(UnsupportedStoreUrl) as refused:
+        check_store_url("sqlite://host/db?password=S3CRET")
+    assert "S3CRET" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://h:6379/0/", "redis://h:6379/%31", "postgresql://u@h/db?ssl=verify_full"]
+)
+def test_urls_their_drivers_read_are_taken(url: str) -> None:
+    """redis-py reads ``/0/`` as database 0 and ``/%31`` as 1; asyncpg reads
+    ``verify_full`` as ``verify-full``."""
+    from storage.url import check_store_url
+
+    check_store_url(url)
