@@ -289,7 +289,7 @@ class Engine(Stepping):
         limits = self.limits
         check_id("thread id", thread, limits)
         check_id("run id", run_id, limits)
-        check_id("message id", message_id, Limits(id_chars=4 * limits.id_chars))
+        check_id("message id", message_id, _message_id_limits(limits.id_chars))
         check_text("input", text, limits.input_bytes, "input_bytes")
 
     @tracing.drive
@@ -510,6 +510,19 @@ class Engine(Stepping):
             target=target,
         )
         await self._commit(ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket))
+
+
+_MESSAGE_ID_LIMITS: dict[int, Limits] = {}
+
+
+def _message_id_limits(id_chars: int) -> Limits:
+    """The limits a start holds its message id to (four times ``id_chars``: a cluster's
+    input id names its Run, placement and agent), made once per ``id_chars``: a Limits
+    checks every field as it is made, which cost more than the check it serves."""
+    made = _MESSAGE_ID_LIMITS.get(id_chars)
+    if made is None:
+        made = _MESSAGE_ID_LIMITS[id_chars] = Limits(id_chars=4 * id_chars)
+    return made
 
 
 def _child_s_own(frontier: Frontier, run_id: RunId, parent: ParentLink) -> None:

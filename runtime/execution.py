@@ -242,18 +242,28 @@ class AbortSignal:
     """Set when a call is cancelled or times out: ``await wait()`` on the loop, or poll
     ``is_set()`` from a synchronous tool's thread (thread-safe)."""
 
+    __slots__ = ("_event", "_set")
+
     def __init__(self) -> None:
-        self._flag = threading.Event()
-        self._event = asyncio.Event()
+        # a flag (a bool attribute is read and written whole under the GIL, as a
+        # threading.Event's own flag is), and the loop's event made only for a waiter:
+        # most calls end without anyone waiting on their signal
+        self._set = False
+        self._event: asyncio.Event | None = None
 
     def is_set(self) -> bool:
-        return self._flag.is_set()
+        return self._set
 
     def set(self) -> None:
-        self._flag.set()
-        self._event.set()
+        self._set = True
+        if self._event is not None:
+            self._event.set()
 
     async def wait(self) -> bool:
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self._set:
+                self._event.set()
         return await self._event.wait()
 
 

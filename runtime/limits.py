@@ -24,6 +24,7 @@ import orjson
 
 from runtime.base import canonical_json
 from runtime.errors import InputRefused
+from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -410,10 +411,22 @@ def history_size(messages: Sequence[Any]) -> int:
     arguments and results (the ids and keys around them are not counted)."""
     size = 0
     for m in messages:
-        text = getattr(m, "text", None)
-        size += stored_size(text if text is not None else getattr(m, "content", ""))
-        for use in getattr(m, "tool_calls", ()):
-            size += stored_size(use.arguments)
+        kind = type(m)
+        # our records by their type: a getattr that misses on a record raises (and
+        # catches) an AttributeError inside pydantic, which cost more than the sizes
+        if kind is ToolResultMessage:
+            size += stored_size(m.content)
+        elif kind is AssistantMessage:
+            size += stored_size(m.text)
+            for use in m.tool_calls:
+                size += stored_size(use.arguments)
+        elif kind is UserMessage:
+            size += stored_size(m.text)
+        else:
+            text = getattr(m, "text", None)
+            size += stored_size(text if text is not None else getattr(m, "content", ""))
+            for use in getattr(m, "tool_calls", ()):
+                size += stored_size(use.arguments)
     return size
 
 

@@ -138,7 +138,7 @@ class Tool:
             # a key twice means two things to two parsers: the tool would run with the
             # last value while the committed text (that hooks, tickets and audits read)
             # holds both
-            raw = json.loads(arguments or "{}", object_pairs_hook=unique_pairs)
+            raw = _strict_loads(arguments or "{}")
         except json.JSONDecodeError as exc:
             raise ValueError(f"arguments are not valid JSON: {exc.msg}") from exc
         except DuplicateKey as exc:
@@ -437,6 +437,19 @@ def _signature_fields(fn: Callable[..., Any], tool_id: str) -> tuple[dict[str, A
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (hint, default)
     return fields, context_param
+
+
+_STRICT = json.JSONDecoder(object_pairs_hook=unique_pairs)
+"""``json.loads(text, object_pairs_hook=unique_pairs)`` builds this decoder for every
+call; it keeps no state between calls, so one serves them all."""
+
+
+def _strict_loads(text: str) -> Any:
+    """``json.loads(text, object_pairs_hook=unique_pairs)`` for ``text`` a str, decoded by
+    the one decoder (the same refusal of a leading byte order mark first)."""
+    if text.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    return _STRICT.decode(text)
 
 
 class ToolExited(Exception):
