@@ -77,6 +77,7 @@ from runtime.limits import (
     check_reason,
     check_room,
     check_text,
+    message_id_limits,
 )
 from runtime.messages import Message, UserMessage
 from runtime.plugin_env import pin, refusal
@@ -289,7 +290,7 @@ class Engine(Stepping):
         limits = self.limits
         check_id("thread id", thread, limits)
         check_id("run id", run_id, limits)
-        check_id("message id", message_id, _message_id_limits(limits.id_chars))
+        check_id("message id", message_id, message_id_limits(limits.id_chars))
         check_text("input", text, limits.input_bytes, "input_bytes")
 
     @tracing.drive
@@ -510,19 +511,6 @@ class Engine(Stepping):
             target=target,
         )
         await self._commit(ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket))
-
-
-_MESSAGE_ID_LIMITS: dict[int, Limits] = {}
-
-
-def _message_id_limits(id_chars: int) -> Limits:
-    """The limits a start holds its message id to (four times ``id_chars``: a cluster's
-    input id names its Run, placement and agent), made once per ``id_chars``: a Limits
-    checks every field as it is made, which cost more than the check it serves."""
-    made = _MESSAGE_ID_LIMITS.get(id_chars)
-    if made is None:
-        made = _MESSAGE_ID_LIMITS[id_chars] = Limits(id_chars=4 * id_chars)
-    return made
 
 
 def _child_s_own(frontier: Frontier, run_id: RunId, parent: ParentLink) -> None:

@@ -406,6 +406,19 @@ def check_room(store: object, limits: Limits) -> None:
         )
 
 
+_MESSAGE_ID_LIMITS: dict[int, Limits] = {}
+
+
+def message_id_limits(id_chars: int) -> Limits:
+    """The limits a start holds its message id to (four times ``id_chars``: a cluster's
+    input id names its Run, placement and agent), made once per ``id_chars``: a Limits
+    checks every field as it is made, which cost more than the check it serves."""
+    made = _MESSAGE_ID_LIMITS.get(id_chars)
+    if made is None:
+        made = _MESSAGE_ID_LIMITS[id_chars] = Limits(id_chars=4 * id_chars)
+    return made
+
+
 def history_size(messages: Sequence[Any]) -> int:
     """What ``history_bytes`` bounds: the stored size of the messages' texts, tool
     arguments and results (the ids and keys around them are not counted)."""
