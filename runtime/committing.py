@@ -245,15 +245,21 @@ class Committing:
         if landing is not None and not landing.task.done():
             landing.task.cancel()
 
-    def _within_history(self, ctx: RunContext, messages: Sequence[Message]) -> int:
+    def _within_history(
+        self, ctx: RunContext, messages: Sequence[Message], label: CommitLabel
+    ) -> int:
         """The size ``messages`` add to the thread's history, or HistoryLimitReached if
-        the commit would take the thread past a history limit (an end never is)."""
+        the commit would take the thread past a history limit (an end never is). A wait
+        keeps one commit in hand for its resume: awaiting at the last commit, no resume
+        could land, and the Run waited for ever, neither resumed nor ended."""
         limits, f = self.limits, ctx.frontier
-        if f.version + 1 > limits.history_commits:
+        room = 2 if label == "awaiting" else 1
+        if f.version + room > limits.history_commits:
+            kept = ", and a wait keeps one for its resume" if room > 1 else ""
             raise HistoryLimitReached(
                 f"commit {f.version + 1} of thread {f.thread_id}",
                 "history_commits",
-                f"the limit is {limits.history_commits} commits per thread",
+                f"the limit is {limits.history_commits} commits per thread{kept}",
             )
         if ctx.history_bytes is None:
             ctx.history_bytes = history_size(f.messages)
@@ -298,7 +304,7 @@ class Committing:
         if before is None:
             await self.landed(ctx)
         f = ctx.frontier
-        added = 0 if label == "ended" else self._within_history(ctx, messages)
+        added = 0 if label == "ended" else self._within_history(ctx, messages, label)
         run = run_id or ctx.run_id
         status = _status_after(f.status, disposition, now_us())
         changed = status if status is not f.status else None  # moved_to keeps it if unchanged

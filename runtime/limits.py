@@ -91,7 +91,8 @@ class Limits:
     more)."""
     history_commits: int = 50_000
     """Commits on one thread: past it the Run ends ``failed(history_limit,
-    history_commits)``. A Run's end is always committed, whatever the limits."""
+    history_commits)``. A Run's end is always committed, whatever the limits, and a wait
+    keeps one commit for its resume."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -92,7 +92,8 @@ async def await_call(
         wait = tool.wait
         correlation = CorrelationId(f"{call.operation_id}:{wait}")
         batch = mark_awaiting(batch, call_id, wait, correlation)
-    deadline_s = tool.wait_deadline_s if tool is not None else None
+    # the tool's deadline is for the wait it declares (a permission), never its child's
+    deadline_s = tool.wait_deadline_s if tool is not None and wait == tool.wait else None
     ticket = ResumeTicket(
         correlation=correlation,
         run_id=ctx.run_id,

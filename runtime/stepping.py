@@ -67,7 +67,9 @@ class Stepping(Sides):
         await self.hooks(ctx, "BeforeInference", hooks, step=step)
         if await self._held_before_inference(ctx, prior, results, hooks):
             return  # a hook stopped the Run, or asked for input or a pause
-        # messages injected so far join the history now, after the results
+        # messages injected so far join the history now, after the results; a pause
+        # before they land commits them staged still (their removal alone lost them)
+        staging = tuple(hooks.commands)
         injected, staged = take_injected(ctx.run_id, f.state, hooks.commands)
         hooks.commands[:] = staged
         last = step == root.max_steps - 1
@@ -82,7 +84,7 @@ class Stepping(Sides):
             try:
                 response = await self.inference.infer(ctx, step, history, last)
             except PauseRun as pause:
-                ctx.pause_step(pause.target, hooks.commands)
+                ctx.pause_step(pause.target, staging)
                 return
         ctx.spent = usage_commands(response.usage)  # recorded even if the Run ends here
         await self.hooks(ctx, "AfterInference", hooks, step=step, response=response)

@@ -230,24 +230,34 @@ def _delegate(agent: str, input: str) -> str:
     raise RuntimeError("delegation calls are run by the engine, never directly")
 
 
-asked_first = Agent(
-    name="asked_first",
-    model=ScriptedModel(
-        [
-            ModelResponse(
-                tool_calls=(call("delegate", "d1", agent=f"{HERE}:needy_worker", input="x"),)
-            ),
-            lambda r: ModelResponse(text=json.dumps(_results(r))),
-        ]
-    ),
-    tools=[
-        tool(
-            _delegate, name="delegate", recovery=("durable_request",), needs_permission=True
-        ).with_delegation()
-    ],
-    delegation=DelegationLimits(),
-)
+def _asked_first(name: str, wait_deadline_s: float | None = None) -> Agent:
+    return Agent(
+        name=name,
+        model=ScriptedModel(
+            [
+                ModelResponse(
+                    tool_calls=(call("delegate", "d1", agent=f"{HERE}:needy_worker", input="x"),)
+                ),
+                lambda r: ModelResponse(text=json.dumps(_results(r))),
+            ]
+        ),
+        tools=[
+            tool(
+                _delegate,
+                name="delegate",
+                recovery=("durable_request",),
+                needs_permission=True,
+                wait_deadline_s=wait_deadline_s,
+            ).with_delegation()
+        ],
+        delegation=DelegationLimits(),
+    )
+
+
+asked_first = _asked_first("asked_first")
 """Delegates once a human approved the call: its child starts from the resume."""
+asked_first_by_a_deadline = _asked_first("asked_first_by_a_deadline", wait_deadline_s=60)
+"""The same, its approval due within a minute."""
 
 
 mixed = Agent(

@@ -327,6 +327,20 @@ async def test_a_delegation_approved_first_records_its_child_before_starting_it(
     assert json.loads(parent.messages[-1].text) == ["needy done"]
 
 
+async def test_a_delegation_s_wait_takes_no_deadline_from_its_permission():
+    """A delegating tool whose permission is due within a minute: its lone child waiting
+    for a human made the parent await the child under that deadline, and a child ending
+    later could hand over nothing (refused past the deadline, and a delegation's wait
+    never expires): the parent waited for ever."""
+    store = MemoryCommitStore()
+    r = runner(agents.asked_first_by_a_deadline, store)
+    f = await r.start("go", thread_id="p")
+    assert f.run_state.ticket.deadline_us is not None  # the permission's own
+    f = await r.resume(command_for(f, PermissionDecision(approve=True)))
+    assert f.run_state.ticket.target.wait == "delegation"
+    assert f.run_state.ticket.deadline_us is None
+
+
 async def test_a_delegation_takes_only_its_child_s_own_outcome():
     """A caller's made-up child outcome, sent while the child still waits for its human,
     is refused on its payload: the parent keeps waiting, and the child's real answer

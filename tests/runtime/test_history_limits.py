@@ -45,6 +45,34 @@ async def test_the_commit_limit_ends_the_run_failed_naming_it():
     assert len(await store.read("t")) == 7
 
 
+@pytest.mark.parametrize("limit", [3, 4])
+async def test_a_wait_keeps_a_commit_for_its_resume(limit: int) -> None:
+    """Awaiting at the thread's last commit, every resume was refused (HistoryLimitReached
+    to its caller) and nothing ended the Run: it waited for ever. The wait that would
+    take the last commit ends the Run instead; one with a commit to spare is resumed."""
+    from runtime import answer
+    from runtime.lifecycle import PermissionDecision
+
+    @tool(needs_permission=True)
+    def risky() -> str:
+        return "ran"
+
+    script = [ModelResponse(tool_calls=(call("risky", "c1"),)), ModelResponse(text="done")]
+    agent = Agent(name="a", model=ScriptedModel(script), tools=[risky])
+    runner = InProcessRunner(agent, MemoryCommitStore(), limits=Limits(history_commits=limit))
+    f = await runner.start("go", thread_id="t")  # its wait would be commit 3
+    if limit == 3:
+        cause = f.run_state.cause
+        assert (cause.kind, cause.failure, cause.code) == (
+            "failed",
+            "history_limit",
+            "history_commits",
+        )
+        return
+    resumed = await runner.resume(answer(f.run_state.ticket, PermissionDecision(approve=True)))
+    assert resumed.run_state.cause.code == "history_commits"  # it ends, at the limit
+
+
 async def test_the_size_limit_ends_the_run_failed_naming_it():
     store = MemoryCommitStore()
     runner = InProcessRunner(chatty(), store, limits=Limits(history_bytes=5000))

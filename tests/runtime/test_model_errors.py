@@ -116,6 +116,30 @@ async def test_a_rate_limit_past_the_budget_pauses_the_run_until_the_named_time(
     assert [r.step for r in model.requests] == [0, 1, 1]  # the paused Step asked again
 
 
+async def test_a_message_injected_before_a_paused_inference_is_sent_after_the_pause():
+    """A hook injects a message, and the inference it would go with is rate limited past
+    the budget: the pause committed the injection's removal without the message, which
+    no model or history ever saw."""
+    from runtime import Hook, HookOutput, InjectMessage
+
+    asked: list[int] = []
+
+    def step_start(h):  # once: the Step that starts again after the pause injects nothing
+        asked.append(1)
+        return HookOutput(reactions=[InjectMessage(text="policy: be brief")] * (len(asked) == 1))
+
+    hour = 3600.0
+    limited = ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=hour)
+    model = FailingModel([limited], say("done"))
+    runner, f = await run(model, rate_limit_wait_s=0, hooks=[Hook("StepStart", step_start)])
+    assert f.run_state.ticket.target.reason == "rate_limit"
+    done = await runner.resume(answer(f.run_state.ticket, Unpause()))
+    assert done.run_state.cause.kind == "natural"
+    sent = [m.text for m in model.requests[-1].messages if m.kind == "user"]
+    assert "policy: be brief" in sent
+    assert "policy: be brief" in [m.text for m in done.messages if m.kind == "user"]
+
+
 class AlwaysLimited:
     """Rate limited on every request, with the same hint each time."""
 
