@@ -12,7 +12,6 @@ from runtime.context import RunContext
 from runtime.execution import Side
 from runtime.hooking import Hooking
 from runtime.inference import Inference
-from runtime.lifecycle import Natural
 from runtime.messages import Message
 from runtime.plugin_env import guarded_end
 from runtime.session import (
@@ -65,8 +64,9 @@ class Sides(Hooking):
         assert session is not None
         if turns_over(self.root, ctx.frontier):
             cause = guarded_end(self.root, ctx, ())
-            if isinstance(cause, Natural):
-                staged.append(closing())
+            # closed whatever a guard says: its turns are over, and a session left open
+            # ended every later Run of the thread at once, without an inference
+            staged.append(closing())
             await self.end(ctx, cause, commands=tuple(staged))
             return True
         spec = session.b if side == "b" else None

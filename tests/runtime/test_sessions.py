@@ -133,6 +133,24 @@ async def test_model_and_model_take_turns_each_seeing_the_session_its_way():
     assert f.steps == 6
 
 
+async def test_a_session_whose_turns_are_over_closes_though_a_guard_refuses_its_end():
+    """A run-end guard refusing the session's end (it sees no answer of the Run's own)
+    ended the Run ``failed(hook)`` and left the session open: every later Run of the
+    thread met its turns over and ended the same way, without an inference."""
+    import dataclasses
+
+    agent = dataclasses.replace(
+        with_handler(turns=3), run_end_guards=(lambda seen: None if seen.answer else "no answer",)
+    )
+    store = MemoryCommitStore()
+    runner = InProcessRunner(agent, store)
+    f = await runner.start("write a haiku", thread_id="t")
+    assert (f.run_state.cause.kind, f.run_state.cause.code) == ("failed", "run_end_guard")
+    assert f.state["thread"][SESSION_KEY]["ended"] is True
+    again = await runner.start("another", thread_id="t")
+    assert again.steps > 0  # a fresh session: its model took Steps (none, left open)
+
+
 async def test_handler_turns_add_no_steps_but_count_toward_max_session_turns():
     f = await start(with_handler(turns=5))
     assert f.run_state.cause.kind == "natural"
