@@ -18,6 +18,9 @@ from pydantic.alias_generators import to_camel
 
 import runtime
 from runtime import ToolContext, ToolDefinitionError, tool
+from runtime.ids import CallId, OperationId, RunId, ThreadId
+from runtime.ports import ToolInvocation
+from runtime.tools import Tool
 
 
 def test_tool_builds_an_argument_model_from_the_signature():
@@ -195,25 +198,28 @@ def weigh(kilos: float) -> str:
     return f"{kilos} kg"
 
 
-async def test_a_tool_gets_its_arguments_as_its_parameters_are_typed():
-    """Arguments travel as JSON; the tool gets a datetime, a Decimal, an Enum, a model and
-    a tuple as its signature says, not their JSON forms (str, dict, list)."""
-    from runtime.ids import CallId, OperationId, RunId, ThreadId
-    from runtime.ports import Finished, ToolInvocation
-    from runtime.tool_calls import LocalToolRunner
-
-    raw = {"when": "2025-01-02T03:04:05Z", "price": "9.99", "color": "red",
-           "p": {"x": 1, "y": 2}, "ids": [1, 2]}  # fmt: skip
-    invocation = ToolInvocation(
-        tool="book",
-        arguments=book.parse(json.dumps(raw)),
+def _parsed_call(t: Tool, raw: dict[str, object]) -> ToolInvocation:
+    """One call of ``t`` with the model's arguments ``raw``, parsed as its gate parses them."""
+    return ToolInvocation(
+        tool=t.id,
+        arguments=t.parse(json.dumps(raw)),
         call_id=CallId("c1"),
-        operation_id=OperationId("op-1"),
+        operation_id=OperationId("op"),
         attempt=1,
         run_id=RunId("r"),
         thread_id=ThreadId("t"),
     )
-    (outcome,) = await LocalToolRunner([book]).run([invocation])
+
+
+async def test_a_tool_gets_its_arguments_as_its_parameters_are_typed():
+    """Arguments travel as JSON; the tool gets a datetime, a Decimal, an Enum, a model and
+    a tuple as its signature says, not their JSON forms (str, dict, list)."""
+    from runtime.ports import Finished
+    from runtime.tool_calls import LocalToolRunner
+
+    raw = {"when": "2025-01-02T03:04:05Z", "price": "9.99", "color": "red",
+           "p": {"x": 1, "y": 2}, "ids": [1, 2]}  # fmt: skip
+    (outcome,) = await LocalToolRunner([book]).run([_parsed_call(book, raw)])
     assert isinstance(outcome, Finished) and not outcome.output.is_error, outcome
     assert {
         "when": datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
@@ -382,23 +388,11 @@ def greet(who: _Named) -> str:
 async def test_a_typed_argument_is_validated_once_as_the_model_sent_it():
     """A model parameter with aliases is sent by its aliases (its dump by field name did not
     validate back), and its validators run once (a non-idempotent one ran twice)."""
-    from runtime.ids import CallId, OperationId, RunId, ThreadId
-    from runtime.ports import Finished, ToolInvocation
+    from runtime.ports import Finished
     from runtime.tool_calls import LocalToolRunner
 
-    def invocation(t: object, raw: dict[str, object]) -> ToolInvocation:
-        return ToolInvocation(
-            tool=t.id,  # type: ignore[attr-defined]
-            arguments=t.parse(json.dumps(raw)),  # type: ignore[attr-defined]
-            call_id=CallId("c1"),
-            operation_id=OperationId("op"),
-            attempt=1,
-            run_id=RunId("r"),
-            thread_id=ThreadId("t"),
-        )
-
-    flights = invocation(fly, {"flight": {"departureAirport": "SFO", "seatCount": 2}})
-    greeting = invocation(greet, {"who": {"name": "ann"}})
+    flights = _parsed_call(fly, {"flight": {"departureAirport": "SFO", "seatCount": 2}})
+    greeting = _parsed_call(greet, {"who": {"name": "ann"}})
     flown, greeted = await LocalToolRunner([fly, greet]).run([flights, greeting])
     assert isinstance(flown, Finished) and flown.output.content == "SFO x2"
     assert isinstance(greeted, Finished) and greeted.output.content == "ann!"
@@ -444,9 +438,8 @@ async def test_a_parameter_validator_that_raises_anything_refuses_the_model_s_ar
     the model's error to see; and one raised where the tool runs (SystemExit, under a
     timeout: asyncio re-raises it out of the loop) is the call's error."""
     from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel, call
-    from runtime.ids import CallId, OperationId, RunId, ThreadId
     from runtime.messages import ToolResultMessage
-    from runtime.ports import Finished, ToolInvocation
+    from runtime.ports import Finished
     from runtime.tool_calls import LocalToolRunner
     from storage.memory import MemoryCommitStore
 
@@ -460,16 +453,6 @@ async def test_a_parameter_validator_that_raises_anything_refuses_the_model_s_ar
     assert result.is_error and "KeyError" in result.content
 
     _validations.clear()
-    arguments = once.parse(json.dumps({"p": {"n": 1}}))
-    inv = ToolInvocation(
-        tool="once",
-        arguments=arguments,
-        call_id=CallId("c1"),
-        operation_id=OperationId("op"),
-        attempt=1,
-        run_id=RunId("r"),
-        thread_id=ThreadId("t"),
-    )
-    (outcome,) = await LocalToolRunner([once]).run([inv])
+    (outcome,) = await LocalToolRunner([once]).run([_parsed_call(once, {"p": {"n": 1}})])
     assert isinstance(outcome, Finished) and outcome.output.is_error
     assert "SystemExit" in outcome.output.content
