@@ -77,7 +77,7 @@ from runtime.limits import (
     check_reason,
     check_room,
     check_text,
-    message_id_limits,
+    long_id_limits,
 )
 from runtime.messages import Message, UserMessage
 from runtime.plugin_env import pin, refusal
@@ -290,7 +290,7 @@ class Engine(Stepping):
         limits = self.limits
         check_id("thread id", thread, limits)
         check_id("run id", run_id, limits)
-        check_id("message id", message_id, message_id_limits(limits.id_chars))
+        check_id("message id", message_id, long_id_limits(limits.id_chars))
         check_text("input", text, limits.input_bytes, "input_bytes")
 
     @tracing.drive

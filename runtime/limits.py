@@ -407,16 +407,17 @@ def check_room(store: object, limits: Limits) -> None:
         )
 
 
-_MESSAGE_ID_LIMITS: dict[int, Limits] = {}
+_LONG_ID_LIMITS: dict[int, Limits] = {}
 
 
-def message_id_limits(id_chars: int) -> Limits:
-    """The limits a start holds its message id to (four times ``id_chars``: a cluster's
-    input id names its Run, placement and agent), made once per ``id_chars``: a Limits
-    checks every field as it is made, which cost more than the check it serves."""
-    made = _MESSAGE_ID_LIMITS.get(id_chars)
+def long_id_limits(id_chars: int) -> Limits:
+    """The limits an id made of other ids is held to (four times ``id_chars``: a cluster's
+    input id names its Run, placement and agent; a correlation embeds an operation id),
+    made once per ``id_chars``: a Limits checks every field as it is made, which cost
+    more than the check it serves."""
+    made = _LONG_ID_LIMITS.get(id_chars)
     if made is None:
-        made = _MESSAGE_ID_LIMITS[id_chars] = Limits(id_chars=4 * id_chars)
+        made = _LONG_ID_LIMITS[id_chars] = Limits(id_chars=4 * id_chars)
     return made
 
 

@@ -43,7 +43,7 @@ from runtime.lifecycle import (
     check_payload,
     validate_resume,
 )
-from runtime.limits import Limits, check_id, printable
+from runtime.limits import Limits, check_id, long_id_limits, printable
 from runtime.messages import Message, UserMessage
 from runtime.ports import Finished
 from runtime.session import human_answer
@@ -67,7 +67,7 @@ def check_command(command: ResumeCommand, limits: Limits) -> ResumeCommand:
         command = ResumeCommand.model_validate(command)
     except ValidationError as exc:
         raise InputRefused("resume command", "type", printable(str(exc), 500)) from None
-    long_ids = Limits(id_chars=4 * limits.id_chars)  # correlations embed operation ids
+    long_ids = long_id_limits(limits.id_chars)  # correlations embed operation ids
     check_id("correlation", command.correlation, long_ids)
     check_id("run id", command.run_id, limits)
     check_id("thread id", command.thread_id, limits)
