@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from runtime.batch import ActiveToolBatch, result_messages, seal
 from runtime.commit import CommitLabel, Frontier, Receipt, ThreadCommit, assemble_commit
-from runtime.context import Landing, RunContext, StoreRetry
+from runtime.context import Landing, RunContext, StoreRetry, wait_commands
 from runtime.delegation import CHILDREN_KEY, ChildRunner, parent_link
 from runtime.errors import (
     Fenced,
@@ -309,6 +309,7 @@ class Committing:
         status = _status_after(f.status, disposition, now_us())
         changed = status if status is not f.status else None  # moved_to keeps it if unchanged
         traced = () if self.trace is None else self.trace.stamp(f, run, label)
+        waits = wait_commands(ctx, label)  # a hook's wait goes with the Step's next commit
         commit = assemble_commit(
             thread_id=f.thread_id,
             run_id=run,
@@ -316,7 +317,7 @@ class Committing:
             label=label,
             disposition=disposition,
             messages=tuple(messages),
-            commands=(*ctx.pending, *commands, *traced),
+            commands=(*ctx.pending, *commands, *traced, *waits),
             batch=batch,
             status=changed,
             extra_facts=tuple(extra_facts),

@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from pydantic import TypeAdapter
+
 from runtime.agent import Agent
 from runtime.commit import CommitLabel, Frontier
 from runtime.delegation import ChildRunner
@@ -20,10 +22,12 @@ from runtime.faults import FaultPlan
 from runtime.hooks import HookPoint, HookResults
 from runtime.ids import RunId
 from runtime.lifecycle import (
+    AwaitingState,
     EndCause,
     PauseTarget,
     RunDisposition,
     RunningState,
+    RunWait,
     UserInputTarget,
 )
 from runtime.limits import Limits
@@ -32,6 +36,10 @@ from runtime.state import Command
 
 STEP_ENDED = "step_ended"
 """Run-state key: the batch id whose Step's StepEnd hooks ran last."""
+WAIT_KEY = "wait_request"
+"""Run-state key: the wait (user input, a pause) a hook asked for in the middle of a
+Step, not yet taken at the Step boundary (``wait_commands``)."""
+_RUN_WAIT: TypeAdapter[UserInputTarget | PauseTarget] = TypeAdapter(RunWait)
 
 T = TypeVar("T")
 
@@ -112,6 +120,33 @@ class RunContext:
         if self._running is None or self._running.run_id != run_id:
             self._running = RunningState(run_id=run_id)
         return self._running
+
+
+def held_wait(frontier: Frontier) -> UserInputTarget | PauseTarget | None:
+    """The wait a hook asked for that ``frontier`` holds, still to be taken: a resume or
+    a recovery drives on from the store, never from the ExecutionState of the drive that
+    ran the hook (an ended Run's is no one's: a start begins without it)."""
+    if not isinstance(frontier.run_state, RunningState | AwaitingState):
+        return None
+    value = frontier.state["run"].get(WAIT_KEY)
+    return None if value is None else _RUN_WAIT.validate_python(value)
+
+
+def wait_commands(ctx: RunContext, label: CommitLabel) -> tuple[Command, ...]:
+    """What a commit records of the Run's own wait: it brings ``WAIT_KEY`` to the
+    ExecutionState's ``wait_request``. A hook's wait is thus set by the commit that
+    carries the rest of its output (a call's wait resumed, or a crash, before the Step
+    boundary keeps it), and removed by the awaiting commit that takes it (the boundary
+    clears the request first), so it is taken once. An activation starts the Run's state
+    afresh, and an end has no boundary left: neither records it."""
+    if label in ("activation", "ended"):
+        return ()
+    target = ctx.execution.wait_request
+    held = ctx.frontier.state["run"].get(WAIT_KEY)
+    if target is None:
+        return () if held is None else (Command(key=WAIT_KEY, scope="run", op="remove"),)
+    value = target.model_dump(mode="json")
+    return () if held == value else (Command(key=WAIT_KEY, scope="run", value=value),)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from runtime.agent import Agent
 from runtime.batch import result_messages, seal
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, whole_of, with_history
-from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry
+from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry, held_wait
 from runtime.delegation import (
     ChildRunner,
     ParentLink,
@@ -417,6 +417,7 @@ class Engine(Stepping):
             self.cancel_event,
             self.limits,
         )
+        execution.wait_request = held_wait(frontier)  # a hook's, committed mid-Step
         self._execution = execution
         ctx = RunContext(frontier=frontier, epoch=frontier.epoch, execution=execution)
         if self.root.session is not None:
@@ -500,7 +501,8 @@ class Engine(Stepping):
                 )
 
     async def _await_at_boundary(self, ctx: RunContext) -> None:
-        """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing."""
+        """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing
+        (a hook's wait, held in the run state since its commit, is removed with this one)."""
         target = ctx.execution.wait_request or PauseTarget(reason="manual")
         ctx.execution.wait_request = None
         self.pause_requested = False

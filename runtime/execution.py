@@ -65,14 +65,16 @@ class InjectMessage(Given):
 
 
 class RequestInput(Given):
-    """At the next Step boundary the Run awaits remote user input."""
+    """At the next Step boundary the Run awaits remote user input (held in the run
+    state from the Step's next commit until then: ``runtime.context.wait_commands``)."""
 
     kind: Literal["request_input"] = "request_input"
     prompt: str = ""
 
 
 class Pause(Given):
-    """At the next Step boundary the Run awaits an explicit unpause."""
+    """At the next Step boundary the Run awaits an explicit unpause (held as
+    ``RequestInput`` is)."""
 
     kind: Literal["pause"] = "pause"
     reason: PauseReason = "manual"
@@ -122,6 +124,8 @@ class ExecutionState:
         self.session_stopped = False
         self.forced_side: Side | None = None
         self.wait_request: UserInputTarget | PauseTarget | None = None
+        """The wait the Run takes at the next Step boundary; each commit records it in
+        the run state, whence a resume or recovery restores it (``runtime.context``)."""
         self.injected: list[str] = []
         """Injected texts not yet staged for a commit (the engine takes them)."""
         self._history: Callable[[], tuple[Message, ...]] = tuple

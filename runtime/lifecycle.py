@@ -103,6 +103,8 @@ class PauseTarget(Frozen):
 ResumeTarget = Annotated[
     ToolWaitTarget | UserInputTarget | PauseTarget, Field(discriminator="kind")
 ]
+RunWait = Annotated[UserInputTarget | PauseTarget, Field(discriminator="kind")]
+"""A wait of the Run itself, not of one of its calls: taken between Steps."""
 
 
 class ResumeTicket(Frozen):

@@ -17,6 +17,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, TypeAdapter, Valid
 
 from runtime.base import Frozen, canonical_json
 from runtime.delegation import ParentLink
+from runtime.lifecycle import RunWait
 from runtime.state import RESERVED_KEYS, Command, StateView
 
 Count = Annotated[StrictInt, Field(ge=0)]
@@ -53,6 +54,7 @@ SHAPES: Mapping[str, TypeAdapter[Any] | None] = {
     "run:injected": TypeAdapter(list[Injected]),
     "run:session": None,  # reserved, never written: any value is not Ratchet's
     "run:forced_turn": TypeAdapter(Side),
+    "run:wait_request": TypeAdapter(RunWait),
     "run:trace": TypeAdapter(list[StrictStr]),  # traceparents
     "thread:usage": TypeAdapter(Totals),
     "thread:session": TypeAdapter(Session),

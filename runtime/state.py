@@ -92,6 +92,7 @@ RESERVED_KEYS = frozenset(
                 "injected",  # runtime.injection: messages injected, not yet in history
                 "session",  # runtime.session: whose turn, how many turns
                 "forced_turn",  # runtime.session: the side force_turn named
+                "wait_request",  # runtime.context: a hook's wait, not yet taken
                 "trace",  # runtime.tracing: the traceparents of the Run's drives
             )
         ),

@@ -325,14 +325,14 @@ async def test_no_hook_writes_a_key_ratchet_keeps(key):
 
 
 def test_every_key_the_runtime_keeps_is_reserved():
-    from runtime.context import STEP_ENDED
+    from runtime.context import STEP_ENDED, WAIT_KEY
     from runtime.delegation import CHILDREN_KEY, PARENT_KEY
     from runtime.plugin_env import PLUGINS_KEY
     from runtime.session import FORCED_KEY
     from runtime.usage import BUDGET_FROM, MODEL_KEY, USAGE_KEY
 
     kept = {STEP_ENDED, CHILDREN_KEY, PARENT_KEY, PLUGINS_KEY, BUDGET_FROM, MODEL_KEY, USAGE_KEY}
-    assert {f"run:{k}" for k in (*kept, INJECTED_KEY, FORCED_KEY)} <= RESERVED_KEYS
+    assert {f"run:{k}" for k in (*kept, INJECTED_KEY, FORCED_KEY, WAIT_KEY)} <= RESERVED_KEYS
 
 
 def test_every_reserved_key_has_the_shape_an_import_holds_it_to():
