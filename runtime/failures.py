@@ -22,8 +22,8 @@ from runtime.errors import (
     StoreUnavailable,
 )
 from runtime.hooks import HookFailed
-from runtime.lifecycle import Failed
-from runtime.limits import said
+from runtime.lifecycle import Failed, FailureKind
+from runtime.limits import printable, said, short_code
 
 NOT_OURS: tuple[type[BaseException], ...] = (
     Fenced,  # another owner has the thread: it settles the Run, not us
@@ -36,19 +36,24 @@ NOT_OURS: tuple[type[BaseException], ...] = (
 
 def failure_of(exc: BaseException) -> Failed:
     """The cause a Run ends with when ``exc`` escaped one of its Steps."""
-    message = said(exc) or type(exc).__name__
+    kind, code = _classified(exc)
+    message = said(exc) or printable(type(exc).__name__)
+    return Failed(failure=kind, code=short_code(code), message=message)
+
+
+def _classified(exc: BaseException) -> tuple[FailureKind, str]:
     if isinstance(exc, HookFailed):
-        return Failed(failure="hook", code=exc.code, message=message)
+        return "hook", exc.code
     if isinstance(exc, StateConflict):
-        return Failed(failure="state_conflict", code="state_conflict", message=message)
+        return "state_conflict", "state_conflict"
     if isinstance(exc, HistoryLimitReached):
-        return Failed(failure="history_limit", code=exc.limit, message=message)
+        return "history_limit", exc.limit
     if isinstance(exc, PayloadTooLarge):
-        return Failed(failure="store", code="payload_too_large", message=message)
+        return "store", "payload_too_large"
     if isinstance(exc, CommitRefused):
-        return Failed(failure="store", code=exc.limit, message=message)
+        return "store", exc.limit
     if isinstance(exc, StoreError):
-        return Failed(failure="store", code=type(exc).__name__, message=message)
+        return "store", type(exc).__name__
     if isinstance(exc, InputRefused):
-        return Failed(failure="internal", code=exc.limit, message=message)
-    return Failed(failure="internal", code=type(exc).__name__, message=message)
+        return "internal", exc.limit
+    return "internal", type(exc).__name__

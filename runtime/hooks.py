@@ -33,6 +33,7 @@ from runtime.limits import (
     check_text,
     printable,
     raised,
+    short_code,
 )
 from runtime.messages import ContextMessage, Message
 from runtime.signals import cancelling
@@ -159,7 +160,7 @@ class HookFailed(Exception):
     def __init__(self, hook: Hook, point: HookPoint, error: BaseException) -> None:
         name = hook.name or getattr(hook.fn, "__qualname__", "hook")
         super().__init__(printable(f"hook {name} at {point}: {raised(error)}"))
-        self.code = type(error).__name__
+        self.code = short_code(type(error).__name__)
 
 
 _COMMANDS: TypeAdapter[list[Command]] = TypeAdapter(list[Command])

@@ -34,6 +34,7 @@ from runtime.limits import (
     printable,
     raised,
     said,
+    short_code,
     stored_size,
     utf8_problem,
 )
@@ -386,7 +387,7 @@ def _failed(error: BaseException) -> Failed:
             code = given if isinstance(given, str) else type(error).__name__
     else:
         code = error.limit if isinstance(error, InputRefused) else type(error).__name__
-    return Failed(failure="inference", code=printable(code, 80), message=said(error))
+    return Failed(failure="inference", code=short_code(code), message=said(error))
 
 
 # ---- what of a response may be committed --------------------------------------------

@@ -331,6 +331,13 @@ def printable(text: str, max_chars: int = 2000) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
 
 
+def short_code(code: str) -> str:
+    """``code`` as a failure records it: storable and at most 80 characters. A code is
+    often a type's name, and a generated class may be named anything, megabytes long:
+    an end that carried it whole could not be committed, and the Run would stay running."""
+    return printable(code, 80)
+
+
 _UNSEEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 """What a terminal obeys or cannot encode rather than shows: the C0 and C1 control
 characters but tab and newline (ESC opens a sequence that moves the cursor, erases a

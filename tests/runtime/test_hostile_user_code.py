@@ -28,6 +28,7 @@ from runtime import (
     tool,
 )
 from runtime.agent import Session, SessionSide
+from runtime.failures import failure_of
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, Failed, Stopped
 from runtime.messages import ToolResultMessage
@@ -485,3 +486,28 @@ async def test_a_hook_that_stops_the_run_after_its_last_answer_is_heard(point: s
     done = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
     assert done.run_state.cause == Stopped(reason="flagged")
     assert done.messages[-1].text == "an answer the hook flags"  # the answer is kept
+
+
+@pytest.mark.parametrize("where", ["hook", "session handler", "internal"])
+async def test_an_error_whose_type_name_no_store_holds_still_ends_the_run(where: str) -> None:
+    """A generated exception class may be named anything, megabytes long.
+    The code a failure records is its type's name cut to 80 storable characters, or the
+    Run's end itself would be refused, at every recovery, and the Run left running."""
+    named = type("E" * 1_100_000, (Exception,), {})
+    if where == "internal":
+        cause = failure_of(named("bad"))
+        assert cause.failure == "internal" and len(cause.code) == 80
+        return
+
+    def fn(*_: Any) -> Any:
+        raise named("bad input")
+
+    if where == "hook":
+        agent = Agent(name="a", model=_script(), tools=[fine], hooks=[Hook("StepStart", fn)])
+    else:
+        session = Session(b=SessionSide(handler=fn))
+        agent = Agent(name="a", model=_script(), tools=[fine], session=session)
+    ended = await _rest(agent)
+    assert isinstance(ended.cause, Failed) and ended.cause.failure == "hook"
+    assert ended.cause.code.startswith("EEEE") and len(ended.cause.code) == 80
+    assert len(ended.cause.message) <= 2000
