@@ -24,15 +24,15 @@ it did. The set-up from ``OTEL_*`` and the context carried between processes are
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from runtime.state import Command
+from runtime.tracing_guard import current, ended, injected, propagator, started
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider
@@ -57,10 +57,6 @@ SCOPE = "ratchet"
 class _Switch:
     decided = False
     tracer: Tracer | None = None
-    said = False
-    """A span processor's error was logged (once a process)."""
-    propagate: Any = None
-    """``opentelemetry.propagate`` once imported; False where its import failed."""
 
 
 _switch = _Switch()
@@ -108,63 +104,6 @@ def _decide() -> None:
 
 def sdk_disabled() -> bool:
     return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-
-
-# ---- spans no tracing set-up can break a Run with ---------------------------------------
-# The SDK calls an application's span processors as a span starts and ends and lets what
-# they raise through, to whoever started or ended the span: here, a Run. A processor that
-# raises costs its span (said once), never the Run.
-
-
-def _started(tracer: Tracer, name: str, **options: Any) -> Span:
-    try:
-        return tracer.start_span(name, **options)
-    except Exception as exc:  # a span processor's on_start: the span is lost, not the Run
-        _broken(exc)
-        from opentelemetry.trace import INVALID_SPAN
-
-        return INVALID_SPAN
-
-
-def _end(span: Span) -> None:
-    try:
-        span.end()
-    except Exception as exc:  # a span processor's on_end: the span is lost, not the Run
-        _broken(exc)
-
-
-@contextlib.contextmanager
-def _current(tracer: Tracer, name: str, **options: Any) -> Iterator[Span]:
-    """``tracer.start_as_current_span``: an error inside is recorded on the span, which
-    is ended when the block is left."""
-    from opentelemetry.trace import use_span
-
-    span = _started(tracer, name, **options)
-    try:
-        with use_span(span, end_on_exit=False):
-            yield span
-    finally:
-        _end(span)
-
-
-def _broken(exc: Exception) -> None:
-    if not _switch.said:
-        _switch.said = True
-        log.warning("a span processor raised (spans are missing, Runs go on): %r", exc)
-
-
-def propagator() -> Any:
-    """``opentelemetry.propagate``, or None where ``OTEL_PROPAGATORS`` names one that is
-    not installed (its import raises): then no context is carried, said once."""
-    if _switch.propagate is None:
-        try:
-            from opentelemetry import propagate
-        except Exception as exc:  # it reads OTEL_PROPAGATORS as it is imported: carry none
-            log.warning("no trace context carried between processes: %s", exc)
-            _switch.propagate = False
-        else:
-            _switch.propagate = propagate
-    return _switch.propagate or None
 
 
 # ---- a drive ---------------------------------------------------------------------------
@@ -231,7 +170,7 @@ async def _driven(
         attributes["ratchet.thread.id"] = thread
     if isinstance(run, str):
         attributes["ratchet.run.id"] = run
-    with _current(tracer, "ratchet.run", attributes=attributes) as span:
+    with current(tracer, "ratchet.run", attributes=attributes) as span:
         if not span.get_span_context().is_valid:  # refused by a span processor: untraced
             return await go()
         engine.trace = RunTrace(tracer, span)
@@ -293,7 +232,7 @@ class RunTrace:
         """``append``, as a ``ratchet.commit {label}`` span."""
         from opentelemetry.trace import SpanKind
 
-        with _current(
+        with current(
             self.tracer,
             f"ratchet.commit {label}",
             kind=SpanKind.CLIENT,
@@ -310,7 +249,7 @@ class RunTrace:
         return receipt
 
     async def step(self, number: int, work: Awaitable[T]) -> T:
-        with _current(self.tracer, "ratchet.step", attributes={"ratchet.step": number}):
+        with current(self.tracer, "ratchet.step", attributes={"ratchet.step": number}):
             return await work
 
 
@@ -372,7 +311,7 @@ async def _inference(
         if isinstance(value, str | int) and value:
             attributes[attribute] = value
     span_name = f"chat {name}" if isinstance(name, str) and name else "chat"
-    with _current(tracer, span_name, kind=SpanKind.CLIENT, attributes=attributes) as span:
+    with current(tracer, span_name, kind=SpanKind.CLIENT, attributes=attributes) as span:
         try:
             response = await work
         except BaseException as exc:
@@ -398,7 +337,7 @@ class ToolCalls:
         self.spans: dict[CallId, Span] = {}
         for call_id in wave:
             call = batch.call(call_id)
-            self.spans[call_id] = _started(
+            self.spans[call_id] = started(
                 tracer,
                 f"execute_tool {call.tool}",
                 kind=SpanKind.INTERNAL,
@@ -415,14 +354,11 @@ class ToolCalls:
         """The invocations, each with its call's span as ``trace_context``."""
         from opentelemetry.trace import set_span_in_context
 
-        propagate = propagator()
-        if propagate is None:
+        if propagator() is None:
             return invocations
         carried = []
         for invocation in invocations:
-            headers: dict[str, str] = {}
-            context = set_span_in_context(self.spans[invocation.call_id])
-            propagate.inject(headers, context=context)
+            headers = injected(set_span_in_context(self.spans[invocation.call_id]))
             carried.append(invocation.model_copy(update={"trace_context": headers or None}))
         return carried
 
@@ -450,7 +386,7 @@ class ToolCalls:
                     "error.type", "tool_error" if verdict == "completed" else verdict
                 )
                 span.set_status(StatusCode.ERROR)
-            _end(span)
+            ended(span)
         self.spans = {}
 
     def __enter__(self) -> ToolCalls:
@@ -466,7 +402,7 @@ class ToolCalls:
                 span.record_exception(error)
                 span.set_attribute("error.type", type(error).__name__)
                 span.set_status(StatusCode.ERROR)
-            _end(span)
+            ended(span)
         self.spans = {}
 
 

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Awaitable, Coroutine, Iterator, Mapping
 from typing import Any, TypeVar
 
-from runtime import tracing
+from runtime import tracing, tracing_guard
 from runtime.tracing import SCOPE, sdk_disabled
 
 log = logging.getLogger("ratchet.tracing")
@@ -120,24 +120,21 @@ def carrier() -> dict[str, str] | None:
         return None
     from opentelemetry import trace
 
-    propagate = tracing.propagator()
-    if propagate is None or not trace.get_current_span().get_span_context().is_valid:
+    if not trace.get_current_span().get_span_context().is_valid:
         return None
-    headers: dict[str, str] = {}
-    propagate.inject(headers)
-    return headers or None
+    return tracing_guard.injected() or None
 
 
 @contextlib.contextmanager
 def continued(headers: Mapping[str, str] | None) -> Iterator[None]:
     """Inside, the context ``headers`` carry (W3C ``traceparent``) is the current one."""
-    propagate = tracing.propagator() if headers and "traceparent" in headers else None
-    if headers is None or propagate is None:
+    carried = tracing_guard.extracted(headers) if headers and "traceparent" in headers else None
+    if carried is None:
         yield
         return
     from opentelemetry import context
 
-    token = context.attach(propagate.extract(headers))
+    token = context.attach(carried)
     try:
         yield
     finally:

@@ -473,3 +473,41 @@ async def test_a_commit_span_says_how_many_commits_shared_its_transaction(provid
         assert max(sizes) > 1  # eight Runs at once: the group writer shared transactions
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("fails", ["inject", "extract"])
+async def test_a_propagator_that_raises_costs_trace_context_never_the_run(provider, fails):
+    """The global text-map propagator is the application's to set; one that raises as
+    a call's context is carried to its tool (after the executing commit), or as a
+    drive or a tool continues a caller's, failed the Run ``internal`` and left its
+    never_replay call's outcome unknown."""
+    from opentelemetry import propagate
+    from opentelemetry.context import get_current
+    from opentelemetry.propagators.textmap import TextMapPropagator
+
+    class Raising(TextMapPropagator):
+        def inject(self, carrier, context=None, setter=None):  # type: ignore[no-untyped-def]
+            if fails == "inject":
+                raise RuntimeError("inject")
+            carrier["traceparent"] = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+
+        def extract(self, carrier, context=None, getter=None):  # type: ignore[no-untyped-def]
+            if fails == "extract":
+                raise RuntimeError("extract")
+            return context or get_current()
+
+        @property
+        def fields(self) -> set[str]:
+            return {"traceparent"}
+
+    was = propagate.get_global_textmap()
+    propagate.set_global_textmap(Raising())
+    try:
+        tracer = provider.get_tracer("tests")
+        store = MemoryCommitStore()
+        with tracer.start_as_current_span("caller"):
+            frontier = await InProcessRunner(billing(), store).start("go", thread_id="t1")
+    finally:
+        propagate.set_global_textmap(was)
+    assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
+    assert "execute_tool charge" in {s.name for s in finished(provider)}
