@@ -32,6 +32,7 @@ from runtime.events import Fact
 from runtime.faults import FaultPlan
 from runtime.ids import RunId, ThreadId
 from runtime.inference import Inference
+from runtime.injection import carried_by_answer
 from runtime.lifecycle import (
     AwaitingState,
     EndCause,
@@ -251,7 +252,8 @@ class Committing:
         """The size ``messages`` add to the thread's history, or HistoryLimitReached if
         the commit would take the thread past a history limit (an end never is). A wait
         keeps one commit in hand for its resume: awaiting at the last commit, no resume
-        could land, and the Run waited for ever, neither resumed nor ended."""
+        could land, and the Run waited for ever, neither resumed nor ended (a wait for
+        input keeps room in bytes too: ``_within_answer``)."""
         limits, f = self.limits, ctx.frontier
         room = 2 if label == "awaiting" else 1
         if f.version + room > limits.history_commits:
@@ -272,6 +274,26 @@ class Committing:
                 f"{limits.history_bytes}",
             )
         return added
+
+    def _within_answer(self, ctx: RunContext, waiting: Frontier, added: int) -> None:
+        """HistoryLimitReached if a wait for input leaves no room in ``history_bytes`` for
+        what its answer writes ahead of its text (``carried_by_answer``). The Run knows
+        those bytes now; past the limit with them alone, every answer was refused and the
+        Run waited for ever, as at the last commit (``_within_history``)."""
+        state = waiting.run_state
+        if not isinstance(state, AwaitingState):
+            return
+        if not isinstance(state.ticket.target, UserInputTarget):
+            return  # a tool's or a pause's answer writes no message
+        assert ctx.history_bytes is not None  # measured by ``_within_history``
+        size = ctx.history_bytes + added + history_size(carried_by_answer(waiting))
+        if size > self.limits.history_bytes:
+            raise HistoryLimitReached(
+                f"the history of thread {waiting.thread_id}",
+                "history_bytes",
+                f"the answer to its wait would hold {size} bytes before its own text; "
+                f"the limit is {self.limits.history_bytes}",
+            )
 
     def _within_state(self, before: Frontier, after: Frontier) -> None:
         """HistoryLimitReached if the commit takes the thread's state past ``state_bytes``,
@@ -329,6 +351,8 @@ class Committing:
         new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)
         if label != "ended" and new_frontier.state is not base.state:
             self._within_state(base, new_frontier)
+        if label == "awaiting":
+            self._within_answer(ctx, new_frontier, added)
         owner = self.owner if claim else None
         self.faults.hit(f"before:{label}")
         append = functools.partial(self.store.append, commit, f.version, ctx.epoch, claim=owner)

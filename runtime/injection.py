@@ -70,6 +70,14 @@ def take_injected(
     return messages, rest
 
 
+def carried_by_answer(waiting: Frontier) -> tuple[Message, ...]:
+    """What the answer to a wait for input on ``waiting`` writes ahead of its own text, in
+    its resume commit (``runtime.resume.resume_commit``): the last Step's results (the new
+    text follows them), then the messages injected before the wait."""
+    injected = injected_messages(waiting.run_id or "", waiting.state, ())
+    return (*result_messages(waiting.batch), *injected)
+
+
 def live_history(
     frontier: Frontier, staged: Iterable[Command], pending: Sequence[str] = ()
 ) -> tuple[Message, ...]:

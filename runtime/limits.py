@@ -88,7 +88,8 @@ class Limits:
     """A thread's message history (its texts, tool arguments and results, as stored):
     a commit past it ends the Run ``failed(history_limit, history_bytes)`` (the end
     itself lands, with the results of the Step it ends: at most ``batch_result_bytes``
-    more)."""
+    more). A wait for input keeps room for what its answer writes ahead of its text (the
+    Step's results, injected messages)."""
     history_commits: int = 50_000
     """Commits on one thread: past it the Run ends ``failed(history_limit,
     history_commits)``. A Run's end is always committed, whatever the limits, and a wait

@@ -19,7 +19,6 @@ from runtime.batch import (
     finalize,
     mark_awaiting,
     mark_executing,
-    result_messages,
 )
 from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
@@ -27,7 +26,7 @@ from runtime.errors import InputRefused
 from runtime.events import Fact
 from runtime.gates import admit_outcome, relationships
 from runtime.ids import CallId, CorrelationId
-from runtime.injection import take_injected
+from runtime.injection import carried_by_answer, take_injected
 from runtime.lifecycle import (
     AwaitingState,
     DelegationOutcome,
@@ -131,14 +130,14 @@ async def resume_commit(
             prior = ctx.frontier.batch
             if prior is not None:
                 batch = finalize(prior)
-                messages = result_messages(prior)
             user = UserMessage(id=f"{ticket.correlation}:input", text=payload.text)
             if isinstance(target, UserInputTarget) and target.side is not None:
                 # a session's human side answered: its turn ends with this commit
                 user, commands = human_answer(target, ctx.frontier, payload.text, user.id)
-            # messages injected before the wait come before the answer
-            injected, commands = take_injected(ctx.run_id, ctx.frontier.state, commands)
-            messages = (*messages, *injected, user)
+            # the results, then the messages injected before the wait, come before the
+            # answer: the wait kept room for them (``Committing._within_answer``)
+            _, commands = take_injected(ctx.run_id, ctx.frontier.state, commands)
+            messages = (*carried_by_answer(ctx.frontier), user)
     else:
         assert batch is not None
         call_id = target.call_id

@@ -17,6 +17,7 @@ from runtime import (
     tool,
 )
 from runtime.errors import HistoryLimitReached
+from runtime.hooks import Hook, HookInput
 from runtime.limits import history_headroom, history_size, state_size
 from runtime.tools import ToolResult
 from storage.memory import MemoryCommitStore
@@ -151,3 +152,54 @@ async def test_a_commit_that_shrinks_a_state_past_a_lowered_limit_lands():
     )
     assert f.run_state.cause.kind == "natural"
     assert "notes" not in f.state["thread"] and state_size(f.state) < 2_000
+
+
+def asking(inject: str = "") -> Agent:
+    """One echo Step, then its StepEnd hook asks for input (injecting ``inject`` first):
+    the answer must carry the Step's results (and the injected text) before its own."""
+
+    def ask(hook_input: HookInput) -> None:
+        if hook_input.step == 0:
+            if inject:
+                hook_input.execution.inject_message(inject)
+            hook_input.execution.request_input("which?")
+
+    script = [ModelResponse(tool_calls=(call("echo", "c1", text="x" * 40),))]
+    return Agent(name="asking", model=ScriptedModel([*script, ModelResponse(text="done")]),
+                 tools=[echo], hooks=[Hook(point="StepEnd", fn=ask)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("inject", "limit"), [("", 1000), ("y" * 2000, 3000)], ids=["results", "injected"]
+)
+async def test_a_wait_for_input_keeps_room_in_bytes_for_what_its_answer_carries(
+    inject: str, limit: int
+) -> None:
+    """The answer to a wait for input writes the last Step's results and the messages
+    injected before the wait, then its text, in one commit. Past ``history_bytes`` already
+    without its text, every answer was refused (HistoryLimitReached to its caller) and the
+    Run waited for ever. The wait that leaves no room for them ends the Run instead."""
+    store = MemoryCommitStore()
+    runner = InProcessRunner(asking(inject), store, limits=Limits(history_bytes=limit))
+    f = await runner.start("go", thread_id="t")  # the results fit; with the injected, not
+    cause = f.run_state.cause
+    assert (cause.kind, cause.failure, cause.code) == ("failed", "history_limit", "history_bytes")
+    assert f"the limit is {limit}" in cause.message
+    assert f.messages[-1].kind == "tool_result"  # the end lands with the Step's results
+
+
+async def test_a_wait_for_input_with_room_takes_an_answer_that_fits() -> None:
+    """With room for what it carries, the wait is made; an answer too long to fit is
+    refused and the ticket stays, and a shorter one lands."""
+    from runtime import UserInput, answer
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(asking(), store, limits=Limits(history_bytes=2200))
+    f = await runner.start("go", thread_id="t")
+    ticket = f.run_state.ticket
+    with pytest.raises(HistoryLimitReached) as refused:
+        await runner.resume(answer(ticket, UserInput(text="z" * 500)))
+    assert refused.value.limit == "history_bytes"
+    assert (await store.load("t")).run_state == f.run_state
+    done = await runner.resume(answer(ticket, UserInput(text="savings")))
+    assert done.run_state.cause.kind == "natural"
