@@ -102,6 +102,8 @@ class RunEndInput:
     run_id: RunId
     thread_id: ThreadId
     answer: str
+    """The Run's final answer: the text of the assistant message its end commits (a
+    session whose turns are over: its last model answer), else empty."""
     state: StateView
     messages: Sequence[Message]
 

@@ -44,10 +44,14 @@ def refusal(
 
 def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> EndCause:
     """A natural end, unless a run-end guard refuses it: then ``failed(hook,
-    run_end_guard)`` with the guard's reason (a guard that raises refuses too)."""
+    run_end_guard)`` with the guard's reason (a guard that raises refuses too).
+
+    ``messages``: what the end commits, its answer last. An end that commits none (a
+    session whose turns are over, ended before a Step) answered with the history's last
+    answer: its guards were shown none."""
     if not agent.run_end_guards:
         return Natural()
-    final = messages[-1] if messages else None
+    final = messages[-1] if messages else _last_answer(ctx.frontier.messages)
     seen = RunEndInput(
         run_id=ctx.run_id,
         thread_id=ctx.frontier.thread_id,
@@ -65,3 +69,13 @@ def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> E
         if text is not None:
             return Failed(failure="hook", code="run_end_guard", message=text)
     return Natural()
+
+
+def _last_answer(history: Sequence[Message]) -> AssistantMessage | None:
+    """The last model answer (an assistant message without calls: a handler's or a
+    human's turn is no answer), found from the end: it is the last turn's, or the one
+    before it."""
+    for m in reversed(history):
+        if isinstance(m, AssistantMessage) and not m.tool_calls:
+            return m
+    return None

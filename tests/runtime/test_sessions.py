@@ -134,13 +134,13 @@ async def test_model_and_model_take_turns_each_seeing_the_session_its_way():
 
 
 async def test_a_session_whose_turns_are_over_closes_though_a_guard_refuses_its_end():
-    """A run-end guard refusing the session's end (it sees no answer of the Run's own)
-    ended the Run ``failed(hook)`` and left the session open: every later Run of the
-    thread met its turns over and ended the same way, without an inference."""
+    """A run-end guard refusing the session's end ended the Run ``failed(hook)`` and left
+    the session open: every later Run of the thread met its turns over and ended the
+    same way, without an inference."""
     import dataclasses
 
     agent = dataclasses.replace(
-        with_handler(turns=3), run_end_guards=(lambda seen: None if seen.answer else "no answer",)
+        with_handler(turns=3), run_end_guards=(lambda seen: "not good enough",)
     )
     store = MemoryCommitStore()
     runner = InProcessRunner(agent, store)
@@ -149,6 +149,25 @@ async def test_a_session_whose_turns_are_over_closes_though_a_guard_refuses_its_
     assert f.state["thread"][SESSION_KEY]["ended"] is True
     again = await runner.start("another", thread_id="t")
     assert again.steps > 0  # a fresh session: its model took Steps (none, left open)
+
+
+@pytest.mark.parametrize(
+    "agent",
+    [with_handler(turns=3), with_handler(turns=4), model_pair(turns=4)],
+    ids=["handler-last-turn-a", "handler-last-turn-b", "model-pair"],
+)
+async def test_a_guard_at_the_end_of_a_sessions_turns_sees_its_last_answer(agent: Agent):
+    """A session whose turns are over ends before a Step, committing no message: its
+    run-end guards were shown ``answer=""`` whatever the session had answered. They see
+    the session's last answer (a model's; a handler's or a human's turn is none)."""
+    import dataclasses
+
+    shown: list[str] = []
+    guarded = dataclasses.replace(agent, run_end_guards=(lambda seen: shown.append(seen.answer),))
+    f = await start(guarded)
+    assert f.run_state.cause.kind == "natural"
+    answers = [text for kind, _, text in lines(f) if kind == "assistant" and text]
+    assert shown == [answers[-1]] and answers[-1]
 
 
 async def test_handler_turns_add_no_steps_but_count_toward_max_session_turns():
