@@ -317,3 +317,23 @@ async def test_stop_from_inside_the_run_ends_stopped():
     agent = one_tool_agent(noop, hooks=[Hook(point="AfterTool", fn=stopper)])
     f = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
     assert f.run_state.cause.kind == "stopped" and f.run_state.cause.reason == "budget reached"
+
+
+async def test_a_recovered_wait_keeps_its_deadline():
+    """A driver lost once its wait landed: the recovery finds the Run at rest and
+    commits nothing, so the ticket's deadline is the one committed with the wait (a wait
+    committed again would arm a deadline from the recovery's clock)."""
+    from runtime import Crash, FaultPlan, PermissionDecision
+
+    from .agents import answer_within_an_hour
+
+    store = MemoryCommitStore()
+    runner = InProcessRunner(one_tool_agent(answer_within_an_hour), store)
+    with pytest.raises(Crash):
+        await runner.start("go", thread_id="t", faults=FaultPlan(("after:awaiting", 1)))
+    waiting = await store.load("t")
+    assert waiting.run_state.ticket.deadline_us is not None
+    recovered = await InProcessRunner(one_tool_agent(answer_within_an_hour), store).recover("t")
+    assert (recovered.version, recovered.run_state) == (waiting.version, waiting.run_state)
+    done = await runner.resume(command_for(recovered, PermissionDecision(approve=True)))
+    assert done.run_state.cause.kind == "natural"
