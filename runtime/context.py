@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import TypeAdapter
 
@@ -33,6 +33,9 @@ from runtime.lifecycle import (
 from runtime.limits import Limits
 from runtime.ports import ToolRunner
 from runtime.state import Command
+
+if TYPE_CHECKING:
+    from runtime.tracing import RunTrace
 
 STEP_ENDED = "step_ended"
 """Run-state key: the batch id whose Step's StepEnd hooks ran last."""
@@ -182,6 +185,8 @@ class StepServices(Protocol):
     limits: Limits
     prompt_path: tuple[str, ...]
     lineage: tuple[str, ...]
+    trace: RunTrace | None
+    """The drive's span (None: the drive is not traced)."""
 
     @property
     def ending(self) -> bool:

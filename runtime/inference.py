@@ -120,7 +120,12 @@ class Inference:
             await self.checkpoints.delete(thread)
 
     async def infer(
-        self, ctx: RunContext, step: int, history: tuple[Any, ...], last: bool
+        self,
+        ctx: RunContext,
+        step: int,
+        history: tuple[Any, ...],
+        last: bool,
+        trace: tracing.RunTrace | None = None,
     ) -> Admitted:
         """Ask the model, streaming deltas live. Every failure of an attempt — the model
         raising, or answering what cannot be committed — is the model's: the inference is
@@ -133,7 +138,8 @@ class Inference:
             attempt += 1
             request = _request(self.agent, ctx, step, attempt, history, last)
             try:
-                work = tracing.inference(self.agent.model, ctx, request, self._stream(ctx, request))
+                streamed = self._stream(ctx, request)
+                work = tracing.inference(trace, self.agent.model, ctx, request, streamed)
                 response = await self.guard(work)
                 return admit_response(response, self.limits)
             except CancelledSignal:

@@ -82,7 +82,7 @@ class Stepping(Sides):
             if root.session is not None:  # each side's model sees the session its way
                 history = view(history, side)
             try:
-                response = await self.inference.infer(ctx, step, history, last)
+                response = await self.inference.infer(ctx, step, history, last, self.trace)
             except PauseRun as pause:
                 ctx.pause_step(pause.target, staging)
                 return

@@ -160,7 +160,7 @@ async def run_wave(
             commands.clear()
         marked, joined = False, frozenset()  # a call retried after a loss: a new attempt
         services.faults.hit("during:tools")
-        with tracing.tool_calls(batch, wave) as spans:  # a no-op while tracing is off
+        with tracing.tool_calls(services.trace, batch, wave) as spans:  # no-op: untraced
             work = _dispatch(services, ctx, batch, wave, parsed, spans)
             outcomes = await services.guard(work)
             waits = _parallel_waits(wave, outcomes)

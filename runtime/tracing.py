@@ -31,6 +31,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
+from runtime.limits import printable
 from runtime.state import Command
 from runtime.tracing_guard import current, ended, injected, propagator, started
 
@@ -52,6 +53,8 @@ TRACE_KEY = "trace"
 KEEP = 8
 """How many drives' traceparents a Run keeps (a later drive links to each)."""
 SCOPE = "ratchet"
+ATTRIBUTE_ID_CHARS = 1024
+"""The most of a caller's id a drive's span shows before the engine has checked it."""
 
 
 class _Switch:
@@ -166,10 +169,13 @@ async def _driven(
     go: Callable[[], Awaitable[Frontier]],
 ) -> Frontier:
     attributes = {"ratchet.agent": engine.root.name, "ratchet.run.way": way}
+    # the caller's ids, before the engine has checked them: made exportable (a lone
+    # surrogate fails an OTLP batch's encoding, dropping other Runs' spans with it) and
+    # short; a drive that comes to rest sets the frontier's own (``_rested``)
     if isinstance(thread, str):
-        attributes["ratchet.thread.id"] = thread
+        attributes["ratchet.thread.id"] = printable(thread, ATTRIBUTE_ID_CHARS)
     if isinstance(run, str):
-        attributes["ratchet.run.id"] = run
+        attributes["ratchet.run.id"] = printable(run, ATTRIBUTE_ID_CHARS)
     with current(tracer, "ratchet.run", attributes=attributes) as span:
         if not span.get_span_context().is_valid:  # refused by a span processor: untraced
             return await go()
@@ -282,13 +288,18 @@ def step(driven: Drivable, ctx: _Working, work: Awaitable[T]) -> Awaitable[T]:
 
 
 def inference(
-    model: object, ctx: _Working, request: InferenceRequest, work: Awaitable[T]
+    trace: RunTrace | None,
+    model: object,
+    ctx: _Working,
+    request: InferenceRequest,
+    work: Awaitable[T],
 ) -> Awaitable[T]:
-    """One inference attempt as a GenAI ``chat {model}`` span; ``work`` itself when off."""
-    tracer = _switch.tracer
-    if tracer is None:
+    """One inference attempt as a GenAI ``chat {model}`` span, in the tracer of the drive
+    ``trace`` is (tracing switched on during an untraced drive makes no orphan span);
+    ``work`` itself when the drive is not traced."""
+    if trace is None:
         return work
-    return _inference(tracer, model, request, ctx.frontier.thread_id, work)
+    return _inference(trace.tracer, model, request, ctx.frontier.thread_id, work)
 
 
 async def _inference(
@@ -428,9 +439,9 @@ NO_TOOL_CALLS = _NoToolCalls()
 ToolSpans = ToolCalls | _NoToolCalls
 
 
-def tool_calls(batch: ActiveToolBatch, wave: Sequence[CallId]) -> ToolSpans:
-    """The spans of a wave's calls, started now (a no-op when tracing is off)."""
-    tracer = _switch.tracer
-    if tracer is None:
+def tool_calls(trace: RunTrace | None, batch: ActiveToolBatch, wave: Sequence[CallId]) -> ToolSpans:
+    """The spans of a wave's calls, started now in the drive's tracer (a no-op when the
+    drive is not traced)."""
+    if trace is None:
         return NO_TOOL_CALLS
-    return ToolCalls(tracer, batch, wave)
+    return ToolCalls(trace.tracer, batch, wave)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -22,6 +23,7 @@ from opentelemetry.trace import SpanKind, StatusCode, Tracer
 
 from runtime import (
     Agent,
+    Hook,
     InProcessRunner,
     ModelResponse,
     PermissionDecision,
@@ -511,3 +513,49 @@ async def test_a_propagator_that_raises_costs_trace_context_never_the_run(provid
         propagate.set_global_textmap(was)
     assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
     assert "execute_tool charge" in {s.name for s in finished(provider)}
+
+
+@pytest.mark.parametrize("given", ["thread", "run"])
+@pytest.mark.parametrize("value", ["t\ud800", "t" * 5_000_000])
+async def test_a_refused_id_is_shown_on_the_span_exportable_and_cut(provider, given, value):
+    """A start's ids are put on its span before the engine checks them: a lone surrogate
+    made the span unencodable by OTLP (its batch, other Runs' spans with it, dropped),
+    megabytes went out whole."""
+    from runtime.errors import InputRefused
+
+    ids = {"thread_id": value} if given == "thread" else {"thread_id": "t1", "run_id": value}
+    with pytest.raises(InputRefused):
+        await InProcessRunner(billing(), MemoryCommitStore()).start("go", **ids)
+    [run] = named(finished(provider), "ratchet.run")
+    shown = run.attributes[f"ratchet.{given}.id"]
+    assert isinstance(shown, str) and len(shown) <= tracing.ATTRIBUTE_ID_CHARS
+    shown.encode("utf-8")  # strict: what an exporter encodes
+
+
+@pytest.mark.parametrize("switched", ["on", "off"])
+async def test_tracing_switched_during_a_drive_keeps_to_the_drives_decision(switched):
+    """Whether a drive is traced is decided as it starts: switched on in the middle of
+    an untraced drive, its later inferences and tool calls made root spans, each in a
+    trace of its own; switched off in a traced one, its tree lost them."""
+    traced = Traced()
+    if switched == "off":
+        tracing.enable(traced.provider)
+
+    def flip(hook_input: Any) -> None:
+        if hook_input.step == 0:
+            tracing.enable(traced.provider) if switched == "on" else tracing.disable()
+
+    hooks = [Hook("AfterInference", flip)]
+    agent = Agent(name="a", model=billing().model, tools=billing().tools, hooks=hooks)
+    try:
+        frontier = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t1")
+    finally:
+        tracing.disable()
+    assert frontier.run_state.kind == "ended" and frontier.run_state.cause.kind == "natural"
+    spans = finished(traced)
+    if switched == "on":
+        assert spans == []
+    else:
+        [run] = named(spans, "ratchet.run")
+        assert {s.context.trace_id for s in spans} == {run.context.trace_id}
+        assert len(named(spans, "execute_tool charge")) == 1 and len(named(spans, "chat")) == 2
