@@ -42,7 +42,7 @@ from typing import Any, get_args
 from runtime.errors import RatchetError
 from runtime.hooks import Gate, Hook, HookPoint, RunEndGuard
 from runtime.limits import printable, raised
-from runtime.state import MergePolicy
+from runtime.state import RESERVED_KEYS, MergePolicy
 from runtime.tools import Tool
 
 
@@ -266,6 +266,8 @@ def _check_kinds(pid: str, made: Contributions) -> None:
             )
         if policy not in get_args(MergePolicy):
             raise ContributionFailed(pid, "state_keys", f"{key!r}: no merge policy {policy!r}")
+        if key in RESERVED_KEYS:  # no command may write it: refused now, not at a Step
+            raise ContributionFailed(pid, "state_keys", f"{key!r}: Ratchet keeps this key")
 
 
 def _answers_at_once(fn: object) -> bool:

@@ -377,6 +377,15 @@ def test_a_plugin_whose_function_fails_is_refused_naming_it():
         resolve([Plugin(PluginManifest(id="c"), lambda: {"tools": []})])
 
 
+@pytest.mark.parametrize("key", ["run:trace", "run:wait_request", "thread:usage"])
+def test_a_plugin_declaring_a_key_ratchet_keeps_is_refused_when_resolved(key):
+    """No command may write a reserved key: declared, it made a plugin that resolved and
+    failed its Runs at their first write (``reserved_key``)."""
+    contributions = Contributions(state_keys={key: "exclusive"})
+    with pytest.raises(ContributionFailed, match=rf"plugin 'k'.*{key}.*Ratchet keeps this key"):
+        resolve([Plugin(PluginManifest(id="k"), lambda: contributions)])
+
+
 class _Own(BaseException):
     """A BaseException of the plugin's own."""
 
