@@ -52,6 +52,7 @@ from runtime.events import AgentEvent, Delta, Fact
 from runtime.execution import (
     DenyCall,
     ExecutionState,
+    ExecutionView,
     ForceTurn,
     InjectMessage,
     Pause,
@@ -138,6 +139,7 @@ __all__ = [
     "EndedState",
     "Engine",
     "ExecutionState",
+    "ExecutionView",
     "ExternalResult",
     "Fact",
     "FaultPlan",

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from runtime.batch import ToolRecoveryPolicy
 from runtime.delegation import DelegationLimits
 from runtime.errors import AgentImportError, ToolDefinitionError
-from runtime.execution import ExecutionState, Side
+from runtime.execution import ExecutionView, Side
 from runtime.hooks import Gate, Hook, RunEndGuard
 from runtime.ids import RunId, ThreadId
 from runtime.limits import printable, raised
@@ -37,7 +37,8 @@ class HandlerInput:
     messages: Sequence[Message]
     """The session as this side sees it: its own turns as assistant messages, the other
     side's answers as user messages (``runtime.session.view``)."""
-    execution: ExecutionState
+    execution: ExecutionView
+    """The Run as it is now, read only: the live controls are the way to change it."""
 
 
 Handler = Callable[[HandlerInput], "str | Awaitable[str | None] | None"]

@@ -99,7 +99,9 @@ ToolRequest = Annotated[
 
 
 class ExecutionState:
-    """A Run seen from inside, while it executes (``None`` at rest: there is none)."""
+    """A Run seen from inside, while it executes (``None`` at rest: there is none). The
+    engine's own record, which only the engine writes: hooks and handlers are shown an
+    ``ExecutionView`` of it, tools a ``ToolExecution``."""
 
     def __init__(
         self,
@@ -198,6 +200,96 @@ class ExecutionState:
             self.wait_request = PauseTarget(reason=reaction.reason)
         else:
             raise TypeError(f"{type(reaction).__name__} is not a reaction this point can apply")
+
+
+class ReadOnlySignal:
+    """The Run's abort signal as a hook sees it: awaited or polled, never set or cleared
+    (set, it would cancel the Run as if from outside; cleared, it would hide a cancel
+    from the checks that come after)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: asyncio.Event) -> None:
+        self._event = event
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> bool:
+        return await self._event.wait()
+
+
+class ExecutionView:
+    """What a hook or a session's handler is shown of its Run: the live ExecutionState,
+    read only. Its one way to change the Run is a live control (``stop()``, ...,
+    ``react()``), checked as a returned reaction is (DESIGN §8: reactions are applied in
+    one place). A field written directly (``stop_reason``, ``wait_request``, ...) would
+    undo another hook's or a plugin's reaction unchecked, or hand a commit what no
+    store holds: it raises AttributeError, and the hook that wrote it fails."""
+
+    __slots__ = ("_signal", "_state")
+    _state: ExecutionState
+    _signal: ReadOnlySignal
+
+    def __init__(self, state: ExecutionState) -> None:
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_signal", ReadOnlySignal(state.abort_signal))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # said plainly: "has no setter" would leave the hook's author guessing how
+        raise AttributeError(
+            f"the Run's ExecutionView is read-only (writing {name!r}): change the Run by "
+            "a reaction in the HookOutput, or a live control (stop(), pause(), ...)"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        self.__setattr__(name, None)
+
+    run_id = property(lambda self: self._state.run_id)
+    thread_id = property(lambda self: self._state.thread_id)
+    flow_id = property(lambda self: self._state.flow_id)
+    prompt_path = property(lambda self: self._state.prompt_path)
+    limits = property(lambda self: self._state.limits)
+    current_side = property(lambda self: self._state.current_side)
+    step_count = property(lambda self: self._state.step_count)
+    side_a_step_count = property(lambda self: self._state.side_a_step_count)
+    side_b_step_count = property(lambda self: self._state.side_b_step_count)
+    stopped = property(lambda self: self._state.stopped)
+    stopped_by = property(lambda self: self._state.stopped_by)
+    message_history = property(lambda self: self._state.message_history)
+    abort_signal = property(lambda self: self._signal)
+    """Set when the Run is cancelled or stopped from outside: await or poll it."""
+    cancel_signal = abort_signal
+
+    def stop(self, reason: str = "stopped from inside the run") -> None:
+        self._state.stop(reason)
+
+    def stop_session(self, reason: str = "session stopped") -> None:
+        self._state.stop_session(reason)
+
+    def force_turn(self, side: Side) -> None:
+        self._state.force_turn(side)
+
+    def inject_message(self, text: str) -> None:
+        self._state.inject_message(text)
+
+    def request_input(self, prompt: str = "") -> None:
+        self._state.request_input(prompt)
+
+    def pause(self, reason: PauseReason = "manual") -> None:
+        self._state.pause(reason)
+
+    def react(
+        self,
+        reaction: StopRun
+        | StopSession
+        | ForceTurn
+        | InjectMessage
+        | RequestInput
+        | Pause
+        | DenyCall,
+    ) -> None:
+        self._state.react(reaction)
 
 
 def check_reaction_text(reaction: Reaction, limits: Limits) -> None:

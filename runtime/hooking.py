@@ -11,6 +11,7 @@ from runtime.agent import Agent
 from runtime.batch import ActiveToolBatch
 from runtime.committing import Committing
 from runtime.context import RunContext
+from runtime.execution import ExecutionView
 from runtime.hooks import HookInput, HookPoint, HookResults, run_hooks
 from runtime.injection import inject_commands, live_history
 from runtime.lifecycle import Cancelled, EndCause, Stopped
@@ -89,7 +90,7 @@ class Hooking(Committing):
             thread_id=ctx.frontier.thread_id,
             step=step,
             state=ctx.frontier.state,  # immutable: hooks return commands instead
-            execution=ctx.execution,
+            execution=ExecutionView(execution),
             response=response,
             call=call,
         )

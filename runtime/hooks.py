@@ -23,7 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from runtime.batch import ToolCall
 from runtime.errors import InputRefused, StateConflict
-from runtime.execution import DenyCall, ExecutionState, Reaction, check_reaction_text
+from runtime.execution import DenyCall, ExecutionView, Reaction, check_reaction_text
 from runtime.faults import Unwind
 from runtime.ids import RunId, ThreadId
 from runtime.limits import (
@@ -58,7 +58,8 @@ class HookInput:
     thread_id: ThreadId
     step: int
     state: StateView
-    execution: ExecutionState
+    execution: ExecutionView
+    """The Run as it is now, read only: the live controls are the way to change it."""
     response: Any = None
     """AfterInference: the ModelResponse."""
     call: ToolCall | None = None

@@ -30,7 +30,7 @@ from typing import Any
 from runtime.agent import Agent, HandlerInput, SessionSide
 from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
-from runtime.execution import ExecutionState, Side
+from runtime.execution import ExecutionState, ExecutionView, Side
 from runtime.faults import Unwind
 from runtime.hooks import Hook, HookFailed
 from runtime.injection import inject_commands
@@ -194,7 +194,7 @@ async def handler_turn(
         thread_id=f.thread_id,
         turn=int(state_of(f).get("turns", 0)),
         messages=tuple(m for m in history if not isinstance(m, ContextMessage)),
-        execution=ctx.execution,
+        execution=ExecutionView(ctx.execution),
     )
     as_hook = Hook(point="StepStart", fn=lambda _: None, name=f"handler {spec.name}")
     try:

@@ -1,0 +1,151 @@
+"""What a hook (or a session's handler) may do to its Run besides returning data: call
+the documented live controls, held to the limits, and nothing else. The ExecutionState
+it is shown is a read-only view (``runtime.execution.ExecutionView``): writing a
+request field would undo another hook's or a plugin's reaction unchecked, or hand the
+store what it cannot hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from runtime import (
+    Agent,
+    Hook,
+    HookOutput,
+    InProcessRunner,
+    ModelResponse,
+    ScriptedModel,
+    StopRun,
+    call,
+    tool,
+)
+from runtime.agent import Session, SessionSide
+from runtime.lifecycle import EndedState, Failed
+from runtime.limits import Limits
+from runtime.plugins import CapabilityBound, Contributions, Plugin, PluginManifest
+from storage.memory import MemoryCommitStore
+
+
+@tool
+async def fine() -> str:
+    return "fine"
+
+
+def _script() -> ScriptedModel:
+    return ScriptedModel(
+        [ModelResponse(tool_calls=(call("fine", "c1"),)), ModelResponse(text="ok")]
+    )
+
+
+async def _rest(agent: Agent) -> EndedState:
+    frontier = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert isinstance(frontier.run_state, EndedState), frontier.run_state
+    return frontier.run_state
+
+
+def _hook_failed(ended: EndedState) -> Failed:
+    assert isinstance(ended.cause, Failed), ended.cause
+    assert ended.cause.failure == "hook", ended.cause
+    return ended.cause
+
+
+# ---- the live state is read-only ---------------------------------------------------------
+
+_WRITES: dict[str, Callable[[Any], None]] = {
+    "stop_reason cleared": lambda e: setattr(e, "stop_reason", None),
+    "stop_reason unpaired": lambda e: setattr(e, "stop_reason", "why \ud800"),
+    "stop_reason not text": lambda e: setattr(e, "stop_reason", {"x": 1}),
+    "stopped_by": lambda e: setattr(e, "stopped_by", "b"),
+    "session_stopped": lambda e: setattr(e, "session_stopped", True),
+    "forced_side": lambda e: setattr(e, "forced_side", "zz"),
+    "wait_request": lambda e: setattr(e, "wait_request", "please"),
+    "injected": lambda e: e.injected.append("x" * (5 * 1024 * 1024)),
+    "limits": lambda e: setattr(e, "limits", Limits(input_bytes=10**9)),
+    "step_count": lambda e: setattr(e, "step_count", -1),
+    "current_side": lambda e: setattr(e, "current_side", "zz"),
+    "abort_signal set": lambda e: e.abort_signal.set(),
+    "abort_signal clear": lambda e: e.abort_signal.clear(),
+    "abort_signal replaced": lambda e: setattr(e, "abort_signal", None),
+}
+
+
+@pytest.mark.parametrize("write", list(_WRITES))
+async def test_a_hook_that_writes_the_live_state_is_the_one_that_fails(write: str) -> None:
+    """A write past the live controls is refused where it is made: the Run ends
+    ``failed(hook)`` naming the hook — not stopped, cancelled or undone unchecked, and
+    not ``failed(store)`` or ``failed(internal)`` at a commit later."""
+
+    def writes(seen: Any) -> None:
+        _WRITES[write](seen.execution)
+
+    hooks = [Hook("StepStart", writes, name="writer")]
+    failed = _hook_failed(await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks)))
+    assert failed.code == "AttributeError" and "hook writer at StepStart" in failed.message
+
+
+def _policy(_: Any) -> HookOutput:
+    return HookOutput(reactions=[StopRun(reason="policy: wires need review")])
+
+
+async def test_a_plugin_s_stop_cannot_be_undone_by_a_later_hook() -> None:
+    """A policy plugin stops the Run before a never_replay wire runs; a later plugin's
+    hook, bound to nothing but AfterInference, sees the stop and tries to clear it: it
+    fails, and the wire never runs."""
+    wired: list[int] = []
+    seen_stopped: list[bool] = []
+
+    @tool(recovery=("never_replay",))
+    def wire(amount: int) -> str:
+        wired.append(amount)
+        return f"wired {amount}"
+
+    def undo(seen: Any) -> None:
+        seen_stopped.append(seen.execution.stopped)
+        seen.execution.stop_reason = None
+
+    def plugin(name: str, fn: Callable[[Any], Any]) -> Plugin:
+        bound = CapabilityBound(hook_points=frozenset({"AfterInference"}))
+        hooks = [Hook("AfterInference", fn, name=name)]
+        return Plugin(PluginManifest(id=name, bound=bound), lambda: Contributions(hooks=hooks))
+
+    model = ScriptedModel(
+        [ModelResponse(tool_calls=(call("wire", "c1", amount=5000),)), ModelResponse(text="ok")]
+    )
+    plugins = [plugin("policy", _policy), plugin("sloppy", undo)]
+    agent = Agent(name="a", model=model, tools=[wire], plugins=plugins)
+    failed = _hook_failed(await _rest(agent))
+    assert "hook sloppy at AfterInference" in failed.message
+    assert seen_stopped == [True] and wired == []
+
+
+async def test_a_session_handler_that_writes_the_live_state_fails_the_run() -> None:
+    def handler(seen: Any) -> str:
+        seen.execution.forced_side = "zz"
+        return "again"
+
+    session = Session(b=SessionSide(handler=handler, name="h"))
+    failed = _hook_failed(
+        await _rest(Agent(name="a", model=_script(), tools=[fine], session=session))
+    )
+    assert failed.code == "AttributeError"
+
+
+async def test_the_view_shows_the_live_state_and_its_controls_still_act() -> None:
+    """What a hook reads is the Run as it is now (a stop made by the hook before it,
+    the signal), and a control it calls takes effect as the reaction would."""
+    seen: list[tuple[bool, str | None, bool]] = []
+
+    def stops(h: Any) -> None:
+        h.execution.stop("enough")
+
+    def reads(h: Any) -> None:
+        e = h.execution
+        seen.append((e.stopped, e.stopped_by, e.abort_signal.is_set()))
+
+    hooks = [Hook("StepStart", stops), Hook("StepStart", reads)]
+    ended = await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks))
+    assert ended.cause.kind == "stopped" and getattr(ended.cause, "reason", "") == "enough"
+    assert seen == [(True, "a", False)]
