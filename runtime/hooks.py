@@ -36,7 +36,6 @@ from runtime.limits import (
     short_code,
 )
 from runtime.messages import ContextMessage, Message
-from runtime.signals import cancelling
 from runtime.state import Command, MergePolicy, StateView, apply_commands, check_writable
 
 HookPoint = Literal["StepStart", "BeforeInference", "AfterInference", "AfterTool", "StepEnd"]
@@ -180,27 +179,38 @@ async def run_hooks(
 ) -> None:
     """Run the hooks of one point in list order, collecting what they return and applying
     their reactions (the one place hook reactions take effect). ``staged``: commands the
-    Run holds for its next commit, which the hooks' must merge with too."""
+    Run holds for its next commit, which the hooks' must merge with too.
+
+    Awaited in a task of its own (``guarded_apart``), never the Run's: the Run's cancel
+    or stop lets that task go and drops whatever it ends with, so a cancellation heard
+    here matters only when a hook cancelled its own task, and is that hook's failure (as
+    a tool's is). Passed on, it reached the Run's task, not itself cancelled, as a
+    ``failed(internal, CancelledError)``."""
+    task = asyncio.current_task()
+    assert task is not None, "hooks run inside a task"
     for hook in hooks:
         if hook.point != hook_input.point:
             continue
         try:
+            asked = task.cancelling()
             out = hook.fn(hook_input)
             if inspect.isawaitable(out):
                 out = await out
+            if task.cancelling() > asked:
+                # it cancelled its task and returned: the cancellation it left pending
+                # lands here, on it, not on the next hook's first wait (one it caught and
+                # swallowed is gone, and the hook's output stands, as a tool's result does)
+                await asyncio.sleep(0)
             if out is None:
                 continue
             commands, context, reactions = _admitted(out, hook, hook_input, limits)
             if commands:  # a clash found now is this hook's (StateConflict)
                 _merge_check(hook_input.state, (*staged, *into.alongside, *into.commands), commands)
-        except asyncio.CancelledError as exc:
-            if cancelling():
-                raise  # the Run's task is being cancelled: it goes on unwinding
-            raise HookFailed(hook, hook_input.point, exc) from exc
         except Unwind:
             raise  # a crash test's Crash, a replay's Halt: nothing settles
-        except BaseException as exc:  # SystemExit and the like are the hook's failure too:
-            # asyncio would re-raise them out of the loop, stopping every Run of the host
+        except BaseException as exc:  # SystemExit and the like are the hook's failure too
+            # (asyncio would re-raise them out of the loop, stopping every Run of the host),
+            # and so is a CancelledError (see above)
             raise HookFailed(hook, hook_input.point, exc) from exc
         into.commands.extend(commands)
         into.context.extend(context)

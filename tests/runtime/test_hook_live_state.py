@@ -2,10 +2,11 @@
 the documented live controls, held to the limits, and nothing else. The ExecutionState
 it is shown is a read-only view (``runtime.execution.ExecutionView``): writing a
 request field would undo another hook's or a plugin's reaction unchecked, or hand the
-store what it cannot hold."""
+store what it cannot hold. A hook that cancels its own task is the one that fails."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -149,3 +150,30 @@ async def test_the_view_shows_the_live_state_and_its_controls_still_act() -> Non
     ended = await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks))
     assert ended.cause.kind == "stopped" and getattr(ended.cause, "reason", "") == "enough"
     assert seen == [(True, "a", False)]
+
+
+# ---- a hook that cancels its own task ----------------------------------------------------
+
+
+async def _cancels_itself(_: Any) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    await asyncio.sleep(0)
+
+
+def _cancels_itself_and_returns(_: Any) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()  # lands on whatever the task awaits next
+
+
+@pytest.mark.parametrize("point", ["StepStart", "AfterTool", "StepEnd"])
+@pytest.mark.parametrize("fn", [_cancels_itself, _cancels_itself_and_returns])
+async def test_a_hook_that_cancels_its_own_task_fails_as_a_hook(point: str, fn: Any) -> None:
+    """As a tool that cancels its own task: the hook's error, ``failed(hook)`` naming it,
+    never a ``failed(internal, CancelledError)`` of the runtime's."""
+    hooks = [Hook(point, fn, name="canceller"), Hook(point, lambda _: None, name="after")]
+    failed = _hook_failed(await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks)))
+    assert failed.code == "CancelledError"
+    assert f"hook canceller at {point}" in failed.message
