@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.agent import Agent
-from runtime.base import canonical_json
 from runtime.batch import ActiveToolBatch, Completed, ToolOutput, complete, mark_indeterminate
 from runtime.context import RunContext, StepServices
 from runtime.delegation import CHILDREN_KEY, child_ids, refusal
@@ -33,6 +32,7 @@ from runtime.limits import (
     check_id,
     check_json_value,
     check_text,
+    handed_bytes,
     printable,
     raised,
     stored_size,
@@ -284,8 +284,8 @@ def admit_outcome(
             stored_size(c.phase.output.content)
             for c in batch.calls
             if isinstance(c.phase, Completed)
-        ) + sum(_handed(c) for c in staged)
-        adds = stored_size(content) + sum(_handed(c) for c in outcome.commands)
+        ) + sum(handed_bytes(c) for c in staged)
+        adds = stored_size(content) + sum(handed_bytes(c) for c in outcome.commands)
         adds += sum(stored_size(getattr(r, "text", None) or "") for r in outcome.requests)
         if so_far + adds > limits.batch_result_bytes:
             raise InputRefused(
@@ -297,10 +297,3 @@ def admit_outcome(
     except InputRefused as exc:
         return Finished.refused(exc)
     return outcome
-
-
-def _handed(command: Command) -> int:
-    """The bytes a state command adds to a commit (its key and its value as JSON), as
-    stored: UTF-8, not characters (an emoji is four bytes, one character)."""
-    value = canonical_json(command.value)
-    return stored_size(command.key) + (len(value) if value.isascii() else len(value.encode()))

@@ -97,7 +97,7 @@ class Hooking(Committing):
         try:
             # a hook that hangs must not hold a Run that is cancelled or stopped
             await self.guard_apart(
-                run_hooks(self.agent.hooks, hook_input, into, self.limits, ctx.pending)
+                run_hooks(self.agent.hooks, hook_input, execution, into, self.limits, ctx.pending)
             )
         finally:  # what the hooks injected is staged with their commands
             source = f"{step:06d}:{point}:{call.call_id if call is not None else '-'}"

@@ -23,7 +23,14 @@ from pydantic import TypeAdapter, ValidationError
 
 from runtime.batch import ToolCall
 from runtime.errors import InputRefused, StateConflict
-from runtime.execution import DenyCall, ExecutionView, Reaction, check_reaction_text
+from runtime.execution import (
+    DenyCall,
+    ExecutionState,
+    ExecutionView,
+    InjectMessage,
+    Reaction,
+    check_reaction_text,
+)
 from runtime.faults import Unwind
 from runtime.ids import RunId, ThreadId
 from runtime.limits import (
@@ -31,9 +38,11 @@ from runtime.limits import (
     check_id,
     check_json_value,
     check_text,
+    handed_bytes,
     printable,
     raised,
     short_code,
+    stored_size,
 )
 from runtime.messages import ContextMessage, Message
 from runtime.state import Command, MergePolicy, StateView, apply_commands, check_writable
@@ -154,6 +163,9 @@ class HookResults:
     """Commands the hooks' are committed with (an AfterTool wave's tools'): a hook whose
     commands cannot merge with them and those before is the one that fails, by name, not
     the commit that would have carried what the tools did."""
+    handed: int = 0
+    """Bytes the hooks handed the commit these results ride with (messages injected,
+    state commands): held to ``input_bytes`` together (``run_hooks``)."""
 
 
 class HookFailed(Exception):
@@ -173,13 +185,15 @@ _REACTIONS: TypeAdapter[list[Reaction]] = TypeAdapter(list[Reaction])
 async def run_hooks(
     hooks: Sequence[Hook],
     hook_input: HookInput,
+    execution: ExecutionState,
     into: HookResults,
     limits: Limits,
     staged: Sequence[Command] = (),
 ) -> None:
     """Run the hooks of one point in list order, collecting what they return and applying
     their reactions (the one place hook reactions take effect). ``staged``: commands the
-    Run holds for its next commit, which the hooks' must merge with too.
+    Run holds for its next commit, which the hooks' must merge with too; ``execution``:
+    the live state ``hook_input`` shows (read only), where reactions take effect.
 
     Awaited in a task of its own (``guarded_apart``), never the Run's: the Run's cancel
     or stop lets that task go and drops whatever it ends with, so a cancellation heard
@@ -191,6 +205,7 @@ async def run_hooks(
     for hook in hooks:
         if hook.point != hook_input.point:
             continue
+        live = len(execution.injected)  # where what it injects live begins
         try:
             asked = task.cancelling()
             out = hook.fn(hook_input)
@@ -201,9 +216,11 @@ async def run_hooks(
                 # lands here, on it, not on the next hook's first wait (one it caught and
                 # swallowed is gone, and the hook's output stands, as a tool's result does)
                 await asyncio.sleep(0)
-            if out is None:
-                continue
-            commands, context, reactions = _admitted(out, hook, hook_input, limits)
+            commands, context, reactions = (
+                _admitted(out, hook, hook_input, limits) if out is not None else ([], [], [])
+            )
+            injected = execution.injected[live:]
+            handed = check_handed(into.handed, commands, injected, reactions, limits)
             if commands:  # a clash found now is this hook's (StateConflict)
                 _merge_check(hook_input.state, (*staged, *into.alongside, *into.commands), commands)
         except Unwind:
@@ -211,14 +228,41 @@ async def run_hooks(
         except BaseException as exc:  # SystemExit and the like are the hook's failure too
             # (asyncio would re-raise them out of the loop, stopping every Run of the host),
             # and so is a CancelledError (see above)
+            del execution.injected[live:]  # a hook that fails hands nothing, as it returns
             raise HookFailed(hook, hook_input.point, exc) from exc
+        into.handed += handed
         into.commands.extend(commands)
         into.context.extend(context)
         for reaction in reactions:
             if isinstance(reaction, DenyCall):
                 into.denied.setdefault(reaction.call_id, reaction.reason)
             else:
-                hook_input.execution.react(reaction)
+                execution.react(reaction)
+
+
+def check_handed(
+    so_far: int,
+    commands: Sequence[Command],
+    live: Sequence[str],
+    reactions: Sequence[Reaction],
+    limits: Limits,
+) -> int:
+    """The bytes a hook (or a session's handler) hands the commit its output rides with:
+    its state commands and the messages it injected, live or as reactions. Each is
+    within its own limit; past ``input_bytes`` together with what the hooks before it
+    handed (``so_far``) they are refused (InputRefused), and the hook that went over
+    fails by name — not the store refusing the commit, nor the thread's state_bytes,
+    with no one to blame."""
+    texts = [*live, *(r.text for r in reactions if isinstance(r, InjectMessage))]
+    adds = sum(map(handed_bytes, commands)) + sum(map(stored_size, texts))
+    if so_far + adds > limits.input_bytes:
+        raise InputRefused(
+            "hooks' output",
+            "input_bytes",
+            f"the messages injected and state commands the hooks hand one commit would be "
+            f"{so_far + adds} bytes together; the limit is {limits.input_bytes}",
+        )
+    return adds
 
 
 def _merge_check(state: StateView, before: Sequence[Command], commands: list[Command]) -> None:

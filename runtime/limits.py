@@ -18,13 +18,16 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from runtime.base import canonical_json
 from runtime.errors import InputRefused
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
+
+if TYPE_CHECKING:
+    from runtime.state import Command
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -48,7 +51,10 @@ class Limits:
     Text is measured as stored (``stored_size``: UTF-8 with JSON's escapes)."""
 
     input_bytes: int = 128 * KIB
-    """A Run's input text, and the text of a ``user_input`` resume (bytes as stored)."""
+    """A Run's input text, and the text of a ``user_input`` resume (bytes as stored); also
+    what the hooks (or a session's handler) hand one commit together: the messages they
+    inject and their state commands. The hook that goes over fails the Run ``failed(hook,
+    InputRefused)``."""
     model_text_bytes: int = 64 * KIB
     """The text of one model response."""
     response_bytes: int = 128 * KIB
@@ -211,6 +217,13 @@ def check_text(what: str, text: object, max_bytes: int, limit: str) -> str:
     if size > max_bytes:
         raise InputRefused(what, limit, f"{size} bytes; the limit is {max_bytes} bytes")
     return text
+
+
+def handed_bytes(command: Command) -> int:
+    """The bytes a state command adds to a commit (its key and its value as JSON), as
+    stored: UTF-8, not characters (an emoji is four bytes, one character)."""
+    value = canonical_json(command.value)
+    return stored_size(command.key) + (len(value) if value.isascii() else len(value.encode()))
 
 
 def check_reason(reason: object, limits: Limits = DEFAULT_LIMITS) -> str:

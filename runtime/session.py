@@ -32,7 +32,7 @@ from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
 from runtime.execution import ExecutionState, ExecutionView, Side
 from runtime.faults import Unwind
-from runtime.hooks import Hook, HookFailed
+from runtime.hooks import Hook, HookFailed, check_handed
 from runtime.injection import inject_commands
 from runtime.lifecycle import Natural, UserInputTarget
 from runtime.limits import check_text
@@ -203,6 +203,8 @@ async def handler_turn(
             out = await services.guard_apart(out)
         if out is not None:
             check_text("a handler's turn", out, services.limits.input_bytes, "input_bytes")
+        # what it injected goes with its turn's commit, held as a hook's output is
+        check_handed(0, (), ctx.execution.injected, (), services.limits)
     except CancelledSignal as exc:
         if services.ending:  # the Run's cancel or stop, through the guard
             raise

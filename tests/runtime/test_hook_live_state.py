@@ -2,7 +2,8 @@
 the documented live controls, held to the limits, and nothing else. The ExecutionState
 it is shown is a read-only view (``runtime.execution.ExecutionView``): writing a
 request field would undo another hook's or a plugin's reaction unchecked, or hand the
-store what it cannot hold. A hook that cancels its own task is the one that fails."""
+store what it cannot hold. A hook that cancels its own task, or whose output together
+with the hooks' before it passes what one commit takes, is the one that fails."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from runtime import (
     Agent,
     Hook,
     HookOutput,
+    InjectMessage,
     InProcessRunner,
     ModelResponse,
     ScriptedModel,
@@ -25,8 +27,9 @@ from runtime import (
 )
 from runtime.agent import Session, SessionSide
 from runtime.lifecycle import EndedState, Failed
-from runtime.limits import Limits
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.plugins import CapabilityBound, Contributions, Plugin, PluginManifest
+from runtime.state import Command
 from storage.memory import MemoryCommitStore
 
 
@@ -177,3 +180,74 @@ async def test_a_hook_that_cancels_its_own_task_fails_as_a_hook(point: str, fn: 
     failed = _hook_failed(await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks)))
     assert failed.code == "CancelledError"
     assert f"hook canceller at {point}" in failed.message
+
+
+# ---- what the hooks hand one commit, together ------------------------------------------
+
+_NEAR_INPUT = DEFAULT_LIMITS.input_bytes - 8 * 1024  # one such message is fine alone
+
+
+def _injects(count: int, live: bool = False) -> Callable[[Any], Any]:
+    def fn(h: Any) -> HookOutput | None:
+        if h.step != 0:
+            return None
+        if live:
+            for _ in range(count):
+                h.execution.inject_message("y" * _NEAR_INPUT)
+            return None
+        return HookOutput(reactions=[InjectMessage(text="y" * _NEAR_INPUT)] * count)
+
+    return fn
+
+
+def _writes(count: int) -> Callable[[Any], Any]:
+    size = DEFAULT_LIMITS.state_value_bytes - 1024
+    commands = [Command(key=f"k{i}", value="v" * size) for i in range(count)]
+    return lambda h: HookOutput(commands=commands) if h.step == 0 else None
+
+
+_OVER: dict[str, list[Hook]] = {
+    "many reactions": [Hook("StepStart", _injects(40), name="over")],
+    "many live injections": [Hook("StepStart", _injects(40, live=True), name="over")],
+    "two hooks of one point": [
+        Hook("StepStart", _injects(1), name="first"),
+        Hook("StepStart", _injects(1), name="over"),
+    ],
+    "two points of one Step": [
+        Hook("StepStart", _injects(1), name="first"),
+        Hook("BeforeInference", _injects(1), name="over"),
+    ],
+    "state commands": [Hook("StepStart", _writes(8), name="over")],
+    "after a tool": [Hook("AfterTool", _injects(40), name="over")],
+}
+
+
+@pytest.mark.parametrize("case", list(_OVER))
+async def test_hooks_handing_one_commit_more_than_an_input_fail_the_hook(case: str) -> None:
+    """Each message within ``input_bytes``, each value within ``state_value_bytes``, but
+    together past ``input_bytes``: the hook that went over fails, by name, with the
+    limit — not the store refusing the commit, nor the state's size."""
+    hooks = _OVER[case]
+    failed = _hook_failed(await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks)))
+    assert "input_bytes" in failed.message and "hook over at" in failed.message, failed
+
+
+async def test_hooks_within_one_input_together_inject_as_before() -> None:
+    hooks = [Hook("StepStart", _injects(1)), Hook("AfterTool", _injects(1))]
+    ended = await _rest(Agent(name="a", model=_script(), tools=[fine], hooks=hooks))
+    assert ended.cause.kind == "natural", ended.cause
+
+
+async def test_a_handler_injecting_more_than_an_input_fails_as_a_hook() -> None:
+    """A session's handler injects live, as a hook does: its turn's commit carries what
+    it injected, held to ``input_bytes`` together, and past it the handler fails."""
+
+    def handler(seen: Any) -> str:
+        for _ in range(40):
+            seen.execution.inject_message("y" * _NEAR_INPUT)
+        return "again"
+
+    session = Session(b=SessionSide(handler=handler, name="h"))
+    agent = Agent(name="a", model=_script(), tools=[fine], session=session)
+    failed = _hook_failed(await _rest(agent))
+    assert "input_bytes" in failed.message and "hook handler h at" in failed.message, failed
