@@ -335,10 +335,7 @@ def tool(
     """
     if needs_permission and wait not in (None, "permission"):
         raise ToolDefinitionError("needs_permission=True conflicts with another wait kind")
-    if wait not in (None, *get_args(WaitKind)):
-        raise ToolDefinitionError(
-            f"wait is one of {', '.join(get_args(WaitKind))} or None, not {wait!r:.80}"
-        )
+    check_wait(name or getattr(fn, "__name__", None), wait)
     declared: WaitKind | None = "permission" if needs_permission else wait
     if wait_deadline_s is not None and declared is None:
         # a deadline on a wait that never happens would be silently ignored
@@ -396,6 +393,28 @@ def _build_tool(
         timeout_s=timeout_s,
         description=inspect.getdoc(fn) or "",
     )
+
+
+TOOL_WAITS: tuple[WaitKind, ...] = ("permission", "external_result", "scheduled_action")
+"""The waits a tool may declare. ``delegation`` is the runtime's own: a delegating call
+waits so while its lone child waits, and only that child's end answers it."""
+
+
+def check_wait(tool_id: str | None, wait: object) -> None:
+    """Refused when the tool is built: a tool that declared ``delegation`` waited for a
+    child it never had, every answer and its expiry refused, and only a cancel ended its
+    Run."""
+    named = f"tool {tool_id}: " if tool_id else ""  # @tool(...) given no name yet
+    if wait == "delegation":
+        raise ToolDefinitionError(
+            f"{named}wait='delegation' is the runtime's own wait of a delegating "
+            "call for its child (runtime.delegation.delegate_tool); a tool declares "
+            f"{', '.join(TOOL_WAITS)}"
+        )
+    if wait is not None and wait not in TOOL_WAITS:
+        raise ToolDefinitionError(
+            f"{named}wait is one of {', '.join(TOOL_WAITS)} or None, not {wait!r:.80}"
+        )
 
 
 MAX_SECONDS = 10**9

@@ -265,6 +265,24 @@ def test_settings_that_cannot_work_are_refused_when_built():
     )
 
 
+def test_a_tool_cannot_declare_the_runtime_s_delegation_wait():
+    """``awaiting(delegation)`` is the wait of a delegating call whose lone child waits,
+    answered only by that child's end. A tool that declared it waited for a child it
+    never had: every answer was refused (no child; with a deadline, "the deadline has
+    passed") and so was its expiry ("a delegation's wait does not expire"), and only a
+    cancel ended the Run. Refused when the tool is built, or the agent made with it."""
+    from dataclasses import replace
+
+    from runtime import Agent, ModelResponse, ScriptedModel
+
+    for deadline in (None, 5):
+        with pytest.raises(ToolDefinitionError, match="delegation"):
+            tool(wait="delegation", wait_deadline_s=deadline, name="x")(lambda: "x")
+    changed = replace(tool(wait="external_result", name="x")(lambda: "x"), wait="delegation")
+    with pytest.raises(ToolDefinitionError, match="delegation"):
+        Agent(name="a", model=ScriptedModel([ModelResponse(text="x")]), tools=[changed])
+
+
 def test_an_agent_s_parts_of_the_wrong_kind_are_refused_when_it_is_made():
     """Each was accepted and ended every Run ``failed(internal)`` at its first use (a bug
     of Ratchet's, it said); a recovery policy built with ``model_construct`` was pinned
