@@ -227,5 +227,9 @@ class StepServices(Protocol):
     def control_cause(self, ctx: RunContext) -> EndCause:
         """How the Run ends now that it was cancelled or stopped."""
 
+    async def end(self, ctx: RunContext, cause: EndCause, *, claim: bool = False) -> None:
+        """Commit the Run's end (``Committing.end``); ``claim``: the end claims the thread,
+        as a Run ended at rest by an engine not driving it is (a cancel's)."""
+
 
 __all__: Sequence[str] = ("RunContext", "StepServices", "StoreRetry")

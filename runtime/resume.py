@@ -4,10 +4,15 @@ A wait is committed together with ``Awaiting(ticket)``; the Run then holds nothi
 A resume is validated against the committed ticket (``validate_resume``) and its
 commit carries the resumer's claim (``resume_commit``): it lands only if the thread is
 still at the version the ticket was read at, so of two racing resumes exactly one
-lands and the other finds the ticket gone.
+lands and the other finds the ticket gone. A resume that cannot land within the
+history limits whatever its caller sends (only an answer's own text is the caller's to
+shorten) ends the Run ``failed(history_limit)`` instead: refused, it would be for ever.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
 
 from pydantic import ValidationError
 
@@ -22,8 +27,9 @@ from runtime.batch import (
 )
 from runtime.commit import Frontier
 from runtime.context import RunContext, StepServices
-from runtime.errors import InputRefused
+from runtime.errors import HistoryLimitReached, InputRefused
 from runtime.events import Fact
+from runtime.failures import failure_of
 from runtime.gates import admit_outcome, relationships
 from runtime.ids import CallId, CorrelationId
 from runtime.injection import carried_by_answer, take_injected
@@ -42,7 +48,7 @@ from runtime.lifecycle import (
     check_payload,
     validate_resume,
 )
-from runtime.limits import Limits, check_id, long_id_limits, printable
+from runtime.limits import Limits, check_id, history_size, long_id_limits, printable
 from runtime.messages import Message, UserMessage
 from runtime.ports import Finished
 from runtime.session import human_answer
@@ -56,6 +62,7 @@ EXPIRED = {
     "scheduled_action": "not run: its schedule did not fire before the wait's deadline",
 }
 """The model-visible error of a call whose wait expired (``WaitExpired``), by wait kind."""
+log = logging.getLogger("ratchet.engine")
 
 
 def check_command(command: ResumeCommand, limits: Limits) -> ResumeCommand:
@@ -154,17 +161,58 @@ async def resume_commit(
             run_now = call_id
             # a call that delegates: its child's relationship lands with its executing
             commands = relationships(services, ctx, batch, [call_id])
-    await services.commit(
-        ctx,
-        "resume",
-        ctx.running(),
-        claim=True,
-        messages=messages,
-        batch=batch,
-        commands=commands,
-        extra_facts=(resumed,),
-    )
+    try:
+        await services.commit(
+            ctx,
+            "resume",
+            ctx.running(),
+            claim=True,
+            messages=messages,
+            batch=batch,
+            commands=commands,
+            extra_facts=(resumed,),
+        )
+    except HistoryLimitReached as exc:
+        required = messages[:-1] if isinstance(payload, UserInput) else messages
+        await _end_unresumable(services, ctx, exc, required)
+        return None
     return run_now
+
+
+async def _end_unresumable(
+    services: StepServices,
+    ctx: RunContext,
+    refused: HistoryLimitReached,
+    required: Sequence[Message],
+) -> None:
+    """A resume refused by a history limit: raised again if the caller's own text is what
+    does not fit (the ticket stays for a shorter one); else what the runtime itself writes
+    to resume (a grant, a handoff, the results an answer carries, the commit itself) does
+    not fit, every resume would be refused and the Run would wait for ever, so it ends
+    ``failed(history_limit, <limit>)``. It ends at rest as a cancel ends it: the end claims
+    the thread at the version the ticket was read at, so of rivals (another resume, a
+    cancel) one lands and the others are fenced, to find the ticket gone; and a replay
+    meets an end made at rest (a way in of its own)."""
+    if _answer_over(services.limits, ctx, refused, required):
+        raise refused
+    thread = ctx.frontier.thread_id
+    log.warning("run %s on %s: its resume cannot land (%s)", ctx.run_id, thread, refused)
+    ctx.pending.clear()  # staged for the resume commit, which did not land
+    await services.end(ctx, failure_of(refused), claim=True)
+
+
+def _answer_over(
+    limits: Limits, ctx: RunContext, refused: HistoryLimitReached, required: Sequence[Message]
+) -> bool:
+    """Whether a refused resume would fit without the caller's own text: only that text
+    is the caller's to shorten; the commit, the state it writes and what it carries are
+    the runtime's."""
+    if refused.limit != "history_bytes":
+        return False
+    held = ctx.history_bytes
+    if held is None:
+        held = history_size(ctx.frontier.messages)
+    return held + history_size(required) <= limits.history_bytes
 
 
 def _completed(

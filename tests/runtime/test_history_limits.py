@@ -19,6 +19,7 @@ from runtime import (
 from runtime.errors import HistoryLimitReached
 from runtime.hooks import Hook, HookInput
 from runtime.limits import history_headroom, history_size, state_size
+from runtime.replay_check import replay
 from runtime.tools import ToolResult
 from storage.memory import MemoryCommitStore
 
@@ -203,3 +204,120 @@ async def test_a_wait_for_input_with_room_takes_an_answer_that_fits() -> None:
     assert (await store.load("t")).run_state == f.run_state
     done = await runner.resume(answer(ticket, UserInput(text="savings")))
     assert done.run_state.cause.kind == "natural"
+
+
+@tool(needs_permission=True)
+def risky() -> str:
+    return "ran"
+
+
+def permitting() -> Agent:
+    script = [ModelResponse(tool_calls=(call("risky", "c1"),)), ModelResponse(text="done")]
+    return Agent(name="a", model=ScriptedModel(script), tools=[risky])
+
+
+def _failed_on(f, limit: str) -> bool:
+    cause = f.run_state.cause
+    return (cause.kind, cause.failure, cause.code) == ("failed", "history_limit", limit)
+
+
+async def _ended_once(store: MemoryCommitStore, f) -> None:
+    """The end is committed, once."""
+    from runtime.lifecycle import EndedState
+
+    records = await store.read("t")
+    assert records[-1].commit.label == "ended"
+    assert sum(isinstance(r.commit.disposition, EndedState) for r in records) == 1
+    assert (await store.load("t")).ended
+
+
+async def test_a_budget_pause_whose_grant_cannot_fit_the_state_ends_the_run() -> None:
+    """Unpausing a budget pause writes a grant into the run state: paused within a few
+    bytes of ``state_bytes``, every Unpause was refused (HistoryLimitReached to its
+    caller) and the Run waited for ever. What the runtime must write to resume not fitting,
+    the resume ends the Run failed(history_limit, state_bytes) instead."""
+    from runtime import ResumeRejected, answer
+    from runtime.lifecycle import Unpause
+    from runtime.usage import Budget
+    from tests.runtime.test_usage import USED, noop, spending
+
+    def budgeted() -> Agent:
+        return Agent(name="a", model=spending(4, USED), tools=[noop],
+                     budget=Budget(max_tokens=250))  # fmt: skip
+
+    paused = await InProcessRunner(budgeted(), MemoryCommitStore()).start("go", thread_id="t")
+    store = MemoryCommitStore()
+    limits = Limits(state_bytes=state_size(paused.state))
+    runner = InProcessRunner(budgeted(), store, limits=limits)
+    f = await runner.start("go", thread_id="t")
+    assert f.run_state.ticket.target.reason == "budget"
+    ended = await runner.resume(answer(f.run_state.ticket, Unpause()))
+    assert _failed_on(ended, "state_bytes") and "the limit is" in ended.run_state.cause.message
+    await _ended_once(store, ended)
+    with pytest.raises(ResumeRejected) as again:
+        await runner.resume(answer(f.run_state.ticket, Unpause()))
+    assert again.value.axis == "ticket"
+
+
+@pytest.mark.parametrize("limit", ["history_commits", "history_bytes"])
+async def test_a_limit_lowered_while_a_run_waits_ends_it_at_its_resume(limit: str) -> None:
+    """The wait kept room under the limits it was made with; lowered since, its resume
+    (an approval: nothing of the caller's own is written) cannot land, and was refused
+    for ever. It ends the Run instead."""
+    from runtime import answer
+    from runtime.lifecycle import PermissionDecision
+
+    store = MemoryCommitStore()
+    f = await InProcessRunner(permitting(), store).start("go", thread_id="t")
+    lowered = {"history_commits": f.version, "history_bytes": history_size(f.messages) - 1}
+    runner = InProcessRunner(permitting(), store, limits=Limits(**{limit: lowered[limit]}))
+    ended = await runner.resume(answer(f.run_state.ticket, PermissionDecision(approve=True)))
+    assert _failed_on(ended, limit)
+    await _ended_once(store, ended)
+    assert ended.messages[-1].kind == "tool_result"  # the waiting call, sealed
+    # ended at rest, as a cancel ends a Run: its replay makes the same end
+    report = await replay(store, "t", permitting())
+    assert report.clean, report.line()
+
+
+async def test_an_answer_whose_carried_part_cannot_fit_a_lowered_limit_ends_the_run() -> None:
+    """Past ``history_bytes`` with what its answer carries ahead of its text (the Step's
+    results), no answer could land, however short: the Run ends, where an answer too long
+    by itself is refused with the ticket kept
+    (``test_a_wait_for_input_with_room_takes_an_answer_that_fits``)."""
+    from runtime import UserInput, answer
+
+    store = MemoryCommitStore()
+    f = await InProcessRunner(asking(), store, limits=Limits(history_bytes=2200)).start(
+        "go", thread_id="t"
+    )
+    runner = InProcessRunner(asking(), store, limits=Limits(history_bytes=1000))
+    ended = await runner.resume(answer(f.run_state.ticket, UserInput(text="ok")))
+    assert _failed_on(ended, "history_bytes")
+    await _ended_once(store, ended)
+
+
+@pytest.mark.parametrize("rival", ["resume", "cancel"])
+async def test_a_resume_that_cannot_fit_behind_a_rival_ends_the_run_once(rival: str) -> None:
+    """Its end claims the thread at the version its ticket was read at, as a cancel's
+    does: behind a rival that landed first (another resumer's end, a cancel), it is
+    fenced, makes no second end, and hears its ticket gone, as a second resume does."""
+    from runtime import ResumeRejected, answer
+    from runtime.control import control_engine
+    from runtime.lifecycle import Cancelled, PermissionDecision
+
+    store = MemoryCommitStore()
+    f = await InProcessRunner(permitting(), store).start("go", thread_id="t")
+    runner = InProcessRunner(permitting(), store, limits=Limits(history_commits=f.version))
+    command = answer(f.run_state.ticket, PermissionDecision(approve=True))
+    if rival == "resume":
+        first = await runner.resume(command)
+        assert _failed_on(first, "history_commits")
+    else:
+        await control_engine(store, owner="ctl#1").terminate(f.thread_id, Cancelled())
+    with pytest.raises(ResumeRejected) as refused:  # read before the rival landed
+        await runner.engine().resume(command, loaded=f)
+    assert refused.value.axis == "ticket"
+    final = await store.load("t")
+    assert final.run_state.cause.kind == ("failed" if rival == "resume" else "cancelled")
+    await _ended_once(store, final)
