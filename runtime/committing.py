@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from runtime.agent import Agent
 from runtime.batch import ActiveToolBatch, result_messages, seal
 from runtime.commit import CommitLabel, Frontier, Receipt, ThreadCommit, assemble_commit
 from runtime.context import Landing, RunContext, StoreRetry, wait_commands
@@ -38,6 +39,7 @@ from runtime.lifecycle import (
     EndCause,
     EndedState,
     Failed,
+    Natural,
     RunDisposition,
     RunningState,
     ThreadStatus,
@@ -45,6 +47,7 @@ from runtime.lifecycle import (
 )
 from runtime.limits import Limits, history_size, state_size
 from runtime.messages import Message
+from runtime.plugin_env import guarded_end
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
 from runtime.rules import advance, stamp_facts, with_claim
@@ -61,6 +64,7 @@ T = TypeVar("T")
 class Committing:
     """What an Engine needs to write; the Engine sets these up."""
 
+    root: Agent
     store: CommitStore
     owner: str
     faults: FaultPlan
@@ -86,7 +90,14 @@ class Committing:
     ) -> None:
         """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized.
         ``commands`` that cannot merge (a wave's calls writing one exclusive key) are left
-        out, not the end: it is refused before anything is written, and made again."""
+        out, not the end: it is refused before anything is written, and made again.
+
+        A natural end passes the run-end guards here, whatever makes it (a model's
+        answer, a session's turns over, a handler ending its session): decided where
+        each end was made, one that forgot to ask (a handler's) bypassed a guard that
+        refuses every end. ``messages``: what the end commits, its answer last."""
+        if isinstance(cause, Natural):
+            cause = guarded_end(self.root, ctx, messages)
         open_batch_ = batch or ctx.frontier.batch
         sealed = seal(open_batch_) if open_batch_ is not None else None
         if sealed is not None and batch is None and not messages:

@@ -12,8 +12,8 @@ from runtime.context import RunContext
 from runtime.execution import Side
 from runtime.hooking import Hooking
 from runtime.inference import Inference
+from runtime.lifecycle import Natural
 from runtime.messages import Message
-from runtime.plugin_env import guarded_end
 from runtime.session import (
     closing,
     current_side,
@@ -63,11 +63,10 @@ class Sides(Hooking):
         session = self.root.session
         assert session is not None
         if turns_over(self.root, ctx.frontier):
-            cause = guarded_end(self.root, ctx, ())
-            # closed whatever a guard says: its turns are over, and a session left open
-            # ended every later Run of the thread at once, without an inference
+            # closed whatever a guard says of its end: its turns are over, and a session
+            # left open ended every later Run of the thread at once, without an inference
             staged.append(closing())
-            await self.end(ctx, cause, commands=tuple(staged))
+            await self.end(ctx, Natural(), commands=tuple(staged))
             return True
         spec = session.b if side == "b" else None
         if spec is None or spec.backing == "model":

@@ -17,9 +17,8 @@ from runtime.hooks import HookResults
 from runtime.ids import CallId
 from runtime.inference import Admitted
 from runtime.injection import restaged, take_injected
-from runtime.lifecycle import MaxSteps, PauseTarget
+from runtime.lifecycle import MaxSteps, Natural, PauseTarget
 from runtime.messages import AssistantMessage, Message, ToolUse
-from runtime.plugin_env import guarded_end
 from runtime.ports import ToolRunner
 from runtime.session import counted, stepped, view
 from runtime.sides import Sides
@@ -108,7 +107,7 @@ class Stepping(Sides):
             if ctx.execution.stopped:  # a hook stopped it after its last answer
                 cause = self.control_cause(ctx)
             else:
-                cause = MaxSteps() if response.tool_calls else guarded_end(root, ctx, messages)
+                cause = MaxSteps() if response.tool_calls else Natural()  # guarded by end
             commands = (*hooks.commands, *usage)
             await self.end(ctx, cause, messages=messages, batch=prior, commands=commands)
             return

@@ -215,6 +215,28 @@ async def test_a_handler_returning_none_ends_the_session_naturally():
     assert [t for k, s, t in lines(f) if k == "assistant"] == ["writer@0"]
 
 
+async def test_a_handler_ending_the_session_passes_the_run_end_guards():
+    """A handler that returned None ended the Run ``natural`` without asking its run-end
+    guards: a guard that refuses every end was bypassed. Every natural end is guarded
+    where it is committed; the session is closed whatever the guard says, as at the end
+    of its turns (``..._closes_though_a_guard_refuses_its_end``)."""
+    import dataclasses
+
+    shown: list[str] = []
+
+    def refusing(seen):
+        shown.append(seen.answer)
+        return "always refuse"
+
+    handler = with_handler(turns=10, handler=lambda seen: None)
+    f = await start(dataclasses.replace(handler, run_end_guards=(refusing,)))
+    cause = f.run_state.cause
+    assert (cause.kind, cause.failure, cause.code) == ("failed", "hook", "run_end_guard")
+    assert cause.message == "always refuse"
+    assert shown == ["writer@0"]  # the session's last answer, as at the end of its turns
+    assert f.state["thread"][SESSION_KEY]["ended"] is True
+
+
 async def test_a_handler_that_raises_fails_the_run_as_a_hook_does():
     def broken(seen):
         raise RuntimeError("handler bug")
