@@ -359,7 +359,7 @@ class Committing:
             claim=self.owner if claim else None,
         )
         base = with_claim(f, self.owner) if claim else f
-        new_frontier = advance(base, commit)  # a StateConflict ends the Run (settle)
+        new_frontier = advance(base, commit, keep=True)  # a StateConflict ends the Run (settle)
         if label != "ended" and new_frontier.state is not base.state:
             self._within_state(base, new_frontier)
         if label == "awaiting":

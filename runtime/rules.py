@@ -9,8 +9,10 @@ owner it makes. The records they work on are in ``runtime.commit``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -204,29 +206,45 @@ def _deeper_than(values: list[Any], limit: int) -> bool:
     return False
 
 
-_last_fold: tuple[Frontier, ThreadCommit, Frontier] | None = None
-"""(frontier, commit, result) of the latest ``advance``."""
+_KEPT: OrderedDict[int, tuple[Frontier, ThreadCommit, Frontier]] = OrderedDict()
+"""(frontier, commit, result) of the engines' folds (``advance(..., keep=True)``) whose
+commit no store has folded yet, by the commit's id (the entry holds the commit: its id
+is not reused while kept). Each is taken by the store's fold of the same commit; one that
+never is (an append refused before its fold, or given up) is dropped when ``KEPT_FOLDS``
+newer ones came. Its operations are single C calls, safe beside a store's writer thread."""
+
+KEPT_FOLDS = 256
+"""The engines' folds kept at most: each commit's stays from the engine's fold to its
+store's, and a Run has two commits on their way at most (a Step's results landing, the
+next commit queued behind them): room for a hundred Runs committing at once, beyond
+which the oldest ones' stores fold again, as if nothing were kept. What an entry holds
+is the engine's working copy, alive while its Run is; an entry never taken outlives
+it until newer ones push it out, so the bound is kept small."""
 
 
-def advance(frontier: Frontier, commit: ThreadCommit) -> Frontier:
+def advance(frontier: Frontier, commit: ThreadCommit, *, keep: bool = False) -> Frontier:
     """Fold one admitted commit into the frontier.
 
-    The engine folds each commit just before appending it, and an in-process store then
-    folds the same commit onto the same frontier: the latest fold is kept so the second
-    one costs nothing. Both are immutable and the fold is pure, so the kept result is
-    exactly what folding again would give — for the same objects, or for a frontier
-    with the same identity (``_same``): the store's own copy of a new thread, say.
+    The engine folds each commit just before appending it (``keep``), and an in-process
+    store then folds the same commit onto the same frontier: the engine's fold is kept
+    until then, so the second one costs nothing, however many other Runs' commits came
+    between. Both are immutable and the fold is pure, so the kept result is exactly what
+    folding again would give — for the same objects, or for a frontier with the same
+    identity (``_same``): the store's own copy of a new thread, say.
     """
-    global _last_fold
-    last = _last_fold
-    if last is not None and last[1] is commit and _same(last[0], frontier):
-        before, _, folded = last
+    kept = _KEPT.pop(id(commit), None) if _KEPT else None
+    if kept is not None and kept[1] is commit and _same(kept[0], frontier):
+        before, _, folded = kept
         if len(before.messages) == len(frontier.messages):
             return folded
         if not frontier.messages:  # a store's head after the engine's whole frontier
             return evolve(folded, messages=(), schema_version=frontier.schema_version)
     result = _fold(frontier, commit)
-    _last_fold = (frontier, commit, result)
+    if keep:
+        _KEPT[id(commit)] = (frontier, commit, result)
+        if len(_KEPT) > KEPT_FOLDS:
+            with contextlib.suppress(KeyError):  # emptied by another thread meanwhile
+                _KEPT.popitem(last=False)
     return result
 
 

@@ -52,7 +52,7 @@ from runtime.lifecycle import (
 )
 from runtime.messages import AssistantMessage, ToolResultMessage, ToolUse, UserMessage
 from runtime.ports import ToolInvocation
-from runtime.rules import _fold, advance, replay
+from runtime.rules import _KEPT, KEPT_FOLDS, _fold, advance, replay
 from runtime.signals import CancelledSignal, CancelSignal, guarded
 from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
@@ -337,9 +337,29 @@ def test_the_remembered_fold_is_the_fold():
     history = commits()[:3]
     frontier = replay(T, history[:1])
     again = Frontier.model_validate(frontier.model_dump())  # equal, not the same object
-    first = advance(frontier, history[1])
+    first = advance(frontier, history[1], keep=True)  # the engine's fold
     assert advance(frontier, history[1]) is first  # the store's second fold is free
     assert advance(again, history[1]) == first == _fold(frontier, history[1])
+    # kept until its store's fold, whatever other folds came between
+    _KEPT.clear()
+    first = advance(again, history[1], keep=True)
+    for _ in range(KEPT_FOLDS - 1):  # other Runs' commits on their way
+        advance(frontier, evolve(history[1]), keep=True)
+    assert advance(again, history[1]) is first
+    _KEPT.clear()
+
+
+def test_folds_kept_are_few_and_each_taken_once():
+    history = commits()[:2]
+    frontier = replay(T, history[:1])
+    for _ in range(KEPT_FOLDS + 5):  # refused before the store's fold, say
+        advance(frontier, evolve(history[1]), keep=True)
+    assert len(_KEPT) == KEPT_FOLDS
+    _KEPT.clear()
+    first = advance(frontier, history[1], keep=True)
+    assert advance(frontier, history[1]) is first
+    assert not _KEPT  # the store's fold took it: a retried append folds again
+    assert advance(frontier, history[1]) is not first
 
 
 def test_the_remembered_fold_of_a_head_only_frontier_is_not_the_whole_one_s():
