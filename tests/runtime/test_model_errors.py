@@ -305,3 +305,37 @@ async def test_a_stream_item_that_is_no_delta_is_named_in_the_failure():
     _, f = await run(Odd(), inference_attempts=1)
     assert failure(f)[:2] == ("inference", "TypeError")
     assert "yielded a dict, not a ModelDelta" in failure(f)[2]
+
+
+async def test_an_attempt_s_deadline_is_asyncio_timeout_s_with_one_timer() -> None:
+    """``_Deadline`` is ``asyncio.timeout`` to the letter: its expiry is a TimeoutError,
+    a cancellation asked by anyone else stays one; in time, it leaves no timer set."""
+    from runtime.inference import _Deadline
+
+    deadline = _Deadline(0.01)
+    with pytest.raises(TimeoutError):
+        async with deadline:
+            await asyncio.sleep(1)
+    assert deadline.ours() and deadline.expired
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+
+    async def cancelled_meanwhile() -> None:
+        deadline = _Deadline(0.01)
+        try:
+            async with deadline:
+                asyncio.get_running_loop().call_later(0.005, inner.cancel)
+                await asyncio.sleep(1)
+        finally:
+            assert not deadline.ours()  # a real cancellation, not the deadline's
+            deadline.stop()
+
+    inner = asyncio.create_task(cancelled_meanwhile())
+    with pytest.raises(asyncio.CancelledError):
+        await inner
+
+    deadline = _Deadline(5)
+    async with deadline:
+        await asyncio.sleep(0)
+    assert not deadline.expired and deadline._timer is None
+    deadline.stop()
