@@ -268,8 +268,9 @@ def mark_executing(
     attempt = call.attempts + 1
     if attempt > call.policy.max_attempts:
         raise InvalidTransition(f"call {call_id} has used all {call.policy.max_attempts} attempts")
-    retried = undispatched and isinstance(call.phase, Executing)
-    phase = Executing(attempt=attempt, after_undispatched=retried)
+    retried = bool(undispatched) and isinstance(call.phase, Executing)
+    # attempt: the batch's validated count (an int >= 0) plus one; retried: a bool
+    phase = trusted(Executing, attempt=attempt, after_undispatched=retried)
     return _replace(batch, evolve(call, phase=phase, attempts=attempt))
 
 

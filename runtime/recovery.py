@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from runtime.base import Frozen
+from runtime.base import Frozen, trusted
 from runtime.batch import ActiveToolBatch, RecoveryMode, ToolCall
 from runtime.commit import Frontier
 from runtime.ids import CallId
@@ -109,24 +109,25 @@ def plan_calls(batch: ActiveToolBatch, supports: Supports) -> tuple[CallAction, 
 
 
 def _plan_call(call: ToolCall, supports: Supports) -> CallAction:
-    phase = call.phase.kind
+    # every action is made of the call's own fields (a validated batch's: a call id, an
+    # int attempt count within its pinned budget) and reasons written here: a live Step
+    # plans each call of its batch this way, so they are not validated again
+    phase, call_id = call.phase.kind, call.call_id
     if phase in ("completed", "indeterminate"):
-        return KeepTerminal(call_id=call.call_id)
+        return trusted(KeepTerminal, call_id=call_id)
     if phase == "requested":
-        return RunGates(call_id=call.call_id)
+        return trusted(RunGates, call_id=call_id)
     if phase == "awaiting":
-        return WaitOnCall(call_id=call.call_id)
+        return trusted(WaitOnCall, call_id=call_id)
     mode = call.policy.mode
     if mode == "never_replay":
-        return MarkIndeterminate(call_id=call.call_id, reason=INTERRUPTED)
+        return trusted(MarkIndeterminate, call_id=call_id, reason=INTERRUPTED)
     if not supports(call.tool, mode):
-        return MarkIndeterminate(
-            call_id=call.call_id, reason=f"tool no longer supports the pinned mode {mode}"
-        )
+        reason = f"tool no longer supports the pinned mode {mode}"
+        return trusted(MarkIndeterminate, call_id=call_id, reason=reason)
     if mode == "durable_request":
-        return Reconnect(call_id=call.call_id)
+        return trusted(Reconnect, call_id=call_id)
     if call.attempts >= call.policy.max_attempts:
-        return MarkIndeterminate(
-            call_id=call.call_id, reason=f"all {call.policy.max_attempts} attempts used"
-        )
-    return Replay(call_id=call.call_id, attempt=call.attempts + 1)
+        reason = f"all {call.policy.max_attempts} attempts used"
+        return trusted(MarkIndeterminate, call_id=call_id, reason=reason)
+    return trusted(Replay, call_id=call_id, attempt=call.attempts + 1)

@@ -43,13 +43,15 @@ def _failed(text: str, requests: Sequence[Any]) -> Finished:
 
 def outcome_of(result: Any, requests: Sequence[ToolRequest] = ()) -> Finished:
     """Turn a tool's return value (and what it asked of its Run) into a finished outcome."""
+    # the output given as its fields: validated once, by Finished (a ToolOutput record
+    # given to it would be validated again: a Given record always is)
     if isinstance(result, ToolResult):
         return Finished(
-            output=ToolOutput(content=as_text(result.content), is_error=bool(result.is_error)),
+            output={"content": as_text(result.content), "is_error": bool(result.is_error)},
             commands=tuple(result.commands),
             requests=tuple(requests),
         )
-    return Finished(output=ToolOutput(content=as_text(result)), requests=tuple(requests))
+    return Finished(output={"content": as_text(result)}, requests=tuple(requests))
 
 
 async def invoke_safely(t: Tool, inv: ToolInvocation) -> ToolOutcome:
