@@ -202,13 +202,19 @@ def _names_an_agent(module_name: str, attr: str) -> bool:
     # "Agent" under ``from __future__ import annotations``, or a dotted name of it
     if returns is Agent or (isinstance(returns, str) and returns.rsplit(".", 1)[-1] == "Agent"):
         return True
-    log.warning(
-        "a model asked to delegate to %s:%s, a function not annotated to return an Agent: "
-        "refused (annotate it -> Agent, or name it in DelegationLimits.agents)",
-        module_name,
-        attr,
-    )
+    if (module_name, attr) not in _WARNED:  # said once: a model may ask again every Step
+        _WARNED.add((module_name, attr))  # bounded: each is a function of the module
+        log.warning(
+            "a model asked to delegate to %s:%s, a function not annotated to return an "
+            "Agent: refused (annotate it -> Agent, or name it in DelegationLimits.agents)",
+            module_name,
+            attr,
+        )
     return False
+
+
+_WARNED: set[tuple[str, str]] = set()
+"""The functions a refusal of ``_names_an_agent`` has warned of, in this process."""
 
 
 def refusal(

@@ -42,7 +42,7 @@ from runtime.commit import Frontier
 from runtime.events import Delta, Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import DelegationOutcome, ScheduledFire, Unpause
-from runtime.limits import check_id, joined, json_depth, stored_size, utf8_problem
+from runtime.limits import DOT_SEGMENTS, check_id, joined, json_depth, stored_size, utf8_problem
 from runtime.rules import replay
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore
@@ -563,7 +563,8 @@ def bad(text: str | None, most: int, *, is_id: bool = False) -> bool:
         return False
     size = len(text) if is_id else stored_size(text)
     control = is_id and (not text or re.search(r"[\x00-\x1f\x7f-\x9f]", text) is not None)
-    return utf8_problem(text) is not None or size > most or control
+    path_step = is_id and text in DOT_SEGMENTS  # "." and "..": no URL could address them
+    return utf8_problem(text) is not None or size > most or control or path_step
 
 
 def refused_at_the_edge(command: ResumeCommand, limits: Limits) -> bool:
