@@ -22,7 +22,7 @@ from runtime.limits import printable, raised
 from runtime.messages import Message
 from runtime.models import Model
 from runtime.plugins import DuplicateId, Plugin, PluginRefused, ResolvedExecutionEnv, resolve
-from runtime.tools import Tool, check_seconds, check_wait
+from runtime.tools import Tool, check_deployable
 from runtime.usage import Budget
 
 
@@ -215,10 +215,7 @@ class Agent:
                 raise ToolDefinitionError(
                     f"agent {self.name}: a tool is made with @tool, not {t!r:.80}"
                 )
-            # as @tool checked them: a tool changed since (dataclasses.replace) is not
-            for option in ("wait_deadline_s", "timeout_s"):
-                check_seconds(t.id, option, getattr(t, option))
-            check_wait(t.id, t.wait)
+            check_deployable(t)
         for hook in self.hooks:
             if not isinstance(hook, Hook):
                 raise TypeError(f"agent {self.name}: a hook is a Hook, not {hook!r:.80}")

@@ -39,11 +39,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
-from runtime.errors import RatchetError
+from runtime.errors import RatchetError, ToolDefinitionError
 from runtime.hooks import Gate, Hook, HookPoint, RunEndGuard
 from runtime.limits import printable, raised
 from runtime.state import RESERVED_KEYS, MergePolicy
-from runtime.tools import Tool
+from runtime.tools import Tool, check_deployable
 
 
 class PluginRefused(RatchetError):
@@ -255,6 +255,11 @@ def _check_kinds(pid: str, made: Contributions) -> None:
             if not fits(item):
                 what = type(item).__name__
                 raise ContributionFailed(pid, field_name, f"holds a {what}")
+    for tool in made.tools:
+        try:
+            check_deployable(tool)
+        except ToolDefinitionError as exc:  # a wait no answer ends, a deadline no clock holds
+            raise ContributionFailed(pid, "tools", str(exc)) from exc
     keys = made.state_keys
     if not isinstance(keys, Mapping) or not all(isinstance(k, str) for k in keys):
         raise ContributionFailed(pid, "state_keys", "not a mapping of keys to merge policies")

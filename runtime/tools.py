@@ -422,6 +422,15 @@ MAX_SECONDS = 10**9
 overflowed when a call's deadline was made of it."""
 
 
+def check_deployable(tool: Tool) -> None:
+    """The options of ``tool`` as ``@tool`` checked them, checked again where a Tool is
+    taken in (an agent's, a plugin's): one changed since (``dataclasses.replace``) is
+    not, and a plugin's went unchecked (ToolDefinitionError)."""
+    for option in ("wait_deadline_s", "timeout_s"):
+        check_seconds(tool.id, option, getattr(tool, option))
+    check_wait(tool.id, tool.wait)
+
+
 def check_seconds(tool_id: str, option: str, value: float | None) -> None:
     """Refused when the tool is built, not when a call first meets it: NaN never
     compares, infinity cannot be stored as a deadline (None is "no bound"), and zero or

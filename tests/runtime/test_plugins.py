@@ -386,6 +386,26 @@ def test_a_plugin_declaring_a_key_ratchet_keeps_is_refused_when_resolved(key):
         resolve([Plugin(PluginManifest(id="k"), lambda: contributions)])
 
 
+@pytest.mark.parametrize(
+    "change", [{"wait": "delegation"}, {"wait_deadline_s": 1e308}, {"timeout_s": float("nan")}]
+)
+def test_a_plugins_tool_is_held_to_what_tool_checks(change):
+    """A plugin's tool changed after @tool (``dataclasses.replace``) was taken in as it
+    was: waiting for a child it never had, every answer and its expiry refused, or
+    failing its Run ``internal`` with an OverflowError at its deadline."""
+    import dataclasses
+
+    @tool(wait="external_result")
+    def lookup(x: int) -> str:
+        return "x"
+
+    changed = dataclasses.replace(lookup, **change)
+    bound = CapabilityBound(tools=frozenset({"lookup"}))
+    plugin = Plugin(PluginManifest(id="p", bound=bound), lambda: Contributions(tools=[changed]))
+    with pytest.raises(ContributionFailed, match=r"plugin 'p'.*tool lookup"):
+        resolve([plugin])
+
+
 class _Own(BaseException):
     """A BaseException of the plugin's own."""
 
