@@ -51,7 +51,7 @@ def injected_messages(
     run_id: str, state: StateView, staged: Iterable[Command]
 ) -> tuple[UserMessage, ...]:
     return tuple(
-        trusted(UserMessage, id=f"{run_id}:injected:{e['id']}", text=e["text"])
+        trusted(UserMessage, id=f"{injected_prefix(run_id)}{e['id']}", text=e["text"])
         for e in _entries(state, staged)
     )
 
@@ -68,6 +68,11 @@ def take_injected(
     if INJECTED_KEY in state["run"]:
         rest += (Command(key=INJECTED_KEY, scope="run", op="remove"),)
     return messages, rest
+
+
+def injected_prefix(run_id: str) -> str:
+    """What the id of each message ``run_id`` injected begins with."""
+    return f"{run_id}:injected:"
 
 
 def carried_by_answer(waiting: Frontier) -> tuple[Message, ...]:

@@ -10,9 +10,10 @@ from runtime.commit import Frontier
 from runtime.context import RunContext
 from runtime.faults import Unwind
 from runtime.hooks import RunEndInput, verdict
+from runtime.injection import injected_prefix
 from runtime.lifecycle import EndCause, Failed, Natural
 from runtime.limits import printable, raised
-from runtime.messages import AssistantMessage, Message
+from runtime.messages import AssistantMessage, Message, UserMessage
 from runtime.plugins import PluginRefused, ResolvedExecutionEnv
 from runtime.state import Command
 
@@ -51,7 +52,7 @@ def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> E
     answer: its guards were shown none."""
     if not agent.run_end_guards:
         return Natural()
-    final = messages[-1] if messages else _last_answer(ctx.frontier.messages)
+    final = messages[-1] if messages else _last_answer(ctx.frontier.messages, ctx.run_id)
     seen = RunEndInput(
         run_id=ctx.run_id,
         thread_id=ctx.frontier.thread_id,
@@ -71,11 +72,16 @@ def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> E
     return Natural()
 
 
-def _last_answer(history: Sequence[Message]) -> AssistantMessage | None:
-    """The last model answer (an assistant message without calls: a handler's or a
+def _last_answer(history: Sequence[Message], run_id: str) -> AssistantMessage | None:
+    """The Run's last model answer (an assistant message without calls: a handler's or a
     human's turn is no answer), found from the end: it is the last turn's, or the one
-    before it."""
+    before it. Not past a user message of no side but the Run's injected ones (its input,
+    or an answer to its wait for input): what came before may be an earlier Run's, and a
+    guard shown it would let an end that answered nothing pass for it."""
+    injected = injected_prefix(run_id)
     for m in reversed(history):
         if isinstance(m, AssistantMessage) and not m.tool_calls:
             return m
+        if isinstance(m, UserMessage) and m.side is None and not m.id.startswith(injected):
+            return None
     return None

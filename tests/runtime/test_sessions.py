@@ -4,7 +4,9 @@ max_session_turns, stop_session; each through a crash at every fault point."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -168,6 +170,30 @@ async def test_a_guard_at_the_end_of_a_sessions_turns_sees_its_last_answer(agent
     assert f.run_state.cause.kind == "natural"
     answers = [text for kind, _, text in lines(f) if kind == "assistant" and text]
     assert shown == [answers[-1]] and answers[-1]
+
+
+async def test_a_guard_is_never_shown_an_earlier_runs_answer_for_this_ones():
+    """A Run whose session its handler ends at once answers nothing: its guard was shown
+    the last answer of an earlier Run on the thread, and let the end pass for it."""
+    shown: list[str] = []
+
+    def guard(seen: Any) -> str | None:
+        shown.append(seen.answer)
+        return None if "writer" in seen.answer else "no answer of this Run's"
+
+    def ending(seen: HandlerInput) -> None:
+        return None
+
+    store = MemoryCommitStore()
+    first = with_handler(turns=1)
+    runner = InProcessRunner(dataclasses.replace(first, run_end_guards=(guard,)), store)
+    f = await runner.start("first", thread_id="t", run_id="r1")
+    assert f.run_state.cause.kind == "natural" and shown == ["writer@0"]
+    session = Session(b=SessionSide(handler=ending), max_session_turns=1, first="b")
+    second = Agent(name="writer", model=speaker("writer"), session=session, run_end_guards=[guard])
+    f = await InProcessRunner(second, store).start("second", thread_id="t", run_id="r2")
+    assert shown == ["writer@0", ""]
+    assert (f.run_state.cause.kind, f.run_state.cause.code) == ("failed", "run_end_guard")
 
 
 async def test_handler_turns_add_no_steps_but_count_toward_max_session_turns():
