@@ -51,6 +51,7 @@ from runtime.plugin_env import guarded_end
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
 from runtime.rules import advance, stamp_facts, with_claim
+from runtime.signals import cancels_asked, drop_own_cancel
 from runtime.state import Command
 from runtime.timeutil import now_us
 from runtime.tracing import RunTrace
@@ -97,7 +98,9 @@ class Committing:
         each end was made, one that forgot to ask (a handler's) bypassed a guard that
         refuses every end. ``messages``: what the end commits, its answer last."""
         if isinstance(cause, Natural):
+            asked = cancels_asked()
             cause = guarded_end(self.root, ctx, messages)
+            await drop_own_cancel(asked)  # a guard's, refusing the end
         open_batch_ = batch or ctx.frontier.batch
         sealed = seal(open_batch_) if open_batch_ is not None else None
         if sealed is not None and batch is None and not messages:

@@ -46,7 +46,7 @@ from runtime.recovery import (
     WaitOnCall,
     plan_calls,
 )
-from runtime.signals import EndRun
+from runtime.signals import EndRun, cancels_asked
 from runtime.state import Command, MergePolicy, StateView, check_writable
 
 UNKNOWN_CHARS = 1000
@@ -167,13 +167,18 @@ def _gate(
 
 
 def _gated(gate: Gate, seen: GateInput) -> str | None:
-    """A tool gate's verdict: a reason denies the call (a gate that raises denies it)."""
+    """A tool gate's verdict: a reason denies the call (a gate that raises denies it, and
+    so does one that cancels the Run's task: its caller drops that cancellation)."""
+    asked = cancels_asked()
     try:
-        return verdict(gate(seen), "denied")
+        why = verdict(gate(seen), "denied")
     except Unwind:
         raise  # a crash test's Crash, a replay's Halt: nothing settles
     except BaseException as exc:  # a gate that cannot tell denies (SystemExit included)
-        return f"the gate raised {raised(exc)}"
+        why = f"the gate raised {raised(exc)}"
+    if cancels_asked() > asked:
+        return "the gate cancelled its own task"
+    return why
 
 
 def _fail(out: CallPlan, call_id: CallId, text: str) -> str:

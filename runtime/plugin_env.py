@@ -15,6 +15,7 @@ from runtime.lifecycle import EndCause, Failed, Natural
 from runtime.limits import printable, raised
 from runtime.messages import AssistantMessage, Message, UserMessage
 from runtime.plugins import PluginRefused, ResolvedExecutionEnv
+from runtime.signals import cancels_asked
 from runtime.state import Command
 
 PLUGINS_KEY = "plugins"
@@ -61,12 +62,15 @@ def guarded_end(agent: Agent, ctx: RunContext, messages: Sequence[Message]) -> E
         messages=(*ctx.frontier.messages, *messages),
     )
     for guard in agent.run_end_guards:
+        asked = cancels_asked()
         try:
             text = verdict(guard(seen), "refused")
         except Unwind:
             raise  # a crash test's Crash, a replay's Halt: nothing settles
         except BaseException as exc:  # a guard that cannot tell refuses (SystemExit too)
             text = f"the guard raised {raised(exc)}"
+        if cancels_asked() > asked:  # refuses: its caller drops the cancellation
+            text = "the guard cancelled its own task"
         if text is not None:
             return Failed(failure="hook", code="run_end_guard", message=text)
     return Natural()

@@ -37,7 +37,13 @@ from runtime.injection import inject_commands
 from runtime.lifecycle import Natural, UserInputTarget
 from runtime.limits import check_text
 from runtime.messages import AssistantMessage, ContextMessage, RequestMessage, UserMessage
-from runtime.signals import CancelledSignal, EndRun, cancelling
+from runtime.signals import (
+    CancelledSignal,
+    EndRun,
+    cancelling,
+    cancels_asked,
+    drop_own_cancel,
+)
 from runtime.state import SESSION_KEY, Command
 
 # SESSION_KEY, the thread-state key (disjoint): side, turns, a_steps, b_steps, ended
@@ -198,7 +204,10 @@ async def handler_turn(
     )
     as_hook = Hook(point="StepStart", fn=lambda _: None, name=f"handler {spec.name}")
     try:
+        asked = cancels_asked()
         out = spec.handler(seen)
+        if await drop_own_cancel(asked):  # a synchronous one cancelled the Run's task
+            raise HookFailed(as_hook, "StepStart", asyncio.CancelledError())
         if inspect.isawaitable(out):
             out = await services.guard_apart(out)
         if out is not None:
@@ -213,8 +222,8 @@ async def handler_turn(
         if cancelling():
             raise  # the Run's task is being cancelled: it goes on unwinding
         raise HookFailed(as_hook, "StepStart", exc) from exc
-    except Unwind:
-        raise  # a crash test's Crash, a replay's Halt: nothing settles
+    except (Unwind, HookFailed):
+        raise  # a crash test's Crash, a replay's Halt: nothing settles; ours, made above
     except BaseException as exc:  # the handler's failure fails the Run, as a hook's does
         raise HookFailed(as_hook, "StepStart", exc) from exc
     turn = int(state_of(f).get("turns", 0))

@@ -71,6 +71,31 @@ def _forget(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+def cancels_asked() -> int:
+    """The cancellations of the running task asked for and not yet taken back (0 outside
+    a task): compared before and after user code run synchronously in it."""
+    task = asyncio.current_task()
+    return 0 if task is None else task.cancelling()
+
+
+async def drop_own_cancel(asked: int) -> bool:
+    """Whether user code run synchronously in this task (a gate, a run-end guard, a
+    session's handler) cancelled it since it had ``asked`` cancellations: the one it left
+    pending is taken here and dropped. Left, it landed at the task's next wait and was
+    taken for the host stopping the drive: the Run stayed running, to be cancelled again
+    at each recovery. One asked by anyone else meanwhile still lands."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling() <= asked:
+        return False
+    try:
+        await asyncio.sleep(0)  # the pending cancellation lands here (Python 3.11 keeps
+        # it pending through ``uncancel``: only delivering it clears it)
+    except asyncio.CancelledError:
+        if task.uncancel() > asked:
+            raise  # asked again meanwhile, or by someone else: a real cancellation
+    return True
+
+
 def cancelling() -> bool:
     """Whether the running task is being cancelled: a CancelledError is then a real
     cancellation, else user code (a tool, a hook, a model) raised one on its own."""

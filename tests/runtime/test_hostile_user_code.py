@@ -511,3 +511,42 @@ async def test_an_error_whose_type_name_no_store_holds_still_ends_the_run(where:
     assert isinstance(ended.cause, Failed) and ended.cause.failure == "hook"
     assert ended.cause.code.startswith("EEEE") and len(ended.cause.code) == 80
     assert len(ended.cause.message) <= 2000
+
+
+def _cancelling_its_task(*_: Any) -> Any:
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    return None
+
+
+@pytest.mark.parametrize("who", ["gate", "guard", "handler"])
+async def test_user_code_cancelling_the_runs_task_is_its_own_failure(who: str) -> None:
+    """A gate, a run-end guard or a session's handler runs synchronously in the Run's
+    task: one calling ``current_task().cancel()`` left a cancellation that landed at the
+    Run's next wait, taken for its host stopping the drive. The start raised
+    CancelledError, the Run was left running (each recovery cancelled again), or the
+    handler's Run ended natural. Now it denies the call, refuses the end, fails the Run."""
+    store = MemoryCommitStore()
+    if who == "gate":
+        agent = Agent(name="a", model=_script(), tools=[fine], gates=[_cancelling_its_task])
+    elif who == "guard":
+        agent = Agent(name="a", model=_script(), run_end_guards=[_cancelling_its_task])
+    else:
+        session = Session(b=SessionSide(handler=_cancelling_its_task))
+        agent = Agent(name="a", model=_script(), tools=[fine], session=session)
+    done = await InProcessRunner(agent, store).start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState)
+    cause = done.run_state.cause
+    if who == "gate":
+        assert cause.kind == "natural"
+        ((is_error, text),) = _results(done)
+        assert is_error and "the gate cancelled its own task" in text
+    elif who == "guard":
+        assert isinstance(cause, Failed) and cause.code == "run_end_guard"
+        assert "cancelled its own task" in cause.message
+    else:
+        assert isinstance(cause, Failed) and cause.failure == "hook"
+        assert cause.code == "CancelledError"
+    again = await InProcessRunner(agent, store).recover("t")  # at rest: nothing to do
+    assert again.version == done.version
