@@ -171,16 +171,7 @@ class ExecutionState:
     def pause(self, reason: PauseReason = "manual") -> None:
         self.react(Pause(reason=reason))
 
-    def react(
-        self,
-        reaction: StopRun
-        | StopSession
-        | ForceTurn
-        | InjectMessage
-        | RequestInput
-        | Pause
-        | DenyCall,
-    ) -> None:
+    def react(self, reaction: Reaction) -> None:
         """Apply one reaction (the one place they take effect; ``DenyCall`` is applied
         where the calls are gated, and is refused here). Its text is checked first: a
         hook calling ``stop()`` on the live state is held to what it may return."""
@@ -279,16 +270,7 @@ class ExecutionView:
     def pause(self, reason: PauseReason = "manual") -> None:
         self._state.pause(reason)
 
-    def react(
-        self,
-        reaction: StopRun
-        | StopSession
-        | ForceTurn
-        | InjectMessage
-        | RequestInput
-        | Pause
-        | DenyCall,
-    ) -> None:
+    def react(self, reaction: Reaction) -> None:
         self._state.react(reaction)
 
 

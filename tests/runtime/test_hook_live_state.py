@@ -18,7 +18,6 @@ from runtime import (
     Hook,
     HookOutput,
     InjectMessage,
-    InProcessRunner,
     ModelResponse,
     ScriptedModel,
     StopRun,
@@ -30,24 +29,7 @@ from runtime.lifecycle import EndedState, Failed
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.plugins import CapabilityBound, Contributions, Plugin, PluginManifest
 from runtime.state import Command
-from storage.memory import MemoryCommitStore
-
-
-@tool
-async def fine() -> str:
-    return "fine"
-
-
-def _script() -> ScriptedModel:
-    return ScriptedModel(
-        [ModelResponse(tool_calls=(call("fine", "c1"),)), ModelResponse(text="ok")]
-    )
-
-
-async def _rest(agent: Agent) -> EndedState:
-    frontier = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
-    assert isinstance(frontier.run_state, EndedState), frontier.run_state
-    return frontier.run_state
+from tests.runtime.test_hostile_user_code import _rest, _script, fine
 
 
 def _hook_failed(ended: EndedState) -> Failed:
