@@ -347,6 +347,12 @@ async def _resume(
     try:
         handle = client.handle(thread)
         await handle.resume(command)
+        if any(
+            fact.type == "resume_ended" and fact.data.get("correlation") == command.correlation
+            for fact in await handle.events()
+        ):  # taken, but what resuming writes could not fit the thread's history limits
+            print_rest(thread, await handle.frontier(), "the resume could not land: ")
+            raise typer.Exit(1)
         console.print(
             f"resumed run {ticket.run_id} on thread {thread}: {payload.kind}",
             markup=False,

@@ -70,6 +70,13 @@ class Client(Protocol):
     def host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any: ...
 
 
+TAKEN = ("resumed", "resume_ended")
+"""The facts of a resume that was taken: it landed, or (``resume_ended``) what the
+runtime had to write to resume could not fit the thread's history limits, and it ended
+the Run ``failed(history_limit)`` instead (``runtime.resume``). Either way the caller's
+resume was applied, and a rival's or a repeat's was not."""
+
+
 class RunHandle:
     """Follow one Run through the store."""
 
@@ -309,7 +316,7 @@ class RunHandle:
         and its payload), False another's, None none. A request id reused with another
         payload is another's: its caller is not told that what it asked for was done."""
         for fact in reversed(await self.events()):
-            if fact.type == "resumed" and fact.data.get("correlation") == command.correlation:
+            if fact.type in TAKEN and fact.data.get("correlation") == command.correlation:
                 return _holds(fact, command)
         return None
 
@@ -348,7 +355,7 @@ class RunHandle:
             if isinstance(state, AwaitingState):
                 ticket = state.ticket
             for fact in record.commit.facts:
-                if fact.type != "resumed" or fact.data.get("request_id") != request_id:
+                if fact.type not in TAKEN or fact.data.get("request_id") != request_id:
                     continue
                 if ticket is None or fact.data.get("correlation") != ticket.correlation:
                     continue

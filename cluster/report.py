@@ -138,10 +138,11 @@ def fact_text(fact: Fact) -> str:
         return f"awaiting {ticket_text(ResumeTicket.model_validate(data['ticket']))}"
     if kind in ("run_finished", "run_failed"):
         return f"{kind}: {cause_text(data.get('cause', {}))}"
-    if kind == "resumed":
+    if kind in ("resumed", "resume_ended"):
         extra = {k: v for k, v in data.items() if k not in ("kind", "correlation")}
         detail = f" {json.dumps(extra, sort_keys=True)}" if extra else ""
-        return f"resumed ({data.get('kind')}){detail}"
+        took = "resumed" if kind == "resumed" else "resume could not land, the run ended"
+        return f"{took} ({data.get('kind')}){detail}"
     if kind == "status":
         return f"status {status_text(ThreadStatus.model_validate(data['status']))}"
     return f"{kind} {json.dumps(data, sort_keys=True)}"

@@ -88,6 +88,7 @@ class Committing:
         batch: ActiveToolBatch | None = None,
         commands: Sequence[Command] = (),
         claim: bool = False,
+        facts: Sequence[Fact] = (),
     ) -> None:
         """Commit Ended: unfinished calls are sealed indeterminate and the batch finalized.
         ``commands`` that cannot merge (a wave's calls writing one exclusive key) are left
@@ -107,7 +108,14 @@ class Committing:
             messages = result_messages(sealed)
         ended = EndedState(run_id=ctx.run_id, cause=cause)
         end = functools.partial(
-            self._commit, ctx, "ended", ended, claim=claim, messages=messages, batch=sealed
+            self._commit,
+            ctx,
+            "ended",
+            ended,
+            claim=claim,
+            messages=messages,
+            batch=sealed,
+            extra_facts=tuple(facts),
         )
         # an inference made and not committed: what it used is recorded with the end
         spent = tuple(c for c in ctx.spent if not any(c is given for given in commands))

@@ -17,6 +17,7 @@ from pydantic import TypeAdapter
 from runtime.agent import Agent
 from runtime.commit import CommitLabel, Frontier
 from runtime.delegation import ChildRunner
+from runtime.events import Fact
 from runtime.execution import ExecutionState
 from runtime.faults import FaultPlan
 from runtime.hooks import HookPoint, HookResults
@@ -227,9 +228,12 @@ class StepServices(Protocol):
     def control_cause(self, ctx: RunContext) -> EndCause:
         """How the Run ends now that it was cancelled or stopped."""
 
-    async def end(self, ctx: RunContext, cause: EndCause, *, claim: bool = False) -> None:
+    async def end(
+        self, ctx: RunContext, cause: EndCause, *, claim: bool = False, facts: Sequence[Fact] = ()
+    ) -> None:
         """Commit the Run's end (``Committing.end``); ``claim``: the end claims the thread,
-        as a Run ended at rest by an engine not driving it is (a cancel's)."""
+        as a Run ended at rest by an engine not driving it is (a cancel's); ``facts``:
+        what it records besides."""
 
 
 __all__: Sequence[str] = ("RunContext", "StepServices", "StoreRetry")

@@ -25,6 +25,7 @@ FactType = Literal[
     "run_failed",
     "status",
     "resumed",
+    "resume_ended",
 ]
 DeltaType = Literal["text_delta", "reasoning_delta", "tool_call_delta"]
 

@@ -174,7 +174,8 @@ async def resume_commit(
         )
     except HistoryLimitReached as exc:
         required = messages[:-1] if isinstance(payload, UserInput) else messages
-        await _end_unresumable(services, ctx, exc, required)
+        ended = Fact(type="resume_ended", run_id=ctx.run_id, data=data)
+        await _end_unresumable(services, ctx, exc, required, ended)
         return None
     return run_now
 
@@ -184,6 +185,7 @@ async def _end_unresumable(
     ctx: RunContext,
     refused: HistoryLimitReached,
     required: Sequence[Message],
+    ended: Fact,
 ) -> None:
     """A resume refused by a history limit: raised again if the caller's own text is what
     does not fit (the ticket stays for a shorter one); else what the runtime itself writes
@@ -192,13 +194,16 @@ async def _end_unresumable(
     ``failed(history_limit, <limit>)``. It ends at rest as a cancel ends it: the end claims
     the thread at the version the ticket was read at, so of rivals (another resume, a
     cancel) one lands and the others are fenced, to find the ticket gone; and a replay
-    meets an end made at rest (a way in of its own)."""
+    meets an end made at rest (a way in of its own). The end records the resume it took
+    (``ended``: a ``resume_ended`` fact, the ``resumed`` one's data): a caller asking
+    again under the same request id hears that its resume was taken, and ended the
+    Run, not that another resume or a cancel did."""
     if _answer_over(services.limits, ctx, refused, required):
         raise refused
     thread = ctx.frontier.thread_id
     log.warning("run %s on %s: its resume cannot land (%s)", ctx.run_id, thread, refused)
     ctx.pending.clear()  # staged for the resume commit, which did not land
-    await services.end(ctx, failure_of(refused), claim=True)
+    await services.end(ctx, failure_of(refused), claim=True, facts=(ended,))
 
 
 def _answer_over(

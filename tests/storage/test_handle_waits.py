@@ -191,3 +191,79 @@ def test_a_handle_on_ids_no_store_takes_is_refused_as_a_start_is() -> None:
         with pytest.raises(InputRefused):
             Ratchet.handle(client, thread, run)
     assert Ratchet.handle(client, "t", "r1").run_id == "r1"
+
+
+async def test_a_resume_that_ended_the_run_is_its_requests_answer_when_asked_again():
+    """A resume whose commit could not fit the thread's history limits ends the Run
+    (``runtime.resume``). Its end recorded no request: asked again under the same
+    request id (its answer lost), the caller heard ResumeRejected, "not awaiting" or
+    "the run stopped awaiting without this resume", as if a rival had taken its ticket."""
+    from runtime import answer
+    from runtime.errors import ResumeRejected
+    from runtime.lifecycle import PermissionDecision
+    from runtime.limits import Limits
+    from tests.runtime.test_history_limits import permitting
+
+    store = MemoryCommitStore()
+    f = await InProcessRunner(permitting(), store).start("go", thread_id="th")
+    command = answer(f.run_state.ticket, PermissionDecision(approve=True))
+    command = command.model_copy(update={"request_id": "req-1"})
+    runner = InProcessRunner(permitting(), store, limits=Limits(history_commits=f.version))
+    ended = await runner.resume(command)
+    assert ended.run_state.cause.code == "history_commits"
+    handle = RunHandle(_Client(store), ThreadId("th"), ended.run_id, "hosted")  # type: ignore[arg-type]
+    assert await handle.answered(PermissionDecision(approve=True), "req-1") == command
+    with pytest.raises(ResumeRejected, match="another payload"):
+        await handle.answered(PermissionDecision(approve=False), "req-1")
+    assert await handle._applied(command) is True
+    rival = command.model_copy(update={"request_id": "req-2"})
+    assert await handle._applied(rival) is False
+
+
+def test_ratchet_resume_says_when_its_resume_ended_the_run(tmp_path, monkeypatch):
+    """``ratchet resume`` printed "resumed ... permission" and exited 0 for a resume that
+    ended the Run failed(history_limit): the approval was never applied. The host here is
+    the engine in-process (a real store, the CLI's and the handle's own code)."""
+    from typer.testing import CliRunner
+
+    import cluster.cli as cli
+    from runtime.limits import Limits
+    from storage.url import open_store
+    from tests.runtime.test_history_limits import permitting
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+
+    async def started() -> int:
+        store = await open_store(url)
+        try:
+            return (await InProcessRunner(permitting(), store).start("go", thread_id="th")).version
+        finally:
+            await store.close()
+
+    version = asyncio.run(started())
+
+    class _InProcessHandle(RunHandle):
+        async def _resume(self, command: Any, index: int | None) -> None:
+            await self.client.runner.resume(command)  # the host's part, done here
+
+    class _Connected(_Client):
+        def __init__(self, store: Any) -> None:
+            super().__init__(store)
+            limits = Limits(history_commits=version)  # lowered since the Run waited
+            self.runner = InProcessRunner(permitting(), store, limits=limits)
+
+        def handle(self, thread: str, run_id: str | None = None) -> RunHandle:
+            return _InProcessHandle(self, ThreadId(thread), None, "hosted")  # type: ignore[arg-type]
+
+        async def close(self) -> None:
+            await self.store.close()
+
+    async def connect(*_: Any, **__: Any) -> _Connected:
+        return _Connected(await open_store(url, create=False))
+
+    monkeypatch.setattr(Ratchet, "connect", staticmethod(connect))
+    result = CliRunner().invoke(cli.app, ["resume", "th", "--approve", "--store", url])
+    assert result.exit_code == 1, result.output
+    assert "the resume could not land" in result.output
+    assert "failed (history_limit/history_commits)" in result.output
+    assert "resumed run" not in result.output
