@@ -121,12 +121,18 @@ class Limits:
         """The largest commit a Run kept within these limits can make: a Step's results
         twice (in the batch and the messages of the commit that publishes them: a commit
         stores no fact derived from its messages, schema 3), a response twice (its
-        message and its calls' arguments in the batch), and room for the records' own
-        fields. A store whose payload limit is below this is refused (``Engine``)."""
+        message and its calls' arguments in the batch), what the hooks hand it (the
+        messages they inject and their state commands: ``input_bytes``), and room for
+        the records' own fields. A store whose payload limit is below this is refused
+        (``Engine``)."""
         # phases and keys of one call, and its ids three times over (4 bytes a character)
         per_call = 1 * KIB + 12 * self.id_chars
         largest = max(self.response_bytes, self.input_bytes)
-        return 2 * self.batch_result_bytes + 2 * largest + self.tool_calls * per_call
+        # a Step's inference commit holds its response twice beside what its hooks
+        # handed (StepStart's injected messages, say): left out, a store these limits
+        # were said to fit refused it (payload_too_large)
+        hooks = self.input_bytes
+        return 2 * self.batch_result_bytes + 2 * largest + hooks + self.tool_calls * per_call
 
 
 MIN_ID_CHARS = 64

@@ -24,6 +24,7 @@ from runtime import (
     FaultPlan,
     Hook,
     HookOutput,
+    InjectMessage,
     InProcessRunner,
     InputRefused,
     LocalToolRunner,
@@ -40,6 +41,7 @@ from runtime import (
 from runtime.commit import Frontier, assemble_commit
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import RunningState, Unpause
+from runtime.limits import Limits
 from runtime.messages import ContextMessage
 from runtime.rules import replay
 from storage.memory import MemoryCommitStore
@@ -273,6 +275,40 @@ async def test_results_over_the_batch_limit_are_errors_and_every_commit_fits(con
     assert [m.call_id for m in published] == ["c0", "c1", "c2", "c3"]
     assert [m.is_error for m in published] == [False, False, False, True]
     assert "batch_result_bytes" in published[3].content
+
+
+async def test_a_store_the_limits_allow_takes_an_inference_commit_with_the_hooks_output():
+    """On the smallest store these limits allow, a Step's inference commit holding the
+    messages its hooks inject (all of ``input_bytes``) and a call whose arguments take
+    the rest of the response fits: the Run ends naturally, not failed(store,
+    payload_too_large) as when the hooks' output was left out of ``commit_bytes``."""
+    limits = Limits(
+        tool_calls=1,
+        id_chars=64,
+        batch_result_bytes=1024,
+        tool_result_bytes=1024,
+        input_bytes=32 * 1024,
+        response_bytes=32 * 1024,
+    )
+    store = MemoryCommitStore(payload_limit=limits.commit_bytes())
+
+    @tool
+    def take(text: str) -> str:
+        return "taken"
+
+    def inject(h: Any) -> HookOutput | None:
+        if h.step != 0:
+            return None
+        return HookOutput(reactions=[InjectMessage(text="y" * (limits.input_bytes - 64))])
+
+    big = call("take", "c1", text="x" * (limits.response_bytes - 128))
+    model = ScriptedModel([ModelResponse(tool_calls=(big,)), ModelResponse(text="ok")])
+    hooks = [Hook("StepStart", inject)]
+    a = Agent(name="a", model=model, tools=[take], hooks=hooks)
+    store, frontier = await run(a, store, limits=limits)
+    assert frontier.run_state.cause.kind == "natural", frontier.run_state.cause
+    records = await store.read("t")
+    assert max(len(r.commit.encoded.encode()) for r in records) > 2 * limits.response_bytes
 
 
 class FlakyStore:
