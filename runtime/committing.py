@@ -145,7 +145,7 @@ class Committing:
             error,
             exc_info=cause.failure == "internal",
         )
-        ctx.pending.clear()  # staged by a Step that did not land
+        ctx.unstage()  # staged by a Step that did not land
         delay, smaller, stale = self.store_retry.first_delay_s, 0, False
         conflicts = 0
         while True:
@@ -473,7 +473,7 @@ class Committing:
 
 def _fold(ctx: RunContext, frontier: Frontier, added: int, run: RunId) -> None:
     """The working copy after a commit (its staged commands went with it)."""
-    ctx.pending.clear()
+    ctx.unstage()
     ctx.frontier = frontier
     if ctx.history_bytes is not None:
         ctx.history_bytes += added

@@ -71,6 +71,11 @@ class RunContext:
     execution: ExecutionState
     pending: list[Command] = field(default_factory=list)
     """Hook commands staged for the next commit."""
+    handed: int = 0
+    """What the hooks whose output ``pending`` holds handed it (``HookResults.handed``):
+    hooks run before that commit start their count from it, so all the hooks' output
+    one commit carries is held to ``input_bytes`` together (the AfterTool hooks of calls
+    a recovery sealed ride the results commit of the wave run after them)."""
     step_ended: str | None = None
     """Batch id whose StepEnd hooks already ran (they run once per Step).
 
@@ -95,6 +100,11 @@ class RunContext:
     def ends_step(self, batch_id: str) -> bool:
         """Whether the StepEnd hooks of ``batch_id``'s Step are still to run."""
         return batch_id not in (self.step_ended, self.frontier.state["run"].get(STEP_ENDED))
+
+    def unstage(self) -> None:
+        """What was staged went with a commit, or is dropped: nothing is staged now."""
+        self.pending.clear()
+        self.handed = 0
 
     def pause_step(
         self, target: PauseTarget | UserInputTarget, commands: Sequence[Command]

@@ -202,7 +202,7 @@ async def _end_unresumable(
         raise refused
     thread = ctx.frontier.thread_id
     log.warning("run %s on %s: its resume cannot land (%s)", ctx.run_id, thread, refused)
-    ctx.pending.clear()  # staged for the resume commit, which did not land
+    ctx.unstage()  # staged for the resume commit, which did not land
     await services.end(ctx, failure_of(refused), claim=True, facts=(ended,))
 
 

@@ -72,9 +72,11 @@ async def advance_batch(
     await drop_own_cancel(asked)  # a gate's, denying its call
     batch = planned.batch
     if planned.sealed:  # their AfterTool hooks, before anything commits the seal
-        hooks = HookResults()
+        hooks = HookResults(handed=ctx.handed)
         await _after_tool(services, ctx, batch, planned.sealed, hooks, ())
         ctx.pending.extend(hooks.commands)  # with the next commit
+        ctx.handed = hooks.handed  # which may be a wave's results commit (a rejoined call
+        # is not committed executing again): its hooks then share this output's budget
     ready_waves = waves(services.agent, batch, planned.ready)
     if opening is not None:
         # cancelled as the model answered, or stopped by an AfterInference hook
@@ -185,7 +187,7 @@ async def run_wave(
         # commands of the calls that finished beside it
         ctx.pending.extend(commands)
         return batch
-    hooks = HookResults(alongside=commands)
+    hooks = HookResults(alongside=commands, handed=ctx.handed)  # what ``pending`` holds
     await _after_tool(services, ctx, batch, members, hooks, commands)
     if any(forces(c) for c in hooks.commands):  # a hook's force_turn came last: it counts
         commands = [c for c in commands if not forces(c)]

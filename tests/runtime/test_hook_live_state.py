@@ -15,6 +15,8 @@ import pytest
 
 from runtime import (
     Agent,
+    Crash,
+    FaultPlan,
     Hook,
     HookOutput,
     InjectMessage,
@@ -233,3 +235,54 @@ async def test_a_handler_injecting_more_than_an_input_fails_as_a_hook() -> None:
     agent = Agent(name="a", model=_script(), tools=[fine], session=session)
     failed = _hook_failed(await _rest(agent))
     assert "input_bytes" in failed.message and "hook handler h at" in failed.message, failed
+
+
+def _sealed_and_rejoined(hooks: list[Hook]) -> Agent:
+    """One wave of two calls: ``charge`` (never_replay) is sealed by a recovery, and
+    ``order`` (durable_request) is rejoined without an ``executing`` commit, so the
+    sealed call's AfterTool hooks ride the wave's results commit beside its own."""
+
+    @tool(recovery=("never_replay",))
+    def charge() -> str:
+        return "charged"
+
+    @tool(recovery=("durable_request",))
+    def order() -> str:
+        return "ordered"
+
+    script = [
+        ModelResponse(tool_calls=(call("charge", "c1"), call("order", "c2"))),
+        ModelResponse(text="ok"),
+    ]
+    return Agent(name="a", model=ScriptedModel(script), tools=[charge, order], hooks=hooks)
+
+
+@pytest.mark.parametrize("crash", [False, True])
+async def test_the_hooks_of_calls_a_recovery_sealed_share_the_commit_s_budget(
+    crash: bool,
+) -> None:
+    """Each call's AfterTool hook injects nearly ``input_bytes``. Both ride one results
+    commit, whether the wave ran at once or a recovery sealed one call and rejoined the
+    other: the second hook goes over and fails by name (a recovery counted the sealed
+    call's hooks apart, and committed both, twice what one commit is given)."""
+    hooks = [
+        Hook(
+            "AfterTool",
+            lambda h: HookOutput(reactions=[InjectMessage(text="y" * _NEAR_INPUT)]),
+            name="over",
+        )
+    ]
+    store = MemoryCommitStore()
+    if crash:
+        with pytest.raises(Crash):
+            await InProcessRunner(_sealed_and_rejoined(hooks), store).start(
+                "go", thread_id="t", faults=FaultPlan(crash_at=("during:tools", 1))
+            )
+        frontier = await InProcessRunner(_sealed_and_rejoined(hooks), store).recover("t")
+    else:
+        frontier = await InProcessRunner(_sealed_and_rejoined(hooks), store).start(
+            "go", thread_id="t"
+        )
+    assert isinstance(frontier.run_state, EndedState), frontier.run_state
+    failed = _hook_failed(frontier.run_state)
+    assert "input_bytes" in failed.message and "hook over at AfterTool" in failed.message
