@@ -51,6 +51,7 @@ from runtime.plugin_env import guarded_end
 from runtime.ports import CommitStore
 from runtime.publish import Publisher
 from runtime.rules import advance, stamp_facts, with_claim
+from runtime.session import last_forced
 from runtime.signals import cancels_asked, drop_own_cancel
 from runtime.state import Command
 from runtime.timeutil import now_us
@@ -361,7 +362,7 @@ class Committing:
             label=label,
             disposition=disposition,
             messages=tuple(messages),
-            commands=(*ctx.pending, *commands, *traced, *waits),
+            commands=last_forced((*ctx.pending, *commands, *traced, *waits)),
             batch=batch,
             status=changed,
             extra_facts=tuple(extra_facts),

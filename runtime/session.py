@@ -134,6 +134,19 @@ def stage_forced(execution: ExecutionState, commands: list[Command]) -> None:
     commands.append(Command(key=FORCED_KEY, scope="run", value=side))
 
 
+def last_forced(commands: tuple[Command, ...]) -> tuple[Command, ...]:
+    """``commands`` with only their last write of the forced side. The parts of a Run
+    that stage for one commit may each force a turn — the AfterTool hooks of calls a
+    recovery sealed (staged before the wave that rejoins the others), that wave's tools,
+    then its hooks — and the last made counts: two writes of the key in one commit
+    would fail it (``StateConflict``), and the Run with it."""
+    writes = [i for i, c in enumerate(commands) if forces(c)]
+    if len(writes) < 2:
+        return commands
+    last = writes[-1]
+    return tuple(c for i, c in enumerate(commands) if i == last or not forces(c))
+
+
 def handoff(
     frontier: Frontier, side: Side, staged: Sequence[Command] = ()
 ) -> tuple[tuple[Command, ...], tuple[Command, ...]]:

@@ -38,7 +38,7 @@ from runtime.limits import printable
 from runtime.messages import Message
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.resume import await_call
-from runtime.session import forces, stage_forced
+from runtime.session import stage_forced
 from runtime.signals import CancelledSignal, EndRun, cancels_asked, drop_own_cancel
 from runtime.state import Command
 
@@ -189,8 +189,7 @@ async def run_wave(
         return batch
     hooks = HookResults(alongside=commands, handed=ctx.handed)  # what ``pending`` holds
     await _after_tool(services, ctx, batch, members, hooks, commands)
-    if any(forces(c) for c in hooks.commands):  # a hook's force_turn came last: it counts
-        commands = [c for c in commands if not forces(c)]
+    # a tool's force_turn and then one of its hooks': the hook's counts (``last_forced``)
     try:  # the next inference may begin before this lands (Committing.commit, ``landing``)
         await services.commit(
             ctx,

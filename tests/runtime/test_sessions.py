@@ -475,3 +475,51 @@ async def test_a_tools_and_an_after_tool_hooks_forced_turns_in_one_step_the_last
     assert f.run_state.cause.kind == "natural", f.run_state
     sides = [side for kind, side, _ in lines(f) if kind in ("assistant", "user") and side]
     assert sides[:3] == ["a", "a", "b"]  # the call, its result, then b as the hook asked
+
+
+def sealed_and_rejoined_forcing() -> Agent:
+    """One wave of ``charge`` (never_replay: a recovery seals it) and ``order``
+    (durable_request: a recovery rejoins it, committing no ``executing`` again): each
+    call's AfterTool hook forces a turn, ``charge``'s to b, then ``order``'s to a."""
+
+    @tool(recovery=("never_replay",))
+    def charge() -> str:
+        return "charged"
+
+    @tool(recovery=("durable_request",))
+    def order() -> str:
+        return "ordered"
+
+    def force(h):
+        h.execution.force_turn("b" if h.call.call_id == "c1" else "a")
+
+    def respond(request):
+        if request.step == 0:
+            return ModelResponse(tool_calls=(call("charge", "c1"), call("order", "c2")))
+        return ModelResponse(text=f"writer@{request.step}")
+
+    return Agent(
+        name="writer",
+        model=ScriptedModel([respond] * 8),
+        tools=[charge, order],
+        session=Session(b=SessionSide(handler=echo_handler), max_session_turns=3),
+        hooks=[Hook("AfterTool", force)],
+    )
+
+
+@pytest.mark.parametrize("crash", [None, ("during:tools", 1)])
+async def test_the_forced_turns_of_sealed_and_rejoined_calls_hooks_the_last_counts(crash):
+    """After a crash the sealed call's hook forces a turn before the rejoined call runs,
+    and its forced side is staged for the next commit: the wave's results commit, where
+    the rejoined call's hook forces one too. Two writes of the one key in one commit
+    failed the Run (state_conflict); the last force counts, as in the Run never
+    interrupted: a answers, then a again, then b."""
+    store = MemoryCommitStore()
+    try:
+        f = await start(sealed_and_rejoined_forcing(), store, faults=FaultPlan(crash_at=crash))
+        assert crash is None
+    except Crash:
+        f = await InProcessRunner(sealed_and_rejoined_forcing(), store).recover("t")
+    assert f.run_state.cause.kind == "natural", f.run_state
+    sides = [side for kind, side, _ in lines(f) if kind in ("assistant", "user") and side]
+    assert sides == ["a", "a", "a", "b"]  # the calls, a's answer, a again (forced), b
