@@ -20,6 +20,7 @@ from runtime import (
     Hook,
     HookOutput,
     InjectMessage,
+    InProcessRunner,
     ModelResponse,
     ScriptedModel,
     StopRun,
@@ -31,6 +32,7 @@ from runtime.lifecycle import EndedState, Failed
 from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.plugins import CapabilityBound, Contributions, Plugin, PluginManifest
 from runtime.state import Command
+from storage.memory import MemoryCommitStore
 from tests.runtime.test_hostile_user_code import _rest, _script, fine
 
 
