@@ -308,11 +308,11 @@ async def test_a_stream_item_that_is_no_delta_is_named_in_the_failure():
 
 
 async def test_an_attempt_s_deadline_is_asyncio_timeout_s_with_one_timer() -> None:
-    """``_Deadline`` is ``asyncio.timeout`` to the letter: its expiry is a TimeoutError,
+    """``AttemptDeadline`` is ``asyncio.timeout`` to the letter: its expiry is a TimeoutError,
     a cancellation asked by anyone else stays one; in time, it leaves no timer set."""
-    from runtime.inference import _Deadline
+    from runtime.attempts import AttemptDeadline
 
-    deadline = _Deadline(0.01)
+    deadline = AttemptDeadline(0.01)
     with pytest.raises(TimeoutError):
         async with deadline:
             await asyncio.sleep(1)
@@ -321,7 +321,7 @@ async def test_an_attempt_s_deadline_is_asyncio_timeout_s_with_one_timer() -> No
     assert task is not None and task.cancelling() == 0
 
     async def cancelled_meanwhile() -> None:
-        deadline = _Deadline(0.01)
+        deadline = AttemptDeadline(0.01)
         try:
             async with deadline:
                 asyncio.get_running_loop().call_later(0.005, inner.cancel)
@@ -334,7 +334,7 @@ async def test_an_attempt_s_deadline_is_asyncio_timeout_s_with_one_timer() -> No
     with pytest.raises(asyncio.CancelledError):
         await inner
 
-    deadline = _Deadline(5)
+    deadline = AttemptDeadline(5)
     async with deadline:
         await asyncio.sleep(0)
     assert not deadline.expired and deadline._timer is None
