@@ -101,6 +101,9 @@ class Stepping(Sides):
         if not calls:
             if not response.tool_calls:
                 await self.hooks(ctx, "StepEnd", hooks, step=step)
+                # what they inject is staged after this commit's removal of what it writes
+                # into the history: one policy for the key, or the hand-over fails
+                hooks.commands[:] = restaged(hooks.commands)
                 if root.session is not None:  # the answer ends this side's turn
                     await self._hand_over(ctx, side, messages, prior, (*hooks.commands, *usage))
                     return

@@ -288,3 +288,30 @@ async def test_the_hooks_of_calls_a_recovery_sealed_share_the_commit_s_budget(
     assert isinstance(frontier.run_state, EndedState), frontier.run_state
     failed = _hook_failed(frontier.run_state)
     assert "input_bytes" in failed.message and "hook over at AfterTool" in failed.message
+
+
+def _noting_step_end(h: Any) -> HookOutput:
+    """Each Step's end injects a message and records the Step in the run state."""
+    return HookOutput(
+        commands=[Command(key=f"ended_{h.step}", scope="run", value=True)],
+        reactions=[InjectMessage(text=f"step {h.step} ended")],
+    )
+
+
+async def test_a_session_side_s_step_end_injection_rides_its_handover() -> None:
+    """A session's model side answers on every Step, and its StepEnd hook injects each
+    time: the second answer's inference commit writes the first message into the
+    history and stages the new one. Staged after that commit's commands were settled,
+    the new one wrote the key a second way, and the Run failed ``state_conflict``."""
+    agent = Agent(
+        name="writer",
+        model=ScriptedModel([lambda r: ModelResponse(text=f"writer@{r.step}")] * 4),
+        hooks=[Hook("StepEnd", _noting_step_end)],
+        session=Session(b=SessionSide(handler=lambda s: f"heard {s.turn}"), max_session_turns=4),
+    )
+    frontier = await InProcessRunner(agent, MemoryCommitStore()).start("go", thread_id="t")
+    assert isinstance(frontier.run_state, EndedState), frontier.run_state
+    assert frontier.run_state.cause.kind == "natural", frontier.run_state.cause
+    texts = [getattr(m, "text", "") for m in frontier.messages]
+    assert "step 0 ended" in texts  # step 1's waits staged for an inference to come
+    assert frontier.state["run"]["ended_1"] is True
