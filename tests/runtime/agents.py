@@ -58,3 +58,20 @@ def answer_within_an_hour(x: int) -> str:
 def answer_any_time(x: int) -> str:
     """A permission wait with no deadline."""
     return "ran"
+
+
+@tool(recovery=("never_replay",))
+def charge() -> str:
+    return "charged"
+
+
+@tool(recovery=("durable_request",))
+def order() -> str:
+    return "ordered"
+
+
+SEALED_AND_REJOINED = (charge, order)
+"""One wave of ``charge`` (never_replay: a recovery seals it) and ``order``
+(durable_request: a recovery rejoins it, committing no ``executing`` again): crashed
+during its tools, the sealed call's AfterTool hooks are staged for the wave's results
+commit, which the rejoined call's hooks ride too."""

@@ -33,6 +33,7 @@ from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.plugins import CapabilityBound, Contributions, Plugin, PluginManifest
 from runtime.state import Command
 from storage.memory import MemoryCommitStore
+from tests.runtime.agents import SEALED_AND_REJOINED
 from tests.runtime.test_hostile_user_code import _rest, _script, fine
 
 
@@ -243,20 +244,11 @@ def _sealed_and_rejoined(hooks: list[Hook]) -> Agent:
     """One wave of two calls: ``charge`` (never_replay) is sealed by a recovery, and
     ``order`` (durable_request) is rejoined without an ``executing`` commit, so the
     sealed call's AfterTool hooks ride the wave's results commit beside its own."""
-
-    @tool(recovery=("never_replay",))
-    def charge() -> str:
-        return "charged"
-
-    @tool(recovery=("durable_request",))
-    def order() -> str:
-        return "ordered"
-
     script = [
         ModelResponse(tool_calls=(call("charge", "c1"), call("order", "c2"))),
         ModelResponse(text="ok"),
     ]
-    return Agent(name="a", model=ScriptedModel(script), tools=[charge, order], hooks=hooks)
+    return Agent(name="a", model=ScriptedModel(script), tools=SEALED_AND_REJOINED, hooks=hooks)
 
 
 @pytest.mark.parametrize("crash", [False, True])

@@ -33,6 +33,7 @@ from runtime.lifecycle import Stopped
 from runtime.replay_check import replay
 from runtime.session import SESSION_KEY
 from storage.memory import MemoryCommitStore
+from tests.runtime.agents import SEALED_AND_REJOINED
 from tests.support.stubborn import hanging, stopped_once_entered
 
 SEEN: dict[str, list] = {}
@@ -482,14 +483,6 @@ def sealed_and_rejoined_forcing() -> Agent:
     (durable_request: a recovery rejoins it, committing no ``executing`` again): each
     call's AfterTool hook forces a turn, ``charge``'s to b, then ``order``'s to a."""
 
-    @tool(recovery=("never_replay",))
-    def charge() -> str:
-        return "charged"
-
-    @tool(recovery=("durable_request",))
-    def order() -> str:
-        return "ordered"
-
     def force(h):
         h.execution.force_turn("b" if h.call.call_id == "c1" else "a")
 
@@ -501,7 +494,7 @@ def sealed_and_rejoined_forcing() -> Agent:
     return Agent(
         name="writer",
         model=ScriptedModel([respond] * 8),
-        tools=[charge, order],
+        tools=SEALED_AND_REJOINED,
         session=Session(b=SessionSide(handler=echo_handler), max_session_turns=3),
         hooks=[Hook("AfterTool", force)],
     )
