@@ -347,11 +347,12 @@ async def _resume(
     try:
         handle = client.handle(thread)
         await handle.resume(command)
-        if any(
+        rested = await handle.frontier()
+        if isinstance(rested.run_state, EndedState) and any(
             fact.type == "resume_ended" and fact.data.get("correlation") == command.correlation
-            for fact in await handle.events()
+            for fact in await handle.events(rested.version - 1)  # the end's own commit
         ):  # taken, but what resuming writes could not fit the thread's history limits
-            print_rest(thread, await handle.frontier(), "the resume could not land: ")
+            print_rest(thread, rested, "the resume could not land: ")
             raise typer.Exit(1)
         console.print(
             f"resumed run {ticket.run_id} on thread {thread}: {payload.kind}",
