@@ -34,14 +34,13 @@ from actors.drives import (
     Drive,
     Drives,
     FaultSpec,
-    counts_against_run,
     over_or,
     rested,
     starting,
 )
 from actors.heap import freeze_startup_heap
 from actors.host_control import ControlHosting
-from actors.ownership import mark_lost
+from actors.host_recovery import RecoveryHosting, ref_of
 from actors.reconcile import Reconciler
 from actors.retiring import Admission, admitted
 from actors.spare import replace_spare_if_restarted
@@ -59,7 +58,6 @@ from actors.wire import (
     live_bus,
     owner_id,
     remote_error,
-    run_meta,
 )
 from runtime import tracing_env
 from runtime.commit import Frontier
@@ -68,12 +66,10 @@ from runtime.delegation import (
 )
 from runtime.engine import RACES
 from runtime.errors import (
-    AgentImportError,
     InvalidTransition,
     RatchetError,
     ResumeRejected,
 )
-from runtime.faults import Unwind
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
@@ -93,7 +89,7 @@ RETIRE_AGAIN_S = 5.0
 again (the Supervisor answers False while a recovery of its Run is on its way)."""
 
 
-class RunHost(ControlHosting, ChildHosting):
+class RunHost(ControlHosting, ChildHosting, RecoveryHosting):
     # Ray awaits an async actor's __init__ in the actor's own event loop
     async def __init__(self, spec: SystemSpec, host_id: str, kind: str = "hosted") -> None:  # type: ignore[misc]
         self.startup = {"init": time.time()}
@@ -235,103 +231,6 @@ class RunHost(ControlHosting, ChildHosting):
         return False, now
 
     @admitted
-    async def recover_run(
-        self, thread: ThreadId, agent_ref: str | None = None, epoch: int | None = None
-    ) -> Any:
-        """Take the thread over (claiming the epoch it is at) and continue it. ``epoch``:
-        the owner epoch the caller decided from; if the thread was claimed past it since
-        (the call was late, and another host has the Run now), nothing is done."""
-        await self._after_reclaim()
-        return await self._recover(thread, agent_ref, epoch)
-
-    async def _recover(
-        self,
-        thread: ThreadId,
-        agent_ref: str | None = None,
-        epoch: int | None = None,
-        owner: str | None = None,
-    ) -> Any:
-        """Drive the thread's Run again here, if the caller's judgement still holds: the
-        Run is at ``epoch`` (the Supervisor's), or ``owner``'s (this host's reconciler,
-        which judged from a listing that a claim may have overtaken since)."""
-
-        def overtaken(frontier: Frontier) -> bool:
-            return (epoch is not None and frontier.epoch != epoch) or (
-                owner is not None and frontier.owner != owner
-            )
-
-        try:
-            await self.drives.claimed(thread)  # a drive here that claims nothing is no driver
-            frontier = await self.store.load(thread)
-            if overtaken(frontier):
-                return True  # another took it over meanwhile: not to be taken from it
-            if (agent_ref or _ref_of(frontier)) not in self.drives.agents:
-                await self.drives.loaded(agent_ref or _ref_of(frontier))  # off the loop
-                frontier = await self.store.load(thread)  # as it is after that wait
-                if overtaken(frontier):
-                    return True
-            stale = self.drives.get(thread)
-            if stale is not None:
-                if not self.drives.fenced(stale, frontier):
-                    return True  # driven here, and still ours: nothing to recover
-                # Someone claimed the thread past this drive (the Supervisor took this host
-                # for lost while it was only slow): the drive is fenced and would only find
-                # out at its next commit, which a long tool call can put off indefinitely.
-                await self.drives.stop(thread, stale, idle=False)
-                frontier = await self.store.load(thread)
-                if thread in self.drives or overtaken(frontier):  # another got here first
-                    return True
-            ref = agent_ref or _ref_of(frontier)
-            link = parent_link(frontier)
-            drive = self.drives.spawn(  # the frontier verified just now: not read again
-                ref, thread, frontier.run_id, lambda e: e.recover(thread, frontier), link,
-                after=self._after,
-            )  # fmt: skip
-            recovering_from = frontier.owner
-            drive.task.add_done_callback(
-                lambda task: self._recovery_ended(thread, drive, recovering_from)
-            )
-            self.recovered += 1
-            return True
-        except Exception as exc:  # the caller gets it as its own type (RemoteError)
-            self._retire_if_idle()  # a dedicated host whose stale drive was dropped
-            return remote_error(exc)
-
-    def _recovery_ended(self, thread: ThreadId, drive: Drive, owner: str | None) -> None:
-        """A recovery whose drive failed before its first commit, for a reason of its own
-        (not stopped, fenced, paused by an outage, quarantined), counts towards the
-        Run's dead letter, as one that could not start does: its caller was told it
-        started, and the next pass would start it again, failing the same way, for ever."""
-        task = drive.task
-        if task.cancelled() or drive.engine.committed.is_set():
-            return
-        error = task.exception()
-        # an Unwind too: on a host only the code it runs can raise one in a recovery (a
-        # hook's or a model's ``Crash``), which would fail the same way at every pass
-        if not isinstance(error, Exception | Unwind) or not counts_against_run(error):
-            return
-        log.warning("recovering %s failed before its first commit: %r", thread, error)
-        lost_owner = self.owner if drive.epoch is not None else owner  # its claim landed?
-
-        async def count() -> None:
-            with contextlib.suppress(RatchetError):  # the store out: the next pass counts it
-                await mark_lost(
-                    self.store,
-                    thread,
-                    self.owner,
-                    lost_owner=lost_owner,
-                    reason=f"recovery_failed:{type(error).__name__}",
-                    again=True,
-                    publisher=self.publisher,
-                    children=self.children,
-                    unless=lambda: thread in self.drives,
-                )
-
-        task = asyncio.create_task(count())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    @admitted
     async def resume_run(self, command: ResumeCommand, trace: dict[str, str] | None = None) -> Any:
         """Apply a ResumeCommand; a rejected one raises ResumeRejected at the caller. Of two
         resumes of one ticket (through this host or any other) exactly one is applied."""
@@ -340,7 +239,7 @@ class RunHost(ControlHosting, ChildHosting):
             command = check_command(command, self.spec.limits)
             frontier = await self._resumable(command)
             drive = self.drives.spawn(
-                _ref_of(frontier),
+                ref_of(frontier),
                 command.thread_id,
                 frontier.run_id,
                 lambda e: tracing_env.within(trace, e.resume(command, frontier)),
@@ -367,7 +266,7 @@ class RunHost(ControlHosting, ChildHosting):
             state = frontier.run_state
             ticket = state.ticket if isinstance(state, AwaitingState) else None
             validate_resume(ticket, command, now_us())
-            await self.drives.loaded(_ref_of(frontier))  # off the loop, before the checks
+            await self.drives.loaded(ref_of(frontier))  # off the loop, before the checks
             local = self.drives.get(thread)
             if local is not None and self.drives.fenced(local, frontier):
                 await self.drives.stop(thread, local, idle=False)
@@ -518,11 +417,3 @@ def dedicated_host(spec: SystemSpec, thread: str, extra: dict[str, Any] | None =
     name = spec.dedicated_name(thread)
     options = _host_options(spec, name, dict(extra or {}))
     return RemoteRunHost.options(**options).remote(spec, name, "dedicated")
-
-
-def _ref_of(frontier: Frontier) -> str:
-    """The agent reference the Run was started with (every process rebuilds it from this)."""
-    meta = run_meta(frontier)
-    if meta is None:
-        raise AgentImportError(f"thread {frontier.thread_id!r} records no agent reference")
-    return meta.agent_ref

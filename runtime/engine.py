@@ -34,7 +34,6 @@ from typing import TypeVar
 
 from runtime import tracing
 from runtime.agent import Agent
-from runtime.batch import result_messages, seal
 from runtime.checkpoint import SafeCheckpoints
 from runtime.commit import Frontier, whole_of, with_history
 from runtime.context import DEFAULT_RETRY, RunContext, StoreRetry, held_wait
@@ -42,7 +41,6 @@ from runtime.delegation import (
     ChildRunner,
     ParentLink,
     check_delegation_answer,
-    parent_gone,
     parent_link,
 )
 from runtime.errors import (
@@ -57,17 +55,13 @@ from runtime.execution import ExecutionState
 from runtime.failures import NOT_OURS, failure_of
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.history import copy_under_way, end_of_run
-from runtime.hooks import HookResults
-from runtime.ids import CallId, CorrelationId, RunId, ThreadId
+from runtime.ids import CallId, RunId, ThreadId
 from runtime.inference import Inference
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
     EndCause,
-    EndedState,
-    PauseTarget,
     ResumeCommand,
-    ResumeTicket,
     RunningState,
 )
 from runtime.limits import (
@@ -80,23 +74,20 @@ from runtime.limits import (
     long_id_limits,
 )
 from runtime.messages import Message, UserMessage
-from runtime.plugin_env import pin, refusal
+from runtime.plugin_env import pin
 from runtime.ports import CommitStore, LiveBus, StreamCheckpointStore, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command, resume_commit, validate_ticket
 from runtime.rules import check_repeated_start, input_message_id, ran_before, run_id_used
 from runtime.session import opening
 from runtime.signals import (
-    CancelledSignal,
     CancelSignal,
-    EndRun,
-    RunOver,
     cancelling,
     guarded,
 )
 from runtime.stepping import Stepping
 from runtime.timeutil import now_us
-from runtime.toolbatch import advance_batch, run_wave
+from runtime.toolbatch import run_wave
 
 log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
@@ -444,75 +435,6 @@ class Engine(Stepping):
             self.listening = False
             self.abandon_landing(ctx)  # a drive stopped early leaves no append behind
         return ctx.frontier
-
-    async def _loop(self, ctx: RunContext, first: Callable[[], Awaitable[None]] | None) -> None:
-        try:
-            root = self.root
-            refused = refusal(root.resolved, root.plugins_refused, ctx.frontier)
-            if refused is not None and isinstance(ctx.frontier.run_state, RunningState):
-                await self.end(ctx, refused)  # with these plugins this Run may not execute
-                return
-            if first is not None:
-                await self._ending_on(ctx, first())
-            while True:
-                f = ctx.frontier
-                if isinstance(f.run_state, AwaitingState) and self.ending:
-                    # told to end while its wait was being committed: the caller heard
-                    # "signalled", so the Run ends here rather than rest awaiting
-                    await self.end(ctx, self.control_cause(ctx))
-                    return
-                if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
-                    self.listening = False  # no await between the check above and this
-                    return
-                if root.session is not None:
-                    self._use_side(ctx)
-                if self.ending:
-                    await self.end(ctx, self.control_cause(ctx))
-                elif f.batch is not None and not f.batch.all_terminal:
-                    await self._ending_on(ctx, tracing.step(self, ctx, advance_batch(self, ctx)))
-                elif self.pause_requested or ctx.execution.wait_request is not None:
-                    # the Step that just finished ends (its StepEnd hooks) before the wait
-                    hooks = HookResults()
-                    ended = await self._end_step(ctx, hooks)
-                    if ended is not None:
-                        ctx.ended_step(ended, hooks.commands)
-                    if not ctx.execution.stopped:
-                        await self._await_at_boundary(ctx)
-                elif self.parent is not None and await parent_gone(self.store, self.parent):
-                    await self.end(ctx, Cancelled())  # its parent ended without cancelling it
-                else:
-                    await self._ending_on(ctx, tracing.step(self, ctx, self._step(ctx)))
-        except CancelledSignal:
-            await self.end(ctx, self.control_cause(ctx))
-        except RunOver:
-            pass
-
-    async def _ending_on(self, ctx: RunContext, work: Awaitable[None]) -> None:
-        """Await a Step or a batch's advance; an EndRun it raises is committed as the end."""
-        try:
-            await work
-        except EndRun as end:
-            if end.batch is None:
-                await self.end(ctx, end.cause)
-            else:  # its finished calls keep their results; the rest are sealed
-                published = result_messages(seal(end.batch))
-                await self.end(
-                    ctx, end.cause, messages=published, batch=end.batch, commands=end.commands
-                )
-
-    async def _await_at_boundary(self, ctx: RunContext) -> None:
-        """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing
-        (a hook's wait, held in the run state since its commit, is removed with this one)."""
-        target = ctx.execution.wait_request or PauseTarget(reason="manual")
-        ctx.execution.wait_request = None
-        self.pause_requested = False
-        ticket = ResumeTicket(
-            correlation=CorrelationId(f"{ctx.run_id}:{target.kind}:{ctx.frontier.next_ordinal}"),
-            run_id=ctx.run_id,
-            thread_id=ctx.frontier.thread_id,
-            target=target,
-        )
-        await self._commit(ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket))
 
 
 def _child_s_own(frontier: Frontier, run_id: RunId, parent: ParentLink) -> None:

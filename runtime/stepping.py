@@ -1,28 +1,42 @@
 """One Step of a Run (DESIGN §3): the Step's hooks, its inference, then the batch of
 tool calls the model asked for (``runtime.toolbatch``) or the Run's end.
 
-``Stepping`` is the Engine's base for the Step itself; the Engine's loop decides when a
-Step runs (``Engine._loop``), and whatever escapes it is settled there.
+``Stepping`` is the Engine's base for the Step loop: ``_loop`` decides, between Steps,
+whether the Run ends, waits, advances a batch or takes its next Step; the Engine's
+``_drive`` settles whatever escapes it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from runtime import tracing
 from runtime.base import trusted
-from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch, result_messages
+from runtime.batch import CallSpec, ToolRecoveryPolicy, open_batch, result_messages, seal
 from runtime.context import RunContext
+from runtime.delegation import ParentLink, parent_gone
 from runtime.execution import ExecutionState
 from runtime.hooks import HookResults
-from runtime.ids import CallId
+from runtime.ids import CallId, CorrelationId
 from runtime.inference import Admitted
 from runtime.injection import restaged, take_injected
-from runtime.lifecycle import MaxSteps, Natural, PauseTarget
+from runtime.lifecycle import (
+    AwaitingState,
+    Cancelled,
+    EndedState,
+    MaxSteps,
+    Natural,
+    PauseTarget,
+    ResumeTicket,
+    RunningState,
+)
 from runtime.messages import AssistantMessage, Message, ToolUse
+from runtime.plugin_env import refusal
 from runtime.ports import ToolRunner
 from runtime.session import counted, stepped, view
 from runtime.sides import Sides
-from runtime.signals import CancelSignal, PauseRun
+from runtime.signals import CancelledSignal, CancelSignal, EndRun, PauseRun, RunOver
 from runtime.toolbatch import Opening, advance_batch
 from runtime.usage import over_budget, usage_commands
 
@@ -30,11 +44,14 @@ T = TypeVar("T")
 
 
 class Stepping(Sides):
-    """The Step: the Engine drives it, one at a time."""
+    """The Step loop: the Engine drives it, one Step at a time."""
 
     tools: ToolRunner
     lineage: tuple[str, ...]
     cancel_event: CancelSignal
+    parent: ParentLink | None
+    pause_requested: bool
+    listening: bool
     _execution: ExecutionState | None
 
     @property
@@ -42,6 +59,75 @@ class Stepping(Sides):
         """Cancelled or stopped: the Run ends at its next check."""
         stopped = self._execution is not None and self._execution.stopped
         return self.cancel_event.is_set() or stopped
+
+    async def _loop(self, ctx: RunContext, first: Callable[[], Awaitable[None]] | None) -> None:
+        try:
+            root = self.root
+            refused = refusal(root.resolved, root.plugins_refused, ctx.frontier)
+            if refused is not None and isinstance(ctx.frontier.run_state, RunningState):
+                await self.end(ctx, refused)  # with these plugins this Run may not execute
+                return
+            if first is not None:
+                await self._ending_on(ctx, first())
+            while True:
+                f = ctx.frontier
+                if isinstance(f.run_state, AwaitingState) and self.ending:
+                    # told to end while its wait was being committed: the caller heard
+                    # "signalled", so the Run ends here rather than rest awaiting
+                    await self.end(ctx, self.control_cause(ctx))
+                    return
+                if isinstance(f.run_state, EndedState | AwaitingState) or f.run_state is None:
+                    self.listening = False  # no await between the check above and this
+                    return
+                if root.session is not None:
+                    self._use_side(ctx)
+                if self.ending:
+                    await self.end(ctx, self.control_cause(ctx))
+                elif f.batch is not None and not f.batch.all_terminal:
+                    await self._ending_on(ctx, tracing.step(self, ctx, advance_batch(self, ctx)))
+                elif self.pause_requested or ctx.execution.wait_request is not None:
+                    # the Step that just finished ends (its StepEnd hooks) before the wait
+                    hooks = HookResults()
+                    ended = await self._end_step(ctx, hooks)
+                    if ended is not None:
+                        ctx.ended_step(ended, hooks.commands)
+                    if not ctx.execution.stopped:
+                        await self._await_at_boundary(ctx)
+                elif self.parent is not None and await parent_gone(self.store, self.parent):
+                    await self.end(ctx, Cancelled())  # its parent ended without cancelling it
+                else:
+                    await self._ending_on(ctx, tracing.step(self, ctx, self._step(ctx)))
+        except CancelledSignal:
+            await self.end(ctx, self.control_cause(ctx))
+        except RunOver:
+            pass
+
+    async def _ending_on(self, ctx: RunContext, work: Awaitable[None]) -> None:
+        """Await a Step or a batch's advance; an EndRun it raises is committed as the end."""
+        try:
+            await work
+        except EndRun as end:
+            if end.batch is None:
+                await self.end(ctx, end.cause)
+            else:  # its finished calls keep their results; the rest are sealed
+                published = result_messages(seal(end.batch))
+                await self.end(
+                    ctx, end.cause, messages=published, batch=end.batch, commands=end.commands
+                )
+
+    async def _await_at_boundary(self, ctx: RunContext) -> None:
+        """Commit Awaiting(user input or pause) between Steps; the Run then holds nothing
+        (a hook's wait, held in the run state since its commit, is removed with this one)."""
+        target = ctx.execution.wait_request or PauseTarget(reason="manual")
+        ctx.execution.wait_request = None
+        self.pause_requested = False
+        ticket = ResumeTicket(
+            correlation=CorrelationId(f"{ctx.run_id}:{target.kind}:{ctx.frontier.next_ordinal}"),
+            run_id=ctx.run_id,
+            thread_id=ctx.frontier.thread_id,
+            target=target,
+        )
+        await self._commit(ctx, "awaiting", AwaitingState(run_id=ctx.run_id, ticket=ticket))
 
     async def _step(self, ctx: RunContext) -> None:
         f = ctx.frontier

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import actors.host_recovery
 import actors.hung_hosts
 import actors.run_host
 from actors.drives import Drives
@@ -212,7 +213,7 @@ async def test_a_recovery_ended_by_its_own_code_s_unwind_counts_against_the_run(
     async def hostile() -> None:
         raise Crash("a hook's")
 
-    monkeypatch.setattr(actors.run_host, "mark_lost", mark_lost)
+    monkeypatch.setattr(actors.host_recovery, "mark_lost", mark_lost)
     host = object.__new__(RunHost)  # the ending only: no actor, no store
     host.owner, host.store, host.publisher, host.children = "host-a:1", None, None, None
     host.drives, host._background = {}, set()
