@@ -52,7 +52,7 @@ from runtime.ports import CommitStore
 from runtime.publish import Publisher
 from runtime.rules import advance, stamp_facts, with_claim
 from runtime.session import last_forced
-from runtime.signals import cancels_asked, drop_own_cancel
+from runtime.signals import OwnCancels
 from runtime.state import Command
 from runtime.timeutil import now_us
 from runtime.tracing import RunTrace
@@ -100,9 +100,8 @@ class Committing:
         each end was made, one that forgot to ask (a handler's) bypassed a guard that
         refuses every end. ``messages``: what the end commits, its answer last."""
         if isinstance(cause, Natural):
-            asked = cancels_asked()
-            cause = guarded_end(self.root, ctx, messages)
-            await drop_own_cancel(asked)  # a guard's, refusing the end
+            async with OwnCancels():  # a guard's, refusing the end
+                cause = guarded_end(self.root, ctx, messages)
         open_batch_ = batch or ctx.frontier.batch
         sealed = seal(open_batch_) if open_batch_ is not None else None
         if sealed is not None and batch is None and not messages:

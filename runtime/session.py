@@ -40,9 +40,8 @@ from runtime.messages import AssistantMessage, ContextMessage, RequestMessage, U
 from runtime.signals import (
     CancelledSignal,
     EndRun,
+    OwnCancels,
     cancelling,
-    cancels_asked,
-    drop_own_cancel,
 )
 from runtime.state import SESSION_KEY, Command
 
@@ -217,9 +216,10 @@ async def handler_turn(
     )
     as_hook = Hook(point="StepStart", fn=lambda _: None, name=f"handler {spec.name}")
     try:
-        asked = cancels_asked()
-        out = spec.handler(seen)
-        if await drop_own_cancel(asked):  # a synchronous one cancelled the Run's task
+        own = OwnCancels()
+        async with own:
+            out = spec.handler(seen)
+        if own.dropped:  # a synchronous one cancelled the Run's task
             raise HookFailed(as_hook, "StepStart", asyncio.CancelledError())
         if inspect.isawaitable(out):
             out = await services.guard_apart(out)

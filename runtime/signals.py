@@ -96,6 +96,27 @@ async def drop_own_cancel(asked: int) -> bool:
     return True
 
 
+class OwnCancels:
+    """Around user code run synchronously in the Run's task (a gate, a run-end guard, a
+    session's handler): a cancellation of the task it asked for is dropped on the way
+    out, whether it returned or raised (``dropped`` says whether there was one). The
+    two halves in one place: a handler that cancelled its task and then raised left
+    the pending cancellation to land at the settling commit's wait."""
+
+    __slots__ = ("asked", "dropped")
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.dropped = False
+
+    async def __aenter__(self) -> OwnCancels:
+        self.asked = cancels_asked()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.dropped = await drop_own_cancel(self.asked)
+
+
 def cancelling() -> bool:
     """Whether the running task is being cancelled: a CancelledError is then a real
     cancellation, else user code (a tool, a hook, a model) raised one on its own."""

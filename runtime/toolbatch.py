@@ -39,7 +39,7 @@ from runtime.messages import Message
 from runtime.ports import Finished, Lost, ToolInvocation, ToolOutcome, Unavailable
 from runtime.resume import await_call
 from runtime.session import stage_forced
-from runtime.signals import CancelledSignal, EndRun, cancels_asked, drop_own_cancel
+from runtime.signals import CancelledSignal, EndRun, OwnCancels
 from runtime.state import Command
 
 
@@ -67,9 +67,8 @@ async def advance_batch(
     batch = opening.batch if opening is not None else ctx.frontier.batch
     assert batch is not None
     refused = opening.refused if opening is not None else None
-    asked = cancels_asked()
-    planned = plan(services, ctx.frontier.state, batch, refused)
-    await drop_own_cancel(asked)  # a gate's, denying its call
+    async with OwnCancels():  # a gate's, denying its call
+        planned = plan(services, ctx.frontier.state, batch, refused)
     batch = planned.batch
     if planned.sealed:  # their AfterTool hooks, before anything commits the seal
         hooks = HookResults(handed=ctx.handed)

@@ -550,3 +550,42 @@ async def test_user_code_cancelling_the_runs_task_is_its_own_failure(who: str) -
         assert cause.code == "CancelledError"
     again = await InProcessRunner(agent, store).recover("t")  # at rest: nothing to do
     assert again.version == done.version
+
+
+def _cancelling_its_task_and_raising(*_: Any) -> Any:
+    _cancelling_its_task()
+    raise ValueError("and then it failed")
+
+
+@pytest.mark.parametrize("who", ["handler", "async handler", "hook", "gate", "guard"])
+async def test_user_code_cancelling_the_runs_task_and_raising_fails_or_denies(who: str) -> None:
+    """User code run in the Run's task that cancelled the task and then raised: the
+    raise took the way out before the cancellation was dropped, which landed at the
+    settling commit's wait and was taken for the host stopping the drive: the Run was
+    left running (a handler's). Each still fails the Run, denies or refuses."""
+
+    async def later(*_: Any) -> Any:
+        _cancelling_its_task_and_raising()
+
+    fn = _cancelling_its_task_and_raising
+    if who in ("handler", "async handler"):
+        session = Session(b=SessionSide(handler=fn if who == "handler" else later))
+        agent = Agent(name="a", model=_script(), tools=[fine], session=session)
+    elif who == "hook":
+        agent = Agent(name="a", model=_script(), tools=[fine], hooks=[Hook("StepStart", fn)])
+    elif who == "gate":
+        agent = Agent(name="a", model=_script(), tools=[fine], gates=[fn])
+    else:
+        agent = Agent(name="a", model=_script(), run_end_guards=[fn])
+    store = MemoryCommitStore()
+    done = await InProcessRunner(agent, store).start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState)
+    cause = done.run_state.cause
+    if who == "gate":
+        assert cause.kind == "natural"
+        ((is_error, text),) = _results(done)
+        assert is_error and "the gate cancelled its own task" in text
+    else:
+        assert isinstance(cause, Failed) and cause.failure == "hook"
+    again = await InProcessRunner(agent, store).recover("t")  # at rest: nothing to do
+    assert again.version == done.version
