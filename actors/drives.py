@@ -244,6 +244,7 @@ class Drives:
             raise InvalidTransition(f"thread {thread} is already being driven here")
         holding = Holding(self.store)
         engine = self.engine(ref, _faults(faults), link, holding)
+        engine.stopped_only_when_told = True  # ``stop`` tells it first
         task = asyncio.create_task(self._run(thread, engine, go, after))
         task.add_done_callback(_retrieve)
         drive = Drive(engine, task, run_id, holding)
@@ -334,6 +335,7 @@ class Drives:
         to act on the thread itself)."""
         self.replacing.add(thread)
         try:
+            drive.engine.told_to_stop = True  # a cancellation of its own else fails its Run
             drive.task.cancel()
             _, running = await asyncio.wait({drive.task}, timeout=STOP_S)
             if running:

@@ -82,8 +82,10 @@ from runtime.rules import check_repeated_start, input_message_id, ran_before, ru
 from runtime.session import opening
 from runtime.signals import (
     CancelSignal,
+    OwnTaskCancelled,
     cancelling,
     guarded,
+    take_back_cancels,
 )
 from runtime.stepping import Stepping
 from runtime.timeutil import now_us
@@ -143,6 +145,11 @@ class Engine(Stepping):
         self.cancel_event = CancelSignal()
         self.stop_reason: str | None = None
         self.pause_requested = False
+        self.stopped_only_when_told = False
+        """True where only ``told_to_stop`` precedes a cancellation of the engine's task (a
+        RunHost's drive): any other was asked by code the Run runs, and fails the Run. In
+        process the caller of a start may cancel it, which stops the drive as asked."""
+        self.told_to_stop = False
         self.listening = True
         """False once the loop decided to return: a control signalled after that is not
         heard (a host then ends the Run at rest instead: ``resting``)."""
@@ -427,8 +434,18 @@ class Engine(Stepping):
             raise
         except asyncio.CancelledError as exc:
             if cancelling():
-                raise  # the drive itself is being cancelled (a host stopping it)
-            await self.settle(ctx, failure_of(exc), exc)  # raised by a part of ours
+                if not self.stopped_only_when_told or self.told_to_stop:
+                    raise  # the drive itself is being cancelled (a host stopping it)
+                # no one may cancel a host's drive but the host, which did not: the code
+                # the Run runs did (left, the Run stayed running, and every recovery
+                # ran that code again)
+                await take_back_cancels()
+                if self.told_to_stop:
+                    raise  # told meanwhile: the host stops it after all
+                own = OwnTaskCancelled()
+                await self.settle(ctx, failure_of(own), own)
+            else:
+                await self.settle(ctx, failure_of(exc), exc)  # raised by a part of ours
         except Exception as exc:
             await self.settle(ctx, failure_of(exc), exc)
         finally:

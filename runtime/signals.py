@@ -4,6 +4,7 @@ parts use to tell the Step loop what happened (they never escape it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -20,6 +21,16 @@ class CancelledSignal(Exception):
 
 class RunOver(Exception):
     """The Run reached a terminal commit inside a helper: the loop just returns."""
+
+
+class OwnTaskCancelled(RuntimeError):
+    """Code the Run runs in its own task (a model's stream, say) cancelled that task:
+    where nothing else may cancel it (a RunHost's drive), the Run fails with this."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "code the Run runs (a model's stream, say) cancelled the task the Run runs in"
+        )
 
 
 class EndRun(Exception):
@@ -115,6 +126,17 @@ class OwnCancels:
 
     async def __aexit__(self, *_: object) -> None:
         self.dropped = await drop_own_cancel(self.asked)
+
+
+async def take_back_cancels() -> None:
+    """Take back every cancellation of the running task asked for (one pending is
+    delivered first, and dropped): the caller knows none of them was a real one."""
+    task = asyncio.current_task()
+    assert task is not None, "the engine runs inside a task"
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(0)  # a cancellation pending lands here (delivering it clears it)
+    while task.uncancel() > 0:
+        pass
 
 
 def cancelling() -> bool:
