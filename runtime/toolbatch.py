@@ -89,6 +89,11 @@ async def advance_batch(
         batch = await run_wave(
             services, ctx, batch, wave, marked=marked, parsed=planned.parsed, joined=planned.joined
         )
+        if batch.awaiting_call() is not None:
+            # a lone child surfaced a human wait: the later waves wait for its outcome
+            # (they run on the resume). One of them delegating to a child that waits too
+            # would make a second awaiting call, which a batch cannot hold
+            break
     lone_child = batch.awaiting_call()
     waiter = lone_child.call_id if lone_child is not None else planned.waiter
     if waiter is not None:

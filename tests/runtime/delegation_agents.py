@@ -312,3 +312,29 @@ def reset_everything():
     returns): a model naming it must not have it called."""
     RESET.append(1)
     return worker
+
+
+@tool(concurrency="serial")
+def note(x: int) -> str:
+    return "noted"
+
+
+needy_twice_in_turn = Agent(
+    name="needy_twice_in_turn",
+    model=ScriptedModel(
+        [
+            ModelResponse(
+                tool_calls=(
+                    call("delegate", "d0", agent=f"{HERE}:needy_worker", input="first"),
+                    call("note", "s", x=1),
+                    call("delegate", "d1", agent=f"{HERE}:needy_worker", input="second"),
+                )
+            ),
+            lambda r: ModelResponse(text=json.dumps(_results(r))),
+        ]
+    ),
+    tools=[delegate_tool(), note],
+    delegation=DelegationLimits(),
+)
+"""Two lone children in waves of their own (a serial call between them), each asking a
+human first."""

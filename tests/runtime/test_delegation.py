@@ -310,6 +310,27 @@ async def test_a_lone_child_surfaces_its_wait_and_its_outcome_resumes_the_parent
     assert json.loads(parent.messages[-1].text) == ["needy done"]
 
 
+async def test_lone_children_in_waves_of_their_own_surface_their_waits_in_turn():
+    """A lone child that surfaced a wait left the parent running its later waves: a child
+    there that asked a human too was a second awaiting call, and the parent ended
+    ``failed(internal)`` with both children cancelled. The later waves wait for the
+    first child's outcome now, and each child's wait reaches the parent in turn."""
+    store = MemoryCommitStore()
+    r = runner(agents.needy_twice_in_turn, store)
+    f = await r.start("go", thread_id="p")
+    assert f.run_state.ticket.target.call_id == "d0", f.run_state
+    assert [c.phase.kind for c in f.batch.calls] == ["awaiting", "requested", "requested"]
+    (first,) = await children_of(store, f)
+    f = await r.resume(command_for(first, PermissionDecision(approve=True)))
+    parent = await store.load("p")
+    assert parent.run_state.ticket.target.call_id == "d1", parent.run_state
+    second = next(k for k in await children_of(store, parent) if k.thread_id != first.thread_id)
+    await r.resume(command_for(second, PermissionDecision(approve=True)))
+    parent = await store.load("p")
+    assert parent.run_state.cause.kind == "natural", parent.run_state
+    assert json.loads(parent.messages[-1].text) == ["needy done", "noted", "needy done"]
+
+
 async def test_a_delegation_approved_first_records_its_child_before_starting_it():
     """The child of a call that waited for permission started from the resume, whose
     commit did not record it: the child's end was never handed over, and its parent
