@@ -22,6 +22,7 @@ from runtime.delegation import (
 from runtime.engine import Engine
 from runtime.errors import RatchetError, StoreUnavailable
 from runtime.ids import RunId, ThreadId
+from runtime.lifecycle import AwaitingState, PauseTarget
 from runtime.patience import patiently
 from runtime.ports import CommitStore
 
@@ -65,7 +66,7 @@ class ChildHosting:
             # explicitly, and a drive stopped here is not this call being cancelled
             await asyncio.wait({drive.task})
             frontier = drove(drive.task)
-            if frontier is None or not at_rest(frontier):
+            if frontier is None or not answers(frontier):
                 frontier = await self._untilat_rest(thread, request.child_run)
             if frontier is None:
                 return failed_delegation(UNTRUSTED.format(thread))
@@ -80,8 +81,9 @@ class ChildHosting:
             return remote_error(exc)
 
     async def _untilat_rest(self, thread: ThreadId, run: RunId) -> Frontier | None:
-        """Another owner drives the child (or will recover it): follow the store. None
-        once this host has quarantined the child (no engine here drives it again).
+        """Another owner drives the child (or will recover it), or it is paused until a
+        time: follow the store until it ``answers``. None once this host has quarantined
+        the child (no engine here drives it again).
 
         A start that gave up before its activation landed (the store out longer than
         the engine's patience) leaves a thread with no Run, which nobody owns and so
@@ -92,7 +94,7 @@ class ChildHosting:
             # a passing outage is waited out here: told to the parent, it would cost the
             # delegating call an attempt (its drive pauses and recovers)
             frontier = await patiently(lambda: self.store.load(thread))
-            if at_rest(frontier):
+            if answers(frontier):
                 return frontier
             drive = self.drives.get(thread)
             if frontier.run_id != run and (drive is None or drive.task.done()):
@@ -128,4 +130,18 @@ class ChildHosting:
         return self.children.host_for(frontier.thread_id)
 
 
-__all__ = ["UNTRUSTED", "ChildHosting"]
+def answers(child: Frontier) -> bool:
+    """Whether the child's state answers its parent's call: ended, or waiting for a
+    person. A pause that names its time (a rate limit's) is the system's to end, not a
+    person's: the Supervisor resumes the child then, and the parent's call waits it out
+    as it waits for a child that runs. Taken for a person's wait, it ended a parent whose
+    children ran at once ``indeterminate`` (one ticket cannot hold several waits), each
+    child cancelled, for a rate limit of a second."""
+    state = child.run_state
+    if isinstance(state, AwaitingState):
+        target = state.ticket.target
+        return not (isinstance(target, PauseTarget) and target.resume_at_us is not None)
+    return at_rest(child)
+
+
+__all__ = ["UNTRUSTED", "ChildHosting", "answers"]

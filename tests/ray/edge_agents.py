@@ -112,3 +112,22 @@ asks_twice_agent = Agent(
 )
 """Asks permission for one call, then for another: an answer to the first, asked again
 under its request id, must never answer the second."""
+
+
+rate_limited_twins = Agent(
+    name="rate-limited-twins",
+    model=ScriptedModel(
+        (
+            ModelResponse(
+                tool_calls=tuple(
+                    call("delegate", f"d{i}", agent=f"{HERE}:rate_limited_agent", input="task")
+                    for i in range(2)
+                )
+            ),
+            _results,
+        )
+    ),
+    tools=(delegate_tool(),),
+    delegation=DelegationLimits(agents=(f"{HERE}:rate_limited_agent",)),
+)
+"""Two children at once, each paused by a rate limit before it answers."""

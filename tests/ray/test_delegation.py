@@ -184,3 +184,20 @@ async def test_a_child_ended_outside_any_host_still_answers_its_parent(make_syst
     assert ended.ended
     answer = await _parent_answer(client, handle)
     assert answer.startswith("child run ended without an answer") and "by hand" in answer
+
+
+async def test_children_at_once_paused_by_a_rate_limit_do_not_end_their_parent(make_system):
+    """A pause that names its time (a provider's rate limit) is the system's to end, not a
+    person's: two children at once, each paused a second and a half, were taken for
+    children waiting for a human, and their parent ended ``indeterminate`` with both
+    cancelled. The parent's calls wait them out, as for children that run."""
+    client = await make_system()
+    handle = await client.start("tests.ray.edge_agents:rate_limited_twins", "go")
+    f = await handle.result(timeout_s=120)
+    assert f.run_state.cause.kind == "natural", f.run_state
+    assert json.loads(f.messages[-1].text) == ["served", "served"]
+    for kid in await children_of(client.store, f):
+        assert kid.run_state.cause.kind == "natural"
+        assert await activations(client.store, kid.thread_id) == 1
+        labels = [r.commit.label for r in await client.store.read(kid.thread_id)]
+        assert "awaiting" in labels  # it did pause, and was resumed
