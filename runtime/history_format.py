@@ -7,6 +7,8 @@ and names every refusal's reason.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +21,7 @@ from runtime.ids import ThreadId
 from runtime.integrity import body_hash
 from runtime.limits import DEFAULT_LIMITS, check_id, printable
 from runtime.ports import CommittedRecord
-from runtime.strict_json import DuplicateKey, refuse_duplicate_keys
+from runtime.strict_json import DuplicateKey, refuse_duplicate_keys, unique_pairs
 
 
 class HistoryRefused(RatchetError):
@@ -172,11 +174,7 @@ def _record(
         )
     if body_hash(body) != stored:
         raise ImportRefused(line, "hash", f"record {seq}: the body does not match its hash")
-    try:  # what a store's reader takes but no encoder writes: 1e400, NaN, Infinity
-        orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ImportRefused(line, "record", f"record {seq}: its body is no JSON: {exc}") from None
-    _unique_keys(body, line, "record", f"record {seq}: its body: ")
+    _body_json(body, line, seq)
     try:
         commit = decode_commit(body, thread, seq)
     except CorruptRecord as exc:
@@ -188,6 +186,37 @@ def _record(
     if commit.schema_version >= 2 and commit.prev != prev:
         raise ImportRefused(line, "chain", f"record {seq} does not name its predecessor's hash")
     return commit, stored
+
+
+def _body_json(body: str, line: int, seq: int) -> None:
+    """ImportRefused for a body a store's reader takes but no encoder writes: a key an
+    object repeats, NaN, Infinity, a number past a float's range (``1e400``, which the
+    reader takes as infinity). An integer of any length is JSON, and an encoder writes
+    it: orjson reads one past 64 bits as a float, and refused one past 1e308 as
+    "infinity", so a thread whose state held such an integer was exported and never
+    imported again."""
+    try:
+        json.loads(
+            body, object_pairs_hook=unique_pairs, parse_constant=_no_constant, parse_float=_finite
+        )
+    except DuplicateKey as exc:
+        raise ImportRefused(line, "record", f"record {seq}: its body: {exc}") from None
+    except RecursionError:  # orjson reads 1,024 levels, Python's parser fewer
+        raise ImportRefused(line, "record", f"record {seq}: its body: nested too deep") from None
+    except ValueError as exc:  # JSONDecodeError, and an integer of over 4,300 digits
+        detail = f"record {seq}: its body is no JSON: {printable(str(exc), 200)}"
+        raise ImportRefused(line, "record", detail) from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is past the range of a float")
+    return value
 
 
 def _unique_keys(text: str | bytes, line: int, kind: str, what: str) -> None:

@@ -51,6 +51,7 @@ from runtime.lifecycle import AwaitingState, Cancelled, EndedState, RunningState
 from runtime.messages import UserMessage
 from runtime.rules import replay
 from runtime.state import Command
+from runtime.tools import ToolResult
 from storage.memory import MemoryCommitStore
 from storage.sql import SqlCommitStore
 from tests.storage.test_prune import run_on
@@ -459,6 +460,25 @@ async def test_export_then_import_round_trips(store: Any) -> None:
     assert same.thread_id == T and history(same) == history(original)
     driven = await InProcessRunner(history_agent(), fixture).start("three", thread_id=T)
     assert texts(driven)[-2:] == ["looking", "answered three"]
+
+
+async def test_an_integer_a_run_stored_in_its_state_is_imported_whole(store: Any) -> None:
+    """A state value may be an integer of up to 4,300 digits (``check_json_value``): the
+    import read each body with orjson as well, which takes one past 64 bits as a float
+    and refused one past 1e308 as "infinity", so the thread, exported, never went in."""
+    huge = {"big": 10**400, "least": -(10**4299), "list": [2**64, 10**308]}
+
+    @tool
+    def count() -> ToolResult:
+        return ToolResult("counted", commands=[Command(key="n", scope="thread", value=huge)])
+
+    script = [ModelResponse(tool_calls=(call("count", "c1"),)), ModelResponse(text="done")]
+    agent = Agent(name="counter", model=ScriptedModel(script), tools=[count])
+    original = await InProcessRunner(agent, store).start("go", thread_id=T)
+    assert original.state["thread"]["n"] == huge
+    copy = await import_thread(store, list(await export(store, T)), ThreadId("copy"))
+    assert copy.state["thread"]["n"] == huge and history(copy) == history(original)
+    assert await audit(store, ThreadId("copy")) == []
 
 
 async def test_an_import_whose_ids_no_index_takes_is_refused_before_a_write(
