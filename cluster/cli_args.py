@@ -24,7 +24,7 @@ from runtime.lifecycle import (
     UserInput,
     WaitExpired,
 )
-from runtime.limits import check_id, utf8_problem
+from runtime.limits import STORED_IDS, check_id, utf8_problem
 from runtime.strict_json import unique_pairs
 
 
@@ -75,11 +75,13 @@ def _no_constant(name: str) -> Any:
 
 def thread_arg(value: str | None) -> str | None:
     """A thread id given on the command line, checked before anything is opened (text
-    that is not UTF-8, decoded by Python with surrogates, would reach the store)."""
+    that is not UTF-8, decoded by Python with surrogates, would reach the store). It
+    names a stored thread, or one a start makes (held to its system's ``id_chars`` there):
+    the rule of stored ids, whatever limits the system that wrote it had (``STORED_IDS``)."""
     if value is None:
         return None
     try:
-        return check_id("thread id", value)
+        return check_id("thread id", value, STORED_IDS)
     except InputRefused as exc:
         raise typer.BadParameter(str(exc)) from None
 

@@ -24,7 +24,7 @@ from runtime.commit import Frontier
 from runtime.errors import CorruptRecord, InputRefused
 from runtime.ids import ThreadId
 from runtime.lifecycle import StatusState
-from runtime.limits import check_id
+from runtime.limits import STORED_IDS, check_id
 from runtime.ports import RunSummary
 from runtime.reserved import reserved_value
 from runtime.timeutil import utc_time
@@ -200,7 +200,7 @@ def thread_after(text: str) -> ThreadId:
     if not thread or cursor(thread) != text:  # one spelling per cursor
         raise bad
     try:  # an id no thread can have (a lone surrogate, a control character, too long)
-        return ThreadId(check_id("thread id", thread))
+        return ThreadId(check_id("thread id", thread, STORED_IDS))
     except InputRefused:
         raise bad from None
 

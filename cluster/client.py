@@ -57,7 +57,7 @@ from runtime.agent import load_agent
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord, StoreError, StoreUnavailable, SystemInUse
 from runtime.ids import RunId, ThreadId
-from runtime.limits import check_id, check_text
+from runtime.limits import STORED_IDS, check_id, check_text
 from runtime.patience import patiently
 from runtime.ports import CommitStore, RunSummary, refused_in
 from storage.summary import summarize
@@ -276,9 +276,11 @@ class Ratchet:
         """A handle on the Run ``run_id`` of a thread, or (None) on whichever Run the
         thread holds when the handle is used. Cancel, stop and waits through a handle
         with a run id act on that Run only: a thread that moved on to a later Run
-        keeps it. Ids no store takes are InputRefused here, as a start's are."""
-        thread = check_id("thread id", thread_id, self.spec.limits)
-        run = None if run_id is None else check_id("run id", run_id, self.spec.limits)
+        keeps it. Ids no store takes are InputRefused here, as a start's are; they name
+        what is stored, so they are held to ``STORED_IDS``, not to ``id_chars`` (a thread
+        made before the system lowered it is still waited on, cancelled and resumed)."""
+        thread = check_id("thread id", thread_id, STORED_IDS)
+        run = None if run_id is None else check_id("run id", run_id, STORED_IDS)
         return RunHandle(self, ThreadId(thread), None if run is None else RunId(run), "hosted")
 
     def _still_up(self) -> None:

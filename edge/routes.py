@@ -19,7 +19,6 @@ from cluster.cli_runs import RunQuery, run_page
 from cluster.client import Ratchet, RunHandle, command_for
 from edge.models import (
     AGENT_REF_CHARS,
-    LIMITS,
     CommitRecord,
     CommitsPage,
     ControlResult,
@@ -38,7 +37,7 @@ from runtime.commit import Frontier, ThreadCommit
 from runtime.errors import AgentImportError, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState, check_payload
-from runtime.limits import check_id, check_reason
+from runtime.limits import STORED_ID_CHARS, STORED_IDS, check_id, check_reason
 from runtime.patience import patiently
 
 router = APIRouter(route_class=StrictJsonRoute)
@@ -53,7 +52,7 @@ OnlyRun = Annotated[
     str | None,
     Query(
         min_length=1,
-        max_length=LIMITS.id_chars,
+        max_length=STORED_ID_CHARS,
         description="Only this Run: a thread holding a later one answers not_running (a "
         "request retried after its answer was lost never ends the thread's next Run)",
     ),
@@ -74,9 +73,11 @@ def thread_of(
     thread: Annotated[str, Path(min_length=1, description="The thread id, percent-encoded")],
 ) -> ThreadId:
     """The path's thread id as sent (``edge.paths``: a ``/`` in it is the id's, not the
-    path's), held to the system's id rule (InputRefused: 422)."""
+    path's), held to the id rule of what is stored (InputRefused: 422): a thread made
+    before the system lowered ``id_chars`` is still read and ended (a start holds a new
+    thread to ``id_chars``)."""
     sent = request.scope.get(THREAD_KEY, thread)
-    return ThreadId(check_id("thread id", sent, client.spec.limits))
+    return ThreadId(check_id("thread id", sent, STORED_IDS))
 
 
 Thread = Annotated[ThreadId, Depends(thread_of)]
@@ -150,14 +151,14 @@ async def list_runs(
     status: StatusState | None = None,
     agent: Annotated[str | None, Query(max_length=AGENT_REF_CHARS)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    cursor: Annotated[str | None, Query(max_length=LIMITS.id_chars)] = None,
+    cursor: Annotated[str | None, Query(max_length=STORED_ID_CHARS)] = None,
 ) -> RunsPage:
     """Pages in thread id order; ``cursor`` is the previous page's ``next_cursor``. Each
     item is the thread's verified head with the agent its Run was started with (read
     from the Run's own records, not the whole log), as ``ratchet runs`` lists it; a
     thread whose records do not verify is left out (and logged)."""
     if cursor is not None:  # a thread id: one that cannot be is refused, not an empty page
-        check_id("cursor", cursor, client.spec.limits)
+        check_id("cursor", cursor, STORED_IDS)  # a stored one's, whatever id_chars is now
     after = None if cursor is None else ThreadId(cursor)
     query = RunQuery(state=state, status=status, agent=agent, limit=limit, after=after)
     rows, last = await run_page(client.store, query)
@@ -221,7 +222,7 @@ async def _end(
     if reason is not None:  # bad input is 413/422 whatever the thread holds
         check_reason(reason, client.spec.limits)
     if run is not None:  # an id no Run can have is refused, not "not_running"
-        check_id("run id", run, client.spec.limits)
+        check_id("run id", run, STORED_IDS)
     frontier = await known(client, thread)
     if isinstance(frontier.run_state, EndedState) or run not in (None, frontier.run_id):
         # ended, or the thread holds a later Run than the one named (it ended): as

@@ -66,6 +66,7 @@ from runtime.lifecycle import (
 )
 from runtime.limits import (
     DEFAULT_LIMITS,
+    STORED_IDS,
     Limits,
     check_id,
     check_reason,
@@ -382,9 +383,11 @@ class Engine(Stepping):
         closed. A Run at rest is returned as is. With ``supersedes`` the end is made only
         if the thread's owner epoch is still that one (else Fenced). With ``run`` only that
         Run is ended: a thread that holds another (the one named ended, and a later one
-        started) is returned as is, never the later Run ended in its place.
+        started) is returned as is, never the later Run ended in its place. The thread id
+        names a stored thread: it is held to ``STORED_IDS``, not to ``id_chars`` (a Run's
+        end always lands, also on a thread made before the limit was lowered).
         """
-        check_id("thread id", thread, self.limits)
+        check_id("thread id", thread, STORED_IDS)
         for _ in range(RACES):
             frontier = await self._verified(thread)
             if supersedes is not None and frontier.epoch != supersedes:

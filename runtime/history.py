@@ -96,7 +96,7 @@ from runtime.history_format import (
 )
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState, RunDisposition, RunningState
-from runtime.limits import DEFAULT_LIMITS, Limits, check_id
+from runtime.limits import DEFAULT_LIMITS, STORED_IDS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord, RunSummary, vouched_log
 from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, replay, with_claim
@@ -248,7 +248,7 @@ async def _whole_log(
 ) -> list[CommittedRecord]:
     """The thread's log from its first record, its frontier verified too; refused while
     a fork or an import is still writing it (its records are not a thread yet)."""
-    check_id("thread id", thread)
+    check_id("thread id", thread, STORED_IDS)  # a stored thread's, whatever id_chars was
     head, records = await vouched_log(store, thread)
     if (copying := copy_under_way(head)) is not None:
         raise error("copy_under_way", copying)

@@ -19,7 +19,7 @@ from runtime.commit import DEFAULT_PAYLOAD_LIMIT, ThreadCommit, decode_commit
 from runtime.errors import CorruptRecord, InputRefused, RatchetError
 from runtime.ids import ThreadId
 from runtime.integrity import body_hash
-from runtime.limits import DEFAULT_LIMITS, check_id, printable
+from runtime.limits import DEFAULT_LIMITS, STORED_IDS, check_id, printable
 from runtime.ports import CommittedRecord
 from runtime.strict_json import DuplicateKey, refuse_duplicate_keys, unique_pairs
 
@@ -148,7 +148,7 @@ def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
         )
     thread, count, head = value.get("thread_id"), value.get("records"), value.get("head")
     try:
-        check_id("thread id", thread)
+        check_id("thread id", thread, STORED_IDS)  # a stored thread's, whatever its id_chars
     except InputRefused as exc:
         raise ImportRefused(1, "header", str(exc)) from None
     if not (isinstance(count, int) and _is_int(count) and count >= 1 and isinstance(head, str)):

@@ -89,7 +89,10 @@ class Limits:
     ``MAX_JSON_DEPTH``: the stores' records must decode again)."""
     id_chars: int = 256
     """Thread, run, call, message and correlation ids (characters; at least 64,
-    ``MIN_ID_CHARS``: the ids Ratchet makes take up to 39)."""
+    ``MIN_ID_CHARS``: the ids Ratchet makes take up to 39). An id that names what is
+    stored (a thread read, listed from, cancelled or exported, a ticket's ids in a resume)
+    is held to what a store holds instead, ``STORED_ID_CHARS`` (2,560): lowered, this
+    limit refuses new ids only."""
     history_bytes: int = 64 * MIB
     """A thread's message history (its texts, tool arguments and results, as stored):
     a commit past it ends the Run ``failed(history_limit, history_bytes)`` (the end
@@ -137,8 +140,18 @@ class Limits:
 
 MIN_ID_CHARS = 64
 """The least ``id_chars`` may be: a thread id the in-process runner makes takes 39."""
+STORED_ID_CHARS = 2560
+"""The longest id a store holds: its index on a record's thread and operation ids takes
+2,560 bytes of the two (``runtime.rules.KEY_BYTES``). ``id_chars`` bounds the ids of what
+is new (a Run started, a thread made); an id that names what is already stored — a thread
+read, listed from, cancelled or exported, a ticket's ids in a resume — is held to this
+instead (``STORED_IDS``): a system whose ``id_chars`` was lowered, or one whose limits are
+not the default ones the CLI and the HTTP schemas assume, still reaches every thread it
+wrote, and an imported thread's copied run ids (up to four times the default) resume."""
 
 DEFAULT_LIMITS = Limits()
+STORED_IDS = Limits(id_chars=STORED_ID_CHARS)
+"""The id rule for an id naming what is stored (``STORED_ID_CHARS``)."""
 
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 """C0, DEL and C1: U+009B is a terminal's CSI, as ESC [ is."""
@@ -407,6 +420,7 @@ def _field_docs() -> dict[str, str]:
 
 __all__: Sequence[str] = (
     "DEFAULT_LIMITS",
+    "STORED_IDS",
     "Limits",
     "check_id",
     "check_json_text",

@@ -48,7 +48,14 @@ from runtime.lifecycle import (
     check_payload,
     validate_resume,
 )
-from runtime.limits import Limits, check_id, history_size, long_id_limits, printable
+from runtime.limits import (
+    STORED_IDS,
+    Limits,
+    check_id,
+    history_size,
+    long_id_limits,
+    printable,
+)
 from runtime.messages import Message, UserMessage
 from runtime.ports import Finished
 from runtime.session import human_answer
@@ -73,12 +80,14 @@ def check_command(command: ResumeCommand, limits: Limits) -> ResumeCommand:
         command = ResumeCommand.model_validate(command)
     except ValidationError as exc:
         raise InputRefused("resume command", "type", printable(str(exc), 500)) from None
-    long_ids = long_id_limits(limits.id_chars)  # correlations embed operation ids
+    # the ticket's ids name what is stored (``STORED_IDS``: a Run that waited since before
+    # its system lowered id_chars, or an import's run id, is resumed); the request id is new
+    long_ids = long_id_limits(STORED_IDS.id_chars)  # correlations embed operation ids
     check_id("correlation", command.correlation, long_ids)
-    check_id("run id", command.run_id, limits)
-    check_id("thread id", command.thread_id, limits)
+    check_id("run id", command.run_id, STORED_IDS)
+    check_id("thread id", command.thread_id, STORED_IDS)
     if command.call_id is not None:
-        check_id("call id", command.call_id, limits)
+        check_id("call id", command.call_id, STORED_IDS)
     if command.request_id is not None:
         check_id("request id", command.request_id, limits)
     check_payload(command.payload, limits)

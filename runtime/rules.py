@@ -32,7 +32,7 @@ from runtime.events import Fact
 from runtime.frozen import FrozenDict
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState
-from runtime.limits import STORED_DEPTH
+from runtime.limits import STORED_DEPTH, STORED_ID_CHARS
 from runtime.messages import AssistantMessage, UserMessage
 from runtime.state import apply_commands
 
@@ -183,7 +183,7 @@ def check_size(commit: ThreadCommit, limit: int) -> None:
         )
 
 
-KEY_BYTES = 2560
+KEY_BYTES = STORED_ID_CHARS
 """A record's thread id and operation id together, in UTF-8: PostgreSQL's unique index on
 the two refuses an entry past about 2,700 bytes, after the records before it were
 written (a copied run id may be 1,024 characters: ``runtime.history.COPIED_IDS``). Ids

@@ -485,11 +485,12 @@ def test_watch_json_prints_each_frame_then_from_an_offset(listed):
         (["--after", "p-03"], "--after 'p-03' is not a cursor that ratchet runs printed"),
         (["--after", "c1.!!"], "is not a cursor"),
         (["--after", "c1.cC0wMw="], "is not a cursor"),  # padded: not as printed
-        # ids no thread can have: a lone surrogate, a control character, ".", 300 x's
+        # ids no thread can have: a lone surrogate, a control character, ".", one past
+        # the longest a store holds (STORED_ID_CHARS, 2,560: 2,561 x's)
         (["--after", "c1.7aCA"], "is not a cursor"),
         (["--after", "c1.AQ"], "is not a cursor"),
         (["--after", "c1.Lg"], "is not a cursor"),
-        (["--after", "c1." + "eHh4" * 100], "is not a cursor"),
+        (["--after", "c1." + "eHh4" * 853 + "eHg"], "is not a cursor"),
         (["--failed", "--state", "running"], "--failed lists ended Runs"),
     ],
 )

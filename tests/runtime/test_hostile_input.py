@@ -42,7 +42,15 @@ from runtime.commit import Frontier
 from runtime.events import Delta, Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import DelegationOutcome, ScheduledFire, Unpause
-from runtime.limits import DOT_SEGMENTS, check_id, joined, json_depth, stored_size, utf8_problem
+from runtime.limits import (
+    DOT_SEGMENTS,
+    STORED_IDS,
+    check_id,
+    joined,
+    json_depth,
+    stored_size,
+    utf8_problem,
+)
 from runtime.rules import replay
 from storage.bus import EmbeddedBus
 from storage.memory import MemoryCommitStore
@@ -548,11 +556,14 @@ payloads = st.one_of(
 )
 
 
+stored_id = st.one_of(  # a ticket's ids: around what a store holds (``STORED_IDS``)
+    hostile_id, st.integers(-1, 1).map(lambda d: "i" * (STORED_IDS.id_chars + d))
+)
 HOSTILE_FIELDS = {
     "correlation": hostile_id,
-    "run_id": hostile_id,
-    "thread_id": st.one_of(st.just("other"), hostile_id),
-    "call_id": st.one_of(st.none(), hostile_id),
+    "run_id": stored_id,
+    "thread_id": st.one_of(st.just("other"), stored_id),
+    "call_id": st.one_of(st.none(), stored_id),
     "payload": payloads,
 }
 
@@ -568,7 +579,7 @@ def bad(text: str | None, most: int, *, is_id: bool = False) -> bool:
 
 
 def refused_at_the_edge(command: ResumeCommand, limits: Limits) -> bool:
-    most = limits.id_chars
+    most = STORED_IDS.id_chars  # a ticket's ids name what is stored, whatever id_chars is
     ids = [(command.correlation, 4 * most)]
     ids += [(i, most) for i in (command.run_id, command.thread_id, command.call_id)]
     payload = command.payload.model_dump(mode="python")

@@ -286,6 +286,38 @@ async def test_a_control_engine_ends_a_run_on_a_thread_id_its_system_accepted():
     assert isinstance(ended.run_state, EndedState) and ended.run_state.cause.kind == "cancelled"
 
 
+async def test_a_run_awaiting_since_before_id_chars_was_lowered_is_resumed_and_ended():
+    """A system restarted with a lower ``id_chars``: a Run that waited on a thread (and
+    with a run id) its old limit took was refused every resume and every cancel as
+    InputRefused(id_chars), and waited for ever. Ids that name what is stored are held
+    to what a store holds (``STORED_IDS``); a new Run is still held to the new limit."""
+    from runtime.control import control_engine
+    from runtime.errors import InputRefused
+    from runtime.lifecycle import PermissionDecision
+    from runtime.limits import Limits
+
+    @tool(needs_permission=True)
+    def risky(x: int) -> str:
+        return "ran"
+
+    store, wide, narrow = MemoryCommitStore(), Limits(id_chars=256), Limits(id_chars=64)
+    waiting = {}
+    for name in ("resumed", "cancelled"):
+        thread, run = name[0] * 200, f"{name}-" + "r" * 190
+        before = InProcessRunner(one_tool_agent(risky), store, limits=wide)
+        waiting[name] = await before.start("go", thread_id=thread, run_id=run)
+        assert isinstance(waiting[name].run_state, AwaitingState)
+    after = InProcessRunner(one_tool_agent(risky), store, limits=narrow)
+    ticket = waiting["resumed"].run_state.ticket
+    done = await after.resume(answer(ticket, PermissionDecision(approve=True)))
+    assert done.run_state.cause.kind == "natural"
+    ended = await control_engine(store, limits=narrow).terminate(waiting["cancelled"].thread_id)
+    assert isinstance(ended.run_state, EndedState) and ended.run_state.cause.kind == "cancelled"
+    with pytest.raises(InputRefused) as refused:  # what is new: the new limit
+        await after.start("again", thread_id="n" * 65)
+    assert refused.value.limit == "id_chars"
+
+
 async def test_a_stop_after_inference_runs_none_of_the_steps_calls():
     ran: list[int] = []
 

@@ -518,6 +518,27 @@ async def test_an_imported_thread_mid_run_is_resumed_where_it_waits(store: Any) 
     assert (await store.load(T)).run_state == waiting.run_state  # the source still waits
 
 
+async def test_a_thread_of_a_system_with_longer_ids_is_exported_imported_and_resumed(
+    store: Any,
+) -> None:
+    """A system whose ``id_chars`` is raised makes a thread and a Run of 300-character
+    ids. Its export was refused (the thread id held to the default ``id_chars``), so was
+    the import of that export, and the Run, copied into a system of default limits, was
+    refused every resume: ids that name what is stored are held to ``STORED_IDS``."""
+    from runtime.limits import Limits
+
+    thread, run = ThreadId("h" * 300), "r" * 300
+    source = MemoryCommitStore()
+    wide = InProcessRunner(history_agent(), source, limits=Limits(id_chars=1024, tool_calls=16))
+    waiting = await wide.start("delete SAFE", thread_id=thread, run_id=run)
+    assert isinstance(waiting.run_state, AwaitingState)
+    copy = await import_thread(store, list(await export(source, thread)))
+    assert copy.thread_id == thread and copy.run_id == run
+    decision = answer(copy.run_state.ticket, PermissionDecision(approve=True))
+    done = await InProcessRunner(history_agent(), store).resume(decision)
+    assert texts(done)[-1] == "answered delete SAFE"
+
+
 async def test_a_run_not_over_is_not_imported_beside_its_source_while_it_goes_on_there(
     store: Any,
 ) -> None:

@@ -185,12 +185,15 @@ async def test_a_handle_refuses_what_names_no_run_or_cursor_at_once() -> None:
 
 def test_a_handle_on_ids_no_store_takes_is_refused_as_a_start_is() -> None:
     from runtime.errors import InputRefused
+    from runtime.limits import STORED_ID_CHARS
 
     client: Any = _Client(MemoryCommitStore())
-    for thread, run in (("half \ud800", None), ("x" * 300, None), ("t", ""), ("t", "\x00")):
+    longest = "x" * STORED_ID_CHARS  # the longest id a store holds: a system's id_chars
+    for thread, run in (("half \ud800", None), (longest + "x", None), ("t", ""), ("t", "\x00")):
         with pytest.raises(InputRefused):
             Ratchet.handle(client, thread, run)
     assert Ratchet.handle(client, "t", "r1").run_id == "r1"
+    assert Ratchet.handle(client, longest, longest).run_id == longest  # may have been raised
 
 
 async def test_a_resume_that_ended_the_run_is_its_requests_answer_when_asked_again():
