@@ -28,7 +28,7 @@ from runtime.integrity import check_frontier_text, frontier_checksum
 from runtime.lifecycle import AwaitingState
 
 DEFAULT_ENTRIES = 16384
-"""Threads held at most: a host's planned groups (``sql_txn.Plan``) need the frontier
+"""Threads held at most: a host's planned groups (``sql_plan.Plan``) need the frontier
 of every Run it drives, so this is about how many Runs one host drives before its
 groups start reading rows first (20,000 Runs on two hosts: 10,000 each)."""
 DEFAULT_RESTING = 1024
@@ -70,7 +70,7 @@ class FrontierCache:
     holds nothing in memory (ten thousand parked Runs must not fill every host's cache:
     ``benchmarks.parked``). It is kept as *read*, apart and at most ``resting`` of them:
     whoever reads a thread at rest is about to act on it (the start of its next Run, a
-    resume), and that commit's group can then be planned (``sql_txn.plan_group``): a
+    resume), and that commit's group can then be planned (``sql_plan.plan_group``): a
     thread the cache does not know is planned as new, so one such Run sent its whole
     group the read-first way.
     """

@@ -27,23 +27,9 @@ that was admitted but whose transaction then failed gets ``StoreUnavailable``,
 never a receipt or an epoch.
 
 **Planned groups.** A group is first admitted before its transaction, on the event
-loop, against the frontiers this process last wrote or read (``sql_txn.Plan``), and
-that transaction only writes: each thread row is updated only if it is still at the
-version, epoch and owner of the frontier the plan started from, which determine the
-rest (a thread the cache does not know is inserted, so it must have no row yet).
-Should any row have moved — another process claimed or wrote the thread — or a
-commit already be stored, that transaction rolls back and the group runs the
-read-first way above (on SQLite under the same lock). A request the plan would
-refuse (a retried append, a stale epoch) is left to the read-first way too: only
-the stored receipts can tell a retry from a conflict. On SQLite, whose one file
-lock serialises every process's writers, this cut the lock's hold per group by
-about 40% on W1 (3.5 → 2.2 ms). On PostgreSQL the group is one statement (arrays
-unnested into the UPDATE and the INSERTs, ``sql_statements.PG_PLANNED``), its own
-transaction, sent straight to asyncpg: one round trip where reading the rows first
-takes four, and the plan's own BEGIN and COMMIT took two more (W1 at C=1: +20 %
-runs/s). A frontier edited by hand at the same
-version, epoch and owner is overwritten by the next planned write; a load still
-decodes it and fails closed.
+loop, against the frontiers this process last wrote or read, and that transaction only
+writes, each thread row on condition that it is still as the plan found it; should
+any row have moved, the group runs the read-first way above (``storage.sql_plan``).
 
 **A prune** (``storage.retention``) is a transaction of its own on the writer, beside
 the groups: it deletes the records of its cut and moves the thread row's anchor
@@ -111,7 +97,9 @@ from storage.retention import Cut, prune_thread
 from storage.schema import migrate
 from storage.sql_engine import DEFAULT_TIMEOUT_S, Database
 from storage.sql_errors import deadlocked, lock_timed_out, translate
+from storage.sql_group import Abandoned, AppendRequest, ClaimRequest, Outcome, Request
 from storage.sql_lease import drop_body, hold_body
+from storage.sql_plan import Plan, pg_planned_args, plan_group
 from storage.sql_reads import (
     held_history_body,
     index_problem_body,
@@ -123,18 +111,7 @@ from storage.sql_reads import (
     thread_ids_body,
 )
 from storage.sql_statements import PG_PLANNED, pg_plan_refused
-from storage.sql_txn import (
-    Abandoned,
-    AppendRequest,
-    ClaimRequest,
-    Outcome,
-    Plan,
-    Request,
-    pg_planned_args,
-    plan_group,
-    prune_txn,
-    transact,
-)
+from storage.sql_txn import prune_txn, transact
 from storage.url import redact
 
 if TYPE_CHECKING:
@@ -186,7 +163,7 @@ class SqlCommitStore:
         """Transactions that carried appends (with ``appends``: how well grouping works)."""
         self.appends = 0
         self.planned = 0
-        """Groups written as planned (``sql_txn.Plan``), without reading their rows first."""
+        """Groups written as planned (``sql_plan.Plan``), without reading their rows first."""
         self.waited_s = 0.0
         """Summed over appends: from the call to its group's transaction (queue and linger)."""
         self.written_s = 0.0

@@ -140,7 +140,7 @@ KEY_LOOKUPS_ONLY = {"enable_hashjoin": "off", "enable_mergejoin": "off"}
 finds its rows by key, a few at a time, so a nested loop over an index is always the
 right join; but the thread table grows by a row per new thread and its statistics
 lag behind, and with them PostgreSQL hashed a sequential scan of the whole table for
-each planned group's UPDATE (``sql_txn``). W1: server CPU per Run 1.4 -> 1.0 ms.
+each planned group's UPDATE (``sql_plan``). W1: server CPU per Run 1.4 -> 1.0 ms.
 They travel as startup parameters, which PgBouncer refuses unless told to ignore
 them: ``?key_joins=off`` on the store URL leaves the server's settings alone (and the
 plan mode of held write connections: ``Database._generic``)."""

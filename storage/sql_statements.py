@@ -1,4 +1,4 @@
-"""The SQL statements the bodies of ``storage.sql_txn`` run, built once, at import.
+"""The SQL statements the write bodies run (``storage.sql_txn``, ``sql_plan``), built once.
 
 Every statement has bound parameters, and a list travels as one parameter
 (PostgreSQL: an array, ``= ANY``; SQLite: JSON, ``json_each``), so the statement text
