@@ -323,7 +323,7 @@ LOCK_TIMEOUT_S = 3
 (PostgreSQL's ``lock_timeout``, SQLSTATE 55P03 past it). Groups lock their rows for
 milliseconds; a lock held for seconds is a client stopped inside its transaction, and
 waiting for it out to the statement timeout held up every group of the process behind
-it, then failed them all as an outage (``SqlCommitStore._fail_queued``). Set for the
+it, then failed them all as an outage (``GroupWriter._fail_queued``). Set for the
 transaction only, so it holds behind PgBouncer and never outlives the group."""
 PG_LOCK_TIMEOUT = f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_S}s'"
 """The read-first transaction's first statement (``sql_txn.transact``)."""

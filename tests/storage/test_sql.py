@@ -24,8 +24,9 @@ from runtime.errors import (
 )
 from runtime.ids import ThreadId
 from storage.schema import SCHEMA_VERSION, commits, schema_version
-from storage.sql import LINGER_TURNS, SqlCommitStore
+from storage.sql import SqlCommitStore
 from storage.sql_errors import translate
+from storage.sql_writer import LINGER_TURNS
 from tests.storage.builders import activation, ended, head, step
 from tests.storage.conftest import make_store
 
@@ -373,7 +374,7 @@ async def test_a_plan_that_fails_leaves_the_group_to_the_read_first_path(
     def broken(*_: object) -> None:
         raise RuntimeError("a planning bug")
 
-    monkeypatch.setattr("storage.sql.plan_group", broken)
+    monkeypatch.setattr("storage.sql_writer.plan_group", broken)
     receipt = await store.append(activation(ThreadId("t"), "r"), 0, 0)
     assert receipt.seq == 1 and store.planned == 0 and store.groups == 1
 
