@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,8 +30,6 @@ log = logging.getLogger("ratchet.supervisor")
 
 
 class HungHosts(HostBook):
-    owner: str
-    counts: Counter[str]
     events: deque[dict[str, Any]]
     _alive: Callable[[str, float], Awaitable[bool]]  # the Supervisor's: a lease, or an answer
 

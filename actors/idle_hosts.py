@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
 
 import ray
 
 from actors.host_book import HostBook
-from actors.system_lease import LeaseKeeper
 from actors.wire import NAMESPACE
-from runtime.ids import ThreadId
 
 PING_TIMEOUT_S = 2.0
 
 
 class IdleHosts(HostBook):
-    lease: LeaseKeeper
-    _recovering: Counter[str]
-    _taking: set[ThreadId]
     _kept: int
     """Words to keep the lease so far: a give-up that began before the last one is moot."""
 

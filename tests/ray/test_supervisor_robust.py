@@ -486,12 +486,14 @@ async def test_a_hung_dedicated_host_this_supervisor_never_heard_from_is_ended(m
             def remote() -> Any:
                 return asyncio.get_running_loop().create_future()
 
+    import actors.take_overs as take_overs
+
     sup = importlib.import_module("actors.supervisor")  # the package names its function so
     killed: list[Any] = []
     hung = _Hung()
-    monkeypatch.setattr(sup, "PING_TIMEOUT_S", 0.01)
-    monkeypatch.setattr(sup, "dedicated_host", lambda spec, thread, extra=None: hung)
-    monkeypatch.setattr(sup.ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    monkeypatch.setattr(take_overs, "PING_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(take_overs, "dedicated_host", lambda spec, thread, extra=None: hung)
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
     store = MemoryCommitStore()
     agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="hi")]))
     run, thread = RunId("r1"), ThreadId("hung-unknown")
