@@ -19,17 +19,13 @@ resumed, would send the same tool operation ids (``tool-batch:{run}:{step}:{call
 for calls with diverging histories — a downstream system deduplicating by them would
 take the fork's call for the original's. A new Run on the fork has a new run id.
 
-**The writer.** The new thread is written by one owner, the fork or the import: its
-first record carries the claim (epoch 0 → 1), and so does every record that carried
-one in the source; where the source's epoch moved without a claim in the record (a
-recovery claims the thread, then commits), the writer claims the thread before that
-record. The copy keeps the source's shape of ownership — where each way in began,
-which a replay reads — but not its claimants: those owners never owned the new
-thread. The owner's name says where the thread came from (``fork_owner``:
+**The writer** (``runtime.history_write``). The new thread is written by one owner,
+the fork or the import, whose name says where the thread came from (``fork_owner``:
 ``ratchet-fork#{thread}@{seq}``; ``import_owner``: ``ratchet-import#{head}@{records}``); its
 host part has no ``:``, so no system's Supervisor takes over what it owns (a system's
-owners are ``{system}:...``, ``actors.supervisor``). A Run started or resumed on the
-new thread claims it from there, as on any thread.
+owners are ``{system}:...``, ``actors.supervisor``). It claims the new thread where
+its source was claimed; a Run started or resumed on the new thread claims it from
+there, as on any thread.
 
 **Interrupted.** The records are a pure function of the source (and so is the owner's
 name): a fork or an import cut short (the store went out, the process died) is
@@ -66,27 +62,11 @@ keys (``runtime.reserved``) — and refuses naming the line (1 is the header).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from runtime.base import evolve
-from runtime.commit import (
-    DEFAULT_PAYLOAD_LIMIT,
-    Frontier,
-    Receipt,
-    ThreadCommit,
-    assemble_commit,
-)
-from runtime.errors import (
-    Fenced,
-    InputRefused,
-    PayloadTooLarge,
-    RatchetError,
-    RunEnded,
-    RunSuperseded,
-    VersionConflict,
-)
-from runtime.facts import facts_of
+from runtime.commit import Frontier, ThreadCommit
+from runtime.errors import RunSuperseded
 from runtime.history_format import (
     ForkRefused,
     HistoryRefused,
@@ -94,12 +74,12 @@ from runtime.history_format import (
     export_lines,
     parse_export,
 )
+from runtime.history_write import check_sizes, folded, remade, write_copy
 from runtime.ids import ThreadId
-from runtime.lifecycle import AwaitingState, EndedState, RunDisposition, RunningState
-from runtime.limits import DEFAULT_LIMITS, STORED_IDS, Limits, check_id
+from runtime.lifecycle import AwaitingState, EndedState, RunningState
+from runtime.limits import STORED_IDS, check_id
 from runtime.ports import CommitStore, CommittedRecord, RunSummary, vouched_log
-from runtime.reserved import reserved_problem
-from runtime.rules import admit, check_size, receipt_of, replay, with_claim
+from runtime.rules import replay
 
 __all__ = [
     "ForkRefused",
@@ -112,11 +92,6 @@ __all__ = [
     "import_thread",
     "parse_export",
 ]
-
-COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
-"""The id rule a copied record's run id is held to (its system's ``id_chars`` may have
-been larger than the default: derived child ids grow with each level)."""
-
 
 FORK_HOST = "ratchet-fork"
 """The host part (``runtime.ports.host_of``) of every fork writer's owner name."""
@@ -183,11 +158,6 @@ async def forks_under_way(store: CommitStore, source: ThreadId) -> list[str]:
     ]
 
 
-Refuse = Callable[[int, str, str], HistoryRefused]
-"""Makes the caller's error from (seq of the source record, reason, detail); seq 0: not
-about a record (the thread written to)."""
-
-
 # ---- fork ---------------------------------------------------------------------------------
 
 
@@ -208,9 +178,9 @@ async def fork(store: CommitStore, thread: ThreadId, at_seq: int, new_thread: Th
 
     owner = fork_owner(thread, at_seq)
     planned = remade([r.commit for r in records[:at_seq]], new_thread, owner, refuse)
-    _check_at_rest(_folded(planned, new_thread, owner, refuse), thread, at_seq)
-    _check_sizes(store, planned, refuse)
-    return await _write(store, new_thread, planned, owner, refuse)
+    _check_at_rest(folded(planned, new_thread, owner, refuse), thread, at_seq)
+    check_sizes(store, planned, refuse)
+    return await write_copy(store, new_thread, planned, owner, refuse)
 
 
 def _check_at_rest(at: Frontier, thread: ThreadId, seq: int) -> None:
@@ -293,7 +263,7 @@ def plan_import(lines: Iterable[str | bytes], thread: ThreadId | None = None) ->
     commits = [r.commit for r in exported.records]
     owner = import_owner(commits[-1].payload_hash, len(commits))
     planned = remade(commits, target, owner, _import_refused)
-    at = _folded(planned, target, owner, _import_refused)
+    at = folded(planned, target, owner, _import_refused)
     return PlannedImport(target, owner, planned, exported.thread_id, _unrested(at))
 
 
@@ -303,7 +273,7 @@ async def write_import(store: CommitStore, plan: PlannedImport) -> Frontier:
     over either (as a fork of it is): the copy and its source would each go on with that
     Run's calls, under the same operation ids (an approval given to both ran a tool
     twice as one operation)."""
-    _check_sizes(store, plan.commits, _import_refused)
+    check_sizes(store, plan.commits, _import_refused)
     if plan.unrested is not None and plan.thread != plan.source:
         source = await store.load_head(plan.source)
         if source.run_id == plan.commits[-1].run_id and not isinstance(
@@ -316,190 +286,10 @@ async def write_import(store: CommitStore, plan: PlannedImport) -> Frontier:
                 f"{what}, as it does in its source thread {plan.source!r} in this store; "
                 "import it once that Run has ended there (or into another store)",
             )
-    return await _write(store, plan.thread, plan.commits, plan.owner, _import_refused)
+    return await write_copy(store, plan.thread, plan.commits, plan.owner, _import_refused)
 
 
 def _import_refused(seq: int, reason: str, detail: str) -> HistoryRefused:
     if not seq:
         return ImportRefused(None, reason, detail)
     return ImportRefused(seq + 1, reason, f"record {seq}: {detail}")
-
-
-# ---- the one write path -------------------------------------------------------------------
-
-
-def remade(
-    commits: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
-) -> list[ThreadCommit]:
-    """``commits`` re-made for ``thread``, written by ``owner``: its claim on the first
-    and on each that carried one, a new epoch wherever the source's moved, the chain
-    recomputed. A ticket is re-addressed to ``thread``; all else — run ids, ordinals,
-    labels, messages, commands, batches, status — is kept."""
-    planned: list[ThreadCommit] = []
-    prev, epoch, source_epoch = "", 0, None
-    for seq, commit in enumerate(commits, start=1):
-        try:  # an id no caller could have given (a control character, say): not copied
-            check_id("run id", commit.run_id, COPIED_IDS)
-        except InputRefused as exc:
-            raise refuse(seq, exc.limit, str(exc)) from None
-        claims = not planned or commit.claim is not None
-        if claims or commit.epoch != source_epoch:
-            epoch += 1
-        source_epoch = commit.epoch
-        made = remake(commit, thread, prev, epoch=epoch, claim=owner if claims else None)
-        if made is None:
-            raise refuse(seq, "record", "its facts are not the ones its parts make")
-        planned.append(made)
-        prev = made.payload_hash
-    return planned
-
-
-def remake(
-    commit: ThreadCommit, thread: ThreadId, prev: str, *, epoch: int, claim: str | None
-) -> ThreadCommit | None:
-    """One commit re-made for ``thread`` (None: its facts are not derived from it, which
-    no engine writes: such a record is refused, not copied blindly)."""
-    extra = commit.events  # from schema 3 on, the commit stores only these
-    if commit.schema_version < 3:
-        derived = facts_of(
-            commit.run_id, commit.label, commit.messages, commit.status, commit.disposition
-        )
-        if commit.events[: len(derived)] != derived:
-            return None
-        extra = commit.events[len(derived) :]
-    return assemble_commit(
-        thread_id=thread,
-        run_id=commit.run_id,
-        ordinal=commit.ordinal,
-        label=commit.label,
-        disposition=_readdressed(commit.disposition, thread),
-        messages=commit.messages,
-        commands=commit.commands,
-        batch=commit.batch,
-        status=commit.status,
-        extra_facts=extra,
-        prev=prev,
-        epoch=epoch,
-        claim=claim,
-    )
-
-
-def _readdressed(disposition: RunDisposition, thread: ThreadId) -> RunDisposition:
-    if isinstance(disposition, AwaitingState):
-        return evolve(disposition, ticket=evolve(disposition.ticket, thread_id=thread))
-    return disposition
-
-
-def _folded(
-    planned: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
-) -> Frontier:
-    """The frontier the store will fold ``planned`` to (what it would refuse, refused
-    here, before anything is written): each commit admitted as ``_write`` appends it,
-    by the store's own rule — a commit of a Run after its end, an operation id seen
-    before, are refused here too, not half-way through the writing."""
-    frontier = Frontier(thread_id=thread)
-    known: dict[str, Receipt] = {}
-    for seq, commit in enumerate(planned, start=1):
-        try:
-            if commit.claim is None and commit.epoch != frontier.epoch:
-                frontier = with_claim(frontier, owner)  # claimed before it, as _write does
-            seen = known.get(commit.operation_id)
-            admitted = admit(frontier, commit, seq - 1, frontier.epoch, seen, commit.claim)
-        except (RatchetError, ValueError) as exc:
-            raise refuse(seq, "replay", f"the log does not replay: {exc}") from None
-        if not isinstance(admitted, Frontier):  # the same commit as an earlier one
-            raise refuse(seq, "replay", "the log repeats an earlier commit")
-        problem = reserved_problem(admitted.state, commit.commands)
-        if problem is not None:  # no Run wrote it: the runtime and the CLI would choke on it
-            raise refuse(seq, "reserved_state", problem)
-        frontier = admitted
-        known[commit.operation_id] = receipt_of(commit, seq)
-    return frontier
-
-
-def _check_sizes(store: CommitStore, planned: Sequence[ThreadCommit], refuse: Refuse) -> None:
-    # not part of the port: the stores that have a limit say so (as ``check_room`` reads)
-    limit = getattr(store, "payload_limit", None)
-    limit = limit if isinstance(limit, int) else DEFAULT_PAYLOAD_LIMIT
-    for seq, commit in enumerate(planned, start=1):
-        # what every store checks before it writes (``check_size``), before one is written:
-        # a record refused half way through left a thread of the records before it
-        try:
-            check_size(commit, limit)
-        except PayloadTooLarge as exc:
-            raise refuse(seq, "too_large", f"{exc.size} bytes; the store takes {limit}") from None
-        except InputRefused as exc:
-            raise refuse(seq, exc.limit, str(exc)) from None
-
-
-async def _write(
-    store: CommitStore,
-    thread: ThreadId,
-    planned: Sequence[ThreadCommit],
-    owner: str,
-    refuse: Refuse,
-) -> Frontier:
-    """Append what of ``planned`` the thread does not hold yet, each at the version and
-    epoch it must find: a record with a claim claims the thread for ``owner`` with it
-    (the first: epoch 0 → 1), one at a new epoch without a claim is preceded by a claim.
-    A refused append is looked into: another run of this same fork or import went ahead
-    (go on from where it is), or someone else wrote the thread (thread_exists)."""
-    version, epoch = await _written(store, thread, planned, owner, refuse)
-    while version < len(planned):
-        commit = planned[version]
-        try:
-            if commit.claim is not None:
-                await store.append(commit, version, epoch, claim=owner)
-            else:
-                if commit.epoch != epoch:
-                    epoch = (await store.claim(thread, owner, supersedes=epoch)).epoch
-                await store.append(commit, version, epoch)
-            version, epoch = version + 1, commit.epoch
-        except (VersionConflict, Fenced, RunEnded):  # RunEnded: another run of this
-            # copy wrote the same end first (PostgreSQL's lock saw it before its receipt)
-            ahead = await _written(store, thread, planned, owner, refuse)
-            if ahead <= (version, epoch):  # refused what it says it lacks: not ours
-                raise
-            version, epoch = ahead
-    return await store.load(thread)
-
-
-def _epochs_at(planned: Sequence[ThreadCommit], held: int) -> tuple[int, ...]:
-    """The epochs a thread holding ``planned[:held]`` may be at: its last record's, or
-    the next record's if this writer claims the thread before appending it."""
-    now = planned[held - 1].epoch
-    following = planned[held] if held < len(planned) else None
-    if following is not None and following.claim is None and following.epoch != now:
-        return (now, following.epoch)
-    return (now,)
-
-
-async def _written(
-    store: CommitStore,
-    thread: ThreadId,
-    planned: Sequence[ThreadCommit],
-    owner: str,
-    refuse: Refuse,
-) -> tuple[int, int]:
-    """How many of ``planned`` the thread holds already, and its epoch: (0, 0) for a
-    thread nobody wrote, the prefix an interrupted run of this same fork or import
-    wrote (its claim for the next record perhaps made); else thread_exists."""
-    frontier = await store.load(thread)
-    if frontier.version == 0 and frontier.epoch == 0:
-        return 0, 0
-    n = frontier.version
-    if frontier.owner == owner and 0 < n <= len(planned):
-        kept = await store.read(thread)  # all n records, or those after a prune's anchor
-        whole = not kept or kept[0].seq == 1
-        same = frontier.head == planned[n - 1].payload_hash and all(
-            r.commit.payload_hash == planned[r.seq - 1].payload_hash for r in kept
-        )
-        # pruned since: only a copy written whole (a prune refuses one under way)
-        if same and (whole or n == len(planned)) and frontier.epoch in _epochs_at(planned, n):
-            return n, frontier.epoch
-    raise refuse(
-        0,
-        "thread_exists",
-        f"thread {thread!r} exists (version {frontier.version}, owner {frontier.owner!r}): "
-        "pick a new id",
-    )

@@ -3,9 +3,9 @@
 A tool or hook cannot write these keys (``state.check_writable``), so the runtime and
 the CLI read what they hold as Ratchet wrote it. Only an import brings state that no
 Run of this system wrote — an export from elsewhere, or one edited by hand — so
-``runtime.history`` holds each record's reserved keys to these shapes, and refuses
-the record that breaks one before anything is written: one such thread made
-``ratchet runs`` fail for every thread.
+``runtime.history`` holds each record's reserved keys to these shapes (in
+``history_write.folded``), and refuses the record that breaks one before anything is
+written: one such thread made ``ratchet runs`` fail for every thread.
 """
 
 from __future__ import annotations

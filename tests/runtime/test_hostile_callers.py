@@ -329,7 +329,7 @@ async def test_a_thread_holding_reserved_state_of_another_shape_is_a_problem_row
     import asyncio
     import json
 
-    from runtime import history
+    from runtime import history, history_write
     from runtime.ids import ThreadId
     from runtime.state import Command
     from storage.url import open_store
@@ -346,7 +346,7 @@ async def test_a_thread_holding_reserved_state_of_another_shape_is_a_problem_row
     )
     with pytest.raises(history.ImportRefused, match="reserved_state"):
         await history.import_thread(store, lines, ThreadId("evil"))
-    monkeypatch.setattr(history, "reserved_problem", lambda state, commands: None)  # as it was
+    monkeypatch.setattr(history_write, "reserved_problem", lambda state, commands: None)  # as was
     await history.import_thread(store, lines, ThreadId("evil"))
     await store.close()
 

@@ -1,0 +1,232 @@
+"""The one write path of a fork and an import: the source's records re-made for the new
+thread (``remade``), checked as the store will check them (``folded``,
+``check_sizes``), then appended (``write_copy``). ``runtime.history`` decides what to
+copy and refuses what it must; everything here is the same for both.
+
+**The writer.** The new thread is written by one owner, the fork or the import
+(``runtime.history.fork_owner``, ``import_owner``): its first record carries the
+claim (epoch 0 → 1), and so does every record that carried one in the source; where
+the source's epoch moved without a claim in the record (a recovery claims the thread,
+then commits), the writer claims the thread before that record. The copy keeps the
+source's shape of ownership — where each way in began, which a replay reads — but
+not its claimants: those owners never owned the new thread.
+
+**Interrupted.** ``write_copy`` finds the prefix an earlier run of the same fork or
+import wrote (``_written``) and appends the rest; a thread written by anyone else is
+``thread_exists``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from runtime.base import evolve
+from runtime.commit import (
+    DEFAULT_PAYLOAD_LIMIT,
+    Frontier,
+    Receipt,
+    ThreadCommit,
+    assemble_commit,
+)
+from runtime.errors import (
+    Fenced,
+    InputRefused,
+    PayloadTooLarge,
+    RatchetError,
+    RunEnded,
+    VersionConflict,
+)
+from runtime.facts import facts_of
+from runtime.history_format import HistoryRefused
+from runtime.ids import ThreadId
+from runtime.lifecycle import AwaitingState, RunDisposition
+from runtime.limits import DEFAULT_LIMITS, Limits, check_id
+from runtime.ports import CommitStore
+from runtime.reserved import reserved_problem
+from runtime.rules import admit, check_size, receipt_of, with_claim
+
+COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
+"""The id rule a copied record's run id is held to (its system's ``id_chars`` may have
+been larger than the default: derived child ids grow with each level)."""
+
+
+Refuse = Callable[[int, str, str], HistoryRefused]
+"""Makes the caller's error from (seq of the source record, reason, detail); seq 0: not
+about a record (the thread written to)."""
+
+
+def remade(
+    commits: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
+) -> list[ThreadCommit]:
+    """``commits`` re-made for ``thread``, written by ``owner``: its claim on the first
+    and on each that carried one, a new epoch wherever the source's moved, the chain
+    recomputed. A ticket is re-addressed to ``thread``; all else — run ids, ordinals,
+    labels, messages, commands, batches, status — is kept."""
+    planned: list[ThreadCommit] = []
+    prev, epoch, source_epoch = "", 0, None
+    for seq, commit in enumerate(commits, start=1):
+        try:  # an id no caller could have given (a control character, say): not copied
+            check_id("run id", commit.run_id, COPIED_IDS)
+        except InputRefused as exc:
+            raise refuse(seq, exc.limit, str(exc)) from None
+        claims = not planned or commit.claim is not None
+        if claims or commit.epoch != source_epoch:
+            epoch += 1
+        source_epoch = commit.epoch
+        made = remake(commit, thread, prev, epoch=epoch, claim=owner if claims else None)
+        if made is None:
+            raise refuse(seq, "record", "its facts are not the ones its parts make")
+        planned.append(made)
+        prev = made.payload_hash
+    return planned
+
+
+def remake(
+    commit: ThreadCommit, thread: ThreadId, prev: str, *, epoch: int, claim: str | None
+) -> ThreadCommit | None:
+    """One commit re-made for ``thread`` (None: its facts are not derived from it, which
+    no engine writes: such a record is refused, not copied blindly)."""
+    extra = commit.events  # from schema 3 on, the commit stores only these
+    if commit.schema_version < 3:
+        derived = facts_of(
+            commit.run_id, commit.label, commit.messages, commit.status, commit.disposition
+        )
+        if commit.events[: len(derived)] != derived:
+            return None
+        extra = commit.events[len(derived) :]
+    return assemble_commit(
+        thread_id=thread,
+        run_id=commit.run_id,
+        ordinal=commit.ordinal,
+        label=commit.label,
+        disposition=_readdressed(commit.disposition, thread),
+        messages=commit.messages,
+        commands=commit.commands,
+        batch=commit.batch,
+        status=commit.status,
+        extra_facts=extra,
+        prev=prev,
+        epoch=epoch,
+        claim=claim,
+    )
+
+
+def _readdressed(disposition: RunDisposition, thread: ThreadId) -> RunDisposition:
+    if isinstance(disposition, AwaitingState):
+        return evolve(disposition, ticket=evolve(disposition.ticket, thread_id=thread))
+    return disposition
+
+
+def folded(
+    planned: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
+) -> Frontier:
+    """The frontier the store will fold ``planned`` to (what it would refuse, refused
+    here, before anything is written): each commit admitted as ``write_copy`` appends it,
+    by the store's own rule — a commit of a Run after its end, an operation id seen
+    before, are refused here too, not half-way through the writing."""
+    frontier = Frontier(thread_id=thread)
+    known: dict[str, Receipt] = {}
+    for seq, commit in enumerate(planned, start=1):
+        try:
+            if commit.claim is None and commit.epoch != frontier.epoch:
+                frontier = with_claim(frontier, owner)  # claimed before it, as write_copy does
+            seen = known.get(commit.operation_id)
+            admitted = admit(frontier, commit, seq - 1, frontier.epoch, seen, commit.claim)
+        except (RatchetError, ValueError) as exc:
+            raise refuse(seq, "replay", f"the log does not replay: {exc}") from None
+        if not isinstance(admitted, Frontier):  # the same commit as an earlier one
+            raise refuse(seq, "replay", "the log repeats an earlier commit")
+        problem = reserved_problem(admitted.state, commit.commands)
+        if problem is not None:  # no Run wrote it: the runtime and the CLI would choke on it
+            raise refuse(seq, "reserved_state", problem)
+        frontier = admitted
+        known[commit.operation_id] = receipt_of(commit, seq)
+    return frontier
+
+
+def check_sizes(store: CommitStore, planned: Sequence[ThreadCommit], refuse: Refuse) -> None:
+    # not part of the port: the stores that have a limit say so (as ``check_room`` reads)
+    limit = getattr(store, "payload_limit", None)
+    limit = limit if isinstance(limit, int) else DEFAULT_PAYLOAD_LIMIT
+    for seq, commit in enumerate(planned, start=1):
+        # what every store checks before it writes (``check_size``), before one is written:
+        # a record refused half way through left a thread of the records before it
+        try:
+            check_size(commit, limit)
+        except PayloadTooLarge as exc:
+            raise refuse(seq, "too_large", f"{exc.size} bytes; the store takes {limit}") from None
+        except InputRefused as exc:
+            raise refuse(seq, exc.limit, str(exc)) from None
+
+
+async def write_copy(
+    store: CommitStore,
+    thread: ThreadId,
+    planned: Sequence[ThreadCommit],
+    owner: str,
+    refuse: Refuse,
+) -> Frontier:
+    """Append what of ``planned`` the thread does not hold yet, each at the version and
+    epoch it must find: a record with a claim claims the thread for ``owner`` with it
+    (the first: epoch 0 → 1), one at a new epoch without a claim is preceded by a claim.
+    A refused append is looked into: another run of this same fork or import went ahead
+    (go on from where it is), or someone else wrote the thread (thread_exists)."""
+    version, epoch = await _written(store, thread, planned, owner, refuse)
+    while version < len(planned):
+        commit = planned[version]
+        try:
+            if commit.claim is not None:
+                await store.append(commit, version, epoch, claim=owner)
+            else:
+                if commit.epoch != epoch:
+                    epoch = (await store.claim(thread, owner, supersedes=epoch)).epoch
+                await store.append(commit, version, epoch)
+            version, epoch = version + 1, commit.epoch
+        except (VersionConflict, Fenced, RunEnded):  # RunEnded: another run of this
+            # copy wrote the same end first (PostgreSQL's lock saw it before its receipt)
+            ahead = await _written(store, thread, planned, owner, refuse)
+            if ahead <= (version, epoch):  # refused what it says it lacks: not ours
+                raise
+            version, epoch = ahead
+    return await store.load(thread)
+
+
+def _epochs_at(planned: Sequence[ThreadCommit], held: int) -> tuple[int, ...]:
+    """The epochs a thread holding ``planned[:held]`` may be at: its last record's, or
+    the next record's if this writer claims the thread before appending it."""
+    now = planned[held - 1].epoch
+    following = planned[held] if held < len(planned) else None
+    if following is not None and following.claim is None and following.epoch != now:
+        return (now, following.epoch)
+    return (now,)
+
+
+async def _written(
+    store: CommitStore,
+    thread: ThreadId,
+    planned: Sequence[ThreadCommit],
+    owner: str,
+    refuse: Refuse,
+) -> tuple[int, int]:
+    """How many of ``planned`` the thread holds already, and its epoch: (0, 0) for a
+    thread nobody wrote, the prefix an interrupted run of this same fork or import
+    wrote (its claim for the next record perhaps made); else thread_exists."""
+    frontier = await store.load(thread)
+    if frontier.version == 0 and frontier.epoch == 0:
+        return 0, 0
+    n = frontier.version
+    if frontier.owner == owner and 0 < n <= len(planned):
+        kept = await store.read(thread)  # all n records, or those after a prune's anchor
+        whole = not kept or kept[0].seq == 1
+        same = frontier.head == planned[n - 1].payload_hash and all(
+            r.commit.payload_hash == planned[r.seq - 1].payload_hash for r in kept
+        )
+        # pruned since: only a copy written whole (a prune refuses one under way)
+        if same and (whole or n == len(planned)) and frontier.epoch in _epochs_at(planned, n):
+            return n, frontier.epoch
+    raise refuse(
+        0,
+        "thread_exists",
+        f"thread {thread!r} exists (version {frontier.version}, owner {frontier.owner!r}): "
+        "pick a new id",
+    )
