@@ -125,7 +125,8 @@ class OwnCancels:
         return self
 
     async def __aexit__(self, *_: object) -> None:
-        self.dropped = await drop_own_cancel(self.asked)
+        if cancels_asked() > self.asked:  # rare: only then a wait (this runs per wave)
+            self.dropped = await drop_own_cancel(self.asked)
 
 
 async def take_back_cancels() -> None:
