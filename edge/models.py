@@ -1,10 +1,12 @@
 """The HTTP service's request and response bodies.
 
-Request bodies bound their ids by ``id_chars`` (``runtime.limits``). A text's size is
-left to the client's rule (bytes as stored, unpaired surrogates, control characters),
-applied when the request reaches it (``InputRefused``: 413 for a size, 422 otherwise),
-so a size is 413 whatever its characters; the body's own cap (``app.max_body_bytes``)
-bounds what is read. A resume payload is the runtime's own ``ResumePayload`` record, one
+Neither an id's length nor a text's size is bound by the schemas: both are the running
+system's rule (its ``SystemSpec.limits``, which need not be the defaults), applied when
+the request reaches the client (``InputRefused``: 413 for a size, 422 naming the limit
+otherwise: a ``run_id`` or a ``request_id`` past the system's ``id_chars`` is 422
+``InputRefused(id_chars)``), so a size is 413 whatever its characters; the body's own cap
+(``app.max_body_bytes``) bounds what is read. The sizes the descriptions quote are the
+defaults. A resume payload is the runtime's own ``ResumePayload`` record, one
 shape per wait kind.
 """
 
@@ -32,10 +34,17 @@ from runtime.limits import DEFAULT_LIMITS, Limits, history_headroom
 from runtime.ports import RunSummary
 
 LIMITS = DEFAULT_LIMITS
-"""The bounds the schemas declare: those of a system connected with the default limits,
-as ``ratchet serve`` connects."""
+"""The limits the schemas' descriptions quote: the defaults, those ``ratchet serve``
+connects with. The routes check every body against the running system's own."""
 
-Id = Annotated[str, Field(min_length=1, max_length=LIMITS.id_chars)]
+Id = Annotated[
+    str,
+    Field(
+        min_length=1,
+        description=f"At most the system's id_chars ({LIMITS.id_chars} by default) characters, "
+        "no control characters: more is 422 InputRefused(id_chars)",
+    ),
+]
 AGENT_REF_CHARS = 1024
 
 
@@ -51,8 +60,9 @@ class StartRun(Body):
         examples=["myapp.agents:support"],
     )
     input: str = Field(
-        description=f"The user's input: at most {LIMITS.input_bytes} bytes as stored (UTF-8); "
-        "more is 413 InputRefused(input_bytes)"
+        description="The user's input: at most the system's input_bytes "
+        f"({LIMITS.input_bytes} by default) as stored (UTF-8); more is 413 "
+        "InputRefused(input_bytes)"
     )
     run_id: Id | None = Field(
         None,
@@ -83,7 +93,8 @@ class Resume(Body):
 
 class Stop(Body):
     reason: str = Field(
-        description=f"At most {LIMITS.input_bytes} bytes as stored (UTF-8): more is 413; "
+        description="At most the system's input_bytes "
+        f"({LIMITS.input_bytes} by default) as stored (UTF-8): more is 413; "
         "a blank one is 422 InputRefused(empty)",
         examples=["over budget"],
     )
