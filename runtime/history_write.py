@@ -40,15 +40,10 @@ from runtime.facts import facts_of
 from runtime.history_format import HistoryRefused
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, RunDisposition
-from runtime.limits import DEFAULT_LIMITS, Limits, check_id
+from runtime.limits import STORED_IDS, check_id
 from runtime.ports import CommitStore
 from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, with_claim
-
-COPIED_IDS = Limits(id_chars=4 * DEFAULT_LIMITS.id_chars)
-"""The id rule a copied record's run id is held to (its system's ``id_chars`` may have
-been larger than the default: derived child ids grow with each level)."""
-
 
 Refuse = Callable[[int, str, str], HistoryRefused]
 """Makes the caller's error from (seq of the source record, reason, detail); seq 0: not
@@ -65,8 +60,9 @@ def remade(
     planned: list[ThreadCommit] = []
     prev, epoch, source_epoch = "", 0, None
     for seq, commit in enumerate(commits, start=1):
-        try:  # an id no caller could have given (a control character, say): not copied
-            check_id("run id", commit.run_id, COPIED_IDS)
+        try:  # an id no caller could have given (a control character, say): not copied;
+            # a stored one's length (``STORED_IDS``), whatever its system's id_chars was
+            check_id("run id", commit.run_id, STORED_IDS)
         except InputRefused as exc:
             raise refuse(seq, exc.limit, str(exc)) from None
         claims = not planned or commit.claim is not None

@@ -146,8 +146,8 @@ STORED_ID_CHARS = 2560
 is new (a Run started, a thread made); an id that names what is already stored — a thread
 read, listed from, cancelled or exported, a ticket's ids in a resume — is held to this
 instead (``STORED_IDS``): a system whose ``id_chars`` was lowered, or one whose limits are
-not the default ones the CLI and the HTTP schemas assume, still reaches every thread it
-wrote, and an imported thread's copied run ids (up to four times the default) resume."""
+not the default ones the CLI assumes, still reaches every thread it wrote, and an
+imported thread's copied run ids (as long as any stored one) resume."""
 
 DEFAULT_LIMITS = Limits()
 STORED_IDS = Limits(id_chars=STORED_ID_CHARS)

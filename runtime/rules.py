@@ -186,7 +186,8 @@ def check_size(commit: ThreadCommit, limit: int) -> None:
 KEY_BYTES = STORED_ID_CHARS
 """A record's thread id and operation id together, in UTF-8: PostgreSQL's unique index on
 the two refuses an entry past about 2,700 bytes, after the records before it were
-written (a copied run id may be 1,024 characters: ``runtime.history_write.COPIED_IDS``).
+written (a copied run id may be as long as any stored one, ``STORED_IDS``: a fork or an
+import checks its copy against this before it writes, ``runtime.history_write.check_sizes``).
 Ids within the default ``id_chars`` take at most about 2,070."""
 
 _RECORD_DEPTH = 8

@@ -1025,6 +1025,21 @@ async def test_an_export_of_a_thread_at_its_commit_limit_is_not_too_large(
         assert refused.value.reason == reason, (count, str(refused.value))
 
 
+async def test_a_copied_run_id_is_held_to_what_a_store_holds_not_to_four_times_the_default(
+    store: Any,
+) -> None:
+    """A copied record's run id was held to 1,024 characters (four times the default
+    ``id_chars``): a thread of a system whose ``id_chars`` is 2,048 was exported and
+    refused by every import (``id_chars``). A stored run id is held to ``STORED_IDS``."""
+    run = "r" * 1500
+    lines = _export_of(_activation(run, ""))
+    copy = await import_thread(store, lines, ThreadId("copy"))
+    assert copy.run_id == run and await audit(store, ThreadId("copy")) == []
+    with pytest.raises(ImportRefused) as refused:  # past what any store holds
+        await import_thread(store, _export_of(_activation("r" * 2600, "")), ThreadId("x"))
+    assert (refused.value.line, refused.value.reason) == (2, "id_chars")
+
+
 # ---- the shape of ownership ------------------------------------------------------------------
 
 
