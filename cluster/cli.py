@@ -45,7 +45,14 @@ from typing import Any, Literal
 import typer
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, thread_arg
-from cluster.cli_base import as_command, errors, frontier_of, open_db, uncancelled
+from cluster.cli_base import (
+    SYSTEM_LIMITS,
+    as_command,
+    errors,
+    frontier_of,
+    open_db,
+    uncancelled,
+)
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, cursor, run_page, run_query, run_row
 from cluster.cli_view import (
@@ -67,7 +74,7 @@ from runtime.lifecycle import (
     EndedState,
     validate_resume,
 )
-from runtime.limits import DEFAULT_LIMITS, check_text
+from runtime.limits import check_text
 from runtime.resume import check_command
 from runtime.stream import check_cursor, parse_offset
 from storage.url import redact
@@ -142,9 +149,9 @@ async def _run(
     if os.getcwd() not in sys.path:  # like python -m: the user's modules are importable
         sys.path.insert(0, os.getcwd())
     load_agent(agent)  # a bad import path fails before any cluster is started
-    # and text no store takes (the client checks it again, by the system's limits: the
-    # defaults, as the command line starts the system; the ids' callbacks checked them)
-    check_text("input", text, DEFAULT_LIMITS.input_bytes, "input_bytes")
+    # and text no store takes (the client checks it again, by its spec's limits: those
+    # the command line connects its system with; the ids' callbacks checked them)
+    check_text("input", text, SYSTEM_LIMITS.input_bytes, "input_bytes")
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:  # a start refused (bad input, say) gives the lease up too: the next run waits not
         handle = await client.start(agent, text, thread_id=thread, placement=placement)
@@ -342,7 +349,9 @@ async def _resume(
     # a wrong flag fails here, before any cluster; the deadline, and what follows it on a
     # ticket that has one, are the host's to judge by its clock (``validate_resume``)
     validate_resume(ticket, command, None)
-    check_command(command, DEFAULT_LIMITS)  # a payload no store takes: before any cluster
+    # a payload the system refuses, before any cluster (the handle checks it again, by
+    # its client's spec: the same limits, those the command line connects with)
+    check_command(command, SYSTEM_LIMITS)
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:
         handle = client.handle(thread)

@@ -24,10 +24,17 @@ from runtime.commit import Frontier
 from runtime.errors import RatchetError
 from runtime.history_format import MAX_LINE_BYTES
 from runtime.ids import ThreadId
+from runtime.limits import DEFAULT_LIMITS
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
 errors = Terminal(stderr=True)
 T = TypeVar("T")
+SYSTEM_LIMITS = DEFAULT_LIMITS
+"""The limits of the system the command line serves: ``ratchet run`` and ``ratchet
+serve`` connect it with the defaults (no flag changes them), and what the commands that
+work on the store alone make — a fork's new thread, an import — is held to the same. A
+system connected with other limits (``Ratchet.connect(..., limits=...)``) forks and
+imports through its client (``Ratchet.fork``, ``Ratchet.import_thread``)."""
 
 
 def as_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
@@ -98,12 +105,13 @@ async def frontier_of(thread: str, store: str | None, db: Any = None) -> Frontie
     return frontier
 
 
-def lines_of(source: BinaryIO, name: str) -> Iterator[bytes]:
-    """An export a line at a time, each read no further than a line may be long: a line
-    that breaks a rule is refused before the rest is read (all of it was read first:
-    ``/dev/zero`` filled the memory, a stream of garbage never ended)."""
+def lines_of(source: BinaryIO, name: str, longest: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """An export a line at a time, each read no further than a line may be long
+    (``longest``: ``runtime.history_format.line_bytes``): a line that breaks a rule is
+    refused before the rest is read (all of it was read first: ``/dev/zero`` filled the
+    memory, a stream of garbage never ended)."""
     try:
-        while line := source.readline(MAX_LINE_BYTES + 3):
+        while line := source.readline(longest + 3):
             yield line
     except OSError as exc:
         raise BadInput(f"cannot read {name}: {exc}") from None

@@ -24,9 +24,11 @@ from typing import Any, BinaryIO
 import typer
 
 from cluster.cli_args import BadInput, thread_arg
-from cluster.cli_base import as_command, lines_of, open_db, quiet_stdout
+from cluster.cli_base import SYSTEM_LIMITS, as_command, lines_of, open_db, quiet_stdout
 from cluster.cli_view import console, print_rest
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT
 from runtime.history import export, fork, plan_import, write_import
+from runtime.history_format import line_bytes
 from runtime.ids import ThreadId
 
 _STORE_HELP = "Store URL (default: RATCHET_STORE_URL or ./ratchet-data)"
@@ -58,7 +60,7 @@ def fork_command(
 async def _fork(thread: str, at: int, to: str, store: str | None) -> None:
     db = await _opened(store)
     try:
-        frontier = await fork(db, ThreadId(thread), at, ThreadId(to))
+        frontier = await fork(db, ThreadId(thread), at, ThreadId(to), SYSTEM_LIMITS)
     finally:
         await db.close()
     console.print(
@@ -177,9 +179,13 @@ def import_command(
 
 
 async def _import(file: str, as_thread: str | None, store: str | None) -> None:
+    # held to the command line's system (``SYSTEM_LIMITS``) and to the payload limit
+    # every store it opens has (``open_db``: the default, as a cluster's stores)
+    longest = line_bytes(DEFAULT_PAYLOAD_LIMIT)
     with _opened_input(file) as source:  # input refused before the store is opened (made)
         target = None if as_thread is None else ThreadId(as_thread)
-        plan = plan_import(lines_of(source, file), target)
+        lines = lines_of(source, file, longest)
+        plan = plan_import(lines, target, SYSTEM_LIMITS, DEFAULT_PAYLOAD_LIMIT)
     db = await _opened(store, existing=False)  # a fixture into a new store, say
     try:
         frontier = await write_import(db, plan)

@@ -312,10 +312,25 @@ class Ratchet:
     async def fork(self, thread: str, at_seq: int, new_thread: str) -> Frontier:
         """Start ``new_thread`` as ``thread``'s history up to commit ``at_seq``, where its
         Run had ended (``runtime.history.fork``: ForkRefused names why not); a Run can then
-        be started on it like on any thread. Returns the new thread's frontier."""
+        be started on it like on any thread. ``new_thread`` is held to the system's
+        ``id_chars``. Returns the new thread's frontier."""
         from runtime.history import fork
 
-        return await fork(self.store, ThreadId(thread), at_seq, ThreadId(new_thread))
+        return await fork(
+            self.store, ThreadId(thread), at_seq, ThreadId(new_thread), self.spec.limits
+        )
+
+    async def import_thread(
+        self, lines: Iterable[str | bytes], thread: str | None = None
+    ) -> Frontier:
+        """Write an export (``runtime.history.export``'s lines) into the system's store as
+        ``thread`` (default: the exported id), held to the system's limits
+        (``runtime.history.import_thread``: ImportRefused names the first line that does
+        not hold). Returns the new thread's frontier."""
+        from runtime.history import import_thread
+
+        target = None if thread is None else ThreadId(thread)
+        return await import_thread(self.store, lines, target, self.spec.limits)
 
     async def wait_all(
         self, handles: Iterable[RunHandle], timeout_s: float | None = None

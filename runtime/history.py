@@ -47,7 +47,12 @@ encoder touches it. Import checks every line — JSON (orjson: malformed text, l
 surrogates, nesting past its limit), the header's format and version, seq continuity,
 each body against its hash, the decoded record, its thread, the chain, the header's
 count and head, a replay of the whole log, the values of Ratchet's reserved state
-keys (``runtime.reserved``) — and refuses naming the line (1 is the header).
+keys (``runtime.reserved``) — and refuses naming the line (1 is the header). It is held
+to the limits of the system it imports into (``limits``: a header naming more records
+than ``history_commits`` allows, and the end a Run commits past it, is ``too_large``;
+an explicit target is a new id, held to ``id_chars``) and to its store's payload limit
+(a line longer than a record it takes can make, ``history_format.line_bytes``); a fork's
+new thread is held to its system's ``id_chars`` as well.
 
     RatchetError
     └── HistoryRefused      a fork, export or import refused (``reason``; an export:
@@ -65,7 +70,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from runtime.commit import Frontier, ThreadCommit
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, ThreadCommit
 from runtime.errors import RunSuperseded
 from runtime.history_format import (
     ForkRefused,
@@ -74,10 +79,10 @@ from runtime.history_format import (
     export_lines,
     parse_export,
 )
-from runtime.history_write import check_sizes, folded, remade, write_copy
+from runtime.history_write import check_sizes, folded, payload_limit_of, remade, write_copy
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState, RunningState
-from runtime.limits import STORED_IDS, check_id
+from runtime.limits import DEFAULT_LIMITS, STORED_IDS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord, RunSummary, vouched_log
 from runtime.rules import replay
 
@@ -161,10 +166,18 @@ async def forks_under_way(store: CommitStore, source: ThreadId) -> list[str]:
 # ---- fork ---------------------------------------------------------------------------------
 
 
-async def fork(store: CommitStore, thread: ThreadId, at_seq: int, new_thread: ThreadId) -> Frontier:
+async def fork(
+    store: CommitStore,
+    thread: ThreadId,
+    at_seq: int,
+    new_thread: ThreadId,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Frontier:
     """Start ``new_thread`` as ``thread``'s log up to commit ``at_seq``, where its Run had
-    ended; returns the new thread's frontier. ForkRefused names why it cannot be."""
-    check_id("thread id", new_thread)
+    ended; returns the new thread's frontier. ForkRefused names why it cannot be.
+    ``limits``: those of the system the fork is for (``new_thread`` is a new id, held to
+    its ``id_chars``; ``thread`` names what is stored, ``STORED_IDS``)."""
+    check_id("thread id", new_thread, limits)
     if not isinstance(at_seq, int) or isinstance(at_seq, bool):  # "4", 4.0, True: no seq
         raise ForkRefused("beyond_head", f"a seq is a whole number, not {at_seq!r:.80}")
     records = await _whole_log(store, thread, ForkRefused)
@@ -234,11 +247,16 @@ async def _whole_log(
 
 
 async def import_thread(
-    store: CommitStore, lines: Iterable[str | bytes], thread: ThreadId | None = None
+    store: CommitStore,
+    lines: Iterable[str | bytes],
+    thread: ThreadId | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Frontier:
     """Write the exported thread ``lines`` as ``thread`` (default: the exported id);
-    returns its frontier. ImportRefused names the first line that does not hold."""
-    return await write_import(store, plan_import(lines, thread))
+    returns its frontier. ImportRefused names the first line that does not hold.
+    ``limits``: those of the system that holds ``store`` (``plan_import``)."""
+    plan = plan_import(lines, thread, limits, payload_limit_of(store))
+    return await write_import(store, plan)
 
 
 @dataclass(frozen=True)
@@ -255,11 +273,21 @@ class PlannedImport:
     """Why its last Run is not over (``_unrested``), or None."""
 
 
-def plan_import(lines: Iterable[str | bytes], thread: ThreadId | None = None) -> PlannedImport:
+def plan_import(
+    lines: Iterable[str | bytes],
+    thread: ThreadId | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+) -> PlannedImport:
     """Every line read and checked, before any store is opened (``ratchet import`` into
-    a store not made yet makes none for an input it refuses)."""
-    exported = parse_export(lines)
-    target = exported.thread_id if thread is None else ThreadId(check_id("thread id", thread))
+    a store not made yet makes none for an input it refuses), against the limits of the
+    system it goes into: ``limits`` (its ``history_commits``; ``thread``, a new id, held
+    to its ``id_chars``) and its store's ``payload_limit`` (``parse_export``)."""
+    exported = parse_export(lines, limits, payload_limit)
+    if thread is None:  # the exported id: a stored thread's, whatever its id_chars
+        target = exported.thread_id
+    else:
+        target = ThreadId(check_id("thread id", thread, limits))
     commits = [r.commit for r in exported.records]
     owner = import_owner(commits[-1].payload_hash, len(commits))
     planned = remade(commits, target, owner, _import_refused)

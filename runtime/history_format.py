@@ -19,7 +19,7 @@ from runtime.commit import DEFAULT_PAYLOAD_LIMIT, ThreadCommit, decode_commit
 from runtime.errors import CorruptRecord, InputRefused, RatchetError
 from runtime.ids import ThreadId
 from runtime.integrity import body_hash
-from runtime.limits import DEFAULT_LIMITS, STORED_IDS, check_id, printable
+from runtime.limits import DEFAULT_LIMITS, STORED_IDS, Limits, check_id, printable
 from runtime.ports import CommittedRecord
 from runtime.strict_json import DuplicateKey, refuse_duplicate_keys, unique_pairs
 
@@ -51,9 +51,18 @@ class ImportRefused(HistoryRefused):
 
 EXPORT_FORMAT = "ratchet-thread"
 EXPORT_VERSION = 1
-MAX_LINE_BYTES = 16 * DEFAULT_PAYLOAD_LIMIT
-"""A record line holds one commit as a JSON string: at most the payload limit, each
-byte escaped up to six times over (a control character), with room to spare."""
+
+
+def line_bytes(payload_limit: int) -> int:
+    """The longest line an import into a store of ``payload_limit`` reads: a record line
+    holds one commit as a JSON string, at most the payload limit, each byte of it taking
+    at most two (a quote or a backslash: the body is JSON already, so it holds no control
+    character), with room to spare (a line past it is ``too_large``)."""
+    return 16 * payload_limit
+
+
+MAX_LINE_BYTES = line_bytes(DEFAULT_PAYLOAD_LIMIT)
+"""The longest line read into a store of the default payload limit (16 MiB)."""
 
 
 def export_lines(thread: ThreadId, records: Sequence[CommittedRecord]) -> Iterator[str]:
@@ -86,21 +95,29 @@ class Exported:
     records: tuple[CommittedRecord, ...]
 
 
-def parse_export(lines: Iterable[str | bytes]) -> Exported:
+def parse_export(
+    lines: Iterable[str | bytes],
+    limits: Limits = DEFAULT_LIMITS,
+    payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+) -> Exported:
     """The export in ``lines`` (with or without their newlines), checked line by line:
-    ImportRefused names the first line that does not hold (pure: no store)."""
+    ImportRefused names the first line that does not hold (pure: no store). It is held
+    to the limits of the system it goes into: at most ``history_commits`` records (and
+    the end a Run commits past them), no line longer than a record a store of
+    ``payload_limit`` holds can make (``line_bytes``)."""
     numbered = enumerate(lines, start=1)
     first = next(numbered, None)
     if first is None:
         raise ImportRefused(1, "header", "the input is empty")
-    thread, count, head = _header(_json_line(first[1], 1))
+    longest = line_bytes(payload_limit)
+    thread, count, head = _header(_json_line(first[1], 1, longest), limits)
     records: list[CommittedRecord] = []
     prev, last = "", 1
     for last, raw in numbered:
         seq = len(records) + 1
         if seq > count:
             raise ImportRefused(last, "seq", f"record {seq} of an export of {count} records")
-        commit, stored = _record(_json_line(raw, last), last, thread, seq, prev)
+        commit, stored = _record(_json_line(raw, last, longest), last, thread, seq, prev)
         records.append(CommittedRecord(seq=seq, commit=commit))
         prev = stored
     if len(records) != count or prev != head:
@@ -113,12 +130,12 @@ def parse_export(lines: Iterable[str | bytes]) -> Exported:
     return Exported(thread, tuple(records))
 
 
-def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
+def _json_line(raw: str | bytes, line: int, longest: int) -> dict[str, Any]:
     if not isinstance(raw, str | bytes):  # a caller's iterable of anything
         raise ImportRefused(line, "malformed", f"a line is text, not {type(raw).__name__}")
     text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
-    if len(text) > MAX_LINE_BYTES:
-        raise ImportRefused(line, "too_large", f"the line is over {MAX_LINE_BYTES} bytes")
+    if len(text) > longest:
+        raise ImportRefused(line, "too_large", f"the line is over {longest} bytes")
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
@@ -132,7 +149,7 @@ def _json_line(raw: str | bytes, line: int) -> dict[str, Any]:
 _HEADER_FIELDS = frozenset({"format", "version", "thread_id", "records", "head"})
 
 
-def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
+def _header(value: dict[str, Any], limits: Limits) -> tuple[ThreadId, int, str]:
     if value.get("format") != EXPORT_FORMAT:
         raise ImportRefused(1, "format", f"not a Ratchet thread export ({EXPORT_FORMAT!r})")
     extra = sorted(value.keys() - _HEADER_FIELDS)
@@ -154,8 +171,11 @@ def _header(value: dict[str, Any]) -> tuple[ThreadId, int, str]:
     if not (isinstance(count, int) and _is_int(count) and count >= 1 and isinstance(head, str)):
         raise ImportRefused(1, "header", "it needs records (a count of at least 1) and head")
     # a Run that reaches the limit still commits its end past it: one more
-    if count > DEFAULT_LIMITS.history_commits + 1:
-        raise ImportRefused(1, "too_large", f"{count} records: more than a thread may hold")
+    most = limits.history_commits + 1
+    if count > most:
+        raise ImportRefused(
+            1, "too_large", f"{count} records: more than a thread may hold here ({most})"
+        )
     return ThreadId(str(thread)), count, head
 
 

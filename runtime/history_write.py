@@ -140,10 +140,17 @@ def folded(
     return frontier
 
 
-def check_sizes(store: CommitStore, planned: Sequence[ThreadCommit], refuse: Refuse) -> None:
-    # not part of the port: the stores that have a limit say so (as ``check_room`` reads)
+def payload_limit_of(store: CommitStore) -> int:
+    """The largest commit ``store`` takes: not part of the port, the stores that have a
+    limit say so (as ``check_room`` reads); the default for one that does not."""
     limit = getattr(store, "payload_limit", None)
-    limit = limit if isinstance(limit, int) else DEFAULT_PAYLOAD_LIMIT
+    return (
+        limit if isinstance(limit, int) and not isinstance(limit, bool) else DEFAULT_PAYLOAD_LIMIT
+    )
+
+
+def check_sizes(store: CommitStore, planned: Sequence[ThreadCommit], refuse: Refuse) -> None:
+    limit = payload_limit_of(store)
     for seq, commit in enumerate(planned, start=1):
         # what every store checks before it writes (``check_size``), before one is written:
         # a record refused half way through left a thread of the records before it

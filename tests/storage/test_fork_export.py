@@ -45,9 +45,11 @@ from runtime.history import (
     fork_owner,
     import_thread,
 )
+from runtime.history_format import MAX_LINE_BYTES
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import audit
 from runtime.lifecycle import AwaitingState, Cancelled, EndedState, RunningState, answer
+from runtime.limits import DEFAULT_LIMITS, Limits
 from runtime.messages import UserMessage
 from runtime.rules import replay
 from runtime.state import Command
@@ -422,13 +424,46 @@ async def test_forks_racing_to_one_thread_leave_one_fork(store: Any) -> None:
     assert await audit(store, other) == [] and await audit(store, F) == []
 
 
-async def test_the_client_forks_on_its_store(store: Any) -> None:
+def _client(store: Any, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """A cluster client of a system of ``limits`` on ``store`` (no cluster: its store only)."""
+    from actors.wire import SystemSpec
     from cluster.client import Ratchet
 
+    return Ratchet(SystemSpec(name="history", store_url="memory://", limits=limits), store, [])
+
+
+async def test_the_client_forks_on_its_store(store: Any) -> None:
     _, end_of_one = await two_runs(store)
-    client = Ratchet(None, store, [])  # type: ignore[arg-type]  # no cluster: its store only
-    forked = await client.fork(T, end_of_one, F)
+    forked = await _client(store).fork(T, end_of_one, F)
     assert forked == await store.load(F) and forked.version == end_of_one
+
+
+async def test_new_ids_of_a_fork_or_an_import_are_held_to_their_systems_id_chars(
+    store: Any,
+) -> None:
+    """A fork's new thread and an import's given target were held to the default
+    ``id_chars`` whatever the system's: one with a raised limit could not fork or import
+    to a 300-character id its Runs take. The client holds them to its system's limits,
+    the library functions to those they are given (the defaults by default)."""
+    _, end_of_one = await two_runs(store)
+    lines = list(await export(store, T))
+    new, other = ThreadId("f" * 300), ThreadId("i" * 300)
+    for refused_at in (
+        fork(store, T, end_of_one, new),
+        _client(store).fork(T, end_of_one, new),
+        import_thread(store, lines, other),
+        _client(store).import_thread(lines, other),
+    ):
+        with pytest.raises(InputRefused) as refused:
+            await refused_at
+        assert refused.value.limit == "id_chars"
+    assert await store.thread_ids() == [T]  # nothing written
+    wide = _client(store, Limits(id_chars=1024, tool_calls=16))
+    assert (await wide.fork(T, end_of_one, new)).version == end_of_one
+    assert (await wide.import_thread(lines, other)).version == len(lines) - 1
+    assert await audit(store, new) == [] and await audit(store, other) == []
+    longer = Limits(id_chars=2048, tool_calls=4)
+    assert (await fork(store, T, end_of_one, ThreadId("g" * 300), longer)).version == end_of_one
 
 
 # ---- export and import -----------------------------------------------------------------------
@@ -525,8 +560,6 @@ async def test_a_thread_of_a_system_with_longer_ids_is_exported_imported_and_res
     ids. Its export was refused (the thread id held to the default ``id_chars``), so was
     the import of that export, and the Run, copied into a system of default limits, was
     refused every resume: ids that name what is stored are held to ``STORED_IDS``."""
-    from runtime.limits import Limits
-
     thread, run = ThreadId("h" * 300), "r" * 300
     source = MemoryCommitStore()
     wide = InProcessRunner(history_agent(), source, limits=Limits(id_chars=1024, tool_calls=16))
@@ -915,8 +948,6 @@ async def test_import_reads_no_further_than_the_first_line_it_refuses(tmp_path: 
     filled the memory, and a stream that never ends was never refused. Here 64 MiB of
     NUL bytes come through a pipe: the import stops reading past the first 16 MiB,
     and the writer is left with the rest (SIGPIPE, where it wrote all before)."""
-    from runtime.history_format import MAX_LINE_BYTES
-
     url = f"sqlite:///{tmp_path}/cli.db"
     fifo = tmp_path / "zeros"
     os.mkfifo(fifo)
@@ -1011,18 +1042,51 @@ def test_a_closed_or_full_stream_is_one_line(tmp_path: Path, how: str) -> None:
     assert done.returncode == 1 and len(lines) == 1 and expected in lines[0], done.stderr
 
 
-async def test_an_export_of_a_thread_at_its_commit_limit_is_not_too_large(
+async def test_an_import_is_held_to_the_commit_limit_of_the_system_it_goes_into(
     recorded: list[str],
 ) -> None:
     """A Run that reaches history_commits still commits its end: such a thread holds one
-    more record than the limit, and its export must go in (one past that is refused)."""
-    from runtime.limits import DEFAULT_LIMITS
+    more record than the limit, and its export must go in (one past that is refused).
+    The limit is the target system's: it was the default's whatever the target's, so a
+    system with a raised history_commits exported threads its own import refused."""
+    for limits in (DEFAULT_LIMITS, Limits(history_commits=200_000)):
+        most = limits.history_commits + 1
+        for count, reason in [(most + 1, "too_large"), (most, "truncated")]:
+            edited = _header(records=count)(list(recorded))
+            with pytest.raises(ImportRefused) as refused:
+                await import_thread(MemoryCommitStore(), edited, limits=limits)
+            assert refused.value.reason == reason, (count, str(refused.value))
+    # eight records: a thread of seven commits and the end its Run commits past them
+    with pytest.raises(ImportRefused) as refused:
+        await import_thread(MemoryCommitStore(), recorded, limits=Limits(history_commits=6))
+    assert (refused.value.line, refused.value.reason) == (1, "too_large")
+    seven = await import_thread(MemoryCommitStore(), recorded, limits=Limits(history_commits=7))
+    assert seven.version == 8
 
-    most = DEFAULT_LIMITS.history_commits + 1
-    for count, reason in [(most + 1, "too_large"), (most, "truncated")]:
-        with pytest.raises(ImportRefused) as refused:
-            await import_thread(MemoryCommitStore(), _header(records=count)(list(recorded)))
-        assert refused.value.reason == reason, (count, str(refused.value))
+
+async def test_an_import_reads_lines_as_long_as_its_stores_records_make() -> None:
+    """A record line carries its body as a JSON string: a quote the body holds escaped
+    (``\\"``) takes four bytes there. The line's cap was 16 times the *default* payload
+    limit: a store whose limit was raised held a body of 9 MiB of quotes that its own
+    import refused (``too_large``). The cap follows the target store's payload limit."""
+    quotes = '"' * (4608 * 1024)  # 9 MiB in the body, 18 MiB on its line
+    one = assemble_commit(
+        thread_id=T,
+        run_id=RunId("run-1"),
+        ordinal=0,
+        label="activation",
+        disposition=RunningState(run_id=RunId("run-1")),
+        messages=(UserMessage(id="run-1:input", text=quotes),),
+        prev="",
+    )
+    lines = _export_of(one)
+    assert len(lines[1]) > MAX_LINE_BYTES
+    large = MemoryCommitStore(payload_limit=10 << 20)
+    copy = await import_thread(large, lines)
+    assert copy.messages[0].text == quotes and await audit(large, T) == []
+    with pytest.raises(ImportRefused) as refused:  # the default store takes no such record
+        await import_thread(MemoryCommitStore(), lines)
+    assert (refused.value.line, refused.value.reason) == (2, "too_large")
 
 
 async def test_a_copied_run_id_is_held_to_what_a_store_holds_not_to_four_times_the_default(
