@@ -56,6 +56,7 @@ from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord, StoreError, StoreUnavailable, SystemInUse
+from runtime.history import fork, import_thread
 from runtime.ids import RunId, ThreadId
 from runtime.limits import STORED_IDS, check_id, check_text
 from runtime.patience import patiently
@@ -310,25 +311,15 @@ class Ratchet:
         return await self.store.list_runs(state)
 
     async def fork(self, thread: str, at_seq: int, new_thread: str) -> Frontier:
-        """Start ``new_thread`` as ``thread``'s history up to commit ``at_seq``, where its
-        Run had ended (``runtime.history.fork``: ForkRefused names why not); a Run can then
-        be started on it like on any thread. ``new_thread`` is held to the system's
-        ``id_chars``. Returns the new thread's frontier."""
-        from runtime.history import fork
+        """Start ``new_thread`` (held to the system's ``id_chars``) as ``thread``'s history
+        up to commit ``at_seq``, where its Run had ended (``runtime.history.fork``:
+        ForkRefused names why not); its frontier, where a Run starts as on any thread."""
+        new = ThreadId(new_thread)
+        return await fork(self.store, ThreadId(thread), at_seq, new, self.spec.limits)
 
-        return await fork(
-            self.store, ThreadId(thread), at_seq, ThreadId(new_thread), self.spec.limits
-        )
-
-    async def import_thread(
-        self, lines: Iterable[str | bytes], thread: str | None = None
-    ) -> Frontier:
-        """Write an export (``runtime.history.export``'s lines) into the system's store as
-        ``thread`` (default: the exported id), held to the system's limits
-        (``runtime.history.import_thread``: ImportRefused names the first line that does
-        not hold). Returns the new thread's frontier."""
-        from runtime.history import import_thread
-
+    async def import_thread(self, lines: Iterable[str], thread: str | None = None) -> Frontier:
+        """An export's ``lines`` written as ``thread`` (default: the exported id), held to
+        the system's limits (``runtime.history.import_thread``); its frontier."""
         target = None if thread is None else ThreadId(thread)
         return await import_thread(self.store, lines, target, self.spec.limits)
 
