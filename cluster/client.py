@@ -267,10 +267,12 @@ class Ratchet:
         except SystemShutDown:  # nothing was started, nor will be: connect again
             raise
         except ClusterUnavailable as exc:  # it may have landed: the ids find it again
-            raise ClusterUnavailable(
-                f"{exc}; run {run!r} on thread {thread!r} may have started: ask again with "
-                "these ids (a start is idempotent by run id) or look at the thread"
-            ) from exc
+            raise ClusterUnavailable(f"{exc}; {_may_have_started(run, thread)}") from exc
+        except StoreUnavailable as exc:
+            # the host's backoff ran out, but a commit of it still on its way to a hung
+            # server lands when the server goes on (seen: the Run then ran to its end):
+            # with ids made here, the caller could neither find that Run nor ask again
+            raise StoreUnavailable(f"{exc}; {_may_have_started(run, thread)}") from exc
         return RunHandle(self, thread, run, placement), answer
 
     def handle(self, thread_id: str, run_id: str | None = None) -> RunHandle:
@@ -432,6 +434,13 @@ async def _give_up_if_last(spec: SystemSpec, store: CommitStore) -> None:
     of it connected here meanwhile."""
     if _uncount(spec.name) and owns_ray():
         await give_up_lease(spec, store, closing=True, reopened=lambda: _OPEN[spec.name] > 0)
+
+
+def _may_have_started(run: RunId, thread: ThreadId) -> str:
+    return (
+        f"run {run!r} on thread {thread!r} may have started: ask again with these ids "
+        "(a start is idempotent by run id) or look at the thread"
+    )
 
 
 def _uncount(system: str) -> bool:

@@ -9,6 +9,7 @@ serves was then unreachable (``ClusterUnavailable``).
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from pathlib import Path
 
@@ -48,6 +49,34 @@ async def test_a_host_restarted_while_postgres_is_down_serves_once_it_is_back():
             assert isinstance(after.run_state, EndedState)
             assert after.run_state.cause.kind == "natural"
             assert (await client.hosts[1].info.remote())["pid"] != old_pid
+        finally:
+            await client.shutdown()
+
+
+@pytest.mark.timeout(300)
+async def test_a_start_that_meets_an_outage_names_the_ids_to_ask_again_with():
+    """A start whose host's backoff ran out hears StoreUnavailable; a commit of it still
+    on its way to a hung server lands when the server goes on (the Run then ran to its
+    end, its caller told it had failed). The ids it made were not in the error: the
+    caller could neither find that Run nor ask again for it. Now they are, and asked
+    again with them the start is the same Run's."""
+    with private_postgres() as server:
+        client = await Ratchet.connect(store_url=server.url, name=f"outage-{uuid.uuid4().hex[:6]}")
+        try:
+            for host in (0, 1):  # every host up (one starting now would wait for the store)
+                await client.run(AGENT, "before", host=host, timeout_s=60)
+            server.stop()
+            with pytest.raises(StoreUnavailable, match="may have started") as caught:
+                await client.start(AGENT, "during")
+            ids = re.search(r"run '([^']+)' on thread '([^']+)'", str(caught.value))
+            assert ids is not None, caught.value
+            run, thread = ids.groups()
+            server.start()
+            again = await client.start(AGENT, "during", thread_id=thread, run_id=run)
+            done = await again.result(timeout_s=120)
+            assert isinstance(done.run_state, EndedState) and done.run_id == run
+            activations = [r for r in await client.store.read(again.thread_id) if r.seq == 1]
+            assert [r.commit.run_id for r in activations] == [run]
         finally:
             await client.shutdown()
 
