@@ -51,17 +51,22 @@ from cluster.config import (
 )
 from cluster.handle import RunHandle, command_for
 from cluster.letting_go import give_up_lease, kill_named, kill_system
-from cluster.waiting import end_of, moved_on, notice_or_rest, on_a_live_host, polled, rests
+from cluster.waiting import (
+    notice_or_rest,
+    on_a_live_host,
+    polled,
+    rested_summaries,
+    rests,
+)
 from runtime import tracing_env
 from runtime.agent import load_agent
 from runtime.commit import Frontier
-from runtime.errors import CorruptRecord, StoreError, StoreUnavailable, SystemInUse
+from runtime.errors import StoreError, StoreUnavailable, SystemInUse
 from runtime.history import fork, import_thread
 from runtime.ids import RunId, ThreadId
 from runtime.limits import STORED_IDS, check_id, check_text
 from runtime.patience import patiently
-from runtime.ports import CommitStore, RunSummary, refused_in
-from storage.summary import summarize
+from runtime.ports import CommitStore, RunSummary
 from storage.url import UnsupportedStoreUrl
 
 log = logging.getLogger("ratchet.client")
@@ -184,12 +189,13 @@ class Ratchet:
         dedicated host — the store is followed until the Run rests. ``new_thread`` as
         for ``start``."""
 
-        async def run() -> Frontier:
+        thread = thread_id or f"thread-{uuid.uuid4().hex[:12]}"
+        run = run_id or f"run-{uuid.uuid4().hex[:12]}"
+
+        async def running() -> Frontier:
             # a dedicated host retires as its Run ends, so its answer could be lost:
             # there, the start is answered first and the end followed apart
             wait = placement == "hosted"
-            thread = thread_id or f"thread-{uuid.uuid4().hex[:12]}"
-            run = run_id or f"run-{uuid.uuid4().hex[:12]}"
             fresh = new_thread or thread_id is None
             started = self._start(agent_ref, input, thread, placement, run, host, None, wait, fresh)
             pending = RunHandle(self, ThreadId(thread), RunId(run), placement)
@@ -214,10 +220,16 @@ class Ratchet:
                     return frontier
             return await handle.settled(host_done=wait)
 
+        # either way the Run may go on: the ids its caller may not have made find it
+        ids = _may_have_started(RunId(run), ThreadId(thread))
         try:
-            return await asyncio.wait_for(run(), timeout_s)
+            return await asyncio.wait_for(running(), timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"run still running after {timeout_s}s") from None
+            raise TimeoutError(f"run still running after {timeout_s}s; {ids}") from None
+        except StoreUnavailable as exc:
+            if ids in str(exc):  # the start's own (``_start``) says so already
+                raise
+            raise StoreUnavailable(f"{exc}; {ids}") from exc
 
     async def _start(
         self,
@@ -340,7 +352,7 @@ class Ratchet:
         wanted = {h.thread_id: h.run_id for h in handles}
 
         async def all_at_rest() -> list[RunSummary] | None:
-            done = await _rested(self.store, wanted)
+            done = await rested_summaries(self.store, wanted)
             return done if len(done) == len(wanted) else None
 
         async def settled() -> list[RunSummary]:
@@ -355,7 +367,7 @@ class Ratchet:
                 return await settled()
         try:
             async with asyncio.timeout_at(deadline):
-                done = await _rested(self.store, wanted)
+                done = await rested_summaries(self.store, wanted)
         except (TimeoutError, StoreUnavailable):
             raise TimeoutError(
                 f"{len(wanted)} of {len(wanted)} runs not known at rest: the store did not "
@@ -450,39 +462,6 @@ def _uncount(system: str) -> bool:
         return False
     del _OPEN[system]
     return True
-
-
-async def _rested(store: CommitStore, wanted: dict[ThreadId, RunId | None]) -> list[RunSummary]:
-    """The summaries of the ``wanted`` Runs (by thread) the store holds at rest, from one
-    listing (waiting out an outage of a moment)."""
-    listing = await patiently(store.list_runs)
-    for thread in refused_in(listing):  # it would never be listed at rest
-        if thread in wanted:
-            raise CorruptRecord(thread, 0, "its run index entry does not verify")
-    rows = {r.thread_id: r for r in listing}
-    done: list[RunSummary] = []
-    for t, run in wanted.items():
-        row = rows.get(t)
-        if _at_rest(row, run):
-            done.append(row)  # type: ignore[arg-type]  # _at_rest: not None
-        elif row is not None and run is not None and moved_on(row.run_id, run):
-            done.append(await _summary_at_end(store, t, run, row.run_id))
-    return done
-
-
-async def _summary_at_end(
-    store: CommitStore, thread: ThreadId, run: RunId, current: RunId
-) -> RunSummary:
-    """The listing row ``run`` had when it ended, though its thread has moved on."""
-    summary = summarize(await end_of(store, thread, run, current))
-    assert summary is not None, "a frontier folded up to a Run's commit holds that Run"
-    return summary
-
-
-def _at_rest(row: RunSummary | None, run: RunId | None) -> bool:
-    if row is None or (run is not None and row.run_id != run):
-        return False
-    return row.state in ("ended", "awaiting")
 
 
 async def _open_store(spec: SystemSpec) -> CommitStore:

@@ -16,11 +16,13 @@ from ray.exceptions import RayActorError
 
 from cluster.config import ClusterUnavailable
 from runtime.commit import Frontier
+from runtime.errors import CorruptRecord
 from runtime.history import end_of_run
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
 from runtime.patience import patiently
-from runtime.ports import CommitStore
+from runtime.ports import CommitStore, RunSummary, refused_in
+from storage.summary import summarize
 
 log = logging.getLogger("ratchet.client")
 T = TypeVar("T")
@@ -119,3 +121,38 @@ async def on_a_live_host(
             log.info("host unavailable (%s); asking again", type(exc).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
+
+
+async def rested_summaries(
+    store: CommitStore, wanted: dict[ThreadId, RunId | None]
+) -> list[RunSummary]:
+    """The summaries of the ``wanted`` Runs (by thread) the store holds at rest, from one
+    listing (waiting out an outage of a moment)."""
+    listing = await patiently(store.list_runs)
+    for thread in refused_in(listing):  # it would never be listed at rest
+        if thread in wanted:
+            raise CorruptRecord(thread, 0, "its run index entry does not verify")
+    rows = {r.thread_id: r for r in listing}
+    done: list[RunSummary] = []
+    for t, run in wanted.items():
+        row = rows.get(t)
+        if _at_rest(row, run):
+            done.append(row)  # type: ignore[arg-type]  # _at_rest: not None
+        elif row is not None and run is not None and moved_on(row.run_id, run):
+            done.append(await _summary_at_end(store, t, run, row.run_id))
+    return done
+
+
+async def _summary_at_end(
+    store: CommitStore, thread: ThreadId, run: RunId, current: RunId
+) -> RunSummary:
+    """The listing row ``run`` had when it ended, though its thread has moved on."""
+    summary = summarize(await end_of(store, thread, run, current))
+    assert summary is not None, "a frontier folded up to a Run's commit holds that Run"
+    return summary
+
+
+def _at_rest(row: RunSummary | None, run: RunId | None) -> bool:
+    if row is None or (run is not None and row.run_id != run):
+        return False
+    return row.state in ("ended", "awaiting")

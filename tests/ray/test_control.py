@@ -117,3 +117,26 @@ async def test_a_cancel_whose_host_dies_before_the_end_lands_still_ends_the_run(
     ended = await napping.result(timeout_s=60)
     assert ended.run_state.cause.kind == "cancelled"
     assert (await check_log(client.store, napping.thread_id)).lost == 1  # it did die
+
+
+async def test_a_run_that_times_out_names_the_ids_that_follow_it(make_system):
+    """``Ratchet.run`` makes a Run's ids when its caller gives none; one that timed out
+    (the Run going on) said only that it was still running: its caller could neither
+    follow it nor cancel it. Now the TimeoutError names them."""
+    import re
+
+    client = await make_system()
+    with pytest.raises(TimeoutError, match="still running") as caught:
+        await client.run("tests.ray.agents:long_napping_agent", "nap", timeout_s=0.5)
+    ids = re.search(r"run '([^']+)' on thread '([^']+)'", str(caught.value))
+    assert ids is not None, caught.value
+    run, thread = ids.groups()
+    handle = client.handle(thread, run)
+
+    async def started() -> bool:  # its start was on its way when the caller gave up
+        return (await handle.frontier()).run_id == run
+
+    await wait_for(started, what="the Run started")
+    assert await handle.cancel() in ("cancelled", "signalled")
+    frontier = await handle.result(timeout_s=60)
+    assert frontier.run_id == run and frontier.run_state.cause.kind == "cancelled"
