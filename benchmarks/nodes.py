@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import shutil
@@ -40,7 +41,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ from storage.url import open_store, redact
 
 REMOVE_AFTER = 1 / 3
 """The share of the timed Runs at rest when ``--remove-node`` removes a worker node."""
+PLACEMENT_WAIT_S = 30.0
+"""How long ``placement`` waits for each actor to answer where it runs."""
 PLACEMENT_CPU = 0.001
 """What each host and executor asks for. Ray 2.60 places an actor that asks for no
 resource at all on a node of its own choosing, whatever its soft affinity or ``SPREAD``
@@ -160,18 +163,32 @@ def placement_options(node_ids: Sequence[str], hosts: int) -> dict[str, Any]:
 
 
 async def placement(client: Ratchet, node_ids: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Which node (by index; head = 0) runs how many hosts and executors right now."""
+    """Which node (by index; head = 0) runs how many hosts and executors, once each
+    answers (within ``PLACEMENT_WAIT_S``; one Ray is still restarting after a node's
+    removal is waited for, not left out: on a busy machine a restart takes seconds)."""
     index = {node: str(i) for i, node in enumerate(node_ids)}
     counts: dict[str, Counter[str]] = {str(i): Counter() for i in range(len(node_ids))}
+    deadline = asyncio.get_running_loop().time() + PLACEMENT_WAIT_S
+
+    async def node_of(ask: Callable[[], Any], key: str) -> None:
+        while True:
+            try:
+                answer = await asyncio.wait_for(ask(), 10)
+                counts[index.get(answer["node"], answer["node"])][key] += 1
+                return
+            except Exception:  # gone, or restarting: asked again until the deadline
+                if asyncio.get_running_loop().time() > deadline:
+                    return
+                await asyncio.sleep(0.5)
+
+    def executor(i: int) -> Any:
+        name = client.spec.executor_name("default", i)
+        return ray.get_actor(name, namespace=NAMESPACE).where.remote()
+
     for host in client.hosts:
-        with contextlib.suppress(Exception):
-            node = (await asyncio.wait_for(host.info.remote(), 10))["node"]
-            counts[index.get(node, node)]["hosts"] += 1
+        await node_of(host.info.remote, "hosts")
     for i in range(client.spec.executors):
-        with contextlib.suppress(Exception):
-            executor = ray.get_actor(client.spec.executor_name("default", i), namespace=NAMESPACE)
-            node = (await asyncio.wait_for(executor.where.remote(), 10))["node"]
-            counts[index.get(node, node)]["executors"] += 1
+        await node_of(functools.partial(executor, i), "executors")
     return {n: {"hosts": c["hosts"], "executors": c["executors"]} for n, c in counts.items()}
 
 
