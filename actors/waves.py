@@ -15,8 +15,13 @@ answered ``Lost``; the engine's pinned recovery policy decides what those become
 that hangs (a stopped process, a tool that blocks its event loop) would hold its waves
 for ever where their tools have no timeout, since Ray takes it for alive: while a call
 has been out for a lease (``SystemSpec.lease_ttl_s``) the dispatcher pings its
-executor, and one that answered before and misses ``HUNG_STRIKES`` pings in a row is
-killed for Ray to restart, which loses its waves as a death does.
+executor, and one known up that misses ``HUNG_STRIKES`` pings in a row is killed for
+Ray to restart, which loses its waves as a death does. Known up: it answered a ping, or
+its first ping has waited a lease and Ray says the actor is alive (created; not pending
+creation, waiting for resources, or restarting). Without that second way, a process
+stopped before this host ever heard it answer (hung while idle) was never restarted:
+every call sent to it was lost after about 20 s (Ray's ``ActorUnavailableError``), or
+held until its tool's timeout, for as long as it stayed stopped.
 
 An executor seen dying is passed over while its pool has another; a call bound for one
 anyway (a pool of one: a resource pool, or ``executors=1``) waits until it answers a
@@ -52,6 +57,9 @@ HUNG_STRIKES = 2
 """Pings in a row, a lease apart, an executor with a call out may miss before it is
 taken for hung and restarted."""
 RESTART_WAIT_S = 60.0
+START_WAIT_S = 120.0
+"""How long an executor's first ping may wait before it is taken for up all the same,
+should Ray not say what state the actor is in (its state is an internal API)."""
 """How long a call bound for an executor seen dying waits for it to answer again."""
 BACK_POLL_S = (0.05, 1.0)
 """The first and the longest pause between pings of an executor being restarted."""
@@ -90,9 +98,10 @@ class WaveDispatcher:
         """Calls out → their executor and when they were sent."""
         self._watch: asyncio.Task[None] | None = None
         self._up: set[Any] = set()
-        """Executors that answered a ping: only those are taken for hung when they miss."""
-        self._learning: dict[Any, asyncio.Future[Any]] = {}
-        """Executors not known up, and the ping that will say so when it is answered."""
+        """Executors known up (``_learn``): only those are taken for hung when they miss."""
+        self._learning: dict[Any, tuple[asyncio.Future[Any], float]] = {}
+        """Executors not known up → the ping that will say so when it is answered, and
+        when it was sent."""
         self.sent = {"waves": 0, "calls": 0}
         """Counters for ``RunHost.info``: waves / calls is the coalescing achieved."""
         self.restarted = 0
@@ -195,25 +204,15 @@ class WaveDispatcher:
             wave.lose(message)
 
     async def _watch_executors(self) -> None:
-        """While calls are out: ping each executor that has had one out for a lease; one
-        that answered before and now misses ``HUNG_STRIKES`` pings in a row is killed, for
-        Ray to restart. An executor is pinged as soon as it is sent a call, to learn that it
-        is up (one ping in flight, however long it waits): one that never answered yet (Ray
-        still creating or restarting it, or a pool waiting for its resources) holds its
-        calls queued, which is no hang."""
+        """While calls are out: ping each executor known up (``_learn``) that has had one
+        out for a lease; one that misses ``HUNG_STRIKES`` pings in a row is killed, for Ray
+        to restart."""
         period = self.pools.spec.lease_ttl_s
         loop = asyncio.get_running_loop()
         strikes: dict[Any, int] = {}
         while self._calls:
-            for executor, pinged in list(self._learning.items()):
-                if pinged.done():  # answered (it is up), or failed (asked again if still out)
-                    del self._learning[executor]
-                    if not pinged.cancelled() and pinged.exception() is None:
-                        self._up.add(executor)
+            await self._learn(period)
             now = loop.time()
-            out = {ex for ex, _ in self._calls.values()}
-            for executor in out - self._up - self._learning.keys():  # one ping in flight each
-                self._learning[executor] = asyncio.ensure_future(_pinged(executor))
             stale = {ex for ex, sent in self._calls.values() if now - sent >= period}
             due = [ex for ex in stale if ex in self._up]
             answers = await asyncio.gather(*(_answers(ex) for ex in due))
@@ -222,12 +221,41 @@ class WaveDispatcher:
             strikes = {ex: strikes.get(ex, 0) + 1 for ex in missed}  # in a row: others reset
             for executor in [ex for ex, n in strikes.items() if n >= HUNG_STRIKES]:
                 del strikes[executor]
-                self._up.discard(executor)  # its next incarnation is learnt afresh
-                log.warning("an executor with a call out does not answer: restarting it")
-                self.restarted += 1
-                with contextlib.suppress(Exception):  # dead meanwhile: its calls hear it
-                    ray.kill(executor, no_restart=False)
+                self._restart(executor)
             await asyncio.sleep(period)
+
+    async def _learn(self, period: float) -> None:
+        """Which executors with calls out are up. Each is pinged as soon as it is sent a
+        call (one ping in flight, however long it waits): an answer says it is up. One
+        whose ping waited a lease is up if Ray says the actor is alive, so that a process
+        stopped before it ever answered is pinged, and restarted, like any other; one Ray
+        still creates or restarts, or a pool waiting for resources no node has, holds its
+        calls queued, which is no hang. Should Ray not say, ``START_WAIT_S`` decides."""
+        for executor, (pinged, _) in list(self._learning.items()):
+            if pinged.done():  # answered (it is up), or failed (asked again if still out)
+                del self._learning[executor]
+                if not pinged.cancelled() and pinged.exception() is None:
+                    self._up.add(executor)
+        now = asyncio.get_running_loop().time()
+        out = {ex for ex, _ in self._calls.values()}
+        for executor in out - self._up - self._learning.keys():
+            self._learning[executor] = (asyncio.ensure_future(_pinged(executor)), now)
+        waited = {ex: now - sent for ex, (_, sent) in self._learning.items() if ex in out}
+        waited = {ex: s for ex, s in waited.items() if s >= period and ex not in self._up}
+        states = await asyncio.gather(*(asyncio.to_thread(ray_state, ex) for ex in waited))
+        for (executor, waited_s), state in zip(waited.items(), states, strict=True):
+            if up_by_ray(state, waited_s):
+                self._up.add(executor)
+
+    def _restart(self, executor: Any) -> None:
+        self._up.discard(executor)  # its next incarnation is learnt afresh
+        learning = self._learning.pop(executor, None)
+        if learning is not None:
+            learning[0].cancel()
+        log.warning("an executor with a call out does not answer: restarting it")
+        self.restarted += 1
+        with contextlib.suppress(Exception):  # dead meanwhile: its calls hear it
+            ray.kill(executor, no_restart=False)
 
     def _seen_down(self, executor: Any) -> None:
         if executor not in self._back:
@@ -287,6 +315,24 @@ async def _until_back(executor: Any) -> None:
     while loop.time() < deadline and not await _answers(executor):
         await asyncio.sleep(pause)  # Ray is restarting it: a backoff, not a sync
         pause = min(pause * 2, longest)
+
+
+def ray_state(actor: Any) -> str | None:
+    """Ray's word on ``actor`` (``ALIVE``, ``PENDING_CREATION``, ``RESTARTING``, …), from
+    its GCS; None if Ray does not say (an internal API: blocking, and best effort)."""
+    try:
+        state: Any = ray._private.state  # untyped internals
+        return str(state.actors(actor_id=actor._actor_id.hex())["State"])
+    except Exception:  # another Ray, the GCS out of reach: the caller's bound decides
+        return None
+
+
+def up_by_ray(state: str | None, waited_s: float) -> bool:
+    """Whether an executor whose first ping has waited ``waited_s`` (a lease at least)
+    is taken for up: created and alive by Ray's word, or long enough if Ray does not say."""
+    if state is None:
+        return waited_s >= START_WAIT_S
+    return state == "ALIVE"
 
 
 async def _answers(executor: Any) -> bool:

@@ -7,7 +7,9 @@ import signal
 from typing import Any
 
 import pytest
+from ray.exceptions import RayActorError
 
+from actors.tool_executor import ExecutorPools
 from runtime.messages import ToolResultMessage
 
 from .checks import check_log
@@ -102,3 +104,30 @@ async def test_an_executor_busy_with_a_long_tool_answers_and_is_left_alone(make_
     assert row[2] == 1  # one attempt: the nap was never lost
     restarted = [(await h.info.remote())["executors_restarted"] for h in client.hosts]
     assert restarted == [0] * len(restarted)
+
+
+async def test_an_executor_hung_before_it_ever_answered_is_restarted(make_system, ledger):
+    """An executor stopped before any host heard it answer (hung while idle, say) was
+    taken for one Ray still starts, and held every call routed to it for ever. Ray says
+    it is alive (created, not pending or restarting): after a lease without an answer it
+    is pinged like any other, and killed for Ray to restart when it misses."""
+    client = await make_system(executors=1, lease_ttl_s=1.0, heartbeat_s=0.25)
+    (executor,) = ExecutorPools(client.spec).pool({})  # the very actor the hosts will use
+    pid = (await executor.where.remote())["pid"]
+    with stopped(pid):
+        handle = await client.start("tests.ray.agents:quick_agent", "hi")
+        frontier = await handle.result(timeout_s=45)
+    assert frontier.run_state.cause.kind == "natural"
+    report = await check_log(client.store, handle.thread_id)
+    (echo,) = report.calls.values()
+    assert echo.phase.kind == "indeterminate"  # never_replay, its executor lost
+    restarted = [(await h.info.remote())["executors_restarted"] for h in client.hosts]
+    assert sum(restarted) == 1, restarted
+
+    async def another_process() -> bool:
+        try:
+            return (await executor.where.remote())["pid"] != pid
+        except RayActorError:  # still restarting
+            return False
+
+    await wait_for(another_process, what="the executor restarted in a new process")

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from actors.tool_executor import ExecutorPools
-from actors.waves import WaveDispatcher
+from actors.waves import START_WAIT_S, WaveDispatcher, ray_state, up_by_ray
 from runtime.ports import Finished, Lost, ToolInvocation, Unavailable
 
 from .conftest import wait_for
@@ -229,4 +229,18 @@ async def test_an_executor_that_never_came_up_is_waited_for_not_restarted(make_s
 
     await wait_for(watched_a_while, what="the watch to ping a few times")
     assert waves.restarted == 0 and not wave.done()
+    assert not waves._up  # Ray says it is pending creation, not alive
+    (executor,) = ExecutorPools(client.spec).pool({"no-such-node": 1.0})
+    assert ray_state(executor) == "PENDING_CREATION"
     wave.cancel()
+
+
+def test_an_executor_is_up_by_rays_word_or_after_a_long_wait():
+    """An executor whose first ping has waited a lease: up if Ray says it is alive (a
+    process stopped before it ever answered), never while Ray creates or restarts it;
+    if Ray cannot say, after ``START_WAIT_S``."""
+    assert up_by_ray("ALIVE", 1.0)
+    for state in ("PENDING_CREATION", "DEPENDENCIES_UNREADY", "RESTARTING", "DEAD"):
+        assert not up_by_ray(state, START_WAIT_S * 10)
+    assert not up_by_ray(None, START_WAIT_S - 1)
+    assert up_by_ray(None, START_WAIT_S)
