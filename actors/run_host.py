@@ -43,7 +43,7 @@ from actors.host_control import ControlHosting
 from actors.host_recovery import RecoveryHosting, ref_of
 from actors.reconcile import Reconciler
 from actors.retiring import Admission, admitted
-from actors.spare import replace_spare_if_restarted
+from actors.spare import replace_spare_if_restarted, restarted
 from actors.store_actor import open_system_store
 from actors.tool_executor import ExecutorPools
 from actors.waves import WaveDispatcher
@@ -367,11 +367,17 @@ class RunHost(ControlHosting, ChildHosting, RecoveryHosting):
 
     async def _first_reconcile(self) -> None:
         """At start: the Runs a previous incarnation of this host owned are taken back
-        (Ray restarted it, or the whole system came up again)."""
+        (Ray restarted it, or the whole system came up again). A dedicated host that Ray
+        restarted and that took nothing back (its Run had come to rest, or was marked
+        lost by the Supervisor, which sends it here again) asks to retire: no request
+        came for it, so no answer would have told it to, and it lived on idle for good.
+        A new one is not asked: the request it was started for is on its way."""
         try:
             await self.reconciler.once()
         finally:
             self.startup["reclaimed"] = time.time()
+            if restarted():
+                self._retire_if_idle()
             # after the recovery: starting a process meanwhile would slow it down
             replace_spare_if_restarted(self.spec.warm_spares)
 

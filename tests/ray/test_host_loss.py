@@ -14,7 +14,7 @@ import ray
 from cluster.demo_agent import NEVER_REPLAY_TOOLS
 
 from .checks import check_log, never_twice, went_through_loss
-from .conftest import stopped, wait_for
+from .conftest import actor_gone, stopped, wait_for
 
 pytestmark = pytest.mark.ray
 AGENT = "cluster.demo_agent:agent"
@@ -138,3 +138,25 @@ async def test_a_start_sent_to_a_hung_pool_host_runs_once_the_supervisor_restart
     assert report["counts"].get("hosts_restarted", 0) >= 1, report
     assert (await client.hosts[0].info.remote())["pid"] != pid
     await check_log(client.store, frontier.thread_id)
+
+
+async def test_a_dedicated_host_restarted_after_its_run_ended_retires(make_system):
+    """The dedicated host dies just after its Run's end landed, before it was ended: Ray
+    restarts it, and the new process found nothing to drive, so nothing told it to
+    retire. It lived on idle for good (a Ray process per such crash); now it asks to
+    retire once its first reconciliation is done."""
+    client = await make_system(heartbeat_s=0.25)
+    thread = "dedicated-dies-at-its-end"
+    handle = await client.start(
+        "tests.ray.agents:quick_agent",
+        "hi",
+        thread_id=thread,
+        placement="dedicated",
+        faults=("after:ended", 1, "exit"),  # once the Run's end landed
+    )
+    name = client.spec.dedicated_name(thread)
+    actor_id = ray.get_actor(name, namespace="ratchet")._actor_id.hex()
+    frontier = await handle.result(timeout_s=60)
+    assert frontier.run_state.cause.kind == "natural"
+    await wait_for(actor_gone(name), timeout_s=30, what="the restarted host to retire")
+    assert ray._private.state.actors(actor_id)["NumRestarts"] == 1  # it did exit
