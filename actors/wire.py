@@ -42,7 +42,9 @@ class SystemSpec:
     executors: int = 2
     """ToolExecutors per pool."""
     host_max_restarts: int = -1
-    """Ray's fast path: a crashed RunHost is restarted and re-claims its Runs."""
+    """Ray's fast path: a crashed RunHost is restarted and re-claims its Runs. Past
+    them (0: never), a dead pool host's Runs are taken over by the Supervisor, and a
+    client's next call for it makes a new one under its name (``Ratchet.host_failed``)."""
     lease_ttl_s: float = 4.0
     heartbeat_s: float = 0.5
     reconcile_s: float = 2.0

@@ -268,8 +268,8 @@ class Ratchet:
             )
             try:
                 return unwrap(await answer)
-            except RayActorError:  # restarting, or gone for good with its system
-                await asyncio.to_thread(self._still_up)  # a GCS call: not on this loop
+            except RayActorError:  # restarting, or gone for good (with its system?)
+                await self.host_failed(target)
                 raise
 
         # the host may die before it answers (or be restarting): start is idempotent
@@ -309,6 +309,20 @@ class Ratchet:
             raise SystemShutDown(
                 f"system {self.spec.name} was shut down (it has no Supervisor): connect again"
             ) from None
+
+    async def host_failed(self, target: Any) -> None:
+        """A call to ``target`` failed as its host died (``RayActorError``): its caller
+        asks again. SystemShutDown if the system was shut down meanwhile. A pool host
+        dead for good (``host_max_restarts`` spent, or 0) is made again under its name,
+        as ``connect`` makes it: its handle kept here, every start, cancel or stop of a
+        thread hashing to it failed for good, though the Supervisor re-places its Runs.
+        One that Ray is restarting is found again by its name, as it is."""
+        await asyncio.to_thread(self._still_up)  # GCS calls: not on this loop
+        for index, host in enumerate(self.hosts):
+            if host is target:
+                again = await asyncio.to_thread(hosted_host, self.spec, index)
+                if self.hosts[index] is target:  # not made again meanwhile by another call
+                    self.hosts[index] = again
 
     def host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any:
         """The host a Run of ``thread`` goes to: its dedicated host, pool host ``host``,

@@ -69,6 +69,8 @@ class Client(Protocol):
 
     def host_for(self, thread: str, placement: Placement, host: int | None = None) -> Any: ...
 
+    async def host_failed(self, target: Any) -> None: ...
+
 
 TAKEN = ("resumed", "resume_ended")
 """The facts of a resume that was taken: it landed, or (``resume_ended``) what the
@@ -229,7 +231,11 @@ class RunHandle:
             host = self.client.host_for(self.thread_id, placement)
             # the handle's Run only: a thread that moved on to a later Run keeps it
             call = getattr(host, method).remote(self.thread_id, *args, run=run)
-            return unwrap(await call)
+            try:
+                return unwrap(await call)
+            except RayActorError:  # asked again: of a pool host made again if it is gone
+                await self.client.host_failed(host)
+                raise
 
         result: str = await on_a_live_host(end_run, answer_s=HOST_ANSWER_S)
         if result == "not_running" and calls > 1:
@@ -281,6 +287,7 @@ class RunHandle:
                 unwrap(await target.resume_run.remote(command, trace=tracing_env.carrier()))
                 return
             except RayActorError as exc:
+                await self.client.host_failed(target)
                 ticket = await self.ticket()
                 if ticket is None or ticket.correlation != command.correlation:
                     await self._landed(command)  # returns if it was ours, else raises

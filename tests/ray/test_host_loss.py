@@ -8,9 +8,12 @@ re-places the Runs on a live host.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import ray
 
+from actors.wire import host_index
 from cluster.demo_agent import NEVER_REPLAY_TOOLS
 
 from .checks import check_log, never_twice, went_through_loss
@@ -160,3 +163,26 @@ async def test_a_dedicated_host_restarted_after_its_run_ended_retires(make_syste
     assert frontier.run_state.cause.kind == "natural"
     await wait_for(actor_gone(name), timeout_s=30, what="the restarted host to retire")
     assert ray._private.state.actors(actor_id)["NumRestarts"] == 1  # it did exit
+
+
+async def test_a_pool_host_dead_for_good_is_made_again_for_the_next_call(make_system):
+    """``host_max_restarts=0``: a pool host that dies stays dead, and the client kept its
+    handle, so every start, cancel or stop of a thread that hashes to it was asked of
+    the dead actor for 60 s and failed ``ClusterUnavailable``, for good. The client
+    makes the pool host again under its name (as ``connect`` and a parent's child
+    runner do) and asks the new one."""
+    client = await make_system(host_max_restarts=0)
+    thread = next(t for t in (f"dead-pool-{i}" for i in range(64)) if host_index(t, 2) == 0)
+    for ask in ("run", "cancel"):
+        dead = client.hosts[0]
+        ray.kill(dead, no_restart=True)
+        await wait_for(lambda: _dead(dead), what="host 0 to be dead")  # noqa: B023
+        if ask == "run":
+            frontier = await asyncio.wait_for(
+                client.run("tests.ray.agents:quick_agent", "hi", thread_id=thread), 30
+            )
+            assert frontier.run_state.cause.kind == "natural"
+            assert frontier.owner.startswith(client.spec.host_name(0))
+        else:  # the Run has ended: nothing to cancel, said by the new host 0
+            assert await asyncio.wait_for(client.handle(thread).cancel(), 30) == "not_running"
+        assert client.hosts[0] is not dead
