@@ -67,7 +67,7 @@ from cluster.cli_view import (
 from cluster.config import redis_url_from, store_url_from
 from cluster.report import analyse
 from runtime.agent import load_agent
-from runtime.errors import RatchetError
+from runtime.errors import RatchetError, ResumeEnded
 from runtime.ids import ThreadId
 from runtime.integrity import audit_thread
 from runtime.lifecycle import (
@@ -355,14 +355,12 @@ async def _resume(
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:
         handle = client.handle(thread)
-        await handle.resume(command)
-        rested = await handle.frontier()
-        if isinstance(rested.run_state, EndedState) and any(
-            fact.type == "resume_ended" and fact.data.get("correlation") == command.correlation
-            for fact in await handle.events(rested.version - 1)  # the end's own commit
-        ):  # taken, but what resuming writes could not fit the thread's history limits
-            print_rest(thread, rested, "the resume could not land: ")
-            raise typer.Exit(1)
+        try:
+            await handle.resume(command)
+        except ResumeEnded:  # taken, but what resuming writes is past the thread's limits
+            ended = await client.handle(thread, ticket.run_id).view()  # as its end left it
+            print_rest(thread, ended, "the resume could not land: ")
+            raise typer.Exit(1) from None
         console.print(
             f"resumed run {ticket.run_id} on thread {thread}: {payload.kind}",
             markup=False,

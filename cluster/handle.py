@@ -32,14 +32,15 @@ from cluster.waiting import (
     rests,
 )
 from runtime import tracing_env
-from runtime.commit import Frontier
-from runtime.errors import InvalidTransition, ResumeRejected, StoreUnavailable
+from runtime.commit import Frontier, ThreadCommit
+from runtime.errors import InvalidTransition, ResumeEnded, ResumeRejected, StoreUnavailable
 from runtime.events import Fact
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import (
     AwaitingState,
     Cancelled,
     EndedState,
+    Failed,
     ResumeCommand,
     ResumePayload,
     ResumeTicket,
@@ -58,6 +59,9 @@ from runtime.stream import Frame, parse_offset
 RESUME_GIVE_UP_S = 60.0
 """How long a resume whose hosts die or restart is asked again, from the first failure
 (as a start, cancel or stop is: ``cluster.waiting.on_a_live_host``)."""
+
+Taken = tuple[Fact, ThreadCommit]
+"""A resume's ``TAKEN`` fact, and the commit that holds it."""
 
 
 class Client(Protocol):
@@ -246,7 +250,11 @@ class RunHandle:
         return result
 
     async def resume(self, command: ResumeCommand, *, host: int | None = None) -> None:
-        """Deliver a ResumeCommand; raises ResumeRejected (the ticket stays) on a mismatch.
+        """Deliver a ResumeCommand; raises ResumeRejected (the ticket stays) on a mismatch,
+        and ResumeEnded if it was taken but could not land: what resuming writes (a
+        grant, a handoff, the commit itself) is past the thread's history limits, and the
+        Run ended ``failed(history_limit, <limit>)`` instead — the answer was never
+        applied. Asked again under the same ``request_id``, the same ResumeEnded.
 
         The command is checked here first against this thread's committed ticket, in the
         order of DESIGN §2 (a command for another thread fails on ``thread``), then again
@@ -264,15 +272,34 @@ class RunHandle:
         try:
             await self._resume(command, host)
         except ResumeRejected:
-            if await self._applied(command):
-                return  # this request's resume landed: the rejection was of a repeat
-            raise
+            taken = await self._taken(command)
+            if taken is None or not _holds(taken[0], command):
+                raise
+            # this request's resume was taken: the rejection was of a repeat
         except StoreUnavailable:
             # it may have landed before the store went away (a retry would carry a new
             # request id, and hear that another resume was applied): its fact says so
-            if await patiently(lambda: self._applied(command)):
+            taken = await patiently(lambda: self._taken(command))
+            if taken is None or not _holds(taken[0], command):
+                raise
+        else:
+            try:
+                taken = await patiently(lambda: self._ended_by(command))
+            except StoreUnavailable:  # it landed; whether it ended the Run, the log says
                 return
-            raise
+        if taken is not None:
+            _raise_if_ended(self.thread_id, command, *taken)
+
+    async def _ended_by(self, command: ResumeCommand) -> Taken | None:
+        """After a resume that landed: its taken fact, if the Run has ended since (it may
+        have ended as the resume was taken, ``resume_ended``); None while it goes on. One
+        load, and the last commit, while the Run is the thread's latest."""
+        frontier = await self.frontier()
+        if frontier.run_id != command.run_id:  # the thread moved on: that Run has ended
+            return await self._taken(command)
+        if not isinstance(frontier.run_state, EndedState):
+            return None
+        return await self._taken(command, after_seq=frontier.version - 1)  # the end's commit
 
     async def _resume(self, command: ResumeCommand, index: int | None) -> None:
         # the host decides the deadline by its clock: a client's may run ahead
@@ -291,7 +318,7 @@ class RunHandle:
                 ticket = await self.ticket()
                 if ticket is None or ticket.correlation != command.correlation:
                     await self._landed(command)  # returns if it was ours, else raises
-                    return
+                    return  # ``resume`` then asks the log whether it ended the Run
                 if deadline is None:
                     deadline = loop.time() + RESUME_GIVE_UP_S
                 elif loop.time() > deadline:
@@ -322,9 +349,16 @@ class RunHandle:
         """Whose resume of the command's ticket the log holds: True ours (its request id
         and its payload), False another's, None none. A request id reused with another
         payload is another's: its caller is not told that what it asked for was done."""
-        for fact in reversed(await self.events()):
-            if fact.type in TAKEN and fact.data.get("correlation") == command.correlation:
-                return _holds(fact, command)
+        taken = await self._taken(command)
+        return None if taken is None else _holds(taken[0], command)
+
+    async def _taken(self, command: ResumeCommand, after_seq: int = 0) -> Taken | None:
+        """The fact of the resume of the command's ticket the log holds (``TAKEN``: it
+        landed, or ended the Run), whoever's, and its commit; None if none."""
+        for record in reversed(await self.client.store.read(self.thread_id, after_seq)):
+            for fact in reversed(stamp_facts(record.commit, record.seq)):
+                if fact.type in TAKEN and fact.data.get("correlation") == command.correlation:
+                    return fact, record.commit
         return None
 
     async def respond(
@@ -336,11 +370,14 @@ class RunHandle:
         after an answer that was lost (an outage that outlasted the client's wait, a
         process that died), a resume that landed under it is this call's success, whatever
         the thread holds now (no ticket, or the Run's next one: never answered with it);
-        the same id with another payload is ResumeRejected. Without one, each call is a
-        new answer."""
+        the same id with another payload is ResumeRejected, and one whose resume ended the
+        Run (``resume``) ResumeEnded again. Without one, each call is a new answer."""
         if request_id is not None:
             landed = await self.answered(payload, request_id)
             if landed is not None:
+                ended = await self._taken(landed)
+                if ended is not None:
+                    _raise_if_ended(self.thread_id, landed, *ended)
                 return landed
         ticket = await self.ticket()
         if ticket is None:
@@ -390,6 +427,17 @@ def _holds(fact: Fact, command: ResumeCommand) -> bool:
     return fact.data.get("request_id") == command.request_id and all(
         mine.get(key) == value for key, value in fact.data.items()
     )
+
+
+def _raise_if_ended(
+    thread: ThreadId, command: ResumeCommand, fact: Fact, commit: ThreadCommit
+) -> None:
+    """ResumeEnded if ``fact`` says the command's resume was taken as the Run's end."""
+    if fact.type != "resume_ended" or not _holds(fact, command):
+        return
+    cause = getattr(commit.disposition, "cause", None)
+    limit = cause.code if isinstance(cause, Failed) else "history_limit"
+    raise ResumeEnded(thread, command.run_id, limit)
 
 
 def command_for(ticket: ResumeTicket, payload: ResumePayload) -> ResumeCommand:

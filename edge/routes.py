@@ -34,7 +34,7 @@ from edge.problems import HttpProblem, problems
 from edge.strict_json import StrictJsonRoute
 from runtime import tracing_env
 from runtime.commit import Frontier, ThreadCommit
-from runtime.errors import AgentImportError, StoreUnavailable
+from runtime.errors import AgentImportError, ResumeEnded, StoreUnavailable
 from runtime.ids import ThreadId
 from runtime.lifecycle import EndedState, StatusState, check_payload
 from runtime.limits import STORED_ID_CHARS, STORED_IDS, check_id, check_reason
@@ -189,7 +189,9 @@ async def resume(
     command = command_for(awaiting_ticket(frontier), body.payload)
     if body.request_id is not None:
         command = command.model_copy(update={"request_id": body.request_id})
-    with tracing_env.continued(request.headers):  # a traceparent header: the drive's parent
+    # a traceparent header: the drive's parent. A resume taken that ended the Run
+    # failed(history_limit) (ResumeEnded) is served as the summary that says so
+    with tracing_env.continued(request.headers), contextlib.suppress(ResumeEnded):
         await handle.resume(command)
     return await at_rest(handle, wait)
 

@@ -4,6 +4,9 @@
     ├── InvalidTransition        a state-machine rule was broken (batch, run state)
     ├── CorruptBatch             a persisted batch failed re-validation on decode
     ├── ResumeRejected           a ResumeCommand did not match the ticket (names the axis)
+    ├── ResumeEnded              a resume was taken, but could not land: what resuming
+    │                            writes is past the thread's limits, and the Run ended
+    │                            failed(history_limit) instead (names the limit)
     ├── StateConflict            state commands of one commit cannot be merged
     ├── ToolDefinitionError      a @tool cannot be built from its signature, or two tools
     │                            of an agent (an MCP listing) share a name
@@ -68,6 +71,22 @@ class ResumeRejected(RatchetError):
         super().__init__(f"resume rejected on {axis}: {detail}")
         self.axis = axis
         self.detail = detail
+
+
+class ResumeEnded(RatchetError):
+    """A resume was taken (its ticket is gone; no rival's can land), but what the runtime
+    itself writes to resume (a grant, a handoff, the commit) is past the thread's history
+    limits: the Run ended ``failed(history_limit, <limit>)`` instead, and the answer was
+    never applied. Asked again under the same request id, the same error (the resume is
+    still the caller's, not a rival's). ``limit`` names the limit (``history_commits``,
+    ``history_bytes``, ``state_bytes``)."""
+
+    def __init__(self, thread_id: str, run_id: str, limit: str) -> None:
+        super().__init__(
+            f"the resume of run {run_id} on thread {thread_id} could not land: the run "
+            f"ended failed (history_limit/{limit}) instead"
+        )
+        self.thread_id, self.run_id, self.limit = thread_id, run_id, limit
 
 
 class StateConflict(RatchetError):

@@ -223,6 +223,50 @@ async def test_a_resume_that_ended_the_run_is_its_requests_answer_when_asked_aga
     assert await handle._applied(rival) is False
 
 
+@pytest.mark.parametrize("answer_lost", [False, True])
+async def test_a_resume_that_ended_the_run_raises_resume_ended_and_so_does_its_repeat(
+    answer_lost: bool,
+) -> None:
+    """``handle.resume`` returned as for a resume that landed when it had ended the Run
+    ``failed(history_limit)`` instead: a caller could not tell its answer was never
+    applied without reading the Run. It is ResumeEnded, also when the host's answer was
+    lost (asked again, the host refuses the repeat) and when the caller asks again under
+    the same request id; a rival is refused; a resume that lands returns (the host here
+    is the engine in-process)."""
+    from runtime.errors import ResumeEnded, ResumeRejected
+    from runtime.lifecycle import PermissionDecision
+    from runtime.limits import Limits
+    from tests.runtime.test_history_limits import permitting
+
+    store = MemoryCommitStore()
+    parked = await InProcessRunner(permitting(), store).start("go", thread_id="th")
+    lowered = Limits(history_commits=parked.version)  # lowered since the Run waited
+    runner = InProcessRunner(permitting(), store, limits=lowered)
+
+    class _InProcessHandle(RunHandle):
+        async def _resume(self, command: Any, index: int | None) -> None:
+            await runner.resume(command)  # the host's part, done here
+            if answer_lost:  # asked again of a host, which refuses it as a repeat
+                raise ResumeRejected("ticket", "not awaiting")
+
+    handle = _InProcessHandle(_Client(store), ThreadId("th"), parked.run_id, "hosted")  # type: ignore[arg-type]
+    approve = PermissionDecision(approve=True)
+    with pytest.raises(ResumeEnded, match="history_limit/history_commits") as raised:
+        await handle.respond(approve, request_id="req-1")
+    assert (raised.value.run_id, raised.value.limit) == (parked.run_id, "history_commits")
+    with pytest.raises(ResumeEnded):  # its answer lost, asked again: the same answer
+        await handle.respond(approve, request_id="req-1")
+    with pytest.raises(ResumeRejected, match="not awaiting"):  # another request: too late
+        await handle.respond(approve, request_id="req-2")
+
+    landing = await InProcessRunner(permitting(), store).start("go", thread_id="th2")
+    runner = InProcessRunner(permitting(), store)  # the Run resumes, and ends natural
+    answer_lost = False
+    handle = _InProcessHandle(_Client(store), ThreadId("th2"), landing.run_id, "hosted")  # type: ignore[arg-type]
+    await handle.respond(approve, request_id="req-3")
+    assert (await handle.frontier()).run_state.cause.kind == "natural"
+
+
 def test_ratchet_resume_says_when_its_resume_ended_the_run(tmp_path, monkeypatch):
     """``ratchet resume`` printed "resumed ... permission" and exited 0 for a resume that
     ended the Run failed(history_limit): the approval was never applied. The host here is
