@@ -57,10 +57,10 @@ HUNG_STRIKES = 2
 """Pings in a row, a lease apart, an executor with a call out may miss before it is
 taken for hung and restarted."""
 RESTART_WAIT_S = 60.0
+"""How long a call bound for an executor seen dying waits for it to answer again."""
 START_WAIT_S = 120.0
 """How long an executor's first ping may wait before it is taken for up all the same,
 should Ray not say what state the actor is in (its state is an internal API)."""
-"""How long a call bound for an executor seen dying waits for it to answer again."""
 BACK_POLL_S = (0.05, 1.0)
 """The first and the longest pause between pings of an executor being restarted."""
 
