@@ -24,6 +24,7 @@ from runtime.engine import Engine, RunContext, StoreRetry, now_us
 from runtime.errors import (
     AgentImportError,
     CommitRefused,
+    ConfigError,
     CorruptBatch,
     CorruptRecord,
     DuplicateOperation,
@@ -129,6 +130,7 @@ __all__ = [
     "CommitRefused",
     "CommitStore",
     "CommittedRecord",
+    "ConfigError",
     "CorrelationId",
     "CorruptBatch",
     "CorruptRecord",

@@ -13,6 +13,8 @@
     ├── ScriptExhausted          a ScriptedModel was asked for more than its script
     ├── AgentImportError         an agent reference ``module:attr`` cannot be resolved
     ├── SystemInUse              another live Ray cluster serves the store's system
+    ├── ConfigError              a client joining a running system asked for other
+    │                            settings than it runs with (names them)
     ├── InputRefused             input refused at the edge: a limit, bad text, deep JSON
     │   │                        (names the limit; nothing was committed)
     │   └── HistoryLimitReached  the thread's history is at its size or commit limit
@@ -229,6 +231,22 @@ class SystemInUse(RatchetError):
             "on this machine; or RAY_ADDRESS), or stop it first"
         )
         self.system, self.holder = system, holder
+
+
+class ConfigError(RatchetError, ValueError):
+    """A client joining a running system asked for settings other than those it runs
+    with: a client adopts the running system's settings (its ``SystemSpec``), and one
+    that asked for others would check input by rules the system does not keep. Connect
+    without them to join it, or shut it down first. A ValueError too, as the options
+    ``SystemSpec`` refuses are."""
+
+    def __init__(self, system: str, conflicts: tuple[str, ...]) -> None:
+        super().__init__(
+            f"system {system} is running with other settings than asked: "
+            f"{'; '.join(conflicts)}. Connect without them to join it (a client takes the "
+            "running system's settings), or shut it down first"
+        )
+        self.system, self.conflicts = system, conflicts
 
 
 class StoreUnavailable(StoreError):
