@@ -105,6 +105,11 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
         self.kinds[host_id] = kind
         self._silent.pop(host_id, None)
 
+    async def system_spec(self) -> SystemSpec:
+        """The spec this system runs with, the one it was started with: what a client that
+        joins it adopts (``cluster.joining``)."""
+        return self.spec
+
     async def report(self) -> dict[str, Any]:
         now = time.monotonic()
         return {

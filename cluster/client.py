@@ -50,6 +50,7 @@ from cluster.config import (
     system_name,
 )
 from cluster.handle import RunHandle, command_for
+from cluster.joining import asked_options, joined
 from cluster.letting_go import give_up_lease, kill_named, kill_system
 from cluster.waiting import (
     notice_or_rest,
@@ -97,26 +98,25 @@ class Ratchet:
         store_url: str | None = None,
         redis_url: str | None = None,
         *,
-        hosts: int = 2,
-        executors: int = 2,
+        hosts: int | None = None,
+        executors: int | None = None,
         num_cpus: int | None = None,
         quiet: bool = False,
         **spec_options: Any,
     ) -> Ratchet:
-        """Join (or start) Ray, then start the system's actors if they are not running."""
+        """Join (or start) Ray, then start the system's actors if they are not running.
+        A system running already is joined with its own settings (``cluster.joining``:
+        ConfigError if a setting asked for here is not one of them); one started here runs
+        with those asked for, and the defaults (2 hosts, 2 executors) for the rest."""
         # URLs that cannot be read: refused before Ray starts (UnsupportedStoreUrl)
         bus = redis_url_from(redis_url)
         url = store_url_from(store_url)
         connect_ray(address, num_cpus=num_cpus, quiet=quiet)
         check_store_reach(url)  # a SQLite file, and a node on another machine
-        spec = SystemSpec(
-            name=spec_options.pop("name", None) or system_name(url),
-            store_url=url,
-            redis_url=bus,
-            hosts=hosts,
-            executors=executors,
-            **spec_options,
-        )
+        asked = asked_options(spec_options, hosts=hosts, executors=executors, redis_url=redis_url)
+        name = asked.pop("name", None) or system_name(url)
+        options = {"redis_url": bus, "hosts": 2, "executors": 2, **asked}
+        spec = await joined(SystemSpec(name=name, store_url=url, **options), asked)
         _OPEN[spec.name] += 1  # counted from here: a close meanwhile gives nothing up
         try:
             store = await _open_store(spec)

@@ -62,8 +62,12 @@ def serve(
     max_streams: int = typer.Option(
         256, "--max-streams", min=1, help="Streams open at once; one more is 503 TooManyStreams"
     ),
-    hosts: int = typer.Option(2, "--hosts", min=1, help="RunHost actors of the system"),
-    executors: int = typer.Option(2, "--executors", min=1, help="ToolExecutor actors"),
+    hosts: int | None = typer.Option(
+        None, "--hosts", min=1, help="RunHost actors of a system it starts (default 2)"
+    ),
+    executors: int | None = typer.Option(
+        None, "--executors", min=1, help="ToolExecutor actors of a system it starts (default 2)"
+    ),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level"),
 ) -> None:
     """Serve the Runs of a Ratchet system over HTTP: REST, SSE and AG-UI streams.
@@ -89,7 +93,7 @@ async def _serve(
     options: ServeOptions,
     connect: dict[str, str | None],
     agents: tuple[str, ...] | None,
-    pool: tuple[int, int],
+    pool: tuple[int | None, int | None],
     log_level: str,
 ) -> None:
     from cluster.cli_args import BadInput

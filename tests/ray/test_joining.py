@@ -1,0 +1,68 @@
+"""A client joining a running system takes its settings (``cluster.joining``): a second
+Python client, and the ``ratchet`` commands, hold input to the limits the system runs
+with, not to the defaults; settings asked for that it does not run with are ConfigError."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.client import Ratchet
+from runtime.errors import ConfigError
+from runtime.history import export
+from runtime.ids import ThreadId
+from runtime.limits import DEFAULT_LIMITS, Limits
+
+pytestmark = pytest.mark.ray
+QUICK = "tests.ray.agents:quick_agent"
+WIDE = Limits(id_chars=1024, tool_calls=16)
+"""Raised ``id_chars`` (fewer tool calls, so that its largest commit fits the stores)."""
+
+
+async def test_a_second_client_takes_the_running_systems_limits(make_system):
+    """It built its spec from the defaults: a 300-character thread id, which the system
+    takes, was refused by its start and by its import (InputRefused(id_chars))."""
+    system = await make_system(limits=WIDE, hosts=1)
+    second = await Ratchet.connect(store_url=system.spec.store_url)
+    try:
+        assert second.spec.limits == WIDE and second.spec.hosts == 1
+        thread = "t" * 300
+        frontier = await second.run(QUICK, "hi", thread_id=thread, timeout_s=30)
+        assert frontier.thread_id == thread and frontier.status.reason == "natural"
+        lines = await export(second.store, ThreadId(thread))
+        copied = await second.import_thread(lines, "c" * 300)
+        assert copied.version == frontier.version
+    finally:
+        await second.close()
+
+
+async def test_settings_asked_that_the_running_system_has_not_are_refused_typed(make_system):
+    """A joining client that asked for other limits (or hosts) kept them, and held input
+    to rules the system does not keep; asked as the system runs, it joins."""
+    system = await make_system(limits=WIDE)
+    url = system.spec.store_url
+    with pytest.raises(ConfigError) as refused:
+        await Ratchet.connect(store_url=url, limits=DEFAULT_LIMITS)
+    assert "limits.id_chars: running 1024, asked 256" in str(refused.value)
+    assert refused.value.system == system.spec.name
+    with pytest.raises(ConfigError, match="hosts: running 2, asked 3"):
+        await Ratchet.connect(store_url=url, hosts=3)
+    same = await Ratchet.connect(store_url=url, limits=WIDE, hosts=2)
+    await same.close()
+    frontier = await system.run(QUICK, "still here", thread_id="s" * 300, timeout_s=30)
+    assert frontier.status.reason == "natural"  # the refusals left the system as it was
+
+
+def test_a_conflict_names_each_setting_and_never_a_password():
+    from actors.wire import SystemSpec
+    from cluster.joining import adopt
+
+    running = SystemSpec("s", "memory://", redis_url="redis://:hunter2@127.0.0.1:6379/0")
+    asked = {"redis_url": "redis://:swordfish@127.0.0.1:6379/1", "executors": 2}
+    with pytest.raises(ConfigError) as refused:
+        adopt(SystemSpec("s", "memory://", **asked), running, asked)  # type: ignore[arg-type]
+    assert refused.value.conflicts == (
+        "redis_url: running 'redis://:***@127.0.0.1:6379/0', asked 'redis://:***@127.0.0.1:6379/1'",
+    )
+    assert "hunter2" not in str(refused.value) and "swordfish" not in str(refused.value)
+    mine = SystemSpec("s", "MEMORY://")
+    assert adopt(mine, running, {}) == SystemSpec("s", "MEMORY://", redis_url=running.redis_url)
