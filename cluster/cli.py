@@ -46,7 +46,6 @@ import typer
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, thread_arg
 from cluster.cli_base import (
-    SYSTEM_LIMITS,
     as_command,
     errors,
     frontier_of,
@@ -67,6 +66,7 @@ from cluster.cli_view import (
 from cluster.config import redis_url_from, store_url_from
 from cluster.report import analyse
 from runtime.agent import load_agent
+from runtime.commit import DEFAULT_PAYLOAD_LIMIT
 from runtime.errors import RatchetError, ResumeEnded
 from runtime.ids import ThreadId
 from runtime.integrity import audit_thread
@@ -75,7 +75,6 @@ from runtime.lifecycle import (
     validate_resume,
 )
 from runtime.limits import check_text
-from runtime.resume import check_command
 from runtime.stream import check_cursor, parse_offset
 from storage.url import redact
 
@@ -149,9 +148,10 @@ async def _run(
     if os.getcwd() not in sys.path:  # like python -m: the user's modules are importable
         sys.path.insert(0, os.getcwd())
     load_agent(agent)  # a bad import path fails before any cluster is started
-    # and text no store takes (the client checks it again, by its spec's limits: those
-    # the command line connects its system with; the ids' callbacks checked them)
-    check_text("input", text, SYSTEM_LIMITS.input_bytes, "input_bytes")
+    # and text no system of a cluster takes (its stores' payload limit: no option raises
+    # it); the client holds it, and the ids, to its system's limits as the system runs
+    # (a joined one's, not the defaults: ``cluster.joining``)
+    check_text("input", text, DEFAULT_PAYLOAD_LIMIT, "input_bytes")
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:  # a start refused (bad input, say) gives the lease up too: the next run waits not
         handle = await client.start(agent, text, thread_id=thread, placement=placement)
@@ -349,9 +349,8 @@ async def _resume(
     # a wrong flag fails here, before any cluster; the deadline, and what follows it on a
     # ticket that has one, are the host's to judge by its clock (``validate_resume``)
     validate_resume(ticket, command, None)
-    # a payload the system refuses, before any cluster (the handle checks it again, by
-    # its client's spec: the same limits, those the command line connects with)
-    check_command(command, SYSTEM_LIMITS)
+    # the payload is held to the system's limits by the handle, once the client has them
+    # (those the system runs with, if it is running: ``cluster.joining``)
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:
         handle = client.handle(thread)

@@ -24,17 +24,11 @@ from runtime.commit import Frontier
 from runtime.errors import RatchetError
 from runtime.history_format import MAX_LINE_BYTES
 from runtime.ids import ThreadId
-from runtime.limits import DEFAULT_LIMITS
+from runtime.limits import DEFAULT_LIMITS, Limits
 from storage.url import UnsupportedStoreUrl, open_store, redact
 
 errors = Terminal(stderr=True)
 T = TypeVar("T")
-SYSTEM_LIMITS = DEFAULT_LIMITS
-"""The limits of the system the command line serves: ``ratchet run`` and ``ratchet
-serve`` connect it with the defaults (no flag changes them), and what the commands that
-work on the store alone make — a fork's new thread, an import — is held to the same. A
-system connected with other limits (``Ratchet.connect(..., limits=...)``) forks and
-imports through its client (``Ratchet.fork``, ``Ratchet.import_thread``)."""
 
 
 def as_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., None]:
@@ -115,6 +109,24 @@ def lines_of(source: BinaryIO, name: str, longest: int = MAX_LINE_BYTES) -> Iter
             yield line
     except OSError as exc:
         raise BadInput(f"cannot read {name}: {exc}") from None
+
+
+async def system_limits(store: str | None, address: str | None) -> Limits:
+    """The limits a command that works on the store alone (a fork, an import) holds what
+    it writes to: those of the store's system as it runs on the Ray cluster at
+    ``address`` (joined, nothing started: ``cluster.joining``); with no address, or no
+    such system running there, the defaults (those ``ratchet run`` and ``ratchet serve``
+    start a system with)."""
+    if address is None:
+        return DEFAULT_LIMITS
+    from actors.wire import SystemSpec
+    from cluster.config import connect_ray, system_name
+    from cluster.joining import running_spec
+
+    url = store_url_from(store)
+    connect_ray(address, quiet=True)
+    running = await running_spec(SystemSpec(system_name(url), url).supervisor_name)
+    return DEFAULT_LIMITS if running is None else running.limits
 
 
 async def open_db(store: str | None, *, existing: bool = True) -> Any:

@@ -1,9 +1,11 @@
 """``ratchet fork``, ``ratchet export`` and ``ratchet import``: a thread's history
-(``runtime.history``), on the store directly (no Ray).
+(``runtime.history``), on the store directly (no Ray: a fork and an import are held to
+the default limits; with ``--address``, to those the store's system runs with there).
 
     ratchet fork THREAD --at SEQ --to NEW   NEW starts as THREAD up to commit SEQ
     ratchet export THREAD [--out FILE]      the thread as JSON lines (stdout by default)
     ratchet import FILE [--as THREAD]       write an export as a new thread (FILE - : stdin)
+    ... [--address ADDRESS]                 fork, import: the running system's limits
 
 ``register(app)`` adds them to a Typer app. A refusal is one line on stderr and exit
 code 1, as for every command.
@@ -24,7 +26,7 @@ from typing import Any, BinaryIO
 import typer
 
 from cluster.cli_args import BadInput, thread_arg
-from cluster.cli_base import SYSTEM_LIMITS, as_command, lines_of, open_db, quiet_stdout
+from cluster.cli_base import as_command, lines_of, open_db, quiet_stdout, system_limits
 from cluster.cli_view import console, print_rest
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT
 from runtime.history import export, fork, plan_import, write_import
@@ -32,6 +34,10 @@ from runtime.history_format import line_bytes
 from runtime.ids import ThreadId
 
 _STORE_HELP = "Store URL (default: RATCHET_STORE_URL or ./ratchet-data)"
+_ADDRESS_HELP = (
+    "Ray cluster the store's system runs on: held to the limits it runs with (default: "
+    "no Ray, the default limits)"
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -50,17 +56,19 @@ def fork_command(
         ..., "--to", metavar="NEW", help="The new thread's id (must not exist)", callback=thread_arg
     ),
     store: str | None = typer.Option(None, "--store", help=_STORE_HELP),
+    address: str | None = typer.Option(None, "--address", help=_ADDRESS_HELP),
 ) -> None:
     """Start thread NEW as THREAD's history up to commit SEQ, where its Run had ended.
 
     THREAD is not changed. A commit where a Run was running or awaiting is refused."""
-    as_command(_fork)(thread, at, to, store)
+    as_command(_fork)(thread, at, to, store, address)
 
 
-async def _fork(thread: str, at: int, to: str, store: str | None) -> None:
+async def _fork(thread: str, at: int, to: str, store: str | None, address: str | None) -> None:
+    limits = await system_limits(store, address)
     db = await _opened(store)
     try:
-        frontier = await fork(db, ThreadId(thread), at, ThreadId(to), SYSTEM_LIMITS)
+        frontier = await fork(db, ThreadId(thread), at, ThreadId(to), limits)
     finally:
         await db.close()
     console.print(
@@ -171,21 +179,23 @@ def import_command(
         callback=thread_arg,
     ),
     store: str | None = typer.Option(None, "--store", help=_STORE_HELP),
+    address: str | None = typer.Option(None, "--address", help=_ADDRESS_HELP),
 ) -> None:
     """Write an exported thread (FILE) into the store as a new thread.
 
     Every line is checked first: nothing is written unless all of it holds."""
-    as_command(_import)(file, as_thread, store)
+    as_command(_import)(file, as_thread, store, address)
 
 
-async def _import(file: str, as_thread: str | None, store: str | None) -> None:
-    # held to the command line's system (``SYSTEM_LIMITS``) and to the payload limit
+async def _import(file: str, as_thread: str | None, store: str | None, address: str | None) -> None:
+    # held to the store's system's limits (``system_limits``) and to the payload limit
     # every store it opens has (``open_db``: the default, as a cluster's stores)
+    limits = await system_limits(store, address)
     longest = line_bytes(DEFAULT_PAYLOAD_LIMIT)
     with _opened_input(file) as source:  # input refused before the store is opened (made)
         target = None if as_thread is None else ThreadId(as_thread)
         lines = lines_of(source, file, longest)
-        plan = plan_import(lines, target, SYSTEM_LIMITS, DEFAULT_PAYLOAD_LIMIT)
+        plan = plan_import(lines, target, limits, DEFAULT_PAYLOAD_LIMIT)
     db = await _opened(store, existing=False)  # a fixture into a new store, say
     try:
         frontier = await write_import(db, plan)

@@ -4,8 +4,13 @@ with, not to the defaults; settings asked for that it does not run with are Conf
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
+from cluster.cli import app
 from cluster.client import Ratchet
 from runtime.errors import ConfigError
 from runtime.history import export
@@ -50,6 +55,29 @@ async def test_settings_asked_that_the_running_system_has_not_are_refused_typed(
     await same.close()
     frontier = await system.run(QUICK, "still here", thread_id="s" * 300, timeout_s=30)
     assert frontier.status.reason == "natural"  # the refusals left the system as it was
+
+
+def test_the_command_line_takes_the_running_systems_limits(make_system, tmp_path: Path):
+    """``ratchet run`` held a thread id to the default ``id_chars``, and ``fork`` and
+    ``import`` to ``SYSTEM_LIMITS`` (the defaults): with ``--address`` they hold them to
+    the system's as it runs there; without, to the defaults still (no Ray)."""
+    system = asyncio.run(make_system(limits=WIDE))
+    store = ["--store", system.spec.store_url]
+    here = ["--address", "auto"]  # the Ray of this process: joined already
+    thread, saved = "r" * 300, str(tmp_path / "r.jsonl")
+
+    def ratchet(*args: str) -> str:
+        result = CliRunner().invoke(app, [*args, *store])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert "said hi" in ratchet("run", QUICK, "hi", "--thread", thread)
+    ratchet("export", thread, "--out", saved)
+    assert "imported thread" in ratchet("import", saved, "--as", "i" * 300, *here)
+    at = asyncio.run(system.handle(thread).frontier()).version
+    assert "forked thread" in ratchet("fork", thread, "--at", str(at), "--to", "f" * 300, *here)
+    refused = CliRunner().invoke(app, ["import", saved, "--as", "d" * 300, *store])
+    assert refused.exit_code == 1 and "id_chars" in refused.output, refused.output
 
 
 def test_a_conflict_names_each_setting_and_never_a_password():
