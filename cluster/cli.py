@@ -19,8 +19,9 @@
     ratchet replay THREAD --agent M:A      re-run its decisions on this code; first divergence
     ratchet serve                     the HTTP service (edge/: REST, SSE, AG-UI)
 
-``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export``, ``import``,
-``prune`` and ``replay`` read the store (and the Redis bus) directly and need no Ray. Every expected
+``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export``, ``import``, ``prune`` and
+``replay`` read the store (and the Redis bus) directly and need no Ray (``fork`` and
+``import`` with ``--address``: the limits its system runs with there). Every expected
 failure (a bad import path, an unreachable store or cluster, an unknown thread, a
 resume the ticket rejects, bad input) is one line on stderr and exit code 1, never a
 traceback.
