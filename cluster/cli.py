@@ -46,13 +46,7 @@ from typing import Any, Literal
 import typer
 
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, thread_arg
-from cluster.cli_base import (
-    as_command,
-    errors,
-    frontier_of,
-    open_db,
-    uncancelled,
-)
+from cluster.cli_base import as_command, errors, frontier_of, open_db, running_limits, uncancelled
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, cursor, run_page, run_query, run_row
 from cluster.cli_view import (
@@ -67,7 +61,6 @@ from cluster.cli_view import (
 from cluster.config import redis_url_from, store_url_from
 from cluster.report import analyse
 from runtime.agent import load_agent
-from runtime.commit import DEFAULT_PAYLOAD_LIMIT
 from runtime.errors import RatchetError, ResumeEnded
 from runtime.ids import ThreadId
 from runtime.integrity import audit_thread
@@ -75,7 +68,8 @@ from runtime.lifecycle import (
     EndedState,
     validate_resume,
 )
-from runtime.limits import check_text
+from runtime.limits import check_id, check_text
+from runtime.resume import check_command
 from runtime.stream import check_cursor, parse_offset
 from storage.url import redact
 
@@ -149,10 +143,13 @@ async def _run(
     if os.getcwd() not in sys.path:  # like python -m: the user's modules are importable
         sys.path.insert(0, os.getcwd())
     load_agent(agent)  # a bad import path fails before any cluster is started
-    # and text no system of a cluster takes (its stores' payload limit: no option raises
-    # it); the client holds it, and the ids, to its system's limits as the system runs
-    # (a joined one's, not the defaults: ``cluster.joining``)
-    check_text("input", text, DEFAULT_PAYLOAD_LIMIT, "input_bytes")
+    # and input the system refuses, before it is started (or joined): by the limits it
+    # runs with, if it is running (``cluster.joining``), else the defaults it starts with
+    redis_url_from(redis)  # a URL that cannot be read: refused before Ray starts
+    limits = await running_limits(store, address)
+    check_text("input", text, limits.input_bytes, "input_bytes")
+    if thread is not None:
+        check_id("thread id", thread, limits)
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:  # a start refused (bad input, say) gives the lease up too: the next run waits not
         handle = await client.start(agent, text, thread_id=thread, placement=placement)
@@ -350,8 +347,8 @@ async def _resume(
     # a wrong flag fails here, before any cluster; the deadline, and what follows it on a
     # ticket that has one, are the host's to judge by its clock (``validate_resume``)
     validate_resume(ticket, command, None)
-    # the payload is held to the system's limits by the handle, once the client has them
-    # (those the system runs with, if it is running: ``cluster.joining``)
+    # a payload the system refuses, before it is started (or joined): as ``_run``'s input
+    check_command(command, await running_limits(store, address))
     client = await Ratchet.connect(address, store, redis, quiet=True)
     try:
         handle = client.handle(thread)

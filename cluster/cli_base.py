@@ -113,12 +113,16 @@ def lines_of(source: BinaryIO, name: str, longest: int = MAX_LINE_BYTES) -> Iter
 
 async def system_limits(store: str | None, address: str | None) -> Limits:
     """The limits a command that works on the store alone (a fork, an import) holds what
-    it writes to: those of the store's system as it runs on the Ray cluster at
-    ``address`` (joined, nothing started: ``cluster.joining``); with no address, or no
-    such system running there, the defaults (those ``ratchet run`` and ``ratchet serve``
-    start a system with)."""
-    if address is None:
-        return DEFAULT_LIMITS
+    it writes to: with an ``address``, ``running_limits`` there; with none, no Ray is
+    asked, and they are the defaults (those ``ratchet run`` and ``serve`` start with)."""
+    return DEFAULT_LIMITS if address is None else await running_limits(store, address)
+
+
+async def running_limits(store: str | None, address: str | None) -> Limits:
+    """The limits of the store's system as it runs on the Ray cluster at ``address``
+    (joined as ``Ratchet.connect`` joins it: RAY_ADDRESS, else a local Ray started here;
+    nothing of the system is started: ``cluster.joining``); the defaults if it is not
+    running there, those a system the command line starts runs with."""
     from actors.wire import SystemSpec
     from cluster.config import connect_ray, system_name
     from cluster.joining import running_spec
