@@ -139,8 +139,9 @@ def connect_ray(address: str | None, *, num_cpus: int | None = None, quiet: bool
             options["num_cpus"] = num_cpus
     if address is not None:
         _check_reachable(address)
-    try:
-        ray.init(address=address, **options)
+    try:  # no address: a Ray of its own ("local"), never one found running on the machine
+        # (Ray's default; joining one is ``--address auto``, as the README says)
+        ray.init(address=address or "local", **options)
     except Exception as exc:
         where = address or "a local Ray instance"
         raise ClusterUnavailable(f"cannot connect to {where}: {exc}".splitlines()[0]) from exc

@@ -30,6 +30,7 @@ os.environ["RATCHET_LEDGER"] = os.path.join(LEDGER_DIR, "effects.db")
 def ray_session() -> Any:
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a Ray of its own: never another session's on this machine
             num_cpus=4,
             resources={"special": 2},
             include_dashboard=False,
