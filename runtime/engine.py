@@ -301,7 +301,7 @@ class Engine(Stepping):
         engine's store (``load``, verified), so that it is not read and verified twice;
         the claim is compare-and-set on its epoch, so a frontier gone stale meanwhile is
         Fenced, as one this engine loaded itself would be."""
-        check_id("thread id", thread, self.limits)
+        check_id("thread id", thread, STORED_IDS)  # a stored thread's, whatever id_chars is
         frontier = whole_of(loaded, thread) or await self._verified(thread)
         if not isinstance(frontier.run_state, RunningState):
             return frontier

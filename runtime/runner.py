@@ -31,7 +31,7 @@ from runtime.errors import (
 from runtime.faults import NO_FAULTS, FaultPlan
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import ResumeCommand, RunningState
-from runtime.limits import DEFAULT_LIMITS, Limits, check_id
+from runtime.limits import DEFAULT_LIMITS, STORED_IDS, Limits, check_id
 from runtime.ports import CommitStore, Finished, LiveBus, ToolRunner
 from runtime.publish import Publisher
 from runtime.resume import check_command
@@ -106,7 +106,7 @@ class InProcessRunner:
         agent (its parent link says which); a parent awaiting a lone child that has ended
         meanwhile (cancelled or stopped at rest, say) is handed that child's outcome, as a
         cluster's Supervisor would hand it."""
-        thread = ThreadId(check_id("thread id", thread_id, self.limits))
+        thread = ThreadId(check_id("thread id", thread_id, STORED_IDS))  # a stored thread's
         link = await self.children.link_of(thread)
         engine = self.engine(faults) if link is None else self.children.engine(link, faults)
         done = await engine.recover(thread)

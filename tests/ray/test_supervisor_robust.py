@@ -523,10 +523,10 @@ async def test_a_hung_dedicated_host_this_supervisor_never_heard_from_is_ended(m
 
 
 async def test_a_recovery_that_fails_before_its_first_commit_counts_to_its_dead_letter():
-    """A recovery drive that dies before its first commit (here: the system's id_chars
-    was lowered below a running Run's thread id, which the engine's recovery refuses)
-    was never counted: the recovery had been "started", so each reconciliation pass
-    started another that died the same way, and the Run stayed running for ever."""
+    """A recovery drive that dies before its first commit (here: before its claim, as
+    one whose thread id a lowered id_chars refused used to) was never counted: the
+    recovery had been "started", so each reconciliation pass started another that died
+    the same way, and the Run stayed running for ever."""
     from actors.drives import Drives
     from actors.reconcile import Reconciler
     from actors.retiring import Admission
@@ -534,7 +534,6 @@ async def test_a_recovery_that_fails_before_its_first_commit_counts_to_its_dead_
     from actors.wire import RunMeta, SystemSpec
     from runtime.engine import Engine
     from runtime.ids import RunId, ThreadId
-    from runtime.limits import Limits
     from runtime.tool_calls import LocalToolRunner
 
     store = MemoryCommitStore()
@@ -545,13 +544,18 @@ async def test_a_recovery_that_fails_before_its_first_commit_counts_to_its_dead_
             agent, store, LocalToolRunner([]), owner="h#1",
             faults=FaultPlan(crash_at=("after:activation", 1)),
         ).start(thread, "go", run_id=run, message_id=RunMeta("x:a").message_id(run))  # fmt: skip
-    host = object.__new__(RunHost)  # its new incarnation, under a lower id_chars
-    host.spec = SystemSpec(name="s", store_url="memory://", limits=Limits(id_chars=128))
+    host = object.__new__(RunHost)  # its new incarnation
+    host.spec = SystemSpec(name="s", store_url="memory://")
     host.store, host.owner, host.kind, host.recovered = store, owner, "hosted", 0
     host.publisher = host.children = None
     host._background, host.admission = set(), Admission()
     host.drives = Drives(host.spec, store, owner, *[None] * 4, lambda: None)
-    host.drives.engine = lambda ref, faults, link, holding: Engine(  # type: ignore[method-assign]
+
+    class DiesBeforeItsClaim(Engine):
+        async def recover(self, thread: ThreadId, loaded: Any = None) -> Any:
+            raise Crash("the recovery's process died before its claim")
+
+    host.drives.engine = lambda ref, faults, link, holding: DiesBeforeItsClaim(  # type: ignore[method-assign]
         agent, holding, LocalToolRunner([]), owner=owner, limits=host.spec.limits
     )
 
@@ -569,7 +573,7 @@ async def test_a_recovery_that_fails_before_its_first_commit_counts_to_its_dead_
     await wait_for(dead_lettered, 30, "the Run to be dead-lettered")
     cause = (await store.load(thread)).run_state.cause
     assert (cause.kind, cause.failure, cause.code) == ("failed", "recovery", "recovery_failed")
-    assert "InputRefused" in cause.message, cause.message
+    assert "Crash" in cause.message, cause.message
 
 
 def _crashed_run(store: MemoryCommitStore, owner: str) -> Any:

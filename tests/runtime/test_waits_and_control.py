@@ -318,6 +318,29 @@ async def test_a_run_awaiting_since_before_id_chars_was_lowered_is_resumed_and_e
     assert refused.value.limit == "id_chars"
 
 
+async def test_a_run_resumed_on_a_thread_over_a_lowered_id_chars_is_recovered():
+    """Resumed under a lower ``id_chars`` (its thread id is held to ``STORED_IDS``), a
+    Run whose process then died was refused every recovery, InputRefused(id_chars):
+    dead-lettered where it would have gone on. A recovery names a stored thread too."""
+    from runtime.faults import Crash, FaultPlan
+    from runtime.lifecycle import PermissionDecision
+    from runtime.limits import Limits
+
+    @tool(needs_permission=True)
+    def risky(x: int) -> str:
+        return "ran"
+
+    store, narrow = MemoryCommitStore(), Limits(id_chars=64)
+    wide = InProcessRunner(one_tool_agent(risky), store, limits=Limits(id_chars=256))
+    waiting = await wide.start("go", thread_id="t" * 200, run_id="r" * 190)
+    after = InProcessRunner(one_tool_agent(risky), store, limits=narrow)
+    command = answer(waiting.run_state.ticket, PermissionDecision(approve=True))
+    with pytest.raises(Crash):  # its process dies once the resume has landed
+        await after.resume(command, faults=FaultPlan(crash_at=("after:resume", 1)))
+    done = await after.recover("t" * 200)
+    assert done.run_state.cause.kind == "natural"
+
+
 async def test_a_stop_after_inference_runs_none_of_the_steps_calls():
     ran: list[int] = []
 
