@@ -113,7 +113,7 @@ class Ratchet:
         url = store_url_from(store_url)
         connect_ray(address, num_cpus=num_cpus, quiet=quiet)
         check_store_reach(url)  # a SQLite file, and a node on another machine
-        asked = asked_options(spec_options, hosts=hosts, executors=executors, redis_url=redis_url)
+        asked = asked_options(spec_options, hosts=hosts, executors=executors)
         name = asked.pop("name", None) or system_name(url)
         options = {"redis_url": bus, "hosts": 2, "executors": 2, **asked}
         spec = await joined(SystemSpec(name=name, store_url=url, **options), asked)

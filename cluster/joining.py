@@ -23,14 +23,15 @@ from dataclasses import fields, replace
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from actors.wire import NAMESPACE, SystemSpec
 from cluster.config import ClusterUnavailable
 from runtime.errors import ConfigError
 from runtime.limits import Limits
-from storage.url import redact
 
+WHERE_REACHED = ("store_url", "redis_url")
+"""Settings that say where a client reaches the store and the bus: its own, kept."""
 ANSWER_S = 60.0
 """How long a joining client waits for the Supervisor to say its spec (one that is
 still starting answers once it has opened the store)."""
@@ -38,8 +39,9 @@ still starting answers once it has opened the store)."""
 
 def asked_options(spec_options: Mapping[str, Any], **given: Any) -> dict[str, Any]:
     """The settings a client asked for: its spec options, and each of ``given`` that is
-    not None (``hosts``, ``executors``, ``redis_url``: None is "whatever the system
-    has", the defaults when it starts)."""
+    not None (``hosts``, ``executors``: None is "whatever the system has", the defaults
+    when it starts). The store's and the bus's URLs are where this client reaches them
+    (another host name, other credentials): its own, never compared."""
     return {**spec_options, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -56,19 +58,28 @@ async def joined(spec: SystemSpec, asked: Mapping[str, Any]) -> SystemSpec:
 async def running_spec(supervisor_name: str) -> SystemSpec | None:
     """The spec the named Supervisor runs with; None if there is none, or it is going
     (a system being shut down: the client starts it anew), or older than this method."""
-    try:  # a GCS call: not on this loop (a server's)
-        handle = await asyncio.to_thread(ray.get_actor, supervisor_name, namespace=NAMESPACE)
-    except ValueError:
-        return None
-    try:
-        running: object = await asyncio.wait_for(handle.system_spec.remote(), ANSWER_S)
-    except (AttributeError, RayActorError):
-        return None
-    except TimeoutError:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ANSWER_S
+    while True:
+        try:  # a GCS call: not on this loop (a server's)
+            handle = await asyncio.to_thread(ray.get_actor, supervisor_name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+        try:
+            left = max(deadline - loop.time(), 0.1)
+            running: object = await asyncio.wait_for(handle.system_spec.remote(), left)
+            return running if isinstance(running, SystemSpec) else None
+        except (AttributeError, ActorDiedError):
+            return None  # older than this method, or gone for good: none to join
+        except RayActorError:  # restarting, or unreachable for a moment: it runs
+            if loop.time() < deadline:
+                await asyncio.sleep(0.2)
+                continue
+        except TimeoutError:
+            pass
         raise ClusterUnavailable(
             f"the Supervisor {supervisor_name} did not say its settings in {ANSWER_S:.0f} s"
-        ) from None
-    return running if isinstance(running, SystemSpec) else None
+        )
 
 
 def adopt(spec: SystemSpec, running: SystemSpec, asked: Mapping[str, Any]) -> SystemSpec:
@@ -77,17 +88,16 @@ def adopt(spec: SystemSpec, running: SystemSpec, asked: Mapping[str, Any]) -> Sy
     conflicts = tuple(
         _difference(option, value, getattr(running, option))
         for option, value in asked.items()
-        if value != getattr(running, option)
+        if option not in WHERE_REACHED and value != getattr(running, option)
     )
     if conflicts:
         raise ConfigError(spec.name, conflicts)
-    return replace(running, store_url=spec.store_url)
+    bus = spec.redis_url if spec.redis_url is not None else running.redis_url
+    return replace(running, store_url=spec.store_url, redis_url=bus)
 
 
 def _difference(option: str, asked: Any, running: Any) -> str:
     if isinstance(asked, Limits) and isinstance(running, Limits):
         pairs = ((f.name, getattr(running, f.name), getattr(asked, f.name)) for f in fields(Limits))
         return "; ".join(f"limits.{n}: running {r!r}, asked {a!r}" for n, r, a in pairs if r != a)
-    if option == "redis_url":  # a password is never shown
-        asked, running = (None if url is None else redact(url) for url in (asked, running))
     return f"{option}: running {running!r:.200}, asked {asked!r:.200}"

@@ -80,17 +80,21 @@ def test_the_command_line_takes_the_running_systems_limits(make_system, tmp_path
     assert refused.exit_code == 1 and "id_chars" in refused.output, refused.output
 
 
-def test_a_conflict_names_each_setting_and_never_a_password():
+def test_a_conflict_names_each_setting_and_the_urls_are_the_client_s_own():
+    """A store's and a bus's URLs say where this client reaches them (another host
+    name, other credentials): its own are kept, never a conflict, never shown."""
     from actors.wire import SystemSpec
     from cluster.joining import adopt
 
-    running = SystemSpec("s", "memory://", redis_url="redis://:hunter2@127.0.0.1:6379/0")
-    asked = {"redis_url": "redis://:swordfish@127.0.0.1:6379/1", "executors": 2}
+    running = SystemSpec("s", "memory://", redis_url="redis://:hunter2@127.0.0.1:6379/0", hosts=3)
+    mine = SystemSpec("s", "MEMORY://", redis_url="redis://:swordfish@10.0.0.9:6379/0")
+    asked = {"redis_url": mine.redis_url, "store_url": mine.store_url, "hosts": 2}
     with pytest.raises(ConfigError) as refused:
-        adopt(SystemSpec("s", "memory://", **asked), running, asked)  # type: ignore[arg-type]
-    assert refused.value.conflicts == (
-        "redis_url: running 'redis://:***@127.0.0.1:6379/0', asked 'redis://:***@127.0.0.1:6379/1'",
-    )
+        adopt(mine, running, asked)
+    assert refused.value.conflicts == ("hosts: running 3, asked 2",)
     assert "hunter2" not in str(refused.value) and "swordfish" not in str(refused.value)
-    mine = SystemSpec("s", "MEMORY://")
-    assert adopt(mine, running, {}) == SystemSpec("s", "MEMORY://", redis_url=running.redis_url)
+    joined = adopt(mine, running, {"redis_url": mine.redis_url})
+    assert joined == SystemSpec("s", "MEMORY://", redis_url=mine.redis_url, hosts=3)
+    bare = SystemSpec("s", "MEMORY://")  # no bus of its own: the system's
+    expected = SystemSpec("s", "MEMORY://", redis_url=running.redis_url, hosts=3)
+    assert adopt(bare, running, {}) == expected
