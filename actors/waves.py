@@ -242,7 +242,7 @@ class WaveDispatcher:
             self._learning[executor] = (asyncio.ensure_future(_pinged(executor)), now)
         waited = {ex: now - sent for ex, (_, sent) in self._learning.items() if ex in out}
         waited = {ex: s for ex, s in waited.items() if s >= period and ex not in self._up}
-        states = await asyncio.gather(*(asyncio.to_thread(ray_state, ex) for ex in waited))
+        states = await asyncio.gather(*(_ray_state_within(ex) for ex in waited))
         for (executor, waited_s), state in zip(waited.items(), states, strict=True):
             if up_by_ray(state, waited_s):
                 self._up.add(executor)
@@ -324,6 +324,15 @@ def ray_state(actor: Any) -> str | None:
         state: Any = ray._private.state  # untyped internals
         return str(state.actors(actor_id=actor._actor_id.hex())["State"])
     except Exception:  # another Ray, the GCS out of reach: the caller's bound decides
+        return None
+
+
+async def _ray_state_within(actor: Any) -> str | None:
+    """``ray_state`` off the loop, within ``PING_TIMEOUT_S``: a GCS slow to answer must
+    not hold the watch of every executor (None: Ray did not say)."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(ray_state, actor), PING_TIMEOUT_S)
+    except TimeoutError:
         return None
 
 

@@ -123,10 +123,14 @@ async def running_limits(store: str | None, address: str | None) -> Limits:
     (joined as ``Ratchet.connect`` joins it: RAY_ADDRESS, else a local Ray started here;
     nothing of the system is started: ``cluster.joining``); the defaults if it is not
     running there, those a system the command line starts runs with."""
+    import ray
+
     from actors.wire import SystemSpec
     from cluster.config import connect_ray, system_name
     from cluster.joining import running_spec
 
+    if address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        return DEFAULT_LIMITS  # a Ray started here runs no system yet: nothing to ask
     url = store_url_from(store)
     connect_ray(address, quiet=True)
     running = await running_spec(SystemSpec(system_name(url), url).supervisor_name)

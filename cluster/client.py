@@ -53,6 +53,7 @@ from cluster.handle import RunHandle, command_for
 from cluster.joining import asked_options, joined
 from cluster.letting_go import give_up_lease, kill_named, kill_system
 from cluster.waiting import (
+    may_have_started,
     notice_or_rest,
     on_a_live_host,
     polled,
@@ -221,7 +222,7 @@ class Ratchet:
             return await handle.settled(host_done=wait)
 
         # either way the Run may go on: the ids its caller may not have made find it
-        ids = _may_have_started(RunId(run), ThreadId(thread))
+        ids = may_have_started(RunId(run), ThreadId(thread))
         try:
             return await asyncio.wait_for(running(), timeout_s)
         except TimeoutError:
@@ -279,12 +280,12 @@ class Ratchet:
         except SystemShutDown:  # nothing was started, nor will be: connect again
             raise
         except ClusterUnavailable as exc:  # it may have landed: the ids find it again
-            raise ClusterUnavailable(f"{exc}; {_may_have_started(run, thread)}") from exc
+            raise ClusterUnavailable(f"{exc}; {may_have_started(run, thread)}") from exc
         except StoreUnavailable as exc:
             # the host's backoff ran out, but a commit of it still on its way to a hung
             # server lands when the server goes on (seen: the Run then ran to its end):
             # with ids made here, the caller could neither find that Run nor ask again
-            raise StoreUnavailable(f"{exc}; {_may_have_started(run, thread)}") from exc
+            raise StoreUnavailable(f"{exc}; {may_have_started(run, thread)}") from exc
         return RunHandle(self, thread, run, placement), answer
 
     def handle(self, thread_id: str, run_id: str | None = None) -> RunHandle:
@@ -299,10 +300,8 @@ class Ratchet:
         return RunHandle(self, ThreadId(thread), None if run is None else RunId(run), "hosted")
 
     def _still_up(self) -> None:
-        """A dedicated host is made on demand, by name: one made after another process
-        shut the system down (a client connected before) had no Supervisor to end it,
-        and stayed, with the executors it started, for good. A pool host of a system shut
-        down is dead for good: a start asked it again for a minute before it gave up."""
+        """SystemShutDown if the system has no Supervisor: a host made on demand by name
+        after another process shut the system down stayed, with its executors, for good."""
         try:
             ray.get_actor(self.spec.supervisor_name, namespace=NAMESPACE)
         except ValueError:
@@ -312,15 +311,18 @@ class Ratchet:
 
     async def host_failed(self, target: Any) -> None:
         """A call to ``target`` failed as its host died (``RayActorError``): its caller
-        asks again. SystemShutDown if the system was shut down meanwhile. A pool host
-        dead for good (``host_max_restarts`` spent, or 0) is made again under its name,
-        as ``connect`` makes it: its handle kept here, every start, cancel or stop of a
-        thread hashing to it failed for good, though the Supervisor re-places its Runs.
-        One that Ray is restarting is found again by its name, as it is."""
+        asks again (SystemShutDown if the system is gone). A pool host dead for good
+        (``host_max_restarts`` spent, or 0) is made again under its name, one that Ray
+        is restarting found by it: a dead handle failed every call for its threads."""
         await asyncio.to_thread(self._still_up)  # GCS calls: not on this loop
         for index, host in enumerate(self.hosts):
             if host is target:
                 again = await asyncio.to_thread(hosted_host, self.spec, index)
+                try:  # shut down meanwhile: a host made now would outlive its system
+                    await asyncio.to_thread(self._still_up)
+                except SystemShutDown:
+                    ray.kill(again)
+                    raise
                 if self.hosts[index] is target:  # not made again meanwhile by another call
                     self.hosts[index] = again
 
@@ -460,13 +462,6 @@ async def _give_up_if_last(spec: SystemSpec, store: CommitStore) -> None:
     of it connected here meanwhile."""
     if _uncount(spec.name) and owns_ray():
         await give_up_lease(spec, store, closing=True, reopened=lambda: _OPEN[spec.name] > 0)
-
-
-def _may_have_started(run: RunId, thread: ThreadId) -> str:
-    return (
-        f"run {run!r} on thread {thread!r} may have started: ask again with these ids "
-        "(a start is idempotent by run id) or look at the thread"
-    )
 
 
 def _uncount(system: str) -> bool:

@@ -156,3 +156,11 @@ def _at_rest(row: RunSummary | None, run: RunId | None) -> bool:
     if row is None or (run is not None and row.run_id != run):
         return False
     return row.state in ("ended", "awaiting")
+
+
+def may_have_started(run: RunId, thread: ThreadId) -> str:
+    """What a start that gave up says: the ids that find its Run, should it have landed."""
+    return (
+        f"run {run!r} on thread {thread!r} may have started: ask again with these ids "
+        "(a start is idempotent by run id) or look at the thread"
+    )
