@@ -141,13 +141,9 @@ class Limits:
 MIN_ID_CHARS = 64
 """The least ``id_chars`` may be: a thread id the in-process runner makes takes 39."""
 STORED_ID_CHARS = 2560
-"""The longest id a store holds: its index on a record's thread and operation ids takes
-2,560 bytes of the two (``runtime.rules.KEY_BYTES``). ``id_chars`` bounds the ids of what
-is new (a Run started, a thread made); an id that names what is already stored — a thread
-read, listed from, cancelled or exported, a ticket's ids in a resume — is held to this
-instead (``STORED_IDS``): a system whose ``id_chars`` was lowered, or one whose limits are
-not the default ones the CLI assumes, still reaches every thread it wrote, and an
-imported thread's copied run ids (as long as any stored one) resume."""
+"""The longest id a store holds (its index on thread and operation ids, ``KEY_BYTES``).
+An id naming what is stored (a thread read, listed, cancelled, exported or recovered, a
+ticket's ids) is held to this (``STORED_IDS``), not ``id_chars``, which bounds new ids."""
 
 DEFAULT_LIMITS = Limits()
 STORED_IDS = Limits(id_chars=STORED_ID_CHARS)
