@@ -93,9 +93,13 @@ class ChildHosting:
         while thread not in self.drives.quarantined:
             # a passing outage is waited out here: told to the parent, it would cost the
             # delegating call an attempt (its drive pauses and recovers)
-            frontier = await patiently(lambda: self.store.load(thread))
+            # the head says whether it answers (a paused child is followed for as long
+            # as its pause): the whole log is read and verified only once it does
+            frontier = await patiently(lambda: self.store.load_head(thread))
             if answers(frontier):
-                return frontier
+                frontier = await patiently(lambda: self.store.load(thread))
+                if answers(frontier):  # still (a person may have answered meanwhile)
+                    return frontier
             drive = self.drives.get(thread)
             if frontier.run_id != run and (drive is None or drive.task.done()):
                 raise StoreUnavailable(NOT_STARTED.format(thread))
