@@ -520,6 +520,41 @@ def _cancelling_its_task(*_: Any) -> Any:
     return None
 
 
+def _cancelling_its_task_and_raising(*_: Any) -> Any:
+    _cancelling_its_task()
+    raise ValueError("and then it failed")
+
+
+def _with(who: str, fn: Any) -> Agent:
+    """An agent running ``fn`` as ``who`` (in the Run's task, but an async handler)."""
+
+    async def later(*_: Any) -> Any:
+        return fn()
+
+    if who in ("handler", "async handler"):
+        session = Session(b=SessionSide(handler=fn if who == "handler" else later))
+        return Agent(name="a", model=_script(), tools=[fine], session=session)
+    if who == "hook":
+        return Agent(name="a", model=_script(), tools=[fine], hooks=[Hook("StepStart", fn)])
+    if who == "gate":
+        return Agent(name="a", model=_script(), tools=[fine], gates=[fn])
+    return Agent(name="a", model=_script(), run_end_guards=[fn])
+
+
+async def _at_rest_once(agent: Agent, who: str) -> Any:
+    """The cause the Run ends with; a gate's denial checked; a recovery finds it at rest."""
+    store = MemoryCommitStore()
+    done = await InProcessRunner(agent, store).start("go", thread_id="t")
+    assert isinstance(done.run_state, EndedState)
+    if who == "gate":
+        assert done.run_state.cause.kind == "natural"
+        ((is_error, text),) = _results(done)
+        assert is_error and "the gate cancelled its own task" in text
+    again = await InProcessRunner(agent, store).recover("t")  # at rest: nothing to do
+    assert again.version == done.version
+    return done.run_state.cause
+
+
 @pytest.mark.parametrize("who", ["gate", "guard", "handler"])
 async def test_user_code_cancelling_the_runs_task_is_its_own_failure(who: str) -> None:
     """A gate, a run-end guard or a session's handler runs synchronously in the Run's
@@ -527,34 +562,13 @@ async def test_user_code_cancelling_the_runs_task_is_its_own_failure(who: str) -
     Run's next wait, taken for its host stopping the drive. The start raised
     CancelledError, the Run was left running (each recovery cancelled again), or the
     handler's Run ended natural. Now it denies the call, refuses the end, fails the Run."""
-    store = MemoryCommitStore()
-    if who == "gate":
-        agent = Agent(name="a", model=_script(), tools=[fine], gates=[_cancelling_its_task])
-    elif who == "guard":
-        agent = Agent(name="a", model=_script(), run_end_guards=[_cancelling_its_task])
-    else:
-        session = Session(b=SessionSide(handler=_cancelling_its_task))
-        agent = Agent(name="a", model=_script(), tools=[fine], session=session)
-    done = await InProcessRunner(agent, store).start("go", thread_id="t")
-    assert isinstance(done.run_state, EndedState)
-    cause = done.run_state.cause
-    if who == "gate":
-        assert cause.kind == "natural"
-        ((is_error, text),) = _results(done)
-        assert is_error and "the gate cancelled its own task" in text
-    elif who == "guard":
+    cause = await _at_rest_once(_with(who, _cancelling_its_task), who)
+    if who == "guard":
         assert isinstance(cause, Failed) and cause.code == "run_end_guard"
         assert "cancelled its own task" in cause.message
-    else:
+    elif who == "handler":
         assert isinstance(cause, Failed) and cause.failure == "hook"
         assert cause.code == "CancelledError"
-    again = await InProcessRunner(agent, store).recover("t")  # at rest: nothing to do
-    assert again.version == done.version
-
-
-def _cancelling_its_task_and_raising(*_: Any) -> Any:
-    _cancelling_its_task()
-    raise ValueError("and then it failed")
 
 
 @pytest.mark.parametrize("who", ["handler", "async handler", "hook", "gate", "guard"])
@@ -563,29 +577,6 @@ async def test_user_code_cancelling_the_runs_task_and_raising_fails_or_denies(wh
     raise took the way out before the cancellation was dropped, which landed at the
     settling commit's wait and was taken for the host stopping the drive: the Run was
     left running (a handler's). Each still fails the Run, denies or refuses."""
-
-    async def later(*_: Any) -> Any:
-        _cancelling_its_task_and_raising()
-
-    fn = _cancelling_its_task_and_raising
-    if who in ("handler", "async handler"):
-        session = Session(b=SessionSide(handler=fn if who == "handler" else later))
-        agent = Agent(name="a", model=_script(), tools=[fine], session=session)
-    elif who == "hook":
-        agent = Agent(name="a", model=_script(), tools=[fine], hooks=[Hook("StepStart", fn)])
-    elif who == "gate":
-        agent = Agent(name="a", model=_script(), tools=[fine], gates=[fn])
-    else:
-        agent = Agent(name="a", model=_script(), run_end_guards=[fn])
-    store = MemoryCommitStore()
-    done = await InProcessRunner(agent, store).start("go", thread_id="t")
-    assert isinstance(done.run_state, EndedState)
-    cause = done.run_state.cause
-    if who == "gate":
-        assert cause.kind == "natural"
-        ((is_error, text),) = _results(done)
-        assert is_error and "the gate cancelled its own task" in text
-    else:
+    cause = await _at_rest_once(_with(who, _cancelling_its_task_and_raising), who)
+    if who != "gate":
         assert isinstance(cause, Failed) and cause.failure == "hook"
-    again = await InProcessRunner(agent, store).recover("t")  # at rest: nothing to do
-    assert again.version == done.version
