@@ -80,12 +80,19 @@ def fanout_agent(
     calls = tuple(
         call("delegate", f"d{i}", agent=f"{HERE}:{target}", input=f"task {i}") for i in range(n)
     )
+    return _batch_agent(name, calls, limits=limits)
+
+
+def _batch_agent(
+    name: str, calls: tuple, tools: tuple = (), limits: DelegationLimits | None = None
+) -> Agent:
+    """Asks for ``calls`` in one batch, then answers with their results (JSON)."""
     return Agent(
         name=name,
         model=ScriptedModel(
             [ModelResponse(tool_calls=calls), lambda r: ModelResponse(text=json.dumps(_results(r)))]
         ),
-        tools=[delegate_tool()],
+        tools=[delegate_tool(), *tools],
         delegation=limits or DelegationLimits(),
     )
 
@@ -260,21 +267,12 @@ asked_first_by_a_deadline = _asked_first("asked_first_by_a_deadline", wait_deadl
 """The same, its approval due within a minute."""
 
 
-mixed = Agent(
-    name="mixed",
-    model=ScriptedModel(
-        [
-            ModelResponse(
-                tool_calls=(
-                    call("delegate", "d0", agent=f"{HERE}:worker", input="quick"),
-                    call("delegate", "d1", agent=f"{HERE}:needy_worker", input="publish"),
-                )
-            ),
-            lambda r: ModelResponse(text=json.dumps(_results(r))),
-        ]
+mixed = _batch_agent(
+    "mixed",
+    (
+        call("delegate", "d0", agent=f"{HERE}:worker", input="quick"),
+        call("delegate", "d1", agent=f"{HERE}:needy_worker", input="publish"),
     ),
-    tools=[delegate_tool()],
-    delegation=DelegationLimits(),
 )
 """Two children in one wave: one answers, one needs a human."""
 
@@ -319,22 +317,14 @@ def note(x: int) -> str:
     return "noted"
 
 
-needy_twice_in_turn = Agent(
-    name="needy_twice_in_turn",
-    model=ScriptedModel(
-        [
-            ModelResponse(
-                tool_calls=(
-                    call("delegate", "d0", agent=f"{HERE}:needy_worker", input="first"),
-                    call("note", "s", x=1),
-                    call("delegate", "d1", agent=f"{HERE}:needy_worker", input="second"),
-                )
-            ),
-            lambda r: ModelResponse(text=json.dumps(_results(r))),
-        ]
+needy_twice_in_turn = _batch_agent(
+    "needy_twice_in_turn",
+    (
+        call("delegate", "d0", agent=f"{HERE}:needy_worker", input="first"),
+        call("note", "s", x=1),
+        call("delegate", "d1", agent=f"{HERE}:needy_worker", input="second"),
     ),
-    tools=[delegate_tool(), note],
-    delegation=DelegationLimits(),
+    tools=(note,),
 )
 """Two lone children in waves of their own (a serial call between them), each asking a
 human first."""
