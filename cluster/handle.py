@@ -292,9 +292,9 @@ class RunHandle:
 
     async def _ended_by(self, command: ResumeCommand) -> Taken | None:
         """After a resume that landed: its taken fact, if the Run has ended since (it may
-        have ended as the resume was taken, ``resume_ended``); None while it goes on. One
-        load, and the last commit, while the Run is the thread's latest."""
-        frontier = await self.frontier()
+        have ended as the resume was taken, ``resume_ended``); None while it goes on. The
+        thread's head (no history read), and the last commit, while the Run is its latest."""
+        frontier = await self.client.store.load_head(self.thread_id)
         if frontier.run_id != command.run_id:  # the thread moved on: that Run has ended
             return await self._taken(command)
         if not isinstance(frontier.run_state, EndedState):
