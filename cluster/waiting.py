@@ -8,6 +8,7 @@ answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -127,7 +128,8 @@ async def rested_summaries(
     store: CommitStore, wanted: dict[ThreadId, RunId | None]
 ) -> list[RunSummary]:
     """The summaries of the ``wanted`` Runs (by thread) the store holds at rest, from one
-    listing (waiting out an outage of a moment)."""
+    listing (waiting out an outage of a moment); a thread it does not list, from its
+    verified head (the listing is the index, which a hand can empty)."""
     listing = await patiently(store.list_runs)
     for thread in refused_in(listing):  # it would never be listed at rest
         if thread in wanted:
@@ -136,6 +138,11 @@ async def rested_summaries(
     done: list[RunSummary] = []
     for t, run in wanted.items():
         row = rows.get(t)
+        if row is None:
+            # not listed: no commit yet, or its index entry was removed by hand, and then
+            # it was waited for as running for ever (its own ``result`` said it ended):
+            # its verified head says whether it rests
+            row = summarize(await patiently(functools.partial(store.load_head, t)))
         if _at_rest(row, run):
             done.append(row)  # type: ignore[arg-type]  # _at_rest: not None
         elif row is not None and run is not None and moved_on(row.run_id, run):

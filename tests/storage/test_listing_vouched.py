@@ -7,6 +7,7 @@ sweeps and the hosts' reconciliation list Runs, and take them over from what the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -172,3 +173,47 @@ async def test_a_redis_log_whose_meta_was_deleted_is_listed_for_an_audit(store: 
     with pytest.raises(CorruptRecord):
         await store.load(BAD)
     assert await audit(store, BAD)  # the thread is reported, not skipped
+
+
+class _DoneHost:
+    """A host that says at once that it drives the Run no more (no Ray asked)."""
+
+    class _Done:
+        async def remote(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    until_rest = _Done()
+
+
+async def _hide_in_the_index(store: Any, backend: str, thread: ThreadId) -> None:
+    """The thread's run index entry removed by hand: its Run is in no listing."""
+    if backend == "redis":
+        for state in ("running", "awaiting", "ended"):
+            await store.client.hdel(store._index(state), thread)
+    else:
+        await SqlTamper(store, thread).set_meta(run_state=None, run_id=None, cause=None)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres", "redis"], indirect=True)
+async def test_wait_all_sees_a_run_at_rest_that_an_edited_index_hides(
+    store: Any, backend: str
+) -> None:
+    """``wait_all`` confirms Runs at rest from one listing: a Run the index no longer
+    lists (edited by hand) was waited for as if it still ran, for ever without a
+    timeout, while its own handle's ``result`` (the verified head) said it had ended.
+    A thread the listing leaves out is asked of its verified head."""
+    from actors.wire import SystemSpec
+    from cluster.client import Ratchet
+    from cluster.handle import RunHandle
+    from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
+    from runtime.ids import RunId
+
+    agent = Agent(name="a", model=ScriptedModel([ModelResponse(text="done")]))
+    await InProcessRunner(agent, store).start("go", thread_id=BAD, run_id="r1")
+    await _hide_in_the_index(store, backend, BAD)
+    assert await store.list_runs() == []
+    client = Ratchet(SystemSpec(name="t", store_url="memory://", hosts=1), store, [_DoneHost()])
+    handle = RunHandle(client, BAD, RunId("r1"), "hosted")
+    assert (await handle.result(timeout_s=30)).ended  # the verified head: it ended
+    (summary,) = await asyncio.wait_for(client.wait_all([handle], timeout_s=10), 30)
+    assert (summary.thread_id, summary.run_id, summary.state) == (BAD, "r1", "ended")
