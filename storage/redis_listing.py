@@ -12,7 +12,8 @@ one of another state than asked.
 An index key that holds a value of another type (edited by hand) is left out and
 logged, its threads with it: it is no thread's fault, and failing the whole listing
 (or refusing every thread, as each thread's entry is read from it too) stopped every
-sweep and quarantined every Run. Its Runs are listed again once it is repaired.
+sweep and quarantined every Run. Its Runs are listed again once it is repaired. An
+owner index of another type is passed over for the running index (``_running_of``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ async def list_runs(
 ) -> list[RunSummary]:
     if host is not None and state == "running":
         return await _running_of(store, host)
+    return await _indexed(store, state, host)
+
+
+async def _indexed(store: _Store, state: RunStateKind | None, host: str | None) -> list[RunSummary]:
+    """The Runs the run indexes list (of ``state``, all without), those of ``host`` only."""
     states = RUN_STATES if state is None else (state,)
     with translated(store.where):
         async with store.client.pipeline(transaction=True) as pipe:
@@ -68,13 +74,20 @@ async def list_runs(
 
 
 async def _running_of(store: _Store, host: str) -> list[RunSummary]:
-    """The owner index: running threads whose owner belongs to ``host``."""
+    """The owner index: running threads whose owner belongs to ``host``. An owner index
+    that refuses a read (edited by hand) is passed over for the running index, whose
+    entries name their owner too: the listing is slower, not wrong, and a StoreError
+    here stopped that host's reconciliation and the Supervisor's tick at every pass."""
+    key = f"{store.prefix}:owner:{host}"
     with translated(store.where):
         async with store.client.pipeline(transaction=True) as pipe:
-            pipe.hkeys(f"{store.prefix}:owner:{host}")
+            pipe.hkeys(key)
             pipe.get(store._instance)
-            owned, instance = await pipe.execute()
+            owned, instance = await pipe.execute(raise_on_error=False)
     check_instance(instance, store.instance, store.where)
+    if isinstance(owned, Exception):
+        log.error("the owner index %s refuses a read, the running index is used: %s", key, owned)
+        return await _indexed(store, "running", host)
     return await _vouched(store, [str(t) for t in sorted(owned)], "running", host)
 
 

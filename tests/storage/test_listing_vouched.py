@@ -217,3 +217,30 @@ async def test_wait_all_sees_a_run_at_rest_that_an_edited_index_hides(
     assert (await handle.result(timeout_s=30)).ended  # the verified head: it ended
     (summary,) = await asyncio.wait_for(client.wait_all([handle], timeout_s=10), 30)
     assert (summary.thread_id, summary.run_id, summary.state) == (BAD, "r1", "ended")
+
+
+@pytest.mark.parametrize("backend", ["redis"], indirect=True)
+async def test_a_redis_owner_index_of_the_wrong_type_still_lists_the_hosts_runs(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host's owner index edited by hand into a string made every listing of that
+    host's running Runs a StoreError: its reconciliation and the Supervisor's tick
+    failed at every pass. The running index names each Run's owner too."""
+    from runtime import Crash, FaultPlan, InProcessRunner
+    from runtime.ports import host_of
+
+    from .test_integrity import permission_agent
+
+    crash = FaultPlan(crash_at=("after:results", 1))
+    with pytest.raises(Crash):
+        await InProcessRunner(permission_agent([]), store).start("go", thread_id=BAD, faults=crash)
+    host = host_of((await store.load_head(BAD)).owner)
+    assert host is not None
+    [listed] = await store.list_runs("running", host=host)
+    owners = f"{store.prefix}:owner:{host}"
+    await store.client.delete(owners)
+    await store.client.set(owners, "edited")
+    with caplog.at_level(logging.ERROR, logger="ratchet.storage.redis"):
+        assert await store.list_runs("running", host=host) == [listed]
+    assert owners in caplog.text
+    assert await store.list_runs("running", host="another-host") == []
