@@ -52,17 +52,25 @@ to the limits of the system it imports into (``limits``: a header naming more re
 than ``history_commits`` allows, and the end a Run commits past it, is ``too_large``;
 an explicit target is a new id, held to ``id_chars``) and to its store's payload limit
 (a line longer than a record it takes can make, ``history_format.line_bytes``); a fork's
-new thread is held to its system's ``id_chars`` as well.
+new thread is held to its system's ``id_chars`` as well. Both are held to its history
+limits as the runtime holds a Run's commits to them (``history_write.folded``): a
+record other than a Run's end past ``history_bytes`` or ``history_commits`` (an
+awaiting one keeping a commit for its resume), or a state past ``state_bytes`` where
+the last such record left it, is refused naming the limit (its ``reason``). Copied
+past them, an awaiting Run, answered, ended ``failed(history_limit)`` with the answer
+never applied, and every start on the thread was refused.
 
     RatchetError
     └── HistoryRefused      a fork, export or import refused (``reason``; an export:
         │                   unknown_thread, pruned)
         ├── ForkRefused     unknown_thread, pruned, beyond_head, batch_open,
         │                   run_awaiting, run_running, thread_exists, record, replay,
-        │                   reserved_state, too_large
+        │                   reserved_state, too_large, history_bytes, history_commits,
+        │                   state_bytes
         └── ImportRefused   names the ``line``: malformed, header, format, version, seq,
                             hash, record, thread, chain, truncated, replay,
-                            reserved_state, too_large; thread_exists (no line)
+                            reserved_state, too_large, history_bytes, history_commits,
+                            state_bytes; thread_exists (no line)
 """
 
 from __future__ import annotations
@@ -191,7 +199,7 @@ async def fork(
 
     owner = fork_owner(thread, at_seq)
     planned = remade([r.commit for r in records[:at_seq]], new_thread, owner, refuse)
-    _check_at_rest(folded(planned, new_thread, owner, refuse), thread, at_seq)
+    _check_at_rest(folded(planned, new_thread, owner, refuse, limits), thread, at_seq)
     check_sizes(store, planned, refuse)
     return await write_copy(store, new_thread, planned, owner, refuse)
 
@@ -291,7 +299,7 @@ def plan_import(
     commits = [r.commit for r in exported.records]
     owner = import_owner(commits[-1].payload_hash, len(commits))
     planned = remade(commits, target, owner, _import_refused)
-    at = folded(planned, target, owner, _import_refused)
+    at = folded(planned, target, owner, _import_refused, limits)
     return PlannedImport(target, owner, planned, exported.thread_id, _unrested(at))
 
 

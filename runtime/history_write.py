@@ -19,6 +19,7 @@ import wrote (``_written``) and appends the rest; a thread written by anyone els
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from runtime.base import evolve
 from runtime.commit import (
@@ -40,7 +41,7 @@ from runtime.facts import facts_of
 from runtime.history_format import HistoryRefused
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, RunDisposition
-from runtime.limits import STORED_IDS, check_id
+from runtime.limits import STORED_IDS, Limits, check_id, history_size, state_size
 from runtime.ports import CommitStore
 from runtime.reserved import reserved_problem
 from runtime.rules import admit, check_size, receipt_of, with_claim
@@ -114,14 +115,21 @@ def _readdressed(disposition: RunDisposition, thread: ThreadId) -> RunDispositio
 
 
 def folded(
-    planned: Sequence[ThreadCommit], thread: ThreadId, owner: str, refuse: Refuse
+    planned: Sequence[ThreadCommit],
+    thread: ThreadId,
+    owner: str,
+    refuse: Refuse,
+    limits: Limits,
 ) -> Frontier:
     """The frontier the store will fold ``planned`` to (what it would refuse, refused
     here, before anything is written): each commit admitted as ``write_copy`` appends it,
     by the store's own rule — a commit of a Run after its end, an operation id seen
-    before, are refused here too, not half-way through the writing."""
+    before, are refused here too, not half-way through the writing. The thread is held
+    to the history limits of the system it is written for (``within_limits``)."""
     frontier = Frontier(thread_id=thread)
     known: dict[str, Receipt] = {}
+    held, checked = 0, 0  # history bytes so far; the last commit the runtime checks
+    state: Any = None  # the state that commit left
     for seq, commit in enumerate(planned, start=1):
         try:
             if commit.claim is None and commit.epoch != frontier.epoch:
@@ -137,7 +145,55 @@ def folded(
             raise refuse(seq, "reserved_state", problem)
         frontier = admitted
         known[commit.operation_id] = receipt_of(commit, seq)
+        held += history_size(commit.messages) if commit.messages else 0
+        if commit.label != "ended":
+            _within_history(commit, seq, held, limits, refuse)
+            checked, state = seq, frontier.state
+    if checked:
+        _within_state(checked, state, limits, refuse)
     return frontier
+
+
+def _within_history(
+    commit: ThreadCommit, seq: int, held: int, limits: Limits, refuse: Refuse
+) -> None:
+    """The runtime's rule for a commit other than a Run's end (``committing``: an end
+    always lands, past any limit): within ``history_bytes`` and ``history_commits``, an
+    awaiting commit with one commit kept for its resume. Copied past them, the thread
+    holds what no Run of the system could have left it: its awaiting Run, answered, ends
+    ``failed(history_limit)`` with the answer never applied, and every start on it is
+    refused."""
+    room = 1 if commit.label == "awaiting" else 0
+    if seq + room > limits.history_commits:
+        kept = " (and a wait keeps one for its resume)" if room else ""
+        raise refuse(
+            seq,
+            "history_commits",
+            f"commit {seq}{kept} is past this system's limit of {limits.history_commits} "
+            "commits per thread (only a Run's end is committed past it)",
+        )
+    if held > limits.history_bytes:
+        raise refuse(
+            seq,
+            "history_bytes",
+            f"the thread's history holds {held} bytes here, past this system's limit of "
+            f"{limits.history_bytes} (only a Run's end is committed past it)",
+        )
+
+
+def _within_state(seq: int, state: Any, limits: Limits, refuse: Refuse) -> None:
+    """``state_bytes``, measured once: where the last commit the runtime checks (any but
+    a Run's end) left the state. A thread copied past it goes on with no Run: the first
+    commit that grows its state (a Step's usage, say) ends the Run ``failed(history_limit,
+    state_bytes)``."""
+    size = state_size(state)
+    if size > limits.state_bytes:
+        raise refuse(
+            seq,
+            "state_bytes",
+            f"the thread's state holds {size} bytes here, past this system's limit of "
+            f"{limits.state_bytes}",
+        )
 
 
 def payload_limit_of(store: CommitStore) -> int:
