@@ -20,8 +20,9 @@
     ratchet serve                     the HTTP service (edge/: REST, SSE, AG-UI)
 
 ``runs``, ``show``, ``verify``, ``watch``, ``fork``, ``export``, ``import``, ``prune`` and
-``replay`` read the store (and the Redis bus) directly and need no Ray (``fork`` and
-``import`` with ``--address``: the limits its system runs with there). Every expected
+``replay`` read the store (and the Redis bus) directly and need no Ray (``fork``,
+``import`` and ``show``, given ``--address`` or RAY_ADDRESS, ask the system running
+there for its limits, as ``run`` and ``resume`` do: ``cli_base.system_limits``). Every expected
 failure (a bad import path, an unreachable store or cluster, an unknown thread, a
 resume the ticket rejects, bad input) is one line on stderr and exit code 1, never a
 traceback.
@@ -45,6 +46,7 @@ from typing import Any, Literal
 
 import typer
 
+from cluster import cli_base
 from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, thread_arg
 from cluster.cli_base import as_command, errors, frontier_of, open_db, running_limits, uncancelled
 from cluster.cli_json import emit, show_objects
@@ -155,7 +157,7 @@ async def _run(
         handle = await client.start(agent, text, thread_id=thread, placement=placement)
         console.print(f"run {handle.run_id} on thread {handle.thread_id}", markup=False)
         await handle.result()
-        await _show(handle.thread_id, store)
+        await _show(handle.thread_id, store, False, address)
     finally:
         await uncancelled(client.close())  # a second Ctrl-C does not cut the close short
 
@@ -207,12 +209,14 @@ def show(
     thread: str = typer.Argument(..., callback=thread_arg),
     as_json: bool = JsonOption,
     store: str | None = StoreOption,
+    address: str | None = typer.Option(None, "--address", help=cli_base.LIMITS_ADDRESS_HELP),
 ) -> None:
     """Show a thread: transcript, tool-batch phases per commit, and run status."""
-    as_command(_show)(thread, store, as_json)
+    as_command(_show)(thread, store, as_json, address)
 
 
-async def _show(thread: str, store: str | None, as_json: bool = False) -> None:
+async def _show(thread: str, store: str | None, as_json: bool, address: str | None) -> None:
+    limits, said = await cli_base.shown_limits(store, address)
     db = await open_db(store)
     frontier = await db.load(ThreadId(thread))
     records = await db.read(ThreadId(thread))
@@ -228,10 +232,10 @@ async def _show(thread: str, store: str | None, as_json: bool = False) -> None:
         raise RatchetError(f"thread {thread!r} has no commits in {redact(store_url_from(store))}")
     report = analyse(thread, records)
     if as_json:
-        for obj in show_objects(row.json(), frontier, records, report):
+        for obj in show_objects(row.json(), frontier, records, report, limits):
             emit(obj)
         return
-    print_thread(frontier, records, report, tree)
+    print_thread(frontier, records, report, tree, (limits, said))
 
 
 @app.command()

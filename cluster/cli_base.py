@@ -111,18 +111,28 @@ def lines_of(source: BinaryIO, name: str, longest: int = MAX_LINE_BYTES) -> Iter
         raise BadInput(f"cannot read {name}: {exc}") from None
 
 
-async def system_limits(store: str | None, address: str | None) -> Limits:
-    """The limits a command that works on the store alone (a fork, an import) holds what
-    it writes to: with an ``address``, ``running_limits`` there; with none, no Ray is
-    asked, and they are the defaults (those ``ratchet run`` and ``serve`` start with)."""
-    return DEFAULT_LIMITS if address is None else await running_limits(store, address)
+DEFAULTS_SAID = "default limits"
+LIMITS_ADDRESS_HELP = (
+    "Ray cluster the store's system runs on: held to the limits it runs with (default: "
+    "RAY_ADDRESS; with neither, no Ray: the default limits)"
+)
 
 
 async def running_limits(store: str | None, address: str | None) -> Limits:
-    """The limits of the store's system as it runs on the Ray cluster at ``address``
-    (joined as ``Ratchet.connect`` joins it: RAY_ADDRESS, else a local Ray started here;
-    nothing of the system is started: ``cluster.joining``); the defaults if it is not
-    running there, those a system the command line starts runs with."""
+    """The limits of the store's system as it runs (``system_limits``)."""
+    return (await system_limits(store, address))[0]
+
+
+async def system_limits(store: str | None, address: str | None) -> tuple[Limits, str]:
+    """The limits of the store's system as it runs on the Ray cluster at ``address``, else
+    RAY_ADDRESS's (joined as ``Ratchet.connect`` joins it; nothing of the system is
+    started: ``cluster.joining``), and what they are, for the user: ``DEFAULTS_SAID`` (no
+    cluster named and none joined: no Ray is asked; or no system running there, which
+    the command line starts with the defaults), else the running system's. One rule for
+    every command that holds what it writes or shows to a system's limits (``run``,
+    ``resume``, ``fork``, ``import``, ``show``): a fork or an import held to the defaults
+    while ``run`` joined the system through RAY_ADDRESS refused what that system takes
+    (a long thread id, a long history) and took what it refuses."""
     import ray
 
     from actors.wire import SystemSpec
@@ -130,11 +140,23 @@ async def running_limits(store: str | None, address: str | None) -> Limits:
     from cluster.joining import running_spec
 
     if address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
-        return DEFAULT_LIMITS  # a Ray started here runs no system yet: nothing to ask
+        return DEFAULT_LIMITS, DEFAULTS_SAID  # a Ray started here runs no system yet
     url = store_url_from(store)
     connect_ray(address, quiet=True)
-    running = await running_spec(SystemSpec(system_name(url), url).supervisor_name)
-    return DEFAULT_LIMITS if running is None else running.limits
+    spec = SystemSpec(system_name(url), url)
+    running = await running_spec(spec.supervisor_name)
+    if running is None:
+        return DEFAULT_LIMITS, f"{DEFAULTS_SAID}: system {spec.name} is not running"
+    return running.limits, f"the limits system {spec.name} runs with"
+
+
+async def shown_limits(store: str | None, address: str | None) -> tuple[Limits, str]:
+    """``system_limits`` for a command that only shows them: a cluster that does not
+    answer costs it the system's limits (the defaults, saying why), not the command."""
+    try:
+        return await system_limits(store, address)
+    except ClusterUnavailable as exc:
+        return DEFAULT_LIMITS, f"{DEFAULTS_SAID}: {exc}"
 
 
 async def open_db(store: str | None, *, existing: bool = True) -> Any:

@@ -1,11 +1,14 @@
 """``ratchet fork``, ``ratchet export`` and ``ratchet import``: a thread's history
-(``runtime.history``), on the store directly (no Ray: a fork and an import are held to
-the default limits; with ``--address``, to those the store's system runs with there).
+(``runtime.history``), on the store directly. A fork and an import are held to the
+limits the store's system runs with on the Ray cluster ``--address`` (else RAY_ADDRESS)
+names, as ``ratchet run`` is; with neither, no Ray is asked and they are held to the
+defaults (``cli_base.system_limits``).
 
     ratchet fork THREAD --at SEQ --to NEW   NEW starts as THREAD up to commit SEQ
     ratchet export THREAD [--out FILE]      the thread as JSON lines (stdout by default)
     ratchet import FILE [--as THREAD]       write an export as a new thread (FILE - : stdin)
     ... [--address ADDRESS]                 fork, import: the running system's limits
+                                            (default: RAY_ADDRESS; neither: the defaults)
 
 ``register(app)`` adds them to a Typer app. A refusal is one line on stderr and exit
 code 1, as for every command.
@@ -26,7 +29,14 @@ from typing import Any, BinaryIO
 import typer
 
 from cluster.cli_args import BadInput, thread_arg
-from cluster.cli_base import as_command, lines_of, open_db, quiet_stdout, system_limits
+from cluster.cli_base import (
+    LIMITS_ADDRESS_HELP,
+    as_command,
+    lines_of,
+    open_db,
+    quiet_stdout,
+    running_limits,
+)
 from cluster.cli_view import console, print_rest
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT
 from runtime.history import export, fork, plan_import, write_import
@@ -34,10 +44,7 @@ from runtime.history_format import line_bytes
 from runtime.ids import ThreadId
 
 _STORE_HELP = "Store URL (default: RATCHET_STORE_URL or ./ratchet-data)"
-_ADDRESS_HELP = (
-    "Ray cluster the store's system runs on: held to the limits it runs with (default: "
-    "no Ray, the default limits)"
-)
+_ADDRESS_HELP = LIMITS_ADDRESS_HELP
 
 
 def register(app: typer.Typer) -> None:
@@ -65,7 +72,7 @@ def fork_command(
 
 
 async def _fork(thread: str, at: int, to: str, store: str | None, address: str | None) -> None:
-    limits = await system_limits(store, address)
+    limits = await running_limits(store, address)
     db = await _opened(store)
     try:
         frontier = await fork(db, ThreadId(thread), at, ThreadId(to), limits)
@@ -190,7 +197,7 @@ def import_command(
 async def _import(file: str, as_thread: str | None, store: str | None, address: str | None) -> None:
     # held to the store's system's limits (``system_limits``) and to the payload limit
     # every store it opens has (``open_db``: the default, as a cluster's stores)
-    limits = await system_limits(store, address)
+    limits = await running_limits(store, address)
     longest = line_bytes(DEFAULT_PAYLOAD_LIMIT)
     with _opened_input(file) as source:  # input refused before the store is opened (made)
         target = None if as_thread is None else ThreadId(as_thread)

@@ -25,7 +25,7 @@ import orjson
 from cluster.report import RunReport
 from runtime.commit import Frontier
 from runtime.delegation import CHILDREN_KEY
-from runtime.limits import DEFAULT_LIMITS, history_headroom
+from runtime.limits import DEFAULT_LIMITS, Limits, history_headroom
 from runtime.ports import CommittedRecord
 from runtime.reserved import reserved_value
 from runtime.usage import USAGE_KEY
@@ -62,6 +62,7 @@ def show_objects(
     frontier: Frontier,
     records: Sequence[CommittedRecord],
     report: RunReport,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Iterator[dict[str, Any]]:
     """What ``ratchet show --json`` prints, in order:
 
@@ -70,8 +71,8 @@ def show_objects(
       ``status_history`` (``[{"state", "reason"}]``, every committed status change of
       the latest Run), ``thread_usage`` (the thread's usage totals, or null) and
       ``children`` (``{call id: child thread id}`` of its delegations) and ``history``
-      (``{"bytes", "bytes_limit", "commits", "commits_limit"}``, against the default
-      limits: how close the thread is to ``failed(history_limit)``);
+      (``{"bytes", "bytes_limit", "commits", "commits_limit"}``, against ``limits``,
+      the system's: how close the thread is to ``failed(history_limit)``);
     - ``{"type": "message", "index": i, "message": {...}}`` for each message of the
       transcript, oldest first;
     - ``{"type": "commit", "seq": n, "commit": {...}}`` for each committed record (the
@@ -85,7 +86,7 @@ def show_objects(
         "status_history": [{"state": s, "reason": r} for s, r in report.statuses],
         "thread_usage": frontier.state["thread"].get(USAGE_KEY) or None,
         "children": dict(reserved_value(frontier.state, f"run:{CHILDREN_KEY}")[0] or {}),
-        "history": history_headroom(frontier.messages, frontier.version, DEFAULT_LIMITS),
+        "history": history_headroom(frontier.messages, frontier.version, limits),
     }
     for index, message in enumerate(frontier.messages):
         yield {"type": "message", "index": index, "message": message.model_dump(mode="json")}

@@ -27,7 +27,7 @@ from runtime.errors import CorruptRecord, InputRefused
 from runtime.events import Fact
 from runtime.ids import ThreadId
 from runtime.lifecycle import AwaitingState, EndedState
-from runtime.limits import DEFAULT_LIMITS, history_headroom, visible
+from runtime.limits import DEFAULT_LIMITS, Limits, history_headroom, visible
 from runtime.messages import AssistantMessage, ToolResultMessage, UserMessage
 from runtime.ports import CommittedRecord
 from runtime.reserved import reserved_value
@@ -155,9 +155,14 @@ def print_wide(renderable: Any, width: int) -> None:
 
 
 def print_thread(
-    frontier: Frontier, records: Sequence[CommittedRecord], report: RunReport, tree: list[str]
+    frontier: Frontier,
+    records: Sequence[CommittedRecord],
+    report: RunReport,
+    tree: list[str],
+    limits: tuple[Limits, str] = (DEFAULT_LIMITS, "default limits"),
 ) -> None:
-    """``ratchet show``: transcript, each commit with its calls' phases, status, usage."""
+    """``ratchet show``: transcript, each commit with its calls' phases, status, usage;
+    the history room against ``limits`` (the system's, and what they are)."""
     console.rule(f"thread {escape(frontier.thread_id)}")
     for message in frontier.messages:
         console.print(message_line(message), highlight=False)
@@ -189,11 +194,13 @@ def print_thread(
         if total or problem:
             shown = problem or usage_text(total)
             console.print(f"usage ({scope}): {shown}", markup=False, highlight=False)
-    room = history_headroom(frontier.messages, frontier.version, DEFAULT_LIMITS)
+    room = history_headroom(frontier.messages, frontier.version, limits[0])
     console.print(
         f"history: {room['bytes']:,} of {room['bytes_limit']:,} bytes, "
-        f"{room['commits']:,} of {room['commits_limit']:,} commits (default limits)",
+        f"{room['commits']:,} of {room['commits_limit']:,} commits ({limits[1]})",
+        markup=False,
         highlight=False,
+        soft_wrap=True,  # a line to grep, whatever the width
     )
     if len(tree) > 1:
         console.rule("run tree (delegation)")

@@ -5,9 +5,14 @@ with, not to the defaults; settings asked for that it does not run with are Conf
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import ray
 from typer.testing import CliRunner
 
 from cluster.cli import app
@@ -19,6 +24,7 @@ from runtime.limits import DEFAULT_LIMITS, Limits
 
 pytestmark = pytest.mark.ray
 QUICK = "tests.ray.agents:quick_agent"
+ROOT = Path(__file__).resolve().parents[2]
 WIDE = Limits(id_chars=1024, tool_calls=16)
 """Raised ``id_chars`` (fewer tool calls, so that its largest commit fits the stores)."""
 
@@ -60,8 +66,12 @@ async def test_settings_asked_that_the_running_system_has_not_are_refused_typed(
 def test_the_command_line_takes_the_running_systems_limits(make_system, tmp_path: Path):
     """``ratchet run`` held a thread id to the default ``id_chars``, and ``fork`` and
     ``import`` to ``SYSTEM_LIMITS`` (the defaults): with ``--address`` they hold them to
-    the system's as it runs there; without, to the defaults still (no Ray)."""
-    system = asyncio.run(make_system(limits=WIDE))
+    the system's as it runs there. Without it, ``run`` asked the Ray of RAY_ADDRESS and
+    ``fork``/``import`` held to the defaults still, and ``show`` measured the room
+    against the defaults always: now all of them ask RAY_ADDRESS's system; with
+    neither, no Ray is asked, and they are the defaults."""
+    limits = replace(WIDE, history_commits=60_000)
+    system = asyncio.run(make_system(limits=limits))
     store = ["--store", system.spec.store_url]
     here = ["--address", "auto"]  # the Ray of this process: joined already
     thread, saved = "r" * 300, str(tmp_path / "r.jsonl")
@@ -76,8 +86,27 @@ def test_the_command_line_takes_the_running_systems_limits(make_system, tmp_path
     assert "imported thread" in ratchet("import", saved, "--as", "i" * 300, *here)
     at = asyncio.run(system.handle(thread).frontier()).version
     assert "forked thread" in ratchet("fork", thread, "--at", str(at), "--to", "f" * 300, *here)
-    refused = CliRunner().invoke(app, ["import", saved, "--as", "d" * 300, *store])
-    assert refused.exit_code == 1 and "id_chars" in refused.output, refused.output
+    shown = ratchet("show", thread)  # this process has joined Ray, as RAY_ADDRESS would
+    assert "of 60,000 commits (the limits system ratchet-" in shown, shown
+
+    def process(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", "from cluster.cli import app; app()", *args, *store],
+            cwd=ROOT,
+            env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    address = ray.get_runtime_context().gcs_address
+    joined = process("import", saved, "--as", "e" * 300, RAY_ADDRESS=address)
+    assert joined.returncode == 0 and "imported thread" in joined.stdout, joined.stderr
+    shown = process("show", thread, RAY_ADDRESS=address).stdout
+    assert "of 60,000 commits (the limits system" in shown, shown
+    alone = process("import", saved, "--as", "d" * 300)  # no Ray named: the defaults
+    assert alone.returncode == 1 and "id_chars" in alone.stderr, alone.stderr
+    assert "of 50,000 commits (default limits)" in process("show", thread).stdout
 
 
 def test_a_conflict_names_each_setting_and_the_urls_are_the_client_s_own():
