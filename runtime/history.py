@@ -77,6 +77,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, ThreadCommit
 from runtime.errors import RunSuperseded
@@ -89,7 +90,7 @@ from runtime.history_format import (
 )
 from runtime.history_write import check_sizes, folded, payload_limit_of, remade, write_copy
 from runtime.ids import ThreadId
-from runtime.lifecycle import AwaitingState, EndedState, RunningState
+from runtime.lifecycle import AwaitingState, RunningState
 from runtime.limits import DEFAULT_LIMITS, STORED_IDS, Limits, check_id
 from runtime.ports import CommitStore, CommittedRecord, RunSummary, vouched_log
 from runtime.rules import replay
@@ -305,24 +306,40 @@ def plan_import(
 
 async def write_import(store: CommitStore, plan: PlannedImport) -> Frontier:
     """``plan`` written into ``store``, held to the store's own limits first. A thread
-    whose Run is not over is refused beside its source while the source's Run is not
-    over either (as a fork of it is): the copy and its source would each go on with that
-    Run's calls, under the same operation ids (an approval given to both ran a tool
-    twice as one operation)."""
+    whose Run is not over is refused beside any thread of the store where that Run is
+    not over either — its source, or an earlier import of the same export under another
+    id (as a fork of it is): the copy and that thread would each go on with the Run's
+    calls, under the same operation ids (an approval given to both ran a tool twice as
+    one operation)."""
     check_sizes(store, plan.commits, _import_refused)
-    if plan.unrested is not None and plan.thread != plan.source:
-        source = await store.load_head(plan.source)
-        if source.run_id == plan.commits[-1].run_id and not isinstance(
-            source.run_state, EndedState
-        ):
+    if plan.unrested is not None:
+        twin = await _run_going_on(store, plan)
+        if twin is not None:
             reason, what = plan.unrested
+            kind = "its source thread" if twin == plan.source else "thread"
             raise ImportRefused(
                 None,
                 reason,
-                f"{what}, as it does in its source thread {plan.source!r} in this store; "
-                "import it once that Run has ended there (or into another store)",
+                f"{what}, as it does in {kind} {twin!r} in this store; import it once that "
+                "Run has ended there (or into another store)",
             )
     return await write_copy(store, plan.thread, plan.commits, plan.owner, _import_refused)
+
+
+async def _run_going_on(store: CommitStore, plan: PlannedImport) -> ThreadId | None:
+    """A thread of ``store`` other than the target whose latest Run is the one ``plan``
+    leaves not over, itself not over there (listed by state: the stores index it; an
+    import of a Run not over is a test fixture's, rare enough to list for)."""
+    run = plan.commits[-1].run_id
+    source = await store.load_head(plan.source)
+    if plan.thread != plan.source and source.run_id == run and not source.ended:
+        return plan.source
+    going: tuple[Literal["running", "awaiting"], ...] = ("running", "awaiting")
+    for state in going:
+        for row in await store.list_runs(state):
+            if row.run_id == run and row.thread_id != plan.thread:
+                return row.thread_id
+    return None
 
 
 def _import_refused(seq: int, reason: str, detail: str) -> HistoryRefused:

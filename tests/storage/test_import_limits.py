@@ -150,3 +150,25 @@ async def test_a_fork_is_held_to_its_systems_history_limits(store: Any) -> None:
     assert refused.value.reason == "history_bytes", str(refused.value)
     assert await store.thread_ids() == [T]
     assert (await fork(store, T, at, ThreadId("forked"), Limits())).version == at
+
+
+async def test_a_run_not_over_is_imported_into_a_store_once(store: Any) -> None:
+    """Imported twice under two ids into a store its source is not in, an awaiting Run
+    went on twice: both copies, approved, ran the tool under the same operation ids.
+    Once one copy's Run has ended, the other is the only one to go on with it."""
+    source = MemoryCommitStore()
+    await InProcessRunner(history_agent(), source).start("delete SAFE", thread_id=T)
+    lines = list(await export(source, T))
+    first = await import_thread(store, lines, ThreadId("first"))
+    assert isinstance(first.run_state, AwaitingState)
+    for again in (ThreadId("second"), None):  # another id, or the exported one
+        with pytest.raises(ImportRefused) as refused:
+            await import_thread(store, lines, again)
+        assert refused.value.reason == "batch_open" and refused.value.line is None
+        assert "'first'" in str(refused.value), str(refused.value)
+    assert sorted(await store.thread_ids()) == ["first"]  # nothing written
+    assert (await import_thread(store, lines, ThreadId("first"))) == first  # its own repeat
+    runner = InProcessRunner(history_agent(), store)
+    await runner.resume(answer(first.run_state.ticket, PermissionDecision(approve=False)))
+    second = await import_thread(store, lines, ThreadId("second"))
+    assert isinstance(second.run_state, AwaitingState)
