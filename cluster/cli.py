@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import typer
@@ -51,10 +50,10 @@ from cluster.cli_args import BadInput, awaiting_ticket, payload_from, text_arg, 
 from cluster.cli_base import as_command, errors, frontier_of, open_db, running_limits, uncancelled
 from cluster.cli_json import emit, show_objects
 from cluster.cli_runs import DEFAULT_LIMIT, cursor, run_page, run_query, run_row
+from cluster.cli_verify import verify_store
 from cluster.cli_view import (
     WatchView,
     console,
-    escape,
     print_rest,
     print_runs,
     print_thread,
@@ -65,7 +64,6 @@ from cluster.report import analyse
 from runtime.agent import load_agent
 from runtime.errors import RatchetError, ResumeEnded
 from runtime.ids import ThreadId
-from runtime.integrity import audit_thread
 from runtime.lifecycle import (
     EndedState,
     validate_resume,
@@ -247,51 +245,7 @@ def verify(
     """Audit stored threads: each record against its hash, the hash chain, seq continuity,
     the frontier against its checksum and against a replay of its log. Exits 1 naming
     each bad thread and seq."""
-    as_command(_verify)(thread, every, store)
-
-
-async def _verify(thread: str | None, every: bool, store: str | None) -> None:
-    if (thread is None) == (not every):
-        raise BadInput("give a THREAD or --all (not both)")
-    db = await open_db(store)
-    problems = []
-    audited = pruned = 0
-    stopped: RatchetError | None = None
-    try:
-        async for name in _threads(db, thread):
-            audited += 1
-            found = await audit_thread(db, name)
-            problems += found.problems
-            if found.pruned_through:
-                pruned += 1
-                if thread is not None:
-                    line = f"{name}: pruned through seq {found.pruned_through}"
-                    console.print(line, markup=False)
-    except RatchetError as exc:  # the store out, a listing that cannot go on: what was
-        stopped = exc  # found so far is still said, and the audit is not passed
-    finally:
-        await db.close()
-    for problem in problems:
-        errors.print(f"[red]corrupt:[/red] {escape(str(problem))}", highlight=False, soft_wrap=True)
-    if stopped is not None:
-        errors.print(f"verify stopped after {audited} threads: {stopped}", markup=False)
-        raise typer.Exit(1)
-    bad = len({p.thread for p in problems})
-    note = f" ({pruned} pruned: checked from their anchor)" if pruned else ""
-    console.print(f"{audited} threads audited, {bad} with problems{note}", highlight=False)
-    if problems:
-        raise typer.Exit(1)
-
-
-async def _threads(db: Any, thread: str | None) -> AsyncIterator[ThreadId]:
-    if thread is not None:
-        yield ThreadId(thread)
-        return
-    after = ""
-    while page := await db.thread_ids(after, 500):
-        for name in page:
-            yield name
-        after = page[-1]
+    as_command(verify_store)(thread, every, store)
 
 
 # ---- control: resume, cancel, stop, watch -----------------------------------------------
