@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from runtime.limits import printable
 from runtime.state import Command
+from runtime.usage import admitted_usage
 from runtime.tracing_guard import current, ended, injected, propagator, started
 
 if TYPE_CHECKING:
@@ -329,7 +330,10 @@ async def _inference(
             code = getattr(exc, "code", None)
             span.set_attribute("error.type", code if isinstance(code, str) else type(exc).__name__)
             raise
-        usage = getattr(response, "usage", None)
+        # as the Run commits it: a provider's own report may hold a count past 2**63 or
+        # a model id with a lone surrogate, which OTLP cannot encode (its exporter drops
+        # the whole batch, other Runs' spans too), or counts the Run did not believe
+        usage = admitted_usage(getattr(response, "usage", None))
         if usage is not None:
             if usage.model:
                 span.set_attribute("gen_ai.response.model", usage.model)

@@ -288,3 +288,60 @@ async def test_a_character_cut_between_two_chunks_is_one_character_in_the_answer
     frontier = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
     assert frontier.run_state.cause.kind == "natural", frontier.run_state
     assert frontier.messages[-1].text == "smile \U0001f600 ok"
+
+
+HOSTILE_USAGE = {"prompt_tokens": 2**100, "completion_tokens": -3, "total_tokens": 1}
+
+
+@pytest.mark.parametrize(
+    ("usage", "model_id"),
+    [(HOSTILE_USAGE, "gpt-test-2024"), ({"prompt_tokens": 5, "completion_tokens": 2}, "m\ud800")],
+    ids=["counts-past-int64-and-negative", "model-id-a-lone-surrogate"],
+)
+async def test_an_inference_span_says_only_the_usage_the_run_committed(
+    provider, closing, usage, model_id
+):
+    """A provider's usage is checked before it is committed (``admitted_usage``); the
+    inference span was given it unchecked: a count past 2**63 or a model id holding a
+    lone surrogate cannot be encoded by OTLP, whose exporter then drops the whole batch
+    of spans (other Runs' too), and the span said counts the Run never took."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from runtime import tracing
+
+    frames = [
+        data(openai_chunk({"role": "assistant", "content": "hi"})),
+        data(openai_chunk({}, "stop")),
+        data(openai_chunk(usage=usage) | {"model": model_id}),
+        data("[DONE]"),
+    ]
+    provider.reply(Sse(frames))
+    exporter = InMemorySpanExporter()
+    spans = TracerProvider()
+    spans.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable(spans)
+    try:
+        model = closing(
+            OpenAICompatible("gpt-test", base_url=f"{provider.url}/v1", api_key=API_KEY)
+        )
+        agent = Agent(name="a", model=model, inference_attempts=1)
+        f = await InProcessRunner(agent, MemoryCommitStore()).start("hi", thread_id="t")
+    finally:
+        tracing.disable()
+    assert f.run_state.cause.kind == "natural"
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "chat gpt-test"]
+    committed = f.state["run"].get("usage")
+    said = {k: v for k, v in span.attributes.items() if k.startswith("gen_ai.usage.")}
+    if committed is None:  # not believed: not counted, and not said either
+        assert said == {}
+    else:
+        assert said == {
+            "gen_ai.usage.input_tokens": committed["input_tokens"],
+            "gen_ai.usage.output_tokens": committed["output_tokens"],
+        }
+        assert span.attributes["gen_ai.response.model"] == f.state["run"]["model"]
+    for value in span.attributes.values():
+        assert not isinstance(value, int) or -(2**63) <= value < 2**63
+        assert not isinstance(value, str) or value.encode("utf-8")
