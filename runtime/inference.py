@@ -230,7 +230,7 @@ class Inference:
         thread = ctx.frontier.thread_id
         streamed, most = 0, self.limits.response_bytes
         reasoned, most_reasoning = 0, self.limits.reasoning_bytes
-        calls: set[str | None] = set()  # the calls streamed so far, by id
+        calls: dict[str | None, str] = {}  # the calls streamed so far, by id: their tool
         async for item in items:
             if isinstance(item, ModelResponse):
                 response = item
@@ -253,6 +253,8 @@ class Inference:
             if isinstance(item, ModelDelta) and item.type == "reasoning_delta":
                 reasoned += size
                 size = 0
+            elif isinstance(item, ModelDelta) and item.type == "tool_call_delta":
+                size += _named(calls, item)
             streamed += max(size, 1)
             if streamed > most:
                 raise InputRefused(
@@ -263,7 +265,7 @@ class Inference:
                     "model reasoning", "reasoning_bytes", f"over {most_reasoning} characters"
                 )
             if isinstance(item, ModelDelta) and item.type == "tool_call_delta":
-                calls.add(item.call_id)  # refused as they stream, not once thousands came
+                # (``_named`` took its id): refused as they stream, not once thousands came
                 if len(calls) > self.limits.tool_calls:
                     raise InputRefused(
                         "model output",
@@ -292,6 +294,23 @@ class Inference:
         if response is None:
             raise RuntimeError("the model stream ended without a complete response")
         return response
+
+
+def _named(calls: dict[str | None, str], delta: ModelDelta) -> int:
+    """The characters of a call's id and tool name that ``delta`` streams first: the id as
+    its call first comes, the name as it first comes or changes. They are the provider's
+    text as much as the arguments (an 8 MiB id per call was held, checkpointed and
+    streamed until the response renamed it at its end), so ``response_bytes`` counts
+    them too; a response's usual ids and names are a few dozen characters."""
+    tool = delta.tool or ""
+    known = calls.get(delta.call_id)
+    if known is None:
+        calls[delta.call_id] = tool
+        return len(delta.call_id or "") + len(tool)
+    if tool and tool is not known and tool != known:
+        calls[delta.call_id] = tool
+        return len(tool)
+    return 0
 
 
 _MESSAGE_TYPES = frozenset({UserMessage, AssistantMessage, ToolResultMessage, ContextMessage})

@@ -59,7 +59,8 @@ class Limits:
     """The text of one model response."""
     response_bytes: int = 128 * KIB
     """One model response in all: its text and every tool call's arguments. A stream whose
-    deltas pass it (in characters) fails its attempt as it streams."""
+    deltas pass it (in characters, each call's id and tool name counted too) fails its
+    attempt as it streams."""
     reasoning_bytes: int = 1 * MIB
     """A model's reasoning streamed in one attempt (shown live, never committed: not part
     of ``response_bytes``); a stream past it fails its attempt."""

@@ -348,6 +348,13 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
         assert frontier.messages[-1].text == responses[-1].text
 
 
+def streamed_calls(calls: list[tuple[str, str]]) -> list[ModelDelta | ModelResponse]:
+    """Each call (id, tool) streamed as one delta of ``{}``, then the response of them."""
+    deltas = [ModelDelta(type="tool_call_delta", text="{}", call_id=c, tool=t) for c, t in calls]
+    uses = tuple(ToolUse(call_id=c, tool=t, arguments="{}") for c, t in calls)
+    return [*deltas, ModelResponse(tool_calls=uses)]
+
+
 @pytest.mark.parametrize(
     ("first", "want"),
     [
@@ -391,6 +398,16 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
             ),
             ("failed", "inference", "tool_calls"),
         ),
+        # a call's id and tool name are streamed text too: 64 calls of 64 KiB ids each (4
+        # MiB, held, checkpointed and live until the response was renamed at its end)
+        (
+            lambda a: streamed_calls([(f"{i}" * 65536, "echo") for i in range(64)]),
+            ("failed", "inference", "response_bytes"),
+        ),
+        (
+            lambda a: streamed_calls([("c1", "e" * MB)]),
+            ("failed", "inference", "response_bytes"),
+        ),
     ],
     ids=[
         "2MB-answer",
@@ -403,6 +420,8 @@ def test_a_model_yielding_junk_or_raising_leaves_the_run_at_rest(items, raises, 
         "long-reasoning",
         "endless-reasoning",
         "endless-calls",
+        "megabytes-of-call-ids",
+        "a-megabyte-tool-name",
     ],
 )
 async def test_model_failures_end_the_run_failed_inference(first, want):
