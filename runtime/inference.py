@@ -264,14 +264,11 @@ class Inference:
                 raise InputRefused(
                     "model reasoning", "reasoning_bytes", f"over {most_reasoning} characters"
                 )
-            if isinstance(item, ModelDelta) and item.type == "tool_call_delta":
-                # (``_named`` took its id): refused as they stream, not once thousands came
-                if len(calls) > self.limits.tool_calls:
-                    raise InputRefused(
-                        "model output",
-                        "tool_calls",
-                        f"over {self.limits.tool_calls} calls streamed",
-                    )
+            # calls (``_named`` took each id) are refused as they stream, not once thousands came
+            if len(calls) > self.limits.tool_calls:
+                raise InputRefused(
+                    "model output", "tool_calls", f"over {self.limits.tool_calls} calls streamed"
+                )
             if checkpointing:
                 partial.add(item)
                 # a checkpoint only of an inference whose input is committed: a recovery

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from runtime.limits import printable
 from runtime.state import Command
-from runtime.usage import admitted_usage
 from runtime.tracing_guard import current, ended, injected, propagator, started
+from runtime.usage import admitted_usage
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider
