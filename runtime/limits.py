@@ -5,10 +5,9 @@ a hook's commands, a resume payload — is checked here before anything is commi
 A refusal is ``InputRefused`` naming the limit (the field of ``Limits``) or the rule
 broken (``utf8``: text with an unpaired surrogate, which no store can encode;
 ``control_chars``: an id with a control character; ``dot_segment``: an id that is
-``.`` or ``..``). Callers' input is refused with
-no thread row and no Run; model and tool output that breaks a limit becomes a
-model-visible error or a committed ``failed(...)`` (see ``admit_response`` and
-``admit_output``). The README's Errors section has this table.
+``.`` or ``..``). Callers' input is refused with no thread row and no Run; model and
+tool output that breaks a limit becomes a model-visible error or a committed
+``failed(...)`` (``admit_response``, ``admit_output``). The README's Errors has this table.
 """
 
 from __future__ import annotations
