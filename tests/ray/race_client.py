@@ -10,9 +10,12 @@ writes ``<barrier>/ready-<round>-<role>`` and waits — with a deadline — for
 two processes' calls overlap. Then it makes every call of the round at once.
 
 Config: ``{"address", "store_url", "name", "hosts", "role", "barrier", "deadline_s",
-"rounds": [{"action": "start"|"resume"|"cancel", "agent", "calls": [{"thread",
-"run_id", "host", "new_thread" (a start's, optional)}]}]}``; a cancel's answer
-(``cancelled``, ``signalled``, ...) is its ``detail``. Prints one line
+"rounds": [{"action": "start"|"resume"|"cancel"|"fork", "agent", "calls": [{"thread",
+"run_id", "host", "new_thread" (a start's, optional), "input" (a start's, optional),
+"approve" (a resume's, optional), "source" (a fork's: it forks ``source`` at its head
+into ``thread``)}]}]}``; a cancel's answer (``cancelled``, ``signalled``, ...) is its
+``detail``. ``"connect_race": true``: the client connects (starting the system, if
+nobody did) only at the go of round ``connect``, with the ``hosts`` of its config. Prints one line
 ``RESULT <json>``: per round, per thread, ``{"outcome": "ok" | <error type name>,
 "detail": <its message>, "rest": <how the Run rests> | <error type>}`` where
 ``rest`` is ``awaiting`` or ``ended:<cause>``, learnt through ``result()`` within the
@@ -45,7 +48,7 @@ def _rest(frontier: Frontier) -> str:
     return f"not at rest: {state!r}"
 
 
-async def _barrier(barrier: Path, round_no: int, role: str, deadline_s: float) -> None:
+async def _barrier(barrier: Path, round_no: int | str, role: str, deadline_s: float) -> None:
     (barrier / f"ready-{round_no}-{role}").write_text("ready")
     go = barrier / f"go-{round_no}"
     await until(go.exists, deadline_s, what=f"the go for round {round_no}")
@@ -72,7 +75,7 @@ async def _start_round(client: Ratchet, spec: dict[str, Any], deadline_s: float,
     async def one(call: dict[str, Any]) -> tuple[str, str, Any]:
         start = client.start(
             spec["agent"],
-            "race",
+            call.get("input", "race"),
             thread_id=call["thread"],
             run_id=call["run_id"],
             host=call["host"],
@@ -96,7 +99,8 @@ async def _awaiting_round(client: Ratchet, spec: dict[str, Any], deadline_s: flo
     for call in spec["calls"]:
         ticket = await client.handle(call["thread"]).ticket()
         assert ticket is not None, f"{call['thread']} is not awaiting"
-        commands[call["thread"]] = command_for(ticket, PermissionDecision(approve=True))
+        decision = PermissionDecision(approve=call.get("approve", True), note=config_role())
+        commands[call["thread"]] = command_for(ticket, decision)
     await go()
 
     async def one(call: dict[str, Any]) -> tuple[str, str, Any]:
@@ -118,9 +122,65 @@ async def _awaiting_round(client: Ratchet, spec: dict[str, Any], deadline_s: flo
     return report
 
 
+async def _fork_round(client: Ratchet, spec: dict[str, Any], deadline_s: float, go: Any) -> Any:
+    """Fork each call's ``source`` at its head into ``thread`` (its Run has ended)."""
+    heads = {}
+    for call in spec["calls"]:
+        heads[call["source"]] = (await client.store.load(ThreadId(call["source"]))).version
+    await go()
+
+    async def one(call: dict[str, Any]) -> tuple[str, str, Any]:
+        fork = client.fork(call["source"], heads[call["source"]], call["thread"])
+        return await _outcome(fork, deadline_s)
+
+    outcomes = await asyncio.gather(*(one(c) for c in spec["calls"]))
+    report: dict[str, Any] = {}
+    for call, (outcome, detail, _) in zip(spec["calls"], outcomes, strict=True):
+        rest = await _rests(client.handle(call["thread"]), deadline_s)
+        report[call["thread"]] = {"outcome": outcome, "detail": detail, "rest": rest}
+    return report
+
+
+_ROLE: list[str] = []
+
+
+def config_role() -> str:
+    """This client's role: the note of its permission decisions (whose landed)."""
+    return _ROLE[0] if _ROLE else ""
+
+
+PLAYS = {"start": _start_round, "fork": _fork_round}
+
+
 async def main(config: dict[str, Any]) -> dict[str, Any]:
     address = config["address"]
+    _ROLE.append(config["role"])
     ray.init(address=address, namespace="ratchet", log_to_driver=False)
+    if config.get("connect_race"):
+        barrier = Path(config["barrier"])
+        await _barrier(barrier, "connect", config["role"], config["deadline_s"])
+        try:
+            client = await Ratchet.connect(
+                address=address,
+                store_url=config["store_url"],
+                name=config["name"],
+                hosts=config["hosts"],
+                quiet=True,
+            )
+        except Exception as exc:  # the race's loser: its error's type is the finding
+            return {"connect": {"outcome": type(exc).__name__, "detail": str(exc)[:300]}}
+        try:
+            running = ray.get_actor(client.spec.supervisor_name, namespace="ratchet")
+            spec = await running.system_spec.remote()
+            return {
+                "connect": {
+                    "outcome": "ok",
+                    "hosts": client.spec.hosts,
+                    "system_hosts": spec.hosts,
+                }
+            }
+        finally:
+            await client.close()
     client = await Ratchet.connect(
         address=address,
         store_url=config["store_url"],
@@ -136,7 +196,7 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
             async def go(n: int = round_no) -> None:
                 await _barrier(barrier, n, role, deadline_s)
 
-            play = _start_round if spec["action"] == "start" else _awaiting_round
+            play = PLAYS.get(spec["action"], _awaiting_round)
             results[str(round_no)] = await play(client, spec, deadline_s, go)
     finally:
         await client.close()

@@ -59,10 +59,15 @@ DEADLINE_S = 120.0
 
 
 async def race(
-    client: Ratchet, workdir: Path, rounds: dict[str, list[dict[str, Any]]]
+    client: Ratchet,
+    workdir: Path,
+    rounds: dict[str, list[dict[str, Any]]],
+    **options: Any,
 ) -> dict[str, dict[str, Any]]:
     """Run ``race_client`` once per role with its rounds; release each round once both
-    clients are ready for it. Returns each role's findings, by round and thread."""
+    clients are ready for it. Returns each role's findings, by round and thread.
+    ``options``: more of each client's config (``connect_race``: the go of the round
+    ``connect`` first; its ``hosts`` and ``name`` by role, ``{role: value}``)."""
     barrier = workdir / "barrier"
     barrier.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -77,6 +82,7 @@ async def race(
             "barrier": str(barrier),
             "deadline_s": DEADLINE_S,
             "rounds": role_rounds,
+            **{k: v[role] if isinstance(v, dict) else v for k, v in options.items()},
         }
         path = workdir / f"client-{role}.json"
         path.write_text(json.dumps(config))
@@ -91,10 +97,11 @@ async def race(
             stderr=asyncio.subprocess.PIPE,
         )
     outputs = {role: asyncio.create_task(p.communicate()) for role, p in procs.items()}
+    names = ["connect"] if options.get("connect_race") else []
     try:
-        for n in range(len(rounds[ROLES[0]])):
+        for n in [*names, *range(len(rounds[ROLES[0]]))]:
 
-            async def ready(n: int = n) -> bool:
+            async def ready(n: int | str = n) -> bool:
                 exited = any(p.returncode is not None for p in procs.values())
                 return exited or all((barrier / f"ready-{n}-{r}").exists() for r in procs)
 
