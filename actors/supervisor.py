@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorAlreadyExistsError, ActorDiedError
 
 from actors.children import RayChildRunner
 from actors.deliveries import AWAITING_DELEGATION, redeliver
@@ -280,15 +280,25 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
 RemoteSupervisor = ray.remote(Supervisor)
 
 
-def supervisor(spec: SystemSpec) -> Any:
-    """The system's Supervisor, started if it is not running."""
-    return RemoteSupervisor.options(
-        name=spec.supervisor_name,
-        namespace=NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",
-        max_restarts=-1,
-        max_concurrency=1000,
-        num_cpus=0,
-        **{k: v for k, v in spec.core_options.items() if k != "num_cpus"},
-    ).remote(spec)
+def supervisor(spec: SystemSpec) -> tuple[Any, bool]:
+    """The system's Supervisor, started if it is not running; and whether this call made
+    it. Of two processes starting one system at once, the name Ray registers first is the
+    system's: the other is told so (``made`` False) without waiting for its construction,
+    which the maker, whose spec it runs with, never has to."""
+    try:
+        return ray.get_actor(spec.supervisor_name, namespace=NAMESPACE), False
+    except ValueError:
+        pass
+    try:
+        made = RemoteSupervisor.options(
+            name=spec.supervisor_name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            max_restarts=-1,
+            max_concurrency=1000,
+            num_cpus=0,
+            **{k: v for k, v in spec.core_options.items() if k != "num_cpus"},
+        ).remote(spec)
+    except ActorAlreadyExistsError:  # another process made it since the look above
+        return ray.get_actor(spec.supervisor_name, namespace=NAMESPACE), False
+    return made, True

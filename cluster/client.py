@@ -117,7 +117,9 @@ class Ratchet:
         asked = asked_options(spec_options, hosts=hosts, executors=executors)
         name = asked.pop("name", None) or system_name(url)
         options = {"redis_url": bus, "hosts": 2, "executors": 2, **asked}
-        spec = await joined(SystemSpec(name=name, store_url=url, **options), asked)
+        own = SystemSpec(name=name, store_url=url, **options)
+        spec = await joined(own, asked)
+        joining = spec is not own  # a running system's settings were adopted
         _OPEN[spec.name] += 1  # counted from here: a close meanwhile gives nothing up
         try:
             store = await _open_store(spec)
@@ -136,8 +138,16 @@ class Ratchet:
         # (``close``): told to again, not waited for (a new one renews it anyway); one of
         # an older Ratchet has no such method, and never stopped renewing
         try:
+            boss, made = supervisor(spec)
+            if not (joining or made):
+                # no system was running, and another client started it at the same moment:
+                # its Supervisor was made first, with its settings, which the system runs
+                # with. The hosts are made with those, and this client is told if it asked
+                # for others (ConfigError), never left to route and check input by
+                # settings the system does not keep
+                spec = await joined(spec, asked)
             with contextlib.suppress(AttributeError):
-                supervisor(spec).keep_lease.remote()
+                boss.keep_lease.remote()
             pool = [hosted_host(spec, i) for i in range(spec.hosts)]
         except BaseException:
             await _connect_failed(spec, store)

@@ -11,8 +11,12 @@ client asked for that the system does not run with is a ConfigError naming it, n
 quiet divergence. With no Supervisor running, the client's spec is the one that starts
 the system, and nothing is asked.
 
-Two clients that start one system at the same moment, both finding no Supervisor, each
-keep their own spec; the system runs with the first's.
+Two clients that start one system at the same moment both find no Supervisor; each asks
+Ray to make it by name, and the system runs with the spec of the one made first. The
+other (``actors.supervisor.supervisor``: it made none) asks that Supervisor once more
+(``joined`` again) and adopts its spec, or is refused as any joining client is: it
+kept its own, made hosts with it and routed its Runs by a pool size the system did not
+have.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def asked_options(spec_options: Mapping[str, Any], **given: Any) -> dict[str, An
 
 async def joined(spec: SystemSpec, asked: Mapping[str, Any]) -> SystemSpec:
     """The spec of ``spec``'s system as it runs (with this client's store URL, the same
-    store by its identity), or ``spec`` if it is not running; ConfigError if ``asked``
+    store by its identity), or ``spec`` itself if it is not running; ConfigError if ``asked``
     holds a setting it does not run with."""
     running = await running_spec(spec.supervisor_name)
     if running is None:
