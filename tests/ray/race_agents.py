@@ -11,6 +11,7 @@ process, a client) the model refuses with an error instead: a test must not end 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -84,3 +85,21 @@ charging_agent = Agent(
     ),
     tools=(charge,),
 )
+
+
+class UntilFileModel:
+    """Answers (and the Run ends, natural) ``ms`` milliseconds after the file its Run's
+    input names (``"path|ms"``) exists: a test makes the Runs' own ends fall around what
+    it releases at that moment."""
+
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[ModelDelta | ModelResponse]:
+        path, _, ms = str(getattr(request.messages[-1], "text", "")).partition("|")
+        for _ in range(2400):  # 120 s at most
+            if await asyncio.to_thread(os.path.exists, path):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(int(ms or 0) / 1000)
+        yield ModelResponse(text="released")
+
+
+until_file_agent = Agent(name="until-file", model=UntilFileModel())

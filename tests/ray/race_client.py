@@ -141,6 +141,30 @@ async def _fork_round(client: Ratchet, spec: dict[str, Any], deadline_s: float, 
     return report
 
 
+async def _end_round(client: Ratchet, spec: dict[str, Any], deadline_s: float, go: Any) -> Any:
+    """Cancel (or stop, ``"reason"``) each call's thread's Run, running or not, through
+    the host its thread hashes to."""
+    runs = {
+        c["thread"]: (await client.store.load(ThreadId(c["thread"]))).run_id for c in spec["calls"]
+    }
+    await go()
+
+    async def one(call: dict[str, Any]) -> tuple[str, str, Any]:
+        handle = client.handle(call["thread"], runs[call["thread"]])
+        reason = spec.get("reason")
+        return await _outcome(
+            handle.cancel() if reason is None else handle.stop(reason), deadline_s
+        )
+
+    outcomes = await asyncio.gather(*(one(c) for c in spec["calls"]))
+    report: dict[str, Any] = {}
+    for call, (outcome, detail, value) in zip(spec["calls"], outcomes, strict=True):
+        rest = await _rests(client.handle(call["thread"], runs[call["thread"]]), deadline_s)
+        detail = value if isinstance(value, str) else detail
+        report[call["thread"]] = {"outcome": outcome, "detail": detail, "rest": rest}
+    return report
+
+
 _ROLE: list[str] = []
 
 
@@ -149,7 +173,7 @@ def config_role() -> str:
     return _ROLE[0] if _ROLE else ""
 
 
-PLAYS = {"start": _start_round, "fork": _fork_round}
+PLAYS = {"start": _start_round, "fork": _fork_round, "end": _end_round}
 
 
 async def main(config: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from .checks import check_log
 from .test_races import PERMISSION, ROLES, outcomes, pairs, race, rests, runs_of
 
 pytestmark = pytest.mark.ray
+UNTIL_FILE = "tests.ray.race_agents:until_file_agent"
 
 
 @pytest.mark.timeout(400)
@@ -128,3 +129,37 @@ async def test_two_clients_starting_one_system_at_once_run_it_with_one_spec(tmp_
             assert seen["outcome"] == "ConfigError", (role, connected)
     # they asked for different pools: one system, and the other client refused
     assert sorted(seen["outcome"] for seen in connected.values()) == ["ConfigError", "ok"]
+
+
+@pytest.mark.timeout(300)
+async def test_a_cancel_and_a_stop_racing_the_run_s_own_end(make_system, tmp_path):
+    """Runs whose model answers once the round's go is given (each ends then), started
+    pinned to a host; client a cancels each, client b stops it, each through the host the
+    thread hashes to: the Run ends once, and only the call whose end it is says it ended
+    it."""
+    client = await make_system()
+    threads, calls = pairs(uuid.uuid4().hex[:8])
+    go = str(tmp_path / "barrier" / "go-0")  # the file ``race`` writes to start round 0
+    handles = [
+        await client.start(UNTIL_FILE, f"{go}|{60 * i}", thread_id=t, host=c["host"])
+        for i, (t, c) in enumerate(zip(threads, calls["a"], strict=True))
+    ]
+    rounds = {
+        "a": [{"action": "end", "calls": calls["a"]}],
+        "b": [{"action": "end", "reason": "budget", "calls": calls["b"]}],
+    }
+    found = await race(client, tmp_path, rounds)
+    for handle in handles:
+        thread = handle.thread_id
+        cancelled, stopped = (found[r]["0"][thread] for r in ROLES)
+        assert {cancelled["outcome"], stopped["outcome"]} == {"ok"}, (thread, found)
+        done = await handle.result(timeout_s=60)
+        cause = done.run_state.cause.kind
+        assert rests(found, thread) == {f"ended:{cause}"}, (thread, cancelled, stopped)
+        said = {"cancelled": cancelled["detail"], "stopped": stopped["detail"]}
+        for word, answer in said.items():
+            if word != cause:  # it ended nothing
+                assert answer in ("not_running", "signalled"), (thread, cause, said)
+            else:
+                assert answer in (word, "signalled"), (thread, cause, said)
+        await check_log(client.store, thread)
