@@ -280,7 +280,12 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
 RemoteSupervisor = ray.remote(Supervisor)
 
 
-def supervisor(spec: SystemSpec) -> tuple[Any, bool]:
+def supervisor(spec: SystemSpec) -> Any:
+    """The system's Supervisor, started if it is not running."""
+    return supervisor_made(spec)[0]
+
+
+def supervisor_made(spec: SystemSpec) -> tuple[Any, bool]:
     """The system's Supervisor, started if it is not running; and whether this call made
     it. Of two processes starting one system at once, the name Ray registers first is the
     system's: the other is told so (``made`` False) without waiting for its construction,

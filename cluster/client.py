@@ -34,7 +34,7 @@ from actors.store_actor import (
     open_system_store,
     store_actor,
 )
-from actors.supervisor import supervisor
+from actors.supervisor import supervisor_made
 from actors.system_lease import claim_system
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, asked_before, host_index, unwrap
 from cluster import waiting
@@ -138,13 +138,9 @@ class Ratchet:
         # (``close``): told to again, not waited for (a new one renews it anyway); one of
         # an older Ratchet has no such method, and never stopped renewing
         try:
-            boss, made = supervisor(spec)
-            if not (joining or made):
-                # no system was running, and another client started it at the same moment:
-                # its Supervisor was made first, with its settings, which the system runs
-                # with. The hosts are made with those, and this client is told if it asked
-                # for others (ConfigError), never left to route and check input by
-                # settings the system does not keep
+            boss, made = supervisor_made(spec)
+            if not (joining or made):  # another client started the system meanwhile:
+                # its settings, the system's, make the hosts (``cluster.joining``)
                 spec = await joined(spec, asked)
             with contextlib.suppress(AttributeError):
                 boss.keep_lease.remote()

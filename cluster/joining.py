@@ -13,7 +13,7 @@ the system, and nothing is asked.
 
 Two clients that start one system at the same moment both find no Supervisor; each asks
 Ray to make it by name, and the system runs with the spec of the one made first. The
-other (``actors.supervisor.supervisor``: it made none) asks that Supervisor once more
+other (``actors.supervisor.supervisor_made``: it made none) asks that Supervisor once more
 (``joined`` again) and adopts its spec, or is refused as any joining client is: it
 kept its own, made hosts with it and routed its Runs by a pool size the system did not
 have.

@@ -8,6 +8,7 @@ half of each round's threads are raced through one host, half through different 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from cluster.client import Ratchet
 from runtime.ids import ThreadId
-from runtime.lifecycle import EndedState
+from runtime.lifecycle import EndedState, PermissionDecision
 from runtime.messages import ToolResultMessage, UserMessage
 
 from .checks import check_log
@@ -163,3 +164,29 @@ async def test_a_cancel_and_a_stop_racing_the_run_s_own_end(make_system, tmp_pat
             else:
                 assert answer in (word, "signalled"), (thread, cause, said)
         await check_log(client.store, thread)
+
+
+async def test_one_answer_sent_twice_at_once_under_its_request_id_lands_once(make_system, ledger):
+    """A caller (an HTTP edge retrying, two servers behind a balancer) sends the same
+    answer under one request id twice at once, through different hosts: it landed once,
+    and both are its success (the one that found it landed is not ResumeRejected)."""
+    client = await make_system()
+    tag = uuid.uuid4().hex[:8]
+    handles = await asyncio.gather(
+        *(client.start(PERMISSION, "go", thread_id=f"twice-{tag}-{i}") for i in range(6))
+    )
+    await client.wait_all(handles, timeout_s=60)
+    approve = PermissionDecision(approve=True)
+    for handle in handles:
+        answers = await asyncio.gather(
+            *(
+                client.handle(handle.thread_id).respond(approve, host=h, request_id="r1")
+                for h in (0, 1)
+            ),
+            return_exceptions=True,
+        )
+        assert not [a for a in answers if isinstance(a, BaseException)], answers
+        done = await handle.result(timeout_s=60)
+        assert done.run_state.cause.kind == "natural"
+        assert len(ledger.rows(f"tool-batch:{handle.run_id}:")) == 1
+        await check_log(client.store, handle.thread_id)
