@@ -28,12 +28,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.run_host import dedicated_host, hosted_host
-from actors.store_actor import (
-    RemoteCommitStore,
-    open_local_store,
-    open_system_store,
-    store_actor,
-)
+from actors.store_actor import RemoteCommitStore, open_local_store, open_system_store, store_actor
 from actors.supervisor import supervisor_made
 from actors.system_lease import claim_system
 from actors.wire import NAMESPACE, AtRest, Placement, SystemSpec, asked_before, host_index, unwrap
