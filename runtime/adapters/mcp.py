@@ -33,9 +33,11 @@ How each failure ends::
     │   (OutcomeUnknown)      may have run; the call is Lost and its pinned recovery
     │                         policy decides (never_replay: indeterminate)
     └── McpReplyUnreadable    the server's reply cannot be read (a stdio line the SDK
-        (OutcomeUnknown)      drops, nested too deep, say): Lost at once, not waited
-                              out; one whose only fault is an unpaired surrogate
-                              escape is kept instead, U+FFFD in its place (mcp_reply)
+        (OutcomeUnknown)      drops, nested too deep, say; an HTTP body past 16 MiB
+                              or no answer to its POST's request): Lost at once, not
+                              waited out; one whose only fault is an unpaired
+                              surrogate escape is kept instead, U+FFFD in its place
+                              (mcp_reply, mcp_http)
 
 The SDK is imported when a server is listed or called, never with this module.
 """

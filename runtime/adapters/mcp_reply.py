@@ -34,6 +34,8 @@ UNREADABLE = {"ratchet": "the reply could not be read", "mark": secrets.token_he
 """The ``data`` of the error answer that stands in for an unreadable reply. Its mark is
 this process's secret: a server that sends the same words is answering, not unreadable
 (it would have had its answered call taken for lost, and run again)."""
+_SDK_UNPARSED = ("Failed to parse SSE message: ", "Failed to parse JSON response: ")
+"""How the SDK's streamable HTTP transport words a reply it could not parse."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -59,9 +61,60 @@ def reread(item: SessionMessage | Exception) -> SessionMessage | Exception:
     return item
 
 
-def unreadable(exc: MCPError) -> bool:
-    """Whether an error answer stands in for a reply that could not be read."""
-    return bool(exc.data == UNREADABLE)
+def http_answer(body: bytes | None, request_id: str | int, limit: int) -> bytes:
+    """The JSON body of an HTTP server's response to request ``request_id`` as the SDK is
+    to read it: as sent if it is an answer to that request; read again as above (bytes
+    that are no UTF-8 made U+FFFD, as a stdio server's are) if the SDK cannot parse it;
+    and an error answer marked ``UNREADABLE`` if it is still none (None: a body past
+    ``limit`` bytes). The POST's body answers its request: an answer of another id is
+    made this request's, as the SDK does an SSE stream's (it resolved nothing, and the
+    call waited out its timeout)."""
+    from mcp.shared.message import SessionMessage
+    from mcp.types import JSONRPCError, JSONRPCResponse, jsonrpc_message_adapter
+    from pydantic import ValidationError
+
+    if body is None:
+        return _body(_unreadable(request_id, f"a body of more than {limit} bytes"))
+    item: SessionMessage | Exception
+    try:
+        item = SessionMessage(jsonrpc_message_adapter.validate_json(body, by_name=False))
+    except ValidationError:
+        try:  # a str, as the SDK reads a stdio line: ``reread`` finds the line in the error
+            text = body.decode("utf-8", "replace")
+            item = SessionMessage(jsonrpc_message_adapter.validate_json(text, by_name=False))
+        except ValidationError as exc:
+            item = reread(exc)
+    else:
+        message = item.message
+        if isinstance(message, JSONRPCResponse | JSONRPCError) and message.id == request_id:
+            return body  # as sent: the common case, not written again
+    if isinstance(item, Exception):  # beyond Python's json too (nested too deep, say)
+        why = item.errors()[0]["msg"] if isinstance(item, ValidationError) else str(item)
+        return _body(_unreadable(request_id, why))
+    message = item.message
+    if not isinstance(message, JSONRPCResponse | JSONRPCError):
+        return _body(_unreadable(request_id, "no answer to the request"))
+    message.id = request_id
+    return _body(item)
+
+
+def _body(item: SessionMessage) -> bytes:
+    return item.message.model_dump_json(by_alias=True, exclude_unset=True).encode()
+
+
+def unreadable(exc: MCPError) -> str | None:
+    """Why a reply could not be read, if an error answer stands in for one: ours, or the
+    SDK's for an SSE event it could not parse (told by its words, as ``transport_failed``
+    tells the SDK's "connection closed": a server that says them itself is taken at
+    them, and its call lost, not answered)."""
+    from mcp.types import PARSE_ERROR
+
+    said = str(exc.message)
+    if exc.data == UNREADABLE:
+        return said
+    if exc.code == PARSE_ERROR and exc.data is None and said.startswith(_SDK_UNPARSED):
+        return printable(f"the server's reply could not be read ({said})", 500)
+    return None
 
 
 def _unparsed(item: SessionMessage | Exception) -> tuple[str, str] | None:

@@ -187,8 +187,9 @@ class McpServer:
                 link.check(session, self.label)
             raise
         except MCPError as exc:
-            if unreadable(exc):
-                raise McpReplyUnreadable(f"MCP server {self.label}: {exc.message}") from exc
+            why = unreadable(exc)
+            if why is not None:
+                raise McpReplyUnreadable(f"MCP server {self.label}: {why}") from exc
             if link.forgotten_call(key):  # the server answered 404 to the session: not run
                 link.end()  # the next call opens a fresh session
                 why = f"MCP server {self.label} no longer knows this session (restarted?)"

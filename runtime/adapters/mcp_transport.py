@@ -95,6 +95,8 @@ async def http_streams(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
     import httpx2
     from mcp.client.streamable_http import streamable_http_client
 
+    from runtime.adapters.mcp_http import MAX_REPLY_BYTES, BoundedClient
+
     forgotten = FORGOTTEN.get()
 
     async def noted(response: httpx2.Response) -> None:
@@ -110,10 +112,12 @@ async def http_streams(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
 
     timeout = httpx2.Timeout(30.0, read=300.0)  # the SDK's: a response may stream for long
     async with (
-        httpx2.AsyncClient(
+        BoundedClient(
             headers=headers, timeout=timeout, event_hooks={"response": [noted]}
         ) as client,
-        streamable_http_client(url, http_client=client) as streams,
+        streamable_http_client(
+            url, http_client=client, max_sse_event_size=MAX_REPLY_BYTES
+        ) as streams,
     ):
         yield streams
 
