@@ -16,13 +16,14 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 from pydantic import ValidationError
 
+from runtime.adapters.mcp_asked import ServerRequests
 from runtime.adapters.mcp_reply import reread, unreadable
 from runtime.adapters.mcp_schema import session_class
 from runtime.adapters.mcp_transport import (
@@ -272,9 +273,9 @@ class McpServer:
             read, write = await stack.enter_async_context(self._connect())
         finally:
             FORGOTTEN.reset(noting)
-        read = _WatchedRead(read, link.end if link is not None else _unwatched)
-        if link is not None:
-            write = _NotingWrite(write, link)
+        asked = ServerRequests(self.label)
+        read = _WatchedRead(read, link.end if link is not None else _unwatched, asked)
+        write = _NotingWrite(write, link, asked)
         session = await stack.enter_async_context(session_class()(read, write))
         await self._within(session.initialize())
         if link is not None:
@@ -389,27 +390,32 @@ class _Stream:
 
 class _WatchedRead(_Stream):
     """The session's read stream, telling its link when the server's stream ends (the
-    SDK's dispatcher then fails the calls in flight; nothing else would notice), and
-    reading again the lines the SDK could not parse (``mcp_reply.reread``)."""
+    SDK's dispatcher then fails the calls in flight; nothing else would notice), reading
+    again the lines the SDK could not parse (``mcp_reply.reread``), and dropping the
+    server's requests past those the session may answer at a time (``mcp_asked``)."""
 
-    def __init__(self, inner: Any, on_end: Callable[[], None]) -> None:
+    def __init__(self, inner: Any, on_end: Callable[[], None], asked: ServerRequests) -> None:
         super().__init__(inner)
         self._on_end = on_end
+        self._asked = asked
 
     async def receive(self) -> SessionMessage | Exception:
-        return await self._watch(self._inner.receive())
+        return await self._watch(self._inner.receive)
 
     def __aiter__(self) -> Self:
         return self
 
     async def __anext__(self) -> SessionMessage | Exception:
-        return await self._watch(self._inner.__anext__())
+        return await self._watch(self._inner.__anext__)
 
-    async def _watch(self, step: Coroutine[Any, Any, Any]) -> SessionMessage | Exception:
+    async def _watch(self, step: Callable[[], Awaitable[Any]]) -> SessionMessage | Exception:
         import anyio
 
         try:
-            return reread(cast("SessionMessage | Exception", await step))
+            while True:
+                item = reread(cast("SessionMessage | Exception", await step()))
+                if self._asked.admit(item):
+                    return item
         except (StopAsyncIteration, anyio.EndOfStream, anyio.ClosedResourceError):
             self._on_end()
             raise
@@ -422,26 +428,32 @@ def _unwatched() -> None:
 class _NotingWrite(_Stream):
     """The session's write stream, noting each tools/call it hands to the transport: a
     call whose session then ends may have reached the server; one not handed over has not.
-    A send the transport refuses ends the link: the session is closed."""
+    A send the transport refuses ends the link: the session is closed. (A listing's
+    session has no link: only its answers to the server's requests are noted.)"""
 
-    def __init__(self, inner: Any, link: _Link) -> None:
+    def __init__(self, inner: Any, link: _Link | None, asked: ServerRequests) -> None:
         super().__init__(inner)
         self._link = link
+        self._asked = asked
 
     async def send(self, item: SessionMessage, /) -> None:
         import anyio
 
-        key = _call_key(item)
-        if key is not None:
-            self._link.sent.add(key)  # before the send: a cancelled send may still deliver
-            self._link.request_ids[key] = getattr(item.message, "id", None)
+        link = self._link
+        key = None if link is None else _call_key(item)
+        if link is not None and key is not None:
+            link.sent.add(key)  # before the send: a cancelled send may still deliver
+            link.request_ids[key] = getattr(item.message, "id", None)
         try:
             await self._inner.send(item)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            if key is not None:  # refused whole: nothing left this process
-                self._link.sent.discard(key)
-            self._link.end()
+            if link is not None:
+                if key is not None:  # refused whole: nothing left this process
+                    link.sent.discard(key)
+                link.end()
             raise
+        finally:
+            self._asked.answered(item)  # written, or never to be
 
 
 def _call_key(item: SessionMessage) -> tuple[str, int] | None:

@@ -9,7 +9,9 @@ reply with, and ``not_utf8`` with text holding the bytes 0xFF 0xFE (no UTF-8).
 ``wrong_shape`` answers with a content block of a type MCP does not have, and
 ``backtracks`` with structured content its outputSchema's pattern takes exponential time
 on. ``huge`` answers with a line of more than 16 MiB (``mcp_lines.MAX_LINE_BYTES``).
-``stall`` sleeps ten minutes, deaf to its stdin closing. With ``MCP_TEST_TWICE`` set it
+``stall`` sleeps ten minutes, deaf to its stdin closing. ``ping_flood`` sends
+``MCP_TEST_PINGS`` pings (100,000 unless set) before it answers, reading none of
+their answers meanwhile. With ``MCP_TEST_TWICE`` set it
 lists ``snippet`` twice. It appends its pid to
 ``MCP_TEST_DIR/started.log``, as ``server.py`` does."""
 
@@ -25,7 +27,7 @@ TOOLS = [
     {"name": name, "description": name, "inputSchema": {"type": "object", "properties": {}}}
     for name in (
         *("snippet", "deep", "not_an_object", "code_of_text", "declined", "forged", "stall"),
-        *("not_utf8", "wrong_shape", "huge", "backtracks"),
+        *("not_utf8", "wrong_shape", "huge", "ping_flood", "backtracks"),
     )
 ]
 TOOLS[-1]["outputSchema"] = {  # a pattern that backtracks for ever on "aaa…a!"
@@ -66,11 +68,17 @@ def answer(request: dict[str, object]) -> str:
         if params["name"] == "stall":  # busy, deaf to its stdin closing: only a kill ends it
             (Path(os.environ["MCP_TEST_DIR"]) / "stalling").touch()
             time.sleep(600)
+        if params["name"] == "ping_flood":  # pings, never reading their answers, then its own
+            flood = int(os.environ.get("MCP_TEST_PINGS", "100000"))
+            for n in range(flood):
+                sys.stdout.write(f'{{"jsonrpc":"2.0","id":"p{n}","method":"ping"}}\n')
+            sys.stdout.flush()
         if params["name"] in errors:
             error = errors[str(params["name"])]
             return '{"jsonrpc":"2.0","id":' + json.dumps(request["id"]) + ',"error":' + error + "}"
         replies = {"snippet": SNIPPET, "deep": DEEP, "not_an_object": "42", "not_utf8": NOT_UTF8}
         replies |= {"wrong_shape": WRONG_SHAPE, "backtracks": BACKTRACKS, "huge": HUGE}
+        replies["ping_flood"] = '{"content":[{"type":"text","text":"flooded"}]}'
         result = replies[str(params["name"])]
     else:
         result = "{}"
@@ -82,7 +90,7 @@ if __name__ == "__main__":
         started.write(f"{os.getpid()}\n")
     for line in sys.stdin:
         request = json.loads(line)
-        if "id" in request:
+        if "id" in request and "method" in request:  # not a notification, nor an answer
             # surrogateescape: NOT_UTF8's two escapes go out as the bytes they stand for
             sys.stdout.buffer.write((answer(request) + "\n").encode("utf-8", "surrogateescape"))
             sys.stdout.buffer.flush()

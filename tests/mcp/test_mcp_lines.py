@@ -68,3 +68,31 @@ async def test_a_line_past_the_bound_ends_the_session_and_loses_its_call(records
     assert isinstance(lost, Lost), lost
     assert isinstance(after, Finished) and not after.output.is_error, after
     assert len(started_pids(records)) == 3  # the listing's, the ended session's, the fresh one
+
+
+async def test_a_flood_of_the_server_s_requests_holds_a_bounded_number_of_tasks(records):
+    """The SDK answers each request of the server's (a ping) in a task of its own: a
+    server sending pings without reading their answers had a task per ping waiting to
+    write (100,000 pings held 1 GB and 93,000 tasks). Past ``MAX_SERVER_REQUESTS``
+    unanswered, its requests are dropped, and its answer to the call is still read."""
+    from runtime.adapters.mcp_asked import MAX_SERVER_REQUESTS
+
+    env = {"MCP_TEST_DIR": str(records), "MCP_TEST_PINGS": "20000"}
+    server = McpServer.stdio(sys.executable, [RAW_SERVER], env=env)
+    most = 0
+
+    async def count() -> None:
+        nonlocal most
+        while True:
+            most = max(most, len(asyncio.all_tasks()))
+            await asyncio.sleep(0.01)
+
+    counting = asyncio.ensure_future(count())
+    try:
+        runner = LocalToolRunner(mcp_tools(server, timeouts={"ping_flood": 120.0}))
+        (flooded,) = await asyncio.wait_for(runner.run([invocation("ping_flood", "c1")]), 120)
+    finally:
+        counting.cancel()
+        await server.aclose()
+    assert isinstance(flooded, Finished) and flooded.output.content == "flooded", flooded
+    assert most < MAX_SERVER_REQUESTS + 50, most
