@@ -188,9 +188,9 @@ class McpServer:
                 link.check(session, self.label)
             raise
         except MCPError as exc:
-            why = unreadable(exc)
-            if why is not None:
-                raise McpReplyUnreadable(f"MCP server {self.label}: {why}") from exc
+            unread = unreadable(exc)
+            if unread is not None:
+                raise McpReplyUnreadable(f"MCP server {self.label}: {unread}") from exc
             if link.forgotten_call(key):  # the server answered 404 to the session: not run
                 link.end()  # the next call opens a fresh session
                 why = f"MCP server {self.label} no longer knows this session (restarted?)"
