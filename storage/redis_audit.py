@@ -64,16 +64,20 @@ async def index_problem(store: _Store, thread: ThreadId) -> str | None:
 
 async def _indexes_problem(store: _Store, thread: ThreadId, head: Any) -> str | None:
     expected = summarize(head)
+    keys = [store._index(state) for state in RUN_STATES]
+    keys += [store._owners(head.owner), store._key(thread, "ops"), store._key(thread, "sums")]
     with translated(store.where, thread):
         async with store.client.pipeline(transaction=True) as pipe:
-            for state in RUN_STATES:
-                pipe.hget(store._index(state), thread)
-            pipe.hexists(store._owners(head.owner), thread)
-            pipe.hgetall(store._key(thread, "ops"))
-            pipe.lrange(store._key(thread, "sums"), 0, -1)
-            *listed, owned, ops, sums = await pipe.execute(raise_on_error=False)
-    if any(isinstance(a, Exception) for a in (*listed, owned, ops, sums)):
-        return "an index or the receipts refuse a read (a key of the wrong type)"
+            for key in keys[: len(RUN_STATES)]:
+                pipe.hget(key, thread)
+            pipe.hexists(keys[-3], thread)
+            pipe.hgetall(keys[-2])
+            pipe.lrange(keys[-1], 0, -1)
+            answers = await pipe.execute(raise_on_error=False)
+    refused = [key for key, a in zip(keys, answers, strict=True) if isinstance(a, Exception)]
+    if refused:  # a shared index so is named on every thread: appends pass it over
+        return f"{', '.join(refused)} holds a value of another type (edited by hand)"
+    *listed, owned, ops, sums = answers
     entries: dict[str, str] = {
         state: text for state, text in zip(RUN_STATES, listed, strict=True) if text
     }

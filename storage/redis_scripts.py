@@ -3,23 +3,92 @@ step of a thread (an append, a claim, a prune), run with EVALSHA."""
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger("ratchet.storage.redis")
+
+REPORT_EVERY_S = 60.0
+"""How often the log names one shared index an append or claim left unwritten: every
+append of every Run meets it until it is repaired."""
+
+
+class Skipped:
+    """The shared indexes of another type (edited by hand) that a store's appends and
+    claims left unwritten (``typed``): logged, each at most every ``REPORT_EVERY_S``.
+    ``ratchet verify`` names them on every thread (``storage.redis_audit``)."""
+
+    def __init__(self) -> None:
+        self._logged: dict[str, float] = {}
+
+    def of_append(self, thread: str, reply: Any) -> bool:
+        """Whether the append script's reply is ``ok`` with the keys it left unwritten
+        (reported)."""
+        if not (isinstance(reply, list) and reply[0] == "ok"):
+            return False
+        self.report(thread, reply[1:])
+        return True
+
+    def of_claim(self, thread: str, reply: list[Any]) -> list[Any]:
+        """The claim script's reply past the keys it left unwritten (reported): what
+        appends that moved the thread since the claimer's load left (empty: none)."""
+        skipped = int(reply[1])
+        self.report(thread, reply[2 : 2 + skipped])
+        return reply[2 + skipped :]
+
+    def report(self, thread: str, keys: Sequence[object]) -> None:
+        now = time.monotonic()
+        for key in dict.fromkeys(str(k) for k in keys):  # owner:OLD may be owner:NEW
+            if now - self._logged.get(key, -math.inf) >= REPORT_EVERY_S:
+                self._logged[key] = now
+                log.error(
+                    "the index %s holds a value of another type (edited by hand): thread %s "
+                    "and every other goes on without it; delete it, then ratchet verify "
+                    "names the Runs it no longer lists",
+                    key,
+                    thread,
+                )
+
+
 _WHOLE = "local function whole(n) return n and n >= 0 and n < 9007199254740992 and n % 1 == 0 end"
 """A counter the script can add 1 to exactly (Lua counts in doubles): Python reads the
 same ones (``storage.redis_rows.number_of``); another is a corrupt meta."""
+
+_TYPED = """local function typed(n, from)
+  local broken = {keys = {}}
+  for i = 1, n do
+    local t = redis.call('TYPE', KEYS[i])['ok']
+    if t ~= 'none' and t ~= want[i] then
+      if i < from then return false, KEYS[i] end
+      broken[i] = true
+      table.insert(broken.keys, KEYS[i])
+    end
+  end
+  return true, broken
+end"""
+"""The type check of KEYS[1..n] against ``want``, before any write: a thread's own key
+(before ``from``) of another type is that thread's corruption (false and the key); a
+shared index (``from`` on) of another type is left out of the writes (``broken[i]``),
+its key named in ``broken.keys``."""
 
 # The shebang opts into Redis 7 script flags: without allow-oom the server refuses the
 # whole script up front when out of memory, instead of failing between two writes.
 # KEYS: meta log sums ops runs:running runs:awaiting runs:ended owner:OLD owner:NEW
 # instance. ARGV[16]: the instance token read at connect ('' checks nothing): 'lost'
 # when the store's contents are gone (``storage.redis_instance``).
+# A thread's own key of another type fails the append closed ('corrupt KEY'); a shared
+# index of another type (edited by hand) is no thread's fault, and failing there stalled
+# every Run: it is left unwritten and named in the reply, {'ok', KEY...} (``skipped``).
 APPEND_LUA = """#!lua
 local meta, log, sums, ops = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if ARGV[16] ~= '' and redis.call('GET', KEYS[10]) ~= ARGV[16] then return 'lost' end
 local want = {'hash', 'list', 'list', 'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}
-for i = 1, 9 do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
-end
+%(typed)s
+local ok, broken = typed(9, 5)
+if not ok then return 'corrupt ' .. broken end
 local f = redis.call('HMGET', meta, 'epoch', 'version', 'pruned')
 local epoch, version, pruned = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[3] or '0')
 %(whole)s
@@ -39,12 +108,15 @@ if ARGV[14] ~= '' then
 end
 redis.call('HSET', meta, 'frontier', ARGV[8], 'checksum', ARGV[9], 'head', ARGV[6],
            'version', tostring(version + 1), 'run_id', ARGV[10], 'ended', ARGV[11])
-for i = 5, 7 do redis.call('HDEL', KEYS[i], ARGV[12]) end
-redis.call('HSET', KEYS[4 + tonumber(ARGV[13])], ARGV[12], ARGV[15])
-redis.call('HDEL', KEYS[8], ARGV[12])
-if ARGV[13] == '1' then redis.call('HSET', KEYS[9], ARGV[12], '1') end
+for i = 5, 8 do
+  if not broken[i] then redis.call('HDEL', KEYS[i], ARGV[12]) end
+end
+local listed = 4 + tonumber(ARGV[13])
+if not broken[listed] then redis.call('HSET', KEYS[listed], ARGV[12], ARGV[15]) end
+if ARGV[13] == '1' and not broken[9] then redis.call('HSET', KEYS[9], ARGV[12], '1') end
+if #broken.keys > 0 then return {'ok', unpack(broken.keys)} end
 return 'ok'
-""".replace("%(whole)s", _WHOLE)
+""".replace("%(whole)s", _WHOLE).replace("%(typed)s", _TYPED)
 
 # KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW instance
 # ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded, the
@@ -52,16 +124,17 @@ return 'ok'
 # The run-index entry is the last append's summary with the owner patched in: it ends
 # with the owner, RunSummary's last field (a string holds no bare `,"owner":`); an entry
 # that does not end in a JSON string or null there is reported, never rewritten.
-# Appends that moved the thread since the claimer's load: the reply carries what they
-# left (version, frontier, checksum, head, hash-list length, last hash) to verify.
+# The reply: {'ok', N, the N shared indexes of another type left unwritten (as in an
+# append: a run index holds no entry then, so nothing of it is patched), then, if appends
+# moved the thread since the claimer's load, what they left (version, frontier,
+# checksum, head, hash-list length, last hash, anchor) to verify}.
 CLAIM_LUA = r"""#!lua
 local meta, sums, thread = KEYS[1], KEYS[2], ARGV[3]
 if ARGV[6] ~= '' and redis.call('GET', KEYS[8]) ~= ARGV[6] then return {'lost'} end
 local want = {'hash', 'list', 'hash', 'hash', 'hash', 'hash', 'hash'}
-for i = 1, 7 do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= want[i] then return {'corrupt', KEYS[i]} end
-end
+%(typed)s
+local typed_ok, broken = typed(7, 3)
+if not typed_ok then return {'corrupt', broken} end
 local f = redis.call('HMGET', meta, 'epoch', 'version', 'frontier', 'checksum', 'head',
                      'pruned', 'pruned_hash')
 local epoch, version = tonumber(f[1] or '0'), tonumber(f[2] or '0')
@@ -70,7 +143,7 @@ if not (whole(epoch) and whole(version)) then return {'corrupt', meta} end
 if epoch ~= tonumber(ARGV[1]) then return {'fenced', tostring(epoch)} end
 local state, entry = 0, nil
 for i = 3, 5 do
-  local s = redis.call('HGET', KEYS[i], thread)
+  local s = not broken[i] and redis.call('HGET', KEYS[i], thread)
   if s then
     local at, from = nil, 1
     repeat
@@ -85,16 +158,22 @@ for i = 3, 5 do
   end
 end
 redis.call('HSET', meta, 'epoch', tostring(epoch + 1), 'owner', ARGV[2])
-if state > 0 then
-  redis.call('HSET', KEYS[2 + state], thread, entry)
+if state > 0 then redis.call('HSET', KEYS[2 + state], thread, entry) end
+-- no entry read (a run index of another type may have held it): another host's owner
+-- index still must not list it, whatever its state
+if not broken[6] and (state > 0 or KEYS[6] ~= KEYS[7]) then
   redis.call('HDEL', KEYS[6], thread)
-  if state == 1 then redis.call('HSET', KEYS[7], thread, '1') end
 end
-if version == tonumber(ARGV[5]) then return {'ok'} end
-return {'ok', f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
-        redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false,
-        f[6] or '0', f[7] or false}
-""".replace("%(whole)s", _WHOLE)
+if state == 1 and not broken[7] then redis.call('HSET', KEYS[7], thread, '1') end
+local reply = {'ok', #broken.keys, unpack(broken.keys)}
+if version == tonumber(ARGV[5]) then return reply end
+for _, v in ipairs({f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
+                    redis.call('LLEN', sums), redis.call('LINDEX', sums, -1) or false,
+                    f[6] or '0', f[7] or false}) do
+  table.insert(reply, v)
+end
+return reply
+""".replace("%(whole)s", _WHOLE).replace("%(typed)s", _TYPED)
 
 # KEYS: meta log sums ops history
 # ARGV: the anchor as read, the seq to prune through, the stored hash there, the pruned

@@ -20,10 +20,12 @@ write), so the order of the rules lives in one place only. Every refusal conditi
 monotonic — an operation id stays known, epochs and versions only grow, an ended run
 stays ended until the version moves — so the second look refuses too. The script
 reads and type-checks every key before its first write, so a refused or failed
-append writes nothing. The epoch and owner live beside the frontier JSON (hash
-fields a claim moves alone); the JSON names those of the append that wrote it, so a
-pair beside it that is older, or the same epoch with another owner, fails closed
-(``redis_rows.decode_frontier``: the epoch is the fencing token).
+append writes nothing; but a shared index of another type (edited by hand) is left
+unwritten, logged and named by ``ratchet verify`` (``redis_scripts.Skipped``): it is no
+thread's fault, and failing closed stalled every Run. The epoch and owner live beside
+the frontier JSON (hash fields a claim moves alone); the JSON names those of the append
+that wrote it, so a pair beside it that is older, or the same epoch with another owner,
+fails closed (``redis_rows.decode_frontier``: the epoch is the fencing token).
 **A claim** is one script too, a compare-and-set on the epoch alone: it checks
 the epoch it supersedes, never the version the claimer loaded (as in SQL and memory,
 appends of the superseded owner that land in between do not refuse it; the script
@@ -124,7 +126,7 @@ from storage.redis_rows import (
     read_rows,
     verified_frontier,
 )
-from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, LEASE_LUA, PRUNE_LUA, UNLEASE_LUA
+from storage.redis_scripts import APPEND_LUA, CLAIM_LUA, LEASE_LUA, PRUNE_LUA, UNLEASE_LUA, Skipped
 from storage.redis_upgrade import upgrade_layout
 from storage.retention import Cut, prune_thread, stray_history
 from storage.summary import RUN_STATES, RunStateKind, summarize
@@ -170,6 +172,7 @@ class RedisCommitStore:
         self._lease_script = client.register_script(LEASE_LUA)
         self._unlease_script = client.register_script(UNLEASE_LUA)
         self._instance = instance_key(prefix)
+        self._skipped = Skipped()
         self.instance: str | None = None
         """The store's instance token read at connect (``storage.redis_instance``)."""
 
@@ -324,9 +327,10 @@ class RedisCommitStore:
             raise Fenced(thread, loaded.epoch, number_of(thread, "owner epoch", reply[1]))
         if reply[0] != "ok":
             raise CorruptRecord(thread, 0, f"unexpected shape of {reply[1]}")
-        if len(reply) == 1:
+        moved_by = self._skipped.of_claim(thread, reply)
+        if not moved_by:
             return with_claim(head_only(loaded), owner)
-        version, text, checksum, head, n, last, pruned, pruned_hash = reply[1:]
+        version, text, checksum, head, n, last, pruned, pruned_hash = moved_by
         anchor = anchor_of(thread, pruned, pruned_hash)
         epoch = str(loaded.epoch)
         moved = verified_frontier(
@@ -482,7 +486,7 @@ class RedisCommitStore:
             self.instance or "",
         ]
         reply = await self._append_script(keys=keys, args=args)
-        if reply == "ok":
+        if reply == "ok" or self._skipped.of_append(thread, reply):
             return receipt
         if reply == "refused":
             return None

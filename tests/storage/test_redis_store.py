@@ -164,17 +164,6 @@ async def test_the_script_answers_known_operations_and_the_rule_ended_runs(
     assert len(await store.read(thread)) == 1
 
 
-async def test_a_key_of_the_wrong_type_fails_closed_before_any_write(
-    store: RedisCommitStore,
-) -> None:
-    thread = ThreadId("wrong-type")
-    epoch = (await store.claim(thread, "me", 0)).epoch
-    await store.client.set(f"{store.prefix}:runs:ended", "not a hash")
-    with pytest.raises(CorruptRecord):
-        await store.append(one_shot(thread, "run-w"), 0, epoch)
-    assert await store.read(thread) == [] and (await store.load(thread)).version == 0
-
-
 async def test_corrupt_frontier_and_record_fail_closed_naming_thread_and_seq(
     store: RedisCommitStore,
 ) -> None:
