@@ -57,7 +57,7 @@ _WHOLE = "local function whole(n) return n and n >= 0 and n < 9007199254740992 a
 """A counter the script can add 1 to exactly (Lua counts in doubles): Python reads the
 same ones (``storage.redis_rows.number_of``); another is a corrupt meta."""
 
-_TYPED = """local function typed(n, from)
+TYPED = """local function typed(n, from)
   local broken = {keys = {}}
   for i = 1, n do
     local t = redis.call('TYPE', KEYS[i])['ok']
@@ -116,7 +116,7 @@ if not broken[listed] then redis.call('HSET', KEYS[listed], ARGV[12], ARGV[15]) 
 if ARGV[13] == '1' and not broken[9] then redis.call('HSET', KEYS[9], ARGV[12], '1') end
 if #broken.keys > 0 then return {'ok', unpack(broken.keys)} end
 return 'ok'
-""".replace("%(whole)s", _WHOLE).replace("%(typed)s", _TYPED)
+""".replace("%(whole)s", _WHOLE).replace("%(typed)s", TYPED)
 
 # KEYS: meta sums runs:running runs:awaiting runs:ended owner:OLD owner:NEW instance
 # ARGV: supersedes, owner, thread, owner as JSON, the version the claimer loaded, the
@@ -173,7 +173,7 @@ for _, v in ipairs({f[2] or '0', f[3] or false, f[4] or false, f[5] or false,
   table.insert(reply, v)
 end
 return reply
-""".replace("%(whole)s", _WHOLE).replace("%(typed)s", _TYPED)
+""".replace("%(whole)s", _WHOLE).replace("%(typed)s", TYPED)
 
 # KEYS: meta log sums ops history
 # ARGV: the anchor as read, the seq to prune through, the stored hash there, the pruned

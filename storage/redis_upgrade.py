@@ -53,6 +53,7 @@ from runtime.errors import StoreError, StoreUnavailable
 from runtime.integrity import body_hash, frontier_checksum, history_digest, message_text
 from runtime.ports import host_of
 from storage.errors import StoreTooNew
+from storage.redis_scripts import TYPED, Skipped
 from storage.summary import RUN_STATES, summarize
 
 log = logging.getLogger("ratchet.storage.redis")
@@ -89,12 +90,14 @@ return 0
 # KEYS: meta log sums runs:running runs:awaiting runs:ended owner:HOST
 # ARGV: frontier as read, log length as read, new frontier, its checksum, head, thread,
 #       run state (0 none, 1..3 as RUN_STATES), run-index entry, then the hashes
+# A shared index of another type (edited by hand) is left unwritten, as appends do
+# (``redis_scripts.Skipped``): failing there left every thread un-upgraded, each failing
+# closed for good, for one key that is no thread's.
 _THREAD_LUA = """#!lua
 local want = {'hash', 'list', 'list', 'hash', 'hash', 'hash', 'hash'}
-for i = 1, 7 do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= want[i] then return 'corrupt ' .. KEYS[i] end
-end
+%(typed)s
+local ok, broken = typed(7, 4)
+if not ok then return 'corrupt ' .. broken end
 local f = redis.call('HMGET', KEYS[1], 'frontier', 'checksum')
 if f[2] then return 'done' end
 if f[1] ~= ARGV[1] or redis.call('LLEN', KEYS[2]) ~= tonumber(ARGV[2]) then return 'moved' end
@@ -105,12 +108,19 @@ end
 redis.call('HSET', KEYS[1], 'frontier', ARGV[3], 'checksum', ARGV[4], 'head', ARGV[5])
 local state = tonumber(ARGV[7])
 if state > 0 then
-  for i = 4, 6 do redis.call('HDEL', KEYS[i], ARGV[6]) end
-  redis.call('HSET', KEYS[3 + state], ARGV[6], ARGV[8])
-  if state == 1 then redis.call('HSET', KEYS[7], ARGV[6], '1') end
+  for i = 4, 6 do
+    if not broken[i] then redis.call('HDEL', KEYS[i], ARGV[6]) end
+  end
+  if not broken[3 + state] then redis.call('HSET', KEYS[3 + state], ARGV[6], ARGV[8]) end
+  if state == 1 and not broken[7] then redis.call('HSET', KEYS[7], ARGV[6], '1') end
 end
+if #broken.keys > 0 then return {'ok', unpack(broken.keys)} end
 return 'ok'
-"""
+""".replace("%(typed)s", TYPED)
+
+
+_SKIPPED = Skipped()
+"""The shared indexes the upgrade left unwritten, logged once a while, not per thread."""
 
 
 class Damaged(Exception):
@@ -303,7 +313,10 @@ async def write_upgrade(client: aioredis.Redis, prefix: str, upgrade: Upgrade) -
     args: list[Any] = [old.text, len(old.bodies), upgrade.text, frontier_checksum(upgrade.text)]
     args += [upgrade.sums[-1] if upgrade.sums else "", old.thread, upgrade.state, upgrade.entry]
     script = client.register_script(_THREAD_LUA)  # EVALSHA, loading it on first use
-    reply = str(await script(keys=keys, args=[*args, *upgrade.sums]))
+    answer = await script(keys=keys, args=[*args, *upgrade.sums])
+    if _SKIPPED.of_append(old.thread, answer):
+        return "ok"
+    reply = str(answer)
     if reply.startswith("corrupt"):
         raise Damaged(f"{reply.partition(' ')[2]} is of the wrong type")
     return reply

@@ -339,6 +339,27 @@ async def test_damage_in_an_old_store_is_not_blessed(redis_old: str) -> None:
     assert f"thread '{WAITING}'" not in result.stderr
 
 
+async def test_a_shared_index_of_the_wrong_type_leaves_no_thread_un_upgraded(
+    redis_old: str,
+) -> None:
+    """``SET P:runs:ended x`` in an old store: every thread was left un-upgraded (each
+    failing closed for good) for one key that is no thread's. Each is upgraded now, the
+    key left as it is, and ``ratchet verify`` names it."""
+    writer, olds = await old_redis(redis_old)
+    ended = f"{writer.prefix}:runs:ended"
+    await writer.client.delete(ended)
+    await writer.client.set(ended, "edited by hand")
+    store = await RedisCommitStore.connect(redis_old)
+    try:
+        await check_verified(store, olds)
+        assert await writer.client.get(ended) == "edited by hand"
+    finally:
+        await store.close()
+        await writer.close()
+    result = await ratchet("verify", "--all", "--store", redis_old)
+    assert result.exit_code == 1 and ended in result.stderr
+
+
 @pytest.mark.parametrize("layout", ["5", "banana"])
 async def test_a_store_of_a_newer_redis_layout_is_refused(redis_old: str, layout: str) -> None:
     """Refused before anything is written: an old-layout thread beside it stays as it was."""
