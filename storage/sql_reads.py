@@ -217,13 +217,20 @@ def held_history_body(conn: Connection, thread: ThreadId) -> int:
 
 
 def index_problem_body(conn: Connection, thread: ThreadId, cache: FrontierCache) -> str | None:
-    """What is wrong with the thread's run index entry (None: it is its frontier's)."""
+    """What is wrong with the thread's run index entry or its epoch and owner columns
+    (None: they are its frontier's). No read trusts those two, but a planned write's
+    fencing compares them (``UPDATE_UNCHANGED``) in place of the frontier: edited by
+    hand, ``ratchet verify`` named neither."""
     row = conn.execute(INDEX_ROW, {"thread": thread}).first()
     if row is None:
         return None  # no row: the audit's load says why
     try:
+        head = checked_head(thread, row, cache)
+        if (row.epoch, row.owner) != (head.epoch, head.owner):
+            said = f"epoch {row.epoch!r}, owner {row.owner!r}"
+            return f"the thread row says {said}; its frontier {head.epoch}, {head.owner!r}"
         if row.run_state is None and row.run_id is None:  # a thread with no Run, it says
-            if summarize(checked_head(thread, row, cache)) is not None:
+            if summarize(head) is not None:
                 return "the run index names no Run; its frontier has one (hidden from listings)"
             return None
         summary_of(row, cache)

@@ -219,7 +219,9 @@ _LISTED = select(
 ).select_from(threads.outerjoin(commits, and_(_c.thread_id == _t.thread_id, _c.seq == _t.version)))
 """The index columns a listing filters on, and what vouches for them: the row's frontier
 (as ``LOAD`` reads it), which each listed row is checked against."""  # fmt: skip
-INDEX_ROW = _LISTED.where(_t.thread_id == bindparam("thread"))
+INDEX_ROW = _LISTED.add_columns(_t.epoch).where(_t.thread_id == bindparam("thread"))
+"""A thread row's index columns for an audit, and its epoch: a copy of the frontier's
+that planned writes compare (``UPDATE_UNCHANGED``), which the audit checks too."""
 LIST_ALL = _LISTED.where(_t.run_state.is_not(None)).order_by(_t.thread_id)
 LIST_STATE = _LISTED.where(_t.run_state == bindparam("state")).order_by(_t.thread_id)
 LIST_HOST = _LISTED.where(_t.host == bindparam("host"), _t.run_state.is_not(None)).order_by(

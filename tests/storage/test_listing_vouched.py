@@ -244,3 +244,30 @@ async def test_a_redis_owner_index_of_the_wrong_type_still_lists_the_hosts_runs(
         assert await store.list_runs("running", host=host) == [listed]
     assert owners in caplog.text
     assert await store.list_runs("running", host="another-host") == []
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+async def test_audit_names_a_thread_rows_epoch_that_is_not_its_frontiers(
+    sql_store: Any, delta: int
+) -> None:
+    """The ``epoch`` column copies the checksummed frontier's (planned writes compare
+    it): edited by hand, ``ratchet verify`` said nothing. The frontier stays the truth:
+    the Run is resumed, and its next write puts the column right."""
+    victim = await make_victim(sql_store, BAD)
+    assert await audit(sql_store, BAD) == []
+    await SqlTamper(sql_store, BAD).set_meta(epoch=victim.frontier.epoch + delta)
+    (problem,) = await audit(sql_store, BAD)
+    assert "epoch" in problem.detail, problem
+    assert (await sql_store.load(BAD)).epoch == victim.frontier.epoch
+    done = await victim.runner(sql_store).resume(victim.approval())
+    assert done.ended and await audit(sql_store, BAD) == []
+
+
+async def test_audit_names_the_owner_column_of_a_thread_with_no_run(sql_store: Any) -> None:
+    """A claimed thread with no Run yet has no run index entry to vouch its owner by."""
+    claimed = await sql_store.claim(GOOD, "host-0#1", 0)
+    assert await audit(sql_store, GOOD) == []
+    await SqlTamper(sql_store, GOOD).set_meta(owner="host-9#9")
+    (problem,) = await audit(sql_store, GOOD)
+    assert "host-9#9" in problem.detail, problem
+    assert (await sql_store.load_head(GOOD)).owner == claimed.owner
