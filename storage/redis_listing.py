@@ -12,8 +12,10 @@ one of another state than asked.
 An index key that holds a value of another type (edited by hand) is left out and
 logged, its threads with it: it is no thread's fault, and failing the whole listing
 (or refusing every thread, as each thread's entry is read from it too) stopped every
-sweep and quarantined every Run. Its Runs are listed again once it is repaired. An
-owner index of another type is passed over for the running index (``_running_of``).
+sweep and quarantined every Run. Its Runs are listed again once it is repaired (appends
+pass it over meanwhile, ``redis_scripts.Skipped``: deleted, each Run is listed again
+from its next commit, and ``ratchet verify`` names those it does not list). An owner
+index of another type is passed over for the running index (``_running_of``).
 """
 
 from __future__ import annotations
