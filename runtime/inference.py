@@ -137,7 +137,7 @@ class Inference:
             if self.is_cancelled():
                 raise CancelledSignal
             attempt += 1
-            request = _request(self.agent, ctx, step, attempt, history, last)
+            request = _request(self.agent, ctx, step, attempt, history, last, self.limits)
             try:
                 streamed = self._stream(ctx, request)
                 work = tracing.inference(trace, self.agent.model, ctx, request, streamed)
@@ -314,7 +314,13 @@ _MESSAGE_TYPES = frozenset({UserMessage, AssistantMessage, ToolResultMessage, Co
 
 
 def _request(
-    agent: Agent, ctx: RunContext, step: int, attempt: int, history: tuple[Any, ...], last: bool
+    agent: Agent,
+    ctx: RunContext,
+    step: int,
+    attempt: int,
+    history: tuple[Any, ...],
+    last: bool,
+    limits: Limits,
 ) -> InferenceRequest:
     """The request; validated only if the history holds something other than our records.
 
@@ -330,6 +336,7 @@ def _request(
         "attempt": attempt,
         "tools": tools,
         "system": agent.system,
+        "json_depth": limits.json_depth,
     }
     if all(type(m) in _MESSAGE_TYPES for m in history):
         return trusted(InferenceRequest, messages=history, **parts)

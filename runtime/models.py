@@ -10,6 +10,7 @@ from typing import Any, Literal, Protocol
 from runtime.base import Frozen
 from runtime.errors import ScriptExhausted
 from runtime.ids import CallId, RunId
+from runtime.limits import DEFAULT_LIMITS
 from runtime.messages import RequestMessage, ToolUse
 
 
@@ -24,6 +25,10 @@ class InferenceRequest(Frozen):
     system: str = ""
     """The agent's system prompt (``Agent.system``); an adapter sends it as the
     provider's system message."""
+    json_depth: int = DEFAULT_LIMITS.json_depth
+    """The Run's ``Limits.json_depth``. A past call whose arguments nest deeper was
+    refused (answered with a tool error), and an adapter sends its arguments back as
+    ``{}`` (``runtime.adapters.arguments``): a provider's parser may stop earlier."""
 
 
 class ModelDelta(Frozen):

@@ -10,8 +10,8 @@ The request, from an ``InferenceRequest``:
 - ``UserMessage`` and hook ``ContextMessage`` → ``user`` text blocks;
 - ``AssistantMessage`` → ``assistant``: a text block, then a ``tool_use`` block
   ``{id, name, input}`` per call, ``input`` being the raw arguments parsed (``{}`` when
-  they are not a JSON object: the API accepts nothing else, and the engine has already
-  answered such a call with a tool error);
+  they are no strict JSON object or nest deeper than the Run's ``json_depth``: the engine
+  has already answered such a call with a tool error, ``runtime.adapters.arguments``);
 - ``ToolResultMessage`` → a ``user`` message of ``tool_result`` blocks ``{tool_use_id,
   content, is_error}``;
 - messages of the same role in a row are merged into one, since the API requires the
@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from runtime.adapters.arguments import sent_arguments
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.event_bound import MAX_EVENT_BYTES, event_bound_hook
 from runtime.adapters.names import wire_name
@@ -147,7 +148,9 @@ class AnthropicModel:
         return await self._client.messages.create(
             model=self.model,
             max_tokens=self.max_tokens,
-            messages=cast("list[MessageParam]", anthropic_messages(request.messages)),
+            messages=cast(
+                "list[MessageParam]", anthropic_messages(request.messages, request.json_depth)
+            ),
             system=request.system or omit,
             tools=cast("list[ToolParam]", tools) if tools else omit,
             stream=True,
@@ -157,11 +160,14 @@ class AnthropicModel:
 # ---- the request ----------------------------------------------------------------------
 
 
-def anthropic_messages(messages: tuple[RequestMessage, ...]) -> list[dict[str, Any]]:
-    """The Messages API ``messages`` of a history: alternating roles, content blocks."""
+def anthropic_messages(
+    messages: tuple[RequestMessage, ...], json_depth: int
+) -> list[dict[str, Any]]:
+    """The Messages API ``messages`` of a history: alternating roles, content blocks
+    (``json_depth``: the Run's, ``InferenceRequest.json_depth``)."""
     turns: list[dict[str, Any]] = []
     for message in messages:
-        role, blocks = _blocks(message)
+        role, blocks = _blocks(message, json_depth)
         if not blocks:
             continue
         if turns and turns[-1]["role"] == role:
@@ -174,7 +180,7 @@ def anthropic_messages(messages: tuple[RequestMessage, ...]) -> list[dict[str, A
     return turns
 
 
-def _blocks(message: RequestMessage) -> tuple[str, list[dict[str, Any]]]:
+def _blocks(message: RequestMessage, json_depth: int) -> tuple[str, list[dict[str, Any]]]:
     if isinstance(message, UserMessage | ContextMessage):
         return "user", _text(message.text)
     if isinstance(message, AssistantMessage):
@@ -183,7 +189,7 @@ def _blocks(message: RequestMessage) -> tuple[str, list[dict[str, Any]]]:
                 "type": "tool_use",
                 "id": wire_name(u.call_id),
                 "name": wire_name(u.tool),
-                "input": parsed_input(u),
+                "input": _input(u, json_depth),
             }
             for u in message.tool_calls
         ]
@@ -200,16 +206,12 @@ def _text(text: str) -> list[dict[str, Any]]:
     return [{"type": "text", "text": text}] if text else []
 
 
-def parsed_input(use: ToolUse) -> dict[str, Any]:
-    """A call's raw arguments as the object ``tool_use.input`` must be; {} otherwise —
-    also for one the SDK could not send (a lone surrogate escaped in the text, NaN or
-    Infinity): committed, it would fail every later request of the thread."""
-    try:
-        parsed = json.loads(use.arguments)
-        json.dumps(parsed, ensure_ascii=False, allow_nan=False).encode()
-    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+def _input(use: ToolUse, json_depth: int) -> dict[str, Any]:
+    """A past call's ``tool_use.input``: its arguments parsed, or ``{}`` where they cannot
+    be sent (``runtime.adapters.arguments``). Parsed by Python's json, which keeps an
+    integer of any size as it is (orjson reads one past 64 bits as a float)."""
+    parsed: dict[str, Any] = json.loads(sent_arguments(use.arguments, json_depth))
+    return parsed
 
 
 def anthropic_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]:

@@ -9,8 +9,9 @@ The request, from an ``InferenceRequest``:
 - ``system`` → a first ``system`` message (none when the prompt is empty);
 - ``UserMessage`` and hook ``ContextMessage`` → ``user`` messages;
 - ``AssistantMessage`` → ``assistant`` with ``tool_calls`` ``[{id, type: function,
-  function: {name, arguments}}]``; its ``content`` is null when it has calls and no text
-  (OpenAI refuses an empty string next to calls, and null without them);
+  function: {name, arguments}}]`` (``arguments`` as the model sent them, or ``{}`` as
+  ``runtime.adapters.arguments`` decides); its ``content`` is null when it has calls and
+  no text (OpenAI refuses an empty string next to calls, and null without them);
 - ``ToolResultMessage`` → ``tool`` with ``tool_call_id``; a failed call's content is sent
   as ``"error: <content>"``, since the format has no error flag and the model must
   be able to tell a failure from a result;
@@ -45,8 +46,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-import orjson
-
+from runtime.adapters.arguments import sent_arguments
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.event_bound import MAX_EVENT_BYTES, event_bound_hook
 from runtime.adapters.names import wire_id, wire_name
@@ -183,44 +183,35 @@ def chat_messages(request: InferenceRequest) -> list[dict[str, Any]]:
     """The Chat Completions ``messages`` of a request: its system prompt and history."""
     system = request.system
     out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-    out.extend(_chat_message(m) for m in request.messages)
+    out.extend(_chat_message(m, request.json_depth) for m in request.messages)
     return out
 
 
-def _chat_message(message: RequestMessage) -> dict[str, Any]:
+def _chat_message(message: RequestMessage, json_depth: int) -> dict[str, Any]:
     if isinstance(message, UserMessage | ContextMessage):
         return {"role": "user", "content": message.text}
     if isinstance(message, AssistantMessage):
-        return _assistant(message)
+        return _assistant(message, json_depth)
     assert isinstance(message, ToolResultMessage)
     content = f"error: {message.content}" if message.is_error else message.content
     return {"role": "tool", "tool_call_id": wire_id(message.call_id), "content": content}
 
 
-def _assistant(message: AssistantMessage) -> dict[str, Any]:
+def _assistant(message: AssistantMessage, json_depth: int) -> dict[str, Any]:
     if not message.tool_calls:
         return {"role": "assistant", "content": message.text}
     calls = [
         {
             "id": wire_id(use.call_id),
             "type": "function",
-            "function": {"name": wire_name(use.tool), "arguments": _wire_arguments(use.arguments)},
+            "function": {
+                "name": wire_name(use.tool),
+                "arguments": sent_arguments(use.arguments, json_depth),
+            },
         }
         for use in message.tool_calls
     ]
     return {"role": "assistant", "content": message.text or None, "tool_calls": calls}
-
-
-def _wire_arguments(arguments: str) -> str:
-    """A past call's arguments as they go back to the provider: the model's own text
-    when it is a JSON object, else ``{}``. The history keeps what the model sent (its
-    call failed, and the model was told why), but a server that parses them again (vLLM
-    does) would refuse every later request of the thread over a call cut short."""
-    try:  # strict JSON: Python's json takes NaN, Infinity and lone surrogates
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return "{}"
-    return arguments if isinstance(value, dict) else "{}"
 
 
 def chat_tools(tools: tuple[dict[str, Any], ...] | None) -> list[dict[str, Any]]:
