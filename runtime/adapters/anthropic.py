@@ -27,6 +27,9 @@ name); ``content_block_delta`` carries ``text_delta`` → ``text_delta``,
 that ends before ``message_stop`` was cut (ModelUnavailable); an ``error`` event is
 classified by its type (``overloaded_error`` → ModelRateLimited, ...). Event types this
 adapter does not know (``ping``, future ones) are skipped, as the API reference asks.
+A part of a type the format does not give it (a block's ``index`` that is no integer, a
+``text_delta`` whose text is no string) is ``malformed_stream``, said by its shape
+(``runtime.adapters.shapes``).
 
 Nothing the model did not finish saying is taken: a message event before
 ``message_start`` (even a bare ``message_stop``: no answer at all) or after
@@ -55,6 +58,7 @@ from runtime.adapters.arguments import sent_arguments
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.event_bound import MAX_EVENT_BYTES, event_bound_hook
 from runtime.adapters.names import wire_name
+from runtime.adapters.shapes import unreadable, wire_index, wire_object, wire_str, wire_text
 from runtime.adapters.usage import Reported, Usage, log, model_name
 from runtime.errors import ModelRefused, ModelUnavailable
 from runtime.ids import CallId, distinct_id
@@ -267,7 +271,7 @@ class MessagesFold:
         try:
             return self._add(event)
         except (AttributeError, TypeError, KeyError, ValueError) as exc:  # JSON, not an event
-            message = f"anthropic: unreadable event: {exc}"
+            message = f"anthropic: unreadable event: {unreadable(exc)}"
             raise ModelUnavailable("malformed_stream", message) from exc
 
     def _add(self, event: RawMessageStreamEvent) -> list[ModelDelta]:
@@ -286,15 +290,20 @@ class MessagesFold:
             self.model = event.message.model
             self.reported.add(event.message.usage, USAGE_FIELDS)
         elif event.type == "content_block_start":
-            return self._start(event.index, event.content_block)
+            wire_object(event.content_block, "a content block")
+            return self._start(wire_index(event.index, "a block's index"), event.content_block)
         elif event.type == "content_block_delta":
-            return self._delta(event.index, event.delta)
+            wire_object(event.delta, "a content block delta")
+            return self._delta(wire_index(event.index, "a block's index"), event.delta)
         elif event.type == "content_block_stop":
-            if event.index in self.uses:
-                self.uses[event.index].stopped = True
+            index = wire_index(event.index, "a block's index")
+            if index in self.uses:
+                self.uses[index].stopped = True
         elif event.type == "message_delta":
             self.reported.add(event.usage, USAGE_FIELDS)  # cumulative: the newest count wins
-            return self._stop_reason(event.delta.stop_reason)
+            wire_object(event.delta, "a message delta")
+            reason = event.delta.stop_reason
+            return self._stop_reason(None if reason is None else wire_str(reason, "a stop reason"))
         elif event.type == "message_stop":
             self.stopped = True
         return []
@@ -315,26 +324,27 @@ class MessagesFold:
 
     def _start(self, index: int, block: Any) -> list[ModelDelta]:
         self.last_block = max(self.last_block, index)
-        if block.type == "text" and block.text:
-            self.text.append(block.text)
-            return [ModelDelta(text=block.text)]
+        if block.type == "text" and (text := wire_text(block.text, "a text block's text")):
+            self.text.append(text)
+            return [ModelDelta(text=text)]
         if block.type == "tool_use":
             if index in self.uses:  # a block starts once: a second would drop the first call
                 raise ModelUnavailable(
                     "malformed_stream", f"anthropic: content block {index} started twice"
                 )
             taken = {use.id for use in self.uses.values()}
-            use = _Use(
-                id=distinct_id(block.id, taken), name=block.name, started_with=_json(block.input)
-            )
+            raw_id = wire_str(block.id, "a tool_use block's id")
+            name = wire_str(block.name, "a tool_use block's name")
+            use = _Use(id=distinct_id(raw_id, taken), name=name, started_with=_json(block.input))
             self.uses[index] = use
             return [ModelDelta(type="tool_call_delta", call_id=use.id, tool=use.name, text="")]
         return []
 
     def _delta(self, index: int, delta: Any) -> list[ModelDelta]:
         if delta.type == "text_delta":
-            self.text.append(delta.text)
-            return [ModelDelta(text=delta.text)]
+            text = wire_str(delta.text, "a text delta")
+            self.text.append(text)
+            return [ModelDelta(text=text)]
         if delta.type == "input_json_delta":
             use = self.uses.get(index)
             if use is None or use.stopped:  # the documented order: start, deltas, stop
@@ -342,14 +352,12 @@ class MessagesFold:
                 raise ModelUnavailable(
                     "malformed_stream", f"anthropic: input for content block {index}, {when}"
                 )
-            use.arguments.append(delta.partial_json)
-            return [
-                ModelDelta(
-                    type="tool_call_delta", call_id=use.id, tool=use.name, text=delta.partial_json
-                )
-            ]
+            partial = wire_str(delta.partial_json, "an input_json_delta's partial_json")
+            use.arguments.append(partial)
+            return [ModelDelta(type="tool_call_delta", call_id=use.id, tool=use.name, text=partial)]
         if delta.type == "thinking_delta":
-            return [ModelDelta(type="reasoning_delta", text=delta.thinking)]
+            thinking = wire_str(delta.thinking, "a thinking delta")
+            return [ModelDelta(type="reasoning_delta", text=thinking)]
         return []
 
     def _unfinished(self) -> list[str]:

@@ -30,7 +30,9 @@ call of it runs. Two calls with one id get distinct ids (``call_1``, ``call_1#2`
 their first fragment, so their live deltas and a stream checkpoint keep them apart; a
 call whose id comes only on a later fragment keeps the one it got by index
 (``call_<index>``) throughout. A chunk of more than ``MAX_CHUNK_FRAGMENTS`` call
-fragments is ``malformed_stream``.
+fragments is ``malformed_stream``, as is a part of a type the format does not give it
+(``tool_calls`` that is no list, ``content`` that is no text), said by its shape
+(``runtime.adapters.shapes``).
 
 Retries are Ratchet's (``Agent.inference_attempts``, rate-limit backoff), so the SDK's
 are off. ``timeout_s`` bounds connecting and every wait for the next chunk, not the
@@ -50,6 +52,7 @@ from runtime.adapters.arguments import sent_arguments
 from runtime.adapters.errors import SdkErrors, folded
 from runtime.adapters.event_bound import MAX_EVENT_BYTES, event_bound_hook
 from runtime.adapters.names import wire_id, wire_name
+from runtime.adapters.shapes import unreadable, wire_index, wire_list, wire_object, wire_text
 from runtime.adapters.usage import Reported, Usage, log, model_name
 from runtime.errors import ModelRefused, ModelUnavailable
 from runtime.ids import CallId, distinct_id
@@ -265,7 +268,8 @@ class ChatFold:
         try:
             return self._add(chunk)
         except (AttributeError, TypeError, KeyError, ValueError) as exc:  # JSON, not a chunk
-            raise ModelUnavailable("malformed_stream", f"openai: unreadable chunk: {exc}") from exc
+            message = f"openai: unreadable chunk: {unreadable(exc)}"
+            raise ModelUnavailable("malformed_stream", message) from exc
 
     def _add(self, chunk: ChatCompletionChunk) -> list[ModelDelta]:
         if chunk.usage is not None:  # one of the wrong shape counts nothing, erases nothing
@@ -273,11 +277,13 @@ class ChatFold:
             self.cached.add(getattr(chunk.usage, "prompt_tokens_details", None), CACHED)
             self.model = model_name(getattr(chunk, "model", None))
         deltas: list[ModelDelta] = []
-        for choice in chunk.choices:
+        for choice in wire_list(chunk.choices, "choices"):
+            wire_object(choice, "a choice")
             if choice.index != 0:  # one choice is asked for (n=1); ignore any other
                 continue
             finished = self.finish_reason
             if choice.delta is not None:
+                wire_object(choice.delta, "a choice's delta")
                 deltas.extend(self._delta(choice.delta))
             if finished is not None and (
                 deltas or (choice.finish_reason and choice.finish_reason != finished)
@@ -296,11 +302,11 @@ class ChatFold:
         reasoning = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
         if isinstance(reasoning, str) and reasoning:
             out.append(ModelDelta(type="reasoning_delta", text=reasoning))
-        for text in (delta.content, delta.refusal):
+        for text in (wire_text(delta.content, "content"), wire_text(delta.refusal, "refusal")):
             if text:
                 self.text.append(text)
                 out.append(ModelDelta(text=text))
-        fragments = delta.tool_calls or ()
+        fragments = wire_list(delta.tool_calls, "tool_calls")
         if len(fragments) > MAX_CHUNK_FRAGMENTS:  # folded whole before any limit is asked
             raise ModelUnavailable(
                 "malformed_stream",
@@ -308,23 +314,29 @@ class ChatFold:
                 f"(at most {MAX_CHUNK_FRAGMENTS})",
             )
         for fragment in fragments:
+            wire_object(fragment, "a tool call fragment")
             index = self._index_of(fragment)
             call = self.calls.setdefault(index, _Call())
-            if fragment.id and call.raw_id and fragment.id != call.raw_id:  # two at one index
+            raw_id = wire_text(fragment.id, "a tool call's id")
+            if raw_id and call.raw_id and raw_id != call.raw_id:  # two at one index
                 raise ModelUnavailable(
                     "malformed_stream",
-                    f"openai: call {fragment.id!r} at the index of {call.raw_id!r}",
+                    f"openai: call {raw_id!r} at the index of {call.raw_id!r}",
                 )
-            if fragment.id and not call.raw_id:
-                call.raw_id = fragment.id  # a late one: the call keeps the id it goes by
+            if raw_id and not call.raw_id:
+                call.raw_id = raw_id  # a late one: the call keeps the id it goes by
             if not call.id:
                 # a gateway that sends no id gets one by index, so the deltas still group;
                 # distinct from every other call's, a real "call_1" included
                 call.id = distinct_id(call.raw_id or f"call_{index}", self.ids)
                 self.ids.add(call.id)
             function = fragment.function
-            call.name = call.name or (function.name if function and function.name else "")
-            arguments = (function.arguments if function else None) or ""
+            name = arguments = ""
+            if function is not None:
+                wire_object(function, "a tool call's function")
+                name = wire_text(function.name, "a tool call's function.name")
+                arguments = wire_text(function.arguments, "a tool call's function.arguments")
+            call.name = call.name or name
             call.arguments.append(arguments)
             out.append(
                 ModelDelta(type="tool_call_delta", call_id=call.id, tool=call.name, text=arguments)
@@ -338,12 +350,8 @@ class ChatFold:
         next call, and one without an id goes on with the last; any other index is not
         this protocol (malformed_stream)."""
         index = fragment.index
-        if type(index) is int:
-            return index
         if index is not None:
-            raise ModelUnavailable(
-                "malformed_stream", f"openai: a tool call fragment indexed {index!r}"
-            )
+            return wire_index(index, "a tool call fragment's index")
         if not self.calls:
             return 0
         last = max(self.calls)
