@@ -14,6 +14,7 @@ the part), and whatever else they fail on is said by ``unreadable``.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -62,7 +63,7 @@ def wire_str(value: object, what: str) -> str:
     return value
 
 
-def wire_list(value: object, what: str) -> list[object]:
+def wire_list(value: object, what: str) -> list[Any]:
     """A list part: [] when absent or null, else it must be a list."""
     if value is None:
         return []
