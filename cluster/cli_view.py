@@ -268,6 +268,8 @@ class WatchView:
             line = f"[bold]● status {escape(status_text(frame.status))}[/bold]"
         elif isinstance(frame.event, Fact):
             line = escape(fact_text(frame.event))
+        elif frame.type == "pruned":  # the facts up to it are gone: said, not skipped
+            line = f"[yellow]✂ the facts through seq {frame.pruned_through} were pruned[/yellow]"
         else:
             return
         console.print(where + line, highlight=False, soft_wrap=True)

@@ -46,6 +46,7 @@ from typing import Any
 
 from ag_ui.core import (
     BaseEvent,
+    CustomEvent,
     Interrupt,
     RunErrorEvent,
     RunFinishedCancelledOutcome,
@@ -70,6 +71,9 @@ from runtime.stream import Frame
 from runtime.timeutil import utc_time
 
 Events = tuple[BaseEvent, ...]
+PRUNED = "ratchet.pruned"
+"""The AG-UI ``CUSTOM`` event of a ``pruned`` frame (its value: ``{"pruned_through": N}``):
+the facts after the cursor up to seq N were pruned, and none of them is sent."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ def transcode(state: AguiState, frame: Frame) -> tuple[AguiState, Events]:
             state = replace(state, lapses=state.lapses + 1)
             events = (*ended, *events)
         return state, events
+    if frame.type == "pruned":
+        return state, (CustomEvent(name=PRUNED, value={"pruned_through": frame.pruned_through}),)
     event = frame.event
     if isinstance(event, Delta):
         return _delta(state, event)

@@ -17,8 +17,12 @@ facts after the cursor (a publish was lost) is filled from the store. Facts are
 deduplicated by offset throughout, so none is lost or repeated; only deltas published
 while the bus was away are missed.
 
-A thread pruned (``storage.retention``) past the cursor keeps only its frontier: a
-follower that waits for the end stops there, its last frame the thread's status.
+A thread pruned (``storage.retention``) past the cursor no longer keeps the facts after
+it up to its anchor: the follower says so with a ``pruned`` frame (``pruned_through``:
+the seq they went up to) where they would have come, never a silent gap, and goes on
+with the facts kept. One that waited for an end that was pruned stops there, its last
+frames ``pruned`` and the thread's status. (A cursor inside the last record pruned is
+taken as having seen it whole: the store keeps no count of that record's facts.)
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from runtime.base import Frozen
 from runtime.events import Delta, Fact
@@ -47,11 +51,40 @@ ends with StoreUnavailable."""
 
 
 class Frame(Frozen):
-    type: Literal["thread_status", "fact", "delta"]
+    type: Literal["thread_status", "fact", "delta", "pruned"]
     offset: str | None = None
     """For facts: ``"seq:index"``, the cursor to reconnect after."""
     status: ThreadStatus | None = None
     event: Fact | Delta | None = None
+    pruned_through: int | None = None
+    """For ``pruned``: the facts after the cursor up to this seq were pruned, and are
+    not served (a reconnect from the same cursor is told again: it still misses them)."""
+
+
+class _Gap(NamedTuple):
+    """Records after the cursor's, up to ``through``, that the store no longer keeps."""
+
+    through: int
+
+
+_PAST = 1 << 62
+"""A fact index past any record's: the cursor after a gap is past its last record."""
+
+
+def _served(item: Fact | _Gap) -> tuple[Frame, tuple[int, int]]:
+    """The frame of a stored item, and the cursor after it."""
+    if isinstance(item, _Gap):
+        return Frame(type="pruned", pruned_through=item.through), (item.through, _PAST)
+    return from_fact(item), (item.seq, item.index)
+
+
+def _moved_on(frame: Frame, cursor: tuple[int, int]) -> tuple[int, int]:
+    """The cursor after a frame a live source served."""
+    if frame.offset is not None:
+        return parse_offset(frame.offset)
+    if frame.pruned_through is not None:
+        return (frame.pruned_through, _PAST)
+    return cursor
 
 
 def fact_offset(fact: Fact) -> str:
@@ -111,11 +144,14 @@ async def follow(
     # deltas of an inference running now among it, comes from the bus
     head = await _bus_head(bus, thread, terms) if bus is not None else None
     at_rest = moved = False
-    async for fact in _stored_facts(store, thread, cursor):
-        cursor = (fact.seq, fact.index)
+    async for fact in _stored_facts(store, thread, cursor, frontier.version):
+        frame, cursor = _served(fact)
+        if isinstance(fact, _Gap):
+            yield frame
+            continue
         at_rest = fact.type in REST_FACTS
         moved = fact.seq > frontier.version  # committed after the load: it is stale
-        yield from_fact(fact)
+        yield frame
         if until_rest and at_rest and moved:
             return  # the rest that came after the load: not a later Run's, started since
     if until_rest and (at_rest or (not moved and _rests(frontier))):
@@ -129,6 +165,8 @@ async def follow(
                 if until_rest and isinstance(event, Fact) and event.type in REST_FACTS:
                     return
         except _KeptAllSeen as rested:  # the status is what the store keeps of the end
+            if rested.gap is not None:
+                yield _served(rested.gap)[0]
             yield Frame(type="thread_status", status=rested.status)
 
 
@@ -152,12 +190,20 @@ def from_fact(fact: Fact) -> Frame:
 
 
 async def _stored_facts(
-    store: CommitStore, thread: ThreadId, cursor: tuple[int, int]
-) -> AsyncIterator[Fact]:
+    store: CommitStore, thread: ThreadId, cursor: tuple[int, int], version: int = 0
+) -> AsyncIterator[Fact | _Gap]:
+    """The facts kept after ``cursor``, first a ``_Gap`` if records after the cursor's
+    were pruned. ``version``: a head read before the log (the records up to it that the
+    read does not return were pruned), 0 if none was."""
     after = max(cursor[0] - 1, 0)
-    for record in await patiently(
-        lambda: store.read(thread, after_seq=after), STORE_PATIENCE_S, log
-    ):
+    records = await patiently(lambda: store.read(thread, after_seq=after), STORE_PATIENCE_S, log)
+    # a read after ``after`` returns the records kept from there: any it skips past the
+    # cursor's own record went with a prune (records are contiguous and never removed
+    # otherwise), and the reader must hear of them, not find the next Run's facts silently
+    first = records[0].seq if records else version + 1
+    if first > cursor[0] + 1:
+        yield _Gap(first - 1)
+    for record in records:
         for fact in stamp_facts(record.commit, record.seq):
             if (fact.seq, fact.index) > cursor:
                 yield fact
@@ -178,16 +224,14 @@ async def _live(
         if bus is not None and head is not None:
             # catch up from the store first: facts committed before the head
             async for fact in _stored_facts(store, thread, cursor):
-                cursor = (fact.seq, fact.index)
-                yield from_fact(fact)
+                frame, cursor = _served(fact)
+                yield frame
             async for frame in _from_bus(store, thread, cursor, bus, head, terms):
-                if frame.offset is not None:
-                    cursor = parse_offset(frame.offset)
+                cursor = _moved_on(frame, cursor)
                 yield frame
             log.info("live bus unavailable for %s: following the store", thread)
         async for frame in _poll(store, thread, cursor, poll_s, terms, bus):
-            if frame.offset is not None:
-                cursor = parse_offset(frame.offset)
+            cursor = _moved_on(frame, cursor)
             yield frame
         head = await _bus_head(bus, thread, terms) if bus is not None else None
 
@@ -204,17 +248,26 @@ class _KeptAllSeen(Exception):
     """The thread is at rest and the store keeps no fact after the cursor, although its
     end was never served: the records up to it were pruned while the client followed."""
 
-    def __init__(self, status: ThreadStatus) -> None:
+    def __init__(self, status: ThreadStatus, gap: _Gap | None) -> None:
         super().__init__(status.state)
-        self.status = status
+        self.status, self.gap = status, gap
 
 
-async def _check_pruned(store: CommitStore, thread: ThreadId, cursor: tuple[int, int]) -> None:
-    """Raise _KeptAllSeen if the thread rests and nothing after ``cursor`` is kept. The
-    head is read first: any record up to it is then read back, or was pruned."""
+async def _check_pruned(
+    store: CommitStore, thread: ThreadId, cursor: tuple[int, int], until_rest: bool
+) -> _Gap | None:
+    """Called when a read after ``cursor`` found nothing: the gap, if the records after
+    it were pruned through the head (a read of the log alone cannot tell that from no
+    commit since), and, for a follower that stops at rest, _KeptAllSeen if the thread
+    rests. The head is read first: any record up to it is then read back, or was pruned."""
     head = await patiently(lambda: store.load_head(thread), STORE_PATIENCE_S, log)
-    if _rests(head) and not [fact async for fact in _stored_facts(store, thread, cursor)]:
-        raise _KeptAllSeen(head.status)
+    kept = [item async for item in _stored_facts(store, thread, cursor, head.version)]
+    if any(isinstance(item, Fact) for item in kept):
+        return None  # committed since: the next read serves them (and a gap before them)
+    gap = next((item for item in kept if isinstance(item, _Gap)), None)
+    if until_rest and _rests(head):
+        raise _KeptAllSeen(head.status, gap)
+    return gap
 
 
 async def _bus_head(bus: LiveBus, thread: ThreadId, terms: _Terms) -> str | None:
@@ -245,10 +298,13 @@ async def _from_bus(
             except TimeoutError:  # quiet: did the bus miss a fact?
                 got = False
                 async for fact in _stored_facts(store, thread, cursor):
-                    cursor, got = (fact.seq, fact.index), True
-                    yield from_fact(fact)
-                if not got and terms.until_rest:
-                    await _check_pruned(store, thread, cursor)
+                    (frame, cursor), got = _served(fact), True
+                    yield frame
+                if not got and (
+                    gap := await _check_pruned(store, thread, cursor, terms.until_rest)
+                ):
+                    frame, cursor = _served(gap)
+                    yield frame
                 continue
             if isinstance(item, BaseException):
                 return  # the bus failed: the caller follows the store
@@ -266,10 +322,10 @@ async def _from_bus(
             # published after a later commit landed still come before that commit's facts.
             announced = event.seq
             async for fact in _stored_facts(store, thread, cursor):
-                if fact.seq > announced:
-                    break
-                cursor = (fact.seq, fact.index)
-                yield from_fact(fact)
+                if isinstance(fact, Fact) and fact.seq > announced:
+                    break  # (a gap is served whatever its end: the facts in it are gone)
+                frame, cursor = _served(fact)
+                yield frame
     finally:
         pump.cancel()
         with contextlib.suppress(BaseException):
@@ -304,12 +360,14 @@ async def _poll(
     while True:
         got = False
         async for fact in _stored_facts(store, thread, cursor):
-            cursor, got = (fact.seq, fact.index), True
-            yield from_fact(fact)
+            (frame, cursor), got = _served(fact), True
+            yield frame
         if bus is not None and loop.time() >= retry_at:
             return
-        if not got and delay >= 1.0 and terms.until_rest:  # quiet for a while
-            await _check_pruned(store, thread, cursor)
+        quiet = not got and delay >= 1.0  # for a while: pruned under the follower?
+        if quiet and (gap := await _check_pruned(store, thread, cursor, terms.until_rest)):
+            frame, cursor = _served(gap)
+            yield frame
         delay = poll_s if got else min(delay * 2, 1.0)
         await asyncio.sleep(delay)
 

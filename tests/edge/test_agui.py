@@ -288,3 +288,26 @@ def test_a_reconnect_sends_every_fact_after_its_cursor_that_one_stream_sends():
         again = _ids_sent(state, [first, *later])
         expected = [o for o in whole if parse_offset(o) > parse_offset(cursor.offset)]
         assert again == expected, (cursor.offset, again, expected)
+
+
+async def test_a_pruned_frame_is_an_event_of_its_own_on_both_wires() -> None:
+    """The facts after a client's cursor were pruned: the Ratchet stream sends a
+    ``pruned`` event, AG-UI a CUSTOM ``ratchet.pruned``, each naming the seq they went
+    up to (the client is told, never handed the next Run's facts as if they came next)."""
+    import json
+
+    from edge.agui import PRUNED, AguiState
+    from edge.streams import _agui_events, _ratchet_events
+
+    async def pruned() -> Any:
+        yield Frame(type="thread_status", status=ThreadStatus(state="idle", since=1))
+        yield Frame(type="pruned", pruned_through=7)
+
+    ours = [event async for event in _ratchet_events(pruned())]
+    assert [e.event for e in ours] == ["thread_status", "pruned"]
+    assert json.loads(ours[-1].data) == {"type": "pruned", "pruned_through": 7}
+    assert ours[-1].id is None  # a reconnect from the same cursor is told again
+    chunks = [chunk.decode() async for chunk in _agui_events(AguiState("t1"), pruned())]
+    last = EVENTS.validate_json(chunks[-1].removeprefix("data: ").strip())
+    assert last.type == EventType.CUSTOM and last.name == PRUNED
+    assert last.value == {"pruned_through": 7}

@@ -346,7 +346,7 @@ class _ReadsHeld:
 async def test_a_run_pruned_as_it_ends_ends_the_stream_with_its_status(with_bus: bool):
     """The Run ends and its whole log is pruned before the follower reads its end: the
     store keeps only the frontier, so the stream ends with the status it keeps (it
-    waited for facts that no longer exist)."""
+    waited for facts that no longer exist), told first that they were pruned."""
     gate = asyncio.Event()
 
     slow = gated(gate)
@@ -375,6 +375,8 @@ async def test_a_run_pruned_as_it_ends_ends_the_stream_with_its_status(with_bus:
     await asyncio.wait_for(task, 10)
     assert seen[-1].type == "thread_status" and seen[-1].status == ended.status
     assert not any(f.event is not None and f.event.type == "run_finished" for f in seen)
+    # told that the facts it waited for were pruned: no silent end
+    assert (seen[-2].type, seen[-2].pruned_through) == ("pruned", ended.version)
 
 
 async def test_a_follower_ends_at_the_rest_of_the_run_it_loaded_not_a_later_one():
