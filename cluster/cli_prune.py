@@ -26,7 +26,7 @@ from cluster.cli_base import as_command, errors, open_db
 from cluster.cli_view import console
 from runtime.errors import CorruptRecord, InvalidTransition, StoreError, StoreUnavailable
 from runtime.ids import ThreadId
-from storage.retention import prune_point, read_for_prune, run_logs
+from storage.retention import prune_point, read_for_dry_run, run_logs
 
 DEFAULT_BATCH = 100
 """Threads a round: each is read whole and pruned in a transaction of its own."""
@@ -139,7 +139,7 @@ async def _prune_thread(
         if not point:
             return
         if dry_run:  # what the prune would refuse before it cut (``storage.retention``)
-            await read_for_prune(db, thread)
+            await read_for_dry_run(db, thread)
         removed = point - (records[0].seq - 1) if dry_run else await db.prune(thread, point)
     except StoreUnavailable:
         raise  # the store, not this thread: the whole command stops (and says so)

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 from runtime.commit import Frontier
-from runtime.errors import InvalidTransition, StoreError
+from runtime.errors import CorruptRecord, InvalidTransition, StoreError
 from runtime.history import copy_under_way, forks_under_way
 from runtime.ids import RunId, ThreadId
 from runtime.integrity import history_mismatch, message_text
@@ -130,6 +130,22 @@ async def read_for_prune(
     records = await store.read(thread)
     kept = sum(len(r.commit.messages) for r in records if r.seq <= frontier.version)
     return frontier, records, frontier.message_count - kept
+
+
+async def read_for_dry_run(store: CommitStore, thread: ThreadId) -> None:
+    """What ``ratchet prune --dry-run`` refuses as the prune would: ``read_for_prune``'s
+    refusals, and a pruned history holding another number of messages than the anchor
+    vouches for (the cut counts it in the store; a dry run that did not said the thread
+    would be pruned, and the real one skipped it). Counted, then the log read again: a
+    prune since moves the anchor with its rows, and the real prune reads again too."""
+    frontier, records, vouched = await read_for_prune(store, thread)
+    held_history = getattr(store, "held_history", None)  # every backend of ours has it
+    if held_history is None or (held := await held_history(thread)) == vouched:
+        return
+    again = await store.read(thread)
+    if (again[0].seq if again else None) == (records[0].seq if records else None):
+        anchor = records[0].seq - 1 if records else frontier.version
+        raise CorruptRecord(thread, anchor, history_mismatch(held, vouched))
 
 
 def stray_history(held: int, cut: Cut) -> str:

@@ -782,3 +782,21 @@ async def test_the_command_leaves_a_copy_being_written_dry_run_or_not(store: Any
         assert said.exit_code == 1, said.output
         assert "skipped: thread 'copy-half'" in said.output and "being written" in said.output
     assert (await store.load(copy)).version == ends[1] + 1  # nothing pruned
+
+
+async def test_the_dry_run_names_a_thread_whose_pruned_history_was_added_to(
+    store: Any, url: str
+) -> None:
+    """A pruned history added to by hand: the prune skips the thread (CorruptRecord),
+    yet the dry run counted it as one it would prune and exited 0 (it read the
+    history's vouched messages only, never how many the store holds)."""
+    ends = await three_runs(store)
+    await store.prune(T, ends[0])
+    await _add_to_pruned_history(store, T, '{"kind":"user","id":"x","text":"planted"}')
+    dry = await ratchet("prune", "--ended-before", "2030-01-01", "--dry-run", "--store", url)
+    real = await ratchet("prune", "--ended-before", "2030-01-01", "--store", url)
+    assert dry.exit_code == real.exit_code == 1, (dry.output, real.output)
+    for result in (dry, real):
+        assert f"skipped: thread {T!r}" in result.stderr and "pruned history" in result.stderr
+    assert "0 of 1 threads would be pruned, 0 records would be removed, 1 skipped" in dry.stdout
+    assert len(await store.read(T)) == ends[2] - ends[0]  # nothing removed
