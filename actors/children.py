@@ -90,8 +90,28 @@ class RayChildRunner:
             return None
 
     async def cancel(self, child_thread: ThreadId, child_run: RunId | None = None) -> None:
-        try:
-            host = self.host_for(child_thread)
-            unwrap(await host.cancel_run.remote(child_thread, run=child_run))
-        except RayError as exc:
-            log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)
+        """Its host dead or restarting, the cancel is asked again once it is back (for up
+        to ``HOST_BACK_S``; the parent's end bounds it by ``CANCEL_CHILD_S``): the
+        restarted host ends the child at rest, or tells the drive that recovered it. A
+        cancel given up at Ray's first refusal was lost, and the child, recovered without
+        it, replayed its tool for a parent that had ended (a child looks at its parent
+        only before a Step)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HOST_BACK_S
+        pause, longest = BACK_POLL_S
+        while True:
+            try:
+                host = self.host_for(child_thread)
+                unwrap(await host.cancel_run.remote(child_thread, run=child_run))
+                return
+            except RayActorError as exc:
+                self._hosts.clear()  # a host re-created under its name is looked up again
+                if loop.time() < deadline:
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, longest)
+                    continue
+                log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)
+                return
+            except RayError as exc:
+                log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)
+                return

@@ -817,3 +817,32 @@ def test_delegation_limits_are_plain_integers(given):
 
     with pytest.raises(ValidationError):
         DelegationLimits(**given)
+
+
+async def test_a_child_s_cancel_is_asked_again_while_its_host_restarts(monkeypatch) -> None:
+    """Ray refuses a call to a restarting actor at once: a parent's end that cancelled
+    its child then gave the cancel up at that refusal, and the child, recovered by its
+    host without it, ran on (awaiting a person until the Supervisor's orphan sweep, or
+    in its tool). The cancel is asked again once the host is back."""
+    from ray.exceptions import ActorUnavailableError
+
+    import actors.children
+    from actors.children import RayChildRunner
+    from actors.wire import SystemSpec
+
+    monkeypatch.setattr(actors.children, "BACK_POLL_S", (0.001, 0.01))
+    asked: list[tuple[str, str | None]] = []
+
+    class RestartingHost:
+        class cancel_run:  # noqa: N801 - an actor method's handle, as Ray spells it
+            @staticmethod
+            async def remote(thread: str, run: str | None = None) -> str:
+                asked.append((thread, run))
+                if len(asked) < 3:
+                    raise ActorUnavailableError("the host is restarting", b"\0" * 16)
+                return "cancelled"
+
+    children = RayChildRunner(SystemSpec(name="no-cluster", store_url="memory://"))
+    monkeypatch.setattr(children, "host_for", lambda thread: RestartingHost)
+    await children.cancel(ThreadId("kid"), RunId("kid-run"))
+    assert asked == [("kid", "kid-run")] * 3  # asked until the restarted host answered
