@@ -41,6 +41,7 @@ from runtime.delegation import (
     ChildRunner,
     ParentLink,
     check_delegation_answer,
+    parent_gone,
     parent_link,
 )
 from runtime.errors import (
@@ -321,6 +322,14 @@ class Engine(Stepping):
             return claimed  # it came to rest between the load and the claim
         ctx = self._context(claimed)
         self.inference.use_checkpoint = True
+        if self.parent is not None and await parent_gone(self.store, self.parent):
+            # its parent ended while nothing drove this child (the cancel lost with the
+            # child's host): the loop looks at the parent only before a Step, after a
+            # recovery has replayed the child's calls or rejoined its own children
+            async def orphaned() -> None:
+                await self.end(ctx, Cancelled())
+
+            return await self._drive(ctx, orphaned)
         if claimed.status.state != "running":
 
             async def status() -> None:

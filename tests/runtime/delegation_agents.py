@@ -328,3 +328,23 @@ needy_twice_in_turn = _batch_agent(
 )
 """Two lone children in waves of their own (a serial call between them), each asking a
 human first."""
+
+
+REPLAYED: list[str] = []
+"""Each invocation of ``replayable``: a recovered child that replays it runs it again."""
+
+
+@tool(recovery=("replay_safe",))
+def replayable(x: int) -> str:
+    REPLAYED.append("ran")
+    return "effect made"
+
+
+replaying_worker = Agent(
+    name="replaying_worker",
+    model=ScriptedModel(
+        [ModelResponse(tool_calls=(call("replayable", "r", x=1),)), ModelResponse(text="made")]
+    ),
+    tools=[replayable],
+)
+"""A child whose one tool call is replayed by a recovery (``replay_safe``)."""

@@ -819,6 +819,30 @@ def test_delegation_limits_are_plain_integers(given):
         DelegationLimits(**given)
 
 
+async def test_a_child_recovered_after_its_parent_ended_replays_nothing():
+    """The parent's end cancels its children; a child whose host was down then missed the
+    cancel. Recovered, it replayed its tool call (a new attempt of a replay-safe effect)
+    before its next Step's look at the parent, for a Run nobody awaited: a recovery
+    looks at the parent first, and ends the child cancelled."""
+    from runtime.control import control_engine
+    from runtime.lifecycle import Cancelled
+
+    agents.REPLAYED.clear()
+    store = MemoryCommitStore()
+    first = runner(agents.fanout_agent("replaying_worker", 1), store)
+    first.children.faults = FaultPlan(("during:tools", 1))  # the child dies in its tool call
+    with pytest.raises(Crash):
+        await first.start("go", thread_id="p")
+    ended = await control_engine(store, owner="elsewhere#1").terminate(ThreadId("p"), Cancelled())
+    assert ended.ended
+    (kid,) = await children_of(store, ended)
+    assert kid.run_state.kind == "running" and kid.batch.calls[0].attempts == 1
+    done = await runner(agents.fanout_agent("replaying_worker", 1), store).recover(kid.thread_id)
+    assert done.run_state.cause.kind == "cancelled"
+    assert agents.REPLAYED == []  # its tool was not run again
+    assert done.batch is None or all(c.attempts == 1 for c in done.batch.calls)
+
+
 async def test_a_child_s_cancel_is_asked_again_while_its_host_restarts(monkeypatch) -> None:
     """Ray refuses a call to a restarting actor at once: a parent's end that cancelled
     its child then gave the cancel up at that refusal, and the child, recovered by its
