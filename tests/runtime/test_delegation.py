@@ -858,7 +858,7 @@ async def test_a_child_s_cancel_is_asked_again_while_its_host_restarts(monkeypat
     asked: list[tuple[str, str | None]] = []
 
     class RestartingHost:
-        class cancel_run:  # noqa: N801 - an actor method's handle, as Ray spells it
+        class cancel_run:  # an actor method's handle, as Ray spells it
             @staticmethod
             async def remote(thread: str, run: str | None = None) -> str:
                 asked.append((thread, run))
