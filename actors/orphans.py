@@ -1,11 +1,15 @@
 """Children at rest whose parent is gone, ended by the Supervisor's sweep.
 
 A parent's end cancels its children (``runtime.committing``), each within a deadline:
-a child whose host was down or hung then is left as it was. A running one looks at its
-parent before each Step and ends itself; one at rest, awaiting a person, would wait for
-ever. The sweep looks at each awaiting child at most once per ``ORPHAN_CHECK_S`` and
-ends it ``cancelled`` when its parent no longer holds the Run that delegated to it, or
-has ended that Run (compare-and-set, as any cancel at rest: ``Engine.terminate``).
+a child whose host was down or hung then, or every child of a parent whose host died
+between its end and the cancels, is left as it was. One at rest, awaiting a person,
+would wait for ever; a running one looks at its parent before each Step and ends
+itself, but a Step can last for ever (a tool with no deadline, or a wait on a child of
+its own that is in one). The sweep looks at each such child at most once per
+``ORPHAN_CHECK_S`` and, when its parent no longer holds the Run that delegated to it or
+has ended that Run, ends it ``cancelled``: one at rest from the store (compare-and-set,
+as any cancel at rest: ``Engine.terminate``), a running one through its host, which
+tells its drive (its tool calls are cancelled where they run) or ends it at rest.
 
 Children are told apart by their derived thread ids (``runtime.delegation.child_ids``:
 ``…@…``, or a long one ending in ``~digest``); a thread id a caller chose that looks
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from actors.deliveries import each
@@ -37,18 +41,26 @@ def maybe_child(thread: str) -> bool:
 
 
 class Orphans:
-    """What one Supervisor remembers of the awaiting children it looked at."""
+    """What one Supervisor remembers of the children (at rest or running) it looked at."""
 
-    def __init__(self, store: CommitStore, end: End) -> None:
+    def __init__(self, store: CommitStore, end: End, cancel: End | None = None) -> None:
         self.store = store
         self.end = end
+        """Ends an awaiting child (from the store)."""
+        self.cancel = cancel
+        """Cancels a running child (through its host); None: running ones are not looked at."""
         self._next: dict[ThreadId, float] = {}
         """thread → monotonic time before which it is not looked at again."""
 
-    async def sweep(self, awaiting: list[RunSummary]) -> int:
-        """End the orphans among these awaiting Runs that are due a look; how many."""
+    async def sweep(
+        self, awaiting: Sequence[RunSummary], running: Sequence[RunSummary] = ()
+    ) -> int:
+        """End the orphans among these awaiting (and running) Runs that are due a look;
+        how many."""
         now = time.monotonic()
-        children = {s.thread_id: s.run_id for s in awaiting if maybe_child(s.thread_id)}
+        live = {s.thread_id for s in running} if self.cancel is not None else set()
+        listed = [*awaiting, *(s for s in running if s.thread_id in live)]
+        children = {s.thread_id: s.run_id for s in listed if maybe_child(s.thread_id)}
         self._next = {t: at for t, at in self._next.items() if t in children}  # rested
         due = [t for t in children if self._next.get(t, 0.0) <= now]
         for thread in due:
@@ -56,7 +68,7 @@ class Orphans:
 
         async def one(thread: ThreadId) -> bool:
             try:
-                return await self._end_if_orphaned(thread, children[thread])
+                return await self._end_if_orphaned(thread, children[thread], thread in live)
             except RatchetError as exc:  # moved meanwhile, corrupt, store out: next look
                 log.info("looking at the parent of %s: %s", thread, exc)
             except Exception:  # a host gone or slow: the child stays at rest, looked at again
@@ -65,7 +77,7 @@ class Orphans:
 
         return await each(due, one)
 
-    async def _end_if_orphaned(self, thread: ThreadId, run: RunId) -> bool:
+    async def _end_if_orphaned(self, thread: ThreadId, run: RunId, running: bool) -> bool:
         link = parent_link(await self.store.load_head(thread))
         if link is None:
             return False  # not a child: a thread id a caller chose
@@ -73,5 +85,8 @@ class Orphans:
         if parent.run_id == link.run and not parent.ended:
             return False  # its parent still waits for it (or runs, and will)
         log.warning("child %s outlived its parent's run %s: ending it", thread, link.run)
-        await self.end(thread, run)
+        if running and self.cancel is not None:
+            await self.cancel(thread, run)
+        else:
+            await self.end(thread, run)
         return True

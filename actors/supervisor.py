@@ -15,8 +15,7 @@ Supervisor was down, or a re-placement failed) and does the same. The same sweep
 hands an ended child's outcome to a parent still awaiting it, should the hand-over of
 the child's host have been lost (``actors.deliveries``), resumes a Run paused until
 a time that has come and expires a tool wait past its deadline (``actors.schedule``),
-and ends a child at rest whose parent is
-gone (``actors.orphans``).
+and ends a child, at rest or running, whose parent is gone (``actors.orphans``).
 
 Take-overs run in the background, a few at a time (``actors.take_overs``): a hung
 host delays only the Runs sent to it, never the watch. So do hand-overs and due
@@ -88,7 +87,7 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
         self._background: set[asyncio.Task[Any]] = set()
         self._waking: asyncio.Task[None] | None = None
         """The pass handing outcomes over and waking Runs that are due, if under way."""
-        self.orphans = Orphans(self.store, self._end_orphan)
+        self.orphans = Orphans(self.store, self._end_orphan, self.children.cancel)
         self.alarms = Alarms()
         self.lease = LeaseKeeper(self.store, spec.name)
         self._kept = 0
@@ -204,9 +203,12 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
                 by_host.setdefault(host_of(summary.owner) or "", []).append(summary)
         hosts = sorted(by_host)
         orphaned = await asyncio.gather(*(self._orphaned(h, now) for h in hosts))
+        driven: list[RunSummary] = []  # running on a live host: a cancel reaches its drive
         for host, lost in zip(hosts, orphaned, strict=True):
             if lost:  # a live host reconciles its own Runs
                 self.counts["orphans"] += self._take_over_all(by_host[host])
+            else:
+                driven.extend(by_host[host])
         # Runs at rest that wait for the system, not for a person: parents awaiting a
         # child's outcome (its hand-over may have been lost), Runs paused until a time and
         # waits past their deadline (in the background, one pass at a time: each is a
@@ -215,17 +217,19 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
             return  # the last pass is still asking: this sweep's Runs are its too
         awaiting = [s for s in await self.store.list_runs("awaiting") if self._ours(s)]
         parents = [s.thread_id for s in awaiting if s.status.reason == AWAITING_DELEGATION]
-        self._waking = asyncio.create_task(self._wake(parents, awaiting))
+        self._waking = asyncio.create_task(self._wake(parents, awaiting, driven))
 
-    async def _wake(self, parents: list[ThreadId], awaiting: list[RunSummary]) -> None:
+    async def _wake(
+        self, parents: list[ThreadId], awaiting: list[RunSummary], running: list[RunSummary]
+    ) -> None:
         """Hand parents their children's outcomes, wake Runs whose time has come (a pause
-        or a wait's deadline: ``actors.schedule``), and end awaiting children whose parent
-        is gone (``actors.orphans``)."""
+        or a wait's deadline: ``actors.schedule``), and end children, awaiting or
+        running, whose parent is gone (``actors.orphans``)."""
         try:
             handed, (unpaused, expired), ended = await asyncio.gather(
                 redeliver(self.store, parents, self._host_of, self.spec.limits),
                 self.alarms.fire(self.store, awaiting, self._host_of, now_us()),
-                self.orphans.sweep(awaiting),
+                self.orphans.sweep(awaiting, running),
             )
             self.counts["outcomes_handed"] += handed
             self.counts["pauses_resumed"] += unpaused
