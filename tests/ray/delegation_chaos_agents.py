@@ -76,11 +76,3 @@ def middle() -> Agent:
 def top() -> Agent:
     """Three deep: top → middle → patient."""
     return _fanout("top", "middle", 1)
-
-
-def mid_sleeper() -> Agent:
-    return _fanout("mid_sleeper", "sleeper", 1)
-
-
-def top_sleeper() -> Agent:
-    return _fanout("top_sleeper", "mid_sleeper", 1)
