@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
-from actors.deliveries import DELIVERY_S, HostOf, each
+from actors.deliveries import DELIVERY_S, WAKE_AT_ONCE, HostOf
 from actors.wire import unwrap
 from runtime.commit import Frontier
 from runtime.errors import RatchetError
@@ -58,45 +59,98 @@ def alarm(frontier: Frontier) -> tuple[int, ResumePayload] | None:
     return None
 
 
+PER_HOST = WAKE_AT_ONCE // 2
+"""Wakes a pass has under way at once on one host: a host that hangs holds only these
+slots (each up to ``DELIVERY_S``) while the other hosts' Runs are woken."""
+RETRY_S = (2.0, 300.0)
+"""A wake that did not land (refused, a host out, a record that does not verify) is
+asked again after the first of these, doubled each time up to the second: a Run its host
+keeps refusing (a host's clock behind the Supervisor's, a thread quarantined) is not
+loaded whole at every sweep."""
+
+
 class Alarms:
     """When each timed Run at rest is due, by the version it was read at."""
 
     def __init__(self) -> None:
         self._known: dict[ThreadId, tuple[int, int | None]] = {}
-        """thread → (version, due time or None), only for Runs listed at rest."""
+        """thread → (version, due time or None), only for Runs listed at rest: the due
+        time is the next try's once a wake at that version did not land."""
+        self._missed: dict[ThreadId, int] = {}
+        """thread → wakes in a row that did not land (at the version in ``_known``)."""
 
     async def fire(
         self, store: CommitStore, awaiting: list[RunSummary], host_of: HostOf, now_us: int
     ) -> tuple[int, int]:
-        """Wake each of these Runs whose time has come (one call each, several at once;
-        the next sweep asks again): how many pauses were resumed and waits expired."""
+        """Wake each of these Runs whose time has come (one call each, several at once,
+        at most ``PER_HOST`` per host; the next sweep asks again): how many pauses were
+        resumed and waits expired."""
         timed = {s.thread_id: s.version for s in awaiting if s.status.reason in TIMED}
         self._known = {t: k for t, k in self._known.items() if timed.get(t) == k[0]}
+        self._missed = {t: n for t, n in self._missed.items() if t in self._known}
+        wakes = _Pass(host_of)
         woken: dict[str, int] = {"pause": 0, "expired": 0}
 
         def unread_or_due(thread: ThreadId) -> bool:
             known = self._known.get(thread)
             return known is None or (known[1] is not None and known[1] <= now_us)
 
-        async def one(thread: ThreadId) -> bool:
+        async def one(thread: ThreadId) -> None:
+            version = timed[thread]
             try:
-                frontier = await store.load(thread)
+                async with wakes.slots:
+                    frontier = await store.load(thread)
                 due = alarm(frontier)
-                self._known[thread] = (frontier.version, due[0] if due else None)
-                host = host_of(frontier) if due is not None and due[0] <= now_us else None
-                if due is None or host is None:
-                    return False
-                assert isinstance(frontier.run_state, AwaitingState)
-                command = answer(frontier.run_state.ticket, due[1])
+                version = frontier.version
+                self._known[thread] = (version, due[0] if due else None)
+                if due is not None and due[0] <= now_us:
+                    await wakes.wake(frontier, due[1])
+                    woken[due[1].kind] += 1
+                return
+            except (RatchetError, HostOut) as exc:  # resumed meanwhile, corrupt, store out
+                log.info("waking %s: %s", thread, exc)
+            except Exception:  # a host gone, slow or restarting: asked again later
+                log.exception("waking %s failed", thread)
+            self._missed[thread] = missed = self._missed.get(thread, 0) + 1
+            retry_s = min(RETRY_S[0] * 2 ** min(missed - 1, 16), RETRY_S[1])
+            self._known[thread] = (version, now_us + int(retry_s * 1_000_000))
+
+        await asyncio.gather(*(one(t) for t in timed if unread_or_due(t)))
+        return woken["pause"], woken["expired"]
+
+
+class _Pass:
+    """The calls of one pass: ``WAKE_AT_ONCE`` under way at once, at most ``PER_HOST``
+    of them on one host; a host that failed one is asked nothing more in this pass."""
+
+    def __init__(self, host_of: HostOf) -> None:
+        self.host_of = host_of
+        self.slots = asyncio.Semaphore(WAKE_AT_ONCE)
+        self._hosts: dict[Any, asyncio.Semaphore] = {}  # a Ray handle hashes by actor id
+        self._failing: set[Any] = set()
+
+    async def wake(self, frontier: Frontier, payload: ResumePayload) -> None:
+        """Resume the Run at rest at ``frontier`` with ``payload`` through its host."""
+        host = self.host_of(frontier)
+        if host is None:
+            raise HostOut("no host is known for it")
+        assert isinstance(frontier.run_state, AwaitingState)
+        command = answer(frontier.run_state.ticket, payload)
+        # the host's slot is waited for holding no slot of the pass: the Runs of a host
+        # that hangs queue behind its own slots, not in front of every other host's Runs
+        async with self._hosts.setdefault(host, asyncio.Semaphore(PER_HOST)), self.slots:
+            if host in self._failing:
+                raise HostOut("its host failed another wake of this pass")
+            try:
                 async with asyncio.timeout(DELIVERY_S):
                     unwrap(await host.resume_run.remote(command))
-                woken[due[1].kind] += 1
-                return True
-            except RatchetError as exc:  # resumed meanwhile (refused), corrupt, store out
-                log.info("waking %s: %s", thread, exc)
-            except Exception:  # a host gone, slow or restarting: the next sweep asks again
-                log.exception("waking %s failed", thread)
-            return False
+            except RatchetError:  # the host answered: refused, or the store out there
+                raise
+            except Exception:
+                self._failing.add(host)
+                raise
 
-        await each([t for t in timed if unread_or_due(t)], one)
-        return woken["pause"], woken["expired"]
+
+class HostOut(Exception):
+    """A due Run's wake was not sent: no host is known for it, or its host failed another
+    wake of this pass (its Run is asked again later)."""

@@ -266,13 +266,14 @@ class _HungHost:
 async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     """Paused Runs whose time has come, placed on a host that hangs: the sweep resumed
     them inline, one after the other, each call up to DELIVERY_S, and the watch (leases,
-    take-overs) waited. Now they are asked in the background, several at once, and a
-    sweep while that pass is under way starts no second one."""
+    take-overs) waited. Now they are asked in the background, several at once (as many
+    as one host may have under way), and a sweep while that pass is under way starts no
+    second one."""
     from collections import Counter
 
     import actors.schedule
     from actors.orphans import Orphans
-    from actors.schedule import Alarms, alarm
+    from actors.schedule import PER_HOST, Alarms, alarm
     from actors.supervisor import Supervisor
     from actors.system_lease import LeaseKeeper
     from actors.wire import SystemSpec
@@ -311,9 +312,9 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     bare.lease = LeaseKeeper(store, spec.name)  # held, as Ratchet.connect leaves it
     bare._host_of = lambda frontier: hung  # type: ignore[method-assign]
     await asyncio.wait_for(bare._sweep(), 30)  # not held by the hung host
-    await wait_for(lambda: hung.calls == 6, what="every due Run to be asked at once")
+    await wait_for(lambda: hung.calls == PER_HOST, what="due Runs to be asked at once")
     await asyncio.wait_for(bare._sweep(), 30)
-    assert hung.calls == 6 and not bare._waking.done()  # the pass under way goes on
+    assert hung.calls == PER_HOST and not bare._waking.done()  # the pass under way goes on
     bare._waking.cancel()
 
 
