@@ -366,6 +366,7 @@ class Engine(Stepping):
             if not self.recorded_resumes:
                 await check_delegation_answer(frontier, command, self._verified, self.limits)
             ctx = self._context(frontier)
+            self.inference.resumed_from(ticket, frontier.status.since)
             try:
                 return ctx, await resume_commit(self, ctx, ticket, command)
             except (VersionConflict, Fenced, RunEnded):

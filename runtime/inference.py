@@ -24,7 +24,7 @@ from runtime.errors import (
 from runtime.events import Delta
 from runtime.faults import Unwind
 from runtime.ids import CallId, ThreadId, distinct_id
-from runtime.lifecycle import Failed, PauseTarget
+from runtime.lifecycle import Failed, PauseTarget, ResumeTicket
 from runtime.limits import (
     CONTROL_CHARS,
     Limits,
@@ -55,6 +55,9 @@ log = logging.getLogger("ratchet.engine")
 T = TypeVar("T")
 MAX_RETRY_AFTER_S = 86_400.0
 """The longest wait a rate limit's hint is taken for."""
+MAX_REPAUSE_S = 3_600.0
+"""The longest a rate-limit pause grows to by following others in a row (a provider's
+own hint may ask longer)."""
 Guard = Callable[[Awaitable[Any]], Awaitable[Any]]
 Publish = Callable[[ThreadId, Sequence[Delta]], None]
 
@@ -84,6 +87,9 @@ class Inference:
         self.checkpointed = False
         self.rate_limit_waited = 0.0
         """Seconds this engine's Run has spent waiting out rate limits."""
+        self.paused_s = 0.0
+        """How long the rate-limit pause this engine's Run was resumed from lasted, until
+        an inference answers: a pause in a row with it lasts twice as long."""
 
     async def salvage(self, ctx: RunContext, step: int) -> Admitted | ContextMessage | None:
         """On the first Step after recovery only: what the stream checkpoint offers (a
@@ -142,6 +148,7 @@ class Inference:
                 streamed = self._stream(ctx, request)
                 work = tracing.inference(trace, self.agent.model, ctx, request, streamed)
                 response = await self.guard(work)
+                self.paused_s = 0.0  # the rate limit is over: a later one starts afresh
                 return admit_response(response, self.limits)
             except CancelledSignal:
                 raise
@@ -174,9 +181,18 @@ class Inference:
         assert error is not None
         raise EndRun(_failed(error))
 
+    def resumed_from(self, ticket: ResumeTicket, paused_at_us: int) -> None:
+        """The Run is resumed from ``ticket``'s wait, committed at ``paused_at_us``: a
+        rate-limit pause's length is kept (``paused_s``)."""
+        target = ticket.target
+        if isinstance(target, PauseTarget) and target.reason == "rate_limit":
+            lasted = ((target.resume_at_us or 0) - paused_at_us) / 1_000_000
+            self.paused_s = min(max(lasted, 0.0), MAX_REPAUSE_S)  # clocks may have jumped
+
     async def _back_off(self, ctx: RunContext, limited: ModelRateLimited, attempt: int) -> None:
         """Wait as the provider asks (else 1, 2, 4 … s, at most 60); a wait past the Run's
-        budget pauses the Run ``awaiting(pause(rate_limit))`` until then instead.
+        budget pauses the Run ``awaiting(pause(rate_limit))`` until then instead (twice
+        as long as the pause it was resumed from, if it was: ``resumed_from``).
 
         The provider's hint is held between a floor that grows with the attempts (0.25,
         0.5, 1 … s: a "Retry-After: 0" answered again and again must not spin, nor wait
@@ -187,7 +203,11 @@ class Inference:
         wait = min(max(hint, backoff / 4), MAX_RETRY_AFTER_S) if is_seconds(hint) else backoff
         log.info("run %s rate limited (%s): waiting %.1fs", ctx.run_id, limited.code, wait)
         if self.rate_limit_waited + wait > self.agent.rate_limit_wait_s:
-            resume_at = now_us() + int(wait * 1_000_000)
+            # a pause that follows one in a row is twice as long (each resume starts the
+            # backoff over): a limit that lasts is asked ever less often, not at each
+            # of the Supervisor's sweeps, two commits a time, until the history is full
+            pause = max(wait, min(2 * self.paused_s, MAX_REPAUSE_S))
+            resume_at = now_us() + int(pause * 1_000_000)
             raise PauseRun(PauseTarget(reason="rate_limit", resume_at_us=resume_at))
         self.rate_limit_waited += wait
         await self.guard(asyncio.sleep(wait))  # a cancel ends the wait

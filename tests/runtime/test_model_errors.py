@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -339,3 +340,44 @@ async def test_an_attempt_s_deadline_is_asyncio_timeout_s_with_one_timer() -> No
         await asyncio.sleep(0)
     assert not deadline.expired and deadline._timer is None
     deadline.stop()
+
+
+def _paused_for_s(f) -> float:
+    """How long the committed rate-limit pause lasts (its time, from its commit's)."""
+    target = f.run_state.ticket.target
+    assert (target.kind, target.reason) == ("pause", "rate_limit")
+    return (target.resume_at_us - f.status.since) / 1e6
+
+
+async def test_rate_limit_pauses_in_a_row_grow_and_start_afresh_once_answered():
+    """Each resume starts the backoff over, so a limit that lasts paused the Run for
+    the same quarter of a second again and again: on a cluster it was woken at every
+    sweep, two commits a time, until its thread's history was full. Now each pause in a
+    row lasts twice the one before; an inference that answers ends the row."""
+    model = AlwaysLimited(0.0)
+    runner, f = await run(model, rate_limit_wait_s=0)
+    pauses = [_paused_for_s(f)]
+    for _ in range(3):
+        f = await runner.resume(answer(f.run_state.ticket, Unpause()))
+        pauses.append(_paused_for_s(f))
+    assert pauses[0] < 1
+    for before, after in itertools.pairwise(pauses):
+        assert after >= 1.5 * before, pauses
+    # the limit ends, then comes back at a later Step: its pause is short again
+    limited = ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=0.0)
+
+    def respond(request: InferenceRequest) -> ModelResponse:
+        if request.step == 0:
+            return ModelResponse(tool_calls=(call("noop", "c1"),))
+        return ModelResponse(text="done")
+
+    @tool
+    def noop() -> str:
+        return "ok"
+
+    model2 = FailingModel([limited], respond, at_step=0)
+    runner, f = await run(model2, tools=[noop], rate_limit_wait_s=0)
+    first = _paused_for_s(f)
+    model2.errors, model2.at_step = [limited], 1
+    f = await runner.resume(answer(f.run_state.ticket, Unpause()))
+    assert _paused_for_s(f) < 1.5 * first  # not a pause in a row: step 0 was answered
