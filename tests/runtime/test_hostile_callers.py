@@ -22,6 +22,8 @@ from runtime import (
 )
 from runtime.agent import load_agent
 from runtime.errors import AgentImportError
+from runtime.ids import ThreadId
+from runtime.lifecycle import AwaitingState
 from runtime.stream import parse_offset
 from storage.memory import MemoryCommitStore
 from storage.url import open_store
@@ -159,27 +161,39 @@ def remote(q: str) -> str:
     return "never run here"
 
 
-async def test_input_no_store_takes_is_refused_before_a_cluster_is_reached(tmp_path):
+async def test_input_no_store_takes_is_refused_before_a_cluster_is_reached(tmp_path, monkeypatch):
     """Text over ``input_bytes`` as stored (each quote escaped: 140 KB), a JSON-escaped
     lone surrogate in a result: checked only by the client once connected, so the
-    command first started (or, here, failed to reach) a cluster over input it refuses."""
+    command first started a cluster over input it refuses. With no address named (no
+    ``--address``, no RAY_ADDRESS) the limits are the defaults and no Ray is asked
+    (``cli_base.system_limits``): nothing is started. (Named, the running system's limits
+    decide, and a cluster that does not answer is said as such.)"""
     import asyncio
 
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     store = f"sqlite:///{tmp_path}/s.db"
     model = ScriptedModel([ModelResponse(tool_calls=(call("remote", "c1", q="x"),))])
     waiting = InProcessRunner(Agent(name="a", model=model, tools=[remote]), await open_store(store))
     await waiting.start("go", thread_id="t")
     await waiting.store.close()
-    nowhere = ["--address", "127.0.0.1:9"]
     w1 = "benchmarks.w1_agent:w1_s1_k0_m0_t0"
     cases = [
-        (["run", w1, '"' * 70_000, *nowhere], "input refused (input_bytes)"),
-        (["resume", "t", "--result", '"\\ud800"', "--store", store, *nowhere], "(utf8)"),
+        (["run", w1, '"' * 70_000, "--store", store], "input refused (input_bytes)"),
+        (["resume", "t", "--result", '"\\ud800"', "--store", store], "(utf8)"),
     ]
+    had_ray = ray.is_initialized()  # the session's Ray, if an earlier test started it
     for args, says in cases:
         result = await asyncio.to_thread(CliRunner().invoke, app, args)
         assert result.exit_code == 1, result.output
-        assert says in result.output and "reach" not in result.output, result.output
+        assert says in result.output, result.output
+        assert ray.is_initialized() == had_ray  # no Ray started over input refused
+    db = await open_store(store)  # the Run waits as it did: nothing was resumed
+    try:
+        assert isinstance((await db.load_head(ThreadId("t"))).run_state, AwaitingState)
+    finally:
+        await db.close()
 
 
 @pytest.mark.parametrize(
