@@ -48,6 +48,7 @@ from cluster.handle import RunHandle, command_for
 from cluster.joining import asked_options, joined
 from cluster.letting_go import give_up_lease, kill_named, kill_system
 from cluster.waiting import (
+    checked_timeout,
     may_have_started,
     notice_or_rest,
     on_a_live_host,
@@ -191,6 +192,7 @@ class Ratchet:
         dedicated host — the store is followed until the Run rests. ``new_thread`` as
         for ``start``."""
 
+        timeout_s = checked_timeout(timeout_s)  # before the Run is started
         thread = thread_id or f"thread-{uuid.uuid4().hex[:12]}"
         run = run_id or f"run-{uuid.uuid4().hex[:12]}"
 
@@ -365,7 +367,7 @@ class Ratchet:
         store tells within the deadline (the end of it is kept for that count:
         ``WAIT_COUNT_S``); a store that is out then is not waited for.
         """
-        handles = list(handles)
+        timeout_s, handles = checked_timeout(timeout_s), list(handles)
         wanted = {h.thread_id: h.run_id for h in handles}
 
         async def all_at_rest() -> list[RunSummary] | None:

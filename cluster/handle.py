@@ -24,6 +24,7 @@ from cluster.waiting import (
     HOST_ANSWER_S,
     POLL_FIRST_S,
     POLL_MAX_S,
+    checked_timeout,
     end_of,
     moved_on,
     notice_or_rest,
@@ -113,6 +114,7 @@ class RunHandle:
         runs); the store then confirms. A Run recovered elsewhere, or whose host died,
         is followed by polling the store with backoff.
         """
+        timeout_s = checked_timeout(timeout_s)
         try:
             return await asyncio.wait_for(self.settled(), timeout_s)
         except TimeoutError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -35,6 +36,20 @@ HOST_ANSWER_S = 300.0
 """How long a start, cancel or stop that waits for no Run may go unanswered by a host
 (``on_a_live_host``): past the Supervisor's restart of a hung host and a store's
 outage, which its host waits out for a minute before it answers."""
+
+
+def checked_timeout(timeout_s: object) -> float | None:
+    """``timeout_s`` as a wait takes it: None (no deadline) or seconds, a finite number
+    not below 0; else TypeError or ValueError saying so, before anything is started or
+    waited for (NaN made every wait a TimeoutError "after nans", a string an asyncio
+    TypeError from inside the wait)."""
+    if timeout_s is None:
+        return None
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+        raise TypeError(f"timeout_s is seconds (a number) or None, not {type(timeout_s).__name__}")
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        raise ValueError(f"timeout_s is a finite number of seconds not below 0, not {timeout_s}")
+    return float(timeout_s)
 
 
 async def polled(check: Callable[[], Awaitable[T | None]]) -> T:

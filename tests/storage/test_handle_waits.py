@@ -314,3 +314,34 @@ def test_ratchet_resume_says_when_its_resume_ended_the_run(tmp_path, monkeypatch
     assert "the resume could not land" in result.output
     assert "failed (history_limit/history_commits)" in result.output
     assert "resumed run" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "error"),
+    [
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (-1, ValueError),
+        ("5", TypeError),
+        (True, TypeError),
+    ],
+    ids=["nan", "inf", "negative", "text", "bool"],
+)
+async def test_a_timeout_that_is_no_number_of_seconds_is_refused_before_anything(
+    timeout_s: Any, error: type[Exception]
+) -> None:
+    """NaN made every wait a TimeoutError "after nans", a string an asyncio TypeError from
+    inside the wait; ``run`` had started its Run by then. Each is refused first, saying
+    what a timeout is, and nothing is started (the hosts here answer no start)."""
+    store = MemoryCommitStore()
+    await _ended(store)
+    client = Ratchet(SystemSpec(name="t", store_url="memory://", hosts=1), store, [_HungHost()])
+    handle = RunHandle(client, ThreadId("th"), RunId("r1"), "hosted")
+    for waits in (
+        handle.result(timeout_s=timeout_s),
+        client.wait_all([handle], timeout_s=timeout_s),
+        client.run("m:a", "go", thread_id="new", timeout_s=timeout_s),
+    ):
+        with pytest.raises(error, match="timeout_s is"):
+            await asyncio.wait_for(waits, 30)
+    assert (await store.load_head(ThreadId("new"))).run_id is None  # nothing started
