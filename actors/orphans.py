@@ -18,12 +18,13 @@ alike costs one head read per check, nothing more: its committed link decides.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from actors.deliveries import each
+from actors.deliveries import DELIVERY_S, each
 from runtime.delegation import parent_link
 from runtime.errors import RatchetError
 from runtime.ids import RunId, ThreadId
@@ -32,6 +33,10 @@ from runtime.ports import CommitStore, RunSummary
 log = logging.getLogger("ratchet.orphans")
 ORPHAN_CHECK_S = 60.0
 """How often the sweep looks again at one awaiting child's parent."""
+ORPHAN_CANCEL_S = DELIVERY_S
+"""How long the sweep waits for a running orphan's host to take its cancel: one that
+hangs held the Supervisor's wake pass for ever (no pause resumed, no outcome handed
+over after it); the orphan is looked at again ``ORPHAN_CHECK_S`` later."""
 End = Callable[[ThreadId, RunId], Awaitable[Any]]
 
 
@@ -86,7 +91,8 @@ class Orphans:
             return False  # its parent still waits for it (or runs, and will)
         log.warning("child %s outlived its parent's run %s: ending it", thread, link.run)
         if running and self.cancel is not None:
-            await self.cancel(thread, run)
+            async with asyncio.timeout(ORPHAN_CANCEL_S):
+                await self.cancel(thread, run)
         else:
             await self.end(thread, run)
         return True

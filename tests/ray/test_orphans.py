@@ -155,3 +155,29 @@ async def test_the_supervisor_s_sweep_cancels_a_running_orphan_on_a_live_host():
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
+
+
+async def test_a_running_orphan_whose_host_hangs_does_not_hold_the_sweep(monkeypatch):
+    """The sweep's cancel of a running orphan waited on its host's answer with no bound:
+    a host that hangs held the Supervisor's wake pass for ever, and with it every pause's
+    wake and every outcome's hand-over. It is given up after ``ORPHAN_CANCEL_S`` and the
+    orphan looked at again later."""
+    import asyncio
+
+    monkeypatch.setattr("actors.orphans.ORPHAN_CANCEL_S", 0.2)
+    store = MemoryCommitStore()
+    gone, orphan = await _parent_awaiting_its_child(store, "gone")
+    await control_engine(store).terminate(gone.thread_id)
+    asked = []
+
+    async def hung_cancel(thread, run):
+        asked.append(thread)
+        await asyncio.Event().wait()  # a host that never answers
+
+    async def end(thread, run):
+        raise AssertionError("a running orphan is cancelled through its host")
+
+    orphans = Orphans(store, end, hung_cancel)
+    listed = await store.list_runs("awaiting")  # taken as running on a live host
+    assert await asyncio.wait_for(orphans.sweep([], listed), 10) == 0
+    assert asked == [orphan.thread_id]
