@@ -32,6 +32,7 @@ from ag_ui.core import CustomEvent
 from ag_ui.encoder import EventEncoder
 from fastapi import APIRouter, Header, Query, Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.types import Receive, Scope, Send
 
 from edge.agui import AguiState, rejoined, transcode
 from edge.problems import HttpProblem, problem_body, problems, status_of
@@ -84,10 +85,8 @@ async def stream(
     accept: Annotated[str | None, Header()] = None,  # bounded by the server's header limit
 ) -> EventSourceResponse:
     cursor = last_event_id or after
-    frames = await _frames(request, client, thread, cursor, until_rest)
-    if accept is not None and AGUI_MEDIA_TYPE in accept:
-        return _sse(_agui_events(await _agui_state(client, thread, cursor), frames))
-    return _sse(_ratchet_events(frames))
+    agui = accept is not None and AGUI_MEDIA_TYPE in accept
+    return await _response(request, client, thread, cursor, until_rest, agui=agui)
 
 
 @router.get(
@@ -105,12 +104,7 @@ async def agui_stream(
     last_event_id: LastEventId = None,
 ) -> EventSourceResponse:
     cursor = last_event_id or after
-    frames = await _frames(request, client, thread, cursor, until_rest)
-    return _sse(_agui_events(await _agui_state(client, thread, cursor), frames))
-
-
-def _sse(events: AsyncIterator[Any]) -> EventSourceResponse:
-    return EventSourceResponse(events, ping=PING_S, send_timeout=SEND_TIMEOUT_S)
+    return await _response(request, client, thread, cursor, until_rest, agui=True)
 
 
 class OpenStreams:
@@ -119,42 +113,79 @@ class OpenStreams:
     def __init__(self, most: int) -> None:
         self.most, self.open = most, 0
 
-    def check(self) -> None:
-        """503 TooManyStreams if the server has as many open as it takes."""
+    def take(self) -> Slot:
+        """A place for one more stream; 503 TooManyStreams if the server has as many
+        open as it takes. Taken at once, before the request's first await: checked then
+        and counted only once the response was read, a burst of requests all passed the
+        check (40 streams open on a server that takes 2)."""
         if self.open >= self.most:
             detail = f"this server has {self.open} streams open, as many as it takes"
             raise HttpProblem(503, "TooManyStreams", detail)
-
-    async def counted(self, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
-        """``frames``, counted open while they are read: from the response's first read
-        to its end (a response never read holds no count that could leak)."""
         self.open += 1
+        return Slot(self)
+
+
+class Slot:
+    """One stream's place among a server's ``OpenStreams``, given back once (whichever
+    comes first: the request refused before its response, or its response's end)."""
+
+    def __init__(self, streams: OpenStreams) -> None:
+        self._streams: OpenStreams | None = streams
+
+    def free(self) -> None:
+        streams, self._streams = self._streams, None
+        if streams is not None:
+            streams.open -= 1
+
+
+class _SlotResponse(EventSourceResponse):
+    """An SSE response that gives its stream's slot back when it ends, however it ends:
+    its events all sent, the client gone, or never read at all (a HEAD is answered
+    without the stream, and a client may leave before the first event)."""
+
+    def __init__(self, events: AsyncIterator[Any], slot: Slot) -> None:
+        super().__init__(events, ping=PING_S, send_timeout=SEND_TIMEOUT_S)
+        self.slot = slot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with _closing(frames):
-                async for frame in frames:
-                    yield frame
+            await super().__call__(scope, receive, send)
         finally:
-            self.open -= 1
+            self.slot.free()
 
 
-async def _frames(
-    request: Request, client: Client, thread: Thread, after: str | None, until_rest: bool
-) -> AsyncIterator[Frame]:
-    """The thread's frames after the cursor; checked before the response starts, so a
-    bad cursor, an unknown thread or a server with too many streams open is a problem,
-    not a stream that breaks off."""
+async def _response(
+    request: Request,
+    client: Client,
+    thread: Thread,
+    after: str | None,
+    until_rest: bool,
+    *,
+    agui: bool,
+) -> EventSourceResponse:
+    """The stream's response; checked before it starts, so a bad cursor, an unknown
+    thread or a server with too many streams open is a problem, not a stream that
+    breaks off. Its slot is taken first: an AG-UI reconnect reads the thread's log."""
     try:
         parse_offset(after)
     except ValueError as exc:
         raise HttpProblem(422, "ValidationError", str(exc)) from None
     slots: OpenStreams = request.app.state.streams
-    slots.check()
-    frontier = await known(client, thread)
+    slot = slots.take()
     try:
-        check_cursor(after, frontier.version)
-    except ValueError as exc:
-        raise HttpProblem(422, "ValidationError", str(exc)) from None
-    return slots.counted(client.handle(thread).stream(after, until_rest=until_rest))
+        frontier = await known(client, thread)
+        try:
+            check_cursor(after, frontier.version)
+        except ValueError as exc:
+            raise HttpProblem(422, "ValidationError", str(exc)) from None
+        frames = client.handle(thread).stream(after, until_rest=until_rest)
+        if agui:
+            events = _agui_events(await _agui_state(client, thread, after), frames)
+            return _SlotResponse(events, slot)
+        return _SlotResponse(_ratchet_events(frames), slot)
+    except BaseException:
+        slot.free()
+        raise
 
 
 async def _ratchet_events(frames: AsyncIterator[Frame]) -> AsyncIterator[ServerSentEvent]:
