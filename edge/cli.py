@@ -111,6 +111,7 @@ async def _serve(
         import uvicorn
 
         from edge.app import create_app
+        from edge.timely import TimelyH11
     except ImportError as exc:  # the base install has no web framework
         raise BadInput(
             f"ratchet serve needs the serve extra ({exc.name} is missing): "
@@ -136,7 +137,9 @@ async def _serve(
     try:
         app = create_app(client, options, agents=agents or ())
         freeze_startup_heap()  # Ray's client, FastAPI, the agents: out of every collection
-        config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level)
+        config = uvicorn.Config(
+            app, host=options.host, port=options.port, log_level=log_level, http=TimelyH11
+        )
         try:
             await uvicorn.Server(config).serve()
         except SystemExit as exc:

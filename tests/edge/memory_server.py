@@ -18,6 +18,7 @@ from actors.wire import SystemSpec
 from cluster.handle import RunHandle
 from edge.app import create_app
 from edge.options import ServeOptions
+from edge.timely import TimelyH11
 from runtime import Agent, InProcessRunner, ModelResponse, ScriptedModel
 from runtime.ids import RunId, ThreadId
 from storage.memory import MemoryCommitStore
@@ -61,13 +62,16 @@ class Served:
 
 @contextmanager
 def served(
-    options: ServeOptions, threads: tuple[str, ...] = ("t1",), load_delay_s: float = 0.0
+    options: ServeOptions,
+    threads: tuple[str, ...] = ("t1",),
+    load_delay_s: float = 0.0,
+    http: type[TimelyH11] = TimelyH11,
 ) -> Iterator[Served]:
     store = MemoryCommitStore()
     client = MemoryClient(SlowStore(store, load_delay_s) if load_delay_s else store)
     app = create_app(client, options)  # type: ignore[arg-type]
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=http)
     server = uvicorn.Server(config)
     failure: list[BaseException] = []
 

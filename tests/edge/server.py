@@ -14,6 +14,7 @@ import uvicorn
 from cluster.client import Ratchet
 from edge.app import create_app
 from edge.options import ServeOptions
+from edge.timely import TimelyH11
 from tests.support.servers import wait_until
 
 
@@ -63,5 +64,5 @@ class ServerThread:
 
 
 def _server(app: Any, port: int) -> uvicorn.Server:
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=TimelyH11)
     return uvicorn.Server(config)

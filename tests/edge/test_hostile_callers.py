@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import time
 
 import httpx2
 
 from edge.options import ServeOptions
+from edge.timely import TimelyH11
 from tests.support.servers import wait_until
 
 from .memory_server import served
@@ -41,3 +45,54 @@ async def test_a_burst_of_streams_opens_no_more_than_the_server_takes() -> None:
             ended = await http.get("/threads/t1/stream", params={"until_rest": "true"})
             assert ended.status_code == 200 and "run_finished" in ended.text
             wait_until(lambda: server.app.state.streams.open == 0, "the ended stream's slot")
+
+
+class _Quick(TimelyH11):
+    head_s = 1.0
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes ``sock`` within ``within_s`` (what it sends is read and
+    dropped); a byte is sent every 0.2 s meanwhile, as a slow caller would."""
+    deadline = time.monotonic() + within_s
+    sock.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            with contextlib.suppress(OSError):
+                sock.sendall(b"a")
+        except OSError:  # reset: closed too
+            return True
+    return False
+
+
+def test_a_caller_that_sends_no_request_in_time_is_disconnected() -> None:
+    """A new connection had no deadline, and uvicorn's keep-alive one ended at the next
+    byte: with no token, a caller held a socket for good by sending nothing, a head a
+    byte at a time, or a body after its 401, until the server ran out of descriptors."""
+    with served(ServeOptions(tokens=("secret",)), http=_Quick) as server:
+        idle = socket.create_connection(("127.0.0.1", server.port))
+        head = socket.create_connection(("127.0.0.1", server.port))
+        head.sendall(b"GET /runs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        refused = socket.create_connection(("127.0.0.1", server.port))
+        refused.sendall(
+            b"POST /threads/t1/stop HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000\r\n\r\n{"
+        )
+        body = b'{"reason": "late"}'
+        answered = socket.create_connection(("127.0.0.1", server.port))  # passed the guard
+        answered.sendall(
+            b"POST /threads/t1/stop HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer secret\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5])
+        )
+        started = time.monotonic()
+        for sock in (idle, head, refused):
+            assert _closed_by_server(sock, within_s=10)
+            sock.close()
+        assert time.monotonic() - started > _Quick.head_s
+        answered.sendall(body[5:])  # the rest, after its head's deadline: still answered
+        answered.settimeout(10)
+        assert answered.recv(65536).startswith(b"HTTP/1.1 200 "), "the request was cut"
+        answered.close()

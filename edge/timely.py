@@ -1,0 +1,70 @@
+"""uvicorn's HTTP/1.1 protocol with a deadline for a caller between requests.
+
+uvicorn closes an idle keep-alive connection after ``timeout_keep_alive``, but only
+until its next byte arrives, and a new connection has no deadline at all: a caller
+with no token could open connections and send nothing, or a request's head one byte
+at a time, or a body after the guard refused it with 401, and hold each socket for
+good, until the server ran out of file descriptors (for its callers, its store and
+its Ray client alike). Here a connection not within a request (its head not yet
+received, or its answer sent) is closed ``HEAD_S`` after it was opened or answered,
+however many bytes trickle in meanwhile. A request being answered (a stream that lasts
+hours among them) is left alone: its caller passed the guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_S = 30.0
+"""Seconds a connection may take to send a request's head, counted from its opening or
+from the answer to its previous request."""
+
+
+class TimelyH11(H11Protocol):
+    head_s = HEAD_S
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if not self._between_requests():
+            self._disarm()  # a head arrived: the request is the app's (and the guard's)
+
+    def handle_websocket_upgrade(self, event: Any) -> None:
+        self._disarm()  # the connection is the websocket protocol's from now on
+        super().handle_websocket_upgrade(event)
+
+    def on_response_complete(self) -> None:
+        self._arm()  # first: a pipelined request the call below starts disarms it
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.head_s, self._late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _late(self) -> None:
+        self._head_timer = None
+        if self._between_requests() and not self.transport.is_closing():
+            self.transport.close()
+
+
+__all__ = ["HEAD_S", "TimelyH11"]
