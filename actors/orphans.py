@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from actors.deliveries import DELIVERY_S, each
+from actors.deliveries import DELIVERY_S, HostOut, Pass
 from runtime.delegation import parent_link
 from runtime.errors import RatchetError
 from runtime.ids import RunId, ThreadId
@@ -38,6 +38,8 @@ ORPHAN_CANCEL_S = DELIVERY_S
 hangs held the Supervisor's wake pass for ever (no pause resumed, no outcome handed
 over after it); the orphan is looked at again ``ORPHAN_CHECK_S`` later."""
 End = Callable[[ThreadId, RunId], Awaitable[Any]]
+HostFor = Callable[[ThreadId], Any]
+"""The host a running child's cancel goes to (the key its calls of a pass count on)."""
 
 
 def maybe_child(thread: str) -> bool:
@@ -48,20 +50,33 @@ def maybe_child(thread: str) -> bool:
 class Orphans:
     """What one Supervisor remembers of the children (at rest or running) it looked at."""
 
-    def __init__(self, store: CommitStore, end: End, cancel: End | None = None) -> None:
+    def __init__(
+        self,
+        store: CommitStore,
+        end: End,
+        cancel: End | None = None,
+        host_for: HostFor | None = None,
+    ) -> None:
         self.store = store
         self.end = end
         """Ends an awaiting child (from the store)."""
         self.cancel = cancel
         """Cancels a running child (through its host); None: running ones are not looked at."""
+        self.host_for = host_for
+        """The host ``cancel`` reaches for a child; None: every cancel counts as one host's."""
         self._next: dict[ThreadId, float] = {}
         """thread → monotonic time before which it is not looked at again."""
 
     async def sweep(
-        self, awaiting: Sequence[RunSummary], running: Sequence[RunSummary] = ()
+        self,
+        awaiting: Sequence[RunSummary],
+        running: Sequence[RunSummary] = (),
+        calls: Pass | None = None,
     ) -> int:
-        """End the orphans among these awaiting (and running) Runs that are due a look;
-        how many."""
+        """End the orphans among these awaiting (and running) Runs that are due a look
+        (a running one's cancel through ``calls``, the sweep's pass: a host that hangs
+        holds only its own slots); how many."""
+        calls = calls if calls is not None else Pass()
         now = time.monotonic()
         live = {s.thread_id for s in running} if self.cancel is not None else set()
         listed = [*awaiting, *(s for s in running if s.thread_id in live)]
@@ -73,26 +88,30 @@ class Orphans:
 
         async def one(thread: ThreadId) -> bool:
             try:
-                return await self._end_if_orphaned(thread, children[thread], thread in live)
-            except RatchetError as exc:  # moved meanwhile, corrupt, store out: next look
+                return await self._end_if_orphaned(thread, children[thread], thread in live, calls)
+            except (RatchetError, HostOut) as exc:  # moved meanwhile, corrupt, store out: next look
                 log.info("looking at the parent of %s: %s", thread, exc)
             except Exception:  # a host gone or slow: the child stays at rest, looked at again
                 log.exception("looking at the parent of %s failed", thread)
             return False
 
-        return await each(due, one)
+        return sum(await asyncio.gather(*(one(t) for t in due)))
 
-    async def _end_if_orphaned(self, thread: ThreadId, run: RunId, running: bool) -> bool:
-        link = parent_link(await self.store.load_head(thread))
-        if link is None:
-            return False  # not a child: a thread id a caller chose
-        parent = await self.store.load_head(link.thread)
-        if parent.run_id == link.run and not parent.ended:
-            return False  # its parent still waits for it (or runs, and will)
-        log.warning("child %s outlived its parent's run %s: ending it", thread, link.run)
-        if running and self.cancel is not None:
-            async with asyncio.timeout(ORPHAN_CANCEL_S):
-                await self.cancel(thread, run)
-        else:
-            await self.end(thread, run)
+    async def _end_if_orphaned(
+        self, thread: ThreadId, run: RunId, running: bool, calls: Pass
+    ) -> bool:
+        async with calls.slots:
+            link = parent_link(await self.store.load_head(thread))
+            if link is None:
+                return False  # not a child: a thread id a caller chose
+            parent = await self.store.load_head(link.thread)
+            if parent.run_id == link.run and not parent.ended:
+                return False  # its parent still waits for it (or runs, and will)
+            log.warning("child %s outlived its parent's run %s: ending it", thread, link.run)
+            if not (running and self.cancel is not None):
+                await self.end(thread, run)  # from the store (its own children's cancels bounded)
+                return True
+        cancel = self.cancel
+        host = self.host_for(thread) if self.host_for is not None else cancel
+        await calls.call(host, lambda: cancel(thread, run), ORPHAN_CANCEL_S)
         return True

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import Any
 
-from actors.deliveries import DELIVERY_S, WAKE_AT_ONCE, HostOf
+from actors.deliveries import HostOf, HostOut, Pass
 from actors.wire import unwrap
 from runtime.commit import Frontier
 from runtime.errors import RatchetError
@@ -59,9 +59,6 @@ def alarm(frontier: Frontier) -> tuple[int, ResumePayload] | None:
     return None
 
 
-PER_HOST = WAKE_AT_ONCE // 2
-"""Wakes a pass has under way at once on one host: a host that hangs holds only these
-slots (each up to ``DELIVERY_S``) while the other hosts' Runs are woken."""
 RETRY_S = (2.0, 300.0)
 """A wake that did not land (refused, a host out, a record that does not verify) is
 asked again after the first of these, doubled each time up to the second: a Run its host
@@ -80,15 +77,20 @@ class Alarms:
         """thread → wakes in a row that did not land (at the version in ``_known``)."""
 
     async def fire(
-        self, store: CommitStore, awaiting: list[RunSummary], host_of: HostOf, now_us: int
+        self,
+        store: CommitStore,
+        awaiting: list[RunSummary],
+        host_of: HostOf,
+        now_us: int,
+        calls: Pass | None = None,
     ) -> tuple[int, int]:
-        """Wake each of these Runs whose time has come (one call each, several at once,
-        at most ``PER_HOST`` per host; the next sweep asks again): how many pauses were
-        resumed and waits expired."""
+        """Wake each of these Runs whose time has come (one call each, through ``calls``,
+        the sweep's pass: a host that hangs holds only its own slots; the next sweep asks
+        again): how many pauses were resumed and waits expired."""
         timed = {s.thread_id: s.version for s in awaiting if s.status.reason in TIMED}
         self._known = {t: k for t, k in self._known.items() if timed.get(t) == k[0]}
         self._missed = {t: n for t, n in self._missed.items() if t in self._known}
-        wakes = _Pass(host_of)
+        wakes = calls if calls is not None else Pass()
         woken: dict[str, int] = {"pause": 0, "expired": 0}
 
         def unread_or_due(thread: ThreadId) -> bool:
@@ -104,7 +106,7 @@ class Alarms:
                 version = frontier.version
                 self._known[thread] = (version, due[0] if due else None)
                 if due is not None and due[0] <= now_us:
-                    await wakes.wake(frontier, due[1])
+                    await _wake(wakes, host_of(frontier), frontier, due[1])
                     woken[due[1].kind] += 1
                 return
             except (RatchetError, HostOut) as exc:  # resumed meanwhile, corrupt, store out
@@ -119,38 +121,12 @@ class Alarms:
         return woken["pause"], woken["expired"]
 
 
-class _Pass:
-    """The calls of one pass: ``WAKE_AT_ONCE`` under way at once, at most ``PER_HOST``
-    of them on one host; a host that failed one is asked nothing more in this pass."""
+async def _wake(calls: Pass, host: Any, frontier: Frontier, payload: ResumePayload) -> None:
+    """Resume the Run at rest at ``frontier`` with ``payload`` through its host."""
+    assert isinstance(frontier.run_state, AwaitingState)
+    command = answer(frontier.run_state.ticket, payload)
 
-    def __init__(self, host_of: HostOf) -> None:
-        self.host_of = host_of
-        self.slots = asyncio.Semaphore(WAKE_AT_ONCE)
-        self._hosts: dict[Any, asyncio.Semaphore] = {}  # a Ray handle hashes by actor id
-        self._failing: set[Any] = set()
+    async def send() -> None:
+        unwrap(await host.resume_run.remote(command))
 
-    async def wake(self, frontier: Frontier, payload: ResumePayload) -> None:
-        """Resume the Run at rest at ``frontier`` with ``payload`` through its host."""
-        host = self.host_of(frontier)
-        if host is None:
-            raise HostOut("no host is known for it")
-        assert isinstance(frontier.run_state, AwaitingState)
-        command = answer(frontier.run_state.ticket, payload)
-        # the host's slot is waited for holding no slot of the pass: the Runs of a host
-        # that hangs queue behind its own slots, not in front of every other host's Runs
-        async with self._hosts.setdefault(host, asyncio.Semaphore(PER_HOST)), self.slots:
-            if host in self._failing:
-                raise HostOut("its host failed another wake of this pass")
-            try:
-                async with asyncio.timeout(DELIVERY_S):
-                    unwrap(await host.resume_run.remote(command))
-            except RatchetError:  # the host answered: refused, or the store out there
-                raise
-            except Exception:
-                self._failing.add(host)
-                raise
-
-
-class HostOut(Exception):
-    """A due Run's wake was not sent: no host is known for it, or its host failed another
-    wake of this pass (its Run is asked again later)."""
+    await calls.call(host, send)

@@ -18,8 +18,9 @@ a time that has come and expires a tool wait past its deadline (``actors.schedul
 and ends a child, at rest or running, whose parent is gone (``actors.orphans``).
 
 Take-overs run in the background, a few at a time (``actors.take_overs``): a hung
-host delays only the Runs sent to it, never the watch. So do hand-overs and due
-pauses (``WAKE_AT_ONCE`` calls at a time, one pass under way at most).
+host delays only the Runs sent to it, never the watch. So do hand-overs, due pauses
+and orphans' cancels (one pass under way at most, ``WAKE_AT_ONCE`` calls at a time and
+``PER_HOST`` on one host: ``actors.deliveries.Pass``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError, ActorDiedError
 
 from actors.children import RayChildRunner
-from actors.deliveries import AWAITING_DELEGATION, redeliver
+from actors.deliveries import AWAITING_DELEGATION, Pass, redeliver
 from actors.host_control import acting_for
 from actors.hung_hosts import HungHosts
 from actors.idle_hosts import PING_TIMEOUT_S, IdleHosts
@@ -87,7 +88,9 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
         self._background: set[asyncio.Task[Any]] = set()
         self._waking: asyncio.Task[None] | None = None
         """The pass handing outcomes over and waking Runs that are due, if under way."""
-        self.orphans = Orphans(self.store, self._end_orphan, self.children.cancel)
+        self.orphans = Orphans(
+            self.store, self._end_orphan, self.children.cancel, self.children.host_for
+        )
         self.alarms = Alarms()
         self.lease = LeaseKeeper(self.store, spec.name)
         self._kept = 0
@@ -224,12 +227,15 @@ class Supervisor(TakeOvers, HungHosts, IdleHosts):
     ) -> None:
         """Hand parents their children's outcomes, wake Runs whose time has come (a pause
         or a wait's deadline: ``actors.schedule``), and end children, awaiting or
-        running, whose parent is gone (``actors.orphans``)."""
+        running, whose parent is gone (``actors.orphans``). One ``Pass`` for the three: a
+        host that hangs holds only its own slots of it, and once one call to it failed it
+        is asked nothing more until the next pass."""
+        calls = Pass()
         try:
             handed, (unpaused, expired), ended = await asyncio.gather(
-                redeliver(self.store, parents, self._host_of, self.spec.limits),
-                self.alarms.fire(self.store, awaiting, self._host_of, now_us()),
-                self.orphans.sweep(awaiting, running),
+                redeliver(self.store, parents, self._host_of, self.spec.limits, calls),
+                self.alarms.fire(self.store, awaiting, self._host_of, now_us(), calls),
+                self.orphans.sweep(awaiting, running, calls),
             )
             self.counts["outcomes_handed"] += handed
             self.counts["pauses_resumed"] += unpaused

@@ -271,9 +271,10 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
     second one."""
     from collections import Counter
 
-    import actors.schedule
+    import actors.deliveries
+    from actors.deliveries import PER_HOST
     from actors.orphans import Orphans
-    from actors.schedule import PER_HOST, Alarms, alarm
+    from actors.schedule import Alarms, alarm
     from actors.supervisor import Supervisor
     from actors.system_lease import LeaseKeeper
     from actors.wire import SystemSpec
@@ -288,7 +289,7 @@ async def test_a_hung_host_does_not_hold_the_watch_with_due_pauses(monkeypatch):
             raise ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=0.0)
             yield  # an async generator that never yields
 
-    monkeypatch.setattr(actors.schedule, "DELIVERY_S", 3600.0)
+    monkeypatch.setattr(actors.deliveries, "DELIVERY_S", 3600.0)
     spec = SystemSpec(name="sys", store_url="memory://")
     store = MemoryCommitStore()
     agent = Agent(name="limited", model=Limited(), rate_limit_wait_s=0.0)

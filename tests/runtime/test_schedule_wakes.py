@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-import actors.schedule
-from actors.schedule import PER_HOST, Alarms
+import actors.deliveries
+from actors.deliveries import PER_HOST
+from actors.schedule import Alarms
 from runtime import Agent
 from runtime.engine import Engine
 from runtime.errors import ModelRateLimited, ResumeRejected
@@ -91,7 +92,7 @@ async def test_a_hung_host_holds_only_its_own_slots_of_a_wake_pass(
     and the other host's Run waited for them all (every pass, until the host was
     restarted). Now a host has ``PER_HOST`` calls under way at most, and the others'
     Runs are woken meanwhile."""
-    monkeypatch.setattr(actors.schedule, "DELIVERY_S", 3600.0)
+    monkeypatch.setattr(actors.deliveries, "DELIVERY_S", 3600.0)
     store = MemoryCommitStore()
     stuck = [f"stuck-{i:02}" for i in range(12)]
     engine = await _paused(store, [*stuck, "free"])
