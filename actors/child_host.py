@@ -25,10 +25,13 @@ from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, PauseTarget
 from runtime.patience import patiently
 from runtime.ports import CommitStore
+from runtime.timeutil import now_us
 
 UNTRUSTED = "child {} cannot be trusted: its records did not verify on this host"
 NOT_STARTED = "child {}'s start did not land (the store was out): the parent asks again"
 OTHER_RUN = "the child's thread {} holds another run ({}), not this call's child"
+PAUSED_LOOK_S = 15.0
+"""How often a parent's call looks at the head of a child paused until a later time."""
 
 
 class ChildHosting:
@@ -103,7 +106,7 @@ class ChildHosting:
             drive = self.drives.get(thread)
             if frontier.run_id != run and (drive is None or drive.task.done()):
                 raise StoreUnavailable(NOT_STARTED.format(thread))
-            await asyncio.sleep(delay)
+            await asyncio.sleep(next_look_s(frontier, delay))
             delay = min(delay * 2, 1.0)
         return None
 
@@ -132,6 +135,21 @@ class ChildHosting:
 
             return dedicated_host(self.spec, frontier.thread_id)
         return self.children.host_for(frontier.thread_id)
+
+
+def next_look_s(child: Frontier, delay_s: float) -> float:
+    """When a parent's call following ``child`` in the store looks at its head again:
+    after ``delay_s``, or, the child paused until a time, at that time, looking at least
+    every ``PAUSED_LOOK_S`` meanwhile (a cancel or a person's early resume ends the wait
+    sooner). Once a second, a parent waiting on a child paused for a day read its head
+    86,400 times."""
+    state = child.run_state
+    if isinstance(state, AwaitingState):
+        target = state.ticket.target
+        if isinstance(target, PauseTarget) and target.resume_at_us is not None:
+            left_s = (target.resume_at_us - now_us()) / 1_000_000
+            return max(delay_s, min(left_s, PAUSED_LOOK_S))
+    return delay_s
 
 
 def answers(child: Frontier) -> bool:
