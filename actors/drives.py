@@ -110,8 +110,10 @@ class Holding:
     async def load_head(self, thread: ThreadId) -> Frontier:
         return await self.store.load_head(thread)
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        return await self.store.read(thread, after_seq)
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
+        return await self.store.read(thread, after_seq, limit)
 
     async def list_runs(self, state: Any = None, *, host: str | None = None) -> list[RunSummary]:
         return await self.store.list_runs(state, host=host)

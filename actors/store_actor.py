@@ -44,6 +44,7 @@ from runtime.commit import Frontier, Receipt, ThreadCommit
 from runtime.context import DEFAULT_RETRY, StoreRetry
 from runtime.errors import CorruptRecord, RatchetError, StoreLost, StoreUnavailable
 from runtime.ids import ThreadId
+from runtime.integrity import check_page_limit
 from runtime.ports import CommitStore, CommittedRecord, Lease, RunSummary
 from storage.url import scheme_of
 
@@ -107,8 +108,8 @@ class StoreActor:
     async def load_head(self, thread: ThreadId) -> Any:
         return await self._call("load_head", thread)
 
-    async def read(self, thread: ThreadId, after_seq: int) -> Any:
-        return await self._call("read", thread, after_seq)
+    async def read(self, thread: ThreadId, after_seq: int, limit: int | None = None) -> Any:
+        return await self._call("read", thread, after_seq, limit)
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Any:
         return await self._call("claim", thread, owner, supersedes)
@@ -224,8 +225,11 @@ class RemoteCommitStore:
         result: Frontier = await self._call("load_head", thread)
         return result
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        result: list[CommittedRecord] = await self._call("read", thread, after_seq)
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
+        check_page_limit(limit)  # refused here, as a local store refuses it
+        result: list[CommittedRecord] = await self._call("read", thread, after_seq, limit)
         return result
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:

@@ -257,8 +257,12 @@ async def commits(
     after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="Only commits with seq > after")] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> CommitsPage:
-    await known(client, thread)
-    records = await client.store.read(thread, after)
+    """A page is read and verified alone (``CommitStore.read`` with a limit: the chain
+    from the record before it), never the whole log: its cost is bounded by ``limit``
+    whatever the thread's length. One record past it says whether there are more."""
+    if (await client.store.load_head(thread)).version == 0:  # its head: no history read
+        raise HttpProblem(404, "ThreadNotFound", f"thread {thread!r} has no commits")
+    records = await client.store.read(thread, after, limit + 1)
     page = [CommitRecord(seq=r.seq, commit=_served(r.commit)) for r in records[:limit]]
     more = len(records) > limit
     return CommitsPage(thread_id=thread, commits=page, next_after=page[-1].seq if more else None)

@@ -63,6 +63,7 @@ def verified_records(
     *,
     exact: bool = True,
     anchor: tuple[int, str] | None = None,
+    through: int | None = None,
 ) -> list[CommittedRecord]:
     """The records with seq > ``after``, each checked against its hash and the chain.
 
@@ -75,6 +76,11 @@ def verified_records(
     ``anchor`` is a pruned thread's (seq, stored hash) of the last record removed: when
     ``after`` is not past it, ``rows`` begin at the record after it, whose ``prev``
     must be that hash, and a head at the anchor's seq must be that hash.
+
+    ``through`` is a page's last seq (``page_end``): ``rows`` end there. A page short of
+    the head is verified as the chain from the record before it (or the anchor, or seq
+    1) to its last record, which must be there; the head is checked by the page that
+    reaches it.
     """
     records: list[CommittedRecord] = []
     floor = max(after, 1)
@@ -111,9 +117,29 @@ def verified_records(
         if head is not None and seq == head[0]:
             at_head = stored
         prev, expected = stored, seq + 1
+    if head is not None and through is not None and through < head[0]:
+        if expected - 1 != through:  # rows end elsewhere than the page: a gap, or a bug
+            ends = f"the log ends at {expected - 1}, the page at {through}"
+            raise CorruptRecord(thread, expected, ends)
+        return records
     if head is not None:
         _check_tail(thread, head, expected - 1, at_head, floor, exact)
     return records
+
+
+def page_end(after: int, version: int, limit: int | None, pruned: int = 0) -> int:
+    """The last seq of a page of at most ``limit`` records after ``after`` (None: no
+    limit) of a log at ``version`` whose records up to ``pruned`` were pruned: the
+    records a bounded read fetches, whatever the log's length."""
+    if limit is None:
+        return version
+    return min(version, max(after, pruned) + limit)
+
+
+def check_page_limit(limit: int | None) -> None:
+    """A read's ``limit``: None, or a count of records of 1 or more (ValueError)."""
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise ValueError(f"a read's limit must be a whole number of records, 1 or more: {limit!r}")
 
 
 def _check_tail(

@@ -79,8 +79,14 @@ class CommitStore(Protocol):
         there are), checked as ``load`` checks it but for the log: it reads no history.
         What a claim answers is a head too."""
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        """Committed records with seq > after_seq, in order, verified against the chain."""
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
+        """Committed records with seq > after_seq, in order, verified against the chain.
+        With ``limit`` (1 or more, else ValueError), at most that many: a page, whose
+        work is bounded by it, not by the log's length. A page is verified as the chain
+        from the record before it (or the anchor, or seq 1) to its last record, which
+        must be there; the frontier's head is checked by the page that reaches it."""
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         """Become the thread's owner if its owner epoch is still ``supersedes`` (else

@@ -199,8 +199,10 @@ class _CheckingStore:
     async def load_head(self, thread: ThreadId) -> Frontier:
         return await self.inner.load_head(thread)
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        return await self.inner.read(thread, after_seq)
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
+        return await self.inner.read(thread, after_seq, limit)
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         return await self.inner.claim(thread, owner, supersedes)

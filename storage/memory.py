@@ -20,7 +20,9 @@ from runtime.integrity import (
     PrunedHistory,
     RawRecord,
     check_head,
+    check_page_limit,
     history_digest,
+    page_end,
     verified_records,
     whole_frontier,
 )
@@ -122,13 +124,18 @@ class MemoryCommitStore:
         check_head(thread, t.frontier, at_head)
         return t.frontier
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
+        check_page_limit(limit)
         t = self._threads.get(thread)
         if t is None:
             return []
-        rows = t.log[max(after_seq - t.pruned - 1, 0) :]
         head = (t.frontier.version, t.frontier.head)
-        return verified_records(thread, rows, after_seq, head, anchor=t.anchor)
+        end = page_end(after_seq, t.frontier.version, limit, t.pruned)
+        stop = None if end >= t.frontier.version else end - t.pruned  # past it: corrupt
+        rows = t.log[max(after_seq - t.pruned - 1, 0) : stop]
+        return verified_records(thread, rows, after_seq, head, anchor=t.anchor, through=end)
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:
         async with self._lock:

@@ -25,6 +25,7 @@ from typing import Literal
 
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit, head_only
 from runtime.ids import ThreadId
+from runtime.integrity import check_page_limit
 from runtime.ports import CommittedRecord, Lease, RunSummary
 from runtime.rules import admit, check_claim, check_size, receipt_of, with_claim
 from storage.leases import LeaseTable
@@ -78,7 +79,10 @@ class NoopCommitStore:
     async def load_head(self, thread: ThreadId) -> Frontier:
         return head_only(await self.load(thread))
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
+        check_page_limit(limit)
         return []  # nothing was written
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:

@@ -19,6 +19,7 @@ from runtime.integrity import (
     RawRecord,
     check_frontier_text,
     check_head,
+    page_end,
     verified_records,
 )
 from runtime.limits import printable
@@ -118,15 +119,20 @@ def read_rows(
     sums: list[str],
     stored: tuple[int, str],
     anchor: tuple[int, str] | None,
+    limit: int | None = None,
 ) -> list[CommittedRecord]:
-    """The records read (from seq ``first`` on), verified."""
+    """The records read (from seq ``first`` on), verified; with ``limit``, those of the
+    page (``page_end``: the lists were read a record past it, the head not known yet)."""
+    end = page_end(after_seq, stored[0], limit, anchor[0] if anchor else 0)
+    if end < stored[0]:  # a page short of the head: what was read past it is not its
+        bodies, sums = bodies[: max(end - first + 1, 0)], sums[: max(end - first + 1, 0)]
     paired = min(len(bodies), len(sums))
     pairs = zip(bodies, sums, strict=False)  # unequal lengths are reported below
     rows = [RawRecord(first + i, b, h) for i, (b, h) in enumerate(pairs)]
     if len(bodies) != len(sums):  # what pairs up is checked first: it names the culprit
         verified_records(thread, rows[:paired], after_seq, None, anchor=anchor)
         raise CorruptRecord(thread, first + paired, "the log and its hashes differ in length")
-    return verified_records(thread, rows, after_seq, stored, anchor=anchor)
+    return verified_records(thread, rows, after_seq, stored, anchor=anchor, through=end)
 
 
 WHOLE = re.compile(r"0|[1-9][0-9]{0,15}")

@@ -107,6 +107,7 @@ from runtime.errors import CorruptRecord, Fenced, StoreError
 from runtime.ids import ThreadId
 from runtime.integrity import (
     PrunedHistory,
+    check_page_limit,
     frontier_checksum,
     history_digest,
     whole_frontier,
@@ -274,19 +275,23 @@ class RedisCommitStore:
         with translated(self.where, thread):
             return (await self._snapshot(thread, None)).frontier
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
         """The lists begin after the anchor, so where a read starts in them depends on
         it: read with the anchor last seen (none at first), again if it was another."""
+        check_page_limit(limit)
         pruned = 0
         with translated(self.where, thread):
             for _ in range(_READS):
                 start = max(after_seq - pruned - 1, 0)
+                stop = -1 if limit is None else min(start + limit, 2**63 - 1)  # Redis's int
                 async with self.client.pipeline(transaction=True) as pipe:
                     pipe.hmget(
                         self._key(thread, "meta"), ["version", "head", "pruned", "pruned_hash"]
                     )
-                    pipe.lrange(self._key(thread, "log"), start, -1)
-                    pipe.lrange(self._key(thread, "sums"), start, -1)
+                    pipe.lrange(self._key(thread, "log"), start, stop)
+                    pipe.lrange(self._key(thread, "sums"), start, stop)
                     pipe.get(self._instance)
                     (version, head, *anchored), bodies, sums, instance = await pipe.execute()
                 check_instance(instance, self.instance, self.where)
@@ -294,9 +299,8 @@ class RedisCommitStore:
                 pruned = anchor[0] if anchor else 0
                 if max(after_seq - pruned - 1, 0) == start:
                     stored = (number_of(thread, "version", version), head or "")
-                    return read_rows(
-                        thread, after_seq, pruned + start + 1, bodies, sums, stored, anchor
-                    )
+                    first = pruned + start + 1
+                    return read_rows(thread, after_seq, first, bodies, sums, stored, anchor, limit)
         raise StoreError(f"thread {thread}: prunes kept moving its log under a read")
 
     async def claim(self, thread: ThreadId, owner: str, supersedes: int) -> Frontier:

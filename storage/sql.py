@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Literal
 from runtime.commit import DEFAULT_PAYLOAD_LIMIT, Frontier, Receipt, ThreadCommit
 from runtime.errors import StoreError
 from runtime.ids import ThreadId
+from runtime.integrity import check_page_limit
 from runtime.ports import CommittedRecord, Lease, RunSummary
 from runtime.rules import check_size
 from storage.checkpoints import SqlCheckpointStore
@@ -158,8 +159,11 @@ class SqlCommitStore(GroupWriter):
         """The frontier without its messages (``message_count`` of them): one row."""
         return await self._read(load_head_body, thread, self._frontiers)
 
-    async def read(self, thread: ThreadId, after_seq: int = 0) -> list[CommittedRecord]:
-        return await self._read(read_body, thread, after_seq)
+    async def read(
+        self, thread: ThreadId, after_seq: int = 0, limit: int | None = None
+    ) -> list[CommittedRecord]:
+        check_page_limit(limit)
+        return await self._read(read_body, thread, after_seq, limit)
 
     async def list_runs(
         self,

@@ -18,7 +18,14 @@ from sqlalchemy import Connection
 from runtime.commit import Frontier
 from runtime.errors import CorruptRecord
 from runtime.ids import ThreadId
-from runtime.integrity import PrunedHistory, RawRecord, check_head, verified_records, whole_frontier
+from runtime.integrity import (
+    PrunedHistory,
+    RawRecord,
+    check_head,
+    page_end,
+    verified_records,
+    whole_frontier,
+)
 from runtime.lifecycle import ThreadStatus
 from runtime.limits import utf8_problem
 from runtime.ports import CommittedRecord, RunSummary, host_of
@@ -127,8 +134,11 @@ def _whole(conn: Connection, thread: ThreadId, head: Frontier, row: DbRow) -> Fr
     return whole_frontier(thread, head, records, pruned)
 
 
-def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[CommittedRecord]:
-    """The log after ``after_seq`` up to the head, verified. The head is read first: the
+def read_body(
+    conn: Connection, thread: ThreadId, after_seq: int, limit: int | None = None
+) -> list[CommittedRecord]:
+    """The log after ``after_seq`` up to the head (or ``limit`` records of it: a page,
+    ``runtime.integrity.page_end``), verified. The head is read first: the
     log only grows, so every record up to it is there when the records are read (two
     statements, each its own snapshot), and records past it, a concurrent append's, are
     not read. A log that no thread row vouches for (none, version 0, no head) fails
@@ -138,16 +148,17 @@ def read_body(conn: Connection, thread: ThreadId, after_seq: int) -> list[Commit
     for _ in range(ATTEMPTS - 1):
         head = conn.execute(HEAD, {"thread": thread}).first()
         try:
-            return _read_under(conn, thread, after_seq, head)
+            return _read_under(conn, thread, after_seq, head, limit)
         except CorruptRecord:
             now = conn.execute(ANCHOR, {"thread": thread}).first()
             if head is None or now is None or now.pruned_through == head.pruned_through:
                 raise
-    return _read_under(conn, thread, after_seq, conn.execute(HEAD, {"thread": thread}).first())
+    head = conn.execute(HEAD, {"thread": thread}).first()
+    return _read_under(conn, thread, after_seq, head, limit)
 
 
 def _read_under(
-    conn: Connection, thread: ThreadId, after_seq: int, head: DbRow
+    conn: Connection, thread: ThreadId, after_seq: int, head: DbRow, limit: int | None = None
 ) -> list[CommittedRecord]:
     if head is None or head.version == 0:
         _check_unvouched(conn, thread)
@@ -163,10 +174,12 @@ def _read_under(
     if head.pruned_through is not None:
         anchor = (int(head.pruned_through), str(head.pruned_hash))
     first = max(after_seq, 1, (anchor[0] + 1) if anchor else 0)
-    bounds = {"thread": thread, "first": first, "last": head.version}
+    end = page_end(after_seq, head.version, limit, anchor[0] if anchor else 0)
+    bounds = {"thread": thread, "first": first, "last": end}
     rows = conn.execute(READ, bounds).all()  # all: an open cursor would hold its snapshot
     raw = (RawRecord(r.seq, r.body, r.payload_hash, r.operation_id) for r in rows)
-    records = verified_records(thread, raw, after_seq, (head.version, head.head), anchor=anchor)
+    stored = (head.version, head.head)
+    records = verified_records(thread, raw, after_seq, stored, anchor=anchor, through=end)
     check_tail(thread, head)
     return records
 
