@@ -30,3 +30,16 @@ async def test_runs_survive_a_store_actor_restart(make_system, ledger):
         report = await check_log(client.store, h.thread_id)
         assert report.lost == 0  # a store outage pauses Runs; it loses no execution
     never_twice(ledger, [h.run_id for h in handles], NEVER_REPLAY_TOOLS)
+
+
+async def test_the_store_actor_reads_a_page(make_system):
+    """``read``'s ``limit`` reaches the store behind the actor (a page, not the log)."""
+    client = await make_system(sqlite_writer="actor")
+    assert type(client.store).__name__ == "RemoteCommitStore"
+    handle = await client.start("cluster.demo_agent:agent", "order 1")
+    await client.wait_all([handle], timeout_s=90)
+    whole = await client.store.read(handle.thread_id)
+    assert len(whole) >= 3
+    assert await client.store.read(handle.thread_id, 1, 2) == whole[1:3]
+    with pytest.raises(ValueError, match="limit"):
+        await client.store.read(handle.thread_id, 0, 0)
