@@ -96,3 +96,58 @@ def test_a_caller_that_sends_no_request_in_time_is_disconnected() -> None:
         answered.settimeout(10)
         assert answered.recv(65536).startswith(b"HTTP/1.1 200 "), "the request was cut"
         answered.close()
+
+
+class _QuickBody(TimelyH11):
+    body_s = 1.0
+
+
+def test_a_body_that_does_not_arrive_in_time_is_cut() -> None:
+    """Once a request's head was in, nothing bounded its body: a caller with a token
+    sent one a byte at a time (or not at all) and held the socket, and the request's
+    task waiting for it, for good. A body sent whole in time is still answered."""
+    with served(ServeOptions(tokens=("secret",)), http=_QuickBody) as server:
+        head = (
+            b"POST /threads/t1/stop HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer secret\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"  # within the cap: the app waits for it
+        )
+        trickle = socket.create_connection(("127.0.0.1", server.port))
+        trickle.sendall(head)
+        started = time.monotonic()
+        assert _closed_by_server(trickle, within_s=10)
+        trickle.close()
+        assert time.monotonic() - started > _QuickBody.body_s * 0.9
+        body = b'{"reason": "in time"}'
+        whole = socket.create_connection(("127.0.0.1", server.port))
+        whole.sendall(
+            b"POST /threads/t1/stop HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer secret\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        whole.settimeout(10)
+        assert _answer(whole).startswith(b"HTTP/1.1 200 ")
+        # kept alive past the first body's deadline: the next request is answered too
+        time.sleep(_QuickBody.body_s * 1.5)  # past the first body's deadline, on purpose
+        whole.sendall(
+            b"POST /threads/t1/cancel HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer secret\r\nContent-Length: 0\r\n\r\n"
+        )
+        assert _answer(whole).startswith(b"HTTP/1.1 200 ")
+        whole.close()
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """One whole response read from ``sock`` (its head, and its body by Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
