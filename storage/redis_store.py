@@ -6,26 +6,26 @@ RDB snapshots alone, a commit whose receipt was returned can be lost on a crash:
 run it that way only where losing the last second of commits is acceptable.
 Redis 7 or newer, a single primary (not Redis Cluster: the run index spans threads).
 
-**How an append works.** Python loads the frontier, applies the pure admission
-rule of ``runtime.commit`` (``admit``: the append's own claim, fencing, version, the
-hash chain, the fold) and sends the new frontier to a Lua script that re-checks,
-atomically, what may have changed since the load — operation id unknown, owner
-epoch, version (the run's end comes with a version, and ``admit`` checked it on the
-frontier the checksum vouches for: the ``run_id``/``ended`` meta fields are written
-for readers of the layout, never trusted) — and then writes the commit, its hash, its receipt,
-the frontier with its checksum, the run index and the owner index. The script
-answers ``ok``, ``refused`` or ``corrupt KEY``. On ``refused`` the append loads
-again and lets ``admit`` name the error (or return the original receipt of a retried
-write), so the order of the rules lives in one place only. Every refusal condition is
-monotonic — an operation id stays known, epochs and versions only grow, an ended run
-stays ended until the version moves — so the second look refuses too. The script
-reads and type-checks every key before its first write, so a refused or failed
-append writes nothing; but a shared index of another type (edited by hand) is left
-unwritten, logged and named by ``ratchet verify`` (``redis_scripts.Skipped``): it is no
-thread's fault, and failing closed stalled every Run. The epoch and owner live beside
-the frontier JSON (hash fields a claim moves alone); the JSON names those of the append
-that wrote it, so a pair beside it that is older, or the same epoch with another owner,
-fails closed (``redis_rows.decode_frontier``: the epoch is the fencing token).
+**How an append works.** Python loads the frontier, applies the pure admission rule of
+``runtime.commit`` (``admit``: the append's own claim, fencing, version, the hash chain,
+the fold) and sends the new frontier to a Lua script that re-checks, atomically, what
+may have changed since the load — operation id unknown, owner epoch, version (the run's
+end comes with a version, and ``admit`` checked it on the frontier the checksum vouches
+for: the ``run_id``/``ended`` meta fields are written for readers of the layout, never
+trusted) — and then writes the commit, its hash, its receipt, the frontier with its
+checksum, the run index and the owner index. The script answers ``ok``, ``refused`` or
+``corrupt KEY``. On ``refused`` the append loads again and lets ``admit`` name the error
+(or the original receipt of a retried write): the order of the rules lives in one place
+only. Every refusal condition is monotonic — an operation id stays known, epochs and
+versions only grow, an ended run stays ended until the version moves — so the second
+look refuses too. The script reads and type-checks every key before its first write, so
+a refused or failed append writes nothing; but a shared index of another type (edited by
+hand) is left unwritten, logged and named by ``ratchet verify``
+(``redis_scripts.Skipped``): it is no thread's fault, and failing closed stalled every
+Run. The epoch and owner live beside the frontier JSON (hash fields a claim moves
+alone); the JSON names those of the append that wrote it, so a pair beside it that is
+older, or the same epoch with another owner, fails closed
+(``redis_rows.decode_frontier``: the epoch is the fencing token).
 **A claim** is one script too, a compare-and-set on the epoch alone: it checks
 the epoch it supersedes, never the version the claimer loaded (as in SQL and memory,
 appends of the superseded owner that land in between do not refuse it; the script
@@ -70,10 +70,9 @@ A store of an earlier layout (no ``sums``, no checksums; "2", which had no prune
 upgraded at connect (``storage.redis_upgrade``); a store of a newer layout is
 refused. An append writes the commit, its hash and receipt and the head: nothing
 that grows with the history. ``load_head`` reads the meta; ``load`` reads the log
-and the pruned history too, in the same MULTI, and takes the messages from them. A
-test corrupts a record with ``LSET P:thread:T:log (seq - pruned - 1) TEXT``, a frontier
-with ``HSET P:thread:T:meta frontier TEXT`` and a pruned message with ``LSET
-P:thread:T:history INDEX TEXT``.
+and the pruned history too, in the same MULTI, and takes the messages from them. Tests
+corrupt a record with ``LSET P:thread:T:log (seq - pruned - 1) TEXT``, a frontier with
+``HSET P:thread:T:meta frontier TEXT``, a pruned message with ``LSET …:history I TEXT``.
 
 **A prune** (``storage.retention``) is one script too: it trims the first records off
 ``log`` and ``sums`` (LTRIM), appends their messages to ``history``, deletes their
@@ -82,9 +81,8 @@ receipts from ``ops`` and moves the anchor (``pruned``, ``pruned_hash``,
 hash list still holds the hash it read at the new anchor; else it answers ``moved``
 and the prune reads again. The append script counts the lists from the anchor.
 
-**Errors.** Driver exceptions become Ratchet's in ``storage.redis_client.translated``;
-script "refused" -> whatever admit raises on a fresh load: Fenced, DuplicateOperation,
-RunEnded, VersionConflict; "corrupt KEY" -> CorruptRecord.
+**Errors.** Driver exceptions become Ratchet's in ``redis_client.translated``; "refused"
+what admit raises on a fresh load; "corrupt KEY" CorruptRecord.
 """
 
 from __future__ import annotations
