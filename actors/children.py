@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError, RayError
 
@@ -23,6 +24,7 @@ from runtime.lifecycle import EndedState
 from runtime.ports import CommitStore, Lost
 
 log = logging.getLogger("ratchet.children")
+T = TypeVar("T")
 HOST_BACK_S = 60.0
 """How long a child's call is asked again while the child's host is dead or restarting."""
 BACK_POLL_S = (0.05, 1.0)
@@ -53,26 +55,17 @@ class RayChildRunner:
         ended = await self._ended(request)
         if ended is not None:
             return ended
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + HOST_BACK_S
-        pause, longest = BACK_POLL_S
-        while True:
-            host = self.host_for(request.child_thread)
-            try:
-                raw = unwrap(await host.run_child.remote(request.model_dump(mode="json")))
-            except RayActorError as exc:
-                self._hosts.clear()  # a host re-created under its name is looked up again
-                if loop.time() < deadline:
-                    await asyncio.sleep(pause)  # Ray restarts it: a backoff, not a sync
-                    pause = min(pause * 2, longest)
-                    continue
-                return Lost(message=f"host of child {request.child_thread} lost: {exc}")
-            except RayError as exc:
-                # its answer was lost: the child goes on, or recovers on its own; the
-                # parent's durable_request policy reconnects to it
-                self._hosts.clear()
-                return Lost(message=f"host of child {request.child_thread} lost: {exc}")
+
+        async def ask(host: Any) -> ChildOutcome:
+            raw = unwrap(await host.run_child.remote(request.model_dump(mode="json")))
             return CHILD_OUTCOME.validate_python(raw)
+
+        try:
+            return await self._host_back(request.child_thread, ask)
+        except RayError as exc:
+            # dead past HOST_BACK_S, or its answer was lost: the child goes on, or
+            # recovers on its own; the parent's durable_request policy reconnects to it
+            return Lost(message=f"host of child {request.child_thread} lost: {exc}")
 
     async def _ended(self, request: ChildRequest) -> ChildOutcome | None:
         """The outcome of a child whose Run has ended, read from the store (verified);
@@ -96,22 +89,32 @@ class RayChildRunner:
         cancel given up at Ray's first refusal was lost, and the child, recovered without
         it, replayed its tool for a parent that had ended (a child looks at its parent
         only before a Step)."""
+
+        async def ask(host: Any) -> None:
+            unwrap(await host.cancel_run.remote(child_thread, run=child_run))
+
+        try:
+            await self._host_back(child_thread, ask)
+        except RayError as exc:
+            log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)
+
+    async def _host_back(self, child: ThreadId, ask: Callable[[Any], Awaitable[T]]) -> T:
+        """``ask(host)`` of ``child``'s host; a host dead or restarting is asked again once
+        it is back (Ray refuses a call to a restarting actor at once), for up to
+        ``HOST_BACK_S``, then its RayActorError raised. Any RayError forgets the hosts
+        looked up: one re-created under its name is looked up again."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HOST_BACK_S
         pause, longest = BACK_POLL_S
         while True:
             try:
-                host = self.host_for(child_thread)
-                unwrap(await host.cancel_run.remote(child_thread, run=child_run))
-                return
-            except RayActorError as exc:
-                self._hosts.clear()  # a host re-created under its name is looked up again
-                if loop.time() < deadline:
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, longest)
-                    continue
-                log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)
-                return
-            except RayError as exc:
-                log.warning("cancelling child %s: its host is gone (%s)", child_thread, exc)
-                return
+                return await ask(self.host_for(child))
+            except RayActorError:
+                self._hosts.clear()
+                if loop.time() >= deadline:
+                    raise
+            except RayError:
+                self._hosts.clear()
+                raise
+            await asyncio.sleep(pause)  # Ray restarts it: a backoff, not a sync
+            pause = min(pause * 2, longest)

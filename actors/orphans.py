@@ -107,10 +107,14 @@ class Orphans:
             parent = await self.store.load_head(link.thread)
             if parent.run_id == link.run and not parent.ended:
                 return False  # its parent still waits for it (or runs, and will)
-            log.warning("child %s outlived its parent's run %s: ending it", thread, link.run)
-            if not (running and self.cancel is not None):
-                await self.end(thread, run)  # from the store (its own children's cancels bounded)
-                return True
+        log.warning("child %s outlived its parent's run %s: ending it", thread, link.run)
+        if not (running and self.cancel is not None):
+            # from the store, holding no slot of the pass: its own children's cancels go
+            # to hosts unknown here (each within CANCEL_CHILD_S), and orphans whose
+            # children sit on one dead host held every slot, every other host's wakes
+            # and hand-overs behind them
+            await self.end(thread, run)
+            return True
         cancel = self.cancel
         host = self.host_for(thread) if self.host_for is not None else cancel
         await calls.call(host, lambda: cancel(thread, run), ORPHAN_CANCEL_S)

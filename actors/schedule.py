@@ -108,6 +108,7 @@ class Alarms:
                 if due is not None and due[0] <= now_us:
                     await _wake(wakes, host_of(frontier), frontier, due[1])
                     woken[due[1].kind] += 1
+                self._missed.pop(thread, None)  # a later miss backs off from the first try
                 return
             except (RatchetError, HostOut) as exc:  # resumed meanwhile, corrupt, store out
                 log.info("waking %s: %s", thread, exc)

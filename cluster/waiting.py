@@ -47,9 +47,16 @@ def checked_timeout(timeout_s: object) -> float | None:
         return None
     if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
         raise TypeError(f"timeout_s is seconds (a number) or None, not {type(timeout_s).__name__}")
-    if not math.isfinite(timeout_s) or timeout_s < 0:
+    if not _finite(timeout_s) or timeout_s < 0:
         raise ValueError(f"timeout_s is a finite number of seconds not below 0, not {timeout_s}")
     return float(timeout_s)
+
+
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int past a float's range (10**400)
+        return False
 
 
 async def polled(check: Callable[[], Awaitable[T | None]]) -> T:

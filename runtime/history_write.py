@@ -40,7 +40,8 @@ from runtime.errors import (
 from runtime.facts import facts_of
 from runtime.history_format import HistoryRefused
 from runtime.ids import ThreadId
-from runtime.lifecycle import AwaitingState, RunDisposition
+from runtime.injection import carried_by_answer
+from runtime.lifecycle import AwaitingState, RunDisposition, UserInputTarget
 from runtime.limits import STORED_IDS, Limits, check_id, history_size, state_size
 from runtime.ports import CommitStore
 from runtime.reserved import reserved_problem
@@ -151,7 +152,26 @@ def folded(
             checked, state = seq, frontier.state
     if checked:
         _within_state(checked, state, limits, refuse)
+    _within_answer(frontier, len(planned), held, limits, refuse)
     return frontier
+
+
+def _within_answer(waiting: Frontier, seq: int, held: int, limits: Limits, refuse: Refuse) -> None:
+    """The runtime's rule for a wait for input (``committing``'s ``_within_answer``):
+    room in ``history_bytes`` for what its answer writes ahead of its text
+    (``carried_by_answer``). Copied past it, every answer was refused and the Run waited
+    for ever."""
+    state = waiting.run_state
+    if not (isinstance(state, AwaitingState) and isinstance(state.ticket.target, UserInputTarget)):
+        return
+    size = held + history_size(carried_by_answer(waiting))
+    if size > limits.history_bytes:
+        raise refuse(
+            seq,
+            "history_bytes",
+            f"the answer to its wait for input would hold {size} bytes before its own text, "
+            f"past this system's limit of {limits.history_bytes}",
+        )
 
 
 def _within_history(

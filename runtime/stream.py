@@ -261,7 +261,9 @@ async def _check_pruned(
     commit since), and, for a follower that stops at rest, _KeptAllSeen if the thread
     rests. The head is read first: any record up to it is then read back, or was pruned."""
     head = await patiently(lambda: store.load_head(thread), STORE_PATIENCE_S, log)
-    kept = [item async for item in _stored_facts(store, thread, cursor, head.version)]
+    kept: list[Fact | _Gap] = []
+    if head.version > cursor[0]:  # else nothing was committed past the cursor: no read
+        kept = [item async for item in _stored_facts(store, thread, cursor, head.version)]
     if any(isinstance(item, Fact) for item in kept):
         return None  # committed since: the next read serves them (and a gap before them)
     gap = next((item for item in kept if isinstance(item, _Gap)), None)

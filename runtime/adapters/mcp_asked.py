@@ -31,6 +31,9 @@ class ServerRequests:
         self._bound = bound
         self._open: Counter[object] = Counter()
         """Each id the session is answering, and how many times (a server may reuse one)."""
+        self._count = 0
+        """The requests being answered: ``_open``'s total, kept (summing it at every
+        request made a flood's checks cost more with every request answered)."""
         self._dropped = 0
 
     def admit(self, item: SessionMessage | Exception) -> bool:
@@ -41,8 +44,9 @@ class ServerRequests:
         message = getattr(item, "message", None)
         if not isinstance(message, JSONRPCRequest):
             return True
-        if self._open.total() < self._bound:
+        if self._count < self._bound:
             self._open[message.id] += 1
+            self._count += 1
             return True
         if self._dropped == 0:
             log.warning(
@@ -58,5 +62,8 @@ class ServerRequests:
         from mcp.types import JSONRPCError, JSONRPCResponse
 
         message = item.message
-        if isinstance(message, JSONRPCResponse | JSONRPCError) and self._open[message.id] > 0:
+        if isinstance(message, JSONRPCResponse | JSONRPCError) and message.id in self._open:
+            self._count -= 1
             self._open[message.id] -= 1
+            if not self._open[message.id]:  # ids answered are forgotten: a flood's ids
+                del self._open[message.id]  # (each answered) held memory and each look

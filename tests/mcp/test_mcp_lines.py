@@ -96,3 +96,24 @@ async def test_a_flood_of_the_server_s_requests_holds_a_bounded_number_of_tasks(
         await server.aclose()
     assert isinstance(flooded, Finished) and flooded.output.content == "flooded", flooded
     assert most < MAX_SERVER_REQUESTS + 50, most
+
+
+def test_the_server_s_requests_answered_are_forgotten():
+    """Each id answered stayed in the count with 0, and the bound summed them all at every
+    request: a flood the session kept answering cost ever more per request, and memory
+    per id for the session's life."""
+    from mcp.shared.message import SessionMessage
+    from mcp.types import JSONRPCRequest, JSONRPCResponse
+
+    from runtime.adapters.mcp_asked import ServerRequests
+
+    asked = ServerRequests("test", bound=4)
+    for i in range(10_000):
+        request = SessionMessage(JSONRPCRequest(jsonrpc="2.0", id=i, method="ping"))
+        assert asked.admit(request)
+        asked.answered(SessionMessage(JSONRPCResponse(jsonrpc="2.0", id=i, result={})))
+    assert not asked._open and asked._count == 0
+    held = [SessionMessage(JSONRPCRequest(jsonrpc="2.0", id=7, method="ping")) for _ in range(5)]
+    assert [asked.admit(m) for m in held] == [True] * 4 + [False]  # one id reused, bounded
+    asked.answered(SessionMessage(JSONRPCResponse(jsonrpc="2.0", id=7, result={})))
+    assert asked._open[7] == 3 and asked._count == 3

@@ -181,3 +181,38 @@ async def test_a_running_orphan_whose_host_hangs_does_not_hold_the_sweep(monkeyp
     listed = await store.list_runs("awaiting")  # taken as running on a live host
     assert await asyncio.wait_for(orphans.sweep([], listed), 10) == 0
     assert asked == [orphan.thread_id]
+
+
+async def test_orphans_ended_from_the_store_hold_no_slot_of_the_pass():
+    """Ending an orphan at rest cancels its own children on hosts not known here (each
+    within CANCEL_CHILD_S): it held a slot of the pass meanwhile, and eight such orphans
+    whose children sat on one dead host held every slot, every other host's wakes and
+    hand-overs waiting behind them."""
+    import asyncio
+
+    from actors.deliveries import WAKE_AT_ONCE, Pass
+    from tests.support.waiting import until
+
+    store = MemoryCommitStore()
+    for i in range(WAKE_AT_ONCE):
+        gone, _ = await _parent_awaiting_its_child(store, f"gone{i}")
+        await control_engine(store).terminate(gone.thread_id)
+    ending, stuck = [], asyncio.Event()
+
+    async def end(thread, run):  # as a cancel of its children on a dead host: it waits
+        ending.append(thread)
+        await stuck.wait()
+
+    calls = Pass()
+    listed = await store.list_runs("awaiting")
+    sweep = asyncio.create_task(Orphans(store, end).sweep(listed, (), calls))
+    try:
+        await until(lambda: len(ending) == WAKE_AT_ONCE, 10)
+
+        async def hand_over():
+            return "handed"
+
+        assert await asyncio.wait_for(calls.call("another host", hand_over), 5) == "handed"
+    finally:
+        stuck.set()
+        assert await asyncio.wait_for(sweep, 10) == WAKE_AT_ONCE

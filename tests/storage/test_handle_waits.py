@@ -322,10 +322,11 @@ def test_ratchet_resume_says_when_its_resume_ended_the_run(tmp_path, monkeypatch
         (float("nan"), ValueError),
         (float("inf"), ValueError),
         (-1, ValueError),
+        (10**400, ValueError),
         ("5", TypeError),
         (True, TypeError),
     ],
-    ids=["nan", "inf", "negative", "text", "bool"],
+    ids=["nan", "inf", "negative", "huge", "text", "bool"],
 )
 async def test_a_timeout_that_is_no_number_of_seconds_is_refused_before_anything(
     timeout_s: Any, error: type[Exception]

@@ -172,3 +172,29 @@ async def test_a_run_not_over_is_imported_into_a_store_once(store: Any) -> None:
     await runner.resume(answer(first.run_state.ticket, PermissionDecision(approve=False)))
     second = await import_thread(store, lines, ThreadId("second"))
     assert isinstance(second.run_state, AwaitingState)
+
+
+async def test_a_wait_for_input_is_imported_only_with_room_for_what_its_answer_carries(
+    store: Any,
+) -> None:
+    """The answer to a wait for input writes the last Step's results and the messages
+    injected before the wait ahead of its own text: a copy with no room for them in
+    ``history_bytes`` refused every answer, and its Run waited for ever."""
+    from runtime import UserInput
+    from runtime.injection import carried_by_answer
+    from tests.runtime.test_history_limits import asking
+
+    waiting = await InProcessRunner(asking("y" * 500), store).start("go", thread_id=T)
+    assert isinstance(waiting.run_state, AwaitingState)
+    held = history_size(waiting.messages)
+    room = held + history_size(carried_by_answer(waiting))
+    lines = list(await export(store, T))
+    target = MemoryCommitStore()
+    with pytest.raises(ImportRefused) as refused:
+        await import_thread(target, lines, ThreadId("copy"), Limits(history_bytes=room - 1))
+    assert refused.value.reason == "history_bytes" and "wait for input" in str(refused.value)
+    assert await target.thread_ids() == []  # nothing written
+    copy = await import_thread(target, lines, ThreadId("copy"), Limits(history_bytes=room + 100))
+    runner = InProcessRunner(asking(), target, limits=Limits(history_bytes=room + 100))
+    done = await runner.resume(answer(copy.run_state.ticket, UserInput(text="ok")))
+    assert isinstance(done.run_state, EndedState) and done.run_state.cause.kind == "natural"
