@@ -184,13 +184,7 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
         barrier = Path(config["barrier"])
         await _barrier(barrier, "connect", config["role"], config["deadline_s"])
         try:
-            client = await Ratchet.connect(
-                address=address,
-                store_url=config["store_url"],
-                name=config["name"],
-                hosts=config["hosts"],
-                quiet=True,
-            )
+            client = await _connected(config)
         except Exception as exc:  # the race's loser: its error's type is the finding
             return {"connect": {"outcome": type(exc).__name__, "detail": str(exc)[:300]}}
         try:
@@ -205,13 +199,7 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
             }
         finally:
             await client.close()
-    client = await Ratchet.connect(
-        address=address,
-        store_url=config["store_url"],
-        name=config["name"],
-        hosts=config["hosts"],
-        quiet=True,
-    )
+    client = await _connected(config)
     barrier, role, deadline_s = Path(config["barrier"]), config["role"], config["deadline_s"]
     results: dict[str, Any] = {}
     try:
@@ -225,6 +213,16 @@ async def main(config: dict[str, Any]) -> dict[str, Any]:
     finally:
         await client.close()
     return results
+
+
+async def _connected(config: dict[str, Any]) -> Ratchet:
+    return await Ratchet.connect(
+        address=config["address"],
+        store_url=config["store_url"],
+        name=config["name"],
+        hosts=config["hosts"],
+        quiet=True,
+    )
 
 
 if __name__ == "__main__":
