@@ -45,7 +45,7 @@ async def test_an_awaiting_child_whose_parent_ended_is_ended_and_no_other():
     assert ORPHAN_CHECK_S > 1 and await orphans.sweep(await store.list_runs("awaiting")) == 0
 
 
-async def test_a_running_child_whose_parent_ended_is_cancelled_through_its_host():
+async def test_a_running_child_whose_parent_ended_is_cancelled_through_its_host(monkeypatch):
     """A parent's host killed between its end and its children's cancels left them
     running; each looks at its parent only before a Step, and a Step in a tool with no
     deadline (or waiting on a child of its own that is in one) lasts for ever. The sweep
@@ -57,7 +57,7 @@ async def test_a_running_child_whose_parent_ended_is_cancelled_through_its_host(
     from runtime.ids import ThreadId
     from tests.support.waiting import until
 
-    agents.BLOCK = asyncio.Event()  # one of this test's loop (an Event binds to its first)
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
     store = MemoryCommitStore()
     agent = agents.fanout_agent("slow_worker", 1)
     runner = InProcessRunner(agent, store, agent_ref=f"{agents.HERE}:{agent.name}")
@@ -89,7 +89,7 @@ async def test_a_running_child_whose_parent_ended_is_cancelled_through_its_host(
             await drive
 
 
-async def test_the_supervisor_s_sweep_cancels_a_running_orphan_on_a_live_host():
+async def test_the_supervisor_s_sweep_cancels_a_running_orphan_on_a_live_host(monkeypatch):
     """The Supervisor hands its sweep the running children of live hosts (a dead host's
     are taken over, and a recovered child looks at its parent first)."""
     import asyncio
@@ -107,7 +107,7 @@ async def test_the_supervisor_s_sweep_cancels_a_running_orphan_on_a_live_host():
     from runtime.tool_calls import LocalToolRunner
     from tests.support.waiting import until
 
-    agents.BLOCK = asyncio.Event()  # one of this test's loop (an Event binds to its first)
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
     spec = SystemSpec(name="sys", store_url="memory://")
     store = MemoryCommitStore()
     owner = f"{spec.host_name(0)}#1"

@@ -212,8 +212,8 @@ async def _cancelled_with_three_children_waiting(store, r):
     return f
 
 
-async def test_cancelling_the_parent_cancels_its_children():
-    agents.BLOCK.clear()
+async def test_cancelling_the_parent_cancels_its_children(monkeypatch):
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
     store = MemoryCommitStore()
     r = runner(agents.fanout_agent("slow_worker", 3), store)
     f = await _cancelled_with_three_children_waiting(store, r)
@@ -493,14 +493,14 @@ async def test_a_child_answer_over_the_resume_payload_limit_is_handed_over_as_an
     assert "resume_payload_bytes" in command.payload.output.content
 
 
-async def test_a_child_whose_parent_ended_without_cancelling_it_ends_at_its_next_step():
+async def test_a_child_whose_parent_ended_without_cancelling_it_ends_at_its_next_step(monkeypatch):
     """The parent's end cancels its open children; a host killed between the two leaves
     them running (here: the parent ended at rest by a writer that cancels nothing). A
     child looks at its parent before each Step, and ends cancelled."""
     from runtime.control import control_engine
     from runtime.lifecycle import Cancelled
 
-    agents.BLOCK = asyncio.Event()  # one of this test's loop (an Event binds to its first)
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
     store = MemoryCommitStore()
     r = runner(agents.fanout_agent("slow_worker", 1), store)
     task = asyncio.create_task(r.engine().start("p", "go"))
@@ -644,10 +644,10 @@ async def test_a_child_s_resume_that_landed_is_not_refused_for_its_parent_s_sake
     assert (await inner.load(ThreadId("p"))).run_state.cause.kind == "cancelled"
 
 
-async def test_recovering_a_child_s_thread_drives_it_with_the_child_s_agent():
+async def test_recovering_a_child_s_thread_drives_it_with_the_child_s_agent(monkeypatch):
     """A library user recovering every running thread after a crash, children among
     them: each is driven by its own agent (its parent link names it), not the runner's."""
-    agents.BLOCK = asyncio.Event()
+    monkeypatch.setattr(agents, "BLOCK", asyncio.Event())  # one of this test's loop
     store = MemoryCommitStore()
     r = runner(agents.fanout_agent("slow_worker", 1, name="fan1"), store)
     started = asyncio.ensure_future(r.start("go", thread_id="p", run_id="pr"))
