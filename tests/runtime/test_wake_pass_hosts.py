@@ -21,17 +21,15 @@ from actors.orphans import Orphans
 from actors.schedule import Alarms
 from actors.supervisor import Supervisor
 from actors.wire import SystemSpec
-from runtime import Agent, InProcessRunner
+from runtime import InProcessRunner
 from runtime.control import control_engine
-from runtime.engine import Engine
-from runtime.errors import ModelRateLimited
 from runtime.ids import RunId, ThreadId
 from runtime.lifecycle import AwaitingState, Cancelled
 from runtime.limits import Limits
 from runtime.timeutil import now_us
-from runtime.tool_calls import LocalToolRunner
 from storage.memory import MemoryCommitStore
 from tests.runtime import delegation_agents as agents
+from tests.runtime.test_schedule_wakes import _paused
 from tests.support.waiting import until
 
 
@@ -54,14 +52,6 @@ class Host:
         self.resume_run = self.cancel_run = _Call()
 
 
-class Limited:
-    """A model that is always rate limited: each Run pauses until a moment from now."""
-
-    async def stream(self, request: Any) -> Any:
-        raise ModelRateLimited("rate_limit", "slow down", status=429, retry_after_s=0.0)
-        yield  # an async generator that never yields
-
-
 async def _parents(store: MemoryCommitStore, threads: list[str]) -> list[tuple[str, str]]:
     """Parents at rest awaiting a child that has ended (its hand-over lost): (parent,
     child) for each."""
@@ -74,14 +64,6 @@ async def _parents(store: MemoryCommitStore, threads: list[str]) -> list[tuple[s
         (child,) = parent.state["run"]["children"].values()
         pairs.append((thread, child))
     return pairs
-
-
-async def _paused(store: MemoryCommitStore, threads: list[str]) -> None:
-    agent = Agent(name="limited", model=Limited(), rate_limit_wait_s=0.0)
-    engine = Engine(agent, store, LocalToolRunner([]), owner="sys:host-0#1")
-    for thread in threads:
-        f = await engine.start(ThreadId(thread), "go")
-        assert f.status.reason == "awaiting_pause", f.status
 
 
 async def _stop(task: asyncio.Task[Any]) -> None:
